@@ -1,0 +1,58 @@
+"""pipeload: a drop-in replacement for ``torch.utils.data`` with its own loading engine.
+
+Switch by changing one import::
+
+    import pipeload as data
+    loader = data.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
+"""
+
+from pipeload.collate import collate, default_collate, default_convert
+from pipeload.datasets import (
+    ChainDataset,
+    ConcatDataset,
+    Dataset,
+    IterableDataset,
+    StackDataset,
+    Subset,
+    TensorDataset,
+    random_split,
+)
+from pipeload.engine.worker_info import WorkerInfo, get_worker_info
+from pipeload.errors import WorkerError
+from pipeload.loader import DataLoader
+from pipeload.samplers import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+__all__ = [
+    "BatchSampler",
+    "ChainDataset",
+    "ConcatDataset",
+    "DataLoader",
+    "Dataset",
+    "DistributedSampler",
+    "IterableDataset",
+    "RandomSampler",
+    "Sampler",
+    "SequentialSampler",
+    "StackDataset",
+    "Subset",
+    "SubsetRandomSampler",
+    "TensorDataset",
+    "WeightedRandomSampler",
+    "WorkerError",
+    "WorkerInfo",
+    "collate",
+    "default_collate",
+    "default_convert",
+    "get_worker_info",
+    "random_split",
+]
+
+__version__ = "0.1.0"
