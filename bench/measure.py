@@ -1,0 +1,218 @@
+"""Timing one loader over one workload, and the memory peaks it reaches while doing so.
+
+A :class:`PeakSampler` runs a background thread that, every ``SAMPLE_INTERVAL_S``, adds up the
+resident memory of this process and all its descendants (the loader's workers) and reads how much
+of ``/dev/shm`` is in use. :func:`measure` builds a fresh loader, iterates it, and returns a
+:class:`Measurement`.
+
+What the numbers mean:
+  * RSS of the tree counts a page once per process that maps it, so memory shared between the
+    main process and its workers (fork's copy-on-write pages, shared-memory batches) is counted
+    more than once. It is an upper bound, and fair between loaders measured the same way.
+  * ``/dev/shm`` use is read from the file system (``shutil.disk_usage``), so segments that were
+    unlinked but are still mapped count too. It covers the whole machine: other programs writing
+    there during a run show up as noise.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+SAMPLE_INTERVAL_S = 0.05
+CHILD_EXIT_WAIT_S = 5.0
+SHM_PATH = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One loader's run over one workload."""
+
+    workload: str
+    loader: str
+    samples: int
+    total_s: float
+    first_batch_s: float
+    peak_rss_bytes: int
+    peak_shm_bytes: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.total_s if self.total_s > 0 else float("inf")
+
+
+class _Peaks:
+    """The running maxima. Written only by the sampling thread while it runs; read after it stops."""
+
+    def __init__(self, shm_baseline_bytes: int) -> None:
+        self.shm_baseline_bytes = shm_baseline_bytes
+        self.rss_bytes = 0
+        self.shm_bytes = 0
+
+
+class PeakSampler:
+    """Records the peak RSS of the process tree and the peak ``/dev/shm`` growth while open.
+
+    Invariants: the sampling thread is the only writer of ``_peaks`` until ``close()`` has joined
+    it; ``peak_rss_bytes`` and ``peak_shm_bytes`` are read after ``close()``. The thread holds no
+    reference to this object, so the ``weakref.finalize`` backstop can stop it if ``close()`` is
+    never called.
+
+    Example:
+        >>> with PeakSampler() as sampler:
+        ...     data = bytearray(10**7)
+        >>> sampler.peak_rss_bytes > 0
+        True
+    """
+
+    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, root_pid: int | None = None) -> None:
+        self._peaks = _Peaks(shm_used_bytes())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_sample_until_stopped,
+            args=(psutil.Process(root_pid or os.getpid()), self._peaks, self._stop, interval_s),
+            name="bench-peak-sampler",
+            daemon=True,
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, self._stop.set)
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return self._peaks.rss_bytes
+
+    @property
+    def peak_shm_bytes(self) -> int:
+        return self._peaks.shm_bytes
+
+    def close(self) -> None:
+        """Take a last sample and stop the thread. Safe to call more than once."""
+        self._stop.set()
+        self._thread.join()
+        self._finalizer.detach()
+
+    def __enter__(self) -> PeakSampler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _sample_until_stopped(
+    root: psutil.Process, peaks: _Peaks, stop: threading.Event, interval_s: float
+) -> None:
+    while True:
+        stopping = stop.is_set()  # read first, so one sample always follows the stop request
+        peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
+        peaks.shm_bytes = max(peaks.shm_bytes, shm_used_bytes() - peaks.shm_baseline_bytes)
+        if stopping:
+            return
+        stop.wait(interval_s)
+
+
+def tree_rss_bytes(root: psutil.Process) -> int:
+    """Resident memory of ``root`` plus every live descendant, in bytes."""
+    try:
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass  # a worker that exited between listing and reading
+    return total
+
+
+def shm_used_bytes() -> int:
+    """Bytes in use on ``/dev/shm``; 0 where there is no such file system."""
+    try:
+        return shutil.disk_usage(SHM_PATH).used
+    except OSError:
+        return 0
+
+
+def measure(
+    make_loader: Callable[[], Iterable[Any]],
+    count_samples: Callable[[Any], int],
+    *,
+    workload: str,
+    loader: str,
+    epochs: int = 1,
+) -> Measurement:
+    """Build a fresh loader, iterate it ``epochs`` times, and time it.
+
+    The clock starts before the loader is built, so ``first_batch_s`` includes construction and
+    worker start-up; ``total_s`` ends when the last epoch's iterator is exhausted (torch shuts its
+    workers down at that point). The loader is dropped and its worker processes awaited before
+    returning, so one measurement does not spill into the next.
+
+    Args:
+        make_loader: returns a new loader each call.
+        count_samples: how many samples a batch holds.
+        workload, loader: names recorded in the result.
+        epochs: passes over the loader.
+
+    Returns:
+        The measurement.
+
+    Raises:
+        RuntimeError: if the loader yielded no batch at all.
+    """
+    children_before = _child_pids()
+    with PeakSampler() as sampler:
+        samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs)
+        gc.collect()  # drop the loader and any iterator cycles while still sampling
+        _wait_for_children(children_before)
+    if first_batch_s is None:
+        raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
+    return Measurement(workload, loader, samples, total_s, first_batch_s,
+                       sampler.peak_rss_bytes, sampler.peak_shm_bytes)
+
+
+def _iterate(
+    make_loader: Callable[[], Iterable[Any]], count_samples: Callable[[Any], int], epochs: int
+) -> tuple[int, float | None, float]:
+    samples = 0
+    first_batch_s = None
+    started = time.perf_counter()
+    loader = make_loader()
+    for _ in range(epochs):
+        for batch in loader:
+            if first_batch_s is None:
+                first_batch_s = time.perf_counter() - started
+            samples += count_samples(batch)
+    return samples, first_batch_s, time.perf_counter() - started
+
+
+def _child_pids() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _wait_for_children(expected: set[int]) -> None:
+    # Helpers such as multiprocessing's resource tracker may start during a run and stay; only
+    # wait (with a deadline) for the rest, which are the loader's workers.
+    deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        extra = [c for c in psutil.Process().children(recursive=True) if c.pid not in expected]
+        if all(_is_helper(child) for child in extra):
+            return
+        time.sleep(SAMPLE_INTERVAL_S)
+
+
+def _is_helper(process: psutil.Process) -> bool:
+    try:
+        command = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return True  # gone already
+    return "resource_tracker" in command or "forkserver" in command

@@ -1,0 +1,247 @@
+"""Load the same workloads with pipeload and torch.utils.data in one run, and compare.
+
+    python -m bench.run [--workload NAME ...] [--num-workers 2] [--repeats N] [--quick]
+
+For every workload, each loader first takes a few untimed warm-up batches. Then, for every
+repeat, both loaders run one after the other with a fresh loader each, and the order alternates
+(pipeload first, then torch first, ...) so warm-up and drifting machine load fall on both alike.
+The table gives, per workload and loader, the median samples/s and time to first batch over the
+repeats, the peak RSS of the whole process tree and the peak growth of ``/dev/shm``, then the
+ratio pipeload/torch for each column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.data
+
+import pipeload
+from bench.measure import Measurement, measure
+from bench.workloads import WORKLOADS, WorkloadContext, batch_length, get_workload
+
+LOADER_NAMES = ("pipeload", "torch")
+START_METHODS = ("fork", "spawn", "forkserver")
+WARMUP_BATCHES = 3
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How every loader in the run is configured (the same for pipeload and torch)."""
+
+    num_workers: int = 2
+    repeats: int = 2
+    epochs: int = 1
+    quick: bool = False
+    worker_type: str = "process"  # pipeload only
+    start_method: str | None = None  # None: the platform's default
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One workload and loader, reduced over the repeats."""
+
+    workload: str
+    loader: str
+    samples_per_s: float
+    first_batch_s: float
+    peak_rss_bytes: int
+    peak_shm_bytes: int
+
+
+def make_loader(
+    loader_name: str, dataset: Any, batch_size: int, options: RunOptions
+) -> Iterable[Any]:
+    """A fresh DataLoader of the named kind; both kinds get identical arguments."""
+    arguments: dict[str, Any] = {"batch_size": batch_size, "num_workers": options.num_workers}
+    if options.start_method is not None and options.num_workers > 0:
+        arguments["multiprocessing_context"] = options.start_method
+    if loader_name == "pipeload":
+        return pipeload.DataLoader(dataset, worker_type=options.worker_type, **arguments)
+    if loader_name == "torch":
+        return torch.utils.data.DataLoader(dataset, **arguments)
+    raise ValueError(f"loader_name must be one of {LOADER_NAMES}, got {loader_name!r}")
+
+
+def run_workload(
+    name: str, options: RunOptions, scratch_dir: Path, first_loader: int = 0
+) -> list[Measurement]:
+    """Measure both loaders on one workload ``options.repeats`` times, alternating their order."""
+    workload = get_workload(name)
+    datasets = {
+        loader_name: workload.make(
+            WorkloadContext(workload.items(options.quick), loader_name, scratch_dir)
+        )
+        for loader_name in LOADER_NAMES
+    }
+    for loader_name in LOADER_NAMES:
+        warm_up(make_loader(loader_name, datasets[loader_name], workload.batch_size, options))
+    measurements = []
+    for repeat in range(options.repeats):
+        flip = (repeat + first_loader) % 2 == 1
+        for loader_name in reversed(LOADER_NAMES) if flip else LOADER_NAMES:
+            result = measure(
+                _loader_factory(loader_name, datasets[loader_name], workload.batch_size, options),
+                batch_length, workload=name, loader=loader_name, epochs=options.epochs,
+            )
+            _log(f"{name:<13} {loader_name:<9} repeat {repeat + 1}/{options.repeats}: "
+                 f"{result.samples_per_s:>12,.0f} samples/s, first batch "
+                 f"{result.first_batch_s * 1e3:,.0f} ms")
+            measurements.append(result)
+    return measurements
+
+
+def _loader_factory(
+    loader_name: str, dataset: Any, batch_size: int, options: RunOptions
+) -> Callable[[], Iterable[Any]]:
+    return lambda: make_loader(loader_name, dataset, batch_size, options)
+
+
+def warm_up(loader: Iterable[Any]) -> None:
+    """Take a few batches, untimed: imports, worker start-up paths, allocators, file caches."""
+    for taken, _batch in enumerate(loader, start=1):
+        if taken >= WARMUP_BATCHES:
+            break
+
+
+def summarise(measurements: Sequence[Measurement]) -> list[Summary]:
+    """Medians of speed and first-batch time, maxima of the memory peaks, per workload and loader."""
+    keys = dict.fromkeys((m.workload, m.loader) for m in measurements)
+    summaries = []
+    for workload, loader in keys:
+        runs = [m for m in measurements if (m.workload, m.loader) == (workload, loader)]
+        summaries.append(Summary(
+            workload, loader,
+            statistics.median(m.samples_per_s for m in runs),
+            statistics.median(m.first_batch_s for m in runs),
+            max(m.peak_rss_bytes for m in runs),
+            max(m.peak_shm_bytes for m in runs),
+        ))
+    return summaries
+
+
+HEADERS = ("workload", "loader", "samples/s", "first batch ms", "peak RSS MiB", "peak shm MiB")
+
+
+def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
+    """Rows of text: each loader's figures, and after each workload a pipeload/torch ratio row."""
+    rows = []
+    by_key = {(s.workload, s.loader): s for s in summaries}
+    for workload in dict.fromkeys(s.workload for s in summaries):
+        for loader in LOADER_NAMES:
+            if (row := by_key.get((workload, loader))) is not None:
+                rows.append((workload, loader, f"{row.samples_per_s:,.0f}",
+                             f"{row.first_batch_s * 1e3:,.0f}", f"{row.peak_rss_bytes / MIB:,.0f}",
+                             f"{row.peak_shm_bytes / MIB:,.1f}"))
+        ours, theirs = by_key.get((workload, "pipeload")), by_key.get((workload, "torch"))
+        if ours is not None and theirs is not None:
+            rows.append((workload, "pipeload/torch",
+                         _ratio(ours.samples_per_s, theirs.samples_per_s),
+                         _ratio(ours.first_batch_s, theirs.first_batch_s),
+                         _ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes),
+                         _ratio(ours.peak_shm_bytes, theirs.peak_shm_bytes)))
+    return rows
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    # Tiny denominators (no shm used at all, say) make ratios meaningless rather than infinite.
+    return f"{ours / theirs:.2f}x" if theirs > 0 and ours >= 0 else "n/a"
+
+
+def format_table(rows: Sequence[tuple[str, ...]], markdown: bool = False) -> str:
+    """Aligned plain text, or a Markdown table to paste into RESULTS.md."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(HEADERS, *rows)]
+    if markdown:
+        lines = ["| " + " | ".join(HEADERS) + " |",
+                 "|" + "|".join(["---", "---"] + ["---:"] * (len(HEADERS) - 2)) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    def line(cells: Sequence[str]) -> str:
+        left = [f"{c:<{w}}" for c, w in zip(cells[:2], widths[:2])]
+        right = [f"{c:>{w}}" for c, w in zip(cells[2:], widths[2:])]
+        return "  ".join(left + right)
+    return "\n".join([line(HEADERS), *(line(row) for row in rows)])
+
+
+def describe_machine(options: RunOptions) -> str:
+    """One line naming the machine and the settings, printed above the table."""
+    start_method = options.start_method or torch.multiprocessing.get_start_method()
+    return (f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, pipeload "
+            f"{getattr(pipeload, '__version__', '?')}; num_workers={options.num_workers}, "
+            f"start method {start_method}, pipeload workers: {options.worker_type}, "
+            f"repeats {options.repeats}, epochs {options.epochs}{', quick' if options.quick else ''}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; see the module docstring."""
+    args = _parser().parse_args(argv)
+    options = RunOptions(
+        num_workers=args.num_workers, repeats=args.repeats or (1 if args.quick else 2),
+        epochs=args.epochs, quick=args.quick, worker_type=args.worker_type,
+        start_method=args.start_method,
+    )
+    names = args.workload or list(WORKLOADS)
+    _log(describe_machine(options))
+    measurements = []
+    with tempfile.TemporaryDirectory(prefix="pipeload-bench-") as scratch:
+        for index, name in enumerate(names):
+            measurements += run_workload(name, options, Path(scratch), first_loader=index)
+    print(describe_machine(options))
+    print(format_table(table_rows(summarise(measurements)), markdown=args.markdown))
+    if args.json is not None:
+        _write_json(args.json, options, measurements)
+    return 0
+
+
+def _write_json(path: Path, options: RunOptions, measurements: Sequence[Measurement]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"machine": describe_machine(options), "options": asdict(options),
+              "measurements": [asdict(m) | {"samples_per_s": m.samples_per_s}
+                               for m in measurements]}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+                        help="a workload to run; repeat for several (default: all)")
+    parser.add_argument("--num-workers", type=int, default=2, help="default: %(default)s")
+    parser.add_argument("--repeats", type=_positive_int, default=None,
+                        help="runs per loader and workload (default: 2, or 1 with --quick)")
+    parser.add_argument("--epochs", type=_positive_int, default=1, help="default: %(default)s")
+    parser.add_argument("--quick", action="store_true", help="about a tenth of the items")
+    parser.add_argument("--worker-type", choices=("process", "thread"), default="process",
+                        help="pipeload's workers (default: %(default)s)")
+    parser.add_argument("--start-method", choices=START_METHODS, default=None,
+                        help="multiprocessing context for both loaders (default: platform's)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every measurement here (bench/out/ is git-ignored)")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""Turning a list of samples into one batch, and numpy values into tensors.
+
+``collate`` walks the structure of the first sample and recurses into mappings, namedtuples and
+sequences; at each leaf it asks a type -> function map what to do (stack tensors, wrap numbers,
+keep strings). The behaviour follows ``torch.utils.data.default_collate`` so the same samples give
+the same batches, with three deliberate differences:
+
+* a ragged batch (tensors of different shapes) fails with a ``RuntimeError`` that names the field
+  and the two shapes, instead of only torch.stack's message (which is chained as the cause);
+* each element is collated once: a failure inside a container is not retried through the
+  container's fallback path, so custom collate functions are never called twice for one field;
+* ``default_convert`` leaves numpy ``bytes_`` scalars alone, as it does ``str_`` (torch raises).
+
+Inside a worker process stacked tensors are written straight into shared memory, so the engine
+can hand them to the main process without another copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CollateFnMap",
+    "collate",
+    "collate_float_fn",
+    "collate_int_fn",
+    "collate_numpy_array_fn",
+    "collate_numpy_scalar_fn",
+    "collate_str_fn",
+    "collate_tensor_fn",
+    "default_collate",
+    "default_collate_fn_map",
+    "default_convert",
+    "rebuild_mapping",
+    "rebuild_sequence",
+]
+
+
+# A handler is called as ``handler(batch, collate_fn_map=collate_fn_map)``.
+CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
+
+# The wording (and the "found {}" slot) matches torch so that code matching on it keeps working.
+_UNSUPPORTED_TYPE_MESSAGE = (
+    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+)
+
+# numpy dtype strings that mark text or object arrays, which have no tensor equivalent.
+_TEXT_OR_OBJECT_DTYPE = re.compile(r"[SaUO]")
+
+# numpy scalar type names that default_convert leaves alone (text, not numbers).
+_NUMPY_TEXT_SCALARS = frozenset({"str_", "string_", "bytes_"})
+
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+)
+
+
+# --- where in the sample we are: only read when an error message needs it -------------------
+
+
+class _FieldPath(threading.local):
+    """The chain of keys from the batch root to the field being collated, per thread."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[bool, Any]] = []  # (is_attribute, key)
+
+
+_field_path = _FieldPath()
+
+
+def _describe_field() -> str:
+    steps = _field_path.steps
+    if not steps:
+        return "the top level of the batch"
+    parts = [f".{key}" if is_attribute else f"[{key!r}]" for is_attribute, key in steps]
+    return "field " + "".join(parts)
+
+
+def _collate_field(
+    samples: Sequence[Any],
+    key: Any,
+    collate_fn_map: CollateFnMap | None,
+    *,
+    is_attribute: bool = False,
+) -> Any:
+    """Collate one field of every sample, remembering the field's key for error messages."""
+    steps = _field_path.steps
+    steps.append((is_attribute, key))
+    try:
+        return collate(samples, collate_fn_map=collate_fn_map)
+    finally:
+        steps.pop()
+
+
+# --- rebuilding containers with their original type ---------------------------------------
+
+
+def rebuild_mapping(template: Mapping[Any, Any], values: dict[Any, Any]) -> Mapping[Any, Any]:
+    """Return ``values`` in a mapping of ``template``'s type when that type allows it.
+
+    Mutable mappings are shallow-copied and updated, which keeps extra state such as a
+    ``defaultdict``'s factory; immutable ones are built from a dict; a plain ``dict`` is the
+    fallback when either way raises ``TypeError``.
+    """
+    try:
+        if isinstance(template, MutableMapping):
+            clone = copy.copy(template)
+            clone.update(values)
+            return clone
+        return type(template)(values)  # type: ignore[call-arg]
+    except TypeError:
+        return values
+
+
+def rebuild_sequence(template: Sequence[Any], values: list[Any]) -> Sequence[Any]:
+    """Return ``values`` in a sequence of ``template``'s type when that type allows it.
+
+    Mutable sequences are shallow-copied and assigned item by item; others are built from a
+    list; a plain ``list`` is the fallback when either way raises ``TypeError`` (e.g. ``range``).
+    """
+    try:
+        if isinstance(template, MutableSequence):
+            clone = copy.copy(template)
+            for index, value in enumerate(values):
+                clone[index] = value
+            return clone
+        return type(template)(values)  # type: ignore[call-arg]
+    except TypeError:
+        return values
+
+
+def _is_namedtuple(value: object) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+# --- default_convert ----------------------------------------------------------------------
+
+
+def default_convert(data: Any) -> Any:
+    """Turn numpy arrays and numpy scalars inside ``data`` into tensors; leave the rest.
+
+    Used when automatic batching is off. Mappings, namedtuples and sequences are walked and keep
+    their type where it can be rebuilt; plain tuples become lists (as in torch). Text and object
+    numpy arrays, and numpy text scalars, are returned unchanged.
+
+    Args:
+        data: one sample of any structure.
+
+    Returns:
+        The same structure with numpy values replaced by tensors.
+
+    Example:
+        >>> default_convert({"x": np.array([1, 2]), "name": "a"})
+        {'x': tensor([1, 2]), 'name': 'a'}
+    """
+    if isinstance(data, torch.Tensor):
+        return data
+    data_type = type(data)
+    if data_type.__module__ == "numpy" and data_type.__name__ not in _NUMPY_TEXT_SCALARS:
+        if data_type.__name__ == "ndarray" and _TEXT_OR_OBJECT_DTYPE.search(data.dtype.str):
+            return data
+        return torch.as_tensor(data)
+    if isinstance(data, Mapping):
+        return rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
+    if _is_namedtuple(data):
+        return data_type(*(default_convert(item) for item in data))
+    if isinstance(data, tuple):
+        return [default_convert(item) for item in data]
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        return rebuild_sequence(data, [default_convert(item) for item in data])
+    return data
+
+
+# --- collate: the structural walk -----------------------------------------------------------
+
+
+def _find_handler(elem: Any, collate_fn_map: CollateFnMap) -> Callable[..., Any] | None:
+    """The handler for ``elem``: an exact type match first, then the first ``isinstance`` key."""
+    handler = collate_fn_map.get(type(elem))
+    if handler is not None:
+        return handler
+    for key, candidate in collate_fn_map.items():
+        if isinstance(elem, key):
+            return candidate
+    return None
+
+
+def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
+    """Combine a list of samples into one batch, dispatching leaves through ``collate_fn_map``.
+
+    The first sample decides the structure. Its type is looked up in ``collate_fn_map`` exactly,
+    then against each key in insertion order with ``isinstance`` (keys may be tuples of types);
+    a handler is called as ``handler(batch, collate_fn_map=collate_fn_map)``. Otherwise mappings
+    are collated key by key, namedtuples field by field and sequences position by position.
+
+    Args:
+        batch: the samples, all shaped like the first one.
+        collate_fn_map: type -> handler; ``None`` means structure only, no leaf handlers.
+
+    Returns:
+        The batch, with the structure of one sample.
+
+    Raises:
+        RuntimeError: sequences of different lengths, or tensors of different shapes (the
+            message names the field and the shapes).
+        TypeError: a leaf type that no handler accepts.
+
+    Example:
+        >>> collate([{"x": 1}, {"x": 2}], collate_fn_map=default_collate_fn_map)
+        {'x': tensor([1, 2])}
+    """
+    elem = batch[0]
+    if collate_fn_map is not None:
+        handler = _find_handler(elem, collate_fn_map)
+        if handler is not None:
+            return handler(batch, collate_fn_map=collate_fn_map)
+    if isinstance(elem, Mapping):
+        values = {key: _collate_field([s[key] for s in batch], key, collate_fn_map) for key in elem}
+        return rebuild_mapping(elem, values)
+    if _is_namedtuple(elem):
+        fields = zip(elem._fields, zip(*batch))
+        return type(elem)(
+            *(_collate_field(s, name, collate_fn_map, is_attribute=True) for name, s in fields)
+        )
+    if isinstance(elem, Sequence):
+        return _collate_sequences(batch, elem, collate_fn_map)
+    raise TypeError(_UNSUPPORTED_TYPE_MESSAGE.format(type(elem)))
+
+
+def _collate_sequences(
+    batch: Sequence[Any], elem: Sequence[Any], collate_fn_map: CollateFnMap | None
+) -> Any:
+    expected = len(elem)
+    if not all(len(sample) == expected for sample in batch):
+        index = next(i for i, sample in enumerate(batch) if len(sample) != expected)
+        raise RuntimeError(
+            "each element in list of batch should be of equal size "
+            f"(at {_describe_field()}: sample 0 has {expected} elements, "
+            f"sample {index} has {len(batch[index])})"
+        )
+    # Each position's samples arrive as a tuple, as in torch: a field of strings therefore comes
+    # back as a tuple of strings, not a list.
+    values = [
+        _collate_field(samples, position, collate_fn_map)
+        for position, samples in enumerate(zip(*batch))
+    ]
+    if isinstance(elem, tuple):
+        return values  # torch turns tuples into lists; kept for compatibility
+    return rebuild_sequence(elem, values)
+
+
+# --- leaf handlers --------------------------------------------------------------------------
+
+
+def _in_worker_process() -> bool:
+    # Imported here: the engine sits above this module and imports it. Thread workers share the
+    # main process's memory, so only process workers want shared-memory output.
+    from pipeload.engine import worker_info
+
+    return worker_info.in_worker_process()
+
+
+def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An uninitialised tensor in shared memory with room for the stacked batch."""
+    elem = batch[0]
+    total_numel = sum(sample.numel() for sample in batch)
+    storage = elem._typed_storage()._new_shared(total_numel, device=elem.device)
+    return elem.new(storage).resize_(len(batch), *elem.shape)
+
+
+def _first_shape_mismatch(batch: Sequence[Any]) -> int | None:
+    expected = batch[0].shape
+    for index, sample in enumerate(batch):
+        if getattr(sample, "shape", expected) != expected:
+            return index
+    return None
+
+
+def collate_tensor_fn(
+    batch: Sequence[torch.Tensor], *, collate_fn_map: CollateFnMap | None = None
+) -> torch.Tensor:
+    """Stack tensors along a new first dimension (into shared memory inside a worker)."""
+    elem = batch[0]
+    if elem.is_nested:
+        raise RuntimeError(
+            "default_collate cannot batch nested tensors; pass a collate_fn that handles them."
+        )
+    if elem.layout in _SPARSE_LAYOUTS:
+        raise RuntimeError(
+            f"default_collate cannot batch sparse tensors (layout {elem.layout}); "
+            "pass a collate_fn that handles them."
+        )
+    try:
+        out = _shared_output_like(batch) if _in_worker_process() else None
+        return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
+    except RuntimeError as error:
+        odd = _first_shape_mismatch(batch)
+        if odd is None:
+            raise
+        raise RuntimeError(
+            f"collate: cannot stack the tensors at {_describe_field()} because their shapes "
+            f"differ: {batch[0].shape} vs {batch[odd].shape} at sample {odd} (sample 0 sets the "
+            "expected shape). Pad or crop samples to one shape, or pass a collate_fn that "
+            "handles ragged data."
+        ) from error
+
+
+def collate_numpy_array_fn(
+    batch: Sequence[np.ndarray], *, collate_fn_map: CollateFnMap | None = None
+) -> Any:
+    """Turn numpy arrays into tensors and collate those; text and object arrays are refused."""
+    dtype = batch[0].dtype
+    if _TEXT_OR_OBJECT_DTYPE.search(dtype.str) is not None:
+        raise TypeError(_UNSUPPORTED_TYPE_MESSAGE.format(dtype))
+    return collate([torch.as_tensor(array) for array in batch], collate_fn_map=collate_fn_map)
+
+
+def collate_numpy_scalar_fn(
+    batch: Sequence[np.generic], *, collate_fn_map: CollateFnMap | None = None
+) -> torch.Tensor:
+    """One tensor from numpy scalars (numpy's dtype is kept)."""
+    return torch.as_tensor(batch)
+
+
+def collate_float_fn(
+    batch: Sequence[float], *, collate_fn_map: CollateFnMap | None = None
+) -> torch.Tensor:
+    """Python floats become a float64 tensor (not the default float32)."""
+    return torch.tensor(batch, dtype=torch.float64)
+
+
+def collate_int_fn(
+    batch: Sequence[int], *, collate_fn_map: CollateFnMap | None = None
+) -> torch.Tensor:
+    """Python ints become an int64 tensor; bools (an int subclass) a bool tensor."""
+    return torch.tensor(batch)
+
+
+def collate_str_fn(
+    batch: Sequence[str | bytes], *, collate_fn_map: CollateFnMap | None = None
+) -> Sequence[str | bytes]:
+    """Strings and bytes stay as they are, in the batch's list."""
+    return batch
+
+
+# Insertion order matters for the isinstance pass: numpy scalars before float (np.float64 is a
+# float subclass), and int after them so bools reach it as ints.
+default_collate_fn_map: CollateFnMap = {
+    torch.Tensor: collate_tensor_fn,
+    np.ndarray: collate_numpy_array_fn,
+    (np.bool_, np.number, np.object_): collate_numpy_scalar_fn,
+    float: collate_float_fn,
+    int: collate_int_fn,
+    str: collate_str_fn,
+    bytes: collate_str_fn,
+}
+
+
+def default_collate(batch: Sequence[Any]) -> Any:
+    """Collate samples into a batch with the default handlers, as ``torch.utils.data`` does.
+
+    Tensors are stacked, numpy arrays and numbers become tensors (floats as float64), strings
+    and bytes stay lists, and mappings, namedtuples and sequences are collated field by field
+    (plain tuples come back as lists). Extend it by adding entries to ``default_collate_fn_map``.
+
+    Args:
+        batch: the samples, all shaped like the first one.
+
+    Returns:
+        The batch, with the structure of one sample.
+
+    Raises:
+        RuntimeError: ragged sequences or tensors; the message names the field and shapes.
+        TypeError: a type with no handler.
+
+    Example:
+        >>> default_collate([(torch.zeros(2), 1), (torch.ones(2), 2)])
+        [tensor([[0., 0.],
+                [1., 1.]]), tensor([1, 2])]
+    """
+    return collate(batch, collate_fn_map=default_collate_fn_map)

@@ -1,0 +1,379 @@
+"""Dataset descriptions: map-style and iterable-style bases and the ways to combine them.
+
+Everything here is a plain, picklable description of where samples come from; nothing starts a
+thread or opens a file. The classes follow ``torch.utils.data`` in names, signatures, errors and
+random streams, so ``random_split`` with the same generator state gives the same split.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, Iterable, TypeVar  # typing.Iterable: Generic-compatible MRO
+
+import torch
+
+__all__ = [
+    "ChainDataset",
+    "ConcatDataset",
+    "Dataset",
+    "IterableDataset",
+    "StackDataset",
+    "Subset",
+    "TensorDataset",
+    "random_split",
+]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Dataset(Generic[T_co]):
+    """A map-style dataset: a mapping from keys (usually ``0..len-1``) to samples.
+
+    Subclasses implement ``__getitem__`` and usually ``__len__``. They may add
+    ``__getitems__(indices) -> list`` to fetch a whole batch in one call.
+
+    Example:
+        >>> class Squares(Dataset[int]):
+        ...     def __getitem__(self, i: int) -> int: return i * i
+        ...     def __len__(self) -> int: return 10
+    """
+
+    def __getitem__(self, index: Any) -> T_co:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement __getitem__(index) to be used as a map-style "
+            "Dataset"
+        )
+
+    # No default __len__ or __getitems__: their absence is meaningful to samplers and fetchers.
+
+    def __add__(self, other: Dataset[T_co]) -> ConcatDataset[T_co]:
+        return ConcatDataset([self, other])
+
+
+class IterableDataset(Dataset[T_co], Iterable[T_co]):
+    """An iterable-style dataset: a stream of samples, read through ``__iter__``.
+
+    With several workers each worker iterates its own copy; use
+    ``pipeload.get_worker_info()`` inside ``__iter__`` to give each copy its own share.
+
+    Example:
+        >>> class Count(IterableDataset[int]):
+        ...     def __iter__(self): return iter(range(3))
+    """
+
+    # __iter__ stays abstract (from Iterable): a subclass without one cannot be instantiated.
+
+    def __add__(self, other: Dataset[T_co]) -> ChainDataset:  # type: ignore[override]
+        return ChainDataset([self, other])
+
+
+def _is_iterable_dataset(obj: object) -> bool:
+    """True for our IterableDataset and for ``torch.utils.data.IterableDataset`` objects."""
+    if isinstance(obj, IterableDataset):
+        return True
+    torch_iterable = getattr(getattr(torch.utils, "data", None), "IterableDataset", None)
+    return torch_iterable is not None and isinstance(obj, torch_iterable)
+
+
+class TensorDataset(Dataset[tuple[torch.Tensor, ...]]):
+    """Samples are rows of tensors that share their first dimension.
+
+    Args:
+        *tensors: tensors with the same size along dimension 0.
+
+    Raises:
+        AssertionError: the tensors differ in their first dimension.
+        IndexError: ``len()`` of a dataset made from no tensors (accepted, as torch does).
+
+    Example:
+        >>> ds = TensorDataset(torch.arange(4), torch.zeros(4, 2))
+        >>> ds[1]
+        (tensor(1), tensor([0., 0.]))
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        sizes = [tensor.size(0) for tensor in tensors]
+        if any(size != sizes[0] for size in sizes):
+            raise AssertionError(
+                f"Size mismatch between tensors: every tensor must have the same size in "
+                f"dimension 0, but got sizes {sizes}"
+            )
+        self.tensors = tensors
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(tensor[index] for tensor in self.tensors)
+
+    def __len__(self) -> int:
+        if not self.tensors:
+            raise IndexError("TensorDataset has no length: it was made from no tensors")
+        return self.tensors[0].size(0)
+
+
+class StackDataset(Dataset[T_co]):
+    """Zips datasets of equal length: sample ``i`` is a tuple (positional) or dict (keywords).
+
+    Args:
+        *args: datasets whose samples form a tuple.
+        **kwargs: datasets whose samples form a dict under these keys.
+
+    Raises:
+        ValueError: both or neither of args and kwargs given, or lengths differ.
+
+    Example:
+        >>> StackDataset(image=images, label=labels)[0]   # {"image": ..., "label": ...}
+    """
+
+    datasets: tuple[Any, ...] | dict[str, Any]
+
+    def __init__(self, *args: Dataset[Any], **kwargs: Dataset[Any]) -> None:
+        if args and kwargs:
+            raise ValueError(
+                "StackDataset takes datasets either positionally (samples are tuples) or by "
+                f"keyword (samples are dicts), but got {len(args)} positional and keywords "
+                f"{sorted(kwargs)}"
+            )
+        if not args and not kwargs:
+            raise ValueError("StackDataset needs at least one dataset, but got none")
+        parts = list(args) if args else list(kwargs.values())
+        lengths = [len(part) for part in parts]
+        if any(length != lengths[0] for length in lengths):
+            names = [f"#{i}" for i in range(len(args))] if args else list(kwargs)
+            described = ", ".join(f"{n}: {k}" for n, k in zip(names, lengths, strict=True))
+            raise ValueError(
+                f"Size mismatch between datasets: all must have the same length, but got {described}"
+            )
+        self._length = lengths[0]
+        self.datasets = args if args else kwargs
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(self.datasets, dict):
+            return {key: part[index] for key, part in self.datasets.items()}
+        return tuple(part[index] for part in self.datasets)
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        if isinstance(self.datasets, dict):
+            columns = {key: _fetch_many(part, indices) for key, part in self.datasets.items()}
+            return [{key: column[row] for key, column in columns.items()}
+                    for row in range(len(indices))]
+        tuple_columns = [_fetch_many(part, indices) for part in self.datasets]
+        return [tuple(column[row] for column in tuple_columns) for row in range(len(indices))]
+
+    def __len__(self) -> int:
+        return self._length
+
+
+def _fetch_many(dataset: Any, indices: list[Any]) -> list[Any]:
+    """Fetch ``indices`` from ``dataset``, in one ``__getitems__`` call when it offers one."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if not callable(getitems):
+        return [dataset[index] for index in indices]
+    items = getitems(indices)
+    if len(items) != len(indices):
+        raise ValueError(
+            f"Nested dataset's output size mismatch: {type(dataset).__name__}.__getitems__ was "
+            f"asked for {len(indices)} samples but returned {len(items)}"
+        )
+    return items
+
+
+class ConcatDataset(Dataset[T_co]):
+    """Map-style datasets laid end to end.
+
+    Args:
+        datasets: a non-empty iterable of map-style datasets (ours or torch's).
+
+    Raises:
+        AssertionError: ``datasets`` is empty or contains an iterable-style dataset.
+
+    Example:
+        >>> len(ConcatDataset([range(3), range(5)]))
+        8
+    """
+
+    datasets: list[Dataset[T_co]]
+    cumulative_sizes: list[int]
+
+    @staticmethod
+    def cumsum(sequence: Iterable[Any]) -> list[int]:
+        """Running totals of the lengths of ``sequence``'s items."""
+        return list(itertools.accumulate(len(item) for item in sequence))
+
+    def __init__(self, datasets: Iterable[Dataset[Any]]) -> None:
+        self.datasets = list(datasets)
+        if not self.datasets:
+            raise AssertionError("datasets should not be an empty iterable, but got no datasets")
+        for position, part in enumerate(self.datasets):
+            if _is_iterable_dataset(part):
+                raise AssertionError(
+                    "ConcatDataset does not support IterableDataset, but datasets"
+                    f"[{position}] is {type(part).__name__}; use ChainDataset for streams"
+                )
+        self.cumulative_sizes = self.cumsum(self.datasets)
+
+    def __len__(self) -> int:
+        return self.cumulative_sizes[-1]
+
+    def __getitem__(self, idx: int) -> T_co:
+        total = len(self)
+        if idx < 0:
+            if -idx > total:
+                raise ValueError(
+                    "absolute value of index should not exceed dataset length, but got "
+                    f"idx={idx} for a ConcatDataset of length {total}"
+                )
+            idx += total
+        part = bisect.bisect_right(self.cumulative_sizes, idx)
+        if part >= len(self.datasets):
+            raise IndexError(
+                f"index out of range: got idx={idx} for a ConcatDataset of length {total}"
+            )
+        offset = self.cumulative_sizes[part - 1] if part > 0 else 0
+        return self.datasets[part][idx - offset]
+
+    @property
+    def cummulative_sizes(self) -> list[int]:
+        """Deprecated misspelling of ``cumulative_sizes``, kept for old code."""
+        warnings.warn(
+            "`cummulative_sizes` attribute is renamed to `cumulative_sizes`",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.cumulative_sizes
+
+
+class ChainDataset(IterableDataset[Any]):
+    """Iterable-style datasets read one after another, lazily.
+
+    Args:
+        datasets: iterable-style datasets (ours or torch's). Checked while iterating.
+
+    Example:
+        >>> list(ChainDataset([stream_a, stream_b]))   # all of a, then all of b
+    """
+
+    def __init__(self, datasets: Iterable[Dataset[Any]]) -> None:
+        self.datasets = datasets
+
+    def __iter__(self) -> Iterator[Any]:
+        for part in self.datasets:
+            _require_iterable_part(part)
+            yield from part
+
+    def __len__(self) -> int:
+        total = 0
+        for part in self.datasets:
+            _require_iterable_part(part)
+            total += len(part)  # type: ignore[arg-type]
+        return total
+
+
+def _require_iterable_part(part: object) -> None:
+    if not _is_iterable_dataset(part):
+        raise AssertionError(
+            f"ChainDataset only supports IterableDataset, but got a {type(part).__name__}"
+        )
+
+
+class Subset(Dataset[T_co]):
+    """The samples of ``dataset`` at ``indices``, in that order.
+
+    Args:
+        dataset: the whole map-style dataset.
+        indices: positions in ``dataset`` that make up the subset.
+
+    Example:
+        >>> Subset(range(10), [7, 3])[1]
+        3
+    """
+
+    dataset: Dataset[T_co]
+    indices: Sequence[int]
+
+    def __init__(self, dataset: Dataset[T_co], indices: Sequence[int]) -> None:
+        self.dataset = dataset
+        self.indices = indices
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, list):
+            return self.dataset[[self.indices[i] for i in idx]]  # type: ignore[index]
+        return self.dataset[self.indices[idx]]
+
+    def __getitems__(self, indices: list[int]) -> list[T_co]:
+        # A subclass that customises __getitem__ must see every fetch, batched ones included.
+        if type(self).__getitem__ is not Subset.__getitem__:
+            return [self[idx] for idx in indices]
+        return _fetch_many(self.dataset, [self.indices[idx] for idx in indices])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def random_split(
+    dataset: Dataset[T],
+    lengths: Sequence[int | float],
+    generator: torch.Generator | None = torch.default_generator,
+) -> list[Subset[T]]:
+    """Split ``dataset`` at random into non-overlapping subsets of the given sizes.
+
+    ``lengths`` may be fractions summing to 1: each split gets ``floor(frac * len)`` and the
+    remainder is handed out one at a time, round-robin from the first split. Draws exactly one
+    ``torch.randperm(len(dataset), generator=generator)``, as torch does.
+
+    Args:
+        dataset: the map-style dataset to split.
+        lengths: sizes of the splits, or fractions that sum to 1.
+        generator: source of randomness; defaults to torch's global generator.
+
+    Returns:
+        One ``Subset`` per entry of ``lengths``.
+
+    Raises:
+        ValueError: a fraction outside [0, 1], a negative length, or lengths that do not add
+            up to ``len(dataset)``.
+
+    Example:
+        >>> train, val = random_split(range(10), [0.8, 0.2], torch.Generator().manual_seed(0))
+    """
+    total = len(dataset)  # type: ignore[arg-type]
+    if math.isclose(sum(lengths), 1) and sum(lengths) <= 1:
+        lengths = _lengths_from_fractions(lengths, total)
+    for position, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(
+                f"Lengths must not be negative, but got lengths[{position}]={length}"
+            )
+    if sum(lengths) != total:
+        raise ValueError(
+            "Sum of input lengths does not equal the length of the input dataset! Got "
+            f"lengths={list(lengths)} (sum {sum(lengths)}) for a dataset of length {total}"
+        )
+    order = torch.randperm(sum(lengths), generator=generator).tolist()  # type: ignore[call-overload]
+    ends = itertools.accumulate(lengths)
+    return [Subset(dataset, order[end - length:end])  # type: ignore[misc]
+            for end, length in zip(ends, lengths, strict=True)]
+
+
+def _lengths_from_fractions(fractions: Sequence[int | float], total: int) -> list[int]:
+    for position, fraction in enumerate(fractions):
+        if not 0 <= fraction <= 1:
+            raise ValueError(
+                f"Fraction at index {position} is not between 0 and 1: got {fraction}"
+            )
+    lengths = [math.floor(total * fraction) for fraction in fractions]
+    for extra in range(total - sum(lengths)):
+        lengths[extra % len(lengths)] += 1
+    for position, length in enumerate(lengths):
+        if length == 0:
+            warnings.warn(
+                f"Length of split at index {position} is 0. This might result in an empty "
+                "dataset.",
+                stacklevel=3,
+            )
+    return lengths

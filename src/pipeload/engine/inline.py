@@ -1,0 +1,41 @@
+"""The inline engine (num_workers=0): fetches in the calling thread, one batch at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
+from pipeload.engine.plan import FetchSpec
+
+
+class InlineEngine:
+    """No workers, no threads: ``next_batch`` builds the batch right here."""
+
+    def __init__(self, spec: FetchSpec) -> None:
+        self._spec = spec
+        self._fetcher: MapFetcher | IterableFetcher | None = None
+        self._tasks: Iterator[Any] = iter(())
+        self._closed = False
+
+    @property
+    def workers(self) -> list[Any]:
+        return []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start_epoch(self, tasks: Iterator[Any]) -> None:
+        self._tasks = tasks
+        self._fetcher = make_fetcher(self._spec)
+
+    def next_batch(self) -> Any:
+        index = next(self._tasks)
+        try:
+            return self._fetcher.fetch(index)
+        except DatasetExhausted:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._closed = True

@@ -1,0 +1,224 @@
+"""The pool engine: N workers (processes or threads), each builds whole batches, as torch does.
+
+One instance serves one epoch, or every epoch of a loader with ``persistent_workers=True``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeload.engine.lifecycle import (
+    check_picklable,
+    start_process_workers,
+    start_thread_workers,
+    stop_workers,
+)
+from pipeload.engine.plan import WorkerSetup
+from pipeload.engine.reorder import BatchLedger
+from pipeload.errors import LoaderTimeoutError, WorkerDiedError, describe_exit
+from pipeload.transport.channel import ProcessChannels, ThreadChannels
+from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+
+WAIT_SLICE_S = 1.0
+THREAD_CHECK_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How to run the pool.
+
+    Attributes:
+        setup: what every worker needs to start.
+        prefetch_factor: batches in flight per worker.
+        in_order: yield in sampler order (True) or as batches finish (False).
+        timeout_s: raise if no batch arrives for this long (0: wait as long as workers live).
+        worker_type: "process" or "thread".
+        mp_context: a multiprocessing context (process workers), or None for the default.
+    """
+
+    setup: WorkerSetup
+    prefetch_factor: int
+    in_order: bool
+    timeout_s: float
+    worker_type: str
+    mp_context: Any
+
+
+class _Workers:
+    """Owns the worker handles and channels; closing it stops and releases everything.
+
+    Kept apart from the engine so the engine's finalizer can hold it without holding the engine.
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        setup = config.setup
+        self.stop_event = None
+        if config.worker_type == "thread":
+            self.channels: Any = ThreadChannels(setup.num_workers)
+            self.handles, self.stop_event = start_thread_workers(setup, self.channels)
+        else:
+            ctx = config.mp_context or multiprocessing.get_context()
+            if ctx.get_start_method() != "fork":
+                check_picklable(_picklable_parts(setup), ctx.get_start_method())
+            self.channels = ProcessChannels(ctx, setup.num_workers)
+            try:
+                self.handles = start_process_workers(ctx, setup, self.channels)
+            except BaseException:
+                self.channels.close()
+                raise
+        self.closed = False
+
+    @property
+    def wait_slice_s(self) -> float:
+        # Process deaths wake the wait through their sentinels; threads have none, so look often.
+        return THREAD_CHECK_INTERVAL_S if self.stop_event is not None else WAIT_SLICE_S
+
+    def sentinels(self) -> list[int]:
+        """Exit sentinels of the process workers (empty for threads)."""
+        return [h.sentinel for h in self.handles if getattr(h, "sentinel", None) is not None]
+
+    def all_alive(self) -> bool:
+        if self.stop_event is None:
+            return True  # process deaths are reported by their sentinels, without a syscall each
+        return all(handle.is_alive() for handle in self.handles)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stop_event is not None:
+            self.stop_event.set()
+        stop = WorkerCommand(Command.STOP)
+        stop_workers(self.handles, ask=lambda worker_id: self.channels.send(worker_id, stop))
+        self.channels.close()
+
+
+def _picklable_parts(setup: WorkerSetup) -> dict[str, Any]:
+    return {
+        "dataset": setup.fetch.dataset,
+        "collate_fn": setup.fetch.collate_fn,
+        "worker_init_fn": setup.worker_init_fn,
+    }
+
+
+class PoolEngine:
+    """Sends tasks round-robin to workers, keeps ``prefetch_factor * num_workers`` in flight,
+    and yields the results in sampler order (or as they finish with ``in_order=False``).
+
+    Driven by one thread at a time (the caller of ``next_batch``).
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        self._config = config
+        self._max_outstanding = config.prefetch_factor * config.setup.num_workers
+        self._workers = _Workers(config)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        self._epoch = 0
+        self._ledger = BatchLedger(config.setup.num_workers, config.in_order)
+        self._tasks: Iterator[Any] = iter(())
+        self._sampler_done = True
+
+    @property
+    def workers(self) -> list[Any]:
+        return self._workers.handles
+
+    @property
+    def closed(self) -> bool:
+        return self._workers.closed
+
+    def start_epoch(self, tasks: Iterator[Any]) -> None:
+        """Begin an epoch over ``tasks`` (each a list of indices, or one index)."""
+        if self._epoch > 0:
+            self._restart_workers_epoch()
+        self._epoch += 1
+        self._tasks = tasks
+        self._sampler_done = False
+        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
+        self._top_up()
+
+    def next_batch(self) -> Any:
+        """The next batch; raises StopIteration when the epoch is over."""
+        ledger = self._ledger
+        while True:
+            report = ledger.pop_ready()
+            if report is not None:
+                self._top_up()
+                return _unwrap(report)
+            if ledger.nothing_left():
+                raise StopIteration
+            for report in self._receive():
+                if report.report is not Report.EPOCH_STARTED:
+                    ledger.record_report(report)
+            self._top_up()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _top_up(self) -> None:
+        ledger = self._ledger
+        while not self._sampler_done and ledger.outstanding < self._max_outstanding:
+            worker_id = ledger.choose_worker()
+            if worker_id is None:
+                return
+            try:
+                indices = next(self._tasks)
+            except StopIteration:
+                self._sampler_done = True
+                return
+            number = ledger.record_sent(worker_id)
+            self._send(worker_id, WorkerCommand(Command.FETCH, number, indices))
+
+    def _send(self, worker_id: int, command: WorkerCommand) -> None:
+        try:
+            self._workers.channels.send(worker_id, command)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self._raise_for_dead_workers()
+            raise
+
+    def _receive(self) -> list[WorkerReport]:
+        """Wait for reports; raise on timeout or as soon as any worker has died."""
+        timeout_s = self._config.timeout_s
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        while True:
+            slice_s = self._workers.wait_slice_s
+            if deadline is not None:
+                slice_s = min(slice_s, max(0.0, deadline - time.monotonic()))
+            reports, fired = self._workers.channels.wait(slice_s, self._workers.sentinels())
+            if fired or not self._workers.all_alive():
+                self._raise_for_dead_workers()
+            if reports:
+                return reports
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeoutError(f"DataLoader timed out after {timeout_s} seconds")
+
+    def _raise_for_dead_workers(self) -> None:
+        dead = []
+        for worker_id, handle in enumerate(self._workers.handles):
+            if not handle.is_alive():
+                handle.join(0.1)  # reap it, so its exit code is known
+                dead.append(f"worker {worker_id} (pid {handle.pid}) exited unexpectedly with "
+                            f"{describe_exit(handle.exitcode)}")
+        if dead:
+            raise WorkerDiedError(f"DataLoader {'; '.join(dead)}")
+
+    def _restart_workers_epoch(self) -> None:
+        """Persistent workers: finish the old epoch's leftovers, then start a fresh one."""
+        epoch = self._epoch + 1
+        for worker_id in range(self._config.setup.num_workers):
+            self._send(worker_id, WorkerCommand(Command.START_EPOCH, epoch=epoch))
+        waiting = set(range(self._config.setup.num_workers))
+        while waiting:
+            for report in self._receive():
+                if report.report is Report.EPOCH_STARTED and report.batch_number == epoch:
+                    waiting.discard(report.worker_id)
+
+
+def _unwrap(report: WorkerReport) -> Any:
+    if report.report is Report.FAILED:
+        raise report.failure.to_exception()
+    return report.payload

@@ -1,0 +1,109 @@
+"""Bookkeeping for one epoch of pooled loading: who builds which batch, and what may be yielded.
+
+Pure state, no I/O, so its rules can be read (and tested) on their own.
+"""
+
+from __future__ import annotations
+
+from pipeload.transport.messages import Report, WorkerReport
+
+
+class BatchLedger:
+    """Assigns batches to workers and hands arrivals back in sampler order.
+
+    Touched only by the thread that drives the epoch.
+    Invariants, between calls:
+      - ``next_to_yield <= next_to_send``;
+      - every batch number in ``[next_to_yield, next_to_send)`` is in exactly one of
+        ``building`` (sent, awaited), ``arrived`` (received, not yet yielded) or ``skipped``
+        (sent to a worker whose iterable ran dry: it will never come);
+      - ``len(building) == sum(in_flight_per_worker)``;
+      - ``outstanding`` (sent, not yet yielded or skipped) is what the prefetch budget bounds, so
+        batches that arrive early count against it and memory stays bounded behind a slow worker.
+    """
+
+    def __init__(self, num_workers: int, in_order: bool) -> None:
+        self.in_order = in_order
+        self.next_to_send = 0
+        self.next_to_yield = 0
+        self.building: dict[int, int] = {}  # batch number -> worker id
+        self.arrived: dict[int, WorkerReport] = {}
+        self.skipped: set[int] = set()
+        self.active = [True] * num_workers
+        self.in_flight_per_worker = [0] * num_workers
+        self._rotation = 0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.building) + len(self.arrived)
+
+    def any_active(self) -> bool:
+        return any(self.active)
+
+    def choose_worker(self) -> int | None:
+        """Next active worker: round-robin in order mode (as torch), least loaded otherwise."""
+        count = len(self.active)
+        candidates = [(self._rotation + step) % count for step in range(count)]
+        candidates = [w for w in candidates if self.active[w]]
+        if not candidates:
+            return None
+        chosen = candidates[0]
+        if not self.in_order:
+            chosen = min(candidates, key=lambda w: self.in_flight_per_worker[w])
+        self._rotation = (chosen + 1) % count
+        return chosen
+
+    def record_sent(self, worker_id: int) -> int:
+        """Note that the next batch went to ``worker_id``; returns its batch number."""
+        number = self.next_to_send
+        self.building[number] = worker_id
+        self.in_flight_per_worker[worker_id] += 1
+        self.next_to_send += 1
+        return number
+
+    def record_report(self, report: WorkerReport) -> None:
+        number = report.batch_number
+        worker_id = self.building.pop(number, None)
+        if worker_id is None:
+            return  # a task of a worker already marked dry
+        self.in_flight_per_worker[worker_id] -= 1
+        if report.report is Report.EXHAUSTED:
+            self._skip(number)
+            self._retire(worker_id)
+        else:
+            self.arrived[number] = report
+
+    def _retire(self, worker_id: int) -> None:
+        """A dry worker builds nothing more: what it still owes is skipped, not awaited."""
+        self.active[worker_id] = False
+        owed = [n for n, w in self.building.items() if w == worker_id]
+        for number in owed:
+            del self.building[number]
+            self._skip(number)
+        self.in_flight_per_worker[worker_id] = 0
+
+    def _skip(self, number: int) -> None:
+        if self.in_order:  # out of order, nothing waits for a number, so nothing need skip it
+            self.skipped.add(number)
+
+    def pop_ready(self) -> WorkerReport | None:
+        """The report to yield next, if it is here."""
+        if not self.in_order:
+            if not self.arrived:
+                return None
+            number = min(self.arrived)
+            return self.arrived.pop(number)
+        self._skip_past_dry_batches()
+        report = self.arrived.pop(self.next_to_yield, None)
+        if report is not None:
+            self.next_to_yield += 1
+        return report
+
+    def _skip_past_dry_batches(self) -> None:
+        while self.next_to_yield in self.skipped:
+            self.skipped.discard(self.next_to_yield)
+            self.next_to_yield += 1
+
+    def nothing_left(self) -> bool:
+        """True when every batch sent has been yielded or skipped."""
+        return not self.building and not self.arrived

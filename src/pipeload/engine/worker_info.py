@@ -1,0 +1,135 @@
+"""Who am I? ``get_worker_info`` and the per-worker seeding that torch.utils.data users rely on.
+
+Seeding follows torch exactly, so a dataset that draws random numbers in ``__getitem__`` gets the
+same values under pipeload as under torch with the same seed: the worker's seed is
+``base_seed + worker_id``; ``random`` and ``torch`` are seeded with it, and numpy's legacy global
+RNG with four 32-bit words mixed from (worker_id, base_seed) by a SeedSequence-style hash.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class WorkerRNG:
+    """Random generators owned by one thread worker (process workers use the global ones)."""
+
+    random_generator: random.Random
+    torch_generator: torch.Generator
+    numpy_generator: Any = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker knows about itself; returned by :func:`get_worker_info` inside a worker.
+
+    Attributes:
+        id: this worker's id, in ``range(num_workers)``.
+        num_workers: how many workers the loader runs.
+        seed: the seed this worker's random generators were seeded with.
+        dataset: this worker's copy of the dataset.
+        rng: per-worker generators (thread workers only; None in process workers).
+        worker_method: "multiprocessing" or "thread".
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any = field(repr=False)
+    rng: WorkerRNG | None = None
+    worker_method: str = "multiprocessing"
+
+
+class _CurrentWorker(threading.local):
+    info: WorkerInfo | None = None
+
+
+_current = _CurrentWorker()
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Return this worker's :class:`WorkerInfo`, or None in the main process.
+
+    Example:
+        >>> class Shards(IterableDataset):
+        ...     def __iter__(self):
+        ...         info = get_worker_info()
+        ...         start = 0 if info is None else info.id
+        ...         step = 1 if info is None else info.num_workers
+        ...         return iter(range(start, 100, step))
+    """
+    return _current.info
+
+
+def set_worker_info(info: WorkerInfo | None) -> None:
+    """Install ``info`` for the calling thread (a worker's first act; None when it ends)."""
+    _current.info = info
+
+
+def in_worker_process() -> bool:
+    """True inside a process worker, where batches should be built in shared memory."""
+    info = _current.info
+    return info is not None and info.worker_method == "multiprocessing"
+
+
+def numpy_seed_words(base_seed: int, worker_id: int) -> list[int]:
+    """Four 32-bit words for ``np.random.seed``, mixed from the base seed and the worker id.
+
+    The mixing is the SeedSequence construction (two multiply-xorshift hashes and a pairwise mix);
+    torch uses the same one, which is why numpy draws in workers match torch's.
+    """
+    hasher = _MultiplyXorshift(init=0x43B0D7E5, mult=0x931E8875)
+    entropy = [worker_id, base_seed & _MASK32, base_seed >> 32, 0]
+    pool = [hasher.hash(word) for word in entropy]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = _mix(pool[dst], hasher.hash(pool[src]))
+    finaliser = _MultiplyXorshift(init=0x8B51F9DD, mult=0x58F38DED)
+    return [finaliser.hash(word) for word in pool]
+
+
+class _MultiplyXorshift:
+    """A hash whose multiplier advances after every call (SeedSequence's hashmix)."""
+
+    def __init__(self, init: int, mult: int) -> None:
+        self._const = init
+        self._mult = mult
+
+    def hash(self, value: int) -> int:
+        value = (value ^ self._const) & _MASK32
+        self._const = (self._const * self._mult) & _MASK32
+        value = (value * self._const) & _MASK32
+        return (value ^ (value >> 16)) & _MASK32
+
+
+def _mix(x: int, y: int) -> int:
+    result = ((0xCA01F9DD * x) - (0x4973F715 * y)) & _MASK32
+    return (result ^ (result >> 16)) & _MASK32
+
+
+def seed_process_worker(base_seed: int, worker_id: int) -> int:
+    """Seed this process's global ``random``, ``torch`` and numpy RNGs; return the worker seed."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(numpy_seed_words(base_seed, worker_id))
+    return seed
+
+
+def make_thread_rng(base_seed: int, worker_id: int) -> WorkerRNG:
+    """Generators for one thread worker, seeded exactly as a process worker's globals would be."""
+    seed = base_seed + worker_id
+    torch_gen = torch.Generator()
+    torch_gen.manual_seed(seed)
+    numpy_rng = np.random.RandomState(numpy_seed_words(base_seed, worker_id))
+    return WorkerRNG(random.Random(seed), torch_gen, numpy_rng)

@@ -1,0 +1,190 @@
+"""The worker loop: receive a command, build a batch, report it. Runs in a process or a thread.
+
+A worker never decides anything about order or flow: the main process tells it which batch to
+build and it reports what happened, including "my iterable ran dry" and "this raised".
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeload.engine.fetch import DatasetExhausted, make_fetcher
+from pipeload.engine.plan import WorkerSetup
+from pipeload.engine.worker_info import (
+    WorkerInfo,
+    make_thread_rng,
+    seed_process_worker,
+    set_worker_info,
+)
+from pipeload.errors import RemoteFailure, SharedMemoryError
+from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+
+POLL_INTERVAL_S = 0.1
+PARENT_CHECK_INTERVAL_S = 0.2
+
+SHM_TOO_SMALL = (
+    "shared memory (/dev/shm) is too small for the batches in flight. Give the container more "
+    "(docker run --shm-size=2g, or a larger tmpfs on /dev/shm), or lower num_workers, "
+    "prefetch_factor or batch_size."
+)
+
+
+class WorkerLoop:
+    """One worker's life: set up, then serve commands until STOP or ``should_stop()``.
+
+    Owned by the thread or process it runs in; touches nothing shared but its inbox and outbox.
+    """
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        worker_id: int,
+        inbox: Any,
+        outbox: Any,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        self._setup = setup
+        self._id = worker_id
+        self._inbox = inbox
+        self._outbox = outbox
+        self._should_stop = should_stop
+        self._fetcher: Any = None
+        self._init_failure: RemoteFailure | None = None
+        self._exhausted = False
+
+    def run(self) -> None:
+        self._initialise()
+        while not self._should_stop():
+            command: WorkerCommand | None = self._inbox.receive(POLL_INTERVAL_S)
+            if command is None:
+                continue
+            if command.command is Command.STOP:
+                return
+            if command.command is Command.START_EPOCH:
+                self._start_epoch(command.epoch)
+            else:
+                self._serve(command)
+
+    def _initialise(self) -> None:
+        init_fn = self._setup.worker_init_fn
+        stage = "running worker_init_fn"
+        try:
+            if init_fn is not None:
+                init_fn(self._id)
+            stage = "starting to iterate the dataset"
+            self._fetcher = make_fetcher(self._setup.fetch)
+        except Exception:
+            self._init_failure = RemoteFailure.capture(self._id, stage)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._exhausted = False
+        if self._init_failure is None:
+            try:
+                self._fetcher = make_fetcher(self._setup.fetch)
+            except Exception:
+                self._init_failure = RemoteFailure.capture(self._id, "starting to iterate the dataset")
+        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch))
+
+    def _serve(self, command: WorkerCommand) -> None:
+        if self._exhausted:
+            return  # the main process skips tasks sent to a worker that ran dry
+        number = command.batch_number
+        if self._init_failure is not None:
+            self._outbox.send(WorkerReport(Report.FAILED, self._id, number, self._init_failure))
+            return
+        try:
+            batch = self._fetcher.fetch(command.indices)
+        except DatasetExhausted:
+            self._exhausted = True
+            self._outbox.send(WorkerReport(Report.EXHAUSTED, self._id, number))
+            return
+        except Exception as exc:
+            self._report_failure(number, "fetching a batch", command.indices, exc)
+            return
+        self._send_batch(number, batch, command.indices)
+
+    def _send_batch(self, number: int, batch: Any, indices: Any) -> None:
+        try:
+            self._outbox.send(WorkerReport(Report.BATCH, self._id, number, batch))
+        except (BrokenPipeError, EOFError):
+            raise  # the main process is gone; nothing to report to
+        except Exception as exc:
+            self._report_failure(number, "sending the batch to the main process", indices, exc)
+
+    def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
+        failure = RemoteFailure.capture(self._id, stage, _indices_for_message(indices))
+        if _is_shared_memory_exhaustion(exc):
+            failure = RemoteFailure(
+                SharedMemoryError, SHM_TOO_SMALL, f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
+                self._id, stage, failure.indices,
+            )
+        self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
+
+
+def _indices_for_message(indices: Any) -> Any:
+    if indices is None or (isinstance(indices, list) and all(i is None for i in indices)):
+        return None  # iterable datasets have no sample indices
+    return indices
+
+
+def _is_shared_memory_exhaustion(exc: BaseException) -> bool:
+    text = str(exc)
+    return "No space left on device" in text or ("unable to mmap" in text and "shm" in text)
+
+
+def run_process_worker(
+    setup: WorkerSetup | bytes, worker_id: int, inbox: Any, outbox: Any
+) -> None:
+    """Entry point of a worker process. ``setup`` arrives pre-pickled under spawn/forkserver."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _exit_when_parent_dies(os.getppid())
+    torch.set_num_threads(1)
+    if isinstance(setup, bytes):
+        setup = pickle.loads(setup)
+    seed = seed_process_worker(setup.base_seed, worker_id)
+    set_worker_info(WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset))
+    try:
+        WorkerLoop(setup, worker_id, inbox, outbox, should_stop=lambda: False).run()
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        pass  # the main process closed our channels: it no longer wants anything from us
+    finally:
+        outbox.close()
+        inbox.close()
+
+
+def run_thread_worker(
+    setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, stop: threading.Event
+) -> None:
+    """Entry point of a worker thread. Global RNGs belong to the main thread: this worker gets
+    its own generators in ``get_worker_info().rng``, seeded as a process worker's would be."""
+    rng = make_thread_rng(setup.base_seed, worker_id)
+    seed = setup.base_seed + worker_id
+    info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
+    set_worker_info(info)
+    try:
+        WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set).run()
+    finally:
+        set_worker_info(None)
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    """Leave at once if the parent dies, even while user code is busy in a fetch.
+
+    The parent is the main process (fork, spawn) or the forkserver, which itself exits when the
+    main process does; either way our parent pid changes when the main process is gone.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()

@@ -1,0 +1,445 @@
+"""DataLoader: validates its arguments as torch does, then hands each epoch to an engine.
+
+The loader is a description; what runs an epoch is an engine (inline, or a pool of workers),
+optionally followed by a pin stage. ``iter(loader)`` returns an epoch iterator that owns the
+engine (or borrows the loader's, with ``persistent_workers=True``).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.context
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from pipeload.collate import default_collate, default_convert
+from pipeload.datasets import Dataset, _is_iterable_dataset
+from pipeload.engine.inline import InlineEngine
+from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
+from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
+from pipeload.engine.pool import PoolConfig, PoolEngine
+from pipeload.pin import pinning_available
+from pipeload.samplers import (
+    BatchSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    _InfiniteConstantSampler,
+)
+
+T_co = TypeVar("T_co", covariant=True)
+
+WORKER_TYPES = ("process", "thread")
+_FROZEN_AFTER_INIT = frozenset(
+    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
+)
+
+
+class _TimeoutWithoutWorkers(ValueError, AssertionError):
+    """timeout > 0 with num_workers=0. torch raises AssertionError here; a ValueError is what the
+    user's mistake really is, so this is both."""
+
+
+class DataLoader(Generic[T_co]):
+    """Loads batches from a dataset; the same arguments and behaviour as torch's DataLoader.
+
+    Args:
+        dataset: a map-style (``__getitem__``/``__len__``) or iterable-style dataset.
+        batch_size: samples per batch, or None to disable automatic batching.
+        shuffle: reshuffle every epoch (map-style only).
+        sampler: the order of keys; exclusive with ``shuffle``.
+        batch_sampler: yields lists of keys; exclusive with batch_size/shuffle/sampler/drop_last.
+        num_workers: 0 loads in the main process; N > 0 starts N workers.
+        collate_fn: merges a list of samples into a batch.
+        pin_memory: hand out batches in pinned memory (when an accelerator is present).
+        drop_last: drop the last, incomplete batch.
+        timeout: seconds to wait for a batch from the workers before raising (0: no limit).
+        worker_init_fn: called in each worker with its id, after seeding.
+        multiprocessing_context: "fork", "spawn", "forkserver" or a context object.
+        generator: the RNG for the sampler's shuffle and the workers' base seed.
+        prefetch_factor: batches in flight per worker (default 2 when num_workers > 0).
+        persistent_workers: keep workers alive across epochs.
+        pin_memory_device: kept for compatibility; the current accelerator is used.
+        in_order: yield batches in sampler order (True) or as soon as they are ready.
+        worker_type: "process" (the default) or "thread" workers.
+
+    Example:
+        >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
+        >>> [batch[0].shape[0] for batch in loader]
+        [4, 4, 2]
+    """
+
+    dataset: Dataset[T_co]
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    drop_last: bool
+    timeout: float
+    sampler: Sampler | Iterable
+    prefetch_factor: int | None
+    __initialized = False
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        worker_type: str = "process",
+    ) -> None:
+        _check_num_workers(num_workers)
+        _check_timeout(timeout)
+        prefetch_factor = _resolve_prefetch_factor(prefetch_factor, num_workers)
+        if persistent_workers and num_workers == 0:
+            raise ValueError(
+                "persistent_workers option needs num_workers > 0, but got "
+                f"persistent_workers={persistent_workers!r} with num_workers=0"
+            )
+        if worker_type not in WORKER_TYPES:
+            raise ValueError(f"worker_type should be one of {WORKER_TYPES}, but got worker_type={worker_type!r}")
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.in_order = in_order
+        self.worker_type = worker_type
+
+        iterable = _is_iterable_dataset(dataset)
+        self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
+        if iterable:
+            _check_iterable_options(shuffle, sampler, batch_sampler)
+        else:
+            shuffle = bool(shuffle)
+        batch_size, drop_last = _check_batching(batch_size, shuffle, sampler, batch_sampler, drop_last)
+
+        if sampler is None:
+            sampler = _default_sampler(dataset, iterable, bool(shuffle), generator)
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        if collate_fn is None:
+            collate_fn = default_collate if batch_sampler is not None else default_convert
+        self.collate_fn = collate_fn
+        self.persistent_workers = persistent_workers
+        self._persistent_engine: Any = None
+        self._len_reported: int | None = None
+        self.__initialized = True
+        _warn_if_too_many_workers(num_workers)
+
+    # -- torch-compatible attributes -------------------------------------------------------
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        return self.__multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        self.__multiprocessing_context = _resolve_context(context, self.num_workers)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__initialized and name in _FROZEN_AFTER_INIT:
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def __len__(self) -> int:
+        if self._dataset_kind is DatasetKind.ITERABLE:
+            length = len(self.dataset)  # type: ignore[arg-type]
+            self._len_reported = length
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    # -- running an epoch ------------------------------------------------------------------
+
+    def __iter__(self) -> _EpochIterator:
+        tasks = iter(self._index_sampler)
+        if self.persistent_workers and self.num_workers > 0:
+            if self._persistent_engine is None or self._persistent_engine.closed:
+                self._persistent_engine = self._build_engine(self._draw_base_seed())
+                weakref.finalize(self, self._persistent_engine.close)
+            engine, owned = self._persistent_engine, False
+        else:
+            engine, owned = self._build_engine(self._draw_base_seed()), True
+        try:
+            engine.start_epoch(tasks)
+        except BaseException:
+            engine.close()
+            raise
+        return _EpochIterator(self, engine, owned)
+
+    def _draw_base_seed(self) -> int:
+        # One int64 from the loader's generator (or the global RNG) per worker session, as torch
+        # draws it, so the global random stream stays in step with torch's.
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+
+    def _build_engine(self, base_seed: int) -> Any:
+        if self.timeout > 0 and self.num_workers == 0:
+            raise _TimeoutWithoutWorkers(
+                f"timeout={self.timeout!r} needs worker processes: set num_workers > 0 or timeout=0"
+            )
+        spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
+        if self.num_workers == 0:
+            engine: Any = InlineEngine(spec)
+        else:
+            engine = PoolEngine(self._pool_config(spec, base_seed))
+        return self._maybe_pin(engine)
+
+    def _pool_config(self, spec: FetchSpec, base_seed: int) -> PoolConfig:
+        method = "thread" if self.worker_type == "thread" else "multiprocessing"
+        setup = WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method)
+        return PoolConfig(
+            setup=setup,
+            prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
+            in_order=self.in_order,
+            timeout_s=float(self.timeout),
+            worker_type=self.worker_type,
+            mp_context=self.multiprocessing_context,
+        )
+
+    def _maybe_pin(self, engine: Any) -> Any:
+        if not self.pin_memory:
+            return engine
+        if self.pin_memory_device:
+            warnings.warn(
+                f"pin_memory_device={self.pin_memory_device!r} is ignored (deprecated in torch): "
+                "batches are pinned for the current accelerator.",
+                stacklevel=3,
+            )
+        if not pinning_available():
+            warnings.warn(
+                "pin_memory=True has no effect here: no accelerator is available, so batches "
+                "are handed out in ordinary memory.",
+                stacklevel=3,
+            )
+            return engine
+        if self.num_workers == 0:
+            return InlinePinning(engine, None)
+        return ThreadedPinning(engine, None)
+
+
+class _EpochIterator:
+    """One epoch over a loader. Owns its engine unless the loader keeps workers persistent.
+
+    Closing it (at the end, on any error, or when it is dropped) stops an owned engine at once.
+    """
+
+    def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool) -> None:
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self._index_sampler = loader._index_sampler
+        self._len_reported = loader._len_reported
+        self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
+        self._num_workers = loader.num_workers
+        self._dataset = loader.dataset
+        self._yielded = 0
+        self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = self._engine.next_batch()
+        except StopIteration:
+            self._finish()
+            raise
+        except BaseException:
+            self._engine.close()  # an error ends the whole session: no half-alive workers
+            raise
+        self._yielded += 1
+        if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
+            _warn_length_exceeded(self._dataset, self._len_reported, self._yielded, self._num_workers)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    @property
+    def _workers(self) -> list[Any]:
+        return self._engine.workers
+
+    def close(self) -> None:
+        """Stop the workers now (persistent workers belong to the loader and stay)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _finish(self) -> None:
+        if self._owns_engine:
+            self.close()
+
+    def __getstate__(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+
+# -- argument checks, each naming the argument it refuses ---------------------------------
+
+
+def _check_num_workers(num_workers: Any) -> None:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
+        raise TypeError(f"num_workers should be an int, but got num_workers={num_workers!r}")
+    if num_workers < 0:
+        raise ValueError(
+            "num_workers option should be non-negative; use num_workers=0 to disable "
+            f"multiprocessing, but got num_workers={num_workers!r}"
+        )
+
+
+def _check_timeout(timeout: Any) -> None:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")
+    if timeout < 0 or math.isnan(timeout):
+        raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
+
+
+def _resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | None:
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing: set "
+                f"num_workers > 0, or leave prefetch_factor=None (got prefetch_factor={prefetch_factor!r})"
+            )
+        return None
+    if prefetch_factor is None:
+        return 2
+    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
+        raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
+    if prefetch_factor <= 0:
+        raise ValueError(
+            f"prefetch_factor option should be a positive integer, but got prefetch_factor={prefetch_factor!r}"
+        )
+    return prefetch_factor
+
+
+def _check_iterable_options(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
+    if shuffle not in {False, None}:
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle!r}"
+        )
+    if sampler is not None:
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler!r}"
+        )
+    if batch_sampler is not None:
+        raise ValueError(
+            "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
+            f"but got batch_sampler={batch_sampler!r}"
+        )
+
+
+def _check_batching(
+    batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool
+) -> tuple[int | None, bool]:
+    if sampler is not None and shuffle:
+        raise ValueError(f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
+                f"sampler={sampler!r}, drop_last={drop_last!r})"
+            )
+        return None, False
+    if batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with "
+            f"drop_last (got drop_last={drop_last!r})"
+        )
+    return batch_size, drop_last
+
+
+def _default_sampler(dataset: Any, iterable: bool, shuffle: bool, generator: Any) -> Sampler:
+    if iterable:
+        return _InfiniteConstantSampler()
+    if shuffle:
+        return RandomSampler(dataset, generator=generator)
+    return SequentialSampler(dataset)
+
+
+def _resolve_context(context: Any, num_workers: int) -> Any:
+    if context is None:
+        return None
+    if num_workers == 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(
+                f"multiprocessing_context option should specify a valid start method in {methods!r}, "
+                f"but got multiprocessing_context={context!r}"
+            )
+        return multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r}"
+        )
+    return context
+
+
+def _warn_if_too_many_workers(num_workers: int) -> None:
+    if num_workers == 0:
+        return
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:
+        available = os.cpu_count() or 0
+    if num_workers > available:
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes, more than the "
+            f"{available} CPUs this process may use; loading may be slow or freeze. Lower "
+            "num_workers if it does.",
+            stacklevel=3,
+        )
+
+
+def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:
+    message = (
+        f"Length of IterableDataset {dataset} was reported to be {reported} (when accessing "
+        f"len(dataloader)), but {yielded} samples have been fetched."
+    )
+    if num_workers > 0:
+        message += " With several workers, each worker's replica must yield only its share: see get_worker_info()."
+    warnings.warn(message, stacklevel=3)

@@ -1,0 +1,1 @@
+"""How tasks reach workers and batches come back: typed messages over channels."""

@@ -1,0 +1,160 @@
+"""Channels between the main process and workers; no call here waits without a deadline.
+
+Process workers: each worker gets its own task pipe (main writes, worker reads) and its own result
+pipe (worker writes, main reads). The main process reads all result pipes as one channel through
+``multiprocessing.connection.wait``, together with the workers' exit sentinels, so a worker that
+dies is seen the moment it dies. One pipe per writer means a worker killed halfway through a write
+can never corrupt another worker's messages, and no lock is shared across processes.
+
+Tensors inside reports travel through shared memory: they are pickled with torch's
+multiprocessing reductions, which pass a shared-memory file descriptor, not the bytes.
+
+Thread workers: the same interface over in-process queues; objects are passed as they are.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import queue
+from multiprocessing import connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
+
+from pipeload.transport.messages import WorkerCommand, WorkerReport
+
+
+def dumps_shared(obj: Any) -> bytes:
+    """Pickle ``obj`` so that tensors go through shared memory instead of being copied."""
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getbuffer()
+
+
+class PipeEnd:
+    """One end of a one-way pipe, for the single process that owns it."""
+
+    def __init__(self, conn: connection.Connection) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        self.conn.send_bytes(dumps_shared(message))
+
+    def receive(self, timeout_s: float) -> Any | None:
+        """The next message, or None if none arrives within ``timeout_s``."""
+        if not self.conn.poll(timeout_s):
+            return None
+        return pickle.loads(self.conn.recv_bytes())
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class ProcessChannels:
+    """Task and result pipes for ``num_workers`` process workers; owned by the pool.
+
+    Invariant: after :meth:`forget_worker_ends` the main process holds only the task writers and
+    result readers, so a dead worker shows as EOF / broken pipe rather than a silent stall.
+    """
+
+    def __init__(self, ctx: Any, num_workers: int) -> None:
+        task_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
+        result_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
+        self.task_readers = [PipeEnd(reader) for reader, _ in task_pipes]
+        self.task_writers = [PipeEnd(writer) for _, writer in task_pipes]
+        self.result_readers = [reader for reader, _ in result_pipes]
+        self.result_writers = [PipeEnd(writer) for _, writer in result_pipes]
+        self._live_readers = list(self.result_readers)
+
+    def worker_ends(self, worker_id: int) -> tuple[PipeEnd, PipeEnd]:
+        """(task inbox, result outbox) to hand to worker ``worker_id``."""
+        return self.task_readers[worker_id], self.result_writers[worker_id]
+
+    def forget_worker_ends(self) -> None:
+        """Close the main process's copies of the workers' ends once they have started."""
+        for end in self.task_readers + self.result_writers:
+            end.close()
+
+    def send(self, worker_id: int, command: WorkerCommand) -> None:
+        self.task_writers[worker_id].conn.send_bytes(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
+
+    def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
+        """Reports ready within ``timeout_s`` and the sentinels that fired (dead workers)."""
+        ready = connection.wait(self._live_readers + sentinels, timeout_s)
+        reports, fired = [], []
+        for item in ready:
+            if isinstance(item, int):
+                fired.append(item)
+            else:
+                reports.extend(self._drain(item))
+        return reports, fired
+
+    def drain_worker(self, worker_id: int) -> list[WorkerReport]:
+        """Whatever worker ``worker_id`` managed to send before it died."""
+        return self._drain(self.result_readers[worker_id])
+
+    def _drain(self, conn: connection.Connection) -> list[WorkerReport]:
+        reports = []
+        try:
+            while conn.poll(0):
+                reports.append(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            # The writer is gone; its sentinel tells the pool how it ended. Stop waiting on an
+            # end that would otherwise read as ready forever.
+            if conn in self._live_readers:
+                self._live_readers.remove(conn)
+        return reports
+
+    def close(self) -> None:
+        for end in self.task_writers:
+            end.close()
+        for conn in self.result_readers:
+            conn.close()
+
+
+class QueueEnd:
+    """A thread worker's inbox or outbox: the same calls as :class:`PipeEnd`, no pickling."""
+
+    def __init__(self, q: queue.SimpleQueue | queue.Queue) -> None:
+        self.queue = q
+
+    def send(self, message: Any) -> None:
+        self.queue.put(message)
+
+    def receive(self, timeout_s: float) -> Any | None:
+        try:
+            return self.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadChannels:
+    """Per-worker task queues and one shared result queue for thread workers."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.task_queues = [QueueEnd(queue.SimpleQueue()) for _ in range(num_workers)]
+        self.results = QueueEnd(queue.SimpleQueue())
+
+    def worker_ends(self, worker_id: int) -> tuple[QueueEnd, QueueEnd]:
+        return self.task_queues[worker_id], self.results
+
+    def forget_worker_ends(self) -> None:
+        pass
+
+    def send(self, worker_id: int, command: WorkerCommand) -> None:
+        self.task_queues[worker_id].send(command)
+
+    def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
+        report = self.results.receive(timeout_s)
+        return ([report] if report is not None else []), []
+
+    def drain_worker(self, worker_id: int) -> list[WorkerReport]:
+        return []
+
+    def close(self) -> None:
+        pass
