@@ -72,6 +72,22 @@ class IterableDataset(Dataset[T_co], Iterable[T_co]):
         return ChainDataset([self, other])
 
 
+def _introduce_to_torch() -> None:
+    """Let torch's DataLoader recognise our IterableDataset as iterable-style.
+
+    torch decides map- vs iterable-style with ``isinstance(ds, torch's IterableDataset)``; that
+    class is an ABC, so registering ours as a virtual subclass is the supported way to be seen as
+    one. Nothing of torch's loading machinery is used or changed: this is an isinstance answer.
+    """
+    torch_data = getattr(torch.utils, "data", None)
+    torch_iterable = getattr(torch_data, "IterableDataset", None)
+    if torch_iterable is not None and hasattr(torch_iterable, "register"):
+        torch_iterable.register(IterableDataset)
+
+
+_introduce_to_torch()
+
+
 def _is_iterable_dataset(obj: object) -> bool:
     """True for our IterableDataset and for ``torch.utils.data.IterableDataset`` objects."""
     if isinstance(obj, IterableDataset):
