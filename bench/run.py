@@ -35,6 +35,8 @@ LOADER_NAMES = ("pipeload", "torch")
 START_METHODS = ("fork", "spawn", "forkserver")
 WARMUP_BATCHES = 3
 MIB = 1024 * 1024
+# /dev/shm is shared with the whole machine; growth under 1 MiB on both sides is not a signal.
+SHM_RATIO_FLOOR = 1 * MIB
 
 
 @dataclass(frozen=True)
@@ -151,13 +153,15 @@ def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
                          _ratio(ours.samples_per_s, theirs.samples_per_s),
                          _ratio(ours.first_batch_s, theirs.first_batch_s),
                          _ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes),
-                         _ratio(ours.peak_shm_bytes, theirs.peak_shm_bytes)))
+                         _ratio(ours.peak_shm_bytes, theirs.peak_shm_bytes, SHM_RATIO_FLOOR)))
     return rows
 
 
-def _ratio(ours: float, theirs: float) -> str:
-    # Tiny denominators (no shm used at all, say) make ratios meaningless rather than infinite.
-    return f"{ours / theirs:.2f}x" if theirs > 0 and ours >= 0 else "n/a"
+def _ratio(ours: float, theirs: float, floor: float = 0.0) -> str:
+    # Below the floor, a ratio of two near-zero amounts is noise: say so instead of printing it.
+    if theirs <= 0 or ours < 0 or max(ours, theirs) <= floor:
+        return "n/a"
+    return f"{ours / theirs:.2f}x"
 
 
 def format_table(rows: Sequence[tuple[str, ...]], markdown: bool = False) -> str:

@@ -6,41 +6,63 @@ pipe (worker writes, main reads). The main process reads all result pipes as one
 dies is seen the moment it dies. One pipe per writer means a worker killed halfway through a write
 can never corrupt another worker's messages, and no lock is shared across processes.
 
-Tensors inside reports travel through shared memory: they are pickled with torch's
-multiprocessing reductions, which pass a shared-memory file descriptor, not the bytes.
+Result channels are Unix socket pairs, so that the shared-memory file descriptors of a batch's
+tensors travel with the batch's pickle in one message (see fd_passing.py): the bytes of a tensor
+are never copied through the channel.
 
 Thread workers: the same interface over in-process queues; objects are passed as they are.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
 import queue
+import socket
 from multiprocessing import connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
-
+from pipeload.transport.fd_passing import (
+    dumps_with_fds,
+    loads_with_fds,
+    receive_message,
+    send_message,
+)
 from pipeload.transport.messages import WorkerCommand, WorkerReport
 
 
-def dumps_shared(obj: Any) -> bytes:
-    """Pickle ``obj`` so that tensors go through shared memory instead of being copied."""
-    buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getbuffer()
+class ResultSocket:
+    """One end of a worker's result socket: the worker sends on it, the main process receives."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: Any) -> None:
+        payload, fds, keep_alive = dumps_with_fds(message)
+        send_message(self.sock, payload, fds)
+        del keep_alive  # the descriptors are in the kernel's hands now
+
+    def ready(self) -> bool:
+        return bool(connection.wait([self.sock], 0))
+
+    def receive(self) -> Any:
+        payload, fds = receive_message(self.sock)
+        return loads_with_fds(payload, fds)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class PipeEnd:
-    """One end of a one-way pipe, for the single process that owns it."""
+    """One end of a one-way task pipe, for the single process that owns it."""
 
     def __init__(self, conn: connection.Connection) -> None:
         self.conn = conn
 
     def send(self, message: Any) -> None:
-        self.conn.send_bytes(dumps_shared(message))
+        self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
     def receive(self, timeout_s: float) -> Any | None:
         """The next message, or None if none arrives within ``timeout_s``."""
@@ -61,14 +83,14 @@ class ProcessChannels:
 
     def __init__(self, ctx: Any, num_workers: int) -> None:
         task_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
-        result_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
+        result_pairs = [socket.socketpair() for _ in range(num_workers)]
         self.task_readers = [PipeEnd(reader) for reader, _ in task_pipes]
         self.task_writers = [PipeEnd(writer) for _, writer in task_pipes]
-        self.result_readers = [reader for reader, _ in result_pipes]
-        self.result_writers = [PipeEnd(writer) for _, writer in result_pipes]
+        self.result_readers = [ResultSocket(reader) for reader, _ in result_pairs]
+        self.result_writers = [ResultSocket(writer) for _, writer in result_pairs]
         self._live_readers = list(self.result_readers)
 
-    def worker_ends(self, worker_id: int) -> tuple[PipeEnd, PipeEnd]:
+    def worker_ends(self, worker_id: int) -> tuple[PipeEnd, ResultSocket]:
         """(task inbox, result outbox) to hand to worker ``worker_id``."""
         return self.task_readers[worker_id], self.result_writers[worker_id]
 
@@ -95,11 +117,11 @@ class ProcessChannels:
         """Whatever worker ``worker_id`` managed to send before it died."""
         return self._drain(self.result_readers[worker_id])
 
-    def _drain(self, conn: connection.Connection) -> list[WorkerReport]:
+    def _drain(self, conn: ResultSocket) -> list[WorkerReport]:
         reports = []
         try:
-            while conn.poll(0):
-                reports.append(pickle.loads(conn.recv_bytes()))
+            while conn.ready():
+                reports.append(conn.receive())
         except (EOFError, OSError):
             # The writer is gone; its sentinel tells the pool how it ended. Stop waiting on an
             # end that would otherwise read as ready forever.

@@ -1,0 +1,157 @@
+"""Batches over a Unix socket, with every tensor's shared-memory file descriptor passed alongside.
+
+torch's own multiprocessing pickling hands each storage's descriptor over through a separate
+"resource sharer" connection: a connect and an authentication handshake per tensor. Here the
+worker pickles the batch once, collects the descriptors of all its CPU storages, and sends the
+pickle and the descriptors together in one ``sendmsg`` (SCM_RIGHTS). The main process maps each
+storage once, however many tensors view it.
+
+Message layout on the stream: a fixed header (payload length, descriptor count), the pickle,
+then, only when there are more descriptors than one ``sendmsg`` may carry, one byte per extra
+chunk of descriptors.
+"""
+
+from __future__ import annotations
+
+import array
+import io
+import os
+import pickle
+import socket
+import struct
+import threading
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers tensor and storage reductions)
+from torch.multiprocessing.reductions import reduce_storage
+
+_HEADER = struct.Struct("<QI")
+FDS_PER_SENDMSG = 200  # the kernel caps one message at 253 descriptors (SCM_MAX_FD)
+_FD_SIZE = array.array("i").itemsize
+
+
+class _StorageCollector(ForkingPickler):
+    """Pickles a report; CPU storages become slot numbers and their descriptors are collected."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.fds: list[int] = []
+        self._slot_of: dict[int, int] = {}
+        self._keep_alive: list[torch.UntypedStorage] = []  # their fds stay valid until sent
+        self.dispatch_table[torch.UntypedStorage] = self._reduce_storage
+
+    def _reduce_storage(self, storage: torch.UntypedStorage) -> Any:
+        if storage.device.type != "cpu":
+            return reduce_storage(storage)  # torch's own path for accelerator storages
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return (_empty_storage, ())
+        slot = self._slot_of.get(storage.data_ptr())
+        if slot is None:
+            fd, _ = storage._share_fd_cpu_()  # moves it into shared memory if it is not there
+            slot = len(self.fds)
+            self.fds.append(fd)
+            self._slot_of[storage.data_ptr()] = slot
+            self._keep_alive.append(storage)
+        return (_storage_from_slot, (slot, nbytes))
+
+
+class _Incoming(threading.local):
+    fds: list[int] = []
+    storages: dict[int, torch.UntypedStorage] = {}
+
+
+_incoming = _Incoming()
+
+
+def _storage_from_slot(slot: int, nbytes: int) -> torch.UntypedStorage:
+    storage = _incoming.storages.get(slot)
+    if storage is None:
+        storage = torch.UntypedStorage._new_shared_fd_cpu(_incoming.fds[slot], nbytes)
+        _incoming.storages[slot] = storage
+    return storage
+
+
+def _empty_storage() -> torch.UntypedStorage:
+    return torch.UntypedStorage(0)
+
+
+def dumps_with_fds(obj: Any) -> tuple[memoryview, list[int], list[Any]]:
+    """Pickle ``obj``; returns the bytes, the descriptors to send, and what keeps them valid."""
+    buffer = io.BytesIO()
+    pickler = _StorageCollector(buffer)
+    pickler.dump(obj)
+    return buffer.getbuffer(), pickler.fds, pickler._keep_alive
+
+
+def loads_with_fds(payload: bytes | bytearray, fds: list[int]) -> Any:
+    """Unpickle a message; closes every received descriptor (storages hold their own)."""
+    _incoming.fds, _incoming.storages = fds, {}
+    try:
+        return pickle.loads(payload)
+    finally:
+        _incoming.fds, _incoming.storages = [], {}
+        for fd in fds:
+            os.close(fd)
+
+
+def send_message(sock: socket.socket, payload: memoryview, fds: list[int]) -> None:
+    """Write one message: header and payload, with the descriptors riding on the first byte."""
+    chunks = [fds[i : i + FDS_PER_SENDMSG] for i in range(0, len(fds), FDS_PER_SENDMSG)]
+    header = _HEADER.pack(len(payload), len(fds))
+    sent = sock.sendmsg([header, payload], _rights(chunks[0] if chunks else []))
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent < len(header) + len(payload):
+        sock.sendall(payload[sent - len(header) :])
+    for chunk in chunks[1:]:
+        sock.sendmsg([b"\0"], _rights(chunk))
+
+
+def receive_message(sock: socket.socket) -> tuple[bytearray, list[int]]:
+    """Read one message written by :func:`send_message`. Raises EOFError if the writer is gone."""
+    fds: list[int] = []
+    try:
+        length, count = _HEADER.unpack(_receive_exactly(sock, _HEADER.size, fds))
+        payload = _receive_exactly(sock, length, fds)
+        while len(fds) < count:
+            _receive_exactly(sock, 1, fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return payload, fds
+
+
+def _rights(fds: list[int]) -> list[tuple[int, int, bytes]]:
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+
+
+def _receive_exactly(sock: socket.socket, size: int, fds: list[int]) -> bytearray:
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    ancillary_space = socket.CMSG_SPACE(FDS_PER_SENDMSG * _FD_SIZE)
+    while got < size:
+        nbytes, ancillary, _flags, _addr = sock.recvmsg_into(
+            [view[got:]], ancillary_space, socket.MSG_CMSG_CLOEXEC
+        )
+        fds.extend(_descriptors_in(ancillary))
+        if nbytes == 0:
+            raise EOFError("the worker closed its result channel")
+        got += nbytes
+    return data
+
+
+def _descriptors_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    found: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD_SIZE
+            found.extend(array.array("i", data[:usable]))
+    return found
