@@ -51,7 +51,7 @@ class Measurement:
 
 
 class _Peaks:
-    """The running maxima. Written only by the sampling thread while it runs; read after it stops."""
+    """The running maxima: written only by the sampling thread, read after it has stopped."""
 
     def __init__(self, shm_baseline_bytes: int) -> None:
         self.shm_baseline_bytes = shm_baseline_bytes
@@ -178,6 +178,20 @@ def measure(
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
                        sampler.peak_rss_bytes, sampler.peak_shm_bytes)
+
+
+def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
+    """Take a few batches from a fresh loader, untimed, then drop it and await its workers.
+
+    Pays for imports, worker start-up paths, allocators and file caches before anything is timed.
+    """
+    children_before = _child_pids()
+    iterator = iter(make_loader())
+    for _ in zip(range(batches), iterator):
+        pass
+    del iterator
+    gc.collect()
+    _wait_for_children(children_before)
 
 
 def _iterate(

@@ -28,7 +28,7 @@ import torch
 import torch.utils.data
 
 import pipeload
-from bench.measure import Measurement, measure
+from bench.measure import Measurement, measure, warm_up
 from bench.workloads import WORKLOADS, WorkloadContext, batch_length, get_workload
 
 LOADER_NAMES = ("pipeload", "torch")
@@ -89,7 +89,8 @@ def run_workload(
         for loader_name in LOADER_NAMES
     }
     for loader_name in LOADER_NAMES:
-        warm_up(make_loader(loader_name, datasets[loader_name], workload.batch_size, options))
+        warm_up(_loader_factory(loader_name, datasets[loader_name], workload.batch_size, options),
+                WARMUP_BATCHES)
     measurements = []
     for repeat in range(options.repeats):
         flip = (repeat + first_loader) % 2 == 1
@@ -101,8 +102,17 @@ def run_workload(
             _log(f"{name:<13} {loader_name:<9} repeat {repeat + 1}/{options.repeats}: "
                  f"{result.samples_per_s:>12,.0f} samples/s, first batch "
                  f"{result.first_batch_s * 1e3:,.0f} ms")
+            _check_sample_count(result, workload.items(options.quick) * options.epochs)
             measurements.append(result)
     return measurements
+
+
+def _check_sample_count(result: Measurement, expected: int) -> None:
+    # Every workload yields each item exactly once per epoch; a different count means items were
+    # lost or duplicated (a bad iterable shard, say), and the speed figure is not comparable.
+    if result.samples != expected:
+        _log(f"WARNING: {result.loader} yielded {result.samples} samples on {result.workload}, "
+             f"expected {expected}")
 
 
 def _loader_factory(
@@ -111,15 +121,8 @@ def _loader_factory(
     return lambda: make_loader(loader_name, dataset, batch_size, options)
 
 
-def warm_up(loader: Iterable[Any]) -> None:
-    """Take a few batches, untimed: imports, worker start-up paths, allocators, file caches."""
-    for taken, _batch in enumerate(loader, start=1):
-        if taken >= WARMUP_BATCHES:
-            break
-
-
 def summarise(measurements: Sequence[Measurement]) -> list[Summary]:
-    """Medians of speed and first-batch time, maxima of the memory peaks, per workload and loader."""
+    """Per workload and loader: medians of speed and first-batch time, maxima of the peaks."""
     keys = dict.fromkeys((m.workload, m.loader) for m in measurements)
     summaries = []
     for workload, loader in keys:
@@ -186,7 +189,8 @@ def describe_machine(options: RunOptions) -> str:
             f"{platform.python_version()}, torch {torch.__version__}, pipeload "
             f"{getattr(pipeload, '__version__', '?')}; num_workers={options.num_workers}, "
             f"start method {start_method}, pipeload workers: {options.worker_type}, "
-            f"repeats {options.repeats}, epochs {options.epochs}{', quick' if options.quick else ''}")
+            f"repeats {options.repeats}, epochs {options.epochs}"
+            f"{', quick' if options.quick else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -222,7 +226,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                         help="a workload to run; repeat for several (default: all)")
-    parser.add_argument("--num-workers", type=int, default=2, help="default: %(default)s")
+    parser.add_argument("--num-workers", type=_non_negative_int, default=2,
+                        help="default: %(default)s")
     parser.add_argument("--repeats", type=_positive_int, default=None,
                         help="runs per loader and workload (default: 2, or 1 with --quick)")
     parser.add_argument("--epochs", type=_positive_int, default=1, help="default: %(default)s")
@@ -240,6 +245,12 @@ def _parser() -> argparse.ArgumentParser:
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 

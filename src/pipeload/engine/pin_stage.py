@@ -17,6 +17,7 @@ from pipeload.pin import pin_memory
 
 POLL_INTERVAL_S = 0.1
 PINNED_AHEAD = 2
+CLOSE_JOIN_S = 2.0
 
 
 class InlinePinning:
@@ -90,8 +91,13 @@ class ThreadedPinning:
             return outcome.batch
 
     def close(self) -> None:
-        self._stop_thread()
+        # Stop the workers first: the pin thread may be waiting on them, and closing the engine
+        # is what ends that wait promptly (Ctrl-C, errors), rather than the next batch arriving.
+        self._stop.set()
         self._engine.close()
+        if self._thread is not None:
+            self._thread.join(CLOSE_JOIN_S)
+            self._thread = None
 
     def _pin_ahead(self, stop: threading.Event, pinned: queue.Queue) -> None:
         while not stop.is_set():

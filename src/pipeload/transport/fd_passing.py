@@ -32,17 +32,20 @@ FDS_PER_SENDMSG = 200  # the kernel caps one message at 253 descriptors (SCM_MAX
 _FD_SIZE = array.array("i").itemsize
 
 
-class _StorageCollector(ForkingPickler):
-    """Pickles a report; CPU storages become slot numbers and their descriptors are collected."""
+class _DescriptorCollector:
+    """Turns CPU storages into slot numbers while a report is pickled, collecting their fds.
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+    Deliberately not the pickler itself: a pickler whose dispatch table holds its own bound
+    method is a reference cycle, and the cycle would keep every pickled batch (and its shared
+    memory) alive until the garbage collector happened to run.
+    """
+
+    def __init__(self) -> None:
         self.fds: list[int] = []
+        self.keep_alive: list[torch.UntypedStorage] = []  # their fds stay valid until sent
         self._slot_of: dict[int, int] = {}
-        self._keep_alive: list[torch.UntypedStorage] = []  # their fds stay valid until sent
-        self.dispatch_table[torch.UntypedStorage] = self._reduce_storage
 
-    def _reduce_storage(self, storage: torch.UntypedStorage) -> Any:
+    def reduce_storage(self, storage: torch.UntypedStorage) -> Any:
         if storage.device.type != "cpu":
             return reduce_storage(storage)  # torch's own path for accelerator storages
         nbytes = storage.nbytes()
@@ -54,7 +57,7 @@ class _StorageCollector(ForkingPickler):
             slot = len(self.fds)
             self.fds.append(fd)
             self._slot_of[storage.data_ptr()] = slot
-            self._keep_alive.append(storage)
+            self.keep_alive.append(storage)
         return (_storage_from_slot, (slot, nbytes))
 
 
@@ -81,9 +84,11 @@ def _empty_storage() -> torch.UntypedStorage:
 def dumps_with_fds(obj: Any) -> tuple[memoryview, list[int], list[Any]]:
     """Pickle ``obj``; returns the bytes, the descriptors to send, and what keeps them valid."""
     buffer = io.BytesIO()
-    pickler = _StorageCollector(buffer)
+    collector = _DescriptorCollector()
+    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[torch.UntypedStorage] = collector.reduce_storage
     pickler.dump(obj)
-    return buffer.getbuffer(), pickler.fds, pickler._keep_alive
+    return buffer.getbuffer(), collector.fds, collector.keep_alive
 
 
 def loads_with_fds(payload: bytes | bytearray, fds: list[int]) -> Any:
