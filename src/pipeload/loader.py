@@ -41,9 +41,10 @@ _FROZEN_AFTER_INIT = frozenset(
 )
 
 
-class _TimeoutWithoutWorkers(ValueError, AssertionError):
-    """timeout > 0 with num_workers=0. torch raises AssertionError here; a ValueError is what the
-    user's mistake really is, so this is both."""
+class _ArgumentAssertionError(ValueError, AssertionError):
+    """An argument torch refuses with an AssertionError (timeout > 0 without workers,
+    prefetch_factor=0). It is a ValueError in truth, so it is both: ``except`` clauses written
+    for either keep working."""
 
 
 class DataLoader(Generic[T_co]):
@@ -168,7 +169,8 @@ class DataLoader(Generic[T_co]):
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__initialized and name in _FROZEN_AFTER_INIT:
             raise ValueError(
-                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+                f"{name} attribute should not be set after {type(self).__name__} is initialized "
+                f"(tried to set {name}={value!r}); build a new DataLoader instead"
             )
         super().__setattr__(name, value)
 
@@ -214,7 +216,7 @@ class DataLoader(Generic[T_co]):
 
     def _build_engine(self, base_seed: int) -> Any:
         if self.timeout > 0 and self.num_workers == 0:
-            raise _TimeoutWithoutWorkers(
+            raise _ArgumentAssertionError(
                 f"timeout={self.timeout!r} needs worker processes: set num_workers > 0 or timeout=0"
             )
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
@@ -344,7 +346,7 @@ def _resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | No
     if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
         raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
     if prefetch_factor <= 0:
-        raise ValueError(
+        raise _ArgumentAssertionError(
             f"prefetch_factor option should be a positive integer, but got prefetch_factor={prefetch_factor!r}"
         )
     return prefetch_factor
@@ -401,7 +403,7 @@ def _resolve_context(context: Any, num_workers: int) -> Any:
     if num_workers == 0:
         raise ValueError(
             "multiprocessing_context can only be used with multi-process loading "
-            f"(num_workers > 0), but got num_workers={num_workers}"
+            f"(num_workers > 0), but got multiprocessing_context={context!r} with num_workers=0"
         )
     if isinstance(context, str):
         methods = multiprocessing.get_all_start_methods()

@@ -9,6 +9,7 @@ RNG with four 32-bit words mixed from (worker_id, base_seed) by a SeedSequence-s
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,18 @@ def get_worker_info() -> WorkerInfo | None:
 def set_worker_info(info: WorkerInfo | None) -> None:
     """Install ``info`` for the calling thread (a worker's first act; None when it ends)."""
     _current.info = info
+
+
+def publish_to_torch(info: WorkerInfo) -> None:
+    """Answer ``torch.utils.data.get_worker_info()`` too, inside a process worker.
+
+    torch-native datasets shard themselves with torch's function, which reads one module-level
+    variable. A worker process is ours alone, so setting it there is safe; thread workers cannot
+    do this (the variable is per process), which the README says.
+    """
+    torch_worker_module = sys.modules.get("torch.utils.data._utils.worker")
+    if torch_worker_module is not None and hasattr(torch_worker_module, "_worker_info"):
+        torch_worker_module._worker_info = info
 
 
 def in_worker_process() -> bool:

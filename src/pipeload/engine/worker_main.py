@@ -6,9 +6,13 @@ build and it reports what happened, including "my iterable ran dry" and "this ra
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import pickle
+import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +21,12 @@ from typing import Any
 import torch
 
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
-from pipeload.engine.plan import WorkerSetup
+from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
     make_thread_rng,
     seed_process_worker,
+    publish_to_torch,
     set_worker_info,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
@@ -29,6 +34,10 @@ from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerRe
 
 POLL_INTERVAL_S = 0.1
 PARENT_CHECK_INTERVAL_S = 0.2
+
+SHM_DIR = "/dev/shm"  # where POSIX shared memory names live on Linux
+# torch: "unable to allocate shared memory(shm) for file </torch_<pid>_<n>_<n>>: No space left ..."
+_TORCH_SEGMENT = re.compile(r"for file </(?P<name>torch_(?P<pid>\d+)_[^>/]*)>")
 
 SHM_TOO_SMALL = (
     "shared memory (/dev/shm) is too small for the batches in flight. Give the container more "
@@ -122,6 +131,7 @@ class WorkerLoop:
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
         failure = RemoteFailure.capture(self._id, stage, _indices_for_message(indices))
         if _is_shared_memory_exhaustion(exc):
+            _remove_failed_segment(exc)
             failure = RemoteFailure(
                 SharedMemoryError, SHM_TOO_SMALL, f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
                 self._id, stage, failure.indices,
@@ -140,6 +150,22 @@ def _is_shared_memory_exhaustion(exc: BaseException) -> bool:
     return "No space left on device" in text or ("unable to mmap" in text and "shm" in text)
 
 
+def _remove_failed_segment(exc: BaseException) -> None:
+    """Unlink the segment torch could not fill.
+
+    When /dev/shm runs out, torch has already created the segment's file and raises without
+    removing it; each failed batch would leave one behind, filling /dev/shm further. torch names
+    the file in its message, with the pid of the process that made it: only ours is touched.
+    """
+    match = _TORCH_SEGMENT.search(str(exc))
+    if match is None or int(match.group("pid")) != os.getpid():
+        return
+    try:
+        os.unlink(os.path.join(SHM_DIR, match.group("name")))
+    except OSError:
+        pass  # already gone
+
+
 def run_process_worker(
     setup: WorkerSetup | bytes, worker_id: int, inbox: Any, outbox: Any
 ) -> None:
@@ -150,7 +176,9 @@ def run_process_worker(
     if isinstance(setup, bytes):
         setup = pickle.loads(setup)
     seed = seed_process_worker(setup.base_seed, worker_id)
-    set_worker_info(WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset))
+    info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset)
+    set_worker_info(info)
+    publish_to_torch(info)
     try:
         WorkerLoop(setup, worker_id, inbox, outbox, should_stop=lambda: False).run()
     except (BrokenPipeError, EOFError, ConnectionResetError):
@@ -158,6 +186,24 @@ def run_process_worker(
     finally:
         outbox.close()
         inbox.close()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown.
+
+    With torch imported, that teardown takes most of a second in a spawn or forkserver worker:
+    longer than the main process waits before it terminates a worker that was asked to stop, so
+    every epoch would end in SIGTERMs. Nothing in it matters to the main process. Fork workers
+    already end this way (multiprocessing calls ``os._exit`` for them), so now all start
+    methods behave alike.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass  # closed or replaced streams: nothing to flush
+    os._exit(0)
 
 
 def run_thread_worker(
@@ -165,6 +211,7 @@ def run_thread_worker(
 ) -> None:
     """Entry point of a worker thread. Global RNGs belong to the main thread: this worker gets
     its own generators in ``get_worker_info().rng``, seeded as a process worker's would be."""
+    setup = _with_own_iterable_replica(setup)
     rng = make_thread_rng(setup.base_seed, worker_id)
     seed = setup.base_seed + worker_id
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
@@ -173,6 +220,22 @@ def run_thread_worker(
         WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set).run()
     finally:
         set_worker_info(None)
+
+
+def _with_own_iterable_replica(setup: WorkerSetup) -> WorkerSetup:
+    """Give a thread worker its own shallow copy of an iterable dataset.
+
+    Process workers each hold a replica by construction; threads would share one object, and a
+    dataset whose ``__iter__`` keeps its position on ``self`` would then be interleaved across
+    workers. A shallow copy separates that state while the data it refers to stays shared.
+    """
+    if setup.fetch.kind is not DatasetKind.ITERABLE:
+        return setup
+    try:
+        replica = copy.copy(setup.fetch.dataset)
+    except Exception:
+        return setup  # an uncopyable dataset is shared, as it would be without this step
+    return dataclasses.replace(setup, fetch=dataclasses.replace(setup.fetch, dataset=replica))
 
 
 def _exit_when_parent_dies(parent_pid: int) -> None:

@@ -1,0 +1,365 @@
+"""DataLoader argument checking against torch.utils.data as the oracle.
+
+Every argument torch refuses, pipeload refuses with the same exception type (so ``except``
+clauses written for torch still work), and pipeload's message names the argument together with
+the value it received.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import pipeload
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TorchCounter(tud.IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+class PipeCounter(pipeload.IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+COUNTER = {tud: TorchCounter, pipeload: PipeCounter}
+
+
+def numbers(m: ModuleType) -> Any:
+    return m.TensorDataset(torch.arange(6))
+
+
+@dataclass(frozen=True)
+class BadCall:
+    """A DataLoader call torch refuses, and what pipeload's message must contain.
+
+    ``call`` builds the loader from the given module (and may go on to use it); ``mentions``
+    returns the text fragments pipeload's message must include (objects appear by their repr).
+    """
+
+    call: Callable[[ModuleType], object]
+    mentions: Callable[[ModuleType], list[str]]
+
+
+def iterate(loader: Any) -> object:
+    return next(iter(loader))
+
+
+BAD_CALLS: dict[str, BadCall] = {
+    "shuffle-with-sampler": BadCall(
+        lambda m: m.DataLoader(numbers(m), shuffle=True, sampler=m.SequentialSampler(range(6))),
+        lambda m: ["shuffle=True"],
+    ),
+    "batch-sampler-with-batch-size": BadCall(
+        lambda m: m.DataLoader(numbers(m), batch_size=3, batch_sampler=[[0, 1]]),
+        lambda m: ["batch_size=3"],
+    ),
+    "batch-sampler-with-batch-size-none": BadCall(
+        lambda m: m.DataLoader(numbers(m), batch_size=None, batch_sampler=[[0, 1]]),
+        lambda m: ["batch_size=None"],
+    ),
+    "batch-sampler-with-shuffle": BadCall(
+        lambda m: m.DataLoader(numbers(m), shuffle=True, batch_sampler=[[0, 1]]),
+        lambda m: ["shuffle=True"],
+    ),
+    "batch-sampler-with-sampler": BadCall(
+        lambda m: m.DataLoader(numbers(m), sampler=SAMPLER[m], batch_sampler=[[0, 1]]),
+        lambda m: [f"sampler={SAMPLER[m]!r}"],
+    ),
+    "batch-sampler-with-drop-last": BadCall(
+        lambda m: m.DataLoader(numbers(m), drop_last=True, batch_sampler=[[0, 1]]),
+        lambda m: ["drop_last=True"],
+    ),
+    "batch-size-none-with-drop-last": BadCall(
+        lambda m: m.DataLoader(numbers(m), batch_size=None, drop_last=True),
+        lambda m: ["drop_last=True", "batch_size=None"],
+    ),
+    "batch-size-zero": BadCall(lambda m: m.DataLoader(numbers(m), batch_size=0), lambda m: ["batch_size=0"]),
+    "batch-size-negative": BadCall(lambda m: m.DataLoader(numbers(m), batch_size=-1), lambda m: ["batch_size=-1"]),
+    "batch-size-bool": BadCall(lambda m: m.DataLoader(numbers(m), batch_size=True), lambda m: ["batch_size=True"]),
+    "batch-size-float": BadCall(lambda m: m.DataLoader(numbers(m), batch_size=2.5), lambda m: ["batch_size=2.5"]),
+    "batch-size-string": BadCall(lambda m: m.DataLoader(numbers(m), batch_size="4"), lambda m: ["batch_size='4'"]),
+    "batch-size-zero-iterable": BadCall(
+        lambda m: m.DataLoader(COUNTER[m](), batch_size=0), lambda m: ["batch_size=0"]
+    ),
+    "drop-last-not-bool": BadCall(
+        lambda m: m.DataLoader(numbers(m), batch_size=2, drop_last="yes"), lambda m: ["drop_last='yes'"]
+    ),
+    "num-workers-negative": BadCall(lambda m: m.DataLoader(numbers(m), num_workers=-1), lambda m: ["num_workers=-1"]),
+    "num-workers-string": BadCall(lambda m: m.DataLoader(numbers(m), num_workers="2"), lambda m: ["num_workers='2'"]),
+    "timeout-negative": BadCall(lambda m: m.DataLoader(numbers(m), timeout=-1), lambda m: ["timeout=-1"]),
+    "timeout-negative-float": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=1, timeout=-0.5), lambda m: ["timeout=-0.5"]
+    ),
+    "timeout-without-workers": BadCall(
+        lambda m: iterate(m.DataLoader(numbers(m), timeout=5)), lambda m: ["timeout=5"]
+    ),
+    "prefetch-factor-without-workers": BadCall(
+        lambda m: m.DataLoader(numbers(m), prefetch_factor=2), lambda m: ["prefetch_factor=2"]
+    ),
+    "prefetch-factor-negative": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=2, prefetch_factor=-1), lambda m: ["prefetch_factor=-1"]
+    ),
+    "prefetch-factor-zero": BadCall(
+        # torch accepts it when the loader is built and refuses it when the epoch starts.
+        lambda m: iterate(m.DataLoader(numbers(m), num_workers=1, prefetch_factor=0)),
+        lambda m: ["prefetch_factor=0"],
+    ),
+    "persistent-workers-without-workers": BadCall(
+        lambda m: m.DataLoader(numbers(m), persistent_workers=True), lambda m: ["persistent_workers=True"]
+    ),
+    "unknown-start-method": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=2, multiprocessing_context="bogus"),
+        lambda m: ["multiprocessing_context='bogus'"],
+    ),
+    "start-method-wrong-case": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=2, multiprocessing_context="Fork"),
+        lambda m: ["multiprocessing_context='Fork'"],
+    ),
+    "context-not-a-context": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=2, multiprocessing_context=42),
+        lambda m: ["multiprocessing_context=42"],
+    ),
+    "context-module-not-a-context": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=2, multiprocessing_context=multiprocessing),
+        lambda m: ["multiprocessing_context", "module 'multiprocessing'"],
+    ),
+    "context-without-workers": BadCall(
+        lambda m: m.DataLoader(numbers(m), multiprocessing_context="fork"),
+        lambda m: ["multiprocessing_context='fork'", "num_workers=0"],
+    ),
+    "context-object-without-workers": BadCall(
+        lambda m: m.DataLoader(numbers(m), multiprocessing_context=SPAWN),
+        lambda m: [f"multiprocessing_context={SPAWN!r}", "num_workers=0"],
+    ),
+    "iterable-with-shuffle": BadCall(lambda m: m.DataLoader(COUNTER[m](), shuffle=True), lambda m: ["shuffle=True"]),
+    "iterable-with-truthy-shuffle": BadCall(lambda m: m.DataLoader(COUNTER[m](), shuffle=1.0), lambda m: ["shuffle=1.0"]),
+    "iterable-with-sampler": BadCall(
+        lambda m: m.DataLoader(COUNTER[m](), sampler=SAMPLER[m]), lambda m: [f"sampler={SAMPLER[m]!r}"]
+    ),
+    "iterable-with-batch-sampler": BadCall(
+        lambda m: m.DataLoader(COUNTER[m](), batch_sampler=BATCH_SAMPLER[m]),
+        lambda m: [f"batch_sampler={BATCH_SAMPLER[m]!r}"],
+    ),
+    "torch-iterable-with-shuffle": BadCall(
+        lambda m: m.DataLoader(TorchCounter(), shuffle=True), lambda m: ["shuffle=True"]
+    ),
+}
+
+# Fixed objects, so the message can be checked against the very object pipeload received.
+SPAWN = multiprocessing.get_context("spawn")
+SAMPLER = {tud: tud.SequentialSampler(range(6)), pipeload: pipeload.SequentialSampler(range(6))}
+BATCH_SAMPLER = {
+    tud: tud.BatchSampler(range(4), 2, False),
+    pipeload: pipeload.BatchSampler(range(4), 2, False),
+}
+
+
+def raised_by(call: Callable[[ModuleType], object], module: ModuleType) -> BaseException:
+    """The exception ``call(module)`` raises, its traceback dropped so that whatever the failed
+    call built is released now, inside the test, rather than at some later collection."""
+    with pytest.raises(Exception) as caught:
+        call(module)
+    error = caught.value
+    error.__traceback__ = None
+    del caught
+    return error
+
+
+def bad_call_params() -> list[Any]:
+    # torch's half-built iterator complains from __del__ when prefetch_factor=0 stops it.
+    quiet = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+    return [pytest.param(name, marks=quiet) if name == "prefetch-factor-zero" else name for name in BAD_CALLS]
+
+
+@pytest.mark.parametrize("name", bad_call_params())
+def test_bad_argument_raises_like_torch_and_names_it(name: str) -> None:
+    bad = BAD_CALLS[name]
+    theirs, mine = raised_by(bad.call, tud), raised_by(bad.call, pipeload)
+    assert isinstance(mine, type(theirs)), (
+        f"torch raises {type(theirs).__name__}, pipeload raised {type(mine).__name__}: {mine}"
+    )
+    message = str(mine)
+    for fragment in bad.mentions(pipeload):
+        assert fragment in message, f"{fragment!r} is missing from the message: {message!r}"
+
+
+# ------------------------------------------------------------------ accepted edge values
+
+
+ACCEPTED: dict[str, Callable[[ModuleType], Any]] = {
+    "iterable-with-shuffle-false": lambda m: m.DataLoader(COUNTER[m](), shuffle=False),
+    "iterable-with-shuffle-none": lambda m: m.DataLoader(COUNTER[m](), shuffle=None),
+    "batch-sampler-with-default-batch-size": lambda m: m.DataLoader(numbers(m), batch_sampler=[[0, 1], [2]]),
+    "batch-size-none": lambda m: m.DataLoader(numbers(m), batch_size=None),
+    "sampler-with-shuffle-false": lambda m: m.DataLoader(numbers(m), shuffle=False, sampler=[0, 2]),
+    "context-string-with-workers": lambda m: m.DataLoader(numbers(m), num_workers=1, multiprocessing_context="fork"),
+    "context-object-with-workers": lambda m: m.DataLoader(
+        numbers(m), num_workers=1, multiprocessing_context=multiprocessing.get_context("fork")
+    ),
+    "timeout-zero-float": lambda m: m.DataLoader(numbers(m), timeout=0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_arguments_torch_accepts_are_accepted(name: str) -> None:
+    theirs = ACCEPTED[name](tud)
+    mine = ACCEPTED[name](pipeload)
+    assert (mine.batch_size, mine.drop_last) == (theirs.batch_size, theirs.drop_last)
+    assert type(mine.multiprocessing_context) is type(theirs.multiprocessing_context)
+    if mine.multiprocessing_context is not None:
+        assert mine.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
+
+
+# ------------------------------------------------------------------ attributes after init
+
+FROZEN_AFTER_INIT = ["batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"]
+
+
+REFUSED_VALUE = {"batch_size": 7, "drop_last": True, "persistent_workers": True}
+
+
+def set_after_init(module: ModuleType, attribute: str) -> BaseException:
+    loader = module.DataLoader(numbers(module), batch_size=2)
+    before = getattr(loader, attribute)
+    with pytest.raises(Exception) as caught:
+        setattr(loader, attribute, REFUSED_VALUE.get(attribute, [[0]]))
+    assert getattr(loader, attribute) is before  # refused, so unchanged
+    return caught.value
+
+
+@pytest.mark.parametrize("attribute", FROZEN_AFTER_INIT)
+def test_setting_a_frozen_attribute_after_init_raises_like_torch(attribute: str) -> None:
+    theirs, mine = set_after_init(tud, attribute), set_after_init(pipeload, attribute)
+    assert type(mine) is type(theirs)
+    assert attribute in str(mine)
+
+
+@pytest.mark.parametrize("attribute", FROZEN_AFTER_INIT)
+def test_setting_a_frozen_attribute_after_init_names_the_refused_value(attribute: str) -> None:
+    message = str(set_after_init(pipeload, attribute))
+    value = REFUSED_VALUE.get(attribute, [[0]])
+    assert f"{attribute}={value!r}" in message, f"the refused value is missing from: {message!r}"
+
+
+@pytest.mark.parametrize("attribute", ["num_workers", "pin_memory", "timeout", "collate_fn", "worker_init_fn"])
+def test_other_attributes_may_be_set_after_init_as_in_torch(attribute: str) -> None:
+    value = {"num_workers": 0, "pin_memory": False, "timeout": 0}.get(attribute, None)
+    for module in (tud, pipeload):
+        loader = module.DataLoader(numbers(module), batch_size=2)
+        setattr(loader, attribute, value)
+        assert getattr(loader, attribute) == value
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [("bogus", ValueError), (3.5, TypeError)], ids=["unknown-method", "not-a-context"]
+)
+def test_multiprocessing_context_set_after_init_is_checked_like_torch(value: Any, error: type) -> None:
+    for module in (tud, pipeload):
+        loader = module.DataLoader(numbers(module), num_workers=2)
+        with pytest.raises(error) as caught:
+            loader.multiprocessing_context = value
+    assert f"multiprocessing_context={value!r}" in str(caught.value)
+
+
+def test_multiprocessing_context_set_after_init_is_resolved_like_torch() -> None:
+    contexts = []
+    for module in (tud, pipeload):
+        loader = module.DataLoader(numbers(module), num_workers=2)
+        loader.multiprocessing_context = "spawn"
+        contexts.append(loader.multiprocessing_context)
+    assert [c.get_start_method() for c in contexts] == ["spawn", "spawn"]
+
+
+# ------------------------------------------------------------------ worker_type (pipeload only)
+
+
+@pytest.mark.parametrize("worker_type", ["bogus", "threads", "Process", None, 1])
+def test_unknown_worker_type_is_refused_by_name(worker_type: Any) -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, worker_type=worker_type)
+    message = str(caught.value)
+    assert f"worker_type={worker_type!r}" in message
+    assert "'process'" in message and "'thread'" in message  # says what would be accepted
+
+
+def test_worker_type_is_keyword_only() -> None:
+    # batch_size ... generator: every parameter torch takes by position.
+    positional = [1, None, None, None, 0, None, False, False, 0, None, None, None]
+    pipeload.DataLoader(numbers(pipeload), *positional)
+    with pytest.raises(TypeError):
+        pipeload.DataLoader(numbers(pipeload), *positional, "thread")
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_known_worker_types_are_accepted(worker_type: str) -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=3, worker_type=worker_type)
+    assert [batch[0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5]]
+
+
+# ------------------------------------------------------------------ generics
+
+
+def test_dataloader_can_be_subscripted_like_torch() -> None:
+    alias = pipeload.DataLoader[list[torch.Tensor]]
+    assert alias.__origin__ is pipeload.DataLoader
+    assert alias.__args__ == tud.DataLoader[list[torch.Tensor]].__args__
+    loader = alias(numbers(pipeload), batch_size=6)
+    assert isinstance(loader, pipeload.DataLoader)
+    assert next(iter(loader))[0].tolist() == list(range(6))
+
+
+class Records(pipeload.Dataset[dict]):
+    def __getitem__(self, index: int) -> dict:
+        return {"index": index}
+
+    def __len__(self) -> int:
+        return 3
+
+
+class Counts(pipeload.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+class Evens(pipeload.Sampler[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter([0, 2])
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_dataset_sampler_subclasses_of_subscripted_generics_work() -> None:
+    assert next(iter(pipeload.DataLoader(Records(), batch_size=3)))["index"].tolist() == [0, 1, 2]
+    assert next(iter(pipeload.DataLoader(Counts(), batch_size=3))).tolist() == [0, 1, 2]
+    assert next(iter(pipeload.DataLoader(Records(), sampler=Evens(), batch_size=2)))["index"].tolist() == [0, 2]
+    # ... and torch's DataLoader takes them too, as iterable-style where they are.
+    assert next(iter(tud.DataLoader(Counts(), batch_size=3))).tolist() == [0, 1, 2]
+    assert Records.__orig_bases__ == (pipeload.Dataset[dict],)
+
+
+@pytest.mark.parametrize(
+    "generic",
+    [
+        lambda: pipeload.Dataset[int],
+        lambda: pipeload.IterableDataset[str],
+        lambda: pipeload.Sampler[list[int]],
+        lambda: pipeload.Subset[int],
+        lambda: pipeload.ConcatDataset[int],
+        lambda: pipeload.StackDataset[tuple],
+    ],
+)
+def test_public_generics_can_be_subscripted(generic: Callable[[], Any]) -> None:
+    alias = generic()
+    assert alias.__origin__ is not None
