@@ -101,5 +101,14 @@ def describe_exit(exitcode: int | None) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = "unknown signal"
-        return f"signal {-exitcode} ({name})"
+        hint = _SIGBUS_HINT if -exitcode == signal.SIGBUS else ""
+        return f"signal {-exitcode} ({name}){hint}"
     return f"exit code {exitcode}"
+
+
+# A bus error in a data loader worker is most often a write to shared memory that /dev/shm
+# could not back.
+_SIGBUS_HINT = (
+    "; a bus error in a DataLoader worker usually means shared memory (/dev/shm) ran out: "
+    "give it more room, or lower num_workers, prefetch_factor or batch_size"
+)

@@ -268,6 +268,9 @@ class _EpochIterator:
     def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool) -> None:
         self._engine = engine
         self._owns_engine = owns_engine
+        # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
+        # `for b in DataLoader(..., persistent_workers=True)` would close it under our feet.
+        self._loader = None if owns_engine else loader
         self._index_sampler = loader._index_sampler
         self._len_reported = loader._len_reported
         self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE

@@ -5,9 +5,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.context import set_spawning_popen
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 import torch
@@ -70,6 +73,11 @@ def start_process_workers(ctx: Any, setup: WorkerSetup, channels: Any) -> list[A
             )
             process.start()
             workers.append(process)
+            # Drop our copies of this worker's ends now, not after the last start: a worker forked
+            # later would inherit them, and a task pipe that another process also reads never
+            # breaks when its worker dies, so a send to the dead worker could block for ever.
+            inbox.close()
+            outbox.close()
     except BaseException:
         stop_workers(workers)
         raise
@@ -95,13 +103,21 @@ def start_thread_workers(setup: WorkerSetup, channels: Any) -> tuple[list[Any], 
     return handles, stop
 
 
-def stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None = None) -> None:
-    """Stop every worker: ask (if given), join with a deadline, then terminate, then kill."""
+def stop_workers(
+    workers: Sequence[Any], ask: Callable[[int], None] | None = None, force: bool = True
+) -> None:
+    """Stop every worker: ask (if given), join with a deadline, then terminate, then kill.
+
+    ``force=False`` stops after the join: threads cannot be terminated, so waiting on through
+    the escalation steps would only hold the caller up (a stuck daemon thread is left behind).
+    """
     if ask is not None:
         for worker_id, worker in enumerate(workers):
             if worker.is_alive():
                 _quietly(ask, worker_id)
     _join_all(workers, JOIN_GRACE_S)
+    if not force:
+        return
     for step, grace in (("terminate", TERMINATE_GRACE_S), ("kill", KILL_GRACE_S)):
         alive = [w for w in workers if w.is_alive()]
         if not alive:
@@ -109,6 +125,19 @@ def stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None = Non
         for worker in alive:
             _quietly(getattr(worker, step))
         _join_all(alive, grace)
+
+
+def release_finished(workers: Sequence[Any]) -> None:
+    """Close the pipes that the handles of finished worker processes still hold open.
+
+    A stopped engine can outlive its epoch (an exception's traceback keeps it), and its handles
+    must not pin file descriptors meanwhile. Unlike ``Process.close()``, this keeps ``pid``,
+    ``exitcode``, ``is_alive()`` and ``join()`` answering, as users of ``_workers`` expect.
+    """
+    for worker in workers:
+        popen = getattr(worker, "_popen", None)  # thread handles have none
+        if popen is not None and popen.returncode is not None:
+            popen.close()
 
 
 def _join_all(workers: Sequence[Any], grace_s: float) -> None:
@@ -132,8 +161,9 @@ class _Discard(io.RawIOBase):
         return len(memoryview(data))
 
 
-class _PicklabilityProbe(pickle.Pickler):
-    """Pickles everything except tensors, which torch moves through shared memory anyway."""
+class _PicklabilityProbe(ForkingPickler):
+    """Pickles as multiprocessing does when it starts a worker, except tensors, which torch
+    moves through shared memory anyway (and probing them would copy them there)."""
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
@@ -141,14 +171,53 @@ class _PicklabilityProbe(pickle.Pickler):
         return None
 
 
+class _StartingProcess:
+    """Stands in for the Popen of a process being started while the probe runs.
+
+    Locks, shared values and pipes refuse to be pickled except while a process is being spawned
+    (they check for one), and then hand over file descriptors through it. Without this stand-in
+    the probe would refuse datasets that spawn sends without trouble, e.g. one holding a
+    ``multiprocessing.Value`` counter.
+    """
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+    @staticmethod
+    def DupFd(fd: int) -> int:  # noqa: N802  (the name multiprocessing calls)
+        return fd
+
+
 def check_picklable(named_objects: dict[str, Any], start_method: str) -> None:
     """Fail before any worker starts if spawn/forkserver could not send these objects to it."""
     for name, obj in named_objects.items():
+        set_spawning_popen(_StartingProcess())
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
-            raise type(exc)(
-                f"DataLoader cannot send {name}={obj!r} to its '{start_method}' worker processes "
-                f"because it cannot be pickled: {exc}. Define it at module level (not as a lambda "
-                f"or local function/class), or use multiprocessing_context='fork'."
-            ) from exc
+            raise _unpicklable(exc, name, obj, start_method) from exc
+        finally:
+            set_spawning_popen(None)
+
+
+def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str) -> Exception:
+    message = (
+        f"DataLoader cannot send {name}={_short_repr(obj)} to its '{start_method}' worker "
+        f"processes because it cannot be pickled: {exc}. Define it at module level (not as a "
+        f"lambda or local function/class), or use multiprocessing_context='fork'."
+    )
+    try:
+        return type(exc)(message)
+    except Exception:  # an exception type that needs other constructor arguments
+        return pickle.PicklingError(message)
+
+
+def _short_repr(obj: Any) -> str:
+    # A dataset can be a list of a million items: name it, do not print it.
+    shortener = reprlib.Repr()
+    shortener.maxother = shortener.maxstring = 160
+    try:
+        return shortener.repr(obj)
+    except Exception:
+        return f"<{type(obj).__qualname__} object>"

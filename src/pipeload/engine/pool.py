@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeload.engine.lifecycle import (
     check_picklable,
+    release_finished,
     start_process_workers,
     start_thread_workers,
     stop_workers,
@@ -25,6 +26,7 @@ from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 WAIT_SLICE_S = 1.0
+EXIT_STATUS_WAIT_S = 1.0
 THREAD_CHECK_INTERVAL_S = 0.1
 
 
@@ -93,9 +95,12 @@ class _Workers:
         self.closed = True
         if self.stop_event is not None:
             self.stop_event.set()
-        stop = WorkerCommand(Command.STOP)
-        stop_workers(self.handles, ask=lambda worker_id: self.channels.send(worker_id, stop))
+        stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
         self.channels.close()
+        release_finished(self.handles)
+
+    def _ask_to_stop(self, worker_id: int) -> None:
+        self.channels.send(worker_id, WorkerCommand(Command.STOP))
 
 
 def _picklable_parts(setup: WorkerSetup) -> dict[str, Any]:
@@ -143,21 +148,27 @@ class PoolEngine:
 
     def next_batch(self) -> Any:
         """The next batch; raises StopIteration when the epoch is over."""
-        ledger = self._ledger
+        # No local alias of the ledger: a raised error's traceback keeps this frame, and
+        # close() must be able to let go of the batches the ledger holds.
         while True:
-            report = ledger.pop_ready()
+            report = self._ledger.pop_ready()
             if report is not None:
                 self._top_up()
                 return _unwrap(report)
-            if ledger.nothing_left():
+            if self._ledger.nothing_left():
                 raise StopIteration
             for report in self._receive():
                 if report.report is not Report.EPOCH_STARTED:
-                    ledger.record_report(report)
+                    self._ledger.record_report(report)
             self._top_up()
 
     def close(self) -> None:
         self._finalizer()
+        # A closed engine can live on for a long time (an exception's traceback holds it): drop
+        # the batches it still holds, so their shared memory is freed now, and end the epoch.
+        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
+        self._tasks = iter(())
+        self._sampler_done = True
 
     def _top_up(self) -> None:
         ledger = self._ledger
@@ -177,8 +188,13 @@ class PoolEngine:
         try:
             self._workers.channels.send(worker_id, command)
         except (BrokenPipeError, ConnectionResetError, EOFError):
+            # The worker's end closed because it is dying; its exit status comes a moment later.
+            handle = self._workers.handles[worker_id]
+            handle.join(EXIT_STATUS_WAIT_S)
             self._raise_for_dead_workers()
-            raise
+            raise WorkerDiedError(
+                f"DataLoader worker {worker_id} (pid {handle.pid}) stopped reading its tasks"
+            ) from None
 
     def _receive(self) -> list[WorkerReport]:
         """Wait for reports; raise on timeout or as soon as any worker has died."""
@@ -190,6 +206,7 @@ class PoolEngine:
                 slice_s = min(slice_s, max(0.0, deadline - time.monotonic()))
             reports, fired = self._workers.channels.wait(slice_s, self._workers.sentinels())
             if fired or not self._workers.all_alive():
+                reports.clear()  # about to raise: the traceback keeps this frame and its batches
                 self._raise_for_dead_workers()
             if reports:
                 return reports

@@ -15,6 +15,7 @@ Thread workers: the same interface over in-process queues; objects are passed as
 
 from __future__ import annotations
 
+import fcntl
 import pickle
 import queue
 import socket
@@ -28,6 +29,9 @@ from pipeload.transport.fd_passing import (
     send_message,
 )
 from pipeload.transport.messages import WorkerCommand, WorkerReport
+
+TASK_PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 class ResultSocket:
@@ -77,12 +81,17 @@ class PipeEnd:
 class ProcessChannels:
     """Task and result pipes for ``num_workers`` process workers; owned by the pool.
 
-    Invariant: after :meth:`forget_worker_ends` the main process holds only the task writers and
-    result readers, so a dead worker shows as EOF / broken pipe rather than a silent stall.
+    Invariant: once a worker has started, the main process holds only its task writer and result
+    reader (the lifecycle closes our copies of the worker's ends right after each start, before
+    the next fork can inherit them), so a dead worker shows as EOF / broken pipe, not a stall.
+    Task pipes are enlarged so that the prefetch budget's tasks fit without blocking the sender,
+    even with large index lists.
     """
 
     def __init__(self, ctx: Any, num_workers: int) -> None:
         task_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
+        for _, writer in task_pipes:
+            _enlarge_pipe(writer.fileno())
         result_pairs = [socket.socketpair() for _ in range(num_workers)]
         self.task_readers = [PipeEnd(reader) for reader, _ in task_pipes]
         self.task_writers = [PipeEnd(writer) for _, writer in task_pipes]
@@ -122,7 +131,7 @@ class ProcessChannels:
         try:
             while conn.ready():
                 reports.append(conn.receive())
-        except (EOFError, OSError):
+        except (EOFError, ConnectionResetError):
             # The writer is gone; its sentinel tells the pool how it ended. Stop waiting on an
             # end that would otherwise read as ready forever.
             if conn in self._live_readers:
@@ -134,6 +143,14 @@ class ProcessChannels:
             end.close()
         for conn in self.result_readers:
             conn.close()
+
+
+def _enlarge_pipe(fd: int) -> None:
+    """Ask Linux for a larger pipe buffer (the default is 64 KiB); best effort elsewhere."""
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, TASK_PIPE_BYTES)
+    except OSError:
+        pass  # capped by /proc/sys/fs/pipe-max-size, or not Linux: the default still works
 
 
 class QueueEnd:

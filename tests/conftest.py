@@ -1,0 +1,211 @@
+"""Fixtures shared by the whole suite.
+
+``leak_guard`` is the check every multi-process test runs under: whatever the test started
+(worker processes, threads, shared-memory segments, file descriptors) must be gone shortly after
+it ends. It waits on those conditions with a deadline instead of sleeping, and names what is left.
+
+Some long-lived helpers are not leaks and are left out of the comparison: the multiprocessing
+resource tracker and the forkserver (Python starts each once per process, the first time a spawn
+or forkserver context needs it, and keeps it and one fd to it until exit), and the arenas of
+multiprocessing's shared heap, which it keeps mapped for reuse.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+SHM_DIR = "/dev/shm"
+LEAK_DEADLINE_S = 5.0  # generous: a loaded 2-core machine may take a while to reap and unmap
+POLL_INTERVAL_S = 0.02
+_HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
+    """Poll ``condition`` until it holds or ``deadline_s`` passes; returns whether it held."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(POLL_INTERVAL_S)
+    return True
+
+
+def pid_gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs: exited and reaped, or a zombie nobody has reaped yet."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _is_helper(process: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return any(marker in cmdline for marker in _HELPER_MARKERS)
+
+
+def child_pids(recursive: bool = False) -> list[int]:
+    """Pids of this process's children (workers), leaving out multiprocessing's own helpers."""
+    return [c.pid for c in psutil.Process().children(recursive=recursive) if not _is_helper(c)]
+
+
+def _children() -> dict[int, str]:
+    """Descendants of this process (zombies included: an unreaped worker is a leak too)."""
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        if _is_helper(child):
+            continue
+        try:
+            found[child.pid] = f"pid {child.pid} {child.status()} {' '.join(child.cmdline())[:120]}"
+        except psutil.Error:
+            continue  # it ended while we looked
+    return found
+
+
+def _helper_fds() -> set[str]:
+    """The fds this process keeps to the resource tracker and the forkserver, if started."""
+    from multiprocessing import forkserver, resource_tracker
+
+    fds = {
+        getattr(resource_tracker._resource_tracker, "_fd", None),
+        getattr(forkserver._forkserver, "_forkserver_alive_fd", None),
+    }
+    return {str(fd) for fd in fds if fd is not None}
+
+
+def _open_fds() -> dict[str, str]:
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the fd listdir itself used, already closed
+        # multiprocessing's heap (Value, Array) keeps small arenas mapped for reuse, for good.
+        if not target.startswith(f"{SHM_DIR}/pym-"):
+            fds[fd] = target
+    for fd in _helper_fds():
+        fds.pop(fd, None)
+    return fds
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _shm_in_use_elsewhere(names: set[str], ours: set[int]) -> set[str]:
+    """Of ``names``, those another process (not ours) has open or mapped.
+
+    The machine may run other programs; a segment one of them holds is theirs, not our leak.
+    """
+    held = set()
+    for pid in psutil.pids():
+        if pid in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                text = maps.read()
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        for name in names:
+            path = f"{SHM_DIR}/{name}"
+            if path in text or any(link.startswith(path) for link in links):
+                held.add(name)
+    return held
+
+
+@dataclass
+class _Snapshot:
+    children: dict[int, str]
+    threads: set[threading.Thread]
+    fds: dict[str, str]
+    shm: set[str]
+
+    @classmethod
+    def take(cls) -> _Snapshot:
+        return cls(_children(), set(threading.enumerate()), _open_fds(), _shm_entries())
+
+
+class LeakGuard:
+    """Handed to tests that use the ``leak_guard`` fixture; its checks run after the test."""
+
+    def __init__(self) -> None:
+        self.before = _Snapshot.take()
+
+    @staticmethod
+    def assert_exited(pids: Iterable[int], within_s: float = 1.0) -> None:
+        """Fail unless every pid in ``pids`` has stopped running within ``within_s``."""
+        pids = list(pids)
+        assert pids, "no worker pids to watch"
+        if not wait_until(lambda: all(pid_gone(pid) for pid in pids), within_s):
+            alive = [pid for pid in pids if not pid_gone(pid)]
+            pytest.fail(f"worker processes {alive} still running {within_s} s later")
+
+    def leftovers(self) -> list[str]:
+        """What the test started and has not released, after waiting up to the deadline.
+
+        One deadline for everything, so a test that leaks costs LEAK_DEADLINE_S, not more.
+        """
+        before = self.before
+
+        def new_children() -> list[str]:
+            return sorted(text for pid, text in _children().items() if pid not in before.children)
+
+        def new_threads() -> list[str]:
+            return [t.name for t in threading.enumerate() if t not in before.threads and t.is_alive()]
+
+        def new_fds() -> dict[str, str]:
+            now = _open_fds()
+            if len(now) <= len(before.fds):
+                return {}
+            return {fd: target for fd, target in now.items() if before.fds.get(fd) != target}
+
+        def new_shm() -> list[str]:
+            fresh = _shm_entries() - before.shm
+            if fresh:  # the scan of other processes is slow; only pay for it when needed
+                fresh -= _shm_in_use_elsewhere(fresh, {os.getpid()})
+            return sorted(fresh)
+
+        checks = {
+            "child processes outlived the test": new_children,
+            "threads outlived the test": new_threads,
+            "file descriptors left open": new_fds,
+            "/dev/shm entries left behind": new_shm,
+        }
+        wait_until(lambda: not any(check() for check in checks.values()), LEAK_DEADLINE_S)
+        return [f"{what}: {found}" for what, check in checks.items() if (found := check())]
+
+
+@pytest.fixture
+def leak_guard() -> Iterator[LeakGuard]:
+    """Fail the test (at teardown) if it leaves processes, threads, fds or /dev/shm entries."""
+    guard = LeakGuard()
+    yield guard
+    problems = guard.leftovers()
+    if problems:
+        pytest.fail("resource leak:\n  " + "\n  ".join(problems))
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """Run the test with the cyclic garbage collector off, to prove that stopping workers and
+    releasing their resources never waits for it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -1,0 +1,230 @@
+"""Stopping is prompt and complete: Ctrl-C, a dead main process, an early ``break``, a dropped
+loader or iterator. Every worker is gone within a second (or, orphaned, within a few), without
+the garbage collector's help, and nothing is left behind (the ``leak_guard`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import child_pids, pid_gone, wait_until
+from faults import FORK, SPAWN, THREAD, Numbers, Stalls, engine_params, loader_kwargs, worker_pids
+
+from pipeload import DataLoader
+
+pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
+
+ORPHAN_EXIT_S = 3.0  # workers watch their parent every 0.2 s
+STARTUP_S = 45.0  # a spawn worker imports torch: slow on a busy 2-core machine
+
+
+# -- a loader in a separate Python process -----------------------------------------------
+
+# The script writes its worker pids to a file once every worker is inside __getitem__ (busy) or,
+# with "idle", once a whole epoch is done and persistent workers wait for the next one.
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pipeload import DataLoader, get_worker_info
+
+    class Busy:
+        def __init__(self, marks): self.marks = marks
+        def __len__(self): return 100
+        def __getitem__(self, index):
+            open(os.path.join(self.marks, f"busy.{get_worker_info().id}"), "w").close()
+            time.sleep(120)  # simulated slow work: the test interrupts it
+            return index
+
+    def publish(path, pids):
+        with open(path + ".tmp", "w") as out:
+            json.dump(pids, out)
+        os.replace(path + ".tmp", path)  # the test only ever sees a whole file
+
+    if __name__ == "__main__":
+        pid_file, context, mode = sys.argv[1:4]
+        marks = os.path.dirname(pid_file)
+        dataset = Busy(marks) if mode == "busy" else list(range(100))
+        engine = {"worker_type": "thread"} if context == "thread" else {"multiprocessing_context": context}
+        loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=(mode == "idle"), **engine)
+        if mode == "idle":
+            iterator = iter(loader)
+            assert len(list(iterator)) == 50
+            publish(pid_file, [w.pid for w in iterator._workers])
+            signal.pause()  # persistent workers wait for the next epoch; the test kills us
+        iterator = iter(loader)
+        pids = [w.pid for w in iterator._workers]
+        while len([n for n in os.listdir(marks) if n.startswith("busy.")]) < len(pids):
+            time.sleep(0.01)  # until both workers are inside __getitem__
+        publish(pid_file, pids)
+        next(iterator)
+    """
+)
+
+
+def _start_script(tmp_path: Path, context: str, mode: str, new_session: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "run_loader.py"
+    script.write_text(_SCRIPT)
+    pid_file = tmp_path / "pids.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(pid_file), context, mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+    )
+    if not wait_until(lambda: pid_file.exists() or proc.poll() is not None, STARTUP_S):
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the loader script never got its workers busy")
+    if proc.poll() is not None:
+        out, err = proc.communicate()
+        pytest.fail(f"the loader script exited early ({proc.returncode}):\n{out}\n{err}")
+    return proc, json.loads(pid_file.read_text())
+
+
+def _ctrl_c(tmp_path: Path, context: str, whole_group: bool) -> None:
+    proc, pids = _start_script(tmp_path, context, "busy", new_session=whole_group)
+    sent = time.monotonic()
+    if whole_group:  # what a terminal does: every process in the foreground group gets it
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    took = time.monotonic() - sent
+
+    assert "KeyboardInterrupt" in err, err
+    assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1), proc.returncode
+    assert took < 2.0, f"Ctrl-C took {took:.2f} s to stop the loader"
+    assert all(pid_gone(pid) for pid in pids), "workers outlived the interrupted main process"
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["main-only", "process-group"])
+def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group):
+    _ctrl_c(tmp_path, "fork", whole_group)
+
+
+@pytest.mark.parametrize("context", ["thread", pytest.param("spawn", marks=pytest.mark.timeout(120))])
+def test_ctrl_c_with_other_workers(tmp_path, context):
+    _ctrl_c(tmp_path, context, whole_group=False)
+
+
+@pytest.mark.parametrize(
+    ("context", "mode"),
+    [("fork", "busy"), ("fork", "idle"), pytest.param("spawn", "busy", marks=pytest.mark.timeout(120))],
+)
+def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode):
+    proc, pids = _start_script(tmp_path, context, mode)
+    proc.kill()
+    proc.communicate()
+    if not wait_until(lambda: all(pid_gone(pid) for pid in pids), ORPHAN_EXIT_S):
+        alive = [pid for pid in pids if not pid_gone(pid)]
+        for pid in alive:  # do not leave them running for the rest of the suite
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"orphaned workers {alive} still running {ORPHAN_EXIT_S} s after the main process died")
+
+
+# -- early exits in this process ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+def test_break_stops_the_workers_within_a_second(engine, leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    for batch in loader:
+        pids = child_pids()
+        assert batch.tolist() == [0, 1]
+        break
+    if engine is FORK:
+        assert len(pids) == 2
+        leak_guard.assert_exited(pids, within_s=1.0)
+    else:
+        assert wait_until(lambda: not _pipeload_threads(), 1.0), _pipeload_threads()
+
+
+def _pipeload_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("pipeload-")]
+
+
+def test_break_while_a_worker_is_busy_in_user_code(leak_guard):
+    # Worker 0 is stuck in batch 2 and never reads its STOP: it must be terminated, promptly.
+    loader = DataLoader(Stalls(64, stall_index=4), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    started = time.monotonic()
+    for _ in loader:
+        pids = child_pids()
+        break
+    assert time.monotonic() - started < 1.5
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_user_error_inside_the_loop_stops_the_workers(leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    with pytest.raises(ZeroDivisionError):
+        for _ in loader:
+            pids = child_pids()
+            1 / 0  # noqa: B018  (the training step fails)
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN))
+@pytest.mark.timeout(90)
+def test_dropping_an_iterator_mid_epoch(engine, leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    next(iterator)
+    pids = worker_pids(iterator)
+    del iterator
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_dropping_an_iterator_that_never_yielded(leak_guard):
+    iterator = iter(DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork"))
+    pids = worker_pids(iterator)
+    del iterator
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_dropping_a_persistent_loader(leak_guard):
+    loader = DataLoader(Numbers(16), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    assert len(list(iterator)) == 8
+    assert all(not pid_gone(pid) for pid in pids)  # persistent: still there between epochs
+    del loader, iterator
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_dropping_a_persistent_loader_mid_epoch(leak_guard):
+    loader = DataLoader(Stalls(64, stall_index=6), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    iterator = iter(loader)
+    next(iterator)
+    pids = worker_pids(iterator)
+    del loader, iterator
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+def test_persistent_loader_used_as_a_temporary(engine, leak_guard):
+    # The epoch iterator keeps the loader (and its workers) alive while it runs; once both are
+    # gone, so are the workers.
+    batches = [b.tolist() for b in DataLoader(Numbers(8), batch_size=2, num_workers=2,
+                                              persistent_workers=True, **loader_kwargs(engine))]
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_next_after_the_engine_was_closed_stops_cleanly(leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    iterator = iter(loader)
+    next(iterator)
+    pids = worker_pids(iterator)
+    iterator.close()
+    leak_guard.assert_exited(pids, within_s=1.0)
+    with pytest.raises(StopIteration):
+        next(iterator)

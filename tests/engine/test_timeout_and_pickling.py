@@ -1,0 +1,194 @@
+"""``timeout > 0`` raises when no batch arrives in time; under spawn/forkserver an object that cannot
+be pickled is refused before any worker starts, with an error naming it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from conftest import wait_until
+from faults import FORK, THREAD, Numbers, Stalls, Uneven, engine_params, flatten, loader_kwargs, worker_pids
+
+from pipeload import DataLoader, TensorDataset
+from pipeload.engine.lifecycle import check_picklable
+from pipeload.errors import LoaderTimeoutError
+
+pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
+
+TIMEOUT_S = 0.5
+
+
+@pytest.fixture
+def release_at_end():
+    """Thread workers stuck in ``Stalls`` cannot be killed: release them when the test ends."""
+    stalled: list[Stalls] = []
+    yield stalled.append
+    for dataset in stalled:
+        dataset.release.set()
+
+
+# -- timeout -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+@pytest.mark.parametrize("stall_index", [0, 6], ids=["first-batch", "later-batch"])
+def test_no_batch_within_timeout_raises(engine, stall_index, leak_guard, release_at_end):
+    dataset = Stalls(16, stall_index=stall_index)
+    release_at_end(dataset)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, timeout=TIMEOUT_S, **loader_kwargs(engine))
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    received = []
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        while True:  # no loop variable: it would keep the last batch alive in the traceback
+            received.append(next(iterator).tolist())
+            started = time.monotonic()
+    waited = time.monotonic() - started
+
+    assert isinstance(caught.value, LoaderTimeoutError)
+    assert f"timed out after {TIMEOUT_S} seconds" in str(caught.value)
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 2.5  # + stopping a worker stuck in user code
+    assert flatten(received) == list(range(stall_index - stall_index % 2))
+    if engine is FORK:
+        leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+def test_slow_but_steady_batches_do_not_time_out(engine):
+    loader = DataLoader(Uneven(24, unit_s=0.01), batch_size=2, num_workers=2, timeout=2.0,
+                        **loader_kwargs(engine))
+    assert flatten(list(loader)) == list(range(24))
+
+
+class _StallsOnSecondVisit(Numbers):
+    """Index 0 comes back at once the first time a worker fetches it, and stalls the second time."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.visits = 0  # per worker process
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            self.visits += 1
+            if self.visits == 2:
+                threading.Event().wait(60)  # stuck for good: only a process worker gets here
+        return index
+
+
+def test_timeout_in_a_later_persistent_epoch(leak_guard):
+    loader = DataLoader(_StallsOnSecondVisit(8), batch_size=2, num_workers=1, timeout=TIMEOUT_S,
+                        persistent_workers=True, multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    assert flatten(list(iterator)) == list(range(8))
+    with pytest.raises(LoaderTimeoutError):
+        list(loader)
+    del loader, iterator
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+# -- picklability under spawn and forkserver -----------------------------------------------
+
+
+def _watched_context(method: str) -> multiprocessing.context.BaseContext:
+    """A context whose worker processes count their starts, to prove none was started."""
+    base = type(multiprocessing.get_context(method))
+
+    class Process(base.Process):
+        starts = 0
+
+        def start(self) -> None:
+            type(self).starts += 1
+            super().start()
+
+    class Watched(base):
+        pass
+
+    Watched.Process = Process
+    return Watched()
+
+
+class _HoldsALambda(Numbers):
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.transform = lambda x: x
+
+
+def _local_init_fn():
+    def init(worker_id: int) -> None:
+        pass
+
+    return init
+
+
+UNPICKLABLE = {
+    "dataset": dict(dataset=_HoldsALambda()),
+    "collate_fn": dict(dataset=Numbers(4), collate_fn=lambda samples: samples),
+    "worker_init_fn": dict(dataset=Numbers(4), worker_init_fn=_local_init_fn()),
+}
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("name", sorted(UNPICKLABLE))
+def test_unpicklable_object_is_refused_before_any_worker_starts(method, name):
+    context = _watched_context(method)
+    loader = DataLoader(batch_size=2, num_workers=2, multiprocessing_context=context, **UNPICKLABLE[name])
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as caught:
+        iter(loader)
+    text = str(caught.value)
+    assert f"{name}=" in text, text
+    assert "cannot be pickled" in text and f"'{method}'" in text
+    assert "lambda" in text or "local" in text  # the inner reason is kept
+    assert context.Process.starts == 0
+
+
+def test_unpicklable_objects_are_fine_with_fork_and_threads():
+    for kwargs in ({"multiprocessing_context": "fork"}, {"worker_type": "thread"}):
+        loader = DataLoader(_HoldsALambda(), batch_size=2, num_workers=2,
+                            collate_fn=lambda samples: [s * 10 for s in samples], **kwargs)
+        assert list(loader) == [[0, 10], [20, 30]]
+
+
+def test_a_huge_dataset_is_named_not_printed():
+    dataset = list(range(100_000)) + [lambda: None]
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as caught:
+        iter(loader)
+    assert "dataset=[0, 1, 2" in str(caught.value)
+    assert len(str(caught.value)) < 1000
+
+
+class _CountsFetches(Numbers):
+    """Holds a multiprocessing.Value: spawn can send it (only) while starting a worker."""
+
+    def __init__(self, length: int, context) -> None:
+        super().__init__(length)
+        self.fetched = context.Value("i", 0)
+
+    def __getitem__(self, index: int) -> int:
+        with self.fetched.get_lock():
+            self.fetched.value += 1
+        return index
+
+
+@pytest.mark.timeout(90)
+def test_shared_value_in_the_dataset_is_accepted_under_spawn():
+    context = multiprocessing.get_context("spawn")
+    dataset = _CountsFetches(6, context)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context=context)
+    assert flatten(list(loader)) == list(range(6))
+    assert wait_until(lambda: dataset.fetched.value == 6, 1.0)
+
+
+def test_the_check_does_not_move_tensors_into_shared_memory():
+    # Pickling for real (torch's reductions) would move the dataset's tensors into shared memory.
+    data = torch.arange(8.0)
+    check_picklable({"dataset": TensorDataset(data)}, "spawn")
+    assert not data.is_shared()

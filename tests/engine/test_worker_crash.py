@@ -1,0 +1,228 @@
+"""A worker that dies gives a RuntimeError naming the worker, its pid and how it ended: every time,
+whatever it was doing, never a ConnectionResetError or a hang. Also: the ``_workers`` handles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from conftest import pid_gone, wait_until
+from faults import (
+    FORK,
+    SPAWN,
+    THREAD,
+    DiesAt,
+    Numbers,
+    Stalls,
+    die,
+    engine_params,
+    loader_kwargs,
+    record_worker_pid,
+    worker_pids,
+)
+
+from pipeload import DataLoader
+from pipeload.errors import WorkerDiedError
+
+pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
+
+HOW_IT_ENDS = {
+    "sigkill": "signal 9 (SIGKILL)",
+    "segfault": "signal 11 (SIGSEGV)",
+    "exit3": "exit code 3",
+    "sigbus": "signal 7 (SIGBUS); a bus error in a DataLoader worker usually means shared memory (/dev/shm) ran out",
+}
+REPEATS = 4  # "every time": the same crash, several times over
+
+
+def _crash_error(loader: DataLoader) -> tuple[BaseException, list[int]]:
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    with pytest.raises(BaseException) as caught:
+        while True:
+            next(iterator)
+    return caught.value, pids
+
+
+def _assert_names_the_dead_worker(error: BaseException, worker_id: int, pid: int, how: str) -> None:
+    assert isinstance(error, RuntimeError), f"{type(error).__name__}: {error}"
+    assert isinstance(error, WorkerDiedError)
+    text = str(error)
+    assert f"worker {worker_id} (pid {pid})" in text, text
+    assert HOW_IT_ENDS[how] in text, text
+
+
+@pytest.mark.parametrize("how", sorted(HOW_IT_ENDS))
+def test_worker_dying_in_getitem_is_a_runtime_error_every_time(how, leak_guard):
+    for attempt in range(REPEATS):
+        # With batch_size=2 and round-robin over 2 workers, index 4 (batch 2) is worker 0's
+        # and index 2 (batch 1) is worker 1's: alternate which worker dies.
+        bad_index = 4 if attempt % 2 == 0 else 2
+        dead_worker = 0 if attempt % 2 == 0 else 1
+        loader = DataLoader(DiesAt(12, bad_index, how), batch_size=2, num_workers=2,
+                            multiprocessing_context="fork")
+        error, pids = _crash_error(loader)
+        _assert_names_the_dead_worker(error, dead_worker, pids[dead_worker], how)
+        leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.timeout(90)
+def test_worker_dying_under_spawn(leak_guard):
+    loader = DataLoader(DiesAt(8, 2, "exit3"), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+    error, pids = _crash_error(loader)
+    _assert_names_the_dead_worker(error, 1, pids[1], "exit3")
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_worker_dying_in_worker_init_fn(leak_guard):
+    loader = DataLoader(Numbers(8), batch_size=2, num_workers=2, multiprocessing_context="fork",
+                        worker_init_fn=_exit3)
+    error, pids = _crash_error(loader)
+    assert isinstance(error, WorkerDiedError)
+    assert "exit code 3" in str(error) and "pid" in str(error)
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def _exit3(worker_id: int) -> None:
+    die("exit3")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_idle_worker_killed_from_outside(signum, leak_guard):
+    # Batches 0..3 are prefetched; kill worker 1 once it is dead and unreaped (a zombie), then
+    # keep reading: whatever was already built may come out, then the death is reported.
+    for _ in range(REPEATS):
+        loader = DataLoader(Numbers(40), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        iterator = iter(loader)
+        pids = worker_pids(iterator)
+        assert next(iterator).tolist() == [0, 1]
+        os.kill(pids[1], signum)
+        assert wait_until(lambda: pid_gone(pids[1]), 5.0)
+        with pytest.raises(WorkerDiedError) as caught:
+            for _ in range(25):
+                next(iterator)
+        name = signal.Signals(signum).name
+        assert f"worker 1 (pid {pids[1]}) exited unexpectedly with signal {signum} ({name})" in str(caught.value)
+        leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_worker_killed_while_main_waits_on_it(leak_guard):
+    # Worker 0 is stuck building batch 0, so the main process blocks waiting for it. The kill
+    # is meant to land during that wait; should it land first, the error must be the same.
+    loader = DataLoader(Stalls(8, stall_index=0), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    timer = threading.Timer(0.2, os.kill, (pids[0], signal.SIGKILL))
+    timer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=rf"worker 0 \(pid {pids[0]}\).*SIGKILL"):
+            next(iterator)
+    finally:
+        timer.cancel()
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_worker_dies_while_the_main_process_is_blocked_sending_it_tasks(tmp_path, monkeypatch, leak_guard):
+    # Each task carries 20000 indices (~60 KB pickled). Worker 0 is stuck in its first batch, so
+    # its next two tasks overflow the pipe and the main process blocks in the send, inside
+    # iter(). Killing worker 0 must turn that into a WorkerDiedError, not a hang.
+    monkeypatch.setenv("PIPELOAD_TEST_PID_DIR", str(tmp_path))
+    loader = DataLoader(Stalls(200_000, stall_index=0), batch_size=20_000, num_workers=2, prefetch_factor=3,
+                        worker_init_fn=record_worker_pid, multiprocessing_context="fork")
+    pid_file = tmp_path / "0"
+
+    def kill_worker_0() -> None:
+        if wait_until(pid_file.exists, 20.0):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_worker_0, daemon=True)
+    killer.start()
+    with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid \d+\).*SIGKILL"):
+        list(loader)
+    killer.join()
+    leak_guard.assert_exited([int(pid_file.read_text())], within_s=1.0)
+
+
+class _DiesWhileSending(Numbers):
+    """Item 0 is a big object; the worker kills itself while that is going down the pipe."""
+
+    def __getitem__(self, index: int) -> bytes:
+        if index == 0:
+            threading.Timer(0.005, die, ("sigkill",)).start()
+            return b"x" * (64 << 20)
+        return b"small"
+
+
+def test_worker_dying_halfway_through_a_message(leak_guard):
+    for _ in range(2):
+        loader = DataLoader(_DiesWhileSending(3), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork")
+        error, pids = _crash_error(loader)
+        _assert_names_the_dead_worker(error, 0, pids[0], "sigkill")
+        leak_guard.assert_exited(pids, within_s=1.0)
+
+
+class _ThreadExits(Numbers):
+    def __getitem__(self, index: int) -> int:
+        if index == 3:
+            raise SystemExit(3)  # ends a worker thread without an ordinary exception
+        return index
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_thread_worker_that_ends_is_reported():
+    loader = DataLoader(_ThreadExits(8), batch_size=2, num_workers=2, worker_type="thread")
+    with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) exited unexpectedly"):
+        list(loader)
+
+
+# -- the handles an epoch iterator exposes -------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN))
+@pytest.mark.timeout(90)
+def test_process_worker_handles(engine, leak_guard):
+    loader = DataLoader(Numbers(8), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    handles = iterator._workers
+    assert len(handles) == 2
+    pids = [h.pid for h in handles]
+    assert all(isinstance(pid, int) and pid != os.getpid() for pid in pids)
+    assert len(set(pids)) == 2
+    assert all(h.is_alive() and h.exitcode is None for h in handles)
+
+    assert [b.tolist() for b in iterator] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for handle in handles:  # the epoch is over: the workers were asked to stop, and did
+        handle.join(1.0)
+        assert not handle.is_alive()
+        assert handle.exitcode == 0
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_terminating_a_worker_through_its_handle(leak_guard):
+    loader = DataLoader(Numbers(40), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    iterator = iter(loader)
+    handle = iterator._workers[0]
+    next(iterator)
+    handle.terminate()
+    handle.join(5.0)
+    assert handle.exitcode == -signal.SIGTERM
+    with pytest.raises(WorkerDiedError, match=rf"worker 0 \(pid {handle.pid}\).*SIGTERM"):
+        for _ in range(25):
+            next(iterator)
+    leak_guard.assert_exited([handle.pid], within_s=1.0)
+
+
+def test_thread_worker_handles():
+    loader = DataLoader(Numbers(8), batch_size=2, num_workers=2, **loader_kwargs(THREAD))
+    iterator = iter(loader)
+    handles = iterator._workers
+    assert [h.pid for h in handles] == [os.getpid(), os.getpid()]
+    assert all(h.is_alive() and h.exitcode is None for h in handles)
+    assert len(list(iterator)) == 4
+    for handle in handles:
+        handle.join(1.0)
+        assert not handle.is_alive() and handle.exitcode == 0

@@ -1,0 +1,178 @@
+"""An exception raised in a worker comes back whole: same type, worker id, message, traceback text,
+sample indices when known; and the workers are gone right after it is raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+from faults import (
+    FORK,
+    SPAWN,
+    THREAD,
+    BrokenIter,
+    FailsMidStream,
+    InitFailed,
+    Numbers,
+    RaisesAt,
+    SampleFailed,
+    engine_params,
+    failing_collate,
+    failing_init,
+    loader_kwargs,
+    worker_pids,
+)
+
+from pipeload import DataLoader
+
+pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
+
+ALL = engine_params(FORK, SPAWN, THREAD)
+FAST = engine_params(FORK, THREAD)
+
+
+def _first_error(loader: DataLoader) -> tuple[BaseException, list[int]]:
+    """Iterate until the loader raises; return the error and the worker pids it had."""
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    with pytest.raises(BaseException) as caught:
+        collections.deque(iterator, maxlen=0)  # keeps no batch alive in this frame
+    return caught.value, pids
+
+
+def _assert_workers_gone(engine: tuple, pids: list[int], leak_guard) -> None:
+    if engine is not THREAD:
+        leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("engine", ALL)
+def test_getitem_error_keeps_type_worker_message_traceback_and_indices(engine, leak_guard):
+    # batch_size=4 and 2 workers: indices 4..7 form batch 1, which round-robin gives worker 1.
+    loader = DataLoader(RaisesAt(16, bad_index=6), batch_size=4, num_workers=2, **loader_kwargs(engine))
+    error, pids = _first_error(loader)
+
+    assert type(error) is SampleFailed
+    text = str(error)
+    assert "worker 1" in text
+    assert "sample 6 is corrupt" in text
+    assert "Traceback (most recent call last)" in text
+    assert "in __getitem__" in text and "faults.py" in text
+    assert "[4, 5, 6, 7]" in text
+    _assert_workers_gone(engine, pids, leak_guard)
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_getitem_error_without_batching_names_the_single_index(engine):
+    loader = DataLoader(RaisesAt(6, bad_index=3), batch_size=None, num_workers=2, **loader_kwargs(engine))
+    error, _ = _first_error(loader)
+    assert type(error) is SampleFailed
+    assert re.search(r"worker 1\b.*sample indices 3\b", str(error))
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_builtin_exception_type_is_kept(engine):
+    loader = DataLoader(RaisesAt(8, bad_index=0, exc_type=IndexError), batch_size=2, num_workers=2,
+                        **loader_kwargs(engine))
+    error, _ = _first_error(loader)
+    assert type(error) is IndexError
+    assert "worker 0" in str(error) and "sample 0 is corrupt" in str(error)
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_error_in_dataset_iter_names_the_worker_and_stage(engine, leak_guard):
+    loader = DataLoader(BrokenIter(), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    error, pids = _first_error(loader)
+
+    assert type(error) is SampleFailed
+    text = str(error)
+    assert "worker 0" in text
+    assert "cannot open the shard" in text
+    assert "in __iter__" in text
+    assert "sample indices" not in text  # an iterable dataset has none to give
+    _assert_workers_gone(engine, pids, leak_guard)
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_error_inside_an_iterable_stream(engine):
+    loader = DataLoader(FailsMidStream(good=3), batch_size=2, num_workers=1, **loader_kwargs(engine))
+    iterator = iter(loader)
+    assert next(iterator).tolist() == [0, 1]
+    with pytest.raises(SampleFailed) as caught:
+        next(iterator)
+    text = str(caught.value)
+    assert "worker 0" in text and "stream broke after 3 items" in text and "in __iter__" in text
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_collate_fn_error_keeps_keyerror_and_names_indices(engine, leak_guard):
+    loader = DataLoader(Numbers(8), batch_size=4, num_workers=2, collate_fn=failing_collate,
+                        **loader_kwargs(engine))
+    error, pids = _first_error(loader)
+
+    assert type(error) is KeyError
+    text = str(error)
+    assert "worker 0" in text
+    assert "collate could not find key for 4 samples" in text
+    assert "in failing_collate" in text
+    assert "[0, 1, 2, 3]" in text
+    assert "\\n" not in text  # a KeyError's message must read as text, not as an escaped repr
+    _assert_workers_gone(engine, pids, leak_guard)
+
+
+@pytest.mark.parametrize("engine", ALL)
+def test_worker_init_fn_error_is_raised_with_its_type(engine, leak_guard):
+    loader = DataLoader(Numbers(8), batch_size=2, num_workers=2, worker_init_fn=failing_init,
+                        **loader_kwargs(engine))
+    error, pids = _first_error(loader)
+
+    assert type(error) is InitFailed
+    text = str(error)
+    assert "worker 0" in text
+    assert "worker_init_fn refused worker 0" in text
+    assert "in failing_init" in text
+    assert "worker_init_fn" in text
+    _assert_workers_gone(engine, pids, leak_guard)
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_error_carries_a_note_naming_the_worker(engine):
+    loader = DataLoader(RaisesAt(4, bad_index=1), batch_size=2, num_workers=1, **loader_kwargs(engine))
+    error, _ = _first_error(loader)
+    notes = getattr(error, "__notes__", [])
+    assert any("worker 0" in note and "[0, 1]" in note for note in notes), notes
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_loader_works_again_after_an_error(engine):
+    dataset = RaisesAt(8, bad_index=5)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, **loader_kwargs(engine))
+    with pytest.raises(SampleFailed):
+        list(loader)
+    dataset.bad_index = -1  # nothing fails now; a new epoch starts fresh workers
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_error_in_a_persistent_epoch_then_a_fresh_session(engine):
+    dataset = RaisesAt(8, bad_index=3)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True,
+                        **loader_kwargs(engine))
+    with pytest.raises(SampleFailed):
+        list(loader)
+    dataset.bad_index = -1
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    del loader
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_error_when_the_failing_batch_is_not_first_in_line(engine):
+    # Batch 3 fails while batches 0..2 are still to be yielded: those come out first, in order.
+    loader = DataLoader(RaisesAt(16, bad_index=13), batch_size=4, num_workers=2, **loader_kwargs(engine))
+    seen = []
+    with pytest.raises(SampleFailed, match="worker 1"):
+        for batch in loader:
+            seen.append(batch.tolist())
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
