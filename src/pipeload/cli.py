@@ -39,7 +39,7 @@ class BenchConfig:
     ``worker_type`` goes to pipeload only; ``torch.utils.data`` always uses processes.
     """
 
-    num_workers: int = 0
+    num_workers: int = 2
     batch_size: int = 64
     samples: int = 8192
     epochs: int = 2

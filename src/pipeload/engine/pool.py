@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload.engine.lifecycle import (
+    ThreadWorkerHandle,
     check_picklable,
     release_finished,
     start_process_workers,
@@ -218,8 +219,7 @@ class PoolEngine:
         for worker_id, handle in enumerate(self._workers.handles):
             if not handle.is_alive():
                 handle.join(0.1)  # reap it, so its exit code is known
-                dead.append(f"worker {worker_id} (pid {handle.pid}) exited unexpectedly with "
-                            f"{describe_exit(handle.exitcode)}")
+                dead.append(_how_it_ended(worker_id, handle))
         if dead:
             raise WorkerDiedError(f"DataLoader {'; '.join(dead)}")
 
@@ -233,6 +233,14 @@ class PoolEngine:
             for report in self._receive():
                 if report.report is Report.EPOCH_STARTED and report.batch_number == epoch:
                     waiting.discard(report.worker_id)
+
+
+def _how_it_ended(worker_id: int, handle: Any) -> str:
+    if isinstance(handle, ThreadWorkerHandle):
+        return (f"worker thread {worker_id} ended unexpectedly: something that is not an "
+                "Exception (SystemExit, for example) escaped the dataset or collate code")
+    return (f"worker {worker_id} (pid {handle.pid}) exited unexpectedly with "
+            f"{describe_exit(handle.exitcode)}")
 
 
 def _unwrap(report: WorkerReport) -> Any:
