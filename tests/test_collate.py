@@ -29,6 +29,7 @@ from pipeload.collate import (
     default_convert,
 )
 from pipeload.engine import worker_info
+from oracle import FrozenMap, KeywordOnlyMap
 
 # --- sample structures ----------------------------------------------------------------------
 
@@ -39,29 +40,6 @@ class Labelled(NamedTuple):
     image: Any
     label: Any
     name: Any
-
-
-class FrozenMap(Mapping):
-    """An immutable mapping that can be built from a dict (so collate keeps its type)."""
-
-    def __init__(self, data: Mapping[Any, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class KeywordOnlyMap(FrozenMap):
-    """An immutable mapping that cannot be built from one dict: collate falls back to dict."""
-
-    def __init__(self, *, items: Mapping[Any, Any]) -> None:
-        super().__init__(items)
 
 
 class FrozenSeq(Sequence):

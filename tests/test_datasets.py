@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -12,20 +13,10 @@ import torch
 import torch.utils.data as tud
 
 import pipeload.datasets as ours
+from oracle import generator, raises_like_torch
 
 
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def same_error(build_and_run: Callable[[Any], object]) -> pytest.ExceptionInfo[BaseException]:
-    """Run with torch's module and ours; both must raise the same exception type."""
-    with pytest.raises(Exception) as theirs:
-        build_and_run(tud)
-    with pytest.raises(type(theirs.value)) as mine:
-        build_and_run(ours)
-    assert type(mine.value) is type(theirs.value)
-    return mine
+same_error = functools.partial(raises_like_torch, tud, ours)
 
 
 def assert_same_sample(a: Any, b: Any) -> None:

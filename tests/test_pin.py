@@ -8,7 +8,7 @@ the same stand-in. Real pinning is checked only where CUDA is present.
 from __future__ import annotations
 
 from collections import OrderedDict, UserList, defaultdict, namedtuple
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -16,28 +16,10 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from pipeload.pin import pin_memory, pinning_available
+from oracle import FrozenMap, KeywordOnlyMap
 
 Pair = namedtuple("Pair", ["left", "right"])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-class FrozenMap(Mapping):
-    def __init__(self, data: Mapping[Any, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class KeywordOnlyMap(FrozenMap):
-    def __init__(self, *, items: Mapping[Any, Any]) -> None:
-        super().__init__(items)
 
 
 class Shape(tuple):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import functools
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,20 +15,10 @@ import torch.utils.data as tud
 
 import pipeload.samplers as ours
 from pipeload.samplers import _InfiniteConstantSampler
+from oracle import generator, raises_like_torch
 
 
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def same_error(build_and_run: Callable[[Any], object]) -> pytest.ExceptionInfo[BaseException]:
-    """Run with torch's module and ours; both must raise the same exception type."""
-    with pytest.raises(Exception) as theirs:
-        build_and_run(tud)
-    with pytest.raises(type(theirs.value)) as mine:
-        build_and_run(ours)
-    assert type(mine.value) is type(theirs.value)
-    return mine
+same_error = functools.partial(raises_like_torch, tud, ours)
 
 
 # ---------------------------------------------------------------- SequentialSampler

@@ -13,7 +13,7 @@ import multiprocessing.context
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import torch

@@ -13,7 +13,6 @@ import textwrap
 import warnings
 
 import pytest
-import torch
 from faults import FORK, SPAWN, THREAD, MakesTensors, engine_params, loader_kwargs
 
 from pipeload import DataLoader
