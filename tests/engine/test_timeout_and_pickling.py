@@ -5,6 +5,8 @@ be pickled is refused before any worker starts, with an error naming it.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import multiprocessing.context
 import pickle
 import threading
@@ -13,11 +15,22 @@ import time
 import pytest
 import torch
 from conftest import wait_until
-from faults import FORK, THREAD, Numbers, Stalls, Uneven, engine_params, flatten, loader_kwargs, worker_pids
+from faults import (
+    FORK,
+    THREAD,
+    Numbers,
+    Stalls,
+    Uneven,
+    engine_params,
+    flatten,
+    loader_kwargs,
+    record_worker_pid,
+    worker_pids,
+)
 
 from pipeload import DataLoader, TensorDataset
 from pipeload.engine.lifecycle import check_picklable
-from pipeload.errors import LoaderTimeoutError
+from pipeload.errors import LoaderTimeoutError, WorkerDiedError
 
 pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
 
@@ -58,6 +71,36 @@ def test_no_batch_within_timeout_raises(engine, stall_index, leak_guard, release
     assert flatten(received) == list(range(stall_index - stall_index % 2))
     if engine is FORK:
         leak_guard.assert_exited(pids, within_s=1.0)
+
+
+HUGE_BATCH = 100_000  # about 500 KB of pickled indices per task: three fill a 1 MiB task pipe
+
+
+def test_a_stuck_worker_with_a_full_task_pipe_times_out_instead_of_blocking_the_sender(leak_guard):
+    loader = DataLoader(Stalls(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+                        prefetch_factor=6, timeout=TIMEOUT_S, multiprocessing_context="fork")
+    started = time.monotonic()
+    with pytest.raises(LoaderTimeoutError, match="not taking new tasks"):
+        iter(loader)  # the prefetch itself must give up, not wait on the pipe for ever
+    assert time.monotonic() - started < TIMEOUT_S + 2.5
+
+
+def test_a_worker_dying_while_its_task_pipe_is_full_is_reported(tmp_path, monkeypatch, leak_guard):
+    monkeypatch.setenv("PIPELOAD_TEST_PID_DIR", str(tmp_path))
+    loader = DataLoader(Stalls(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+                        prefetch_factor=6, multiprocessing_context="fork",
+                        worker_init_fn=record_worker_pid)
+    pid_file = tmp_path / "0"
+
+    def kill_the_worker() -> None:
+        if wait_until(pid_file.exists, 10.0):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_worker, daemon=True)
+    killer.start()
+    with pytest.raises(WorkerDiedError, match=r"signal 9"):
+        iter(loader)  # blocked sending tasks to a stuck worker until it died: never hangs
+    killer.join()
 
 
 @pytest.mark.parametrize("engine", engine_params(FORK, THREAD))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +101,18 @@ class _Workers:
         release_finished(self.handles)
 
     def _ask_to_stop(self, worker_id: int) -> None:
-        self.channels.send(worker_id, WorkerCommand(Command.STOP))
+        try:
+            self.channels.send(worker_id, WorkerCommand(Command.STOP), while_full=_give_up)
+        except _PipeFull:
+            pass  # a worker that is not reading is stopped by the escalation instead
+
+
+class _PipeFull(Exception):
+    """Closing never waits for room in a task pipe."""
+
+
+def _give_up() -> None:
+    raise _PipeFull
 
 
 def _picklable_parts(setup: WorkerSetup) -> dict[str, Any]:
@@ -187,7 +198,7 @@ class PoolEngine:
 
     def _send(self, worker_id: int, command: WorkerCommand) -> None:
         try:
-            self._workers.channels.send(worker_id, command)
+            self._workers.channels.send(worker_id, command, self._while_pipe_full(worker_id))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             # The worker's end closed because it is dying; its exit status comes a moment later.
             handle = self._workers.handles[worker_id]
@@ -196,6 +207,23 @@ class PoolEngine:
             raise WorkerDiedError(
                 f"DataLoader worker {worker_id} (pid {handle.pid}) stopped reading its tasks"
             ) from None
+
+    def _while_pipe_full(self, worker_id: int) -> Callable[[], None]:
+        """What to check while a worker's task pipe is full: that it lives, and the timeout."""
+        timeout_s = self._config.timeout_s
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        handle = self._workers.handles[worker_id]
+
+        def check() -> None:
+            if not handle.is_alive():
+                self._raise_for_dead_workers()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {timeout_s} seconds: worker {worker_id} "
+                    "is not taking new tasks"
+                )
+
+        return check
 
     def _receive(self) -> list[WorkerReport]:
         """Wait for reports; raise on timeout or as soon as any worker has died."""

@@ -19,6 +19,10 @@ import fcntl
 import pickle
 import queue
 import socket
+import struct
+import termios
+import time
+from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
@@ -31,7 +35,10 @@ from pipeload.transport.fd_passing import (
 from pipeload.transport.messages import WorkerCommand, WorkerReport
 
 TASK_PIPE_BYTES = 1 << 20
+ROOM_POLL_S = 0.01
+FRAME_BYTES = 16  # Connection.send_bytes adds a small length header
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class ResultSocket:
@@ -108,8 +115,18 @@ class ProcessChannels:
         for end in self.task_readers + self.result_writers:
             end.close()
 
-    def send(self, worker_id: int, command: WorkerCommand) -> None:
-        self.task_writers[worker_id].conn.send_bytes(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
+    def send(
+        self, worker_id: int, command: WorkerCommand, while_full: Callable[[], None] | None = None
+    ) -> None:
+        """Send a command; while the worker's pipe has no room for it, call ``while_full`` every
+        slice (it raises to give up: the worker died, the loader timed out, we are closing)."""
+        data = pickle.dumps(command, pickle.HIGHEST_PROTOCOL)
+        conn = self.task_writers[worker_id].conn
+        while while_full is not None and not _pipe_has_room(conn.fileno(), len(data)):
+            while_full()
+            # Polled: the kernel wakes writers when PIPE_BUF bytes are free, not when ours are.
+            time.sleep(ROOM_POLL_S)
+        conn.send_bytes(data)
 
     def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
         """Reports ready within ``timeout_s`` and the sentinels that fired (dead workers)."""
@@ -143,6 +160,21 @@ class ProcessChannels:
             end.close()
         for conn in self.result_readers:
             conn.close()
+
+
+def _pipe_has_room(fd: int, nbytes: int) -> bool:
+    """Whether a message of ``nbytes`` fits in the pipe now, so writing it cannot block.
+
+    A message larger than the whole pipe can never fit; it is written anyway (the worker reads it
+    as it arrives), which only index lists of hundreds of thousands of entries reach.
+    """
+    try:
+        capacity = fcntl.fcntl(fd, _F_GETPIPE_SZ)
+        unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return True  # not a Linux pipe: fall back to a plain (possibly blocking) write
+    needed = nbytes + FRAME_BYTES
+    return needed > capacity or needed <= capacity - unread
 
 
 def _enlarge_pipe(fd: int) -> None:
@@ -185,8 +217,10 @@ class ThreadChannels:
     def forget_worker_ends(self) -> None:
         pass
 
-    def send(self, worker_id: int, command: WorkerCommand) -> None:
-        self.task_queues[worker_id].send(command)
+    def send(
+        self, worker_id: int, command: WorkerCommand, while_full: Callable[[], None] | None = None
+    ) -> None:
+        self.task_queues[worker_id].send(command)  # unbounded: never full
 
     def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
         report = self.results.receive(timeout_s)
