@@ -293,6 +293,14 @@ def test_unknown_worker_type_is_refused_by_name(worker_type: Any) -> None:
     assert "'process'" in message and "'thread'" in message  # says what would be accepted
 
 
+def test_a_start_method_for_thread_workers_is_refused_by_name() -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, worker_type="thread",
+                            multiprocessing_context="spawn")
+    assert "multiprocessing_context='spawn'" in str(caught.value)
+    assert "worker_type='thread'" in str(caught.value)
+
+
 def test_worker_type_is_keyword_only() -> None:
     # batch_size ... generator: every parameter torch takes by position.
     positional = [1, None, None, None, 0, None, False, False, 0, None, None, None]

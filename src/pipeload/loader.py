@@ -118,6 +118,11 @@ class DataLoader(Generic[T_co]):
             )
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type should be one of {WORKER_TYPES}, but got worker_type={worker_type!r}")
+        if worker_type == "thread" and multiprocessing_context is not None:
+            raise ValueError(
+                "multiprocessing_context only applies to process workers, but got "
+                f"multiprocessing_context={multiprocessing_context!r} with worker_type='thread'"
+            )
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
