@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import pickle
 import re
 import signal
 import sys
@@ -166,15 +165,11 @@ def _remove_failed_segment(exc: BaseException) -> None:
         pass  # already gone
 
 
-def run_process_worker(
-    setup: WorkerSetup | bytes, worker_id: int, inbox: Any, outbox: Any
-) -> None:
-    """Entry point of a worker process. ``setup`` arrives pre-pickled under spawn/forkserver."""
+def run_process_worker(setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any) -> None:
+    """Entry point of a worker process (under spawn/forkserver, its arguments arrive pickled)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     _exit_when_parent_dies(os.getppid())
     torch.set_num_threads(1)
-    if isinstance(setup, bytes):
-        setup = pickle.loads(setup)
     seed = seed_process_worker(setup.base_seed, worker_id)
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset)
     set_worker_info(info)
