@@ -8,9 +8,6 @@ engine (or borrows the loader's, with ``persistent_workers=True``).
 from __future__ import annotations
 
 import math
-import multiprocessing
-import multiprocessing.context
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -18,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from pipeload import _arguments as arguments
 from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.engine.inline import InlineEngine
@@ -27,24 +25,14 @@ from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
 from pipeload.samplers import (
     BatchSampler,
-    RandomSampler,
     Sampler,
-    SequentialSampler,
-    _InfiniteConstantSampler,
 )
 
 T_co = TypeVar("T_co", covariant=True)
 
-WORKER_TYPES = ("process", "thread")
 _FROZEN_AFTER_INIT = frozenset(
     {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
 )
-
-
-class _ArgumentAssertionError(ValueError, AssertionError):
-    """An argument torch refuses with an AssertionError (timeout > 0 without workers,
-    prefetch_factor=0). It is a ValueError in truth, so it is both: ``except`` clauses written
-    for either keep working."""
 
 
 class DataLoader(Generic[T_co]):
@@ -108,21 +96,10 @@ class DataLoader(Generic[T_co]):
         in_order: bool = True,
         worker_type: str = "process",
     ) -> None:
-        _check_num_workers(num_workers)
-        _check_timeout(timeout)
-        prefetch_factor = _resolve_prefetch_factor(prefetch_factor, num_workers)
-        if persistent_workers and num_workers == 0:
-            raise ValueError(
-                "persistent_workers option needs num_workers > 0, but got "
-                f"persistent_workers={persistent_workers!r} with num_workers=0"
-            )
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(f"worker_type should be one of {WORKER_TYPES}, but got worker_type={worker_type!r}")
-        if worker_type == "thread" and multiprocessing_context is not None:
-            raise ValueError(
-                "multiprocessing_context only applies to process workers, but got "
-                f"multiprocessing_context={multiprocessing_context!r} with worker_type='thread'"
-            )
+        arguments.check_num_workers(num_workers)
+        arguments.check_timeout(timeout)
+        prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
+        arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -137,13 +114,13 @@ class DataLoader(Generic[T_co]):
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
         if iterable:
-            _check_iterable_options(shuffle, sampler, batch_sampler)
+            arguments.check_iterable_options(shuffle, sampler, batch_sampler)
         else:
             shuffle = bool(shuffle)
-        batch_size, drop_last = _check_batching(batch_size, shuffle, sampler, batch_sampler, drop_last)
+        batch_size, drop_last = arguments.check_batching(batch_size, shuffle, sampler, batch_sampler, drop_last)
 
         if sampler is None:
-            sampler = _default_sampler(dataset, iterable, bool(shuffle), generator)
+            sampler = arguments.default_sampler(dataset, iterable, bool(shuffle), generator)
         if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
 
@@ -159,7 +136,7 @@ class DataLoader(Generic[T_co]):
         self._persistent_engine: Any = None
         self._len_reported: int | None = None
         self.__initialized = True
-        _warn_if_too_many_workers(num_workers)
+        arguments.warn_if_too_many_workers(num_workers)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
@@ -169,7 +146,7 @@ class DataLoader(Generic[T_co]):
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, context: Any) -> None:
-        self.__multiprocessing_context = _resolve_context(context, self.num_workers)
+        self.__multiprocessing_context = arguments.resolve_context(context, self.num_workers)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__initialized and name in _FROZEN_AFTER_INIT:
@@ -221,7 +198,7 @@ class DataLoader(Generic[T_co]):
 
     def _build_engine(self, base_seed: int) -> Any:
         if self.timeout > 0 and self.num_workers == 0:
-            raise _ArgumentAssertionError(
+            raise arguments.ArgumentAssertionError(
                 f"timeout={self.timeout!r} needs worker processes: set num_workers > 0 or timeout=0"
             )
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
@@ -319,130 +296,6 @@ class _EpochIterator:
 
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
-
-
-# -- argument checks, each naming the argument it refuses ---------------------------------
-
-
-def _check_num_workers(num_workers: Any) -> None:
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
-        raise TypeError(f"num_workers should be an int, but got num_workers={num_workers!r}")
-    if num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; use num_workers=0 to disable "
-            f"multiprocessing, but got num_workers={num_workers!r}"
-        )
-
-
-def _check_timeout(timeout: Any) -> None:
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-        raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")
-    if timeout < 0 or math.isnan(timeout):
-        raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
-
-
-def _resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | None:
-    if num_workers == 0:
-        if prefetch_factor is not None:
-            raise ValueError(
-                "prefetch_factor option could only be specified in multiprocessing: set "
-                f"num_workers > 0, or leave prefetch_factor=None (got prefetch_factor={prefetch_factor!r})"
-            )
-        return None
-    if prefetch_factor is None:
-        return 2
-    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
-        raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
-    if prefetch_factor <= 0:
-        raise _ArgumentAssertionError(
-            f"prefetch_factor option should be a positive integer, but got prefetch_factor={prefetch_factor!r}"
-        )
-    return prefetch_factor
-
-
-def _check_iterable_options(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
-    if shuffle not in {False, None}:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle!r}"
-        )
-    if sampler is not None:
-        raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler!r}"
-        )
-    if batch_sampler is not None:
-        raise ValueError(
-            "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
-            f"but got batch_sampler={batch_sampler!r}"
-        )
-
-
-def _check_batching(
-    batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool
-) -> tuple[int | None, bool]:
-    if sampler is not None and shuffle:
-        raise ValueError(f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})")
-    if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
-                f"sampler={sampler!r}, drop_last={drop_last!r})"
-            )
-        return None, False
-    if batch_size is None and drop_last:
-        raise ValueError(
-            "batch_size=None option disables auto-batching and is mutually exclusive with "
-            f"drop_last (got drop_last={drop_last!r})"
-        )
-    return batch_size, drop_last
-
-
-def _default_sampler(dataset: Any, iterable: bool, shuffle: bool, generator: Any) -> Sampler:
-    if iterable:
-        return _InfiniteConstantSampler()
-    if shuffle:
-        return RandomSampler(dataset, generator=generator)
-    return SequentialSampler(dataset)
-
-
-def _resolve_context(context: Any, num_workers: int) -> Any:
-    if context is None:
-        return None
-    if num_workers == 0:
-        raise ValueError(
-            "multiprocessing_context can only be used with multi-process loading "
-            f"(num_workers > 0), but got multiprocessing_context={context!r} with num_workers=0"
-        )
-    if isinstance(context, str):
-        methods = multiprocessing.get_all_start_methods()
-        if context not in methods:
-            raise ValueError(
-                f"multiprocessing_context option should specify a valid start method in {methods!r}, "
-                f"but got multiprocessing_context={context!r}"
-            )
-        return multiprocessing.get_context(context)
-    if not isinstance(context, multiprocessing.context.BaseContext):
-        raise TypeError(
-            "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r}"
-        )
-    return context
-
-
-def _warn_if_too_many_workers(num_workers: int) -> None:
-    if num_workers == 0:
-        return
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 0
-    if num_workers > available:
-        warnings.warn(
-            f"This DataLoader will create {num_workers} worker processes, more than the "
-            f"{available} CPUs this process may use; loading may be slow or freeze. Lower "
-            "num_workers if it does.",
-            stacklevel=3,
-        )
 
 
 def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:

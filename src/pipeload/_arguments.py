@@ -1,0 +1,167 @@
+"""DataLoader argument checks: torch's rules and exception types, messages that name the argument.
+
+Each check refuses one argument (or one combination) and says what it received and what would be
+accepted, so the loader's constructor reads as a list of decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.context
+import os
+import warnings
+from typing import Any
+
+from pipeload.samplers import (
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    _InfiniteConstantSampler,
+)
+
+WORKER_TYPES = ("process", "thread")
+
+
+class ArgumentAssertionError(ValueError, AssertionError):
+    """An argument torch refuses with an AssertionError (timeout > 0 without workers,
+    prefetch_factor=0). It is a ValueError in truth, so it is both: ``except`` clauses written
+    for either keep working."""
+
+
+def check_num_workers(num_workers: Any) -> None:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
+        raise TypeError(f"num_workers should be an int, but got num_workers={num_workers!r}")
+    if num_workers < 0:
+        raise ValueError(
+            "num_workers option should be non-negative; use num_workers=0 to disable "
+            f"multiprocessing, but got num_workers={num_workers!r}"
+        )
+
+
+def check_worker_options(
+    num_workers: int, persistent_workers: bool, worker_type: Any, multiprocessing_context: Any
+) -> None:
+    if persistent_workers and num_workers == 0:
+        raise ValueError(
+            "persistent_workers option needs num_workers > 0, but got "
+            f"persistent_workers={persistent_workers!r} with num_workers=0"
+        )
+    if worker_type not in WORKER_TYPES:
+        raise ValueError(f"worker_type should be one of {WORKER_TYPES}, but got worker_type={worker_type!r}")
+    if worker_type == "thread" and multiprocessing_context is not None:
+        raise ValueError(
+            "multiprocessing_context only applies to process workers, but got "
+            f"multiprocessing_context={multiprocessing_context!r} with worker_type='thread'"
+        )
+
+
+def check_timeout(timeout: Any) -> None:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")
+    if timeout < 0 or math.isnan(timeout):
+        raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
+
+
+def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | None:
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing: set "
+                f"num_workers > 0, or leave prefetch_factor=None (got prefetch_factor={prefetch_factor!r})"
+            )
+        return None
+    if prefetch_factor is None:
+        return 2
+    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
+        raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
+    if prefetch_factor <= 0:
+        raise ArgumentAssertionError(
+            f"prefetch_factor option should be a positive integer, but got prefetch_factor={prefetch_factor!r}"
+        )
+    return prefetch_factor
+
+
+def check_iterable_options(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
+    if shuffle not in {False, None}:
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle!r}"
+        )
+    if sampler is not None:
+        raise ValueError(
+            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler!r}"
+        )
+    if batch_sampler is not None:
+        raise ValueError(
+            "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
+            f"but got batch_sampler={batch_sampler!r}"
+        )
+
+
+def check_batching(
+    batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool
+) -> tuple[int | None, bool]:
+    if sampler is not None and shuffle:
+        raise ValueError(f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
+                f"sampler={sampler!r}, drop_last={drop_last!r})"
+            )
+        return None, False
+    if batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with "
+            f"drop_last (got drop_last={drop_last!r})"
+        )
+    return batch_size, drop_last
+
+
+def default_sampler(dataset: Any, iterable: bool, shuffle: bool, generator: Any) -> Sampler:
+    if iterable:
+        return _InfiniteConstantSampler()
+    if shuffle:
+        return RandomSampler(dataset, generator=generator)
+    return SequentialSampler(dataset)
+
+
+def resolve_context(context: Any, num_workers: int) -> Any:
+    if context is None:
+        return None
+    if num_workers == 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got multiprocessing_context={context!r} with num_workers=0"
+        )
+    if isinstance(context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(
+                f"multiprocessing_context option should specify a valid start method in {methods!r}, "
+                f"but got multiprocessing_context={context!r}"
+            )
+        return multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r}"
+        )
+    return context
+
+
+def warn_if_too_many_workers(num_workers: int) -> None:
+    if num_workers == 0:
+        return
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:
+        available = os.cpu_count() or 0
+    if num_workers > available:
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes, more than the "
+            f"{available} CPUs this process may use; loading may be slow or freeze. Lower "
+            "num_workers if it does.",
+            stacklevel=3,
+        )
