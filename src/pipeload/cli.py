@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+# The demo's baseline: the same dataset loaded by torch's own DataLoader, side by side. pipeload's
+# engine never uses torch.utils.data; only this comparison does.
 import torch.utils.data
 
 import pipeload
