@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -67,11 +68,12 @@ class WorkerLoop:
         self._fetcher: Any = None
         self._init_failure: RemoteFailure | None = None
         self._exhausted = False
+        self._pending: deque[WorkerCommand] = deque()
 
     def run(self) -> None:
         self._initialise()
         while not self._should_stop():
-            command: WorkerCommand | None = self._inbox.receive(POLL_INTERVAL_S)
+            command = self._next_command()
             if command is None:
                 continue
             if command.command is Command.STOP:
@@ -80,6 +82,23 @@ class WorkerLoop:
                 self._start_epoch(command.epoch)
             else:
                 self._serve(command)
+
+    def _next_command(self) -> WorkerCommand | None:
+        """The next command worth doing, after reading everything already waiting.
+
+        When a persistent loader's epoch was abandoned, the tasks it left queued here come before
+        the next START_EPOCH; nobody will read their batches, so they are dropped instead of
+        built, and the next epoch starts as soon as the task in hand is done.
+        """
+        if not self._pending:
+            first = self._inbox.receive(POLL_INTERVAL_S)
+            if first is None:
+                return None
+            self._pending.append(first)
+        while (waiting := self._inbox.receive(0)) is not None:
+            self._pending.append(waiting)
+        self._pending = _without_superseded_tasks(self._pending)
+        return self._pending.popleft()
 
     def _initialise(self) -> None:
         init_fn = self._setup.worker_init_fn
@@ -136,6 +155,17 @@ class WorkerLoop:
                 self._id, stage, failure.indices,
             )
         self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
+
+
+def _without_superseded_tasks(commands: deque[WorkerCommand]) -> deque[WorkerCommand]:
+    """Drop the FETCH commands that a later START_EPOCH makes pointless."""
+    starts = [i for i, c in enumerate(commands) if c.command is Command.START_EPOCH]
+    if not starts:
+        return commands
+    last_start = starts[-1]
+    return deque(
+        c for i, c in enumerate(commands) if i >= last_start or c.command is not Command.FETCH
+    )
 
 
 def _indices_for_message(indices: Any) -> Any:

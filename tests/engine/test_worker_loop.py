@@ -1,0 +1,54 @@
+"""The worker loop on its own: commands in, reports out, through real in-process queues."""
+
+from __future__ import annotations
+
+import queue
+
+from faults import Numbers
+
+from pipeload.collate import default_collate
+from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
+from pipeload.engine.worker_main import WorkerLoop
+from pipeload.transport.channel import QueueEnd
+from pipeload.transport.messages import Command, Report, WorkerCommand
+
+
+def _run_loop(commands: list[WorkerCommand]) -> list:
+    fetch = FetchSpec(Numbers(100), DatasetKind.MAP, True, default_collate, False)
+    setup = WorkerSetup(fetch, num_workers=1, base_seed=0, worker_init_fn=None,
+                        worker_method="thread")
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for command in commands:
+        inbox.send(command)
+    WorkerLoop(setup, 0, inbox, outbox, should_stop=lambda: False).run()  # returns at STOP
+    reports = []
+    while (report := outbox.receive(0)) is not None:
+        reports.append(report)
+    return reports
+
+
+def _fetch(number: int, indices: list[int]) -> WorkerCommand:
+    return WorkerCommand(Command.FETCH, number, indices)
+
+
+def test_tasks_are_served_in_the_order_they_were_sent():
+    reports = _run_loop([_fetch(0, [0, 1]), _fetch(1, [2, 3]), WorkerCommand(Command.STOP)])
+    assert [(r.report, r.batch_number, r.payload.tolist()) for r in reports] == [
+        (Report.BATCH, 0, [0, 1]),
+        (Report.BATCH, 1, [2, 3]),
+    ]
+
+
+def test_tasks_left_by_an_abandoned_epoch_are_dropped_not_built():
+    reports = _run_loop([
+        _fetch(0, [0, 1]),  # the abandoned epoch's queued tasks: nobody will read them
+        _fetch(1, [2, 3]),
+        WorkerCommand(Command.START_EPOCH, epoch=2),
+        _fetch(0, [4, 5]),
+        WorkerCommand(Command.STOP),
+    ])
+    assert [(r.report, r.batch_number) for r in reports] == [
+        (Report.EPOCH_STARTED, 2),
+        (Report.BATCH, 0),
+    ]
+    assert reports[1].payload.tolist() == [4, 5]
