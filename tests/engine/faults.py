@@ -189,6 +189,17 @@ def failing_collate(samples: list[Any]) -> Any:
     raise KeyError(f"collate could not find key for {len(samples)} samples")
 
 
+def stalling_init(worker_id: int) -> None:
+    """worker_init_fn that never returns in time: the worker reads no task at all."""
+    threading.Event().wait(60.0)
+
+
+def record_pid_then_stall(worker_id: int) -> None:
+    """worker_init_fn: say who we are (see record_worker_pid), then read no task at all."""
+    record_worker_pid(worker_id)
+    stalling_init(worker_id)
+
+
 def failing_init(worker_id: int) -> None:
     raise InitFailed(f"worker_init_fn refused worker {worker_id}")
 

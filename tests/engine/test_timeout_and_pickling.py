@@ -24,7 +24,8 @@ from faults import (
     engine_params,
     flatten,
     loader_kwargs,
-    record_worker_pid,
+    record_pid_then_stall,
+    stalling_init,
     worker_pids,
 )
 
@@ -77,8 +78,9 @@ HUGE_BATCH = 100_000  # about 500 KB of pickled indices per task: three fill a 1
 
 
 def test_a_stuck_worker_with_a_full_task_pipe_times_out_instead_of_blocking_the_sender(leak_guard):
-    loader = DataLoader(Stalls(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
-                        prefetch_factor=6, timeout=TIMEOUT_S, multiprocessing_context="fork")
+    loader = DataLoader(Numbers(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+                        prefetch_factor=6, timeout=TIMEOUT_S, multiprocessing_context="fork",
+                        worker_init_fn=stalling_init)  # the worker never reads its pipe
     started = time.monotonic()
     with pytest.raises(LoaderTimeoutError, match="not taking new tasks"):
         iter(loader)  # the prefetch itself must give up, not wait on the pipe for ever
@@ -87,9 +89,9 @@ def test_a_stuck_worker_with_a_full_task_pipe_times_out_instead_of_blocking_the_
 
 def test_a_worker_dying_while_its_task_pipe_is_full_is_reported(tmp_path, monkeypatch, leak_guard):
     monkeypatch.setenv("PIPELOAD_TEST_PID_DIR", str(tmp_path))
-    loader = DataLoader(Stalls(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+    loader = DataLoader(Numbers(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
                         prefetch_factor=6, multiprocessing_context="fork",
-                        worker_init_fn=record_worker_pid)
+                        worker_init_fn=record_pid_then_stall)  # never reads: the pipe fills
     pid_file = tmp_path / "0"
 
     def kill_the_worker() -> None:
