@@ -175,6 +175,14 @@ class DataLoader(Generic[T_co]):
 
     # -- running an epoch ------------------------------------------------------------------
 
+    def check_worker_number_rationality(self) -> None:
+        """Warn when num_workers exceeds the CPUs this process may use (torch's public method)."""
+        arguments.warn_if_too_many_workers(self.num_workers)
+
+    def _get_iterator(self) -> _EpochIterator:
+        # Some training frameworks call torch's private hook; it is one epoch's iterator.
+        return iter(self)
+
     def __iter__(self) -> _EpochIterator:
         tasks = iter(self._index_sampler)
         if self.persistent_workers and self.num_workers > 0:
@@ -227,13 +235,13 @@ class DataLoader(Generic[T_co]):
             warnings.warn(
                 f"pin_memory_device={self.pin_memory_device!r} is ignored (deprecated in torch): "
                 "batches are pinned for the current accelerator.",
-                stacklevel=3,
+                stacklevel=4,
             )
         if not pinning_available():
             warnings.warn(
                 "pin_memory=True has no effect here: no accelerator is available, so batches "
                 "are handed out in ordinary memory.",
-                stacklevel=3,
+                stacklevel=4,
             )
             return engine
         if self.num_workers == 0:
