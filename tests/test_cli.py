@@ -91,7 +91,7 @@ def test_bench_rejects_a_bad_argument_by_name(capsys: pytest.CaptureFixture[str]
 
 def test_bench_alternates_which_loader_goes_first() -> None:
     config = cli.BenchConfig(samples=64, batch_size=16, epochs=3)
-    loaders = {"first": cli.make_torch_loader, "second": cli.make_torch_loader}
+    loaders = {"first": cli.make_pipeload_loader, "second": cli.make_pipeload_loader}
     timings = cli.run_bench(config, loaders, progress=False)
     assert [t.loader_name for t in timings] == [
         "first", "second", "second", "first", "first", "second",
@@ -116,3 +116,18 @@ def test_bench_run_quick_on_the_tiny_workload() -> None:
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[2])  # samples/s
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[3])  # time to first batch
     _assert_nothing_left(marker, shm_before)
+
+
+def test_without_the_checkout_baseline_only_pipeload_runs(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(cli, "BASELINE_PATH", tmp_path / "missing.py")
+    assert list(cli.available_loaders()) == ["pipeload"]
+    assert "source checkout" in capsys.readouterr().err
+
+
+def test_the_checkout_baseline_is_torch_own_loader() -> None:
+    import torch.utils.data
+
+    loaders = cli.available_loaders()
+    assert list(loaders) == ["pipeload", "torch"]
+    config = cli.BenchConfig(samples=8, batch_size=4, num_workers=0)
+    assert isinstance(loaders["torch"]([0, 1, 2, 3], config), torch.utils.data.DataLoader)

@@ -1,13 +1,14 @@
 """The synthetic image dataset behind ``pipeload bench``.
 
-It lives inside the package (``bench/`` is not installed) and imports nothing from pipeload, so
-the demo can hand the very same dataset object to pipeload and to ``torch.utils.data``.
+It lives inside the package (``bench/`` is not installed). It is a pipeload ``Dataset``, which
+torch's DataLoader accepts as well, so the demo hands the very same object to both loaders.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils.data
+
+from pipeload.datasets import Dataset
 
 # Per-channel statistics of ImageNet, the usual choice for this kind of normalisation.
 CHANNEL_MEAN = (0.485, 0.456, 0.406)
@@ -15,7 +16,7 @@ CHANNEL_STD = (0.229, 0.224, 0.225)
 NUM_CLASSES = 10
 
 
-class SyntheticImages(torch.utils.data.Dataset):
+class SyntheticImages(Dataset):
     """``(image, label)`` pairs that look like a small image-classification dataset.
 
     Each raw image is a uint8 ``3 x size x size`` tensor computed from its index alone (no files,

@@ -2,8 +2,10 @@
 
     pipeload bench [--num-workers N] [--batch-size B] [--samples S] [--epochs E]
 
-``bench`` loads one synthetic image dataset with pipeload and with ``torch.utils.data`` in the
-same process, and prints samples/s for each and the ratio pipeload/torch. It uses only
+``bench`` loads one synthetic image dataset with pipeload and with torch's own DataLoader in the
+same process, and prints samples/s for each and the ratio pipeload/torch. torch's side comes from
+``bench/baseline.py`` in a source checkout (the package itself never calls torch's loader);
+without it, only pipeload's row is printed. It uses only
 pipeload's public API, exactly as a user would. The fuller comparison (several workloads, memory
 and shared-memory peaks) is ``python -m bench.run`` in a source checkout.
 
@@ -15,22 +17,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-# The demo's baseline: the same dataset loaded by torch's own DataLoader, side by side. pipeload's
-# engine never uses torch.utils.data; only this comparison does.
-import torch.utils.data
 
 import pipeload
 from pipeload._bench_data import SyntheticImages
 
 # One seed for the shuffling generator and the global RNG, so every run loads the same batches.
 SEED = 0
+# torch's side of the demo: outside the package, so pipeload itself never calls torch's loader.
+BASELINE_PATH = Path(__file__).resolve().parents[2] / "bench" / "baseline.py"
 WORKER_TYPES = ("process", "thread")
 
 
@@ -38,7 +41,7 @@ WORKER_TYPES = ("process", "thread")
 class BenchConfig:
     """What ``pipeload bench`` loads, and how.
 
-    ``worker_type`` goes to pipeload only; ``torch.utils.data`` always uses processes.
+    ``worker_type`` goes to pipeload only; torch's loader always uses processes.
     """
 
     num_workers: int = 2
@@ -72,10 +75,10 @@ class LoaderSummary:
 
 
 # Builds a fresh loader over the dataset; the benchmark iterates what it returns once per epoch.
-LoaderFactory = Callable[[torch.utils.data.Dataset, BenchConfig], Iterable[Any]]
+LoaderFactory = Callable[[Any, BenchConfig], Iterable[Any]]
 
 
-def make_pipeload_loader(dataset: torch.utils.data.Dataset, config: BenchConfig) -> Iterable[Any]:
+def make_pipeload_loader(dataset: Any, config: BenchConfig) -> Iterable[Any]:
     """A ``pipeload.DataLoader`` over ``dataset`` as ``config`` asks."""
     return pipeload.DataLoader(
         dataset,
@@ -87,21 +90,23 @@ def make_pipeload_loader(dataset: torch.utils.data.Dataset, config: BenchConfig)
     )
 
 
-def make_torch_loader(dataset: torch.utils.data.Dataset, config: BenchConfig) -> Iterable[Any]:
-    """A ``torch.utils.data.DataLoader`` with the same arguments as the pipeload one."""
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=config.batch_size,
-        shuffle=True,
-        num_workers=config.num_workers,
-        generator=torch.Generator().manual_seed(SEED),
-    )
+def available_loaders() -> dict[str, LoaderFactory]:
+    """pipeload, and torch's loader beside it when the checkout's ``bench/baseline.py`` is there.
 
-
-LOADERS: Mapping[str, LoaderFactory] = {
-    "pipeload": make_pipeload_loader,
-    "torch": make_torch_loader,
-}
+    Found by path from this file, not by module name, so whatever ``bench`` happens to be
+    importable from the current directory cannot stand in for it.
+    """
+    loaders: dict[str, LoaderFactory] = {"pipeload": make_pipeload_loader}
+    baseline_path = BASELINE_PATH
+    if not baseline_path.is_file():
+        print(f"torch's side of the comparison needs a source checkout ({baseline_path} is "
+              "missing): pipeload only", file=sys.stderr)
+        return loaders
+    spec = importlib.util.spec_from_file_location("_pipeload_bench_baseline", baseline_path)
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    loaders["torch"] = baseline.make_torch_loader
+    return loaders
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one sub-parser per subcommand."""
     parser = argparse.ArgumentParser(
-        prog="pipeload", description="pipeload: a drop-in replacement for torch.utils.data."
+        prog="pipeload", description="pipeload: a drop-in replacement for torch's data loading."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench_parser(commands)
@@ -134,10 +139,10 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     defaults = BenchConfig()
     bench = commands.add_parser(
         "bench",
-        help="compare pipeload with torch.utils.data on a synthetic image dataset",
+        help="compare pipeload with torch's DataLoader on a synthetic image dataset",
         description=(
             "Load synthetic 3x64x64 images (normalised, randomly flipped) with pipeload and with "
-            "torch.utils.data in one process, alternating which goes first each epoch, and "
+            "torch's DataLoader in one process, alternating which goes first each epoch, and "
             "print samples/s for each and the ratio pipeload/torch."
         ),
     )
@@ -163,8 +168,9 @@ def _bench_command(args: argparse.Namespace) -> int:
         worker_type=args.worker_type,
     )
     print(describe(config), flush=True)
-    timings = run_bench(config, LOADERS)
-    print(format_table(summarise(timings, list(LOADERS))))
+    loaders = available_loaders()
+    timings = run_bench(config, loaders)
+    print(format_table(summarise(timings, list(loaders))))
     return 0
 
 
