@@ -82,7 +82,7 @@ def start_process_workers(ctx: Any, setup: WorkerSetup, channels: Any) -> list[A
         stop_workers(workers)
         raise
     finally:
-        channels.forget_worker_ends()
+        channels.forget_worker_ends()  # the ends of workers a failed start never reached
     return workers
 
 

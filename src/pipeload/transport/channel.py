@@ -139,10 +139,6 @@ class ProcessChannels:
                 reports.extend(self._drain(item))
         return reports, fired
 
-    def drain_worker(self, worker_id: int) -> list[WorkerReport]:
-        """Whatever worker ``worker_id`` managed to send before it died."""
-        return self._drain(self.result_readers[worker_id])
-
     def _drain(self, conn: ResultSocket) -> list[WorkerReport]:
         reports = []
         try:
@@ -225,9 +221,6 @@ class ThreadChannels:
     def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
         report = self.results.receive(timeout_s)
         return ([report] if report is not None else []), []
-
-    def drain_worker(self, worker_id: int) -> list[WorkerReport]:
-        return []
 
     def close(self) -> None:
         pass
