@@ -4,10 +4,14 @@ A failure in a worker is captured as a :class:`RemoteFailure` (plain data, alway
 re-raised in the main process as the *same* exception type, so ``except KeyError`` written for
 torch.utils.data keeps working. The message names the worker and the stage, and carries the
 original message and the worker's traceback text.
+
+Where torch.utils.data has a sentence for the same failure, our message starts with that sentence,
+word for word (users and their tests match it with regular expressions); our detail follows.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -30,6 +34,10 @@ class SharedMemoryError(WorkerError):
     """Shared memory (``/dev/shm``) is too small for the batches in flight."""
 
 
+class TooManyOpenFilesError(WorkerError):
+    """The main process ran out of file descriptors while receiving a batch from a worker."""
+
+
 class _KeyErrorMessage(str):
     """A str whose repr is itself, so a KeyError shows the traceback text readably."""
 
@@ -48,6 +56,9 @@ class RemoteFailure:
         worker_id: which worker raised it.
         stage: what the worker was doing ("fetching a batch", "running worker_init_fn", ...).
         indices: the sample indices of the batch, when known.
+        where: replaces torch's "in DataLoader worker process N" (the pin memory thread).
+        caught_name: the type name torch's sentence shows when ``exc_type`` is our refinement
+            of the type actually raised (SharedMemoryError for a RuntimeError).
     """
 
     exc_type: type[BaseException]
@@ -56,20 +67,34 @@ class RemoteFailure:
     worker_id: int
     stage: str
     indices: object = None
+    where: str | None = None
+    caught_name: str | None = None
 
     @classmethod
-    def capture(cls, worker_id: int, stage: str, indices: object = None) -> RemoteFailure:
-        """Describe the exception being handled right now."""
+    def capture(
+        cls, worker_id: int, stage: str, indices: object = None, where: str | None = None
+    ) -> RemoteFailure:
+        """Describe the exception being handled right now.
+
+        ``where`` replaces torch's "in DataLoader worker process N" for failures elsewhere (the
+        pin memory thread).
+        """
         exc_type, exc, tb = sys.exc_info()
         assert exc_type is not None and exc is not None, "capture() needs an active exception"
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        return cls(exc_type, str(exc), text, worker_id, stage, _small(indices))
+        return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where)
 
     def headline(self) -> str:
-        where = f"in DataLoader worker {self.worker_id} while {self.stage}"
+        """torch's sentence ("Caught KeyError in DataLoader worker process 0."), then ours."""
+        where = self.where or f"in DataLoader worker process {self.worker_id}"
+        name = self.caught_name or self.exc_type.__name__
+        return f"Caught {name} {where}. It was raised {self._circumstances()}."
+
+    def _circumstances(self) -> str:
+        text = f"while {self.stage}"
         if self.indices is not None:
-            where += f" (sample indices {self.indices})"
-        return f"Caught {self.exc_type.__name__} {where}."
+            text += f" (sample indices {self.indices})"
+        return text
 
     def to_exception(self) -> BaseException:
         """Rebuild an exception of the original type whose str() tells the whole story."""
@@ -81,7 +106,8 @@ class RemoteFailure:
         except Exception:  # the type needs other constructor arguments
             exc = RuntimeError(text)
         if hasattr(exc, "add_note"):
-            exc.add_note(f"pipeload: raised {self.headline()[len('Caught '):]}")
+            where = self.where or f"in DataLoader worker {self.worker_id}"
+            exc.add_note(f"pipeload: raised {where} {self._circumstances()}")
         return exc
 
 
@@ -90,6 +116,80 @@ def _small(indices: object, limit: int = 64) -> object:
     if isinstance(indices, list) and len(indices) > limit:
         return indices[:limit] + ["..."]
     return indices
+
+
+def worker_died_message(deaths: list[tuple[int, int | None, int | None]]) -> str:
+    """The message for worker processes that ended on their own: ``(worker_id, pid, exitcode)``.
+
+    torch raises one of two sentences, depending on whether its SIGCHLD handler or its liveness
+    check saw the death first: "DataLoader worker (pid 7) is killed by signal: Killed." (or
+    "... exited unexpectedly with exit code 3. ...") and "DataLoader worker (pid(s) 7) exited
+    unexpectedly". Both are kept, in that order, so either regular expression keeps matching.
+    """
+    _, first_pid, first_code = deaths[0]
+    pids = ", ".join(str(pid) for _, pid, _ in deaths)
+    details = "; ".join(
+        f"worker {worker_id} (pid {pid}) ended with {describe_exit(code)}" for worker_id, pid, code in deaths
+    )
+    return f"{_torch_death_sentence(first_pid, first_code)}DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}"
+
+
+def _torch_death_sentence(pid: int | None, exitcode: int | None) -> str:
+    """torch's own words for a worker killed by a signal or exiting with a non-zero code."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"Unknown signal {-exitcode}"
+        except ValueError:
+            name = f"Unknown signal {-exitcode}"
+        sentence = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+        if -exitcode == signal.SIGBUS:
+            sentence += (
+                "It is possible that dataloader's workers are out of shared memory. "
+                "Please try to raise your shared memory limit. "
+            )
+        return sentence
+    if exitcode:
+        return (
+            f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+            "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
+            "better error trace. "
+        )
+    return ""
+
+
+def too_many_open_files(kept_hint: str) -> str:
+    """torch's sentence for running out of descriptors, then what our transport needs.
+
+    torch also suggests the 'file_system' sharing strategy; it does not apply here (batches
+    travel as descriptors whatever the strategy), so that part of its sentence is left out.
+    """
+    soft, hard = _fd_limits()
+    return (
+        "Too many open files. Communication with the workers is no longer possible. Please "
+        "increase the limit using `ulimit -n` in the shell. "
+        f"This process may open {soft} files (hard limit {hard}) and has {_open_fd_count()} open. "
+        f"{kept_hint}Raise the limit (`ulimit -n 65536`, or resource.setrlimit(resource."
+        "RLIMIT_NOFILE, ...) up to the hard limit), keep fewer batches alive (keep "
+        "`tensor.clone()` instead of the batch), or use worker_type='thread', which passes no "
+        "descriptors."
+    )
+
+
+def _fd_limits() -> tuple[str, str]:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return "?", "?"
+    return tuple("unlimited" if n == resource.RLIM_INFINITY else str(n) for n in (soft, hard))  # type: ignore[return-value]
+
+
+def _open_fd_count() -> str:
+    try:
+        return str(len(os.listdir("/proc/self/fd")) - 1)  # less the one listdir itself opened
+    except OSError:
+        return "an unknown number"
 
 
 def describe_exit(exitcode: int | None) -> str:

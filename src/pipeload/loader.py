@@ -8,6 +8,7 @@ engine (or borrows the loader's, with ``persistent_workers=True``).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -207,7 +208,8 @@ class DataLoader(Generic[T_co]):
     def _build_engine(self, base_seed: int) -> Any:
         if self.timeout > 0 and self.num_workers == 0:
             raise arguments.ArgumentAssertionError(
-                f"timeout={self.timeout!r} needs worker processes: set num_workers > 0 or timeout=0"
+                "_SingleProcessDataLoaderIter requires timeout == 0 (pipeload: "
+                f"timeout={self.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
             )
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
         if self.num_workers == 0:
@@ -223,7 +225,7 @@ class DataLoader(Generic[T_co]):
             setup=setup,
             prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
             in_order=self.in_order,
-            timeout_s=float(self.timeout),
+            timeout_s=self.timeout,
             worker_type=self.worker_type,
             mp_context=self.multiprocessing_context,
         )
@@ -233,14 +235,16 @@ class DataLoader(Generic[T_co]):
             return engine
         if self.pin_memory_device:
             warnings.warn(
-                f"pin_memory_device={self.pin_memory_device!r} is ignored (deprecated in torch): "
-                "batches are pinned for the current accelerator.",
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'. (pipeload: batches "
+                "are pinned for the current accelerator.)",
                 stacklevel=4,
             )
         if not pinning_available():
             warnings.warn(
-                "pin_memory=True has no effect here: no accelerator is available, so batches "
-                "are handed out in ordinary memory.",
+                "'pin_memory' argument is set as true but no accelerator is found, then device "
+                "pinned memory won't be used. (pipeload: batches are handed out in ordinary "
+                "memory.)",
                 stacklevel=4,
             )
             return engine
@@ -252,7 +256,10 @@ class DataLoader(Generic[T_co]):
 class _EpochIterator:
     """One epoch over a loader. Owns its engine unless the loader keeps workers persistent.
 
-    Closing it (at the end, on any error, or when it is dropped) stops an owned engine at once.
+    Closing it (at the end, or when it is dropped) stops an owned engine at once. An error
+    raised for one batch leaves the epoch running, as in torch: catch it, call ``next`` again,
+    and the other batches keep coming. The engine itself closes on what ends an epoch (a dead
+    worker, a broken channel); Ctrl-C (anything that is not an ``Exception``) closes it here.
     """
 
     def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool) -> None:
@@ -278,8 +285,15 @@ class _EpochIterator:
         except StopIteration:
             self._finish()
             raise
+        except Exception:
+            # The error's traceback keeps this frame: without `self` in it, an uncaught error
+            # (one that unwinds the caller's `for` loop) still lets the iterator go, and its
+            # workers with it, however long the error itself is kept.
+            del self
+            raise
         except BaseException:
-            self._engine.close()  # an error ends the whole session: no half-alive workers
+            self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
+            del self
             raise
         self._yielded += 1
         if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
@@ -292,6 +306,19 @@ class _EpochIterator:
     @property
     def _workers(self) -> list[Any]:
         return self._engine.workers
+
+    @property
+    def _pin_memory(self) -> bool:
+        """Whether batches are pinned (torch's attribute: False without an accelerator)."""
+        return isinstance(self._engine, (InlinePinning, ThreadedPinning))
+
+    @property
+    def _pin_memory_thread(self) -> threading.Thread:
+        """The thread that pins batches, as in torch: only with workers and an accelerator."""
+        thread = self._engine.thread if isinstance(self._engine, ThreadedPinning) else None
+        if thread is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pin_memory_thread'")
+        return thread
 
     def close(self) -> None:
         """Stop the workers now (persistent workers belong to the loader and stay)."""
@@ -307,10 +334,17 @@ class _EpochIterator:
 
 
 def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:
+    # torch's sentence, its missing space before "(when" included.
     message = (
-        f"Length of IterableDataset {dataset} was reported to be {reported} (when accessing "
-        f"len(dataloader)), but {yielded} samples have been fetched."
+        f"Length of IterableDataset {dataset} was reported to be {reported}(when accessing "
+        f"len(dataloader)), but {yielded} samples have been fetched. "
     )
     if num_workers > 0:
-        message += " With several workers, each worker's replica must yield only its share: see get_worker_info()."
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly configuring "
+            "the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
+            "examples. (pipeload: with several workers, each worker's replica must yield only "
+            "its share: see get_worker_info().)"
+        )
     warnings.warn(message, stacklevel=3)

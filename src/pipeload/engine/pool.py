@@ -22,7 +22,7 @@ from pipeload.engine.lifecycle import (
 )
 from pipeload.engine.plan import WorkerSetup
 from pipeload.engine.reorder import BatchLedger
-from pipeload.errors import LoaderTimeoutError, WorkerDiedError, describe_exit
+from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
@@ -39,7 +39,8 @@ class PoolConfig:
         setup: what every worker needs to start.
         prefetch_factor: batches in flight per worker.
         in_order: yield in sampler order (True) or as batches finish (False).
-        timeout_s: raise if no batch arrives for this long (0: wait as long as workers live).
+        timeout_s: raise if no batch arrives for this long (0: wait as long as workers live);
+            kept as the user gave it, since the timeout message prints it as torch does.
         worker_type: "process" or "thread".
         mp_context: a multiprocessing context (process workers), or None for the default.
     """
@@ -128,6 +129,9 @@ class PoolEngine:
     and yields the results in sampler order (or as they finish with ``in_order=False``).
 
     Driven by one thread at a time (the caller of ``next_batch``).
+    Invariants, between calls: ``_unsent`` is a task taken from the sampler whose send timed out
+    (it goes out first next time, to the same worker); ``_sampler_error`` is what the sampler
+    raised, kept until every batch sent before it has been yielded.
     """
 
     def __init__(self, config: PoolConfig) -> None:
@@ -139,6 +143,8 @@ class PoolEngine:
         self._ledger = BatchLedger(config.setup.num_workers, config.in_order)
         self._tasks: Iterator[Any] = iter(())
         self._sampler_done = True
+        self._unsent: tuple[int, Any] | None = None
+        self._sampler_error: Exception | None = None
 
     @property
     def workers(self) -> list[Any]:
@@ -155,24 +161,30 @@ class PoolEngine:
         self._epoch += 1
         self._tasks = tasks
         self._sampler_done = False
+        self._unsent = None
+        self._sampler_error = None
         self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
         self._top_up()
 
     def next_batch(self) -> Any:
-        """The next batch; raises StopIteration when the epoch is over."""
-        # No local alias of the ledger: a raised error's traceback keeps this frame, and
-        # close() must be able to let go of the batches the ledger holds.
-        while True:
-            report = self._ledger.pop_ready()
-            if report is not None:
-                self._top_up()
-                return _unwrap(report)
-            if self._ledger.nothing_left():
-                raise StopIteration
-            for report in self._receive():
-                if report.report is not Report.EPOCH_STARTED:
-                    self._ledger.record_report(report)
-            self._top_up()
+        """The next batch; raises StopIteration when the epoch is over.
+
+        A batch whose building raised (dataset, collate_fn, an iterable's ``__next__``) raises
+        that error here and the epoch goes on: the next call returns the next batch, as torch
+        does. A timeout also leaves everything as it was (asking again waits again). Anything
+        else (a dead worker, a broken channel, Ctrl-C) closes the engine before it propagates:
+        the epoch is over, and the next call raises StopIteration.
+        """
+        try:
+            report = self._next_report()
+        except LoaderTimeoutError:
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if report is None:
+            self._end_epoch()
+        return _unwrap(report)
 
     def close(self) -> None:
         self._finalizer()
@@ -181,20 +193,64 @@ class PoolEngine:
         self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
         self._tasks = iter(())
         self._sampler_done = True
+        self._unsent = None
+        self._sampler_error = None
+
+    def _next_report(self) -> WorkerReport | None:
+        """The next report to hand out, or None once every batch sent has been handed out."""
+        # No local alias of the ledger: a raised error's traceback keeps this frame, and
+        # close() must be able to let go of the batches the ledger holds.
+        while True:
+            report = self._ledger.pop_ready()
+            if report is not None:
+                try:
+                    self._top_up()
+                except LoaderTimeoutError:
+                    pass  # a worker's task pipe stayed full; the task is sent on the next call
+                return report
+            if self._ledger.nothing_left():
+                return None
+            for report in self._receive():
+                if report.report is not Report.EPOCH_STARTED:
+                    self._ledger.record_report(report)
+            self._top_up()
+
+    def _end_epoch(self) -> None:
+        """Raise StopIteration, or first the sampler's error if it failed: it comes where the
+        sampler failed, after every batch sent before it, and the epoch ends there."""
+        error, self._sampler_error = self._sampler_error, None
+        if error is None:
+            raise StopIteration
+        try:
+            raise error
+        finally:
+            del error  # the traceback holds this frame: no cycle through the local
 
     def _top_up(self) -> None:
         ledger = self._ledger
         while not self._sampler_done and ledger.outstanding < self._max_outstanding:
-            worker_id = ledger.choose_worker()
-            if worker_id is None:
-                return
-            try:
-                indices = next(self._tasks)
-            except StopIteration:
-                self._sampler_done = True
-                return
-            number = ledger.record_sent(worker_id)
-            self._send(worker_id, WorkerCommand(Command.FETCH, number, indices))
+            if self._unsent is None:
+                worker_id = ledger.choose_worker()
+                if worker_id is None:
+                    return
+                indices = self._next_task()
+                if self._sampler_done:
+                    return
+                self._unsent = (worker_id, indices)
+            worker_id, indices = self._unsent
+            self._send(worker_id, WorkerCommand(Command.FETCH, ledger.next_to_send, indices))
+            self._unsent = None
+            ledger.record_sent(worker_id)
+
+    def _next_task(self) -> Any:
+        try:
+            return next(self._tasks)
+        except StopIteration:
+            self._sampler_done = True
+        except Exception as error:  # the sampler's own failure ends the supply of tasks
+            self._sampler_done = True
+            self._sampler_error = error
+        return None
 
     def _send(self, worker_id: int, command: WorkerCommand) -> None:
         try:
@@ -205,7 +261,8 @@ class PoolEngine:
             handle.join(EXIT_STATUS_WAIT_S)
             self._raise_for_dead_workers()
             raise WorkerDiedError(
-                f"DataLoader worker {worker_id} (pid {handle.pid}) stopped reading its tasks"
+                f"DataLoader worker (pid(s) {handle.pid}) exited unexpectedly: worker {worker_id} "
+                "stopped reading its tasks"
             ) from None
 
     def _while_pipe_full(self, worker_id: int) -> Callable[[], None]:
@@ -247,9 +304,12 @@ class PoolEngine:
         for worker_id, handle in enumerate(self._workers.handles):
             if not handle.is_alive():
                 handle.join(0.1)  # reap it, so its exit code is known
-                dead.append(_how_it_ended(worker_id, handle))
-        if dead:
-            raise WorkerDiedError(f"DataLoader {'; '.join(dead)}")
+                dead.append((worker_id, handle))
+        if not dead:
+            return
+        if isinstance(dead[0][1], ThreadWorkerHandle):
+            raise WorkerDiedError("DataLoader " + "; ".join(_how_thread_ended(w) for w, _ in dead))
+        raise WorkerDiedError(worker_died_message([(w, h.pid, h.exitcode) for w, h in dead]))
 
     def _restart_workers_epoch(self) -> None:
         """Persistent workers: finish the old epoch's leftovers, then start a fresh one."""
@@ -263,12 +323,9 @@ class PoolEngine:
                     waiting.discard(report.worker_id)
 
 
-def _how_it_ended(worker_id: int, handle: Any) -> str:
-    if isinstance(handle, ThreadWorkerHandle):
-        return (f"worker thread {worker_id} ended unexpectedly: something that is not an "
-                "Exception (SystemExit, for example) escaped the dataset or collate code")
-    return (f"worker {worker_id} (pid {handle.pid}) exited unexpectedly with "
-            f"{describe_exit(handle.exitcode)}")
+def _how_thread_ended(worker_id: int) -> str:
+    return (f"worker thread {worker_id} ended unexpectedly: something that is not an "
+            "Exception (SystemExit, for example) escaped the dataset or collate code")
 
 
 def _unwrap(report: WorkerReport) -> Any:

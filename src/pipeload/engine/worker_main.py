@@ -67,6 +67,7 @@ class WorkerLoop:
         self._should_stop = should_stop
         self._fetcher: Any = None
         self._init_failure: RemoteFailure | None = None
+        self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
 
@@ -113,6 +114,7 @@ class WorkerLoop:
 
     def _start_epoch(self, epoch: int) -> None:
         self._exhausted = False
+        self._init_failure_reported = False
         if self._init_failure is None:
             try:
                 self._fetcher = make_fetcher(self._setup.fetch)
@@ -125,18 +127,31 @@ class WorkerLoop:
             return  # the main process skips tasks sent to a worker that ran dry
         number = command.batch_number
         if self._init_failure is not None:
-            self._outbox.send(WorkerReport(Report.FAILED, self._id, number, self._init_failure))
+            self._serve_failed_setup(number)
             return
         try:
             batch = self._fetcher.fetch(command.indices)
         except DatasetExhausted:
-            self._exhausted = True
-            self._outbox.send(WorkerReport(Report.EXHAUSTED, self._id, number))
+            self._report_exhausted(number)
             return
         except Exception as exc:
             self._report_failure(number, "fetching a batch", command.indices, exc)
             return
         self._send_batch(number, batch, command.indices)
+
+    def _serve_failed_setup(self, number: int) -> None:
+        """An iterable replica whose setup failed has no iterator to read: like a generator that
+        raised, it is finished once its error has been reported. A map-style worker reports its
+        setup error for every task, as it has nothing else to give."""
+        if self._init_failure_reported and self._setup.fetch.kind is DatasetKind.ITERABLE:
+            self._report_exhausted(number)
+            return
+        self._outbox.send(WorkerReport(Report.FAILED, self._id, number, self._init_failure))
+        self._init_failure_reported = True
+
+    def _report_exhausted(self, number: int) -> None:
+        self._exhausted = True
+        self._outbox.send(WorkerReport(Report.EXHAUSTED, self._id, number))
 
     def _send_batch(self, number: int, batch: Any, indices: Any) -> None:
         try:
@@ -150,9 +165,10 @@ class WorkerLoop:
         failure = RemoteFailure.capture(self._id, stage, _indices_for_message(indices))
         if _is_shared_memory_exhaustion(exc):
             _remove_failed_segment(exc)
-            failure = RemoteFailure(
-                SharedMemoryError, SHM_TOO_SMALL, f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
-                self._id, stage, failure.indices,
+            failure = dataclasses.replace(
+                failure, exc_type=SharedMemoryError, message=SHM_TOO_SMALL,
+                traceback_text=f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
+                caught_name=type(exc).__name__,
             )
         self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
 
