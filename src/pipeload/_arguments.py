@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import Any
 
+from pipeload.errors import exact_value
 from pipeload.samplers import (
     RandomSampler,
     Sampler,
@@ -35,7 +36,7 @@ def check_num_workers(num_workers: Any) -> None:
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; use num_workers=0 to disable "
-            f"multiprocessing, but got num_workers={num_workers!r}"
+            f"multiprocessing. (pipeload: got num_workers={num_workers!r})"
         )
 
 
@@ -67,17 +68,24 @@ def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | Non
     if num_workers == 0:
         if prefetch_factor is not None:
             raise ValueError(
-                "prefetch_factor option could only be specified in multiprocessing: set "
-                f"num_workers > 0, or leave prefetch_factor=None (got prefetch_factor={prefetch_factor!r})"
+                "prefetch_factor option could only be specified in multiprocessing.let num_workers "
+                "> 0 to enable multiprocessing, otherwise set prefetch_factor to None. (pipeload: "
+                f"got prefetch_factor={prefetch_factor!r} with num_workers=0)"
             )
         return None
     if prefetch_factor is None:
         return 2
     if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
         raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
-    if prefetch_factor <= 0:
+    if prefetch_factor < 0:
         raise ArgumentAssertionError(
-            f"prefetch_factor option should be a positive integer, but got prefetch_factor={prefetch_factor!r}"
+            "prefetch_factor option should be non-negative (pipeload: it should be a positive "
+            f"integer, but got prefetch_factor={prefetch_factor!r})"
+        )
+    if prefetch_factor == 0:
+        raise ArgumentAssertionError(
+            "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter (pipeload: "
+            "got prefetch_factor=0; each worker needs at least one batch in flight)"
         )
     return prefetch_factor
 
@@ -85,16 +93,18 @@ def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | Non
 def check_iterable_options(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
     if shuffle not in {False, None}:
         raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle!r}"
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+            f"{exact_value('shuffle', shuffle)}"
         )
     if sampler is not None:
         raise ValueError(
-            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler!r}"
+            f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
+            f"{exact_value('sampler', sampler)}"
         )
     if batch_sampler is not None:
         raise ValueError(
             "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
-            f"but got batch_sampler={batch_sampler!r}"
+            f"but got batch_sampler={batch_sampler}{exact_value('batch_sampler', batch_sampler)}"
         )
 
 
@@ -133,7 +143,7 @@ def resolve_context(context: Any, num_workers: int) -> Any:
     if num_workers == 0:
         raise ValueError(
             "multiprocessing_context can only be used with multi-process loading "
-            f"(num_workers > 0), but got multiprocessing_context={context!r} with num_workers=0"
+            f"(num_workers > 0), but got num_workers=0 (pipeload: and multiprocessing_context={context!r})"
         )
     if isinstance(context, str):
         methods = multiprocessing.get_all_start_methods()
@@ -146,7 +156,8 @@ def resolve_context(context: Any, num_workers: int) -> Any:
     if not isinstance(context, multiprocessing.context.BaseContext):
         raise TypeError(
             "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r}"
+            f"specifying the start method, but got multiprocessing_context={context}"
+            f"{exact_value('multiprocessing_context', context)}"
         )
     return context
 
@@ -154,14 +165,22 @@ def resolve_context(context: Any, num_workers: int) -> Any:
 def warn_if_too_many_workers(num_workers: int) -> None:
     if num_workers == 0:
         return
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 0
-    if num_workers > available:
-        warnings.warn(
-            f"This DataLoader will create {num_workers} worker processes, more than the "
-            f"{available} CPUs this process may use; loading may be slow or freeze. Lower "
-            "num_workers if it does.",
-            stacklevel=3,
+    # torch's count: the CPUs this process may run on (affinity, so cgroups/taskset count).
+    cpuset_checked = hasattr(os, "sched_getaffinity")
+    available = len(os.sched_getaffinity(0)) if cpuset_checked else os.cpu_count()
+    if available is not None and num_workers <= available:
+        return
+    if available is None:
+        suggestion = "DataLoader is not able to compute a suggested max number of worker in current system."
+    else:
+        suggestion = (
+            f"Our suggested max number of worker in current system is {available}"
+            f"{'' if cpuset_checked else ' (`cpuset` is not taken into account)'}, which is "
+            "smaller than what this DataLoader is going to create."
         )
+    warnings.warn(
+        f"This DataLoader will create {num_workers} worker processes in total. {suggestion} "
+        "Please be aware that excessive worker creation might get DataLoader running slow or "
+        "even freeze, lower the worker number to avoid potential slowness/freeze if necessary.",
+        stacklevel=3,
+    )

@@ -5,8 +5,8 @@ sequences; at each leaf it asks a type -> function map what to do (stack tensors
 keep strings). The behaviour follows ``torch.utils.data.default_collate`` so the same samples give
 the same batches, with three deliberate differences:
 
-* a ragged batch (tensors of different shapes) fails with a ``RuntimeError`` that names the field
-  and the two shapes, instead of only torch.stack's message (which is chained as the cause);
+* a ragged batch (tensors of different shapes) fails with a ``RuntimeError`` that starts with
+  torch.stack's message and goes on to name the field and the two shapes;
 * each element is collated once: a failure inside a container is not retried through the
   container's fallback path, so custom collate functions are never called twice for one field;
 * ``default_convert`` leaves numpy ``bytes_`` scalars alone, as it does ``str_`` (torch raises).
@@ -290,12 +290,14 @@ def collate_tensor_fn(
     elem = batch[0]
     if elem.is_nested:
         raise RuntimeError(
-            "default_collate cannot batch nested tensors; pass a collate_fn that handles them."
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
         )
     if elem.layout in _SPARSE_LAYOUTS:
         raise RuntimeError(
-            f"default_collate cannot batch sparse tensors (layout {elem.layout}); "
-            "pass a collate_fn that handles them."
+            "Batches of sparse tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately. (pipeload: got "
+            f"layout {elem.layout})"
         )
     try:
         out = _shared_output_like(batch) if _in_worker_process() else None
@@ -304,11 +306,12 @@ def collate_tensor_fn(
         odd = _first_shape_mismatch(batch)
         if odd is None:
             raise
+        # torch.stack's own sentence first: code written for torch matches it.
         raise RuntimeError(
-            f"collate: cannot stack the tensors at {_describe_field()} because their shapes "
-            f"differ: {batch[0].shape} vs {batch[odd].shape} at sample {odd} (sample 0 sets the "
-            "expected shape). Pad or crop samples to one shape, or pass a collate_fn that "
-            "handles ragged data."
+            f"{error} (pipeload: collate cannot stack the tensors at {_describe_field()} because "
+            f"their shapes differ: {batch[0].shape} vs {batch[odd].shape} at sample {odd} "
+            "(sample 0 sets the expected shape). Pad or crop samples to one shape, or pass a "
+            "collate_fn that handles ragged data.)"
         ) from error
 
 

@@ -45,8 +45,9 @@ class Dataset(Generic[T_co]):
 
     def __getitem__(self, index: Any) -> T_co:
         raise NotImplementedError(
+            "Subclasses of Dataset should implement __getitem__. (pipeload: "
             f"{type(self).__name__} must implement __getitem__(index) to be used as a map-style "
-            "Dataset"
+            "Dataset)"
         )
 
     # No default __len__ or __getitems__: their absence is meaningful to samplers and fetchers.
@@ -150,13 +151,17 @@ class StackDataset(Dataset[T_co]):
 
     def __init__(self, *args: Dataset[Any], **kwargs: Dataset[Any]) -> None:
         if args and kwargs:
+            # torch's sentence, its missing space after "or" included.
             raise ValueError(
-                "StackDataset takes datasets either positionally (samples are tuples) or by "
-                f"keyword (samples are dicts), but got {len(args)} positional and keywords "
-                f"{sorted(kwargs)}"
+                "Supported either ``tuple``- (via ``args``) or``dict``- (via ``kwargs``) like "
+                "input/output, but both types are given. (pipeload: StackDataset takes datasets "
+                "either positionally, for tuple samples, or by keyword, for dict samples; got "
+                f"{len(args)} positional and keywords {sorted(kwargs)})"
             )
         if not args and not kwargs:
-            raise ValueError("StackDataset needs at least one dataset, but got none")
+            raise ValueError(
+                "At least one dataset should be passed (pipeload: StackDataset got none)"
+            )
         parts = list(args) if args else list(kwargs.values())
         lengths = [len(part) for part in parts]
         if any(length != lengths[0] for length in lengths):
@@ -193,8 +198,8 @@ def _fetch_many(dataset: Any, indices: list[Any]) -> list[Any]:
     items = getitems(indices)
     if len(items) != len(indices):
         raise ValueError(
-            f"Nested dataset's output size mismatch: {type(dataset).__name__}.__getitems__ was "
-            f"asked for {len(indices)} samples but returned {len(items)}"
+            f"Nested dataset's output size mismatch. Expected {len(indices)}, got {len(items)} "
+            f"(pipeload: from {type(dataset).__name__}.__getitems__)"
         )
     return items
 

@@ -11,7 +11,6 @@ word for word (users and their tests match it with regular expressions); our det
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -111,6 +110,19 @@ class RemoteFailure:
         return exc
 
 
+def exact_value(name: str, value: object) -> str:
+    """`` (pipeload: got name='4')`` when ``str(value)`` hides the type, else nothing.
+
+    torch prints refused values with ``str`` ("batch_size=4" for the string "4"); our messages
+    keep its sentence and add the ``repr`` when the two differ.
+    """
+    try:
+        shown, exact = str(value), repr(value)
+    except Exception:
+        return ""
+    return "" if shown == exact else f" (pipeload: got {name}={exact})"
+
+
 def _small(indices: object, limit: int = 64) -> object:
     """Keep index lists short enough to print in an error message."""
     if isinstance(indices, list) and len(indices) > limit:
@@ -167,7 +179,7 @@ def too_many_open_files(kept_hint: str) -> str:
     return (
         "Too many open files. Communication with the workers is no longer possible. Please "
         "increase the limit using `ulimit -n` in the shell. "
-        f"This process may open {soft} files (hard limit {hard}) and has {_open_fd_count()} open. "
+        f"This process may have {soft} files open (hard limit {hard}), and all are in use. "
         f"{kept_hint}Raise the limit (`ulimit -n 65536`, or resource.setrlimit(resource."
         "RLIMIT_NOFILE, ...) up to the hard limit), keep fewer batches alive (keep "
         "`tensor.clone()` instead of the batch), or use worker_type='thread', which passes no "
@@ -183,13 +195,6 @@ def _fd_limits() -> tuple[str, str]:
     except (ImportError, OSError, ValueError):
         return "?", "?"
     return tuple("unlimited" if n == resource.RLIM_INFINITY else str(n) for n in (soft, hard))  # type: ignore[return-value]
-
-
-def _open_fd_count() -> str:
-    try:
-        return str(len(os.listdir("/proc/self/fd")) - 1)  # less the one listdir itself opened
-    except OSError:
-        return "an unknown number"
 
 
 def describe_exit(exitcode: int | None) -> str:

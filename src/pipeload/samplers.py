@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from pipeload.errors import exact_value
+
 __all__ = [
     "BatchSampler",
     "DistributedSampler",
@@ -102,14 +104,15 @@ class RandomSampler(Sampler[int]):
         self.generator = generator
         if not isinstance(replacement, bool):
             raise TypeError(
-                "replacement should be a boolean value (True or False), but got "
-                f"replacement={replacement!r}"
+                f"replacement should be a boolean value, but got replacement={replacement}"
+                f"{exact_value('replacement', replacement)}"
             )
         count = self.num_samples
         # bool passes as an int here on purpose: torch accepts num_samples=True.
         if not isinstance(count, int) or count <= 0:
             raise ValueError(
-                f"num_samples should be a positive integer value, but got num_samples={count!r}"
+                f"num_samples should be a positive integer value, but got num_samples={count}"
+                f"{exact_value('num_samples', count)}"
             )
 
     @property
@@ -218,12 +221,12 @@ class WeightedRandomSampler(Sampler[int]):
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
             raise ValueError(
                 "num_samples should be a positive integer value, but got "
-                f"num_samples={num_samples!r}"
+                f"num_samples={num_samples}{exact_value('num_samples', num_samples)}"
             )
         if not isinstance(replacement, bool):
             raise ValueError(
-                "replacement should be a boolean value (True or False), but got "
-                f"replacement={replacement!r}"
+                f"replacement should be a boolean value, but got replacement={replacement}"
+                f"{exact_value('replacement', replacement)}"
             )
         weights_tensor = torch.as_tensor(weights, dtype=torch.double)
         if weights_tensor.dim() != 1:
@@ -247,7 +250,10 @@ class WeightedRandomSampler(Sampler[int]):
 
 
 def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -> None:
-    """Reject, at construction, what torch.multinomial would reject at the first iteration."""
+    """Reject, at construction, what torch.multinomial would reject at the first iteration.
+
+    Each message starts with torch.multinomial's own sentence for the case.
+    """
     problems = {
         "every weight must be finite, but some are inf or NaN": ~torch.isfinite(weights),
         "every weight must be >= 0, but some are negative": weights < 0,
@@ -255,16 +261,21 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
     for problem, where in problems.items():
         if bool(where.any()):
             positions = where.nonzero().flatten().tolist()[:10]
-            raise RuntimeError(f"invalid weights: {problem}, at positions {positions}")
+            raise RuntimeError(
+                "probability tensor contains either `inf`, `nan` or element < 0 (pipeload: "
+                f"invalid weights: {problem}, at positions {positions})"
+            )
     if not float(weights.sum()) > 0:
         raise RuntimeError(
-            "invalid weights: the weights must have a positive sum, but got "
-            f"{weights.numel()} weights summing to {float(weights.sum())}"
+            "invalid multinomial distribution (sum of probabilities <= 0) (pipeload: the weights "
+            f"must have a positive sum, but got {weights.numel()} weights summing to "
+            f"{float(weights.sum())})"
         )
     if not replacement and num_samples > weights.numel():
         raise RuntimeError(
+            "cannot sample n_sample > prob_dist.size(-1) samples without replacement (pipeload: "
             f"cannot draw num_samples={num_samples} without replacement from "
-            f"{weights.numel()} weights"
+            f"{weights.numel()} weights)"
         )
 
 
@@ -293,12 +304,13 @@ class BatchSampler(Sampler[list[int]]):
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ValueError(
-                f"batch_size should be a positive integer value, but got batch_size={batch_size!r}"
+                f"batch_size should be a positive integer value, but got batch_size={batch_size}"
+                f"{exact_value('batch_size', batch_size)}"
             )
         if not isinstance(drop_last, bool):
             raise ValueError(
-                "drop_last should be a boolean value (True or False), but got "
-                f"drop_last={drop_last!r}"
+                f"drop_last should be a boolean value, but got drop_last={drop_last}"
+                f"{exact_value('drop_last', drop_last)}"
             )
         self.sampler = sampler
         self.batch_size = batch_size

@@ -8,6 +8,7 @@ import pickle
 import reprlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
@@ -190,22 +191,36 @@ class _StartingProcess:
 
 
 def check_picklable(named_objects: dict[str, Any], start_method: str) -> None:
-    """Fail before any worker starts if spawn/forkserver could not send these objects to it."""
+    """Fail before any worker starts if spawn/forkserver could not send these objects to it.
+
+    As torch does when a worker fails to start this way, warns with torch's words, then raises
+    the pickling error (its own message first, then which argument could not be sent).
+    """
     for name, obj in named_objects.items():
         set_spawning_popen(_StartingProcess())
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
+            warnings.warn(PICKLE_WARNING, stacklevel=6)  # the user's iter(loader) / for loop
             raise _unpicklable(exc, name, obj, start_method) from exc
         finally:
             set_spawning_popen(None)
 
 
+# torch's warning, word for word.
+PICKLE_WARNING = (
+    "Got pickle error when attempting to start a worker Process. This might be because the "
+    "worker Process arguments are not picklable. Python 3.14+ changed the multiprocessing start "
+    "method in non-Mac POSIX platforms to 'forkserver', which requires the worker Process "
+    "arguments to be picklable. You can also try multiprocessing.set_start_method('fork')."
+)
+
+
 def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str) -> Exception:
     message = (
-        f"DataLoader cannot send {name}={_short_repr(obj)} to its '{start_method}' worker "
-        f"processes because it cannot be pickled: {exc}. Define it at module level (not as a "
-        f"lambda or local function/class), or use multiprocessing_context='fork'."
+        f"{exc} (pipeload: DataLoader cannot send {name}={_short_repr(obj)} to its "
+        f"'{start_method}' worker processes because it cannot be pickled. Define it at module "
+        "level (not as a lambda or local function/class), or use multiprocessing_context='fork'.)"
     )
     try:
         return type(exc)(message)

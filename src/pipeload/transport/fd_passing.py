@@ -14,6 +14,7 @@ chunk of descriptors.
 from __future__ import annotations
 
 import array
+import errno
 import io
 import os
 import pickle
@@ -27,9 +28,18 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers tensor and storage reductions)
 from torch.multiprocessing.reductions import reduce_storage
 
+from pipeload.errors import TooManyOpenFilesError, too_many_open_files
+
 _HEADER = struct.Struct("<QI")
 FDS_PER_SENDMSG = 200  # the kernel caps one message at 253 descriptors (SCM_MAX_FD)
 _FD_SIZE = array.array("i").itemsize
+
+# What a kept batch costs in this process's descriptor table (said when the table is full).
+DESCRIPTORS_PER_KEPT_BATCH = (
+    "Every tensor storage of a batch from a worker process keeps one file descriptor open here "
+    "for as long as any tensor of that batch is alive, so keeping N batches of k tensors holds "
+    "N*k descriptors. "
+)
 
 
 class _DescriptorCollector:
@@ -92,10 +102,19 @@ def dumps_with_fds(obj: Any) -> tuple[memoryview, list[int], list[Any]]:
 
 
 def loads_with_fds(payload: bytes | bytearray, fds: list[int]) -> Any:
-    """Unpickle a message; closes every received descriptor (storages hold their own)."""
+    """Unpickle a message; closes every received descriptor (storages hold their own).
+
+    Raises:
+        TooManyOpenFilesError: mapping a storage failed because this process is out of file
+            descriptors (each storage duplicates its descriptor to keep it).
+    """
     _incoming.fds, _incoming.storages = fds, {}
     try:
         return pickle.loads(payload)
+    except RuntimeError as exc:
+        if _descriptor_table_full():  # checked before ours are closed: they count against it
+            raise TooManyOpenFilesError(too_many_open_files(DESCRIPTORS_PER_KEPT_BATCH)) from exc
+        raise
     finally:
         _incoming.fds, _incoming.storages = [], {}
         for fd in fds:
@@ -117,18 +136,39 @@ def send_message(sock: socket.socket, payload: memoryview, fds: list[int]) -> No
 
 
 def receive_message(sock: socket.socket) -> tuple[bytearray, list[int]]:
-    """Read one message written by :func:`send_message`. Raises EOFError if the writer is gone."""
+    """Read one message written by :func:`send_message`.
+
+    Raises:
+        EOFError: the writer is gone.
+        TooManyOpenFilesError: the kernel could not give this process all the message's
+            descriptors (its table is full); the message is consumed whole, so the stream
+            stays readable, but this message's batch cannot be rebuilt.
+    """
     fds: list[int] = []
     try:
         length, count = _HEADER.unpack(_receive_exactly(sock, _HEADER.size, fds))
         payload = _receive_exactly(sock, length, fds)
-        while len(fds) < count:
+        # Extra chunks are counted from the header, not from what arrived: descriptors the
+        # kernel dropped must not make us read into the next message.
+        for _ in range(max(0, -(-count // FDS_PER_SENDMSG) - 1)):
             _receive_exactly(sock, 1, fds)
+        if len(fds) != count:
+            raise TooManyOpenFilesError(too_many_open_files(DESCRIPTORS_PER_KEPT_BATCH))
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     return payload, fds
+
+
+def _descriptor_table_full() -> bool:
+    """Whether this process can open no more file descriptors (as torch checks, by trying)."""
+    try:
+        probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno == errno.EMFILE
+    os.close(probe)
+    return False
 
 
 def _rights(fds: list[int]) -> list[tuple[int, int, bytes]]:
