@@ -209,3 +209,21 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def pretend_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """On a machine without an accelerator, make pipeload's pin stage run anyway.
+
+    ``torch.accelerator.is_available`` answers True and ``Tensor.pin_memory`` returns a copy
+    (the real one raises without an accelerator), so the pin thread, its error handling and its
+    shutdown are exercised for real; only the page-locking is missing. With an accelerator
+    present nothing is replaced. Only pipeload's side may run under it: torch's own loader
+    would then try to pin for real.
+    """
+    import torch
+
+    if not torch.accelerator.is_available():
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self.clone())
+    yield

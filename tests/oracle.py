@@ -47,3 +47,33 @@ class KeywordOnlyMap(FrozenMap):
 
     def __init__(self, *, items: Mapping[Any, Any]) -> None:
         super().__init__(items)
+
+
+def drain_skipping(iterator: Iterator[Any], error_type: type[BaseException]) -> tuple[list[Any], int]:
+    """The skip-bad-batch loop users write: ``next()`` until StopIteration, counting and skipping
+    ``error_type``. Returns the batches (as lists where they are tensors) and the error count.
+
+    A bound guards against a loader that never ends (an error on every call).
+    """
+    batches: list[Any] = []
+    errors = 0
+    for _ in range(10_000):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return batches, errors
+        except error_type:
+            errors += 1
+            continue
+        batches.append(_as_lists(batch))
+    raise AssertionError(f"no end after 10000 calls: {len(batches)} batches, {errors} errors")
+
+
+def _as_lists(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, (list, tuple)):
+        return [_as_lists(item) for item in batch]
+    if isinstance(batch, Mapping):
+        return {key: _as_lists(value) for key, value in batch.items()}
+    return batch

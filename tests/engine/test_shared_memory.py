@@ -120,5 +120,5 @@ def test_too_small_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, context
         assert outcome["error"] == "SharedMemoryError", (name, outcome)
         assert outcome["is_shm_error"] and outcome["is_runtime_error"]
         assert "shared memory (/dev/shm) is too small" in outcome["message"]
-        assert "worker 0" in outcome["message"]
+        assert outcome["message"].startswith("Caught RuntimeError in DataLoader worker process 0.")
         assert outcome["left_in_shm"] == [], (name, outcome["left_in_shm"])

@@ -105,7 +105,10 @@ def test_idle_worker_killed_from_outside(signum, leak_guard):
             for _ in range(25):
                 next(iterator)
         name = signal.Signals(signum).name
-        assert f"worker 1 (pid {pids[1]}) exited unexpectedly with signal {signum} ({name})" in str(caught.value)
+        text = str(caught.value)
+        assert text.startswith(f"DataLoader worker (pid {pids[1]}) is killed by signal: {signal.strsignal(signum)}. ")
+        assert f"DataLoader worker (pid(s) {pids[1]}) exited unexpectedly" in text
+        assert f"worker 1 (pid {pids[1]}) ended with signal {signum} ({name})" in text
         leak_guard.assert_exited(pids, within_s=1.0)
 
 
