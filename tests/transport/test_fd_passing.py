@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -84,3 +88,79 @@ def test_a_closed_writer_reads_as_end_of_file():
     left.close()
     with right, pytest.raises(EOFError):
         receive_message(right)
+
+
+# Runs with a small descriptor table; prints what happened as JSON.
+_FULL_TABLE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, resource, socket, sys, threading
+    import torch
+    from pipeload.errors import TooManyOpenFilesError
+    from pipeload.transport.fd_passing import dumps_with_fds, loads_with_fds, receive_message, send_message
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    left, right = socket.socketpair()
+
+    def send(batch):
+        payload, fds, keep_alive = dumps_with_fds(batch)
+        send_message(left, payload, fds)
+
+    def fill_table_leaving(free):
+        filler = []
+        while True:
+            try:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(free):
+            os.close(filler.pop())
+        return filler
+
+    def receive_and_load():
+        try:
+            return "ok", loads_with_fds(*receive_message(right))
+        except TooManyOpenFilesError as exc:
+            return str(exc), None
+
+    result = {}
+    # 1. The kernel cannot install all of a message's descriptors (room for 2 of 5).
+    send([torch.full((3,), float(i)) for i in range(5)])
+    filler = fill_table_leaving(2)
+    result["truncated"], _ = receive_and_load()
+    for fd in filler:
+        os.close(fd)
+    send([torch.full((3,), 7.0)])  # the stream must still be in step
+    status, batch = receive_and_load()
+    result["next"] = [status, batch[0].tolist()]
+    del batch
+    # 2. The descriptors arrive, but mapping a storage (which keeps a duplicate) finds no room.
+    send([torch.full((3,), float(i)) for i in range(5)])
+    filler = fill_table_leaving(5)
+    result["mapping"], _ = receive_and_load()
+    for fd in filler:
+        os.close(fd)
+    before = len(os.listdir("/proc/self/fd"))
+    send([torch.full((3,), 8.0)])
+    status, batch = receive_and_load()
+    result["after"] = [status, batch[0].tolist()]
+    del batch
+    result["fds_back_to"] = len(os.listdir("/proc/self/fd")) - before
+    print(json.dumps(result))
+    """
+)
+
+
+def test_a_full_descriptor_table_is_a_clear_error_and_the_stream_stays_in_step(tmp_path):
+    script = tmp_path / "full_table.py"
+    script.write_text(_FULL_TABLE_SCRIPT)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for case in ("truncated", "mapping"):
+        assert result[case].startswith("Too many open files. Communication with the workers is no longer possible.")
+        assert "ulimit -n" in result[case] and "one file descriptor" in result[case]
+    assert result["next"] == ["ok", [7.0, 7.0, 7.0]]
+    assert result["after"] == ["ok", [8.0, 8.0, 8.0]]
+    assert result["fds_back_to"] == 0
