@@ -191,3 +191,46 @@ def test_error_when_the_failing_batch_is_not_first_in_line(engine):
         for batch in loader:
             seen.append(batch.tolist())
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+class SamplerFails:
+    """Yields 0..5, then raises: a sampler's own failure, in the main process."""
+
+    def __iter__(self):
+        yield from range(6)
+        raise SampleFailed("the sampler broke")
+
+    def __len__(self) -> int:
+        return 8
+
+
+def _skip_errors(iterator, error_type) -> list:
+    seen = []
+    for _ in range(50):
+        try:
+            seen.append(next(iterator).tolist())
+        except error_type:
+            seen.append("error")
+        except StopIteration:
+            return seen
+    raise AssertionError(f"no end: {seen}")
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_a_sampler_error_comes_where_the_sampler_failed(engine):
+    # Workers fetch ahead, so the sampler fails before the batches sent earlier are out: they
+    # still come, in order, then the error, then the end, as without workers (and in torch).
+    import torch.utils.data as tud
+
+    expected = _skip_errors(iter(tud.DataLoader(Numbers(8), batch_size=2, sampler=SamplerFails())), SampleFailed)
+    assert expected == [[0, 1], [2, 3], [4, 5], "error"]
+    loader = DataLoader(Numbers(8), batch_size=2, sampler=SamplerFails(), num_workers=2, **loader_kwargs(engine))
+    assert _skip_errors(iter(loader), SampleFailed) == expected
+
+
+@pytest.mark.parametrize("engine", FAST)
+def test_an_iterable_whose_iter_raised_is_reported_once_per_worker_then_finished(engine):
+    # No iterator was made, so each replica has nothing more to give, like a generator that
+    # raised. (torch's workers keep answering every task with an error, for ever.)
+    loader = DataLoader(BrokenIter(), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    assert _skip_errors(iter(loader), SampleFailed) == ["error", "error"]
