@@ -141,9 +141,13 @@ def worker_died_message(deaths: list[tuple[int, int | None, int | None]]) -> str
     _, first_pid, first_code = deaths[0]
     pids = ", ".join(str(pid) for _, pid, _ in deaths)
     details = "; ".join(
-        f"worker {worker_id} (pid {pid}) ended with {describe_exit(code)}" for worker_id, pid, code in deaths
+        f"worker {worker_id} (pid {pid}) ended with {describe_exit(code)}"
+        for worker_id, pid, code in deaths
     )
-    return f"{_torch_death_sentence(first_pid, first_code)}DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}"
+    return (
+        f"{_torch_death_sentence(first_pid, first_code)}"
+        f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}"
+    )
 
 
 def _torch_death_sentence(pid: int | None, exitcode: int | None) -> str:
@@ -189,12 +193,12 @@ def too_many_open_files(kept_hint: str) -> str:
 
 def _fd_limits() -> tuple[str, str]:
     try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
+        import resource  # POSIX only
+    except ImportError:
         return "?", "?"
-    return tuple("unlimited" if n == resource.RLIM_INFINITY else str(n) for n in (soft, hard))  # type: ignore[return-value]
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = ("unlimited" if n == resource.RLIM_INFINITY else str(n) for n in limits)
+    return soft, hard
 
 
 def describe_exit(exitcode: int | None) -> str:

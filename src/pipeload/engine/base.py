@@ -11,6 +11,11 @@ class Engine(Protocol):
 
     ``start_epoch`` is called once per epoch with that epoch's task iterator (lists of indices,
     or single indices without auto-collation); ``next_batch`` raises StopIteration at the end.
+
+    Errors, as in torch: an error raised for one batch (dataset, collate_fn, pinning) propagates
+    from ``next_batch`` and the epoch goes on; so does a timeout. What ends the epoch (a dead
+    worker, a broken channel) closes the engine before it propagates; after ``close`` (which the
+    iterator calls on Ctrl-C) ``next_batch`` raises StopIteration.
     """
 
     @property

@@ -27,10 +27,15 @@ class InlineEngine:
         return self._closed
 
     def start_epoch(self, tasks: Iterator[Any]) -> None:
+        self._closed = False
         self._tasks = tasks
         self._fetcher = make_fetcher(self._spec)
 
     def next_batch(self) -> Any:
+        """The next batch. The dataset's or collate_fn's error for it propagates, and the next
+        call goes on with the next batch; once closed (Ctrl-C), the epoch is over."""
+        if self._closed:
+            raise StopIteration
         index = next(self._tasks)
         try:
             return self._fetcher.fetch(index)
