@@ -209,7 +209,8 @@ def test_unpicklable_object_is_refused_before_any_worker_starts(method, name):
     context = _watched_context(method)
     loader = DataLoader(batch_size=2, num_workers=2, multiprocessing_context=context, **UNPICKLABLE[name])
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as caught:
-        iter(loader)
+        with pytest.warns(UserWarning, match="^Got pickle error when attempting to start a worker Process"):
+            iter(loader)  # torch warns so too, then raises the pickling error
     text = str(caught.value)
     assert f"{name}=" in text, text
     assert "cannot be pickled" in text and f"'{method}'" in text
@@ -224,6 +225,7 @@ def test_unpicklable_objects_are_fine_with_fork_and_threads():
         assert list(loader) == [[0, 10], [20, 30]]
 
 
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")
 def test_a_huge_dataset_is_named_not_printed():
     dataset = list(range(100_000)) + [lambda: None]
     loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="spawn")
