@@ -3,6 +3,11 @@
 Everything here is a plain, picklable description of where samples come from; nothing starts a
 thread or opens a file. The classes follow ``torch.utils.data`` in names, signatures, errors and
 random streams, so ``random_split`` with the same generator state gives the same split.
+
+Each class also subclasses its namesake in ``torch.utils.data``, for identity alone: training
+frameworks decide what to do with a dataset by ``isinstance`` against torch's classes. Ours come
+first in every method resolution order and define every method torch's class defines, so none of
+torch's code runs (``tests/test_identity.py`` checks both).
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, Iterable, TypeVar  # typing.Iterable: Generic-compatible MRO
+from typing import Any, Iterable, TypeVar
 
 import torch
+import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
 __all__ = [
     "ChainDataset",
@@ -31,7 +37,7 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
-class Dataset(Generic[T_co]):
+class Dataset(torch_data.Dataset[T_co]):
     """A map-style dataset: a mapping from keys (usually ``0..len-1``) to samples.
 
     Subclasses implement ``__getitem__`` and usually ``__len__``. They may add
@@ -56,7 +62,7 @@ class Dataset(Generic[T_co]):
         return ConcatDataset([self, other])
 
 
-class IterableDataset(Dataset[T_co], Iterable[T_co]):
+class IterableDataset(Dataset[T_co], torch_data.IterableDataset[T_co]):
     """An iterable-style dataset: a stream of samples, read through ``__iter__``.
 
     With several workers each worker iterates its own copy; use
@@ -73,31 +79,13 @@ class IterableDataset(Dataset[T_co], Iterable[T_co]):
         return ChainDataset([self, other])
 
 
-def _introduce_to_torch() -> None:
-    """Let torch's DataLoader recognise our IterableDataset as iterable-style.
-
-    torch decides map- vs iterable-style with ``isinstance(ds, torch's IterableDataset)``; that
-    class is an ABC, so registering ours as a virtual subclass is the supported way to be seen as
-    one. Nothing of torch's loading machinery is used or changed: this is an isinstance answer.
-    """
-    torch_data = getattr(torch.utils, "data", None)
-    torch_iterable = getattr(torch_data, "IterableDataset", None)
-    if torch_iterable is not None and hasattr(torch_iterable, "register"):
-        torch_iterable.register(IterableDataset)
-
-
-_introduce_to_torch()
-
-
 def _is_iterable_dataset(obj: object) -> bool:
-    """True for our IterableDataset and for ``torch.utils.data.IterableDataset`` objects."""
-    if isinstance(obj, IterableDataset):
-        return True
-    torch_iterable = getattr(getattr(torch.utils, "data", None), "IterableDataset", None)
-    return torch_iterable is not None and isinstance(obj, torch_iterable)
+    """True for iterable-style datasets: ours, torch's, and torch's DataPipes, all of which
+    subclass ``torch.utils.data.IterableDataset``."""
+    return isinstance(obj, torch_data.IterableDataset)
 
 
-class TensorDataset(Dataset[tuple[torch.Tensor, ...]]):
+class TensorDataset(Dataset[tuple[torch.Tensor, ...]], torch_data.TensorDataset):
     """Samples are rows of tensors that share their first dimension.
 
     Args:
@@ -133,7 +121,7 @@ class TensorDataset(Dataset[tuple[torch.Tensor, ...]]):
         return self.tensors[0].size(0)
 
 
-class StackDataset(Dataset[T_co]):
+class StackDataset(Dataset[T_co], torch_data.StackDataset):
     """Zips datasets of equal length: sample ``i`` is a tuple (positional) or dict (keywords).
 
     Args:
@@ -204,7 +192,7 @@ def _fetch_many(dataset: Any, indices: list[Any]) -> list[Any]:
     return items
 
 
-class ConcatDataset(Dataset[T_co]):
+class ConcatDataset(Dataset[T_co], torch_data.ConcatDataset):
     """Map-style datasets laid end to end.
 
     Args:
@@ -269,7 +257,7 @@ class ConcatDataset(Dataset[T_co]):
         return self.cumulative_sizes
 
 
-class ChainDataset(IterableDataset[Any]):
+class ChainDataset(IterableDataset[Any], torch_data.ChainDataset):
     """Iterable-style datasets read one after another, lazily.
 
     Args:
@@ -302,7 +290,7 @@ def _require_iterable_part(part: object) -> None:
         )
 
 
-class Subset(Dataset[T_co]):
+class Subset(Dataset[T_co], torch_data.Subset):
     """The samples of ``dataset`` at ``indices``, in that order.
 
     Args:

@@ -3,6 +3,10 @@
 The loader is a description; what runs an epoch is an engine (inline, or a pool of workers),
 optionally followed by a pin stage. ``iter(loader)`` returns an epoch iterator that owns the
 engine (or borrows the loader's, with ``persistent_workers=True``).
+
+``DataLoader`` subclasses ``torch.utils.data.DataLoader`` for identity alone, so that training
+frameworks that test ``isinstance`` shard and rebuild it as they do torch's. None of torch's
+loader code runs: its ``__init__`` is never called and every method it defines is defined here.
 """
 
 from __future__ import annotations
@@ -12,16 +16,19 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
 from pipeload import _arguments as arguments
 from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
+from pipeload.distributed import current_placement, replication_warning
+from pipeload.engine import replica
 from pipeload.engine.inline import InlineEngine
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
-from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
+from pipeload.engine.plan import DatasetKind, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
 from pipeload.samplers import (
@@ -36,7 +43,7 @@ _FROZEN_AFTER_INIT = frozenset(
 )
 
 
-class DataLoader(Generic[T_co]):
+class DataLoader(torch_data.DataLoader[T_co]):
     """Loads batches from a dataset; the same arguments and behaviour as torch's DataLoader.
 
     Args:
@@ -97,6 +104,7 @@ class DataLoader(Generic[T_co]):
         in_order: bool = True,
         worker_type: str = "process",
     ) -> None:
+        # torch's __init__ is deliberately not called: it would set up torch's loading state.
         arguments.check_num_workers(num_workers)
         arguments.check_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
@@ -115,6 +123,8 @@ class DataLoader(Generic[T_co]):
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
         if iterable:
+            # A DataPipe graph takes ``shuffle`` itself: it turns the graph's shuffle pipes on/off.
+            shuffle = replica.apply_shuffle_option(dataset, shuffle)
             arguments.check_iterable_options(shuffle, sampler, batch_sampler)
         else:
             shuffle = bool(shuffle)
@@ -135,7 +145,9 @@ class DataLoader(Generic[T_co]):
         self.collate_fn = collate_fn
         self.persistent_workers = persistent_workers
         self._persistent_engine: Any = None
+        self._persistent_epoch: weakref.ref[_EpochIterator] | None = None
         self._len_reported: int | None = None
+        self._warned_every_rank_loads_all = False
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers)
 
@@ -186,26 +198,38 @@ class DataLoader(Generic[T_co]):
 
     def __iter__(self) -> _EpochIterator:
         tasks = iter(self._index_sampler)
+        self._warn_if_every_rank_loads_all()
+        epoch_seed: dict[str, int] = {}
         if self.persistent_workers and self.num_workers > 0:
             if self._persistent_engine is None or self._persistent_engine.closed:
-                self._persistent_engine = self._build_engine(self._draw_base_seed())
+                self._persistent_engine = self._build_engine()
                 weakref.finalize(self, self._persistent_engine.close)
+            elif replica.draws_shared_seed(self.dataset):
+                # A later epoch of a persistent session: torch draws one seed, for the graphs only.
+                epoch_seed["shared_seed"] = replica.draw_shared_seed(self.generator)
             engine, owned = self._persistent_engine, False
         else:
-            engine, owned = self._build_engine(self._draw_base_seed()), True
+            engine, owned = self._build_engine(), True
         try:
-            engine.start_epoch(tasks)
+            engine.start_epoch(tasks, **epoch_seed)
         except BaseException:
             engine.close()
             raise
-        return _EpochIterator(self, engine, owned)
+        iterator = _EpochIterator(self, engine, owned)
+        if not owned:
+            self._persistent_epoch = weakref.ref(iterator)
+        return iterator
 
     def _draw_base_seed(self) -> int:
         # One int64 from the loader's generator (or the global RNG) per worker session, as torch
         # draws it, so the global random stream stays in step with torch's.
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
-    def _build_engine(self, base_seed: int) -> Any:
+    def _build_engine(self) -> Any:
+        # The draws and their order follow torch's: a DataPipe graph's shared seed, the base seed,
+        # and, once workers have started, one more shared seed that torch draws and never uses.
+        replica_setup = self._replica_setup()
+        base_seed = self._draw_base_seed()
         if self.timeout > 0 and self.num_workers == 0:
             raise arguments.ArgumentAssertionError(
                 "_SingleProcessDataLoaderIter requires timeout == 0 (pipeload: "
@@ -213,14 +237,50 @@ class DataLoader(Generic[T_co]):
             )
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
         if self.num_workers == 0:
-            engine: Any = InlineEngine(spec)
+            engine: Any = InlineEngine(spec, replica_setup)
         else:
-            engine = PoolEngine(self._pool_config(spec, base_seed))
+            engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
+            if replica_setup.shared_seed is not None:
+                replica.draw_shared_seed(self.generator, share=False)
         return self._maybe_pin(engine)
 
-    def _pool_config(self, spec: FetchSpec, base_seed: int) -> PoolConfig:
+    def _replica_setup(self) -> ReplicaSetup:
+        """Where this session's copies of the dataset sit among ranks, and their graph seed."""
+        placement = current_placement()
+        seed = replica.draw_shared_seed(self.generator) if replica.draws_shared_seed(self.dataset) else None
+        return ReplicaSetup(placement.rank, placement.world_size, seed)
+
+    def _warn_if_every_rank_loads_all(self) -> None:
+        if self._warned_every_rank_loads_all or self._dataset_kind is not DatasetKind.MAP:
+            return
+        message = replication_warning(self.dataset, self.sampler, self.batch_sampler)
+        if message is not None:
+            self._warned_every_rank_loads_all = True
+            warnings.warn(message, stacklevel=3)
+
+    @property
+    def _iterator(self) -> _EpochIterator | None:
+        """The epoch iterator of a persistent session, as torch keeps it (None without one).
+
+        Frameworks shut persistent workers down by setting this to None (Lightning does at the
+        end of ``fit``); here that stops the loader's workers, as dropping torch's iterator does.
+        """
+        return self._persistent_epoch() if self._persistent_epoch is not None else None
+
+    @_iterator.setter
+    def _iterator(self, value: None) -> None:
+        if value is not None:
+            raise ValueError(
+                f"_iterator can only be set to None (to stop persistent workers), but got {value!r}"
+            )
+        self._persistent_epoch = None
+        engine, self._persistent_engine = self._persistent_engine, None
+        if engine is not None:
+            engine.close()
+
+    def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
         method = "thread" if self.worker_type == "thread" else "multiprocessing"
-        setup = WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method)
+        setup = WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup)
         return PoolConfig(
             setup=setup,
             prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]

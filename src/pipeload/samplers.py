@@ -4,6 +4,11 @@ A sampler yields keys (or, for ``BatchSampler``, lists of keys). Random samplers
 torch's generators in exactly the order ``torch.utils.data`` does, so the same seed gives the
 same indices, including the lazy seed draw a ``RandomSampler`` without a generator makes when
 iteration starts.
+
+Each class also subclasses its namesake in ``torch.utils.data`` for identity alone (frameworks
+choose how to shard by ``isinstance``, e.g. Lightning shuffles the DistributedSampler it injects
+only if the loader's sampler is a ``RandomSampler``); ours define every method, so none of
+torch's runs.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
 from pipeload.errors import exact_value
 
@@ -33,7 +39,7 @@ T_co = TypeVar("T_co", covariant=True)
 _REPLACEMENT_BLOCK = 32
 
 
-class Sampler(Generic[T_co]):
+class Sampler(torch_data.Sampler[T_co]):
     """Base class: an iterable over dataset keys, optionally with ``__len__``.
 
     Example:
@@ -49,7 +55,7 @@ class Sampler(Generic[T_co]):
     # No default __len__: a sampler without one is a sampler of unknown length.
 
 
-class SequentialSampler(Sampler[int]):
+class SequentialSampler(Sampler[int], torch_data.SequentialSampler):
     """Yields ``0, 1, ..., len(data_source) - 1``.
 
     Example:
@@ -69,7 +75,7 @@ class SequentialSampler(Sampler[int]):
         return len(self.data_source)
 
 
-class RandomSampler(Sampler[int]):
+class RandomSampler(Sampler[int], torch_data.RandomSampler):
     """Yields indices in random order: a shuffle, or draws with replacement.
 
     Args:
@@ -163,7 +169,7 @@ def _chained_permutations(size: int, count: int, generator: torch.Generator) -> 
     yield from torch.randperm(size, generator=generator).tolist()[: count % size]
 
 
-class SubsetRandomSampler(Sampler[int]):
+class SubsetRandomSampler(Sampler[int], torch_data.SubsetRandomSampler):
     """Yields the given indices in a random order (one ``randperm`` per iteration).
 
     Args:
@@ -189,7 +195,7 @@ class SubsetRandomSampler(Sampler[int]):
         return len(self.indices)
 
 
-class WeightedRandomSampler(Sampler[int]):
+class WeightedRandomSampler(Sampler[int], torch_data.WeightedRandomSampler):
     """Yields ``num_samples`` indices into ``weights``, drawn with probability ∝ weight.
 
     Args:
@@ -279,7 +285,7 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
         )
 
 
-class BatchSampler(Sampler[list[int]]):
+class BatchSampler(Sampler[list[int]], torch_data.BatchSampler):
     """Groups the keys of ``sampler`` into lists of ``batch_size``.
 
     Args:
@@ -330,7 +336,7 @@ class BatchSampler(Sampler[list[int]]):
         return -(-count // self.batch_size)
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(Sampler[int], torch_data.DistributedSampler):
     """Yields this rank's share of the dataset: every ``num_replicas``-th index from ``rank``.
 
     All ranks see the same (optionally shuffled, seeded by ``seed + epoch``) order. Without

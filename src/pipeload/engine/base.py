@@ -16,6 +16,9 @@ class Engine(Protocol):
     from ``next_batch`` and the epoch goes on; so does a timeout. What ends the epoch (a dead
     worker, a broken channel) closes the engine before it propagates; after ``close`` (which the
     iterator calls on Ctrl-C) ``next_batch`` raises StopIteration.
+
+    ``shared_seed`` is given only when a persistent session's later epoch must reseed the
+    dataset's random pipes (a DataPipe graph: see ``engine/replica.py``).
     """
 
     @property
@@ -24,7 +27,7 @@ class Engine(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None: ...
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None: ...
 
     def next_batch(self) -> Any: ...
 

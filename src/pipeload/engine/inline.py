@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from pipeload.engine import replica
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
-from pipeload.engine.plan import FetchSpec
+from pipeload.engine.plan import FetchSpec, ReplicaSetup
 
 
 class InlineEngine:
-    """No workers, no threads: ``next_batch`` builds the batch right here."""
+    """No workers, no threads: ``next_batch`` builds the batch right here, from the loader's own
+    dataset (a DataPipe graph is sharded by rank and seeded in place, as torch does)."""
 
-    def __init__(self, spec: FetchSpec) -> None:
+    def __init__(self, spec: FetchSpec, replica_setup: ReplicaSetup = ReplicaSetup()) -> None:
         self._spec = spec
+        self._replica = replica_setup
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._tasks: Iterator[Any] = iter(())
         self._closed = False
@@ -26,9 +29,12 @@ class InlineEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
         self._closed = False
         self._tasks = tasks
+        if shared_seed is not None:
+            self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
+        replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)
         self._fetcher = make_fetcher(self._spec)
 
     def next_batch(self) -> Any:

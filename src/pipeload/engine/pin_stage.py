@@ -33,8 +33,8 @@ class InlinePinning:
     workers = property(lambda self: self._engine.workers)
     closed = property(lambda self: self._engine.closed)
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None:
-        self._engine.start_epoch(tasks)
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+        self._engine.start_epoch(tasks, shared_seed)
 
     def next_batch(self) -> Any:
         return pin_memory(self._engine.next_batch(), self._device)
@@ -85,9 +85,9 @@ class ThreadedPinning:
         """The pin thread of the current epoch (torch's ``_pin_memory_thread``)."""
         return self._thread
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
         self._stop_thread()
-        self._engine.start_epoch(tasks)
+        self._engine.start_epoch(tasks, shared_seed)
         self._stop = threading.Event()
         self._pinned = queue.Queue(maxsize=PINNED_AHEAD)
         self._finished = False

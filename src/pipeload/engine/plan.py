@@ -35,6 +35,22 @@ class FetchSpec:
 
 
 @dataclass(frozen=True)
+class ReplicaSetup:
+    """How each copy of the dataset is made ready (see ``engine/replica.py``).
+
+    Attributes:
+        rank: this process's rank in the distributed job (0 outside one).
+        world_size: how many ranks share the dataset (1 outside a distributed job).
+        shared_seed: seeds the random pipes of a DataPipe graph, the same on every worker and
+            rank; None when the dataset has none to seed.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    shared_seed: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerSetup:
     """Everything a worker needs to start; shared by all workers of one session.
 
@@ -44,6 +60,7 @@ class WorkerSetup:
         base_seed: drawn by the main process when the session starts; worker i uses base_seed + i.
         worker_init_fn: the user's hook, called with the worker id after seeding.
         worker_method: "multiprocessing" or "thread".
+        replica: how each worker shards and seeds its copy of the dataset.
     """
 
     fetch: FetchSpec
@@ -51,3 +68,4 @@ class WorkerSetup:
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
     worker_method: str
+    replica: ReplicaSetup = ReplicaSetup()

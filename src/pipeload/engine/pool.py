@@ -154,10 +154,13 @@ class PoolEngine:
     def closed(self) -> bool:
         return self._workers.closed
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None:
-        """Begin an epoch over ``tasks`` (each a list of indices, or one index)."""
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+        """Begin an epoch over ``tasks`` (each a list of indices, or one index).
+
+        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch.
+        """
         if self._epoch > 0:
-            self._restart_workers_epoch()
+            self._restart_workers_epoch(shared_seed)
         self._epoch += 1
         self._tasks = tasks
         self._sampler_done = False
@@ -311,11 +314,12 @@ class PoolEngine:
             raise WorkerDiedError("DataLoader " + "; ".join(_how_thread_ended(w) for w, _ in dead))
         raise WorkerDiedError(worker_died_message([(w, h.pid, h.exitcode) for w, h in dead]))
 
-    def _restart_workers_epoch(self) -> None:
+    def _restart_workers_epoch(self, shared_seed: int | None) -> None:
         """Persistent workers: finish the old epoch's leftovers, then start a fresh one."""
         epoch = self._epoch + 1
+        start = WorkerCommand(Command.START_EPOCH, epoch=epoch, shared_seed=shared_seed)
         for worker_id in range(self._config.setup.num_workers):
-            self._send(worker_id, WorkerCommand(Command.START_EPOCH, epoch=epoch))
+            self._send(worker_id, start)
         waiting = set(range(self._config.setup.num_workers))
         while waiting:
             for report in self._receive():

@@ -6,7 +6,6 @@ build and it reports what happened, including "my iterable ran dry" and "this ra
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import re
@@ -20,8 +19,9 @@ from typing import Any
 
 import torch
 
+from pipeload.engine import replica
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
-from pipeload.engine.plan import DatasetKind, WorkerSetup
+from pipeload.engine.plan import WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
     make_thread_rng,
@@ -80,7 +80,7 @@ class WorkerLoop:
             if command.command is Command.STOP:
                 return
             if command.command is Command.START_EPOCH:
-                self._start_epoch(command.epoch)
+                self._start_epoch(command.epoch, command.shared_seed)
             else:
                 self._serve(command)
 
@@ -102,9 +102,13 @@ class WorkerLoop:
         return self._pending.popleft()
 
     def _initialise(self) -> None:
-        init_fn = self._setup.worker_init_fn
-        stage = "running worker_init_fn"
+        setup = self._setup
+        init_fn = setup.worker_init_fn
+        # As in torch: the dataset is sharded and seeded before worker_init_fn sees it.
+        stage = "sharding and seeding its copy of the dataset"
         try:
+            replica.prepare(setup.fetch.dataset, setup.replica, self._id, setup.num_workers)
+            stage = "running worker_init_fn"
             if init_fn is not None:
                 init_fn(self._id)
             stage = "starting to iterate the dataset"
@@ -112,11 +116,12 @@ class WorkerLoop:
         except Exception:
             self._init_failure = RemoteFailure.capture(self._id, stage)
 
-    def _start_epoch(self, epoch: int) -> None:
+    def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
         self._exhausted = False
         self._init_failure_reported = False
         if self._init_failure is None:
             try:
+                replica.reseed(self._setup.fetch.dataset, shared_seed)
                 self._fetcher = make_fetcher(self._setup.fetch)
             except Exception:
                 self._init_failure = RemoteFailure.capture(self._id, "starting to iterate the dataset")
@@ -252,7 +257,8 @@ def run_thread_worker(
 ) -> None:
     """Entry point of a worker thread. Global RNGs belong to the main thread: this worker gets
     its own generators in ``get_worker_info().rng``, seeded as a process worker's would be."""
-    setup = _with_own_iterable_replica(setup)
+    own_copy = replica.thread_replica(setup.fetch.dataset, setup.fetch.kind)
+    setup = dataclasses.replace(setup, fetch=dataclasses.replace(setup.fetch, dataset=own_copy))
     rng = make_thread_rng(setup.base_seed, worker_id)
     seed = setup.base_seed + worker_id
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
@@ -261,22 +267,6 @@ def run_thread_worker(
         WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set).run()
     finally:
         set_worker_info(None)
-
-
-def _with_own_iterable_replica(setup: WorkerSetup) -> WorkerSetup:
-    """Give a thread worker its own shallow copy of an iterable dataset.
-
-    Process workers each hold a replica by construction; threads would share one object, and a
-    dataset whose ``__iter__`` keeps its position on ``self`` would then be interleaved across
-    workers. A shallow copy separates that state while the data it refers to stays shared.
-    """
-    if setup.fetch.kind is not DatasetKind.ITERABLE:
-        return setup
-    try:
-        replica = copy.copy(setup.fetch.dataset)
-    except Exception:
-        return setup  # an uncopyable dataset is shared, as it would be without this step
-    return dataclasses.replace(setup, fetch=dataclasses.replace(setup.fetch, dataset=replica))
 
 
 def _exit_when_parent_dies(parent_pid: int) -> None:

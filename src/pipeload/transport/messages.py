@@ -19,7 +19,8 @@ class Command(enum.IntEnum):
     FETCH = 1
     """Build batch ``batch_number`` from ``indices`` and report it."""
     START_EPOCH = 2
-    """A persistent worker begins epoch ``epoch``: restart its fetcher and acknowledge."""
+    """A persistent worker begins epoch ``epoch``: reseed its dataset's random pipes with
+    ``shared_seed`` (when given), restart its fetcher and acknowledge."""
     STOP = 3
     """Finish now and exit; nothing more will be asked."""
 
@@ -30,6 +31,7 @@ class WorkerCommand:
     batch_number: int = -1
     indices: Any = None
     epoch: int = 0
+    shared_seed: int | None = None
 
 
 class Report(enum.IntEnum):

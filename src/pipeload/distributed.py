@@ -1,0 +1,121 @@
+"""Where this process stands in a ``torch.distributed`` job, and the check that keeps ranks from
+silently loading the same data.
+
+Nothing here starts a process group: torchrun, Lightning or accelerate do that. We only read the
+group that is already there (rank and world size), share one seed from rank 0 with the others,
+and notice when a loader is about to give every rank the whole dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data as torch_data
+
+# How deep to look for a rank-aware sampler inside wrappers (a BatchSampler around a
+# DistributedSampler, a framework's wrapper around that BatchSampler, ...).
+_WRAPPER_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's rank among ``world_size`` ranks (0 of 1 outside a distributed job)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+def _dist() -> Any:
+    """``torch.distributed`` when it is built and a default group is initialised, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def current_placement() -> Placement:
+    """The rank and world size of the initialised default group, as torch's DataLoader reads them."""
+    dist = _dist()
+    if dist is None:
+        return Placement()
+    return Placement(dist.get_rank(), dist.get_world_size())
+
+
+class _GlooGroupCache:
+    """One gloo group per default group, made the first time a seed must cross ranks.
+
+    Seeds are CPU tensors, which an NCCL-only group cannot carry. torch makes a new gloo group on
+    every epoch of a DataPipe loader; one per default group is enough, and making it is a
+    collective every rank reaches at the same point (its first shared seed).
+    """
+
+    def __init__(self) -> None:
+        self._world: Any = None
+        self._group: Any = None
+
+    def group_for(self, dist: Any) -> Any:
+        if "gloo" in str(dist.get_backend()).lower():
+            return None  # the default group speaks gloo already
+        if self._world is not dist.group.WORLD:
+            self._group = dist.new_group(backend="gloo")
+            self._world = dist.group.WORLD
+        return self._group
+
+
+_GLOO_GROUPS = _GlooGroupCache()
+
+
+def share_from_rank0(value: int) -> int:
+    """Every rank gets rank 0's ``value`` (a collective: all ranks must call it together)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor(value, dtype=torch.int64)
+    dist.broadcast(tensor, src=0, group=_GLOO_GROUPS.group_for(dist))
+    return int(tensor.item())
+
+
+def _is_rank_aware(sampler: Any) -> bool:
+    if isinstance(sampler, torch_data.DistributedSampler):
+        return True
+    # Frameworks' own sharding samplers say whose share they yield under these names
+    # (accelerate's BatchSamplerShard: num_processes/process_index).
+    return (hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")) or (
+        hasattr(sampler, "num_processes") and hasattr(sampler, "process_index")
+    )
+
+
+def _samplers_within(*outermost: Any) -> Iterator[Any]:
+    layer = [s for s in outermost if s is not None]
+    for _ in range(_WRAPPER_DEPTH):
+        yield from layer
+        layer = [inner for s in layer for name in ("sampler", "batch_sampler")
+                 if (inner := getattr(s, name, None)) is not None and inner is not s]
+
+
+def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str | None:
+    """Why every rank would load the whole (map-style) dataset, or None when it would not.
+
+    torch says nothing in this case; the mistake is easy to make by hand (a loader built without
+    a DistributedSampler under torchrun) and costs a duplicated epoch on every rank.
+    """
+    placement = current_placement()
+    if placement.world_size <= 1:
+        return None
+    if any(_is_rank_aware(s) for s in _samplers_within(batch_sampler, sampler)):
+        return None
+    try:
+        size = f"all {len(dataset)} samples"
+    except TypeError:
+        size = "every sample"
+    return (
+        f"torch.distributed is initialised with world size {placement.world_size}, but this "
+        f"DataLoader's sampler ({type(sampler).__name__}) is not split by rank: each of the "
+        f"{placement.world_size} ranks will load {size} of {type(dataset).__name__}. Give it "
+        "sampler=pipeload.DistributedSampler(dataset) (and call sampler.set_epoch(epoch) every "
+        "epoch), or let your framework inject one (Lightning does; accelerate's prepare() does)."
+    )

@@ -1,0 +1,198 @@
+"""Each copy of the dataset, made ready before it yields anything: the one place for it.
+
+A worker (or the main process, without workers) holds its own copy of the dataset. When that
+dataset is a DataPipe graph, the copy must
+
+- keep only its share: the graph's sharding pipes are told ``num_workers * world_size`` shards
+  and this copy's index ``worker_id * world_size + rank`` (ranks interleave within each worker,
+  so the data splits evenly over ranks first), and
+- shuffle like every other copy: each random pipe of the graph gets a seed drawn, in graph
+  order, from a generator seeded with one seed shared by all workers and ranks. The copies then
+  shuffle identically and the sharding pipes after the shuffle split one order, not several.
+
+That is what torch's DataLoader does for torch's DataPipes, and doing it the same way gives the
+same samples in the same order for the same seed. The main process draws the shared seed
+(:func:`draw_shared_seed`); the worker loop and the inline engine call :func:`prepare` once per
+session and :func:`reseed` for each later epoch. Thread workers first take their own copy
+(:func:`thread_replica`), since threads would otherwise share one graph and its cursors.
+
+Graph families: torch's DataPipes (``torch.utils.data.datapipes``) and, once they are part of
+this build, pipeload's own (``pipeload.datapipes``): ``base.IterDataPipe``/``base.MapDataPipe``
+and ``graph.apply_sharding(pipe, num_shards, shard_id)`` /
+``graph.apply_random_seed(pipe, generator)``, with an optional
+``graph.apply_shuffle_settings(pipe, shuffle)``. Both follow the same rules here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeload.distributed import share_from_rank0
+from pipeload.engine.plan import DatasetKind, ReplicaSetup
+
+
+@dataclass(frozen=True)
+class GraphRules:
+    """How to shard, seed and (un)shuffle one family of DataPipe graphs.
+
+    Attributes:
+        iterable_type: the family's iterable pipe base; only such graphs get a shared seed
+            (torch draws none for map-style graphs).
+        map_type: the family's map-style pipe base (sharded, never seeded).
+        apply_sharding: ``(graph, num_shards, shard_id)``; tells every sharding pipe its share.
+        apply_random_seed: ``(graph, generator)``; seeds every random pipe from the generator.
+        apply_shuffle_settings: ``(graph, shuffle)``; turns the graph's shuffles on or off.
+    """
+
+    iterable_type: type
+    map_type: type
+    apply_sharding: Callable[[Any, int, int], Any]
+    apply_random_seed: Callable[[Any, torch.Generator], Any]
+    apply_shuffle_settings: Callable[[Any, bool], Any] | None
+
+
+def graph_rules(dataset: Any) -> GraphRules | None:
+    """The rules for ``dataset``'s graph family, or None when it is not a DataPipe graph."""
+    for rules in _known_families():
+        if isinstance(dataset, (rules.iterable_type, rules.map_type)):
+            return rules
+    return None
+
+
+def draws_shared_seed(dataset: Any) -> bool:
+    """True for iterable DataPipe graphs: each session and epoch draws a seed for their shuffles."""
+    rules = graph_rules(dataset)
+    return rules is not None and isinstance(dataset, rules.iterable_type)
+
+
+def draw_shared_seed(generator: torch.Generator | None, share: bool = True) -> int:
+    """One int64 from ``generator`` (the global RNG when None), rank 0's value on every rank.
+
+    Every rank draws, so each rank's random stream advances as torch's does. With ``share`` all
+    ranks must call this together (it is a broadcast when a process group is initialised);
+    ``share=False`` only keeps the stream in step, for a seed torch draws and never uses.
+    """
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    return share_from_rank0(seed) if share else seed
+
+
+def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: int) -> None:
+    """Seed and shard this copy of ``dataset`` in place; nothing to do unless it is a graph.
+
+    The inline engine is one worker of one: its copy is sharded by rank alone.
+    """
+    rules = graph_rules(dataset)
+    if rules is None:
+        return
+    if replica.shared_seed is not None:
+        reseed(dataset, replica.shared_seed)
+    shards = num_workers * replica.world_size
+    rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
+
+
+def reseed(dataset: Any, shared_seed: int | None) -> None:
+    """Seed the random pipes of an iterable graph for a new epoch (same seed: same order)."""
+    rules = graph_rules(dataset)
+    if shared_seed is None or rules is None or not isinstance(dataset, rules.iterable_type):
+        return
+    generator = torch.Generator()
+    generator.manual_seed(shared_seed)
+    rules.apply_random_seed(dataset, generator)
+
+
+def thread_replica(dataset: Any, kind: DatasetKind) -> Any:
+    """The copy of ``dataset`` a thread worker iterates.
+
+    Process workers each hold a copy by construction; threads would share one object. A graph is
+    copied whole (its pipes hold the cursors and the sharding each worker sets); another
+    iterable dataset is copied shallowly, which separates ``self`` state kept by ``__iter__``
+    while the data it refers to stays shared. Map-style datasets are shared as they are.
+    """
+    deep = graph_rules(dataset) is not None
+    if not deep and kind is not DatasetKind.ITERABLE:
+        return dataset
+    try:
+        return copy.deepcopy(dataset) if deep else copy.copy(dataset)
+    except Exception:
+        return dataset  # an uncopyable dataset is shared, as it would be without this step
+
+
+def apply_shuffle_option(dataset: Any, shuffle: bool | None) -> bool | None:
+    """Hand the DataLoader's ``shuffle`` to an iterable graph's shuffle pipes.
+
+    Returns what is left for the ordinary argument checks: None when the graph took it, else
+    ``shuffle`` unchanged (an iterable dataset that is not a graph refuses ``shuffle=True``).
+    """
+    rules = graph_rules(dataset)
+    if shuffle is None or rules is None or not isinstance(dataset, rules.iterable_type):
+        return shuffle
+    if rules.apply_shuffle_settings is None:
+        return shuffle
+    rules.apply_shuffle_settings(dataset, bool(shuffle))
+    return None
+
+
+@functools.cache
+def _known_families() -> tuple[GraphRules, ...]:
+    # pipeload's own first: its pipes may also subclass torch's.
+    ours = _pipeload_family()
+    return (ours, _torch_family()) if ours is not None else (_torch_family(),)
+
+
+def _pipeload_family() -> GraphRules | None:
+    if importlib.util.find_spec("pipeload.datapipes") is None:
+        return None  # pipeload's own DataPipes are not part of this build yet
+    from pipeload.datapipes import base, graph
+
+    return GraphRules(
+        base.IterDataPipe,
+        base.MapDataPipe,
+        graph.apply_sharding,
+        graph.apply_random_seed,
+        getattr(graph, "apply_shuffle_settings", None),
+    )
+
+
+def _torch_family() -> GraphRules:
+    from torch.utils.data import graph_settings
+    from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
+
+    return GraphRules(
+        IterDataPipe,
+        MapDataPipe,
+        graph_settings.apply_sharding,
+        graph_settings.apply_random_seed,
+        _set_torch_shuffles,
+    )
+
+
+def _set_torch_shuffles(graph: Any, shuffle: bool) -> None:
+    """Turn every shuffle pipe of a torch graph on or off.
+
+    A graph without one is left as it is: torch's DataLoader then shuffles nothing either (it
+    warns that it adds a shuffle, but the pipe it adds is never used), so we say what happens.
+    """
+    from torch.utils.data.graph import traverse_dps
+    from torch.utils.data.graph_settings import get_all_graph_pipes
+
+    shufflers = [
+        pipe for pipe in get_all_graph_pipes(traverse_dps(graph))
+        if callable(getattr(pipe, "set_shuffle", None)) and callable(getattr(pipe, "set_seed", None))
+    ]
+    if shuffle and not shufflers:
+        warnings.warn(
+            f"shuffle=True has no effect: the DataPipe graph {graph} has no shuffle step, so its "
+            "samples come in their own order. Add .shuffle() to the graph where the order should "
+            "be mixed.",
+            stacklevel=4,
+        )
+    for pipe in shufflers:
+        pipe.set_shuffle(shuffle)
