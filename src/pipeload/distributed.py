@@ -116,6 +116,6 @@ def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str |
         f"torch.distributed is initialised with world size {placement.world_size}, but this "
         f"DataLoader's sampler ({type(sampler).__name__}) is not split by rank: each of the "
         f"{placement.world_size} ranks will load {size} of {type(dataset).__name__}. Give it "
-        "sampler=pipeload.DistributedSampler(dataset) (and call sampler.set_epoch(epoch) every "
-        "epoch), or let your framework inject one (Lightning does; accelerate's prepare() does)."
+        "sampler=pipeload.DistributedSampler(dataset), and call sampler.set_epoch(epoch) at the "
+        "start of every epoch so that each epoch is shuffled anew."
     )
