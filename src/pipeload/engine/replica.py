@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ import torch
 
 from pipeload.distributed import share_from_rank0
 from pipeload.engine.plan import DatasetKind, ReplicaSetup
+
+# torch walks a graph by pickling it with a class-wide hook installed, and refuses a second walk
+# while one is in progress; copying a graph during a walk would run that hook. Thread workers of
+# one process prepare their copies at the same moment, so every walk and copy here takes turns.
+_GRAPH_WALK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,8 @@ def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: in
     if replica.shared_seed is not None:
         reseed(dataset, replica.shared_seed)
     shards = num_workers * replica.world_size
-    rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
+    with _GRAPH_WALK:
+        rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
 
 
 def reseed(dataset: Any, shared_seed: int | None) -> None:
@@ -105,7 +112,8 @@ def reseed(dataset: Any, shared_seed: int | None) -> None:
         return
     generator = torch.Generator()
     generator.manual_seed(shared_seed)
-    rules.apply_random_seed(dataset, generator)
+    with _GRAPH_WALK:
+        rules.apply_random_seed(dataset, generator)
 
 
 def thread_replica(dataset: Any, kind: DatasetKind) -> Any:
@@ -120,7 +128,10 @@ def thread_replica(dataset: Any, kind: DatasetKind) -> Any:
     if not deep and kind is not DatasetKind.ITERABLE:
         return dataset
     try:
-        return copy.deepcopy(dataset) if deep else copy.copy(dataset)
+        if not deep:
+            return copy.copy(dataset)
+        with _GRAPH_WALK:
+            return copy.deepcopy(dataset)
     except Exception:
         return dataset  # an uncopyable dataset is shared, as it would be without this step
 
@@ -136,7 +147,8 @@ def apply_shuffle_option(dataset: Any, shuffle: bool | None) -> bool | None:
         return shuffle
     if rules.apply_shuffle_settings is None:
         return shuffle
-    rules.apply_shuffle_settings(dataset, bool(shuffle))
+    with _GRAPH_WALK:
+        rules.apply_shuffle_settings(dataset, bool(shuffle))
     return None
 
 
