@@ -25,19 +25,25 @@ def expected_share(rank: int, epoch: int, seed: int, shuffle: bool, length: int)
 
 
 def test_update_dataloader_rebuilds_ours_with_the_injected_sampler(leak_guard: LeakGuard) -> None:
-    dataset = Witness()
+    dataset = Witness(DATASET_LENGTH + 2)
     injected = tud.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
+    oracle = lightning_data._update_dataloader(
+        tud.DataLoader(dataset, batch_size=4, shuffle=True, drop_last=True), injected)
+    expected = [batch["index"].tolist() for batch in oracle]
     for loader in (
-        pipeload.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=1),
-        TaggedLoader(dataset, tag="kept", batch_size=4, shuffle=True, num_workers=1,
-                     worker_type="thread"),
+        pipeload.DataLoader(dataset, batch_size=4, shuffle=True, drop_last=True, num_workers=1),
+        TaggedLoader(dataset, tag="kept", batch_size=4, shuffle=True, drop_last=True,
+                     num_workers=1, worker_type="thread"),
     ):
         rebuilt = lightning_data._update_dataloader(loader, injected)
         assert type(rebuilt) is type(loader)
         assert getattr(rebuilt, "tag", None) == getattr(loader, "tag", None)
         assert rebuilt.num_workers == 1 and rebuilt.batch_sampler.sampler is injected
+        # Our BatchSampler is not exactly torch's class, so Lightning rebuilds it through its
+        # custom-batch-sampler path: the size and drop_last live on in the batch sampler.
+        assert (rebuilt.batch_sampler.batch_size, rebuilt.batch_sampler.drop_last) == (4, True)
         batches = list(rebuilt)
-        assert [i for b in batches for i in b["index"].tolist()] == list(injected)
+        assert [b["index"].tolist() for b in batches] == expected
         assert all(b["worker"].eq(0).all() and not b["torch_loop"].any() for b in batches)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -152,7 +152,6 @@ def apply_shuffle_option(dataset: Any, shuffle: bool | None) -> bool | None:
     return None
 
 
-@functools.cache
 def _known_families() -> tuple[GraphRules, ...]:
     # pipeload's own first: its pipes may also subclass torch's.
     ours = _pipeload_family()
@@ -160,9 +159,17 @@ def _known_families() -> tuple[GraphRules, ...]:
 
 
 def _pipeload_family() -> GraphRules | None:
-    if importlib.util.find_spec("pipeload.datapipes") is None:
-        return None  # pipeload's own DataPipes are not part of this build yet
-    from pipeload.datapipes import base, graph
+    # A pipeload pipe can only exist once its module is imported (unpickling imports it too), so
+    # looking in sys.modules is enough, and a loader never imports the DataPipes package itself.
+    base = sys.modules.get("pipeload.datapipes.base")
+    if base is None:
+        return None
+    return _pipeload_rules(base)
+
+
+@functools.cache
+def _pipeload_rules(base: Any) -> GraphRules:
+    from pipeload.datapipes import graph
 
     return GraphRules(
         base.IterDataPipe,
@@ -173,6 +180,7 @@ def _pipeload_family() -> GraphRules | None:
     )
 
 
+@functools.cache
 def _torch_family() -> GraphRules:
     from torch.utils.data import graph_settings
     from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
