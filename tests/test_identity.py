@@ -148,15 +148,22 @@ def test_setting_iterator_to_none_stops_persistent_workers(leak_guard: LeakGuard
     assert loader._iterator is None
     epoch = iter(loader)
     assert loader._iterator is epoch
-    next(epoch)
+    assert len(list(epoch)) == 3
     pids = [handle.pid for handle in epoch._workers]
+    assert not any(pid_gone(pid) for pid in pids)  # persistent: alive between epochs
     loader._iterator = None
     assert loader._iterator is None
     assert wait_until(lambda: all(pid_gone(pid) for pid in pids), 5.0)
     assert len(list(loader)) == 3  # a fresh session starts on the next epoch
     with pytest.raises(ValueError, match="_iterator can only be set to None"):
         loader._iterator = iter(loader)
+
+    running = iter(loader)  # let go mid-epoch: the epoch finishes, then its workers stop
+    first = next(running)
+    pids = [handle.pid for handle in running._workers]
     loader._iterator = None
+    assert len([first, *running]) == 3
+    assert wait_until(lambda: all(pid_gone(pid) for pid in pids), 5.0)
 
 
 def test_torchs_frozen_attributes_stay_frozen() -> None:

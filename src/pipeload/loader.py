@@ -263,7 +263,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         """The epoch iterator of a persistent session, as torch keeps it (None without one).
 
         Frameworks shut persistent workers down by setting this to None (Lightning does at the
-        end of ``fit``); here that stops the loader's workers, as dropping torch's iterator does.
+        end of ``fit``): the workers stop at once, or at the end of an epoch still running, as
+        torch's stop when its dropped iterator goes.
         """
         return self._persistent_epoch() if self._persistent_epoch is not None else None
 
@@ -273,9 +274,12 @@ class DataLoader(torch_data.DataLoader[T_co]):
             raise ValueError(
                 f"_iterator can only be set to None (to stop persistent workers), but got {value!r}"
             )
+        running = self._iterator
         self._persistent_epoch = None
         engine, self._persistent_engine = self._persistent_engine, None
-        if engine is not None:
+        if running is not None and running._engine is engine:
+            running._adopt_engine()  # like torch's dropped iterator: its epoch may still finish
+        elif engine is not None:
             engine.close()
 
     def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
@@ -334,6 +338,7 @@ class _EpochIterator:
         self._num_workers = loader.num_workers
         self._dataset = loader.dataset
         self._yielded = 0
+        self._ended = False
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
 
     def __iter__(self) -> _EpochIterator:
@@ -386,7 +391,17 @@ class _EpochIterator:
             self._finalizer()
 
     def _finish(self) -> None:
+        self._ended = True
         if self._owns_engine:
+            self.close()
+
+    def _adopt_engine(self) -> None:
+        """The loader let go of its persistent workers mid-epoch: this epoch stops them when it
+        ends (or is dropped), as torch's workers stop with the iterator that held them."""
+        self._owns_engine = True
+        self._loader = None
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        if self._ended:
             self.close()
 
     def __getstate__(self) -> Any:
