@@ -101,8 +101,11 @@ def test_thread_and_spawn_workers_shard_like_torchs_processes(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("options", [{}, {"num_workers": 2}], ids=["inline", "2-workers"])
-def test_shuffle_option_and_other_batching_options_as_torch(options: dict[str, Any], leak_guard: LeakGuard) -> None:
-    for extra in ({"shuffle": False}, {"shuffle": True}, {"batch_size": None}, {"batch_size": 3, "drop_last": True}):
+def test_shuffle_option_and_other_batching_options_as_torch(
+    options: dict[str, Any], leak_guard: LeakGuard
+) -> None:
+    for extra in ({"shuffle": False}, {"shuffle": True}, {"batch_size": None},
+                  {"batch_size": 3, "drop_last": True}):
         assert epochs(pipeload, shuffled_then_sharded, 2, **options, **extra) == epochs(
             tud, shuffled_then_sharded, 2, **options, **extra
         ), extra
@@ -122,7 +125,8 @@ def test_map_style_graph_matches_torch(leak_guard: LeakGuard) -> None:
         return SequenceWrapper(list(range(LENGTH))).map(_double)
 
     for options in ({"shuffle": True}, {"num_workers": 2, "shuffle": True}):
-        assert epochs(pipeload, make, 2, batch_size=4, **options) == epochs(tud, make, 2, batch_size=4, **options)
+        ours = epochs(pipeload, make, 2, batch_size=4, **options)
+        assert ours == epochs(tud, make, 2, batch_size=4, **options)
 
 
 @pytest.mark.timeout(60)
@@ -220,7 +224,8 @@ class _StandInPipe(pipeload.IterableDataset):
 def _stand_in_family(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    package, base, graph = (types.ModuleType(f"pipeload.datapipes{suffix}") for suffix in ("", ".base", ".graph"))
+    package, base, graph = (types.ModuleType(f"pipeload.datapipes{suffix}")
+                            for suffix in ("", ".base", ".graph"))
     base.IterDataPipe, base.MapDataPipe = _StandInPipe, type("MapPipe", (), {})
     graph.apply_sharding = lambda pipe, count, index: setattr(pipe, "shard", (count, index))
     graph.apply_random_seed = lambda pipe, generator: setattr(
@@ -231,7 +236,8 @@ def _stand_in_family(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(sys.modules, name, module)
 
 
-@pytest.mark.parametrize("options", [{}, {"num_workers": 2, "worker_type": "thread"}], ids=["inline", "threads"])
+@pytest.mark.parametrize("options", [{}, {"num_workers": 2, "worker_type": "thread"}],
+                         ids=["inline", "threads"])
 def test_pipeloads_own_pipes_plug_into_the_same_rules(
     options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, leak_guard: LeakGuard
 ) -> None:
