@@ -110,7 +110,7 @@ def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str |
         return None
     try:
         size = f"all {len(dataset)} samples"
-    except TypeError:
+    except Exception:  # no usable length: the message does without it
         size = "every sample"
     return (
         f"torch.distributed is initialised with world size {placement.world_size}, but this "
