@@ -21,7 +21,7 @@ import torch
 
 from pipeload.engine import replica
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
-from pipeload.engine.plan import WorkerSetup
+from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
     make_thread_rng,
