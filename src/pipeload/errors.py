@@ -58,6 +58,8 @@ class RemoteFailure:
         where: replaces torch's "in DataLoader worker process N" (the pin memory thread).
         caught_name: the type name torch's sentence shows when ``exc_type`` is our refinement
             of the type actually raised (SharedMemoryError for a RuntimeError).
+        worker_kind: "" for a classic worker; "item" or "batch" for an economic-mode worker, whose
+            ``worker_id`` counts the workers of that kind.
     """
 
     exc_type: type[BaseException]
@@ -68,29 +70,38 @@ class RemoteFailure:
     indices: object = None
     where: str | None = None
     caught_name: str | None = None
+    worker_kind: str = ""
 
     @classmethod
     def capture(
-        cls, worker_id: int, stage: str, indices: object = None, where: str | None = None
+        cls, worker_id: int, stage: str, indices: object = None, where: str | None = None,
+        worker_kind: str = "",
     ) -> RemoteFailure:
         """Describe the exception being handled right now.
 
         ``where`` replaces torch's "in DataLoader worker process N" for failures elsewhere (the
-        pin memory thread).
+        pin memory thread); ``worker_kind`` names an economic-mode worker's kind.
         """
         exc_type, exc, tb = sys.exc_info()
         assert exc_type is not None and exc is not None, "capture() needs an active exception"
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where)
+        return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where,
+                   worker_kind=worker_kind)
 
     def headline(self) -> str:
         """torch's sentence ("Caught KeyError in DataLoader worker process 0."), then ours."""
         where = self.where or f"in DataLoader worker process {self.worker_id}"
         name = self.caught_name or self.exc_type.__name__
-        return f"Caught {name} {where}. It was raised {self._circumstances()}."
+        return f"Caught {name} {where}. It was raised {self._circumstances(name_the_kind=True)}."
 
-    def _circumstances(self) -> str:
+    def _worker_name(self) -> str:
+        """"worker 3", or in economic mode "item worker 3" / "batch worker 3"."""
+        return f"{self.worker_kind} worker {self.worker_id}".lstrip()
+
+    def _circumstances(self, name_the_kind: bool = False) -> str:
         text = f"while {self.stage}"
+        if name_the_kind and self.worker_kind:  # torch's sentence cannot say which kind
+            text = f"in {self._worker_name()} {text}"
         if self.indices is not None:
             text += f" (sample indices {self.indices})"
         return text
@@ -105,7 +116,7 @@ class RemoteFailure:
         except Exception:  # the type needs other constructor arguments
             exc = RuntimeError(text)
         if hasattr(exc, "add_note"):
-            where = self.where or f"in DataLoader worker {self.worker_id}"
+            where = self.where or f"in DataLoader {self._worker_name()}"
             exc.add_note(f"pipeload: raised {where} {self._circumstances()}")
         return exc
 
@@ -130,8 +141,9 @@ def _small(indices: object, limit: int = 64) -> object:
     return indices
 
 
-def worker_died_message(deaths: list[tuple[int, int | None, int | None]]) -> str:
-    """The message for worker processes that ended on their own: ``(worker_id, pid, exitcode)``.
+def worker_died_message(deaths: list[tuple[str, int | None, int | None]]) -> str:
+    """The message for worker processes that ended on their own: ``(name, pid, exitcode)``,
+    where ``name`` says which worker ("worker 3", or in economic mode "item worker 3").
 
     torch raises one of two sentences, depending on whether its SIGCHLD handler or its liveness
     check saw the death first: "DataLoader worker (pid 7) is killed by signal: Killed." (or
@@ -141,8 +153,7 @@ def worker_died_message(deaths: list[tuple[int, int | None, int | None]]) -> str
     _, first_pid, first_code = deaths[0]
     pids = ", ".join(str(pid) for _, pid, _ in deaths)
     details = "; ".join(
-        f"worker {worker_id} (pid {pid}) ended with {describe_exit(code)}"
-        for worker_id, pid, code in deaths
+        f"{name} (pid {pid}) ended with {describe_exit(code)}" for name, pid, code in deaths
     )
     return (
         f"{_torch_death_sentence(first_pid, first_code)}"

@@ -26,11 +26,17 @@ class MapFetcher:
         spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
+        return spec.collate_fn(self.samples(index))
+
+    def samples(self, indices: list[Any]) -> list[Any]:
+        """The samples at ``indices``, uncollated (economic mode's item workers stop here)."""
         if self._getitems is not None:
-            samples = self._getitems(index)
-        else:
-            samples = [spec.dataset[i] for i in index]
-        return spec.collate_fn(samples)
+            return self._getitems(indices)
+        return [self._spec.dataset[i] for i in indices]
+
+    @property
+    def has_getitems(self) -> bool:
+        return self._getitems is not None
 
 
 class IterableFetcher:

@@ -10,14 +10,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 import torch
-
-from pipeload.engine.plan import WorkerSetup
-from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
@@ -60,48 +58,59 @@ class ThreadWorkerHandle:
     kill = terminate
 
 
-def start_process_workers(ctx: Any, setup: WorkerSetup, channels: Any) -> list[Any]:
-    """Start one process per worker. Already started ones are stopped if a later start fails."""
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """How to start one worker: what it runs and with what.
+
+    Attributes:
+        target: the worker's entry point (a module-level function, so spawn can find it).
+        args: its arguments.
+        name: the process or thread name.
+        parent_copies: channel ends this worker owns; the parent closes its copies right after
+            the start (processes only), before the next fork can inherit them.
+    """
+
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    name: str
+    parent_copies: tuple[Any, ...] = ()
+
+
+def start_processes(
+    ctx: Any, launches: Sequence[WorkerLaunch], forget_unstarted: Callable[[], None]
+) -> list[Any]:
+    """Start one process per launch. Already started ones are stopped if a later start fails.
+
+    ``forget_unstarted`` closes the parent's copies of every worker end at the end, including
+    those of workers a failed start never reached.
+    """
     workers: list[Any] = []
     try:
-        for worker_id in range(setup.num_workers):
-            inbox, outbox = channels.worker_ends(worker_id)
-            process = ctx.Process(
-                target=run_process_worker,
-                args=(setup, worker_id, inbox, outbox),
-                name=f"pipeload-worker-{worker_id}",
-                daemon=True,
-            )
+        for launch in launches:
+            process = ctx.Process(target=launch.target, args=launch.args, name=launch.name, daemon=True)
             process.start()
             workers.append(process)
             # Drop our copies of this worker's ends now, not after the last start: a worker forked
             # later would inherit them, and a task pipe that another process also reads never
             # breaks when its worker dies, so a send to the dead worker could block for ever.
-            inbox.close()
-            outbox.close()
+            for end in launch.parent_copies:
+                end.close()
     except BaseException:
         stop_workers(workers)
         raise
     finally:
-        channels.forget_worker_ends()  # the ends of workers a failed start never reached
+        forget_unstarted()
     return workers
 
 
-def start_thread_workers(setup: WorkerSetup, channels: Any) -> tuple[list[Any], threading.Event]:
-    """Start one daemon thread per worker; they all stop when the returned event is set."""
-    stop = threading.Event()
+def start_threads(launches: Sequence[WorkerLaunch], stop: threading.Event) -> list[ThreadWorkerHandle]:
+    """Start one daemon thread per launch; they all stop when ``stop`` is set."""
     handles = []
-    for worker_id in range(setup.num_workers):
-        inbox, outbox = channels.worker_ends(worker_id)
-        thread = threading.Thread(
-            target=run_thread_worker,
-            args=(setup, worker_id, inbox, outbox, stop),
-            name=f"pipeload-worker-{worker_id}",
-            daemon=True,
-        )
+    for launch in launches:
+        thread = threading.Thread(target=launch.target, args=launch.args, name=launch.name, daemon=True)
         thread.start()
         handles.append(ThreadWorkerHandle(thread, stop))
-    return handles, stop
+    return handles
 
 
 def stop_workers(

@@ -69,3 +69,16 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     worker_method: str
     replica: ReplicaSetup = ReplicaSetup()
+
+
+@dataclass(frozen=True)
+class EconomicSetup:
+    """What every economic-mode worker needs to start.
+
+    Attributes:
+        worker: as for classic workers; ``worker.num_workers`` counts the item workers.
+        num_batch_workers: how many batch workers the session runs.
+    """
+
+    worker: WorkerSetup
+    num_batch_workers: int

@@ -4,6 +4,11 @@ Seeding follows torch exactly, so a dataset that draws random numbers in ``__get
 same values under pipeload as under torch with the same seed: the worker's seed is
 ``base_seed + worker_id``; ``random`` and ``torch`` are seeded with it, and numpy's legacy global
 RNG with four 32-bit words mixed from (worker_id, base_seed) by a SeedSequence-style hash.
+
+Economic mode adds seeds that do not depend on which worker happens to do the work: before each
+item is fetched the item worker reseeds from (base seed, epoch, the item's position in the epoch),
+and before each batch is collated the batch worker reseeds from (base seed, epoch, batch number).
+See docs/design/economic.md.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class WorkerInfo:
         dataset: this worker's copy of the dataset.
         rng: per-worker generators (thread workers only; None in process workers).
         worker_method: "multiprocessing" or "thread".
+        kind: "classic" (a worker that fetches and collates whole batches), or in economic mode
+            "item" (fetches items) or "batch" (collates them); ``id`` and ``num_workers`` count
+            the workers of this kind.
     """
 
     id: int
@@ -48,6 +56,7 @@ class WorkerInfo:
     dataset: Any = field(repr=False)
     rng: WorkerRNG | None = None
     worker_method: str = "multiprocessing"
+    kind: str = "classic"
 
 
 class _CurrentWorker(threading.local):
@@ -128,6 +137,47 @@ class _MultiplyXorshift:
 def _mix(x: int, y: int) -> int:
     result = ((0xCA01F9DD * x) - (0x4973F715 * y)) & _MASK32
     return (result ^ (result >> 16)) & _MASK32
+
+
+_MASK64 = (1 << 64) - 1
+ITEM_STREAM = 1  # tells item seeds and batch seeds apart when their other words are equal
+BATCH_STREAM = 2
+
+
+def _splitmix64(value: int) -> int:
+    """One step of the SplitMix64 finaliser: a cheap, well-spread 64-bit hash."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def derive_seed(base_seed: int, *words: int) -> int:
+    """A 64-bit seed mixed from ``base_seed`` and ``words``: equal inputs, equal seed, anywhere."""
+    value = _splitmix64(base_seed & _MASK64)
+    for word in words:
+        value = _splitmix64(value ^ (word & _MASK64))
+    return value
+
+
+def item_seed(base_seed: int, epoch: int, position: int) -> int:
+    """The seed an economic-mode item fetch runs under: the sample's place, not its worker."""
+    return derive_seed(base_seed, ITEM_STREAM, epoch, position)
+
+
+def batch_seed(base_seed: int, epoch: int, batch_number: int) -> int:
+    """The seed an economic-mode batch worker collates batch ``batch_number`` under."""
+    return derive_seed(base_seed, BATCH_STREAM, epoch, batch_number)
+
+
+def reseed(seed: int, rng: WorkerRNG | None) -> None:
+    """Seed a worker's generators with ``seed``: the process's globals, or a thread's own set."""
+    if rng is None:
+        seed_process_worker(seed, 0)
+        return
+    rng.random_generator.seed(seed)
+    rng.torch_generator.manual_seed(seed)
+    rng.numpy_generator.seed(numpy_seed_words(seed, 0))
 
 
 def seed_process_worker(base_seed: int, worker_id: int) -> int:

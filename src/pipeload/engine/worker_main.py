@@ -50,7 +50,10 @@ class WorkerLoop:
     """One worker's life: set up, then serve commands until STOP or ``should_stop()``.
 
     Owned by the thread or process it runs in; touches nothing shared but its inbox and outbox.
+    Economic mode's item worker is this loop with another ``_serve``.
     """
+
+    kind = ""  # how failures name this kind of worker: "" for a classic worker
 
     def __init__(
         self,
@@ -102,29 +105,28 @@ class WorkerLoop:
         return self._pending.popleft()
 
     def _initialise(self) -> None:
-        setup = self._setup
-        init_fn = setup.worker_init_fn
-        # As in torch: the dataset is sharded and seeded before worker_init_fn sees it.
-        stage = "sharding and seeding its copy of the dataset"
+        self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
+        if self._init_failure is None:
+            self._make_fetcher()
+
+    def _share(self) -> tuple[int, int]:
+        """(this copy's index, how many copies): how a DataPipe graph is sharded across workers."""
+        return self._id, self._setup.num_workers
+
+    def _make_fetcher(self, shared_seed: int | None = None) -> None:
         try:
-            replica.prepare(setup.fetch.dataset, setup.replica, self._id, setup.num_workers)
-            stage = "running worker_init_fn"
-            if init_fn is not None:
-                init_fn(self._id)
-            stage = "starting to iterate the dataset"
+            replica.reseed(self._setup.fetch.dataset, shared_seed)
             self._fetcher = make_fetcher(self._setup.fetch)
         except Exception:
-            self._init_failure = RemoteFailure.capture(self._id, stage)
+            self._init_failure = RemoteFailure.capture(
+                self._id, "starting to iterate the dataset", worker_kind=self.kind
+            )
 
     def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
         self._exhausted = False
         self._init_failure_reported = False
         if self._init_failure is None:
-            try:
-                replica.reseed(self._setup.fetch.dataset, shared_seed)
-                self._fetcher = make_fetcher(self._setup.fetch)
-            except Exception:
-                self._init_failure = RemoteFailure.capture(self._id, "starting to iterate the dataset")
+            self._make_fetcher(shared_seed)
         self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch))
 
     def _serve(self, command: WorkerCommand) -> None:
@@ -167,25 +169,52 @@ class WorkerLoop:
             self._report_failure(number, "sending the batch to the main process", indices, exc)
 
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
-        failure = RemoteFailure.capture(self._id, stage, _indices_for_message(indices))
-        if _is_shared_memory_exhaustion(exc):
-            _remove_failed_segment(exc)
-            failure = dataclasses.replace(
-                failure, exc_type=SharedMemoryError, message=SHM_TOO_SMALL,
-                traceback_text=f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
-                caught_name=type(exc).__name__,
-            )
+        failure = describe_failure(self._id, self.kind, stage, indices, exc)
         self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
 
 
+def prepare_worker(
+    setup: WorkerSetup, worker_id: int, kind: str, share: tuple[int, int]
+) -> RemoteFailure | None:
+    """Shard and seed this worker's copy of the dataset (``share``: its index among how many
+    copies), then call the user's worker_init_fn, in torch's order. Returns what raised, if
+    anything, to report for every task."""
+    stage = "sharding and seeding its copy of the dataset"
+    try:
+        replica.prepare(setup.fetch.dataset, setup.replica, *share)
+        stage = "running worker_init_fn"
+        if setup.worker_init_fn is not None:
+            setup.worker_init_fn(worker_id)
+    except Exception:
+        return RemoteFailure.capture(worker_id, stage, worker_kind=kind)
+    return None
+
+
+def describe_failure(worker_id: int, kind: str, stage: str, indices: Any, exc: Exception) -> RemoteFailure:
+    """The exception being handled, as a RemoteFailure; /dev/shm running out gets its own type
+    and advice (and the segment torch left behind is removed)."""
+    failure = RemoteFailure.capture(worker_id, stage, _indices_for_message(indices), worker_kind=kind)
+    if _is_shared_memory_exhaustion(exc):
+        _remove_failed_segment(exc)
+        failure = dataclasses.replace(
+            failure, exc_type=SharedMemoryError, message=SHM_TOO_SMALL,
+            traceback_text=f"{SHM_TOO_SMALL}\n{failure.traceback_text}",
+            caught_name=type(exc).__name__,
+        )
+    return failure
+
+
+_EPOCH_WORK = frozenset({Command.FETCH, Command.FETCH_ITEMS})  # what a new epoch makes pointless
+
+
 def _without_superseded_tasks(commands: deque[WorkerCommand]) -> deque[WorkerCommand]:
-    """Drop the FETCH commands that a later START_EPOCH makes pointless."""
+    """Drop the fetch commands that a later START_EPOCH makes pointless."""
     starts = [i for i, c in enumerate(commands) if c.command is Command.START_EPOCH]
     if not starts:
         return commands
     last_start = starts[-1]
     return deque(
-        c for i, c in enumerate(commands) if i >= last_start or c.command is not Command.FETCH
+        c for i, c in enumerate(commands) if i >= last_start or c.command not in _EPOCH_WORK
     )
 
 
@@ -218,20 +247,32 @@ def _remove_failed_segment(exc: BaseException) -> None:
 
 def run_process_worker(setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any) -> None:
     """Entry point of a worker process (under spawn/forkserver, its arguments arrive pickled)."""
+    seed = enter_worker_process(setup.base_seed, worker_id)
+    info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset)
+    loop = WorkerLoop(setup, worker_id, inbox, outbox, should_stop=lambda: False)
+    serve_in_process(info, loop, (outbox, inbox))
+
+
+def enter_worker_process(base_seed: int, seed_offset: int) -> int:
+    """A worker process's first steps: leave Ctrl-C to the main process, leave when the parent
+    dies, one torch thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     _exit_when_parent_dies(os.getppid())
     torch.set_num_threads(1)
-    seed = seed_process_worker(setup.base_seed, worker_id)
-    info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset)
+    return seed_process_worker(base_seed, seed_offset)
+
+
+def serve_in_process(info: WorkerInfo, loop: Any, ends: tuple[Any, ...]) -> None:
+    """Run ``loop`` as this process's worker, then close ``ends`` and leave at once."""
     set_worker_info(info)
     publish_to_torch(info)
     try:
-        WorkerLoop(setup, worker_id, inbox, outbox, should_stop=lambda: False).run()
+        loop.run()
     except (BrokenPipeError, EOFError, ConnectionResetError):
         pass  # the main process closed our channels: it no longer wants anything from us
     finally:
-        outbox.close()
-        inbox.close()
+        for end in ends:
+            end.close()
     _exit_now()
 
 
@@ -262,9 +303,14 @@ def run_thread_worker(
     rng = make_thread_rng(setup.base_seed, worker_id)
     seed = setup.base_seed + worker_id
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
+    serve_in_thread(info, WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set))
+
+
+def serve_in_thread(info: WorkerInfo, loop: Any) -> None:
+    """Run ``loop`` as this thread's worker; ``get_worker_info()`` answers ``info`` meanwhile."""
     set_worker_info(info)
     try:
-        WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set).run()
+        loop.run()
     finally:
         set_worker_info(None)
 

@@ -1,0 +1,233 @@
+"""A group of workers (processes or threads) with their channels, as every pooled engine runs them.
+
+The classic pool and economic mode differ only in what their workers run, which a
+:class:`LaunchPlan` says. Starting them, sending tasks without ever blocking for good, waiting for
+reports while watching for deaths and the timeout, naming a dead worker, and stopping everything
+are the same for both, and live here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pipeload.engine.lifecycle import (
+    ThreadWorkerHandle,
+    WorkerLaunch,
+    check_picklable,
+    release_finished,
+    start_processes,
+    start_threads,
+    stop_workers,
+)
+from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
+from pipeload.transport.channel import ProcessChannels, ThreadChannels
+from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+
+WAIT_SLICE_S = 1.0
+EXIT_STATUS_WAIT_S = 1.0
+THREAD_CHECK_INTERVAL_S = 0.1
+REAP_WAIT_S = 0.1
+
+
+@dataclass(frozen=True)
+class WorkerLabel:
+    """How messages name one worker: its kind ("" in classic mode, "item" or "batch") and its id
+    among the workers of that kind."""
+
+    kind: str
+    id: int
+
+    def name(self, what: str = "worker") -> str:
+        """E.g. "worker 3", "item worker 3", "batch worker thread 1"."""
+        return f"{self.kind} {what} {self.id}".lstrip()
+
+
+class LaunchPlan(Protocol):
+    """What an engine's workers run. One channel slot per label, in the same order."""
+
+    @property
+    def labels(self) -> list[WorkerLabel]: ...
+
+    def picklable_parts(self) -> dict[str, Any]:
+        """Objects spawn and forkserver must pickle, by the argument name the user knows."""
+        ...
+
+    def process_launches(self, ctx: Any, channels: ProcessChannels) -> list[WorkerLaunch]: ...
+
+    def thread_launches(self, channels: ThreadChannels, stop: threading.Event) -> list[WorkerLaunch]: ...
+
+    def close(self) -> None:
+        """Release what the plan owns besides the group's channels (idempotent)."""
+        ...
+
+
+class WorkerGroup:
+    """Owns the workers' handles and channels; closing it stops and releases everything.
+
+    Kept apart from the engines so an engine's finalizer can hold the group without holding the
+    engine. Used by one thread at a time (whoever drives the engine), and by ``close()``.
+    """
+
+    def __init__(self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float) -> None:
+        self.plan = plan
+        self.labels = plan.labels
+        self.timeout_s = timeout_s
+        self.stop_event: threading.Event | None = None
+        self.closed = False
+        count = len(self.labels)
+        try:
+            if worker_type == "thread":
+                self.stop_event = threading.Event()
+                self.channels: Any = ThreadChannels(count)
+                self.handles = start_threads(plan.thread_launches(self.channels, self.stop_event),
+                                             self.stop_event)
+            else:
+                self.channels, self.handles = self._start_processes(plan, mp_context, count)
+        except BaseException:
+            plan.close()
+            raise
+
+    @staticmethod
+    def _start_processes(plan: LaunchPlan, mp_context: Any, count: int) -> tuple[Any, list[Any]]:
+        ctx = mp_context or multiprocessing.get_context()
+        if ctx.get_start_method() != "fork":
+            check_picklable(plan.picklable_parts(), ctx.get_start_method())
+        channels = ProcessChannels(ctx, count)
+        try:
+            handles = start_processes(ctx, plan.process_launches(ctx, channels),
+                                      channels.forget_worker_ends)
+        except BaseException:
+            channels.close()
+            raise
+        return channels, handles
+
+    @property
+    def wait_slice_s(self) -> float:
+        # Process deaths wake the wait through their sentinels; threads have none, so look often.
+        return THREAD_CHECK_INTERVAL_S if self.stop_event is not None else WAIT_SLICE_S
+
+    def sentinels(self) -> list[int]:
+        """Exit sentinels of the process workers (empty for threads)."""
+        return [h.sentinel for h in self.handles if getattr(h, "sentinel", None) is not None]
+
+    def all_alive(self) -> bool:
+        if self.stop_event is None:
+            return True  # process deaths are reported by their sentinels, without a syscall each
+        return all(handle.is_alive() for handle in self.handles)
+
+    def deadline(self) -> float | None:
+        """When a wait that starts now must give up (None: the loader has no timeout)."""
+        return time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+
+    # -- talking to workers ----------------------------------------------------------------
+
+    def send(self, slot: int, command: WorkerCommand) -> None:
+        """Send a task; never blocks for good on a worker that stopped reading."""
+        try:
+            self.channels.send(slot, command, self._while_pipe_full(slot))
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            # The worker's end closed because it is dying; its exit status comes a moment later.
+            handle = self.handles[slot]
+            handle.join(EXIT_STATUS_WAIT_S)
+            self.raise_for_dead_workers()
+            raise WorkerDiedError(
+                f"DataLoader worker (pid(s) {handle.pid}) exited unexpectedly: "
+                f"{self.labels[slot].name()} stopped reading its tasks"
+            ) from None
+
+    def _while_pipe_full(self, slot: int) -> Callable[[], None]:
+        """What to check while a worker's task pipe is full: that it lives, and the timeout."""
+        deadline = self.deadline()
+        handle = self.handles[slot]
+
+        def check() -> None:
+            if not handle.is_alive():
+                self.raise_for_dead_workers()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self.timeout_s} seconds: "
+                    f"{self.labels[slot].name()} is not taking new tasks"
+                )
+
+        return check
+
+    def receive(self, deadline: float | None) -> list[WorkerReport]:
+        """Wait for reports until ``deadline``; raise on timeout or as soon as a worker has died."""
+        while True:
+            slice_s = self.wait_slice_s
+            if deadline is not None:
+                slice_s = min(slice_s, max(0.0, deadline - time.monotonic()))
+            reports, fired = self.channels.wait(slice_s, self.sentinels())
+            if fired or not self.all_alive():
+                reports.clear()  # about to raise: the traceback keeps this frame and its batches
+                self.raise_for_dead_workers()
+            if reports:
+                return reports
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeoutError(f"DataLoader timed out after {self.timeout_s} seconds")
+
+    def raise_for_dead_workers(self) -> None:
+        """Raise WorkerDiedError naming every worker that is no longer running, if any: torch's
+        sentence first for processes, then which workers and how they ended."""
+        dead = []
+        for label, handle in zip(self.labels, self.handles):
+            if not handle.is_alive():
+                handle.join(REAP_WAIT_S)  # reap it, so its exit code is known
+                dead.append((label, handle))
+        if not dead:
+            return
+        if isinstance(dead[0][1], ThreadWorkerHandle):
+            raise WorkerDiedError("DataLoader " + "; ".join(_how_thread_ended(label) for label, _ in dead))
+        raise WorkerDiedError(worker_died_message([(label.name(), h.pid, h.exitcode) for label, h in dead]))
+
+    def start_epoch(self, epoch: int, shared_seed: int | None = None) -> None:
+        """Persistent workers: tell every worker that epoch ``epoch`` begins (``shared_seed``
+        reseeds their DataPipe graphs), and wait until all have answered. Reports of the old
+        epoch that arrive meanwhile are dropped: a worker's reports come in order, so after its
+        answer none of them can follow."""
+        start = WorkerCommand(Command.START_EPOCH, epoch=epoch, shared_seed=shared_seed)
+        for slot in range(len(self.handles)):
+            self.send(slot, start)
+        waiting = len(self.handles)  # each worker answers exactly once
+        while waiting:
+            for report in self.receive(self.deadline()):
+                if report.report is Report.EPOCH_STARTED and report.batch_number == epoch:
+                    waiting -= 1
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stop_event is not None:
+            self.stop_event.set()
+        stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
+        self.channels.close()
+        self.plan.close()
+        release_finished(self.handles)
+
+    def _ask_to_stop(self, slot: int) -> None:
+        try:
+            self.channels.send(slot, WorkerCommand(Command.STOP), while_full=_give_up)
+        except _PipeFull:
+            pass  # a worker that is not reading is stopped by the escalation instead
+
+
+class _PipeFull(Exception):
+    """Closing never waits for room in a task pipe."""
+
+
+def _give_up() -> None:
+    raise _PipeFull
+
+
+def _how_thread_ended(label: WorkerLabel) -> str:
+    return (f"{label.name('worker thread')} ended unexpectedly: something that is not an "
+            "Exception (SystemExit, for example) escaped the dataset or collate code")
+
