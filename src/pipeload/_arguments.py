@@ -22,6 +22,7 @@ from pipeload.samplers import (
 )
 
 WORKER_TYPES = ("process", "thread")
+MODES = ("classic", "economic")
 
 
 class ArgumentAssertionError(ValueError, AssertionError):
@@ -55,6 +56,49 @@ def check_worker_options(
             "multiprocessing_context only applies to process workers, but got "
             f"multiprocessing_context={multiprocessing_context!r} with worker_type='thread'"
         )
+
+
+def resolve_mode(
+    mode: Any, num_workers: int, num_batch_workers: Any, prefetch_factor: int | None, dataset: Any,
+    iterable: bool,
+) -> int | None:
+    """Check ``mode`` and what it brings; returns the number of batch workers (None in classic)."""
+    if mode not in MODES:
+        raise ValueError(f"mode should be one of {MODES}, but got mode={mode!r}")
+    if mode == "classic":
+        if num_batch_workers is not None:
+            raise ValueError(
+                "num_batch_workers only applies to mode='economic', but got "
+                f"num_batch_workers={num_batch_workers!r} with mode='classic'"
+            )
+        return None
+    if num_workers == 0:
+        raise ValueError(
+            "mode='economic' fetches items in worker processes or threads: num_workers (the "
+            "number of item workers) should be > 0, but got num_workers=0; use mode='classic' "
+            "to load in the main process"
+        )
+    if iterable:
+        raise ValueError(
+            "mode='economic' needs a map-style dataset (it fetches items by index), but got the "
+            f"IterableDataset {type(dataset).__name__}; use mode='classic' for iterable datasets"
+        )
+    return _resolve_num_batch_workers(num_batch_workers, prefetch_factor)
+
+
+def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | None) -> int:
+    if num_batch_workers is None:
+        return prefetch_factor or 2  # one batch worker per batch in flight
+    if not isinstance(num_batch_workers, int) or isinstance(num_batch_workers, bool):
+        raise TypeError(
+            f"num_batch_workers should be an int, but got num_batch_workers={num_batch_workers!r}"
+        )
+    if num_batch_workers <= 0:
+        raise ValueError(
+            "num_batch_workers should be a positive integer (the number of workers that collate "
+            f"batches in mode='economic'), but got num_batch_workers={num_batch_workers!r}"
+        )
+    return num_batch_workers
 
 
 def check_timeout(timeout: Any) -> None:

@@ -26,9 +26,10 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
+from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.inline import InlineEngine
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
-from pipeload.engine.plan import DatasetKind, FetchSpec, ReplicaSetup, WorkerSetup
+from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
 from pipeload.samplers import (
@@ -39,7 +40,8 @@ from pipeload.samplers import (
 T_co = TypeVar("T_co", covariant=True)
 
 _FROZEN_AFTER_INIT = frozenset(
-    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"}
+    {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers", "mode",
+     "num_batch_workers"}
 )
 
 
@@ -65,11 +67,17 @@ class DataLoader(torch_data.DataLoader[T_co]):
         pin_memory_device: kept for compatibility; the current accelerator is used.
         in_order: yield batches in sampler order (True) or as soon as they are ready.
         worker_type: "process" (the default) or "thread" workers.
+        mode: "classic" (the default: each worker builds whole batches, as torch does) or
+            "economic": ``num_workers`` item workers fetch items, ``num_batch_workers`` batch
+            workers collate them, and ``prefetch_factor`` counts the batches in flight across
+            all workers, so memory does not grow with ``num_workers``. Map-style datasets only.
+        num_batch_workers: economic mode's batch workers (default: ``prefetch_factor``).
 
     Example:
         >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
         >>> [batch[0].shape[0] for batch in loader]
         [4, 4, 2]
+        >>> big = DataLoader(videos, batch_size=64, num_workers=16, mode="economic")  # doctest: +SKIP
     """
 
     dataset: Dataset[T_co]
@@ -103,6 +111,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         worker_type: str = "process",
+        mode: str = "classic",
+        num_batch_workers: int | None = None,
     ) -> None:
         # torch's __init__ is deliberately not called: it would set up torch's loading state.
         arguments.check_num_workers(num_workers)
@@ -122,6 +132,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
+        self.num_batch_workers = arguments.resolve_mode(
+            mode, num_workers, num_batch_workers, prefetch_factor, dataset, iterable
+        )
+        self.mode = mode
         if iterable:
             # A DataPipe graph takes ``shuffle`` itself: it turns the graph's shuffle pipes on/off.
             shuffle = replica.apply_shuffle_option(dataset, shuffle)
@@ -238,6 +252,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
         if self.num_workers == 0:
             engine: Any = InlineEngine(spec, replica_setup)
+        elif self.mode == "economic":
+            engine = EconomicEngine(self._economic_config(spec, base_seed, replica_setup))
         else:
             engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
             if replica_setup.shared_seed is not None:
@@ -282,11 +298,24 @@ class DataLoader(torch_data.DataLoader[T_co]):
         elif engine is not None:
             engine.close()
 
-    def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
+    def _worker_setup(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> WorkerSetup:
         method = "thread" if self.worker_type == "thread" else "multiprocessing"
-        setup = WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup)
-        return PoolConfig(
+        return WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup)
+
+    def _economic_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
+        setup = EconomicSetup(self._worker_setup(spec, base_seed, replica_setup), self.num_batch_workers)  # type: ignore[arg-type]
+        return EconomicConfig(
             setup=setup,
+            prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
+            in_order=self.in_order,
+            timeout_s=self.timeout,
+            worker_type=self.worker_type,
+            mp_context=self.multiprocessing_context,
+        )
+
+    def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
+        return PoolConfig(
+            setup=self._worker_setup(spec, base_seed, replica_setup),
             prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
             in_order=self.in_order,
             timeout_s=self.timeout,

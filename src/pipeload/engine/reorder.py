@@ -22,8 +22,11 @@ class BatchLedger:
         batches that arrive early count against it and memory stays bounded behind a slow worker.
     """
 
-    def __init__(self, num_workers: int, in_order: bool) -> None:
+    def __init__(self, num_workers: int, in_order: bool, least_loaded: bool = False) -> None:
         self.in_order = in_order
+        # Round-robin in order mode is torch's rule (iterable workers interleave by it); economic
+        # mode's batch workers have no such stream to keep, so they always take the least loaded.
+        self.least_loaded = least_loaded or not in_order
         self.next_to_send = 0
         self.next_to_yield = 0
         self.building: dict[int, int] = {}  # batch number -> worker id
@@ -41,14 +44,15 @@ class BatchLedger:
         return any(self.active)
 
     def choose_worker(self) -> int | None:
-        """Next active worker: round-robin in order mode (as torch), least loaded otherwise."""
+        """Next active worker: round-robin in order mode (as torch), least loaded otherwise
+        (ties go to the next in the rotation)."""
         count = len(self.active)
         candidates = [(self._rotation + step) % count for step in range(count)]
         candidates = [w for w in candidates if self.active[w]]
         if not candidates:
             return None
         chosen = candidates[0]
-        if not self.in_order:
+        if self.least_loaded:
             chosen = min(candidates, key=lambda w: self.in_flight_per_worker[w])
         self._rotation = (chosen + 1) % count
         return chosen

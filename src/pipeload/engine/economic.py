@@ -1,0 +1,226 @@
+"""The economic engine: item workers fetch, batch workers collate, at most ``prefetch_factor``
+batches in flight across the whole pool.
+
+Classic loading gives each worker whole batches, so ``num_workers * prefetch_factor`` batches sit
+in memory and the first batch is built by one worker alone. Here the main process cuts every batch
+into pieces (one item, or a share of a ``__getitems__`` call), gives each piece to the item worker
+with the fewest items in hand, and names the batch worker (the least loaded) that gathers the
+batch; items travel item worker -> batch worker directly, tensors as shared memory. Memory in
+flight is bounded by ``prefetch_factor`` batches whatever ``num_workers`` is, and every item worker
+helps build the first batch. See docs/design/economic.md.
+
+Everything else is the classic engine's: the worker group (start, send, receive, deaths, timeout,
+stop), the ledger that yields in sampler order, the persistent epoch restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeload.engine.economic_workers import (
+    BATCH,
+    ITEM,
+    run_batch_process,
+    run_batch_thread,
+    run_item_process,
+    run_item_thread,
+)
+from pipeload.engine.item_scheduler import ItemScheduler
+from pipeload.engine.lifecycle import WorkerLaunch
+from pipeload.engine.plan import EconomicSetup
+from pipeload.engine.pool import picklable_parts
+from pipeload.engine.reorder import BatchLedger
+from pipeload.engine.epoch_flow import batch_or_raise
+from pipeload.engine.workers import WorkerGroup, WorkerLabel
+from pipeload.transport.channel import ProcessChannels, ThreadChannels
+from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
+from pipeload.transport.messages import Command, ItemRoute, Report, WorkerCommand, WorkerReport
+
+
+@dataclass(frozen=True)
+class EconomicConfig:
+    """How to run economic mode.
+
+    Attributes:
+        setup: what every worker needs to start (item and batch worker counts included).
+        prefetch_factor: batches in flight across all workers together.
+        in_order: yield in sampler order (True) or as batches finish (False).
+        timeout_s: raise if no batch arrives for this long (0: wait as long as workers live).
+        worker_type: "process" or "thread".
+        mp_context: a multiprocessing context (process workers), or None for the default.
+    """
+
+    setup: EconomicSetup
+    prefetch_factor: int
+    in_order: bool
+    timeout_s: float
+    worker_type: str
+    mp_context: Any
+
+
+class EconomicLaunch:
+    """What economic workers run. Channel slots: item workers first, then batch workers.
+
+    Owns the item -> batch links (process workers) from the first launch until ``close()``.
+    """
+
+    def __init__(self, setup: EconomicSetup) -> None:
+        self._setup = setup
+        self._links: ItemLinks | None = None
+        self.num_item_workers = setup.worker.num_workers
+        self.labels = [WorkerLabel(ITEM, i) for i in range(self.num_item_workers)]
+        self.labels += [WorkerLabel(BATCH, b) for b in range(setup.num_batch_workers)]
+
+    def picklable_parts(self) -> dict[str, Any]:
+        return picklable_parts(self._setup.worker)
+
+    def process_launches(self, ctx: Any, channels: ProcessChannels) -> list[WorkerLaunch]:
+        links = self._links = ItemLinks(self.num_item_workers, self._setup.num_batch_workers)
+        # A forked child inherits every end of the mesh and must close the ones it does not own;
+        # spawn and forkserver children receive only their own.
+        inherited = links if ctx.get_start_method() == "fork" else None
+        launches = []
+        for item_id in range(self.num_item_workers):
+            inbox, outbox = channels.worker_ends(item_id)
+            deliveries = links.outbox(item_id)
+            args = (self._setup, item_id, inbox, outbox, deliveries, inherited)
+            launches.append(WorkerLaunch(run_item_process, args, f"pipeload-item-worker-{item_id}",
+                                         (inbox, outbox, deliveries)))
+        for batch_id in range(self._setup.num_batch_workers):
+            tasks, outbox = channels.worker_ends(self.num_item_workers + batch_id)
+            inbox = links.inbox(batch_id, tasks)
+            args = (self._setup, batch_id, inbox, outbox, inherited)
+            launches.append(WorkerLaunch(run_batch_process, args, f"pipeload-batch-worker-{batch_id}",
+                                         (inbox, outbox)))
+        return launches
+
+    def thread_launches(self, channels: ThreadChannels, stop: threading.Event) -> list[WorkerLaunch]:
+        first_batch = self.num_item_workers
+        batch_inboxes = [channels.worker_ends(first_batch + b)[0]
+                         for b in range(self._setup.num_batch_workers)]
+        launches = []
+        for item_id in range(self.num_item_workers):
+            inbox, outbox = channels.worker_ends(item_id)
+            args = (self._setup, item_id, inbox, outbox, ThreadItemOutbox(batch_inboxes), stop)
+            launches.append(WorkerLaunch(run_item_thread, args, f"pipeload-item-worker-{item_id}"))
+        for batch_id, inbox in enumerate(batch_inboxes):
+            outbox = channels.worker_ends(first_batch + batch_id)[1]
+            args = (self._setup, batch_id, inbox, outbox, stop)
+            launches.append(WorkerLaunch(run_batch_thread, args, f"pipeload-batch-worker-{batch_id}"))
+        return launches
+
+    def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
+
+
+class EconomicEngine:
+    """Schedules items and batches over the two kinds of workers and yields batches in sampler
+    order (or as they finish with ``in_order=False``).
+
+    Driven by one thread at a time (the caller of ``next_batch``).
+    Invariants, between calls:
+      - ``ledger.outstanding <= prefetch_factor``: batches sent to a batch worker and not yet
+        yielded, whether still gathering, collating, or waiting their turn;
+      - so items in flight (``scheduler.items_in_flight``) never exceed the items of those
+        batches, ``prefetch_factor * batch_size`` with a fixed batch size;
+      - ``next_position`` is the number of samples sent this epoch (the next piece's seed).
+    """
+
+    def __init__(self, config: EconomicConfig) -> None:
+        self._config = config
+        setup = config.setup
+        self._num_item_workers = setup.worker.num_workers
+        fetch = setup.worker.fetch
+        self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
+        self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
+                                    config.timeout_s)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        self._epoch = 0
+        self._tasks: Iterator[Any] = iter(())
+        self._sampler_done = True
+        self._reset_epoch_state()
+
+    @property
+    def workers(self) -> list[Any]:
+        """Handles of the item workers, then the batch workers."""
+        return self._workers.handles
+
+    @property
+    def closed(self) -> bool:
+        return self._workers.closed
+
+    def start_epoch(self, tasks: Iterator[Any]) -> None:
+        """Begin an epoch over ``tasks`` (each a list of indices, or one index)."""
+        if self._epoch > 0:
+            self._workers.start_epoch(self._epoch + 1)
+        self._epoch += 1
+        self._tasks = tasks
+        self._sampler_done = False
+        self._reset_epoch_state()
+        self._top_up()
+
+    def next_batch(self) -> Any:
+        """The next batch; raises StopIteration when the epoch is over.
+
+        A batch whose item or collation failed raises the worker's exception when its turn comes;
+        the engine stays usable, and the next call goes on with the following batch.
+        """
+        # One deadline per batch: item reports keep arriving while a batch is late, and must
+        # not keep the loader's timeout from firing.
+        deadline = self._workers.deadline()
+        while True:
+            report = self._ledger.pop_ready()
+            if report is not None:
+                self._top_up()
+                return batch_or_raise(report)
+            if self._ledger.nothing_left():
+                raise StopIteration
+            for report in self._workers.receive(deadline):
+                self._record(report)
+            self._top_up()
+
+    def close(self) -> None:
+        self._finalizer()
+        # A closed engine can live on inside an exception's traceback: drop the batches it holds.
+        self._reset_epoch_state()
+        self._tasks = iter(())
+        self._sampler_done = True
+
+    def _reset_epoch_state(self) -> None:
+        self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
+                                   least_loaded=True)
+        self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
+        self._next_position = 0
+
+    def _record(self, report: WorkerReport) -> None:
+        if report.report is Report.ITEMS_DONE:
+            self._scheduler.record_done(report.worker_id, report.payload)
+        elif report.report in (Report.BATCH, Report.FAILED):
+            self._ledger.record_report(report)
+
+    def _top_up(self) -> None:
+        while not self._sampler_done and self._ledger.outstanding < self._config.prefetch_factor:
+            try:
+                task = next(self._tasks)
+            except StopIteration:
+                self._sampler_done = True
+                return
+            indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
+            self._send_batch(indices)
+
+    def _send_batch(self, indices: list[Any]) -> None:
+        """Name the batch's batch worker first, then send its pieces to the item workers."""
+        batch_worker = self._ledger.choose_worker()
+        number = self._ledger.record_sent(batch_worker)
+        collate = WorkerCommand(Command.COLLATE, number, indices, self._epoch)
+        self._workers.send(self._num_item_workers + batch_worker, collate)
+        for piece in self._scheduler.split(indices, self._next_position):
+            route = ItemRoute(batch_worker, piece.slot, piece.position)
+            fetch = WorkerCommand(Command.FETCH_ITEMS, number, piece.indices, self._epoch, route)
+            self._workers.send(piece.item_worker, fetch)
+        self._next_position += len(indices)

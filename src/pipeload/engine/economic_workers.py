@@ -1,0 +1,258 @@
+"""Economic mode's two worker loops: item workers fetch, batch workers gather and collate.
+
+Both are the classic worker loop (worker_main.py) with a different job: the same start-up steps,
+``worker_init_fn``, failure reports, epoch restarts and exit; here is only what differs. An item
+worker fetches the pieces the main process assigns it and hands them straight to the batch worker
+named in the task; a batch worker gathers a batch's pieces from any item workers, collates them
+and reports the batch to the main process. Neither decides anything about order or flow.
+
+Seeding (see docs/design/economic.md): an item worker reseeds its generators before every piece
+from (base seed, epoch, position of the piece's first sample in the epoch), and a batch worker
+before every collation from (base seed, epoch, batch number), so random draws do not depend on
+which worker happened to do the work, nor when.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pipeload.engine.plan import EconomicSetup, WorkerSetup
+from pipeload.engine.worker_info import (
+    WorkerInfo,
+    WorkerRNG,
+    batch_seed,
+    item_seed,
+    make_thread_rng,
+    reseed,
+)
+from pipeload.engine.worker_main import (
+    POLL_INTERVAL_S,
+    WorkerLoop,
+    describe_failure,
+    enter_worker_process,
+    prepare_worker,
+    serve_in_process,
+    serve_in_thread,
+)
+from pipeload.errors import RemoteFailure
+from pipeload.transport.item_links import ItemLinks
+from pipeload.transport.messages import (
+    Command,
+    Delivery,
+    ItemDelivery,
+    Report,
+    WorkerCommand,
+    WorkerReport,
+)
+
+ITEM = "item"
+BATCH = "batch"
+
+
+class ItemWorkerLoop(WorkerLoop):
+    """Serves FETCH_ITEMS: fetch a piece, hand it to its batch worker, tell the main process."""
+
+    kind = ITEM
+
+    def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+        self._deliveries = deliveries
+        self._rng = rng
+
+    def _serve(self, command: WorkerCommand) -> None:
+        route = command.route
+        delivery = self._fetch(command)
+        self._hand_over(route.batch_worker, delivery, command.indices)
+        del delivery  # the items' memory goes with the message, not with this worker
+        done = WorkerReport(Report.ITEMS_DONE, self._id, command.batch_number, len(command.indices))
+        self._outbox.send(done)
+
+    def _fetch(self, command: WorkerCommand) -> ItemDelivery:
+        route = command.route
+        delivery = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
+                                route.slot, len(command.indices))
+        if self._init_failure is not None:
+            return _failed(delivery, self._init_failure)
+        reseed(item_seed(self._setup.base_seed, command.epoch, route.position), self._rng)
+        try:
+            samples = self._samples(command.indices)
+        except Exception as exc:
+            return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", command.indices, exc))
+        return dataclasses.replace(delivery, payload=samples)
+
+    def _samples(self, indices: list[Any]) -> list[Any]:
+        if not self._setup.fetch.auto_collation:
+            return [self._setup.fetch.dataset[indices[0]]]  # no batching: plain dataset[index]
+        return self._fetcher.samples(indices)
+
+    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, indices: list[Any]) -> None:
+        try:
+            self._deliveries.send(batch_worker, delivery)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # that batch worker is gone; the main process sees it exit and says so
+        except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
+            stage = f"handing items to batch worker {batch_worker}"
+            failure = describe_failure(self._id, ITEM, stage, indices, exc)
+            try:
+                self._deliveries.send(batch_worker, _failed(delivery, failure))
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+
+def _failed(delivery: ItemDelivery, failure: RemoteFailure) -> ItemDelivery:
+    return dataclasses.replace(delivery, delivery=Delivery.FAILED, payload=failure)
+
+
+@dataclasses.dataclass
+class _Gathering:
+    """One batch being gathered by a batch worker: what it needs, and what has come so far."""
+
+    indices: list[Any] | None = None  # known once the COLLATE command has arrived
+    pieces: dict[int, list[Any]] = dataclasses.field(default_factory=dict)  # slot -> samples
+    failures: dict[int, RemoteFailure] = dataclasses.field(default_factory=dict)  # slot -> why
+    filled: int = 0
+
+    def add(self, delivery: ItemDelivery) -> None:
+        if delivery.delivery is Delivery.FAILED:
+            self.failures[delivery.slot] = delivery.payload
+        else:
+            self.pieces[delivery.slot] = delivery.payload
+        self.filled += delivery.count
+
+    @property
+    def complete(self) -> bool:
+        return self.indices is not None and self.filled >= len(self.indices)
+
+    def samples(self) -> list[Any]:
+        return [sample for slot in sorted(self.pieces) for sample in self.pieces[slot]]
+
+
+class BatchWorkerLoop(WorkerLoop):
+    """Gathers the pieces of the batches it is given, collates each when whole, reports it.
+
+    Pieces may arrive before the batch's COLLATE command (they travel on other channels); they
+    wait in ``_batches`` until it comes. Owned by its thread or process, like every worker loop.
+    Invariant: ``_batches`` holds only batches of epoch ``_epoch_floor`` or later.
+    """
+
+    kind = BATCH
+
+    def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any,
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+        self._rng = rng
+        self._batches: dict[tuple[int, int], _Gathering] = {}  # (epoch, batch number) -> state
+        self._epoch_floor = 0
+
+    def run(self) -> None:
+        self._init_failure = prepare_worker(self._setup, self._id, BATCH, self._share())
+        while not self._should_stop():
+            message = self._inbox.receive(POLL_INTERVAL_S)
+            if message is None:
+                continue
+            if isinstance(message, ItemDelivery):
+                self._accept(message)
+            elif message.command is Command.STOP:
+                return
+            elif message.command is Command.START_EPOCH:
+                self._start_epoch(message.epoch, message.shared_seed)
+            elif message.command is Command.COLLATE:
+                key = (message.epoch, message.batch_number)
+                self._batches.setdefault(key, _Gathering()).indices = message.indices
+                self._finish_if_complete(key)
+
+    def _share(self) -> tuple[int, int]:
+        return 0, 1  # a batch worker fetches nothing: its copy is prepared as the main process's
+
+    def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
+        # What the abandoned epoch left half-gathered is dropped; its late pieces are too.
+        self._epoch_floor = epoch
+        self._batches = {key: g for key, g in self._batches.items() if key[0] >= epoch}
+        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch))
+
+    def _accept(self, delivery: ItemDelivery) -> None:
+        if delivery.epoch < self._epoch_floor:
+            return
+        key = (delivery.epoch, delivery.batch_number)
+        self._batches.setdefault(key, _Gathering()).add(delivery)
+        self._finish_if_complete(key)
+
+    def _finish_if_complete(self, key: tuple[int, int]) -> None:
+        if not self._batches[key].complete:
+            return
+        gathering = self._batches.pop(key)
+        epoch, number = key
+        indices = gathering.indices
+        failure = self._init_failure or _first_failure(gathering)
+        if failure is not None:
+            self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
+            return
+        try:
+            batch = self._collate(gathering, epoch, number)
+        except Exception as exc:
+            self._report_failure(number, "collating a batch", indices, exc)
+            return
+        self._send_batch(number, batch, indices)
+
+    def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
+        samples = gathering.samples()
+        gathering.pieces.clear()  # once collated, the items' memory is freed with ``samples``
+        reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
+        fetch = self._setup.fetch
+        return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+
+
+def _first_failure(gathering: _Gathering) -> RemoteFailure | None:
+    if not gathering.failures:
+        return None
+    return gathering.failures[min(gathering.failures)]  # the earliest in the batch, as torch's
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def run_item_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
+                     links: ItemLinks | None) -> None:
+    """Entry point of an item worker process. ``links`` (fork only) is the inherited mesh."""
+    if links is not None:
+        links.keep_only(deliveries.links)
+    common = setup.worker
+    seed = enter_worker_process(common.base_seed, worker_id)
+    info = WorkerInfo(worker_id, common.num_workers, seed, common.fetch.dataset, kind=ITEM)
+    loop = ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, lambda: False, None)
+    serve_in_process(info, loop, (outbox, inbox, deliveries))
+
+
+def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any,
+                      links: ItemLinks | None) -> None:
+    """Entry point of a batch worker process; its seed comes after the item workers' seeds."""
+    if links is not None:
+        links.keep_only(inbox.links)
+    common = setup.worker
+    seed = enter_worker_process(common.base_seed, common.num_workers + worker_id)
+    info = WorkerInfo(worker_id, setup.num_batch_workers, seed, common.fetch.dataset, kind=BATCH)
+    loop = BatchWorkerLoop(common, worker_id, inbox, outbox, lambda: False, None)
+    serve_in_process(info, loop, (outbox, inbox))
+
+
+def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
+                    stop: Any) -> None:
+    """Entry point of an item worker thread: its own generators, reseeded for every piece."""
+    common = setup.worker
+    rng = make_thread_rng(common.base_seed, worker_id)
+    info = WorkerInfo(worker_id, common.num_workers, common.base_seed + worker_id,
+                      common.fetch.dataset, rng, "thread", ITEM)
+    serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng))
+
+
+def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any) -> None:
+    """Entry point of a batch worker thread."""
+    common = setup.worker
+    offset = common.num_workers + worker_id
+    rng = make_thread_rng(common.base_seed, offset)
+    info = WorkerInfo(worker_id, setup.num_batch_workers, common.base_seed + offset,
+                      common.fetch.dataset, rng, "thread", BATCH)
+    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng))

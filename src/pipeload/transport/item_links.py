@@ -1,0 +1,142 @@
+"""Economic mode's item -> batch hop: item workers hand fetched items straight to batch workers.
+
+Process workers: one socket pair per (item worker, batch worker), each with exactly one writer and
+one reader, like the result channels (see channel.py). Tensors travel as shared-memory file
+descriptors next to the pickle (fd_passing.py), so an item's bytes are never copied through a
+socket or through the main process; a worker killed mid-write damages only its own sockets; no
+lock is shared between processes. A batch worker waits on its task pipe and its item sockets in
+one call, so commands and items reach it through a single ``receive``.
+
+Thread workers: an item thread puts its deliveries straight into the batch thread's task queue,
+objects as they are.
+
+This module is the one seam between economic mode and the transport: another sender/receiver pair
+would replace what is here and nothing else.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+from multiprocessing import connection
+from typing import Any
+
+from pipeload.transport.channel import PipeEnd, QueueEnd, ResultSocket
+from pipeload.transport.messages import ItemDelivery, WorkerCommand
+
+
+class ItemOutbox:
+    """An item worker's sockets to every batch worker (process workers)."""
+
+    def __init__(self, sockets: list[ResultSocket]) -> None:
+        self._sockets = sockets
+
+    @property
+    def links(self) -> list[ResultSocket]:
+        """The socket ends this outbox owns."""
+        return self._sockets
+
+    def send(self, batch_worker: int, delivery: ItemDelivery) -> None:
+        """Hand ``delivery`` to ``batch_worker``. Raises BrokenPipeError if that worker is gone."""
+        self._sockets[batch_worker].send(delivery)
+
+    def close(self) -> None:
+        for end in self._sockets:
+            end.close()
+
+
+class BatchInbox:
+    """A batch worker's task pipe and its sockets from every item worker, read as one channel.
+
+    Owned by the batch worker. Invariant: ``_pending`` holds messages already read off the
+    channels, oldest first; sockets whose writer has gone are no longer waited on.
+    """
+
+    def __init__(self, tasks: PipeEnd, items: list[ResultSocket]) -> None:
+        self._tasks = tasks
+        self._items = items
+        self._live_items = list(items)
+        self._pending: deque[Any] = deque()
+
+    @property
+    def links(self) -> list[ResultSocket]:
+        """The item socket ends this inbox owns."""
+        return self._items
+
+    def receive(self, timeout_s: float) -> WorkerCommand | ItemDelivery | None:
+        """The next command or delivery, or None if nothing arrives within ``timeout_s``.
+
+        Raises EOFError when the main process has closed the task pipe.
+        """
+        if not self._pending:
+            for ready in connection.wait([self._tasks.conn, *self._live_items], timeout_s):
+                self._drain(ready)
+        return self._pending.popleft() if self._pending else None
+
+    def _drain(self, ready: Any) -> None:
+        if ready is self._tasks.conn:
+            while (command := self._tasks.receive(0)) is not None:
+                self._pending.append(command)
+            return
+        try:
+            while ready.ready():
+                self._pending.append(ready.receive())
+        except (EOFError, ConnectionResetError):
+            # That item worker is gone; the main process sees its exit and stops the epoch.
+            self._live_items.remove(ready)
+
+    def close(self) -> None:
+        self._tasks.close()
+        for end in self._items:
+            end.close()
+
+
+class ItemLinks:
+    """Every item -> batch socket pair of one session; owned by the economic engine.
+
+    The parent hands each worker its own ends and closes its copies right after that worker has
+    started. A child started by fork inherits the whole mesh and keeps only its own ends
+    (``keep_only``), so each end lives in exactly one process and a dead peer shows as EOF or a
+    broken pipe, never as a silent stall.
+    """
+
+    def __init__(self, num_item_workers: int, num_batch_workers: int) -> None:
+        self._writers: list[list[ResultSocket]] = []
+        self._readers: list[list[ResultSocket]] = []
+        for _ in range(num_item_workers):
+            pairs = [socket.socketpair() for _ in range(num_batch_workers)]
+            self._readers.append([ResultSocket(reader) for reader, _ in pairs])
+            self._writers.append([ResultSocket(writer) for _, writer in pairs])
+
+    def outbox(self, item_worker: int) -> ItemOutbox:
+        return ItemOutbox(self._writers[item_worker])
+
+    def inbox(self, batch_worker: int, tasks: PipeEnd) -> BatchInbox:
+        return BatchInbox(tasks, [row[batch_worker] for row in self._readers])
+
+    def keep_only(self, own: list[ResultSocket]) -> None:
+        """In a forked worker: close every inherited end that is not ``own``."""
+        for end in self._all_ends():
+            if not any(end is mine for mine in own):
+                end.close()
+
+    def close(self) -> None:
+        for end in self._all_ends():
+            end.close()
+
+    def _all_ends(self) -> list[ResultSocket]:
+        return [end for rows in (self._writers, self._readers) for row in rows for end in row]
+
+
+class ThreadItemOutbox:
+    """An item thread's way to every batch thread: their task queues."""
+
+    def __init__(self, batch_inboxes: list[QueueEnd]) -> None:
+        self._inboxes = batch_inboxes
+
+    def send(self, batch_worker: int, delivery: ItemDelivery) -> None:
+        self._inboxes[batch_worker].send(delivery)
+
+    def close(self) -> None:
+        pass  # the queues belong to the engine's channels
+
