@@ -12,6 +12,10 @@ What the numbers mean:
   * ``/dev/shm`` use is read from the file system (``shutil.disk_usage``), so segments that were
     unlinked but are still mapped count too. It covers the whole machine: other programs writing
     there during a run show up as noise.
+  * shared memory, honestly (see memory.py): the growth of the kernel's ``Shmem`` count (memfd
+    segments included), and the distinct segments the loader's process tree maps or holds; the
+    latter is read every ``TREE_SHM_EVERY`` samples, as reading every process's mappings costs
+    a few milliseconds each.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from typing import Any
 
 import psutil
 
+from bench.memory import machine_shmem_bytes, tree_shared_memory_bytes
+
 SAMPLE_INTERVAL_S = 0.05
+TREE_SHM_EVERY = 10
 CHILD_EXIT_WAIT_S = 5.0
 SHM_PATH = "/dev/shm"
 
@@ -44,6 +51,8 @@ class Measurement:
     first_batch_s: float
     peak_rss_bytes: int
     peak_shm_bytes: int
+    peak_shmem_bytes: int = 0  # growth of the kernel's Shmem (memfd included), machine-wide
+    peak_tree_shm_bytes: int = 0  # distinct segments the loader's process tree maps or holds
 
     @property
     def samples_per_s(self) -> float:
@@ -53,10 +62,13 @@ class Measurement:
 class _Peaks:
     """The running maxima: written only by the sampling thread, read after it has stopped."""
 
-    def __init__(self, shm_baseline_bytes: int) -> None:
+    def __init__(self, shm_baseline_bytes: int, shmem_baseline_bytes: int) -> None:
         self.shm_baseline_bytes = shm_baseline_bytes
+        self.shmem_baseline_bytes = shmem_baseline_bytes
         self.rss_bytes = 0
         self.shm_bytes = 0
+        self.shmem_bytes = 0
+        self.tree_shm_bytes = 0
 
 
 class PeakSampler:
@@ -75,7 +87,7 @@ class PeakSampler:
     """
 
     def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, root_pid: int | None = None) -> None:
-        self._peaks = _Peaks(shm_used_bytes())
+        self._peaks = _Peaks(shm_used_bytes(), machine_shmem_bytes())
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_sample_until_stopped,
@@ -94,6 +106,14 @@ class PeakSampler:
     def peak_shm_bytes(self) -> int:
         return self._peaks.shm_bytes
 
+    @property
+    def peak_shmem_bytes(self) -> int:
+        return self._peaks.shmem_bytes
+
+    @property
+    def peak_tree_shm_bytes(self) -> int:
+        return self._peaks.tree_shm_bytes
+
     def close(self) -> None:
         """Take a last sample and stop the thread. Safe to call more than once."""
         self._stop.set()
@@ -110,12 +130,17 @@ class PeakSampler:
 def _sample_until_stopped(
     root: psutil.Process, peaks: _Peaks, stop: threading.Event, interval_s: float
 ) -> None:
+    tick = 0
     while True:
         stopping = stop.is_set()  # read first, so one sample always follows the stop request
         peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
         peaks.shm_bytes = max(peaks.shm_bytes, shm_used_bytes() - peaks.shm_baseline_bytes)
+        peaks.shmem_bytes = max(peaks.shmem_bytes, machine_shmem_bytes() - peaks.shmem_baseline_bytes)
+        if tick % TREE_SHM_EVERY == 0:
+            peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
         if stopping:
             return
+        tick += 1
         stop.wait(interval_s)
 
 
@@ -149,6 +174,7 @@ def measure(
     workload: str,
     loader: str,
     epochs: int = 1,
+    step: Callable[[Any], None] | None = None,
 ) -> Measurement:
     """Build a fresh loader, iterate it ``epochs`` times, and time it.
 
@@ -162,6 +188,7 @@ def measure(
         count_samples: how many samples a batch holds.
         workload, loader: names recorded in the result.
         epochs: passes over the loader.
+        step: the "training step" run on every batch (a slow loop sleeps here); None: none.
 
     Returns:
         The measurement.
@@ -171,13 +198,14 @@ def measure(
     """
     children_before = _child_pids()
     with PeakSampler() as sampler:
-        samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs)
+        samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs, step)
         gc.collect()  # drop the loader and any iterator cycles while still sampling
         _wait_for_children(children_before)
     if first_batch_s is None:
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
-                       sampler.peak_rss_bytes, sampler.peak_shm_bytes)
+                       sampler.peak_rss_bytes, sampler.peak_shm_bytes, sampler.peak_shmem_bytes,
+                       sampler.peak_tree_shm_bytes)
 
 
 def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
@@ -195,7 +223,8 @@ def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
 
 
 def _iterate(
-    make_loader: Callable[[], Iterable[Any]], count_samples: Callable[[Any], int], epochs: int
+    make_loader: Callable[[], Iterable[Any]], count_samples: Callable[[Any], int], epochs: int,
+    step: Callable[[Any], None] | None = None,
 ) -> tuple[int, float | None, float]:
     samples = 0
     first_batch_s = None
@@ -206,6 +235,8 @@ def _iterate(
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
             samples += count_samples(batch)
+            if step is not None:
+                step(batch)
     return samples, first_batch_s, time.perf_counter() - started
 
 

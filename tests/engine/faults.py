@@ -12,32 +12,54 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pipeload import IterableDataset, get_worker_info
 
-# Which engines a behaviour is proven on: (worker_type, multiprocessing_context).
-FORK = ("process", "fork")
-SPAWN = ("process", "spawn")
-THREAD = ("thread", None)
-ENGINE_IDS = {FORK: "fork", SPAWN: "spawn", THREAD: "thread"}
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine a behaviour is proven on: the worker type, start method and mode."""
+
+    name: str
+    worker_type: str
+    context: str | None
+    mode: str = "classic"
+
+    @property
+    def threads(self) -> bool:
+        return self.worker_type == "thread"
+
+    @property
+    def economic(self) -> bool:
+        return self.mode == "economic"
 
 
-def loader_kwargs(engine: tuple[str, str | None]) -> dict[str, Any]:
+FORK = EngineChoice("fork", "process", "fork")
+SPAWN = EngineChoice("spawn", "process", "spawn")
+THREAD = EngineChoice("thread", "thread", None)
+ECONOMIC = EngineChoice("economic-fork", "process", "fork", "economic")
+ECONOMIC_SPAWN = EngineChoice("economic-spawn", "process", "spawn", "economic")
+ECONOMIC_THREAD = EngineChoice("economic-thread", "thread", None, "economic")
+
+
+def loader_kwargs(engine: EngineChoice) -> dict[str, Any]:
     """DataLoader keyword arguments that select ``engine``."""
-    worker_type, context = engine
-    if worker_type == "thread":
-        return {"worker_type": "thread"}
-    return {"worker_type": "process", "multiprocessing_context": context}
+    kwargs: dict[str, Any] = {"worker_type": engine.worker_type}
+    if not engine.threads:
+        kwargs["multiprocessing_context"] = engine.context
+    if engine.economic:
+        kwargs["mode"] = "economic"
+    return kwargs
 
 
-def engine_params(*engines: tuple[str, str | None]) -> list[Any]:
+def engine_params(*engines: EngineChoice) -> list[Any]:
     """pytest params with readable ids, for ``@pytest.mark.parametrize("engine", ...)``."""
     import pytest
 
-    return [pytest.param(engine, id=ENGINE_IDS[engine]) for engine in engines]
+    return [pytest.param(engine, id=engine.name) for engine in engines]
 
 
 class SampleFailed(Exception):

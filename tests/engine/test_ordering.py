@@ -8,7 +8,20 @@ from collections import Counter
 
 import pytest
 import torch
-from faults import FORK, SPAWN, THREAD, Numbers, Shards, Uneven, engine_params, flatten, loader_kwargs
+from faults import (
+    ECONOMIC,
+    ECONOMIC_SPAWN,
+    ECONOMIC_THREAD,
+    FORK,
+    SPAWN,
+    THREAD,
+    Numbers,
+    Shards,
+    Uneven,
+    engine_params,
+    flatten,
+    loader_kwargs,
+)
 
 from pipeload import DataLoader
 
@@ -19,7 +32,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
 ]
 
-FAST = engine_params(FORK, THREAD)
+FAST = engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD)
+CLASSIC_FAST = engine_params(FORK, THREAD)  # iterable datasets: economic mode refuses them
 
 
 def _items(loader: DataLoader) -> list[int]:
@@ -48,8 +62,10 @@ def test_out_of_order_does_not_wait_for_a_slow_batch(engine):
         def __getitem__(self, index: int) -> int:
             return super().__getitem__(index) if index else _slow_zero()
 
-    loader = DataLoader(SlowFirst(24, unit_s=0.0), batch_size=2, num_workers=2, in_order=False,
-                        **loader_kwargs(engine))
+    # Economic mode: an item worker holds up to two pieces, so with 2 item workers batch 1's
+    # index 2 would wait behind index 0; with 4, batch 1 is fetched by the others.
+    loader = DataLoader(SlowFirst(24, unit_s=0.0), batch_size=2, num_workers=4 if engine.economic else 2,
+                        in_order=False, **loader_kwargs(engine))
     items = _items(loader)
     assert Counter(items) == Counter(range(24))
     assert items[0] != 0
@@ -84,7 +100,7 @@ def test_without_batching_every_index_once_in_order(engine):
     assert [int(x) for x in loader] == list(range(30))
 
 
-@pytest.mark.parametrize("engine", FAST)
+@pytest.mark.parametrize("engine", CLASSIC_FAST)
 @pytest.mark.parametrize("in_order", [True, False])
 def test_iterable_shards_each_item_exactly_once(engine, in_order):
     loader = DataLoader(Shards(50, unit_s=0.002), batch_size=4, num_workers=3, in_order=in_order,
@@ -92,7 +108,7 @@ def test_iterable_shards_each_item_exactly_once(engine, in_order):
     assert Counter(_items(loader)) == Counter(range(50))
 
 
-@pytest.mark.parametrize("engine", FAST)
+@pytest.mark.parametrize("engine", CLASSIC_FAST)
 def test_iterable_in_order_alternates_workers_like_torch(engine):
     # Each worker's replica gives every 3rd item; batches come round-robin from workers 0, 1, 2,
     # and a worker that runs dry is skipped (its share here is uneven: 17, 17, 16 items).
@@ -115,7 +131,8 @@ def test_empty_dataset(engine):
     assert list(loader) == []
 
 
-@pytest.mark.timeout(90)
-def test_in_order_under_spawn():
-    loader = DataLoader(Uneven(40), batch_size=2, num_workers=2, **loader_kwargs(SPAWN))
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", engine_params(SPAWN, ECONOMIC_SPAWN))
+def test_in_order_under_spawn(engine):
+    loader = DataLoader(Uneven(40), batch_size=2, num_workers=2, **loader_kwargs(engine))
     assert _items(loader) == list(range(40))

@@ -12,7 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import pid_gone, wait_until
-from faults import FORK, SPAWN, THREAD, Numbers, Shards, Uneven, engine_params, flatten, loader_kwargs, worker_pids
+from faults import (
+    ECONOMIC,
+    ECONOMIC_THREAD,
+    FORK,
+    SPAWN,
+    THREAD,
+    Numbers,
+    Shards,
+    Uneven,
+    engine_params,
+    flatten,
+    loader_kwargs,
+    worker_pids,
+)
 
 from pipeload import DataLoader
 from pipeload.errors import WorkerDiedError
@@ -23,7 +36,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
 ]
 
-FAST = engine_params(FORK, THREAD)
+FAST = engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD)
 
 
 def _persistent(dataset, engine, **kwargs) -> DataLoader:
@@ -38,7 +51,7 @@ def _identity(iterator) -> list:
     return [h.pid for h in handles] if handles and handles[0].pid != os.getpid() else list(handles)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_THREAD))
 @pytest.mark.timeout(90)
 def test_same_workers_serve_every_epoch(engine, leak_guard):
     loader = _persistent(Numbers(10), engine)
@@ -48,7 +61,7 @@ def test_same_workers_serve_every_epoch(engine, leak_guard):
         seen.append(_identity(iterator))
         assert flatten(list(iterator)) == list(range(10))
     assert seen[0] == seen[1] == seen[2]
-    if engine is not THREAD:
+    if not engine.threads:
         assert all(not pid_gone(pid) for pid in seen[0])
         del loader, iterator
         leak_guard.assert_exited(seen[0], within_s=1.0)
@@ -81,7 +94,7 @@ def test_abandoned_iterator_then_a_new_epoch(engine):
     assert flatten(list(loader)) == list(range(20))
 
 
-@pytest.mark.parametrize("engine", FAST)
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
 def test_iterable_dataset_restarts_every_epoch(engine):
     loader = _persistent(Shards(20), engine, batch_size=3)
     for _ in range(3):

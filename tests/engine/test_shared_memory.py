@@ -13,7 +13,17 @@ import textwrap
 import warnings
 
 import pytest
-from faults import FORK, SPAWN, THREAD, MakesTensors, engine_params, loader_kwargs
+from faults import (
+    ECONOMIC,
+    ECONOMIC_SPAWN,
+    ECONOMIC_THREAD,
+    FORK,
+    SPAWN,
+    THREAD,
+    MakesTensors,
+    engine_params,
+    loader_kwargs,
+)
 
 from pipeload import DataLoader
 from pipeload.pin import pinning_available
@@ -21,7 +31,7 @@ from pipeload.pin import pinning_available
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN))
 @pytest.mark.timeout(90)
 def test_tensors_made_in_workers_arrive_in_shared_memory(engine):
     loader = DataLoader(MakesTensors(8), batch_size=4, num_workers=2, **loader_kwargs(engine))
@@ -30,15 +40,17 @@ def test_tensors_made_in_workers_arrive_in_shared_memory(engine):
     assert all(b.untyped_storage().is_shared() for b in batches)
 
 
-def test_uncollated_tensors_arrive_in_shared_memory():
-    loader = DataLoader(MakesTensors(4), batch_size=None, num_workers=2, multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_uncollated_tensors_arrive_in_shared_memory(engine):
+    loader = DataLoader(MakesTensors(4), batch_size=None, num_workers=2, **loader_kwargs(engine))
     items = list(loader)
     assert [t[0].item() for t in items] == [0, 1, 2, 3]
     assert all(t.untyped_storage().is_shared() for t in items)
 
 
-def test_thread_workers_hand_over_tensors_as_they_are():
-    loader = DataLoader(MakesTensors(8), batch_size=4, num_workers=2, **loader_kwargs(THREAD))
+@pytest.mark.parametrize("engine", engine_params(THREAD, ECONOMIC_THREAD))
+def test_thread_workers_hand_over_tensors_as_they_are(engine):
+    loader = DataLoader(MakesTensors(8), batch_size=4, num_workers=2, **loader_kwargs(engine))
     assert [b[:, 0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
@@ -46,7 +58,7 @@ def test_thread_workers_hand_over_tensors_as_they_are():
 
 
 @pytest.mark.skipif(pinning_available(), reason="an accelerator is present: batches are really pinned")
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD) + [pytest.param(None, id="inline")])
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC) + [pytest.param(None, id="inline")])
 def test_pin_memory_without_accelerator_warns_once_and_passes_batches_through(engine):
     workers = {} if engine is None else {"num_workers": 2, **loader_kwargs(engine)}
     plain = [b.tolist() for b in DataLoader(MakesTensors(6), batch_size=4, **workers)]

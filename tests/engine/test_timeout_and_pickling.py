@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import wait_until
 from faults import (
+    ECONOMIC,
+    ECONOMIC_THREAD,
     FORK,
     THREAD,
     Numbers,
@@ -50,7 +52,7 @@ def release_at_end():
 # -- timeout -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD))
 @pytest.mark.parametrize("stall_index", [0, 6], ids=["first-batch", "later-batch"])
 def test_no_batch_within_timeout_raises(engine, stall_index, leak_guard, release_at_end):
     dataset = Stalls(16, stall_index=stall_index)
@@ -74,7 +76,7 @@ def test_no_batch_within_timeout_raises(engine, stall_index, leak_guard, release
     with pytest.raises(LoaderTimeoutError):
         next(iterator)
     del iterator  # dropping the iterator is what stops the workers
-    if engine is FORK:
+    if not engine.threads:
         leak_guard.assert_exited(pids, within_s=1.0)
 
 
@@ -128,7 +130,7 @@ def test_a_worker_dying_while_its_task_pipe_is_full_is_reported(tmp_path, monkey
     killer.join()
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD))
 def test_slow_but_steady_batches_do_not_time_out(engine):
     loader = DataLoader(Uneven(24, unit_s=0.01), batch_size=2, num_workers=2, timeout=2.0,
                         **loader_kwargs(engine))
@@ -203,11 +205,13 @@ UNPICKLABLE = {
 }
 
 
+@pytest.mark.parametrize("mode", ["classic", "economic"])
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 @pytest.mark.parametrize("name", sorted(UNPICKLABLE))
-def test_unpicklable_object_is_refused_before_any_worker_starts(method, name):
+def test_unpicklable_object_is_refused_before_any_worker_starts(method, name, mode):
     context = _watched_context(method)
-    loader = DataLoader(batch_size=2, num_workers=2, multiprocessing_context=context, **UNPICKLABLE[name])
+    loader = DataLoader(batch_size=2, num_workers=2, multiprocessing_context=context, mode=mode,
+                        **UNPICKLABLE[name])
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as caught:
         with pytest.warns(UserWarning, match="^Got pickle error when attempting to start a worker Process"):
             iter(loader)  # torch warns so too, then raises the pickling error
@@ -218,9 +222,10 @@ def test_unpicklable_object_is_refused_before_any_worker_starts(method, name):
     assert context.Process.starts == 0
 
 
-def test_unpicklable_objects_are_fine_with_fork_and_threads():
+@pytest.mark.parametrize("mode", ["classic", "economic"])
+def test_unpicklable_objects_are_fine_with_fork_and_threads(mode):
     for kwargs in ({"multiprocessing_context": "fork"}, {"worker_type": "thread"}):
-        loader = DataLoader(_HoldsALambda(), batch_size=2, num_workers=2,
+        loader = DataLoader(_HoldsALambda(), batch_size=2, num_workers=2, mode=mode,
                             collate_fn=lambda samples: [s * 10 for s in samples], **kwargs)
         assert list(loader) == [[0, 10], [20, 30]]
 

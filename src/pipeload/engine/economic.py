@@ -126,8 +126,9 @@ class EconomicEngine:
     Invariants, between calls:
       - ``ledger.outstanding <= prefetch_factor``: batches sent to a batch worker and not yet
         yielded, whether still gathering, collating, or waiting their turn;
-      - so items in flight (``scheduler.items_in_flight``) never exceed the items of those
-        batches, ``prefetch_factor * batch_size`` with a fixed batch size;
+      - so the items in flight (waiting in the scheduler, or in an item worker's hands, or on
+        their way to a batch worker) never exceed the items of those batches:
+        ``prefetch_factor * batch_size`` with a fixed batch size;
       - ``next_position`` is the number of samples sent this epoch (the next piece's seed).
     """
 
@@ -199,28 +200,31 @@ class EconomicEngine:
 
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
-            self._scheduler.record_done(report.worker_id, report.payload)
+            self._scheduler.record_done(report.worker_id)
         elif report.report in (Report.BATCH, Report.FAILED):
             self._ledger.record_report(report)
 
     def _top_up(self) -> None:
+        """Open batches while the budget allows, then give waiting pieces to item workers."""
         while not self._sampler_done and self._ledger.outstanding < self._config.prefetch_factor:
             try:
                 task = next(self._tasks)
             except StopIteration:
                 self._sampler_done = True
-                return
+                break
             indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
-            self._send_batch(indices)
+            self._open_batch(indices)
+        for piece in self._scheduler.assign():
+            route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
+            fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
+                                  epoch=self._epoch, route=route)
+            self._workers.send(piece.item_worker, fetch)
 
-    def _send_batch(self, indices: list[Any]) -> None:
-        """Name the batch's batch worker first, then send its pieces to the item workers."""
+    def _open_batch(self, indices: list[Any]) -> None:
+        """Tell the least-loaded batch worker what the batch holds; queue its pieces."""
         batch_worker = self._ledger.choose_worker()
         number = self._ledger.record_sent(batch_worker)
-        collate = WorkerCommand(Command.COLLATE, number, indices, self._epoch)
+        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch)
         self._workers.send(self._num_item_workers + batch_worker, collate)
-        for piece in self._scheduler.split(indices, self._next_position):
-            route = ItemRoute(batch_worker, piece.slot, piece.position)
-            fetch = WorkerCommand(Command.FETCH_ITEMS, number, piece.indices, self._epoch, route)
-            self._workers.send(piece.item_worker, fetch)
+        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)

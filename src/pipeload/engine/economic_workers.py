@@ -76,17 +76,28 @@ class ItemWorkerLoop(WorkerLoop):
                                 route.slot, len(command.indices))
         if self._init_failure is not None:
             return _failed(delivery, self._init_failure)
-        reseed(item_seed(self._setup.base_seed, command.epoch, route.position), self._rng)
+        index = None
         try:
-            samples = self._samples(command.indices)
+            if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
+                self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
+                samples = self._fetcher.samples(command.indices)
+            else:
+                samples = []
+                for offset, index in enumerate(command.indices):
+                    self._reseed(command.epoch, route.position + offset)
+                    samples.append(self._setup.fetch.dataset[index])
         except Exception as exc:
-            return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", command.indices, exc))
+            failing = command.indices if index is None else self._named([index])  # the very item
+            failure = describe_failure(self._id, ITEM, "fetching items", failing, exc)
+            return _failed(delivery, failure)
         return dataclasses.replace(delivery, payload=samples)
 
-    def _samples(self, indices: list[Any]) -> list[Any]:
-        if not self._setup.fetch.auto_collation:
-            return [self._setup.fetch.dataset[indices[0]]]  # no batching: plain dataset[index]
-        return self._fetcher.samples(indices)
+    def _reseed(self, epoch: int, position: int) -> None:
+        reseed(item_seed(self._setup.base_seed, epoch, position), self._rng)
+
+    def _named(self, indices: list[Any]) -> Any:
+        """How messages name these indices: without batching, the single index, as classic does."""
+        return indices if self._setup.fetch.auto_collation else indices[0]
 
     def _hand_over(self, batch_worker: int, delivery: ItemDelivery, indices: list[Any]) -> None:
         try:
@@ -95,7 +106,7 @@ class ItemWorkerLoop(WorkerLoop):
             return  # that batch worker is gone; the main process sees it exit and says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
-            failure = describe_failure(self._id, ITEM, stage, indices, exc)
+            failure = describe_failure(self._id, ITEM, stage, self._named(indices), exc)
             try:
                 self._deliveries.send(batch_worker, _failed(delivery, failure))
             except (BrokenPipeError, ConnectionResetError):

@@ -1,5 +1,5 @@
-"""Economic mode's item bookkeeping: cut each batch into pieces, give each piece to the item worker
-with the fewest items in hand.
+"""Economic mode's item bookkeeping: cut each batch into pieces, and give each piece to the item
+worker with the fewest pieces in hand, as soon as one has room.
 
 Pure state, no I/O, so its rules can be read (and tested) on their own.
 """
@@ -7,8 +7,12 @@ Pure state, no I/O, so its rules can be read (and tested) on their own.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+PIECES_IN_HAND = 2  # per item worker: the one it fetches, and the next, so it never waits for us
+PIECES_PER_WORKER = 2  # a batch is cut into about this many pieces per item worker
 
 
 @dataclass(frozen=True)
@@ -16,58 +20,79 @@ class Piece:
     """A run of consecutive items of one batch, fetched by one item worker in one go.
 
     Attributes:
-        item_worker: who fetches it.
+        batch_number: the batch it belongs to.
+        batch_worker: the batch worker that gathers that batch.
         slot: the position of its first item inside the batch.
         position: the position of its first item in the epoch's sample stream (its seed).
         indices: the dataset indices to fetch.
+        item_worker: who fetches it (-1 while it waits for a worker with room).
     """
 
-    item_worker: int
+    batch_number: int
+    batch_worker: int
     slot: int
     position: int
     indices: list[Any]
+    item_worker: int = -1
+
+
+def piece_size(batch_size: int, num_item_workers: int, sub_batches: bool) -> int:
+    """How many items of a batch of ``batch_size`` one piece holds."""
+    pieces = num_item_workers if sub_batches else num_item_workers * PIECES_PER_WORKER
+    return max(1, math.ceil(batch_size / pieces))
 
 
 class ItemScheduler:
-    """Hands out pieces to item workers, least loaded first.
+    """Queues the pieces of open batches and hands them out, least loaded first.
 
-    A piece is one item, or with ``sub_batches=True`` (datasets with ``__getitems__``) a share of
-    about ``len(batch) / num_item_workers`` items, so that every item worker takes part in every
-    batch. Touched only by the thread that drives the epoch.
+    A batch is cut into about ``PIECES_PER_WORKER`` pieces per item worker, so that all of them
+    take part in every batch (the first one included) while each message carries several items;
+    with ``sub_batches=True`` (datasets with ``__getitems__``) into one piece per item worker, each
+    one ``__getitems__`` call. Pieces wait here, in batch order, until an item worker has fewer than ``pieces_in_hand``: a
+    worker stuck on a slow item then holds up at most one piece behind it, and the others take
+    the rest. Touched only by the thread that drives the epoch.
 
     Invariants, between calls:
-      - ``load[w]`` is the number of items sent to worker ``w`` and not yet reported done by it;
-      - ties in load go to the worker after the last one chosen, so an idle pool spreads a batch
-        over all workers.
+      - ``in_hand[w]`` is the number of pieces sent to item worker ``w`` and not reported done;
+      - ``0 <= in_hand[w] <= pieces_in_hand``;
+      - ``waiting`` holds unassigned pieces, earliest batch first.
     """
 
-    def __init__(self, num_item_workers: int, sub_batches: bool) -> None:
+    def __init__(self, num_item_workers: int, sub_batches: bool,
+                 pieces_in_hand: int = PIECES_IN_HAND) -> None:
         self.sub_batches = sub_batches
-        self.load = [0] * num_item_workers
+        self.pieces_in_hand = pieces_in_hand
+        self.in_hand = [0] * num_item_workers
+        self.waiting: deque[Piece] = deque()
         self._next = 0
 
-    @property
-    def items_in_flight(self) -> int:
-        return sum(self.load)
-
-    def split(self, indices: list[Any], first_position: int) -> list[Piece]:
-        """Cut one batch into pieces and assign each one; the loads count them at once."""
-        count = len(self.load)
-        size = math.ceil(len(indices) / count) if self.sub_batches else 1
-        pieces = []
+    def add_batch(self, batch_number: int, batch_worker: int, indices: list[Any],
+                  first_position: int) -> None:
+        """Queue the pieces of one batch."""
+        size = piece_size(len(indices), len(self.in_hand), self.sub_batches)
         for slot in range(0, len(indices), max(size, 1)):
             chunk = list(indices[slot : slot + size])
-            worker = self._least_loaded()
-            self.load[worker] += len(chunk)
-            pieces.append(Piece(worker, slot, first_position + slot, chunk))
-        return pieces
+            self.waiting.append(Piece(batch_number, batch_worker, slot, first_position + slot, chunk))
 
-    def record_done(self, item_worker: int, count: int) -> None:
-        """``item_worker`` has handed over (or failed) ``count`` more items."""
-        self.load[item_worker] = max(0, self.load[item_worker] - count)
+    def assign(self) -> list[Piece]:
+        """Give waiting pieces to the item workers with room; returns them, worker filled in."""
+        assigned = []
+        while self.waiting:
+            worker = self._least_loaded()
+            if self.in_hand[worker] >= self.pieces_in_hand:
+                break
+            self.in_hand[worker] += 1
+            self._next = (worker + 1) % len(self.in_hand)
+            piece = self.waiting.popleft()
+            assigned.append(Piece(piece.batch_number, piece.batch_worker, piece.slot,
+                                  piece.position, piece.indices, worker))
+        return assigned
+
+    def record_done(self, item_worker: int) -> None:
+        """``item_worker`` has handed over (or failed) one more piece."""
+        self.in_hand[item_worker] = max(0, self.in_hand[item_worker] - 1)
 
     def _least_loaded(self) -> int:
-        count = len(self.load)
-        chosen = min(range(count), key=lambda w: (self.load[w], (w - self._next) % count))
-        self._next = (chosen + 1) % count
-        return chosen
+        # Ties go to the worker after the last one chosen, so an idle pool spreads a batch wide.
+        count = len(self.in_hand)
+        return min(range(count), key=lambda w: (self.in_hand[w], (w - self._next) % count))

@@ -1,0 +1,84 @@
+"""Two honest readings of shared memory, for the peak sampler in measure.py.
+
+``/dev/shm`` usage alone misses memory that lives in ``memfd`` segments (or in segments unlinked
+from ``/dev/shm`` on other mounts), so two other readings are taken:
+
+  * ``machine_shmem_bytes``: the kernel's ``Shmem`` line in ``/proc/meminfo``: every page of
+    tmpfs, memfd and System V shared memory on the machine, including segments that no process
+    maps right now (a descriptor in flight on a socket, say). Exact, but machine-wide: other
+    programs' shared memory moves it too.
+  * ``tree_shared_memory_bytes``: the shared-memory segments that a process tree maps or holds
+    open, each counted once however many processes map it (by device and inode). Blind to
+    segments that are only in flight between processes, but deaf to other programs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import psutil
+
+MEMINFO_PATH = "/proc/meminfo"
+_SHMEM_LINE = re.compile(rb"^Shmem:\s+(\d+) kB", re.MULTILINE)
+# A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments.
+_SHARED_MAPPING = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(?:/dev/shm/|/memfd:|/SYSV)",
+    re.MULTILINE,
+)
+_SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
+
+
+def machine_shmem_bytes() -> int:
+    """The kernel's count of shared-memory pages, machine-wide, in bytes (0 if unreadable)."""
+    try:
+        with open(MEMINFO_PATH, "rb") as meminfo:
+            match = _SHMEM_LINE.search(meminfo.read())
+    except OSError:
+        return 0
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def tree_shared_memory_bytes(root: psutil.Process) -> int:
+    """Bytes of distinct shared-memory segments mapped or held open by ``root`` and descendants."""
+    try:
+        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return 0
+    sizes: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        _add_mapped(pid, sizes)
+        _add_held_open(pid, sizes)
+    return sum(sizes.values())
+
+
+def _add_mapped(pid: int, sizes: dict[tuple[int, int], int]) -> None:
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            text = maps.read()
+    except OSError:
+        return  # it exited meanwhile
+    mapped: dict[tuple[int, int], int] = {}
+    for start, end, major, minor, inode in _SHARED_MAPPING.findall(text):
+        key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        mapped[key] = mapped.get(key, 0) + int(end, 16) - int(start, 16)
+    for key, size in mapped.items():
+        sizes[key] = max(sizes.get(key, 0), size)
+
+
+def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return
+    for fd in fds:
+        path = f"{fd_dir}/{fd}"
+        try:
+            if not os.readlink(path).startswith(_SHARED_PATH_PREFIXES):
+                continue
+            status = os.stat(path)
+        except OSError:
+            continue  # closed meanwhile
+        key = (status.st_dev, status.st_ino)
+        sizes[key] = max(sizes.get(key, 0), status.st_size)
