@@ -315,6 +315,75 @@ def test_known_worker_types_are_accepted(worker_type: str) -> None:
     assert [batch[0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5]]
 
 
+# ------------------------------------------------------------------ mode (pipeload only)
+
+
+@pytest.mark.parametrize("mode", ["Economic", "fast", None, 1])
+def test_unknown_mode_is_refused_by_name(mode: Any) -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, mode=mode)
+    message = str(caught.value)
+    assert f"mode={mode!r}" in message
+    assert "'classic'" in message and "'economic'" in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "mentions"),
+    [
+        ({"num_batch_workers": 0}, ValueError, "num_batch_workers=0"),
+        ({"num_batch_workers": -2}, ValueError, "num_batch_workers=-2"),
+        ({"num_batch_workers": 1.5}, TypeError, "num_batch_workers=1.5"),
+        ({"num_batch_workers": True}, TypeError, "num_batch_workers=True"),
+        ({"prefetch_factor": 0}, ValueError, "prefetch_factor=0"),
+        ({"prefetch_factor": "2"}, TypeError, "prefetch_factor='2'"),
+    ],
+)
+def test_bad_economic_counts_are_refused_by_name(kwargs: dict, error: type, mentions: str) -> None:
+    with pytest.raises(error) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, mode="economic", **kwargs)
+    assert mentions in str(caught.value)
+
+
+def test_num_batch_workers_without_economic_mode_is_refused() -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, num_batch_workers=2)
+    assert "num_batch_workers=2" in str(caught.value) and "mode='economic'" in str(caught.value)
+
+
+def test_economic_mode_needs_item_workers() -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(numbers(pipeload), mode="economic")
+    assert "num_workers=0" in str(caught.value) and "mode='economic'" in str(caught.value)
+
+
+def test_economic_mode_refuses_an_iterable_dataset_naming_the_mode() -> None:
+    with pytest.raises(ValueError) as caught:
+        pipeload.DataLoader(PipeCounter(), num_workers=2, mode="economic")
+    message = str(caught.value)
+    assert "mode='economic'" in message and "map-style" in message and "PipeCounter" in message
+
+
+@pytest.mark.parametrize(("prefetch_factor", "expected"), [(None, 2), (3, 3)])
+def test_num_batch_workers_defaults_to_prefetch_factor(prefetch_factor: Any, expected: int) -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), num_workers=2, mode="economic",
+                                 prefetch_factor=prefetch_factor)
+    assert (loader.mode, loader.num_batch_workers, loader.prefetch_factor) == ("economic", expected, expected)
+    assert pipeload.DataLoader(numbers(pipeload), num_workers=2).num_batch_workers is None
+
+
+@pytest.mark.parametrize("attribute", ["mode", "num_batch_workers"])
+def test_mode_and_batch_workers_are_frozen_after_init(attribute: str) -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), num_workers=2, mode="economic")
+    with pytest.raises(ValueError, match=attribute):
+        setattr(loader, attribute, "classic" if attribute == "mode" else 3)
+
+
+def test_mode_and_num_batch_workers_are_keyword_only() -> None:
+    positional = [1, None, None, None, 2, None, False, False, 0, None, None, None]
+    with pytest.raises(TypeError):
+        pipeload.DataLoader(numbers(pipeload), *positional, "economic")
+
+
 # ------------------------------------------------------------------ generics
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.utils.data as tud
 
 import pipeload
+from pipeload.datasets import _is_iterable_dataset
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -604,6 +605,31 @@ THREAD_CASE_IDS = [c for c in CASE_IDS if c != "torch-sharded-by-torch-worker-in
 def test_thread_workers_match_torch_processes(case: str, num_workers: int) -> None:
     mine = run(pipeload, CASES[case], worker_kwargs(num_workers, "thread"))
     assert_same_run(mine, torch_reference(case, num_workers))
+
+
+def _records_its_fetches(dataset: Any) -> bool:
+    """Whether ``dataset`` is, or wraps, a BatchFetchRecorder."""
+    if isinstance(dataset, BatchFetchRecorder):
+        return True
+    parts = getattr(dataset, "datasets", ())  # a StackDataset's may be a dict
+    inner = [getattr(dataset, "dataset", None), *(parts.values() if isinstance(parts, Mapping) else parts)]
+    return any(_records_its_fetches(d) for d in inner if d is not None)
+
+
+# Economic mode takes map-style datasets only, and calls __getitems__ on sub-batches (one per
+# item worker) rather than on whole batches: BatchFetchRecorder reports what each call got.
+ECONOMIC_CASE_IDS = [
+    c for c in CASE_IDS
+    if not _is_iterable_dataset(CASES[c](tud)[0]) and not _records_its_fetches(CASES[c](tud)[0])
+]
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+@pytest.mark.parametrize("case", ECONOMIC_CASE_IDS)
+def test_economic_mode_matches_torch(case: str, worker_type: str) -> None:
+    kwargs = {**worker_kwargs(2, worker_type), "mode": "economic"}
+    mine = run(pipeload, CASES[case], kwargs)
+    assert_same_run(mine, torch_reference(case, 2))
 
 
 # ------------------------------------------------------------------ __getitems__ and default_convert

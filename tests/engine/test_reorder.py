@@ -76,6 +76,17 @@ def test_out_of_order_yields_whatever_is_here_and_prefers_idle_workers():
     assert ledger.choose_worker() == 1
 
 
+def test_least_loaded_in_order_still_yields_in_order():
+    # Economic mode's batch workers: the least loaded takes the next batch, order is kept anyway.
+    ledger = BatchLedger(2, in_order=True, least_loaded=True)
+    assert _send(ledger, 2) == [(0, 0), (1, 1)]
+    ledger.record_report(_batch(1, 1))
+    assert ledger.choose_worker() == 1  # worker 0 still builds batch 0
+    assert ledger.pop_ready() is None  # batch 1 waits for batch 0
+    ledger.record_report(_batch(0, 0))
+    assert [ledger.pop_ready().batch_number, ledger.pop_ready().batch_number] == [0, 1]
+
+
 def test_out_of_order_yields_lowest_number_first_among_arrivals():
     ledger = BatchLedger(3, in_order=False)
     _send(ledger, 3)

@@ -16,7 +16,19 @@ from pathlib import Path
 
 import pytest
 from conftest import child_pids, pid_gone, wait_until
-from faults import FORK, SPAWN, THREAD, Numbers, Stalls, engine_params, loader_kwargs, worker_pids
+from faults import (
+    ECONOMIC,
+    ECONOMIC_SPAWN,
+    ECONOMIC_THREAD,
+    FORK,
+    SPAWN,
+    THREAD,
+    Numbers,
+    Stalls,
+    engine_params,
+    loader_kwargs,
+    worker_pids,
+)
 
 from pipeload import DataLoader
 
@@ -49,11 +61,12 @@ _SCRIPT = textwrap.dedent(
         os.replace(path + ".tmp", path)  # the test only ever sees a whole file
 
     if __name__ == "__main__":
-        pid_file, context, mode = sys.argv[1:4]
+        pid_file, context, mode, loader_mode = sys.argv[1:5]
         marks = os.path.dirname(pid_file)
         dataset = Busy(marks) if mode == "busy" else list(range(100))
         engine = {"worker_type": "thread"} if context == "thread" else {"multiprocessing_context": context}
-        loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=(mode == "idle"), **engine)
+        loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=(mode == "idle"),
+                            mode=loader_mode, **engine)
         if mode == "idle":
             iterator = iter(loader)
             assert len(list(iterator)) == 50
@@ -61,20 +74,22 @@ _SCRIPT = textwrap.dedent(
             signal.pause()  # persistent workers wait for the next epoch; the test kills us
         iterator = iter(loader)
         pids = [w.pid for w in iterator._workers]
-        while len([n for n in os.listdir(marks) if n.startswith("busy.")]) < len(pids):
-            time.sleep(0.01)  # until both workers are inside __getitem__
+        while len([n for n in os.listdir(marks) if n.startswith("busy.")]) < 2:
+            time.sleep(0.01)  # until both (item) workers are inside __getitem__
         publish(pid_file, pids)
         next(iterator)
     """
 )
 
 
-def _start_script(tmp_path: Path, context: str, mode: str, new_session: bool = False) -> tuple[subprocess.Popen, list[int]]:
+def _start_script(
+    tmp_path: Path, context: str, mode: str, new_session: bool = False, loader_mode: str = "classic"
+) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "run_loader.py"
     script.write_text(_SCRIPT)
     pid_file = tmp_path / "pids.json"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(pid_file), context, mode],
+        [sys.executable, str(script), str(pid_file), context, mode, loader_mode],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=new_session,
     )
     if not wait_until(lambda: pid_file.exists() or proc.poll() is not None, STARTUP_S):
@@ -87,8 +102,8 @@ def _start_script(tmp_path: Path, context: str, mode: str, new_session: bool = F
     return proc, json.loads(pid_file.read_text())
 
 
-def _ctrl_c(tmp_path: Path, context: str, whole_group: bool) -> None:
-    proc, pids = _start_script(tmp_path, context, "busy", new_session=whole_group)
+def _ctrl_c(tmp_path: Path, context: str, whole_group: bool, loader_mode: str = "classic") -> None:
+    proc, pids = _start_script(tmp_path, context, "busy", new_session=whole_group, loader_mode=loader_mode)
     sent = time.monotonic()
     if whole_group:  # what a terminal does: every process in the foreground group gets it
         os.killpg(proc.pid, signal.SIGINT)
@@ -103,22 +118,25 @@ def _ctrl_c(tmp_path: Path, context: str, whole_group: bool) -> None:
     assert all(pid_gone(pid) for pid in pids), "workers outlived the interrupted main process"
 
 
+@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
 @pytest.mark.parametrize("whole_group", [False, True], ids=["main-only", "process-group"])
-def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group):
-    _ctrl_c(tmp_path, "fork", whole_group)
+def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode):
+    _ctrl_c(tmp_path, "fork", whole_group, loader_mode)
 
 
+@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
 @pytest.mark.parametrize("context", ["thread", pytest.param("spawn", marks=pytest.mark.timeout(120))])
-def test_ctrl_c_with_other_workers(tmp_path, context):
-    _ctrl_c(tmp_path, context, whole_group=False)
+def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode):
+    _ctrl_c(tmp_path, context, whole_group=False, loader_mode=loader_mode)
 
 
+@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
 @pytest.mark.parametrize(
     ("context", "mode"),
     [("fork", "busy"), ("fork", "idle"), pytest.param("spawn", "busy", marks=pytest.mark.timeout(120))],
 )
-def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode):
-    proc, pids = _start_script(tmp_path, context, mode)
+def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
+    proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)
     proc.kill()
     proc.communicate()
     if not wait_until(lambda: all(pid_gone(pid) for pid in pids), ORPHAN_EXIT_S):
@@ -131,15 +149,15 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode):
 # -- early exits in this process ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD))
 def test_break_stops_the_workers_within_a_second(engine, leak_guard):
     loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
     for batch in loader:
         pids = child_pids()
         assert batch.tolist() == [0, 1]
         break
-    if engine is FORK:
-        assert len(pids) == 2
+    if not engine.threads:
+        assert len(pids) == (4 if engine.economic else 2)  # economic: 2 item + 2 batch workers
         leak_guard.assert_exited(pids, within_s=1.0)
     else:
         assert wait_until(lambda: not _pipeload_threads(), 1.0), _pipeload_threads()
@@ -151,9 +169,10 @@ def _pipeload_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("pipeload-")]
 
 
-def test_break_while_a_worker_is_busy_in_user_code(leak_guard):
-    # Worker 0 is stuck in batch 2 and never reads its STOP: it must be terminated, promptly.
-    loader = DataLoader(Stalls(64, stall_index=4), batch_size=2, num_workers=2, multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_break_while_a_worker_is_busy_in_user_code(engine, leak_guard):
+    # A worker is stuck in batch 2 and never reads its STOP: it must be terminated, promptly.
+    loader = DataLoader(Stalls(64, stall_index=4), batch_size=2, num_workers=2, **loader_kwargs(engine))
     started = time.monotonic()
     for _ in loader:
         pids = child_pids()
@@ -162,8 +181,9 @@ def test_break_while_a_worker_is_busy_in_user_code(leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-def test_user_error_inside_the_loop_stops_the_workers(leak_guard):
-    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_user_error_inside_the_loop_stops_the_workers(engine, leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
     with pytest.raises(ZeroDivisionError):
         for _ in loader:
             pids = child_pids()
@@ -171,7 +191,7 @@ def test_user_error_inside_the_loop_stops_the_workers(leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN))
 @pytest.mark.timeout(90)
 def test_dropping_an_iterator_mid_epoch(engine, leak_guard):
     loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
@@ -182,16 +202,18 @@ def test_dropping_an_iterator_mid_epoch(engine, leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-def test_dropping_an_iterator_that_never_yielded(leak_guard):
-    iterator = iter(DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork"))
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_dropping_an_iterator_that_never_yielded(engine, leak_guard):
+    iterator = iter(DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine)))
     pids = worker_pids(iterator)
     del iterator
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-def test_dropping_a_persistent_loader(leak_guard):
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_dropping_a_persistent_loader(engine, leak_guard):
     loader = DataLoader(Numbers(16), batch_size=2, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork")
+                        **loader_kwargs(engine))
     iterator = iter(loader)
     pids = worker_pids(iterator)
     assert len(list(iterator)) == 8
@@ -200,9 +222,10 @@ def test_dropping_a_persistent_loader(leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-def test_dropping_a_persistent_loader_mid_epoch(leak_guard):
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_dropping_a_persistent_loader_mid_epoch(engine, leak_guard):
     loader = DataLoader(Stalls(64, stall_index=6), batch_size=2, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork")
+                        **loader_kwargs(engine))
     iterator = iter(loader)
     next(iterator)
     pids = worker_pids(iterator)
@@ -210,7 +233,7 @@ def test_dropping_a_persistent_loader_mid_epoch(leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD))
 def test_persistent_loader_used_as_a_temporary(engine, leak_guard):
     # The epoch iterator keeps the loader (and its workers) alive while it runs; once both are
     # gone, so are the workers.
@@ -219,8 +242,9 @@ def test_persistent_loader_used_as_a_temporary(engine, leak_guard):
     assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def test_next_after_the_engine_was_closed_stops_cleanly(leak_guard):
-    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_next_after_the_engine_was_closed_stops_cleanly(engine, leak_guard):
+    loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))
     iterator = iter(loader)
     next(iterator)
     pids = worker_pids(iterator)

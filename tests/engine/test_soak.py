@@ -25,6 +25,10 @@ ENGINES = {
     "persistent-processes": dict(num_workers=2, multiprocessing_context="fork", persistent_workers=True),
     "threads": dict(num_workers=2, worker_type="thread"),
     "persistent-threads": dict(num_workers=2, worker_type="thread", persistent_workers=True),
+    "economic-processes": dict(num_workers=2, multiprocessing_context="fork", mode="economic"),
+    "persistent-economic-processes": dict(num_workers=2, multiprocessing_context="fork", mode="economic",
+                                          persistent_workers=True),
+    "economic-threads": dict(num_workers=2, worker_type="thread", mode="economic"),
 }
 
 

@@ -1,0 +1,375 @@
+"""Economic mode's own promises: items go item worker -> batch worker, never through the main
+process; at most ``prefetch_factor`` batches in flight whatever ``num_workers`` is; the first batch
+is built by many item workers; ``get_worker_info()`` says which kind of worker asks; the same seed
+gives the same batches whatever the timing and the worker count; a failed item fails only its
+batch; dead item or batch workers are named; ``__getitems__`` gets sub-batches.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import pid_gone, wait_until
+from faults import (
+    ECONOMIC,
+    ECONOMIC_THREAD,
+    FORK,
+    DiesAt,
+    Numbers,
+    RaisesAt,
+    SampleFailed,
+    Stalls,
+    Uneven,
+    delay_for,
+    die,
+    engine_params,
+    flatten,
+    loader_kwargs,
+    worker_pids,
+)
+
+from pipeload import BatchSampler, DataLoader, SequentialSampler, default_collate, get_worker_info
+from pipeload.engine.economic import EconomicConfig, EconomicEngine
+from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, WorkerSetup
+from pipeload.errors import WorkerDiedError
+
+pytestmark = [
+    pytest.mark.usefixtures("leak_guard", "no_gc"),
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+]
+
+BOTH = engine_params(ECONOMIC, ECONOMIC_THREAD)
+
+
+# -- where the work happens ---------------------------------------------------------------
+
+
+class _WhoFetches(Numbers):
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        info = get_worker_info()
+        return {"index": index, "kind": info.kind, "id": info.id, "num_workers": info.num_workers}
+
+
+def _collate_saying_who(samples: list[Any]) -> dict[str, Any]:
+    info = get_worker_info()
+    batch = default_collate(samples)
+    batch["collated_by"] = (info.kind, info.id, info.num_workers)
+    return batch
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_worker_info_names_the_kind_of_worker(engine):
+    loader = DataLoader(_WhoFetches(24), batch_size=4, num_workers=3, num_batch_workers=2,
+                        collate_fn=_collate_saying_who, **loader_kwargs(engine))
+    batches = list(loader)
+    assert flatten([b["index"] for b in batches]) == list(range(24))
+    assert {kind for b in batches for kind in b["kind"]} == {"item"}
+    assert {int(i) for b in batches for i in b["id"]} <= {0, 1, 2}
+    assert {int(n) for b in batches for n in b["num_workers"]} == {3}
+    collators = {b["collated_by"] for b in batches}
+    assert {kind for kind, _, _ in collators} == {"batch"}
+    assert {worker for _, worker, _ in collators} <= {0, 1}
+    assert {count for _, _, count in collators} == {2}
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_many_item_workers_build_the_first_batch_together(engine):
+    loader = DataLoader(_WhoFetches(64), batch_size=8, num_workers=4, **loader_kwargs(engine))
+    first = next(iter(loader))
+    assert first["index"].tolist() == list(range(8))
+    assert set(first["id"].tolist()) == {0, 1, 2, 3}  # classic mode: one worker builds it alone
+
+
+class _Traveller:
+    """A sample that notes which process unpickled it (None: it was never pickled)."""
+
+    def __init__(self, index: int, unpickled_in: int | None = None) -> None:
+        self.index = index
+        self.unpickled_in = unpickled_in
+
+    def __reduce__(self) -> Any:
+        return (_arrive, (self.index,))
+
+
+def _arrive(index: int) -> _Traveller:
+    return _Traveller(index, os.getpid())
+
+
+class _Travellers(Numbers):
+    def __getitem__(self, index: int) -> _Traveller:
+        return _Traveller(index)
+
+
+def _where_they_arrived(samples: list[_Traveller]) -> dict[str, Any]:
+    return {"indices": [s.index for s in samples], "unpickled_in": {s.unpickled_in for s in samples},
+            "collated_in": os.getpid()}
+
+
+def test_items_travel_from_item_worker_to_batch_worker_directly():
+    loader = DataLoader(_Travellers(12), batch_size=4, num_workers=2, mode="economic",
+                        collate_fn=_where_they_arrived, multiprocessing_context="fork")
+    iterator = iter(loader)
+    batch_worker_pids = {handle.pid for handle in iterator._workers[2:]}
+    batches = list(iterator)
+    assert [b["indices"] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    for batch in batches:
+        assert batch["unpickled_in"] == {batch["collated_in"]}  # by the batch worker itself
+        assert batch["collated_in"] in batch_worker_pids
+        assert batch["collated_in"] != os.getpid()
+
+
+class _SubBatches(Numbers):
+    """Defines ``__getitems__``; each call's size is recorded with its first item."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, int]]:
+        return [(index, len(indices)) for index in indices]
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_getitems_is_called_on_sub_batches(engine):
+    loader = DataLoader(_SubBatches(16), batch_size=8, num_workers=2, **loader_kwargs(engine))
+    batches = list(loader)
+    assert [b[0].tolist() for b in batches] == [list(range(8)), list(range(8, 16))]
+    assert {size for b in batches for size in b[1].tolist()} == {4}  # 8 items over 2 item workers
+
+
+# -- memory bound ---------------------------------------------------------------------------
+
+
+class _CountsAhead(Numbers):
+    """Counts fetches in shared memory (fork workers share the counters) and records the most
+    items ever fetched ahead of the batches the test has taken, plus the one being handed over."""
+
+    def __init__(self, length: int, batch_size: int) -> None:
+        super().__init__(length)
+        self.batch_size = batch_size
+        self.fetched = multiprocessing.get_context("fork").Value("i", 0)
+        self.taken = multiprocessing.get_context("fork").Value("i", 0)
+        self.most_ahead = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __getitem__(self, index: int) -> int:
+        with self.fetched.get_lock():
+            self.fetched.value += 1
+            ahead = self.fetched.value - (self.taken.value + 1) * self.batch_size
+            self.most_ahead.value = max(self.most_ahead.value, ahead)
+        return index
+
+
+def _take_slowly(dataset: _CountsAhead, loader: DataLoader, fill_to: int) -> None:
+    """Take every batch, each time waiting until the loader has fetched ``fill_to`` items beyond
+    the batches taken (or the dataset's end): the loader runs as far ahead as it may."""
+    for _ in loader:
+        dataset.taken.value += 1
+        target = min(len(dataset), dataset.taken.value * dataset.batch_size + fill_to)
+        assert wait_until(lambda: dataset.fetched.value >= target, 10.0)
+
+
+@pytest.mark.parametrize("mode", ["economic", "classic"])
+def test_items_in_flight_are_bounded_by_prefetch_factor_not_num_workers(mode):
+    batch_size, prefetch_factor, num_workers = 4, 2, 8
+    dataset = _CountsAhead(30 * batch_size, batch_size)
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                        prefetch_factor=prefetch_factor, mode=mode, multiprocessing_context="fork")
+    bound = prefetch_factor * batch_size
+    if mode == "economic":
+        _take_slowly(dataset, loader, fill_to=bound)  # exactly as far as it may go
+        assert dataset.most_ahead.value <= bound
+    else:  # the contrast that makes the bound mean something: classic runs further ahead
+        _take_slowly(dataset, loader, fill_to=bound + batch_size + 1)
+        assert dataset.most_ahead.value > bound
+
+
+# -- seeding --------------------------------------------------------------------------------
+
+
+class _Draws(Uneven):
+    """Each item draws from torch, random and numpy; timing is uneven on purpose."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        super().__getitem__(index)
+        rng = get_worker_info().rng
+        if rng is None:  # a process worker: the global generators are its own
+            draws = [torch.rand(()).item(), random.random(), np.random.rand()]
+        else:  # a thread worker: its own generators, seeded the same way
+            draws = [torch.rand((), generator=rng.torch_generator).item(),
+                     rng.random_generator.random(), rng.numpy_generator.rand()]
+        return torch.tensor([index, *draws], dtype=torch.float64)
+
+
+def _collate_with_a_draw(samples: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    rng = get_worker_info().rng
+    noise = random.random() if rng is None else rng.random_generator.random()
+    return torch.stack(samples), noise
+
+
+def _epochs(engine, seed: int, epochs: int = 1, **kwargs: Any) -> list[list[tuple]]:
+    kwargs.setdefault("num_workers", 2)
+    loader = DataLoader(_Draws(24, unit_s=0.002), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed), collate_fn=_collate_with_a_draw,
+                        **kwargs, **loader_kwargs(engine))
+    return [sorted((tuple(b.flatten().tolist()), noise) for b, noise in loader) for _ in range(epochs)]
+
+
+def test_the_same_seed_gives_the_same_batches_whatever_the_timing_and_worker_count():
+    reference = _epochs(ECONOMIC, seed=5)
+    assert _epochs(ECONOMIC, seed=5) == reference
+    assert _epochs(ECONOMIC, seed=5, num_workers=3, num_batch_workers=1) == reference
+    assert _epochs(ECONOMIC, seed=5, in_order=False) == reference
+    assert _epochs(ECONOMIC_THREAD, seed=5) == reference  # threads draw from their own generators
+    assert _epochs(ECONOMIC, seed=6) != reference
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_persistent_epochs_draw_differently_and_repeatably(engine):
+    first = _epochs(engine, seed=1, epochs=2, persistent_workers=True)
+    assert first[0] != first[1]
+    assert _epochs(engine, seed=1, epochs=2, persistent_workers=True) == first
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+def _engine(dataset: Any, engine_choice, in_order: bool = True) -> EconomicEngine:
+    spec = FetchSpec(dataset, DatasetKind.MAP, True, default_collate, False)
+    method = "thread" if engine_choice.threads else "multiprocessing"
+    setup = EconomicSetup(WorkerSetup(spec, 2, 0, None, method), num_batch_workers=2)
+    context = None if engine_choice.threads else multiprocessing.get_context(engine_choice.context)
+    config = EconomicConfig(setup, prefetch_factor=2, in_order=in_order, timeout_s=0.0,
+                            worker_type=engine_choice.worker_type, mp_context=context)
+    return EconomicEngine(config)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("engine", BOTH)
+def test_a_failed_item_fails_its_batch_only_and_the_epoch_goes_on(engine, in_order):
+    economic = _engine(RaisesAt(20, bad_index=6), engine, in_order)
+    try:
+        economic.start_epoch(iter(BatchSampler(SequentialSampler(range(20)), 4, False)))
+        batches, errors = [], []
+        while True:
+            try:
+                batches.append(economic.next_batch().tolist())
+            except StopIteration:
+                break
+            except SampleFailed as error:
+                errors.append(str(error))
+    finally:
+        economic.close()
+    expected = [list(range(s, s + 4)) for s in (0, 8, 12, 16)]
+    assert (batches if in_order else sorted(batches)) == expected
+    assert len(errors) == 1 and "sample 6 is corrupt" in errors[0] and "[6]" in errors[0]
+
+
+def _dies_in_collate(samples: list[int]) -> Any:
+    if samples[0] == 8:
+        die("sigkill")
+    return default_collate(samples)
+
+
+def _named_worker(error: BaseException, kind: str, iterator: Any, num_item_workers: int) -> int:
+    """The id the error names for a dead ``kind`` worker; checks its pid and how it ended."""
+    match = re.search(rf"{kind} worker (\d+) \(pid (\d+)\) exited unexpectedly with signal 9 "
+                      r"\(SIGKILL\)", str(error))
+    assert match, str(error)
+    worker_id, pid = int(match.group(1)), int(match.group(2))
+    offset = 0 if kind == "item" else num_item_workers
+    assert iterator._workers[offset + worker_id].pid == pid
+    return worker_id
+
+
+@pytest.mark.parametrize("kind", ["item", "batch"])
+def test_a_worker_dying_is_named_by_kind_and_everything_stops(kind, leak_guard):
+    if kind == "item":
+        loader = DataLoader(DiesAt(24, 9, "sigkill"), batch_size=4, num_workers=2, mode="economic",
+                            multiprocessing_context="fork")
+    else:
+        loader = DataLoader(Numbers(24), batch_size=4, num_workers=2, mode="economic",
+                            collate_fn=_dies_in_collate, multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    assert len(pids) == 4
+    with pytest.raises(WorkerDiedError) as caught:
+        for _ in range(10):
+            next(iterator)
+    _named_worker(caught.value, kind, iterator, num_item_workers=2)
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("slot", [0, 2], ids=["item-worker", "batch-worker"])
+def test_an_idle_worker_killed_from_outside(slot, leak_guard):
+    loader = DataLoader(Numbers(80), batch_size=2, num_workers=2, mode="economic",
+                        multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    assert next(iterator).tolist() == [0, 1]
+    os.kill(pids[slot], signal.SIGKILL)
+    assert wait_until(lambda: pid_gone(pids[slot]), 5.0)
+    with pytest.raises(WorkerDiedError) as caught:
+        for _ in range(40):
+            next(iterator)
+    name = "item worker 0" if slot == 0 else "batch worker 0"
+    assert f"{name} (pid {pids[slot]}) exited unexpectedly with signal 9 (SIGKILL)" in str(caught.value)
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+def test_an_item_worker_killed_while_the_main_process_waits(leak_guard):
+    loader = DataLoader(Stalls(16, stall_index=0), batch_size=2, num_workers=2, mode="economic",
+                        multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    # Index 0 is item worker 0's first piece (an idle pool starts at worker 0): it stalls there.
+    # The kill is meant to land while the main process waits; should it land first, the error
+    # must be the same.
+    timer = threading.Timer(0.2, os.kill, (pids[0], signal.SIGKILL))
+    timer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=rf"item worker 0 \(pid {pids[0]}\).*SIGKILL"):
+            next(iterator)
+    finally:
+        timer.cancel()
+        timer.join()
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+# -- persistent workers ----------------------------------------------------------------------
+
+
+def _log_start(worker_id: int) -> None:
+    info = get_worker_info()
+    with open(os.environ["PIPELOAD_TEST_INIT_LOG"], "a") as log:
+        log.write(f"{info.kind} {worker_id}\n")
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_worker_init_fn_runs_once_in_every_item_and_batch_worker(engine, tmp_path: Path, monkeypatch):
+    log = tmp_path / "starts.log"
+    monkeypatch.setenv("PIPELOAD_TEST_INIT_LOG", str(log))
+    loader = DataLoader(Numbers(12), batch_size=2, num_workers=3, num_batch_workers=2,
+                        persistent_workers=True, worker_init_fn=_log_start, **loader_kwargs(engine))
+    for _ in range(3):
+        assert flatten(list(loader)) == list(range(12))
+    assert sorted(log.read_text().splitlines()) == ["batch 0", "batch 1", "item 0", "item 1", "item 2"]
+
+
+def test_uneven_items_still_come_in_sampler_order():
+    order = [int(i) for i in torch.randperm(60, generator=torch.Generator().manual_seed(2))]
+    assert max(delay_for(i) for i in order) > 0
+    loader = DataLoader(Uneven(60), batch_size=5, sampler=order, num_workers=4, num_batch_workers=3,
+                        prefetch_factor=3, **loader_kwargs(ECONOMIC))
+    assert flatten(list(loader)) == order
+
+
+def test_classic_workers_say_they_are_classic():
+    loader = DataLoader(_WhoFetches(4), batch_size=2, num_workers=2, **loader_kwargs(FORK))
+    assert {kind for batch in loader for kind in batch["kind"]} == {"classic"}

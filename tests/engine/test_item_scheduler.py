@@ -1,0 +1,60 @@
+"""The item scheduler's rules on their own: pieces in batch order, least loaded first, at most
+``pieces_in_hand`` per item worker, sub-batches for ``__getitems__``."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipeload.engine.item_scheduler import ItemScheduler, piece_size
+
+
+def test_an_idle_pool_spreads_the_first_batch_over_every_worker():
+    scheduler = ItemScheduler(4, sub_batches=False)
+    scheduler.add_batch(0, batch_worker=1, indices=list(range(8)), first_position=0)
+    pieces = scheduler.assign()
+    assert [p.item_worker for p in pieces] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [p.indices for p in pieces] == [[i] for i in range(8)]
+    assert {p.batch_worker for p in pieces} == {1}
+    assert [p.slot for p in pieces] == list(range(8))
+
+
+def test_pieces_wait_until_a_worker_has_room_then_go_to_the_least_loaded():
+    scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=1)
+    scheduler.add_batch(0, 0, [10, 11, 12, 13], first_position=0)
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(0, [10]), (1, [11])]
+    assert scheduler.assign() == []  # both hold a piece: the rest wait
+    scheduler.record_done(1)
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [12])]
+    scheduler.record_done(1)
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [13])]
+
+
+def test_positions_count_samples_across_batches():
+    scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=10)
+    scheduler.add_batch(0, 0, [7, 8, 9], first_position=0)
+    scheduler.add_batch(1, 1, [3, 4], first_position=3)
+    pieces = scheduler.assign()
+    assert [(p.batch_number, p.slot, p.position) for p in pieces] == [
+        (0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 3), (1, 1, 4)]
+
+
+def test_sub_batches_give_each_worker_one_share():
+    scheduler = ItemScheduler(3, sub_batches=True)
+    scheduler.add_batch(0, 0, list(range(10)), first_position=20)
+    pieces = scheduler.assign()
+    assert [p.indices for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [(p.slot, p.position) for p in pieces] == [(0, 20), (4, 24), (8, 28)]
+    assert Counter(p.item_worker for p in pieces) == Counter({0: 1, 1: 1, 2: 1})
+
+
+def test_piece_size():
+    assert piece_size(64, 8, sub_batches=False) == 4  # two pieces per item worker
+    assert piece_size(2, 8, sub_batches=False) == 1
+    assert piece_size(64, 8, sub_batches=True) == 8
+    assert piece_size(0, 4, sub_batches=False) == 1
+
+
+def test_an_empty_batch_has_no_pieces():
+    scheduler = ItemScheduler(2, sub_batches=False)
+    scheduler.add_batch(0, 0, [], first_position=0)
+    assert scheduler.assign() == []
