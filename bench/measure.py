@@ -15,7 +15,8 @@ What the numbers mean:
   * shared memory, honestly (see memory.py): the growth of the kernel's ``Shmem`` count (memfd
     segments included), and the distinct segments the loader's process tree maps or holds; the
     latter is read every ``TREE_SHM_EVERY`` samples, as reading every process's mappings costs
-    a few milliseconds each.
+    a few milliseconds each; so is the tree's proportional set size (PSS), which counts a page
+    shared by n processes once in all, where the RSS sum counts it n times.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from bench.memory import machine_shmem_bytes, tree_shared_memory_bytes
+from bench.memory import machine_shmem_bytes, tree_pss_bytes, tree_shared_memory_bytes
 
 SAMPLE_INTERVAL_S = 0.05
 TREE_SHM_EVERY = 10
@@ -53,6 +54,7 @@ class Measurement:
     peak_shm_bytes: int
     peak_shmem_bytes: int = 0  # growth of the kernel's Shmem (memfd included), machine-wide
     peak_tree_shm_bytes: int = 0  # distinct segments the loader's process tree maps or holds
+    peak_pss_bytes: int = 0  # proportional set size of the tree (shared pages split, not repeated)
 
     @property
     def samples_per_s(self) -> float:
@@ -69,6 +71,7 @@ class _Peaks:
         self.shm_bytes = 0
         self.shmem_bytes = 0
         self.tree_shm_bytes = 0
+        self.pss_bytes = 0
 
 
 class PeakSampler:
@@ -114,6 +117,10 @@ class PeakSampler:
     def peak_tree_shm_bytes(self) -> int:
         return self._peaks.tree_shm_bytes
 
+    @property
+    def peak_pss_bytes(self) -> int:
+        return self._peaks.pss_bytes
+
     def close(self) -> None:
         """Take a last sample and stop the thread. Safe to call more than once."""
         self._stop.set()
@@ -138,6 +145,7 @@ def _sample_until_stopped(
         peaks.shmem_bytes = max(peaks.shmem_bytes, machine_shmem_bytes() - peaks.shmem_baseline_bytes)
         if tick % TREE_SHM_EVERY == 0:
             peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
+            peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
         if stopping:
             return
         tick += 1
@@ -205,7 +213,7 @@ def measure(
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
                        sampler.peak_rss_bytes, sampler.peak_shm_bytes, sampler.peak_shmem_bytes,
-                       sampler.peak_tree_shm_bytes)
+                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes)
 
 
 def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:

@@ -27,6 +27,7 @@ _SHARED_MAPPING = re.compile(
     re.MULTILINE,
 )
 _SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
+_PSS_LINE = re.compile(rb"^Pss:\s+(\d+) kB", re.MULTILINE)
 
 
 def machine_shmem_bytes() -> int:
@@ -82,3 +83,20 @@ def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
             continue  # closed meanwhile
         key = (status.st_dev, status.st_ino)
         sizes[key] = max(sizes.get(key, 0), status.st_size)
+
+
+def tree_pss_bytes(root: psutil.Process) -> int:
+    """Sum of the proportional set sizes of ``root`` and its descendants, in bytes."""
+    try:
+        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+                match = _PSS_LINE.search(rollup.read())
+        except OSError:
+            continue  # it exited meanwhile
+        total += int(match.group(1)) * 1024 if match else 0
+    return total
