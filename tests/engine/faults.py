@@ -55,11 +55,13 @@ def loader_kwargs(engine: EngineChoice) -> dict[str, Any]:
     return kwargs
 
 
-def engine_params(*engines: EngineChoice) -> list[Any]:
-    """pytest params with readable ids, for ``@pytest.mark.parametrize("engine", ...)``."""
+def engine_params(*engines: EngineChoice, slow: tuple[EngineChoice, ...] = ()) -> list[Any]:
+    """pytest params with readable ids, for ``@pytest.mark.parametrize("engine", ...)``; those
+    in ``slow`` run only with ``-m slow`` (economic mode under spawn starts four interpreters)."""
     import pytest
 
-    return [pytest.param(engine, id=engine.name) for engine in engines]
+    return [pytest.param(engine, id=engine.name, marks=[pytest.mark.slow] if engine in slow else [])
+            for engine in engines]
 
 
 class SampleFailed(Exception):

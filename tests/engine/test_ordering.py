@@ -132,7 +132,7 @@ def test_empty_dataset(engine):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", engine_params(SPAWN, ECONOMIC_SPAWN))
+@pytest.mark.parametrize("engine", engine_params(SPAWN, ECONOMIC_SPAWN, slow=(ECONOMIC_SPAWN,)))
 def test_in_order_under_spawn(engine):
     loader = DataLoader(Uneven(40), batch_size=2, num_workers=2, **loader_kwargs(engine))
     assert _items(loader) == list(range(40))

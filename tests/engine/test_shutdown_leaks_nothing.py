@@ -124,16 +124,20 @@ def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode):
     _ctrl_c(tmp_path, "fork", whole_group, loader_mode)
 
 
-@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
-@pytest.mark.parametrize("context", ["thread", pytest.param("spawn", marks=pytest.mark.timeout(120))])
+@pytest.mark.parametrize(
+    ("context", "loader_mode"),
+    [("thread", "classic"), ("thread", "economic"), pytest.param("spawn", "classic", marks=pytest.mark.timeout(120)),
+     pytest.param("spawn", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
+)
 def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode):
     _ctrl_c(tmp_path, context, whole_group=False, loader_mode=loader_mode)
 
 
-@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
 @pytest.mark.parametrize(
-    ("context", "mode"),
-    [("fork", "busy"), ("fork", "idle"), pytest.param("spawn", "busy", marks=pytest.mark.timeout(120))],
+    ("context", "mode", "loader_mode"),
+    [("fork", "busy", "classic"), ("fork", "idle", "classic"), ("fork", "busy", "economic"),
+     ("fork", "idle", "economic"), pytest.param("spawn", "busy", "classic", marks=pytest.mark.timeout(120)),
+     pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
 def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
     proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)
@@ -191,7 +195,7 @@ def test_user_error_inside_the_loop_stops_the_workers(engine, leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(ECONOMIC_SPAWN,)))
 @pytest.mark.timeout(90)
 def test_dropping_an_iterator_mid_epoch(engine, leak_guard):
     loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))

@@ -34,7 +34,7 @@ from pipeload import DataLoader
 
 pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
 
-ALL = engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_SPAWN, ECONOMIC_THREAD)
+ALL = engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_SPAWN, ECONOMIC_THREAD, slow=(ECONOMIC_SPAWN,))
 FAST = engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD)
 CLASSIC_FAST = engine_params(FORK, THREAD)  # iterable datasets: economic mode refuses them
 
