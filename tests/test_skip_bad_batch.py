@@ -138,7 +138,16 @@ VARIANTS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "3-persistent-threads": (3, {"worker_type": "thread", "persistent_workers": True}, {}),
     "2-out-of-order": (2, {"multiprocessing_context": "fork"}, {"in_order": False}),
     "3-out-of-order-threads": (3, {"worker_type": "thread"}, {"in_order": False}),
+    "2-economic": (2, {"multiprocessing_context": "fork", "mode": "economic"}, {}),
+    "3-economic-threads": (3, {"worker_type": "thread", "mode": "economic"}, {}),
+    "2-economic-persistent": (2, {"multiprocessing_context": "fork", "mode": "economic", "persistent_workers": True}, {}),
+    "2-economic-out-of-order": (2, {"multiprocessing_context": "fork", "mode": "economic"}, {"in_order": False}),
 }
+# Economic mode takes map-style datasets only; every other variant runs every case.
+ECONOMIC_VARIANTS = [v for v in VARIANTS if "economic" in v]
+MAP_STYLE_CASES = ["getitem", "getitems", "collate_fn"]
+VARIANT_CASES = [(case, variant) for variant in VARIANTS for case in CASES
+                 if variant not in ECONOMIC_VARIANTS or case in MAP_STYLE_CASES]
 
 
 def _epochs(module: ModuleType, case: str, variant: str, extra: dict[str, Any] | None = None) -> list[tuple[list[Any], int]]:
@@ -163,8 +172,7 @@ def _comparable(result: list[tuple[list[Any], int]], in_order: bool) -> list[tup
     return [(sorted(batches), errors) for batches, errors in result]  # arrival order is timing
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("case", "variant"), VARIANT_CASES)
 def test_skipping_bad_batches_gives_what_torch_gives(case: str, variant: str) -> None:
     in_order = VARIANTS[variant][2].get("in_order", True)
     theirs = _comparable(_epochs(tud, case, variant), in_order)
@@ -176,8 +184,10 @@ def test_skipping_bad_batches_gives_what_torch_gives(case: str, variant: str) ->
         assert len(values) == len(set(values))  # ...and no batch comes twice
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("variant", ["2-processes", "3-threads"])
+@pytest.mark.parametrize(("case", "variant"), [
+    *((case, variant) for case in CASES for variant in ("2-processes", "3-threads")),
+    *((case, "2-economic") for case in MAP_STYLE_CASES),
+])
 def test_skipping_bad_batches_with_pinning(case: str, variant: str, pretend_accelerator: None) -> None:
     # torch runs unpinned here (the pretend accelerator is for pipeload's pin stage only):
     # pinning changes where a batch lives, not which batches come.

@@ -279,9 +279,10 @@ def _dies_in_collate(samples: list[int]) -> Any:
 
 def _named_worker(error: BaseException, kind: str, iterator: Any, num_item_workers: int) -> int:
     """The id the error names for a dead ``kind`` worker; checks its pid and how it ended."""
-    match = re.search(rf"{kind} worker (\d+) \(pid (\d+)\) exited unexpectedly with signal 9 "
-                      r"\(SIGKILL\)", str(error))
-    assert match, str(error)
+    text = str(error)
+    assert text.startswith("DataLoader worker (pid "), text  # torch's sentence first
+    match = re.search(rf"{kind} worker (\d+) \(pid (\d+)\) ended with signal 9 \(SIGKILL\)", text)
+    assert match, text
     worker_id, pid = int(match.group(1)), int(match.group(2))
     offset = 0 if kind == "item" else num_item_workers
     assert iterator._workers[offset + worker_id].pid == pid
@@ -319,7 +320,9 @@ def test_an_idle_worker_killed_from_outside(slot, leak_guard):
         for _ in range(40):
             next(iterator)
     name = "item worker 0" if slot == 0 else "batch worker 0"
-    assert f"{name} (pid {pids[slot]}) exited unexpectedly with signal 9 (SIGKILL)" in str(caught.value)
+    text = str(caught.value)
+    assert text.startswith(f"DataLoader worker (pid {pids[slot]}) is killed by signal: Killed."), text
+    assert f"{name} (pid {pids[slot]}) ended with signal 9 (SIGKILL)" in text
     leak_guard.assert_exited(pids, within_s=1.0)
 
 

@@ -84,7 +84,7 @@ def test_a_new_epoch_drops_what_the_old_one_left_half_gathered():
 
 
 def _fetch(batch: int, indices: list[int], slot: int, batch_worker: int = 0) -> WorkerCommand:
-    return WorkerCommand(Command.FETCH_ITEMS, batch, indices, 1, ItemRoute(batch_worker, slot, slot))
+    return WorkerCommand(Command.FETCH_ITEMS, batch, indices, epoch=1, route=ItemRoute(batch_worker, slot, slot))
 
 
 def test_an_item_worker_hands_pieces_to_the_named_batch_worker_and_reports_them_done():

@@ -29,13 +29,14 @@ from pipeload.engine.economic_workers import (
     run_item_process,
     run_item_thread,
 )
+from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.item_scheduler import ItemScheduler
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
-from pipeload.engine.epoch_flow import batch_or_raise
 from pipeload.engine.workers import WorkerGroup, WorkerLabel
+from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
 from pipeload.transport.messages import Command, ItemRoute, Report, WorkerCommand, WorkerReport
@@ -129,7 +130,10 @@ class EconomicEngine:
       - so the items in flight (waiting in the scheduler, or in an item worker's hands, or on
         their way to a batch worker) never exceed the items of those batches:
         ``prefetch_factor * batch_size`` with a fixed batch size;
-      - ``next_position`` is the number of samples sent this epoch (the next piece's seed).
+      - ``next_position`` is the number of samples in the batches opened this epoch (the next
+        batch's first seed position);
+      - ``_unopened`` is a batch taken from the sampler whose ``COLLATE`` could not be sent yet
+        (a full task pipe and a timeout): it is opened first next time.
     """
 
     def __init__(self, config: EconomicConfig) -> None:
@@ -142,9 +146,7 @@ class EconomicEngine:
                                     config.timeout_s)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = 0
-        self._tasks: Iterator[Any] = iter(())
-        self._sampler_done = True
-        self._reset_epoch_state()
+        self._reset_epoch_state(TaskSupply())
 
     @property
     def workers(self) -> list[Any]:
@@ -155,48 +157,57 @@ class EconomicEngine:
     def closed(self) -> bool:
         return self._workers.closed
 
-    def start_epoch(self, tasks: Iterator[Any]) -> None:
-        """Begin an epoch over ``tasks`` (each a list of indices, or one index)."""
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+        """Begin an epoch over ``tasks`` (each a list of indices, or one index).
+
+        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch.
+        """
         if self._epoch > 0:
-            self._workers.start_epoch(self._epoch + 1)
+            self._workers.start_epoch(self._epoch + 1, shared_seed)
         self._epoch += 1
-        self._tasks = tasks
-        self._sampler_done = False
-        self._reset_epoch_state()
+        self._reset_epoch_state(TaskSupply(tasks))
         self._top_up()
 
     def next_batch(self) -> Any:
         """The next batch; raises StopIteration when the epoch is over.
 
-        A batch whose item or collation failed raises the worker's exception when its turn comes;
-        the engine stays usable, and the next call goes on with the following batch.
+        As in classic mode: a batch whose item or collation failed raises the worker's exception
+        when its turn comes, and the next call goes on with the following batch; a timeout leaves
+        everything as it was; anything else (a dead worker, Ctrl-C) closes the engine first.
         """
+        return hand_out(self._next_report, self.close, self._supply)
+
+    def close(self) -> None:
+        self._finalizer()
+        # A closed engine can live on inside an exception's traceback: drop the batches it holds.
+        self._reset_epoch_state(TaskSupply())
+
+    def _reset_epoch_state(self, supply: TaskSupply) -> None:
+        self._supply = supply
+        self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
+                                   least_loaded=True)
+        self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
+        self._next_position = 0
+        self._unopened: tuple[int, list[Any]] | None = None
+
+    def _next_report(self) -> WorkerReport | None:
+        """The next report to hand out, or None once every batch sent has been handed out."""
         # One deadline per batch: item reports keep arriving while a batch is late, and must
         # not keep the loader's timeout from firing.
         deadline = self._workers.deadline()
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
-                self._top_up()
-                return batch_or_raise(report)
+                try:
+                    self._top_up()
+                except LoaderTimeoutError:
+                    pass  # a task pipe stayed full; what was not sent goes out on the next call
+                return report
             if self._ledger.nothing_left():
-                raise StopIteration
+                return None
             for report in self._workers.receive(deadline):
                 self._record(report)
             self._top_up()
-
-    def close(self) -> None:
-        self._finalizer()
-        # A closed engine can live on inside an exception's traceback: drop the batches it holds.
-        self._reset_epoch_state()
-        self._tasks = iter(())
-        self._sampler_done = True
-
-    def _reset_epoch_state(self) -> None:
-        self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
-                                   least_loaded=True)
-        self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
-        self._next_position = 0
 
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
@@ -206,25 +217,34 @@ class EconomicEngine:
 
     def _top_up(self) -> None:
         """Open batches while the budget allows, then give waiting pieces to item workers."""
-        while not self._sampler_done and self._ledger.outstanding < self._config.prefetch_factor:
-            try:
-                task = next(self._tasks)
-            except StopIteration:
-                self._sampler_done = True
-                break
-            indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
-            self._open_batch(indices)
-        for piece in self._scheduler.assign():
+        while not self._supply.done and self._ledger.outstanding < self._config.prefetch_factor:
+            if self._unopened is None:
+                task = self._supply.take()
+                if self._supply.done:
+                    break
+                indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
+                self._unopened = (self._ledger.choose_worker(), indices)
+            self._open_batch(*self._unopened)
+            self._unopened = None
+        self._send_pieces()
+
+    def _open_batch(self, batch_worker: int, indices: list[Any]) -> None:
+        """Tell the batch worker what the batch holds, then queue its pieces. If the send times
+        out, nothing is recorded: ``_unopened`` keeps the batch for the next call."""
+        number = self._ledger.next_to_send
+        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch)
+        self._workers.send(self._num_item_workers + batch_worker, collate)
+        self._ledger.record_sent(batch_worker)
+        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
+        self._next_position += len(indices)
+
+    def _send_pieces(self) -> None:
+        while (piece := self._scheduler.next_piece()) is not None:
             route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
             fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
                                   epoch=self._epoch, route=route)
-            self._workers.send(piece.item_worker, fetch)
-
-    def _open_batch(self, indices: list[Any]) -> None:
-        """Tell the least-loaded batch worker what the batch holds; queue its pieces."""
-        batch_worker = self._ledger.choose_worker()
-        number = self._ledger.record_sent(batch_worker)
-        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch)
-        self._workers.send(self._num_item_workers + batch_worker, collate)
-        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
-        self._next_position += len(indices)
+            try:
+                self._workers.send(piece.item_worker, fetch)
+            except LoaderTimeoutError:
+                self._scheduler.give_back(piece)  # it goes out first next time
+                raise

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pipeload.engine import replica
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -61,6 +62,11 @@ class ItemWorkerLoop(WorkerLoop):
         super().__init__(setup, worker_id, inbox, outbox, should_stop)
         self._deliveries = deliveries
         self._rng = rng
+
+    def _share(self) -> tuple[int, int]:
+        # Items are fetched by global index, so no item worker may hold only a shard: each copy
+        # is prepared as the main process's would be (sharded by rank alone).
+        return 0, 1
 
     def _serve(self, command: WorkerCommand) -> None:
         route = command.route
@@ -176,7 +182,7 @@ class BatchWorkerLoop(WorkerLoop):
                 self._finish_if_complete(key)
 
     def _share(self) -> tuple[int, int]:
-        return 0, 1  # a batch worker fetches nothing: its copy is prepared as the main process's
+        return 0, 1  # as an item worker's copy (it fetches nothing, but worker_init_fn may look)
 
     def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
         # What the abandoned epoch left half-gathered is dropped; its late pieces are too.
@@ -252,7 +258,7 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
 def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
                     stop: Any) -> None:
     """Entry point of an item worker thread: its own generators, reseeded for every piece."""
-    common = setup.worker
+    common = _with_thread_replica(setup.worker)
     rng = make_thread_rng(common.base_seed, worker_id)
     info = WorkerInfo(worker_id, common.num_workers, common.base_seed + worker_id,
                       common.fetch.dataset, rng, "thread", ITEM)
@@ -261,9 +267,15 @@ def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: An
 
 def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any) -> None:
     """Entry point of a batch worker thread."""
-    common = setup.worker
+    common = _with_thread_replica(setup.worker)
     offset = common.num_workers + worker_id
     rng = make_thread_rng(common.base_seed, offset)
     info = WorkerInfo(worker_id, setup.num_batch_workers, common.base_seed + offset,
                       common.fetch.dataset, rng, "thread", BATCH)
     serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng))
+
+
+def _with_thread_replica(setup: WorkerSetup) -> WorkerSetup:
+    """A thread worker's own copy of the dataset where one is needed (a DataPipe graph)."""
+    own_copy = replica.thread_replica(setup.fetch.dataset, setup.fetch.kind)
+    return dataclasses.replace(setup, fetch=dataclasses.replace(setup.fetch, dataset=own_copy))

@@ -6,6 +6,7 @@ Pure state, no I/O, so its rules can be read (and tested) on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -77,16 +78,26 @@ class ItemScheduler:
     def assign(self) -> list[Piece]:
         """Give waiting pieces to the item workers with room; returns them, worker filled in."""
         assigned = []
-        while self.waiting:
-            worker = self._least_loaded()
-            if self.in_hand[worker] >= self.pieces_in_hand:
-                break
-            self.in_hand[worker] += 1
-            self._next = (worker + 1) % len(self.in_hand)
-            piece = self.waiting.popleft()
-            assigned.append(Piece(piece.batch_number, piece.batch_worker, piece.slot,
-                                  piece.position, piece.indices, worker))
+        while (piece := self.next_piece()) is not None:
+            assigned.append(piece)
         return assigned
+
+    def next_piece(self) -> Piece | None:
+        """The next waiting piece, given to the least-loaded item worker; None if none waits or
+        no worker has room."""
+        if not self.waiting:
+            return None
+        worker = self._least_loaded()
+        if self.in_hand[worker] >= self.pieces_in_hand:
+            return None
+        self.in_hand[worker] += 1
+        self._next = (worker + 1) % len(self.in_hand)
+        return dataclasses.replace(self.waiting.popleft(), item_worker=worker)
+
+    def give_back(self, piece: Piece) -> None:
+        """A piece that could not be sent: it waits again, first in line."""
+        self.in_hand[piece.item_worker] -= 1
+        self.waiting.appendleft(dataclasses.replace(piece, item_worker=-1))
 
     def record_done(self, item_worker: int) -> None:
         """``item_worker`` has handed over (or failed) one more piece."""
