@@ -132,15 +132,15 @@ class _ShufflerIterator(PipeIterator[Any]):
         return buffer.pop(rng.randint(0, len(buffer) - 1))
 
     def _own_state(self) -> Any:
-        rng_state = None if self._rng is None else self._rng.getstate()
-        return {"buffer": list(self._buffer), "rng": rng_state, "source_done": self._source_done}
+        if self._rng is None:  # a checkpoint before the first item fixes the run's seed now
+            self._rng = random.Random(self._pipe._take_seed())
+        return {"buffer": list(self._buffer), "rng": self._rng.getstate(), "source_done": self._source_done}
 
     def _load_own_state(self, state: Any) -> None:
         self._buffer = list(state["buffer"])
         self._source_done = state["source_done"]
-        if state["rng"] is not None:
-            self._rng = random.Random()
-            self._rng.setstate(_as_rng_state(state["rng"]))
+        self._rng = random.Random()
+        self._rng.setstate(_as_rng_state(state["rng"]))
 
 
 def _as_rng_state(state: Any) -> tuple[Any, ...]:

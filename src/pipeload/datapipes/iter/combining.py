@@ -64,6 +64,19 @@ class _ConcaterIterator(PipeIterator[Any]):
                 self._current = None
                 self.upstream = ()
 
+    def state_dict(self) -> dict[str, Any]:
+        current = None if self._current is None else self._current.state_dict()
+        return {"own": len(self._waiting), "upstream": [current]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        (current,) = state["upstream"]
+        while len(self._waiting) > state["own"] + (current is not None):
+            self._waiting.popleft()
+        if current is not None:
+            self._current = as_nonblocking(self._waiting.popleft())
+            self._current.load_state_dict(current)
+            self.upstream = (self._current,)
+
 
 class Zipper(IterDataPipe[tuple[Any, ...]]):
     """Tuples of one item from each pipe; ends with the shortest (functional name: ``zip``).
