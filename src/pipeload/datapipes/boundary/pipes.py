@@ -11,7 +11,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.process import ProcessUpstream
 from pipeload.datapipes.boundary.thread import ThreadUpstream
 from pipeload.datapipes.iter._columns import check_positive, length_of
-from pipeload.datapipes.protocol import Notifier, PipeIterator
+from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
 
 T_co = TypeVar("T_co", covariant=True)
 WORKER_TYPES = ("thread", "process")
@@ -105,7 +105,15 @@ class _BoundaryIterator(PipeIterator[Any]):
         self._upstream = upstream
 
     def nonblocking_next(self) -> Any:
-        return self._upstream.take_nowait()
+        try:
+            return self._upstream.take_nowait()
+        except NotAvailable:
+            raise
+        except BaseException:
+            # The end, or an error: the upstream has nothing more to give. Release it now, not
+            # when the garbage collector frees an exception's traceback that holds this run.
+            self._upstream.close()
+            raise
 
     def notifiers(self) -> list[Notifier]:
         return self._upstream.notifiers()

@@ -131,6 +131,8 @@ class _HeaderIterator(PipeIterator[Any]):
                 raise StopIteration  # the source is not read past the limit
             item = self._source.nonblocking_next()
             self._left -= 1
+            if self._left == 0:
+                self._source.close()  # release a boundary or prefetcher upstream now
             return item
         return self._source.nonblocking_next()
 
