@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator
+from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator, lazy_init
 from pipeload.datapipes.protocol import Notifier
 
 
@@ -147,3 +147,21 @@ def release_later(gate: Gate, items: list[Any], end: bool) -> threading.Thread:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+class MadeWhereUsed(IterDataPipe):
+    """Yields the pid of the process where its lazily made resource was made."""
+
+    def __init__(self, source: IterDataPipe) -> None:
+        self.source = source
+
+    @lazy_init
+    def resource(self) -> int:
+        return os.getpid()
+
+    def __iter__(self) -> Iterator[int]:
+        return (self.resource for _ in self.source)
+
+
+def unpicklable_item(x: int) -> Any:
+    return (i for i in range(x))  # a generator cannot be pickled

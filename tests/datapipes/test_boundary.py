@@ -19,6 +19,7 @@ from pipes_for_tests import (
     exit_at_three,
     fail_at_three,
     pid_and_item,
+    unpicklable_item,
 )
 
 import pipeload
@@ -58,11 +59,9 @@ def test_a_thread_boundary_holds_at_most_buffer_size_items() -> None:
     it.close()
 
 
-def count_in(shared: "multiprocessing.sharedctypes.Synchronized") -> "CountingMap":
-    return CountingMap(shared)
-
-
 class CountingMap:
+    """Counts, in memory shared with the upstream process, the items the map has produced."""
+
     def __init__(self, shared: object) -> None:
         self.shared = shared
 
@@ -98,6 +97,11 @@ def test_an_upstream_error_arrives_whole_after_the_items_before_it(kind: str) ->
         assert "in fail_at_three" in text and "no item 3" in text
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_an_item_that_cannot_cross_is_an_error_naming_the_stage() -> None:
+    with pytest.raises(TypeError, match="while sending an item to the consumer"):
+        list(IterableWrapper([2]).map(unpicklable_item).queue_boundary("process"))
 
 
 @pytest.mark.parametrize("how, says", [("sigkill", "signal 9 (SIGKILL)"), ("exit", "exit code 7")])

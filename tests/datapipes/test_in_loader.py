@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.utils.data as tud
 import torch.utils.data.datapipes.iter as theirs_iter
 import torch.utils.data.datapipes.map as theirs_map
-from pipes_for_tests import double, is_even, normalise
+from pipes_for_tests import MadeWhereUsed, double, is_even, normalise
 
 import pipeload
 import pipeload.datapipes.iter as ours_iter
@@ -137,6 +138,13 @@ def test_workers_shard_before_worker_init_fn_and_under_spawn() -> None:
     spawned = [b.tolist() for b in loader]
     torch.manual_seed(4)
     assert spawned == [b.tolist() for b in pipeload.DataLoader(pipe, **kwargs)]
+
+
+def test_lazy_setup_happens_in_the_worker_not_the_main_process() -> None:
+    pipe = MadeWhereUsed(ours_iter.IterableWrapper(range(4)).sharding_filter())
+    pids = set(pipeload.DataLoader(pipe, batch_size=None, num_workers=2))
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert not MadeWhereUsed.resource.is_ready(pipe)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
