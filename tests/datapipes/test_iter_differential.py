@@ -15,6 +15,9 @@ from pipes_for_tests import add, add_one, double, first_letter, is_even, normali
 import pipeload.datapipes.iter as ours_iter
 from pipeload.datapipes.iter import SHARDING_PRIORITIES
 
+# torch warns about lambdas it could not pickle; these pipes are never pickled here.
+pytestmark = pytest.mark.filterwarnings("ignore:Local function is not supported by pickle")
+
 TORCH_CLASSES = [name for name in theirs_iter.__all__
                  if name not in {"FileLister", "FileOpener", "RoutedDecoder", "StreamReader"}]
 

@@ -103,6 +103,15 @@ def _shut_down(link: ProcessLink, process: Any, receiver: threading.Thread, stop
 
 
 def _receive(link: ProcessLink, process: Any, mailbox: Mailbox, stop: threading.Event) -> None:
+    """The receiver thread: whatever goes wrong here reaches the consumer, never a silent hang."""
+    try:
+        _move_reports(link, process, mailbox, stop)
+    except BaseException as exc:  # noqa: BLE001
+        exc.add_note("pipeload: raised while receiving from the upstream process of a queue boundary")
+        mailbox.fail(exc)
+
+
+def _move_reports(link: ProcessLink, process: Any, mailbox: Mailbox, stop: threading.Event) -> None:
     """Move reports into the mailbox, checking order, until the end, a failure, a death or stop."""
     expected = 0
     while not stop.is_set():
