@@ -130,14 +130,15 @@ def sharded_view(worker_id: int) -> None:
     assert (sharding.num_of_instances, sharding.instance_id) == (info.num_workers, worker_id)
 
 
-def test_workers_shard_before_worker_init_fn_and_under_spawn() -> None:
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_workers_shard_before_worker_init_fn(worker_type: str) -> None:
     pipe = ours_iter.IterableWrapper(range(12)).shuffle().sharding_filter().map(double)
-    kwargs = {"batch_size": 3, "num_workers": 2}
-    loader = pipeload.DataLoader(pipe, worker_init_fn=sharded_view, multiprocessing_context="spawn", **kwargs)
+    kwargs = {"batch_size": 3, "num_workers": 2, "worker_type": worker_type}
+    loader = pipeload.DataLoader(pipe, worker_init_fn=sharded_view, **kwargs)
     torch.manual_seed(4)
-    spawned = [b.tolist() for b in loader]
+    checked = [b.tolist() for b in loader]
     torch.manual_seed(4)
-    assert spawned == [b.tolist() for b in pipeload.DataLoader(pipe, **kwargs)]
+    assert checked == [b.tolist() for b in pipeload.DataLoader(pipe, **kwargs)]
 
 
 def test_lazy_setup_happens_in_the_worker_not_the_main_process() -> None:
@@ -179,6 +180,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~15 s on the shared box; tests/engine/test_replica.py runs the same hook over gloo
 @pytest.mark.timeout(120)
 def test_a_gloo_group_shards_by_rank_times_worker_with_rank_zeros_seed(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
