@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.utils.data as tud
 
 import pipeload
+from pipeload.distributed import Placement, current_placement
 
 WORLD_SIZE = 2
 DATA = list(range(10))
@@ -89,3 +90,27 @@ def test_silent_outside_a_distributed_job_and_in_a_job_of_one(tmp_path: Path) ->
         assert all(messages == [] for messages in _warnings_per_loader().values())
     finally:
         dist.destroy_process_group()
+
+
+# -- without a process group: torchrun's environment ---------------------------------------------
+
+
+def test_outside_a_job_this_is_rank_0_of_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert current_placement() == Placement(0, 1)
+
+
+def test_torchruns_environment_places_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert current_placement() == Placement(3, 4)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert current_placement() == Placement(0, 1)  # half an environment is not a job
+
+
+def test_a_malformed_environment_names_both_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK='zero', WORLD_SIZE='2'"):
+        current_placement()

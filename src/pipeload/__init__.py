@@ -7,6 +7,7 @@ Switch by changing one import::
 """
 
 from pipeload.collate import collate, default_collate, default_convert
+from pipeload.datapipes import DataChunk, IterDataPipe, MapDataPipe, functional_datapipe
 from pipeload.datasets import (
     ChainDataset,
     ConcatDataset,
@@ -34,10 +35,13 @@ __all__ = [
     "BatchSampler",
     "ChainDataset",
     "ConcatDataset",
+    "DataChunk",
     "DataLoader",
     "Dataset",
     "DistributedSampler",
+    "IterDataPipe",
     "IterableDataset",
+    "MapDataPipe",
     "RandomSampler",
     "Sampler",
     "SequentialSampler",
@@ -51,6 +55,7 @@ __all__ = [
     "collate",
     "default_collate",
     "default_convert",
+    "functional_datapipe",
     "get_worker_info",
     "random_split",
 ]

@@ -3,11 +3,13 @@ silently loading the same data.
 
 Nothing here starts a process group: torchrun, Lightning or accelerate do that. We only read the
 group that is already there (rank and world size), share one seed from rank 0 with the others,
-and notice when a loader is about to give every rank the whole dataset.
+and notice when a loader is about to give every rank the whole dataset. Without a group, the
+environment torchrun sets (RANK, WORLD_SIZE) still says where this process stands.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +40,29 @@ def _dist() -> Any:
 
 
 def current_placement() -> Placement:
-    """The rank and world size of the initialised default group, as torch's DataLoader reads them."""
+    """The rank and world size of the initialised default group, as torch's DataLoader reads them;
+    without one, torchrun's RANK and WORLD_SIZE; else rank 0 of 1.
+
+    torch's loader ignores torchrun's environment; reading it shards DataPipe graphs by rank even
+    before (or without) ``init_process_group``. Without a group no seed can be shared, so the
+    ranks must then seed their generators alike for their shuffles to agree.
+
+    Raises:
+        ValueError: RANK or WORLD_SIZE is set but is not an integer.
+    """
     dist = _dist()
-    if dist is None:
+    if dist is not None:
+        return Placement(dist.get_rank(), dist.get_world_size())
+    rank, world_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world_size is None:
         return Placement()
-    return Placement(dist.get_rank(), dist.get_world_size())
+    try:
+        return Placement(int(rank), int(world_size))
+    except ValueError:
+        raise ValueError(
+            "RANK and WORLD_SIZE should be integers (as torchrun sets them), but got "
+            f"RANK={rank!r}, WORLD_SIZE={world_size!r}"
+        ) from None
 
 
 class _GlooGroupCache:
@@ -113,7 +133,8 @@ def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str |
     except Exception:  # no usable length: the message does without it
         size = "every sample"
     return (
-        f"torch.distributed is initialised with world size {placement.world_size}, but this "
+        f"This job runs with world size {placement.world_size} (from torch.distributed, or "
+        "torchrun's WORLD_SIZE), but this "
         f"DataLoader's sampler ({type(sampler).__name__}) is not split by rank: each of the "
         f"{placement.world_size} ranks will load {size} of {type(dataset).__name__}. Give it "
         "sampler=pipeload.DistributedSampler(dataset), and call sampler.set_epoch(epoch) at the "

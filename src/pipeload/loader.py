@@ -162,6 +162,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._persistent_epoch: weakref.ref[_EpochIterator] | None = None
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
+        self._checked_graph_sharding = False
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers)
 
@@ -213,6 +214,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
     def __iter__(self) -> _EpochIterator:
         tasks = iter(self._index_sampler)
         self._warn_if_every_rank_loads_all()
+        self._warn_if_graph_unsharded()
         epoch_seed: dict[str, int] = {}
         if self.persistent_workers and self.num_workers > 0:
             if self._persistent_engine is None or self._persistent_engine.closed:
@@ -272,6 +274,16 @@ class DataLoader(torch_data.DataLoader[T_co]):
         message = replication_warning(self.dataset, self.sampler, self.batch_sampler)
         if message is not None:
             self._warned_every_rank_loads_all = True
+            warnings.warn(message, stacklevel=3)
+
+    def _warn_if_graph_unsharded(self) -> None:
+        # Once per loader: walking a torch graph pickles it, data and all.
+        if self._checked_graph_sharding:
+            return
+        self._checked_graph_sharding = True
+        world_size = current_placement().world_size
+        message = replica.unsharded_warning(self.dataset, max(self.num_workers, 1), world_size)
+        if message is not None:
             warnings.warn(message, stacklevel=3)
 
     @property

@@ -1,11 +1,15 @@
-"""Starting and stopping workers. Stopping escalates in one place: ask, join, terminate, kill."""
+"""Starting, watching and stopping workers. Stopping escalates in one place: ask, join,
+terminate, kill. Loader workers and the upstream processes of pipe queue boundaries both start,
+watch their parent and stop through here."""
 
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import pickle
 import reprlib
+import sys
 import threading
 import time
 import warnings
@@ -20,6 +24,7 @@ import torch
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
+PARENT_CHECK_INTERVAL_S = 0.2
 
 
 class WorkerHandle(Protocol):
@@ -58,6 +63,23 @@ class ThreadWorkerHandle:
     kill = terminate
 
 
+def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
+    """Start one daemon process; a clear error when the caller is itself a daemon process.
+
+    Daemonic processes (DataLoader process workers among them) may not have children, and the
+    assertion multiprocessing raises says nothing about what to do instead.
+    """
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(
+            f"cannot start {name}: this process is a daemon process (a DataLoader process worker, "
+            "or another daemon), and daemon processes may not have children. Use threads here "
+            "(worker_type='thread'), or run this part of the work in the main process."
+        )
+    process = ctx.Process(target=target, args=args, name=name, daemon=True)
+    process.start()
+    return process
+
+
 @dataclass(frozen=True)
 class WorkerLaunch:
     """How to start one worker: what it runs and with what.
@@ -87,8 +109,7 @@ def start_processes(
     workers: list[Any] = []
     try:
         for launch in launches:
-            process = ctx.Process(target=launch.target, args=launch.args, name=launch.name, daemon=True)
-            process.start()
+            process = start_process(ctx, launch.target, launch.args, launch.name)
             workers.append(process)
             # Drop our copies of this worker's ends now, not after the last start: a worker forked
             # later would inherit them, and a task pipe that another process also reads never
@@ -135,6 +156,37 @@ def stop_workers(
         for worker in alive:
             _quietly(getattr(worker, step))
         _join_all(alive, grace)
+
+
+def exit_when_parent_dies(parent_pid: int) -> None:
+    """In a child process: leave at once if the parent dies, even while user code is busy.
+
+    The parent is the main process (fork, spawn) or the forkserver, which itself exits when the
+    main process does; either way our parent pid changes when the main process is gone.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()
+
+
+def exit_now() -> None:
+    """Leave a child process without the interpreter's teardown.
+
+    With torch imported, that teardown takes most of a second in a spawn or forkserver child:
+    longer than the parent waits before it terminates a child that was asked to stop, so every
+    stop would end in SIGTERMs. Nothing in it matters to the parent. Fork children already end
+    this way (multiprocessing calls ``os._exit`` for them), so now all start methods behave alike.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass  # closed or replaced streams: nothing to flush
+    os._exit(0)
 
 
 def release_finished(workers: Sequence[Any]) -> None:
@@ -199,19 +251,23 @@ class _StartingProcess:
         return fd
 
 
-def check_picklable(named_objects: dict[str, Any], start_method: str) -> None:
+def check_picklable(
+    named_objects: dict[str, Any], start_method: str, sender: str = "DataLoader"
+) -> None:
     """Fail before any worker starts if spawn/forkserver could not send these objects to it.
 
-    As torch does when a worker fails to start this way, warns with torch's words, then raises
-    the pickling error (its own message first, then which argument could not be sent).
+    As torch does when a worker fails to start this way, a DataLoader warns with torch's words,
+    then raises the pickling error (its own message first, then which argument could not be
+    sent). Other senders (a pipe's queue boundary) only raise, naming themselves.
     """
     for name, obj in named_objects.items():
         set_spawning_popen(_StartingProcess())
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
-            warnings.warn(PICKLE_WARNING, stacklevel=6)  # the user's iter(loader) / for loop
-            raise _unpicklable(exc, name, obj, start_method) from exc
+            if sender == "DataLoader":
+                warnings.warn(PICKLE_WARNING, stacklevel=6)  # the user's iter(loader) / for loop
+            raise _unpicklable(exc, name, obj, start_method, sender) from exc
         finally:
             set_spawning_popen(None)
 
@@ -225,9 +281,9 @@ PICKLE_WARNING = (
 )
 
 
-def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str) -> Exception:
+def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str, sender: str) -> Exception:
     message = (
-        f"{exc} (pipeload: DataLoader cannot send {name}={_short_repr(obj)} to its "
+        f"{exc} (pipeload: {sender} cannot send {name}={_short_repr(obj)} to its "
         f"'{start_method}' worker processes because it cannot be pickled. Define it at module "
         "level (not as a lambda or local function/class), or use multiprocessing_context='fork'.)"
     )

@@ -16,11 +16,11 @@ same samples in the same order for the same seed. The main process draws the sha
 session and :func:`reseed` for each later epoch. Thread workers first take their own copy
 (:func:`thread_replica`), since threads would otherwise share one graph and its cursors.
 
-Graph families: torch's DataPipes (``torch.utils.data.datapipes``) and, once they are part of
-this build, pipeload's own (``pipeload.datapipes``): ``base.IterDataPipe``/``base.MapDataPipe``
-and ``graph.apply_sharding(pipe, num_shards, shard_id)`` /
-``graph.apply_random_seed(pipe, generator)``, with an optional
-``graph.apply_shuffle_settings(pipe, shuffle)``. Both follow the same rules here.
+Graph families: torch's DataPipes (``torch.utils.data.datapipes``) and pipeload's own
+(``pipeload.datapipes``: ``base.IterDataPipe``/``base.MapDataPipe``,
+``graph.apply_sharding(pipe, num_shards, shard_id)``, ``graph.apply_random_seed(pipe, generator)``,
+``graph.list_dps(pipe)`` and ``graph.copy_graph(pipe)``). Both follow the same rules here,
+including what ``shuffle=`` does and the warning for a graph that several copies read whole.
 """
 
 from __future__ import annotations
@@ -55,14 +55,17 @@ class GraphRules:
         map_type: the family's map-style pipe base (sharded, never seeded).
         apply_sharding: ``(graph, num_shards, shard_id)``; tells every sharding pipe its share.
         apply_random_seed: ``(graph, generator)``; seeds every random pipe from the generator.
-        apply_shuffle_settings: ``(graph, shuffle)``; turns the graph's shuffles on or off.
+        list_pipes: ``(graph)``; every pipe of the graph, each once (None: the family cannot
+            list them, so ``shuffle=`` and the unsharded-graph warning do not apply to it).
+        copy_graph: ``(graph)``; a thread worker's copy of the graph (None: ``copy.deepcopy``).
     """
 
     iterable_type: type
     map_type: type
     apply_sharding: Callable[[Any, int, int], Any]
     apply_random_seed: Callable[[Any, torch.Generator], Any]
-    apply_shuffle_settings: Callable[[Any, bool], Any] | None
+    list_pipes: Callable[[Any], list[Any]] | None
+    copy_graph: Callable[[Any], Any] | None = None
 
 
 def graph_rules(dataset: Any) -> GraphRules | None:
@@ -124,14 +127,14 @@ def thread_replica(dataset: Any, kind: DatasetKind) -> Any:
     iterable dataset is copied shallowly, which separates ``self`` state kept by ``__iter__``
     while the data it refers to stays shared. Map-style datasets are shared as they are.
     """
-    deep = graph_rules(dataset) is not None
-    if not deep and kind is not DatasetKind.ITERABLE:
+    rules = graph_rules(dataset)
+    if rules is None and kind is not DatasetKind.ITERABLE:
         return dataset
     try:
-        if not deep:
+        if rules is None:
             return copy.copy(dataset)
         with _GRAPH_WALK:
-            return copy.deepcopy(dataset)
+            return (rules.copy_graph or copy.deepcopy)(dataset)
     except Exception:
         return dataset  # an uncopyable dataset is shared, as it would be without this step
 
@@ -145,11 +148,33 @@ def apply_shuffle_option(dataset: Any, shuffle: bool | None) -> bool | None:
     rules = graph_rules(dataset)
     if shuffle is None or rules is None or not isinstance(dataset, rules.iterable_type):
         return shuffle
-    if rules.apply_shuffle_settings is None:
+    if rules.list_pipes is None:
         return shuffle
     with _GRAPH_WALK:
-        rules.apply_shuffle_settings(dataset, bool(shuffle))
+        _set_shuffles(rules.list_pipes(dataset), dataset, bool(shuffle))
     return None
+
+
+def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> str | None:
+    """Why every copy of an iterable graph would yield every sample, or None when it would not.
+
+    Several workers (or ranks) each iterating a graph with no sharding pipe load every sample
+    once per copy. torch says nothing; the graph runs, only ``copies`` times over.
+    """
+    rules = graph_rules(dataset)
+    copies = copies_per_rank * world_size
+    if copies <= 1 or rules is None or rules.list_pipes is None or not isinstance(dataset, rules.iterable_type):
+        return None
+    with _GRAPH_WALK:
+        pipes = rules.list_pipes(dataset)
+    if any(callable(getattr(pipe, "apply_sharding", None)) for pipe in pipes):
+        return None
+    return (
+        f"This DataPipe graph is read by {copies} copies at once ({copies_per_rank} per rank × "
+        f"{world_size} ranks) but has no sharding_filter(): every copy yields every sample, so "
+        f"each sample is loaded {copies} times per epoch. Add .sharding_filter() after the "
+        "shuffle and before the expensive steps."
+    )
 
 
 def _known_families() -> tuple[GraphRules, ...]:
@@ -176,7 +201,8 @@ def _pipeload_rules(base: Any) -> GraphRules:
         base.MapDataPipe,
         graph.apply_sharding,
         graph.apply_random_seed,
-        getattr(graph, "apply_shuffle_settings", None),
+        getattr(graph, "list_dps", None),
+        getattr(graph, "copy_graph", None),
     )
 
 
@@ -190,21 +216,25 @@ def _torch_family() -> GraphRules:
         MapDataPipe,
         graph_settings.apply_sharding,
         graph_settings.apply_random_seed,
-        _set_torch_shuffles,
+        _list_torch_pipes,
     )
 
 
-def _set_torch_shuffles(graph: Any, shuffle: bool) -> None:
-    """Turn every shuffle pipe of a torch graph on or off.
+def _list_torch_pipes(graph: Any) -> list[Any]:
+    from torch.utils.data.graph import traverse_dps
+    from torch.utils.data.graph_settings import get_all_graph_pipes
+
+    return get_all_graph_pipes(traverse_dps(graph))
+
+
+def _set_shuffles(pipes: list[Any], graph: Any, shuffle: bool) -> None:
+    """Turn every shuffle pipe of a graph on or off.
 
     A graph without one is left as it is: torch's DataLoader then shuffles nothing either (it
     warns that it adds a shuffle, but the pipe it adds is never used), so we say what happens.
     """
-    from torch.utils.data.graph import traverse_dps
-    from torch.utils.data.graph_settings import get_all_graph_pipes
-
     shufflers = [
-        pipe for pipe in get_all_graph_pipes(traverse_dps(graph))
+        pipe for pipe in pipes
         if callable(getattr(pipe, "set_shuffle", None)) and callable(getattr(pipe, "set_seed", None))
     ]
     if shuffle and not shufflers:

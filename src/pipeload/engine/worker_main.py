@@ -10,9 +10,7 @@ import dataclasses
 import os
 import re
 import signal
-import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +19,7 @@ import torch
 
 from pipeload.engine import replica
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
+from pipeload.engine.lifecycle import exit_now, exit_when_parent_dies
 from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -33,7 +32,6 @@ from pipeload.errors import RemoteFailure, SharedMemoryError
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 POLL_INTERVAL_S = 0.1
-PARENT_CHECK_INTERVAL_S = 0.2
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory names live on Linux
 # torch: "unable to allocate shared memory(shm) for file </torch_<pid>_<n>_<n>>: No space left ..."
@@ -257,7 +255,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     """A worker process's first steps: leave Ctrl-C to the main process, leave when the parent
     dies, one torch thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _exit_when_parent_dies(os.getppid())
+    exit_when_parent_dies(os.getppid())
     torch.set_num_threads(1)
     return seed_process_worker(base_seed, seed_offset)
 
@@ -273,24 +271,7 @@ def serve_in_process(info: WorkerInfo, loop: Any, ends: tuple[Any, ...]) -> None
     finally:
         for end in ends:
             end.close()
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """Leave without the interpreter's teardown.
-
-    With torch imported, that teardown takes most of a second in a spawn or forkserver worker:
-    longer than the main process waits before it terminates a worker that was asked to stop, so
-    every epoch would end in SIGTERMs. Nothing in it matters to the main process. Fork workers
-    already end this way (multiprocessing calls ``os._exit`` for them), so now all start
-    methods behave alike.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass  # closed or replaced streams: nothing to flush
-    os._exit(0)
+    exit_now()
 
 
 def run_thread_worker(
@@ -313,18 +294,3 @@ def serve_in_thread(info: WorkerInfo, loop: Any) -> None:
         loop.run()
     finally:
         set_worker_info(None)
-
-
-def _exit_when_parent_dies(parent_pid: int) -> None:
-    """Leave at once if the parent dies, even while user code is busy in a fetch.
-
-    The parent is the main process (fork, spawn) or the forkserver, which itself exits when the
-    main process does; either way our parent pid changes when the main process is gone.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_CHECK_INTERVAL_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()

@@ -1,0 +1,42 @@
+"""DataPipes: small composable nodes chained into a graph, run inside or outside a DataLoader.
+
+    from pipeload.datapipes.iter import IterableWrapper
+    pipe = IterableWrapper(urls).shuffle().sharding_filter().map(download).batch(32)
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=4)
+
+A pipe is a picklable description with explicit parents; ``iter(pipe)`` starts a run, whose
+iterator holds all of that run's state and answers the non-blocking protocol
+(``nonblocking_next()`` raises :class:`NotAvailable` while nothing is ready). Parts of a graph
+can run in other threads or processes behind a ``queue_boundary``; ``graph`` walks, edits,
+shards and seeds whole graphs. ``docs/design/datapipes.md`` explains the execution model.
+"""
+
+from pipeload.datapipes import graph, iter, map
+from pipeload.datapipes.base import (
+    IterDataPipe,
+    MapDataPipe,
+    functional_datapipe,
+    is_datapipe,
+    is_iter_datapipe,
+    is_map_datapipe,
+)
+from pipeload.datapipes.chunk import DataChunk
+from pipeload.datapipes.lazy import lazy_init
+from pipeload.datapipes.protocol import NotAvailable, PipeIterator, as_nonblocking
+
+__all__ = [
+    "DataChunk",
+    "IterDataPipe",
+    "MapDataPipe",
+    "NotAvailable",
+    "PipeIterator",
+    "as_nonblocking",
+    "functional_datapipe",
+    "graph",
+    "is_datapipe",
+    "is_iter_datapipe",
+    "is_map_datapipe",
+    "iter",
+    "lazy_init",
+    "map",
+]

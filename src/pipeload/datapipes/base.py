@@ -1,0 +1,200 @@
+"""The two kinds of pipe, the functional registry, and how a pipe names its parents.
+
+A pipe is a description: its constructor arguments and its parents, nothing that runs. Calling
+``iter()`` on an iterable pipe makes a fresh run object (a :class:`~.protocol.PipeIterator`) that
+holds all of that run's state, so a pipe pickles to a worker as it was described and two
+iterators over one pipe do not disturb each other. Attributes whose name starts with
+``_transient_`` (caches filled on first use, a fork's live run) are never pickled or copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+# torch's own pipe classes, so that graphs built from them (or mixing them with ours) are walked,
+# sharded and seeded by the same functions. Only the classes are used, for isinstance checks.
+from torch.utils.data.datapipes.datapipe import IterDataPipe as _TorchIterDataPipe
+from torch.utils.data.datapipes.datapipe import MapDataPipe as _TorchMapDataPipe
+
+from pipeload.datapipes._iter_ops import IterOperations
+from pipeload.datapipes._map_ops import MapOperations
+from pipeload.datasets import Dataset, IterableDataset
+
+T_co = TypeVar("T_co", covariant=True)
+
+TRANSIENT_PREFIX = "_transient_"
+# A foreign pipe's attribute that is a long list of data is not scanned past this many items
+# unless a pipe turns up among them (graph walks must not cost a pass over the data).
+SCAN_PROBE_ITEMS = 8
+
+
+class _DescribedPipe:
+    """What both kinds of pipe share: explicit parents, pickling without run state, a short repr."""
+
+    # Built-in pipes name the attributes that hold their parents (a pipe, or a tuple of pipes).
+    # A user's subclass need not: its attributes are scanned for pipes instead.
+    _parent_fields: tuple[str, ...] | None = None
+
+    def parents(self) -> tuple[Any, ...]:
+        """The pipes this one reads from, in order."""
+        return tuple(pipe for _, pipe in parent_slots(self))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith(TRANSIENT_PREFIX)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return type(self).__qualname__
+
+    __str__ = __repr__
+
+
+class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
+    """An iterable-style pipe: ``iter(pipe)`` starts a run; chain operations as methods.
+
+    Subclass it and write ``__iter__`` (a generator is fine), or use the built-in operations.
+    Every built-in iterator also answers ``nonblocking_next()`` (see ``pipeload.datapipes``).
+
+    Example:
+        >>> from pipeload.datapipes.iter import IterableWrapper
+        >>> list(IterableWrapper(range(10)).filter(lambda x: x % 2 == 1).map(lambda x: x * 10))
+        [10, 30, 50, 70, 90]
+    """
+
+    functions: dict[str, Callable[..., Any]] = {}
+
+    def __iter__(self) -> Iterator[T_co]:
+        return self  # type: ignore[return-value]  # a pipe that is its own iterator (defines __next__)
+
+    def reset(self) -> None:
+        """Kept for torch compatibility; runs keep their state in their iterators instead."""
+
+    @classmethod
+    def register_function(cls, function_name: str, function: Callable[..., Any]) -> None:
+        cls.functions[function_name] = function
+        setattr(cls, function_name, function)
+
+
+class MapDataPipe(_DescribedPipe, Dataset[T_co], MapOperations):
+    """A map-style pipe: ``pipe[key]`` reads one item; chain operations as methods.
+
+    Example:
+        >>> from pipeload.datapipes.map import SequenceWrapper
+        >>> SequenceWrapper(range(10)).map(lambda x: x + 1).batch(4)[1]
+        [5, 6, 7, 8]
+    """
+
+    functions: dict[str, Callable[..., Any]] = {}
+
+    @classmethod
+    def register_function(cls, function_name: str, function: Callable[..., Any]) -> None:
+        cls.functions[function_name] = function
+        setattr(cls, function_name, function)
+
+
+class functional_datapipe:  # noqa: N801  (torch's name, used as a decorator)
+    """Register a pipe class as a chainable method of every pipe of its kind.
+
+    Args:
+        name: the method name, e.g. ``"tokenize"`` for ``pipe.tokenize(...)``.
+
+    Raises:
+        Exception: the name is already taken (torch raises the same bare Exception).
+        TypeError: the decorated class is not an IterDataPipe or MapDataPipe subclass.
+
+    Example:
+        >>> @functional_datapipe("double")
+        ... class Doubler(IterDataPipe):
+        ...     def __init__(self, source): self.source = source
+        ...     def __iter__(self): return (2 * x for x in self.source)
+        >>> list(IterableWrapper(range(3)).double())
+        [0, 2, 4]
+    """
+
+    def __init__(self, name: str, enable_df_api_tracing: bool = False) -> None:
+        self.name = name
+        self.enable_df_api_tracing = enable_df_api_tracing  # accepted for torch compatibility
+
+    def __call__(self, cls: type) -> type:
+        if isinstance(cls, type) and issubclass(cls, IterDataPipe):
+            base: type[IterDataPipe] | type[MapDataPipe] = IterDataPipe
+        elif isinstance(cls, type) and issubclass(cls, MapDataPipe):
+            base = MapDataPipe
+        else:
+            raise TypeError(
+                f"`functional_datapipe` can only decorate IterDataPipe, but got {cls!r} "
+                "(a MapDataPipe subclass is accepted too)"
+            )
+        if self.name in base.functions or hasattr(base, self.name):
+            raise Exception(  # noqa: TRY002  (torch raises a bare Exception here)
+                f"Unable to add DataPipe function name {self.name} as it is already taken "
+                f"(by {getattr(base, self.name, base.functions.get(self.name))!r})"
+            )
+        base.register_function(self.name, _method_building(cls, self.name))
+        return cls
+
+
+def _method_building(cls: type, name: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return cls(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = cls.__doc__
+    method.__wrapped_datapipe__ = cls  # type: ignore[attr-defined]
+    return method
+
+
+# -- what is a pipe, and where are its parents -------------------------------------------------
+
+
+def is_iter_datapipe(obj: object) -> bool:
+    """Our IterDataPipe or torch's."""
+    return isinstance(obj, (IterDataPipe, _TorchIterDataPipe))
+
+
+def is_map_datapipe(obj: object) -> bool:
+    """Our MapDataPipe or torch's."""
+    return isinstance(obj, (MapDataPipe, _TorchMapDataPipe))
+
+
+def is_datapipe(obj: object) -> bool:
+    """Any pipe, ours or torch's."""
+    return isinstance(obj, (IterDataPipe, MapDataPipe, _TorchIterDataPipe, _TorchMapDataPipe))
+
+
+def parent_slots(pipe: Any) -> list[tuple[str, Any]]:
+    """``(attribute, parent)`` pairs of ``pipe``, in attribute order; a tuple attribute gives one
+    pair per pipe in it. Built-in pipes list their fields; other pipes are scanned."""
+    fields = getattr(pipe, "_parent_fields", None)
+    names = fields if fields is not None else list(_state_of(pipe))
+    state = _state_of(pipe)
+    slots = []
+    for name in names:
+        slots.extend((name, found) for found in _pipes_in(state.get(name)))
+    return slots
+
+
+def _state_of(pipe: Any) -> dict[str, Any]:
+    try:
+        return vars(pipe)
+    except TypeError:
+        return {}  # __slots__ classes: nothing to scan
+
+
+def _pipes_in(value: Any) -> list[Any]:
+    if is_datapipe(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        found: list[Any] = []
+        for position, item in enumerate(value):
+            if position == SCAN_PROBE_ITEMS and not found:
+                break  # a list of data, not of pipes
+            found.extend(_pipes_in(item) if isinstance(item, (list, tuple)) else
+                         ([item] if is_datapipe(item) else []))
+        return found
+    return []

@@ -1,0 +1,259 @@
+"""Whole-graph functions: walk, find, replace, copy, shard and seed.
+
+They work on our pipes and on torch's (``torch.utils.data.datapipes``), mixed or not. A pipe's
+parents are its declared parent fields (built-in pipes) or the pipes found among its attributes
+(anything else, as torch finds them), so a user's own pipe class needs nothing special.
+``apply_sharding`` and ``apply_random_seed`` behave as torch's ``graph_settings`` functions of
+the same names, with the same random draws, so a graph seeded from the same generator shuffles
+the same way under either loader.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from collections import deque
+from typing import Any
+
+import torch
+
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_datapipe, parent_slots
+from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+DataPipeGraph = dict[int, tuple[Any, "DataPipeGraph"]]
+
+
+def parents_of(datapipe: Any) -> list[Any]:
+    """The pipes ``datapipe`` reads from, in order (ours declare them; others are scanned)."""
+    return [parent for _, parent in parent_slots(datapipe)]
+
+
+def traverse_dps(datapipe: Any) -> DataPipeGraph:
+    """The graph above ``datapipe`` as torch represents it: ``{id: (pipe, {parents' graphs})}``.
+
+    Raises:
+        RuntimeError: ``datapipe`` is not a pipe (torch's wording).
+    """
+    return _traverse(datapipe, frozenset())
+
+
+def _traverse(datapipe: Any, on_path: frozenset[int]) -> DataPipeGraph:
+    if not is_datapipe(datapipe):
+        raise RuntimeError(f"Expected `IterDataPipe` or `MapDataPipe`, but {type(datapipe)} is found")
+    here = id(datapipe)
+    if here in on_path:
+        return {}  # a cycle: the pipe is already on this path
+    parents: DataPipeGraph = {}
+    for parent in parents_of(datapipe):
+        parents.update(_traverse(parent, on_path | {here}))
+    return {here: (datapipe, parents)}
+
+
+def list_dps(datapipe: Any, exclude_dps: Any = None) -> list[Any]:
+    """Every pipe in the graph above (and including) ``datapipe``, each once, root first
+    (depth-first, parents in order: the order torch's graph functions use).
+
+    Args:
+        datapipe: the graph's last pipe.
+        exclude_dps: a pipe or list of pipes to leave out, with everything above them.
+    """
+    excluded = {id(dp) for dp in _as_list(exclude_dps)}
+    found: list[Any] = []
+    seen: set[int] = set()
+    stack = [datapipe]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or id(node) in excluded:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        stack.extend(reversed(parents_of(node)))
+    return found
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def find_dps(datapipe: Any, dp_type: type | tuple[type, ...]) -> list[Any]:
+    """The pipes of type ``dp_type`` in the graph, in :func:`list_dps` order."""
+    return [dp for dp in list_dps(datapipe) if isinstance(dp, dp_type)]
+
+
+def replace_dp(datapipe: Any, old_dp: Any, new_dp: Any) -> Any:
+    """A graph like ``datapipe``'s with ``old_dp`` replaced by ``new_dp``.
+
+    The pipes between ``old_dp`` and the end are copied with their new parents; everything else
+    (and the original graph) is left as it was. Returns the new last pipe.
+
+    Example:
+        >>> dp = IterableWrapper(range(9)).shuffle().batch(3)
+        >>> (shuffle,) = find_dps(dp, Shuffler)
+        >>> ordered = replace_dp(dp, shuffle, shuffle.datapipe)
+    """
+    if not any(node is old_dp for node in list_dps(datapipe)):
+        raise ValueError(f"replace_dp: {old_dp!r} is not in the graph of {datapipe!r}")
+    return _rebuild(datapipe, {id(old_dp): new_dp}, {}, copy_all=False)
+
+
+def remove_dp(datapipe: Any, dp: Any) -> Any:
+    """A graph like ``datapipe``'s without ``dp``: its child reads from its parent instead.
+
+    Raises:
+        ValueError: ``dp`` has no parent or several (there is nothing to reconnect it to), or it
+            is the graph's last pipe.
+    """
+    parents = parents_of(dp)
+    if len(parents) != 1:
+        raise ValueError(f"remove_dp needs a pipe with exactly one parent; {dp!r} has {len(parents)}")
+    if dp is datapipe:
+        raise ValueError(f"remove_dp cannot remove the graph's last pipe {dp!r}; use its parent instead")
+    return replace_dp(datapipe, dp, parents[0])
+
+
+def copy_graph(datapipe: Any) -> Any:
+    """A copy of every pipe in the graph, wired the same way; the data they hold is shared.
+
+    Run state (caches, a fork's live run) is not copied. Thread workers each shard and seed
+    their own copy.
+    """
+    return _rebuild(datapipe, {}, {}, copy_all=True)
+
+
+def _rebuild(node: Any, swap: dict[int, Any], memo: dict[int, Any], copy_all: bool) -> Any:
+    if id(node) in memo:
+        return memo[id(node)]
+    if id(node) in swap:
+        memo[id(node)] = swap[id(node)]
+        return memo[id(node)]
+    parents = parents_of(node)
+    rebuilt = {id(p): _rebuild(p, swap, memo, copy_all) for p in parents}
+    if copy_all or any(rebuilt[id(p)] is not p for p in parents):
+        result = _copy_with_parents(node, rebuilt)
+    else:
+        result = node
+    memo[id(node)] = result
+    return result
+
+
+def _copy_with_parents(node: Any, rebuilt: dict[int, Any]) -> Any:
+    fresh = copy.copy(node)
+    ours = isinstance(node, (IterDataPipe, MapDataPipe))
+    names = {name for name, _ in parent_slots(node)}
+    for name, value in list(vars(fresh).items()):
+        if name in names:
+            setattr(fresh, name, _substitute(value, rebuilt))
+        elif not ours and isinstance(value, (dict, list, set, deque)):
+            # torch's pipes change such attributes in place (a sharding filter's groups):
+            # the copy must not share them with the original.
+            setattr(fresh, name, copy.copy(value))
+    return fresh
+
+
+def _substitute(value: Any, rebuilt: dict[int, Any]) -> Any:
+    if is_datapipe(value):
+        return rebuilt.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        items = [_substitute(item, rebuilt) for item in value]
+        return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+    if isinstance(value, dict):
+        return {key: _substitute(item, rebuilt) for key, item in value.items()}
+    return value
+
+
+# -- sharding and seeding ----------------------------------------------------------------------
+
+
+def is_sharding_datapipe(datapipe: Any) -> bool:
+    """A pipe that can be told its shard: ``sharding_filter``, or a source with ``apply_sharding``."""
+    return inspect.ismethod(getattr(datapipe, "apply_sharding", None))
+
+
+def has_sharding(datapipe: Any) -> bool:
+    """Whether the graph has a place where it splits across workers and ranks."""
+    return any(is_sharding_datapipe(dp) for dp in list_dps(datapipe))
+
+
+def apply_sharding(
+    datapipe: Any,
+    num_of_instances: int,
+    instance_id: int,
+    sharding_group: SHARDING_PRIORITIES = SHARDING_PRIORITIES.DEFAULT,
+) -> Any:
+    """Tell every sharding pipe in the graph to yield shard ``instance_id`` of ``num_of_instances``.
+
+    Changes the pipes in place (as torch's function does) and returns ``datapipe``.
+
+    Raises:
+        RuntimeError: two sharding pipes on one path (every item would be dropped twice over).
+    """
+
+    def visit(graph: DataPipeGraph, applied: Any) -> None:
+        for pipe, parents in graph.values():
+            here = applied
+            if is_sharding_datapipe(pipe):
+                if applied is not None:
+                    raise RuntimeError(
+                        "Sharding twice on a single pipeline is likely unintended and will cause "
+                        f"data loss. Sharding already applied to {applied} while trying to apply "
+                        f"to {pipe}"
+                    )
+                _shard(pipe, num_of_instances, instance_id, sharding_group)
+                here = pipe
+            visit(parents, here)
+
+    visit(traverse_dps(datapipe), None)
+    return datapipe
+
+
+def _shard(pipe: Any, num_of_instances: int, instance_id: int, sharding_group: Any) -> None:
+    if len(inspect.signature(pipe.apply_sharding).parameters) < 3:
+        pipe.apply_sharding(num_of_instances, instance_id)  # older pipes take no group
+    else:
+        pipe.apply_sharding(num_of_instances, instance_id, sharding_group=sharding_group)
+
+
+def is_random_datapipe(datapipe: Any) -> bool:
+    """A pipe that draws random numbers and can be seeded (it has ``set_seed``)."""
+    return inspect.ismethod(getattr(datapipe, "set_seed", None))
+
+
+def apply_random_seed(datapipe: Any, rng: torch.Generator) -> Any:
+    """Seed every random pipe in the graph with a number drawn from ``rng``, in graph order.
+
+    The draws are torch's (one int64 per random pipe, in :func:`list_dps` order), so the same
+    generator state seeds the same graph identically under pipeload and torch.
+    """
+    for pipe in list_dps(datapipe):
+        if is_random_datapipe(pipe):
+            pipe.set_seed(int(torch.empty((), dtype=torch.int64).random_(generator=rng).item()))
+    return datapipe
+
+
+def apply_shuffle_settings(datapipe: Any, shuffle: bool | None = None) -> Any:
+    """Turn every shuffle in the graph on or off; ``shuffle=True`` with none adds one at the end.
+
+    Returns the (possibly new) last pipe. ``None`` changes nothing.
+    """
+    if shuffle is None:
+        return datapipe
+    shufflers = [dp for dp in list_dps(datapipe) if _is_shuffler(dp)]
+    if not shufflers and shuffle:
+        warnings.warn(
+            "`shuffle=True` was set, but the datapipe does not contain a `Shuffler`. Adding one at "
+            "the end. Be aware that the default buffer size might not be sufficient for your task.",
+            stacklevel=3,
+        )
+        datapipe = datapipe.shuffle()
+        shufflers = [datapipe]
+    for shuffler in shufflers:
+        shuffler.set_shuffle(shuffle)
+    return datapipe
+
+
+def _is_shuffler(datapipe: Any) -> bool:
+    return is_random_datapipe(datapipe) and inspect.ismethod(getattr(datapipe, "set_shuffle", None))
+

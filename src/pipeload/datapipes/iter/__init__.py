@@ -1,0 +1,45 @@
+"""Iterable pipe operations, under the names torch.utils.data.datapipes.iter gives them (and
+torchdata's names for the operations torch never had)."""
+
+from pipeload.datapipes.boundary.pipes import Prefetcher, QueueBoundary
+from pipeload.datapipes.iter.branching import Demultiplexer, Forker
+from pipeload.datapipes.iter.callable import Collator, FlatMapper, Mapper
+from pipeload.datapipes.iter.combinatorics import Sampler, Shuffler
+from pipeload.datapipes.iter.combining import Concater, GreedyJoiner, Multiplexer, Zipper
+from pipeload.datapipes.iter.grouping import Batcher, Grouper, UnBatcher
+from pipeload.datapipes.iter.padding import BucketBatcher, PaddedBatcher
+from pipeload.datapipes.iter.selecting import Filter
+from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilter
+from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
+from pipeload.datapipes.map.converters import MapToIterConverter
+from pipeload.datapipes.sources.memory import IterableWrapper
+
+__all__ = [
+    "SHARDING_PRIORITIES",
+    "Batcher",
+    "BucketBatcher",
+    "Collator",
+    "Concater",
+    "Cycler",
+    "Demultiplexer",
+    "Enumerator",
+    "Filter",
+    "FlatMapper",
+    "Forker",
+    "GreedyJoiner",
+    "Grouper",
+    "Header",
+    "InMemoryCacheHolder",
+    "IterableWrapper",
+    "MapToIterConverter",
+    "Mapper",
+    "Multiplexer",
+    "PaddedBatcher",
+    "Prefetcher",
+    "QueueBoundary",
+    "Sampler",
+    "ShardingFilter",
+    "Shuffler",
+    "UnBatcher",
+    "Zipper",
+]

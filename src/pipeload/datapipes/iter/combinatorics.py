@@ -1,0 +1,188 @@
+"""Randomness: the buffered shuffle (seeded by the loader) and the sampler pipe."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sized
+from typing import Any, TypeVar
+
+import torch
+
+from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.protocol import PipeIterator
+from pipeload import samplers
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+def draw_seed() -> int:
+    """A seed from torch's global generator, drawn as torch's pipes draw theirs."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+class SeededPipe:
+    """A pipe that draws random numbers: the loader seeds it through ``set_seed`` each epoch.
+
+    The seed is a description setting used by the next run only (that run takes it when it reads
+    its first item); a run with no seed set draws one from torch's global generator, as torch's
+    random pipes do.
+    """
+
+    _enabled: bool = True
+    _seed: int | None = None
+
+    def set_shuffle(self, shuffle: bool = True) -> Any:
+        """Turn the randomness on or off (off: a fixed order)."""
+        self._enabled = shuffle
+        return self
+
+    def set_seed(self, seed: int) -> Any:
+        """Seed the next run."""
+        self._seed = seed
+        return self
+
+    def _take_seed(self) -> int:
+        seed = self._seed if self._seed is not None else draw_seed()
+        self._seed = None
+        return seed
+
+
+class Shuffler(SeededPipe, IterDataPipe[T_co]):
+    """Shuffle through a buffer (functional name: ``shuffle``).
+
+    The buffer fills with ``buffer_size`` items; each further item takes the place of a random
+    buffered one, which is yielded; at the end the buffer empties in random order. A buffer at
+    least as long as the pipe gives a full shuffle. The random stream is the same as torch's
+    ``ShufflerIterDataPipe``: the same seed gives the same order.
+
+    Seeding: inside a DataLoader the loader calls :meth:`set_seed` every epoch (all workers get
+    the same seed, so shuffling before ``sharding_filter`` partitions one permutation). Outside,
+    the seed given to :meth:`set_seed` is used by the next run only; later runs draw a seed from
+    torch's global generator when they read their first item.
+
+    Args:
+        datapipe: the source pipe.
+        buffer_size: how many items the buffer holds (> 0).
+        unbatch_level: unbatch the source this many levels first.
+
+    Example:
+        >>> sorted(IterableWrapper(range(5)).shuffle())
+        [0, 1, 2, 3, 4]
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: IterDataPipe, *, buffer_size: int = 10000, unbatch_level: int = 0) -> None:
+        if buffer_size <= 0:
+            raise AssertionError(f"buffer_size should be larger than 0 (got buffer_size={buffer_size!r})")
+        self.datapipe = datapipe if unbatch_level == 0 else datapipe.unbatch(unbatch_level=unbatch_level)
+        self.buffer_size = buffer_size
+        self._enabled = True
+        self._seed: int | None = None
+
+    def __iter__(self) -> Iterator[T_co]:
+        if not self._enabled:
+            return PassThrough(self.datapipe)
+        return _ShufflerIterator(self, self.datapipe)
+
+    def __len__(self) -> int:
+        return length_of(self.datapipe, self)
+
+
+class PassThrough(PipeIterator[Any]):
+    def __init__(self, source: Any) -> None:
+        super().__init__(source)
+        (self._source,) = self.upstream
+
+    def nonblocking_next(self) -> Any:
+        return self._source.nonblocking_next()
+
+
+class _ShufflerIterator(PipeIterator[Any]):
+    """The buffer and the random generator of one run. The seed is taken at the first item, as
+    torch's pipe takes it, so draws from the global generator happen in the same order."""
+
+    def __init__(self, pipe: Shuffler[Any], source: Any) -> None:
+        super().__init__(source)
+        (self._source,) = self.upstream
+        self._pipe = pipe
+        self._capacity = pipe.buffer_size
+        self._buffer: list[Any] = []
+        self._rng: random.Random | None = None
+        self._source_done = False
+
+    def nonblocking_next(self) -> Any:
+        if self._rng is None:
+            self._rng = random.Random(self._pipe._take_seed())
+        buffer, rng = self._buffer, self._rng
+        while not self._source_done:
+            try:
+                item = self._source.nonblocking_next()
+            except StopIteration:
+                self._source_done = True
+                break
+            if len(buffer) == self._capacity:
+                slot = rng.randint(0, len(buffer) - 1)
+                chosen, buffer[slot] = buffer[slot], item
+                return chosen
+            buffer.append(item)
+        if not buffer:
+            raise StopIteration
+        return buffer.pop(rng.randint(0, len(buffer) - 1))
+
+    def _own_state(self) -> Any:
+        if self._rng is None:  # a checkpoint before the first item fixes the run's seed now
+            self._rng = random.Random(self._pipe._take_seed())
+        return {"buffer": list(self._buffer), "rng": self._rng.getstate(), "source_done": self._source_done}
+
+    def _load_own_state(self, state: Any) -> None:
+        self._buffer = list(state["buffer"])
+        self._source_done = state["source_done"]
+        self._rng = random.Random()
+        self._rng.setstate(_as_rng_state(state["rng"]))
+
+
+def _as_rng_state(state: Any) -> tuple[Any, ...]:
+    # random.Random's state is (version, tuple of ints, gauss); JSON turns tuples into lists.
+    version, words, gauss = state
+    return (version, tuple(words), gauss)
+
+
+class Sampler(IterDataPipe[T_co]):
+    """Yield what a sampler over the source yields (torch's ``SamplerIterDataPipe``).
+
+    Note that, as in torch, a sampler yields keys (indices), not the source's items.
+
+    Args:
+        datapipe: a source pipe with a length.
+        sampler: the sampler class (default :class:`SequentialSampler`); built with
+            ``data_source=datapipe``.
+        sampler_args: positional arguments for the sampler.
+        sampler_kwargs: keyword arguments for the sampler.
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(
+        self,
+        datapipe: IterDataPipe,
+        sampler: type[samplers.Sampler] = samplers.SequentialSampler,
+        sampler_args: tuple[Any, ...] | None = None,
+        sampler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(datapipe, Sized):
+            raise AssertionError(
+                f"Sampler class requires input datapipe implemented `__len__` (got {datapipe!r})"
+            )
+        self.datapipe = datapipe
+        self.sampler_args = () if sampler_args is None else sampler_args
+        self.sampler_kwargs = {} if sampler_kwargs is None else dict(sampler_kwargs)
+        self.sampler_kwargs["data_source"] = datapipe
+        self.sampler = sampler(*self.sampler_args, **self.sampler_kwargs)
+
+    def __iter__(self) -> Iterator[T_co]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return length_of(self.sampler, self)

@@ -1,0 +1,10 @@
+"""Map-style pipe operations, under the names torch.utils.data.datapipes.map gives them."""
+
+from pipeload.datapipes.map.callable import Mapper
+from pipeload.datapipes.map.combinatorics import Shuffler
+from pipeload.datapipes.map.combining import Concater, Zipper
+from pipeload.datapipes.map.converters import MapToIterConverter
+from pipeload.datapipes.map.grouping import Batcher
+from pipeload.datapipes.sources.memory import SequenceWrapper
+
+__all__ = ["Batcher", "Concater", "MapToIterConverter", "Mapper", "SequenceWrapper", "Shuffler", "Zipper"]

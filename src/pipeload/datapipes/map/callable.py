@@ -1,0 +1,32 @@
+"""map on map-style pipes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pipeload.datapipes._map_ops import default_fn
+from pipeload.datapipes.base import MapDataPipe
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Mapper(MapDataPipe[T_co]):
+    """Apply a function to the item read at each key (functional name: ``map``).
+
+    Example:
+        >>> SequenceWrapper(range(10)).map(lambda x: x * 2)[3]
+        6
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: MapDataPipe, fn: Callable[[Any], Any] = default_fn) -> None:
+        self.datapipe = datapipe
+        self.fn = fn
+
+    def __getitem__(self, index: Any) -> T_co:
+        return self.fn(self.datapipe[index])
+
+    def __len__(self) -> int:
+        return len(self.datapipe)  # type: ignore[arg-type]

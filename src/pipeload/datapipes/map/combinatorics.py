@@ -1,0 +1,71 @@
+"""shuffle on map-style pipes: an iterable pipe over the items in a random order."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+from pipeload.datapipes.iter.combinatorics import SeededPipe
+from pipeload.datapipes.protocol import PipeIterator
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Shuffler(SeededPipe, IterDataPipe[T_co]):
+    """Read a map-style pipe's items in a random order (functional name: ``shuffle`` on map
+    pipes). It is an iterable pipe: order is what iterable pipes are for.
+
+    The random stream is torch's: the same seed gives the same order. Seeding works as for the
+    iterable ``shuffle`` (``set_seed`` for the next run; the DataLoader seeds every epoch).
+
+    Args:
+        datapipe: the map-style pipe.
+        indices: the keys to read (default ``range(len(datapipe))``).
+
+    Example:
+        >>> sorted(SequenceWrapper("abc").shuffle())
+        ['a', 'b', 'c']
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: MapDataPipe, *, indices: list[Any] | None = None) -> None:
+        self.datapipe = datapipe
+        self.indices = list(range(len(datapipe))) if indices is None else indices  # type: ignore[arg-type]
+        self._enabled = True
+        self._seed: int | None = None
+
+    def __iter__(self) -> Iterator[T_co]:
+        return _MapShufflerIterator(self)
+
+    def __len__(self) -> int:
+        return len(self.datapipe)  # type: ignore[arg-type]
+
+
+class _MapShufflerIterator(PipeIterator[Any]):
+    def __init__(self, pipe: Shuffler[Any]) -> None:
+        super().__init__()
+        self._pipe = pipe
+        self._keys: list[Any] | None = None  # popped from the end
+
+    def nonblocking_next(self) -> Any:
+        if self._keys is None:
+            self._keys = self._order()
+        if not self._keys:
+            raise StopIteration
+        return self._pipe.datapipe[self._keys.pop()]
+
+    def _order(self) -> list[Any]:
+        pipe = self._pipe
+        if not pipe._enabled:
+            return list(reversed(pipe.indices))
+        rng = random.Random(pipe._take_seed())
+        return rng.sample(pipe.indices, len(pipe.indices))
+
+    def _own_state(self) -> Any:
+        return None if self._keys is None else list(self._keys)
+
+    def _load_own_state(self, state: Any) -> None:
+        self._keys = None if state is None else list(state)

@@ -1,0 +1,61 @@
+"""From map-style to iterable-style."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_map_datapipe
+from pipeload.datapipes.protocol import PipeIterator
+
+
+class MapToIterConverter(IterDataPipe[Any]):
+    """An iterable pipe reading a map-style pipe at ``indices`` in order (functional name:
+    ``to_iter_datapipe``, as in torchdata).
+
+    Args:
+        datapipe: the map-style pipe.
+        indices: the keys to read (default ``range(len(datapipe))``).
+
+    Example:
+        >>> list(SequenceWrapper("abc").to_iter_datapipe())
+        ['a', 'b', 'c']
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: MapDataPipe, indices: list[Any] | None = None) -> None:
+        if not is_map_datapipe(datapipe):
+            raise TypeError(f"MapToIterConverter can only apply on MapDataPipe, but found {type(datapipe)}")
+        self.datapipe = datapipe
+        self.indices = indices
+
+    def _keys(self) -> Any:
+        return range(len(self.datapipe)) if self.indices is None else self.indices  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return _KeysIterator(self.datapipe, self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+
+class _KeysIterator(PipeIterator[Any]):
+    def __init__(self, datapipe: Any, keys: Any) -> None:
+        super().__init__()
+        self._datapipe = datapipe
+        self._keys = keys
+        self._next_position = 0
+
+    def nonblocking_next(self) -> Any:
+        if self._next_position >= len(self._keys):
+            raise StopIteration
+        item = self._datapipe[self._keys[self._next_position]]
+        self._next_position += 1
+        return item
+
+    def _own_state(self) -> Any:
+        return self._next_position
+
+    def _load_own_state(self, state: Any) -> None:
+        self._next_position = state

@@ -1,0 +1,53 @@
+"""batch on map-style pipes."""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import Any
+
+from pipeload.datapipes.base import MapDataPipe
+from pipeload.datapipes.chunk import DataChunk
+from pipeload.datapipes.iter._columns import check_positive, no_length
+
+
+class Batcher(MapDataPipe[DataChunk]):
+    """Key ``i`` reads the items ``i*batch_size`` up to ``(i+1)*batch_size`` (functional name:
+    ``batch``).
+
+    Example:
+        >>> SequenceWrapper(range(5)).batch(2)[2]
+        [4]
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(
+        self,
+        datapipe: MapDataPipe,
+        batch_size: int,
+        drop_last: bool = False,
+        wrapper_class: type[DataChunk] = DataChunk,
+    ) -> None:
+        check_positive(batch_size, "batch_size", "Batch size")
+        self.datapipe = datapipe
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.wrapper_class = wrapper_class
+
+    def __getitem__(self, index: int) -> DataChunk:
+        batch: list[Any] = []
+        try:
+            for key in range(index * self.batch_size, (index + 1) * self.batch_size):
+                batch.append(self.datapipe[key])
+        except IndexError as error:
+            if not self.drop_last and batch:
+                return self.wrapper_class(batch)
+            raise IndexError(f"Index {index} is out of bound.") from error
+        return self.wrapper_class(batch)
+
+    def __len__(self) -> int:
+        if not isinstance(self.datapipe, Sized):
+            raise no_length(self)
+        if self.drop_last:
+            return len(self.datapipe) // self.batch_size
+        return (len(self.datapipe) + self.batch_size - 1) // self.batch_size

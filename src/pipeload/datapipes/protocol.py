@@ -1,0 +1,206 @@
+"""The non-blocking protocol: ``nonblocking_next()`` answers now or raises :class:`NotAvailable`.
+
+Every built-in pipe's iterator is a :class:`PipeIterator`. Its ``nonblocking_next()`` returns the
+next item if one can be had without waiting, raises :class:`NotAvailable` if it cannot yet (an
+upstream thread or process has not delivered), and raises ``StopIteration`` at the end.
+``__next__`` waits on top of it: sources that deliver asynchronously (queue boundaries, prefetch)
+own a :class:`Notifier`, and a waiting consumer sleeps on an event those notifiers set, in slices,
+instead of spinning.
+
+Synchronous iterators (a user's generator ``__iter__``, a plain ``IterableDataset``, a list) join
+the protocol through :func:`as_nonblocking`: their ``nonblocking_next()`` simply blocks in
+``next()``, which is correct because they can always make progress by themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+T_co = TypeVar("T_co", covariant=True)
+
+WAIT_SLICE_S = 0.1  # a waiting consumer re-checks its sources this often, even without a wake-up
+# A NotAvailable with no notifier to wait on (a user's own non-blocking iterator): back off
+# from a short poll to this ceiling rather than spin.
+POLL_FLOOR_S = 0.0005
+POLL_CEILING_S = 0.05
+
+
+class NotAvailable(Exception):
+    """No item is ready yet; the iterator is not exhausted. Ask again later."""
+
+
+class WaitCancelled(Exception):
+    """A wait given ``should_stop`` gave up because it returned True (the waiter is closing)."""
+
+
+class Notifier:
+    """Wakes the consumers waiting for items from one asynchronous source.
+
+    The source calls :meth:`notify` after it makes an item (or an end, or an error) available;
+    consumers subscribe an event before they re-check, so a notification between their check and
+    their wait is never lost. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners: set[threading.Event] = set()
+
+    def subscribe(self, event: threading.Event) -> None:
+        with self._lock:
+            self._listeners.add(event)
+
+    def unsubscribe(self, event: threading.Event) -> None:
+        with self._lock:
+            self._listeners.discard(event)
+
+    def notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for event in listeners:
+            event.set()
+
+
+class PipeIterator(Iterator[T_co], Generic[T_co]):
+    """One run over a pipe: owns the run's state and its upstream iterators.
+
+    Subclasses implement :meth:`nonblocking_next`. ``upstream`` holds the iterators of the pipe's
+    parents, already adapted to the protocol; :meth:`notifiers`, :meth:`close` and
+    :meth:`state_dict` walk them. Used from one thread at a time unless a subclass says otherwise.
+    """
+
+    upstream: tuple[PipeIterator[Any], ...] = ()
+
+    def __init__(self, *upstream: Iterable[Any]) -> None:
+        self.upstream = tuple(as_nonblocking(source) for source in upstream)
+
+    def __iter__(self) -> PipeIterator[T_co]:
+        return self
+
+    def nonblocking_next(self) -> T_co:
+        """The next item now; raises NotAvailable if none is ready, StopIteration at the end."""
+        raise NotImplementedError(f"{type(self).__name__} must implement nonblocking_next()")
+
+    def __next__(self) -> T_co:
+        try:
+            return self.nonblocking_next()
+        except NotAvailable:
+            return wait_for_next(self)
+
+    def notifiers(self) -> list[Notifier]:
+        """The asynchronous sources whose progress can make this iterator ready."""
+        found: list[Notifier] = []
+        for source in self.upstream:
+            found.extend(source.notifiers())
+        return found
+
+    def close(self) -> None:
+        """Release what this run holds (threads, processes) now; safe to call twice."""
+        for source in self.upstream:
+            source.close()
+
+    # -- checkpoints (the resume issue builds on these) -------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This run's position: its own state and its upstream iterators' states."""
+        return {"own": self._own_state(), "upstream": [s.state_dict() for s in self.upstream]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; call on a fresh iterator before its first item."""
+        for source, source_state in zip(self.upstream, state["upstream"], strict=True):
+            source.load_state_dict(source_state)
+        self._load_own_state(state["own"])
+
+    def _own_state(self) -> Any:
+        return None  # stateless: a map or a filter is where its upstream is
+
+    def _load_own_state(self, state: Any) -> None:
+        pass
+
+
+def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] | None = None) -> T_co:
+    """Block until ``iterator`` yields, ends or fails, sleeping on its sources' notifiers.
+
+    Raises:
+        WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
+    """
+    notifiers = iterator.notifiers()
+    ready = threading.Event()
+    for notifier in notifiers:
+        notifier.subscribe(ready)
+    poll_s = POLL_FLOOR_S
+    try:
+        while True:
+            ready.clear()  # before the check: a notification after it then wakes the wait
+            try:
+                return iterator.nonblocking_next()
+            except NotAvailable:
+                pass
+            if notifiers:
+                ready.wait(WAIT_SLICE_S)
+            else:
+                ready.wait(poll_s)
+                poll_s = min(poll_s * 2, POLL_CEILING_S)
+            if should_stop is not None and should_stop():
+                raise WaitCancelled
+    finally:
+        for notifier in notifiers:
+            notifier.unsubscribe(ready)
+
+
+class BlockingAdapter(PipeIterator[T_co]):
+    """A synchronous iterator seen through the protocol: it is always 'ready' (it blocks)."""
+
+    def __init__(self, iterator: Iterator[T_co]) -> None:
+        self._iterator = iterator
+
+    def nonblocking_next(self) -> T_co:
+        return next(self._iterator)
+
+    __next__ = nonblocking_next
+
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)  # generators: run their finally blocks
+        if close is not None:
+            close()
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            f"{type(self._iterator).__name__} is a plain iterator with no state_dict(): it can "
+            "only be resumed by skipping items"
+        )
+
+
+def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co]:
+    """Turn a pipe, an iterable dataset, an iterable or an iterator into a protocol iterator.
+
+    Example:
+        >>> it = as_nonblocking(range(3))
+        >>> it.nonblocking_next(), next(it)
+        (0, 1)
+    """
+    if isinstance(source, PipeIterator):
+        return source
+    if not isinstance(source, Iterator):
+        source = iter(source)
+        if isinstance(source, PipeIterator):
+            return source
+    if callable(getattr(source, "nonblocking_next", None)):
+        return _ForeignNonblocking(source)
+    return BlockingAdapter(source)
+
+
+class _ForeignNonblocking(PipeIterator[T_co]):
+    """A user's iterator that speaks the protocol itself but is not a PipeIterator."""
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+
+    def nonblocking_next(self) -> T_co:
+        return self._iterator.nonblocking_next()
+
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,113 @@
+"""Pipes over data already in memory: an iterable, or a sequence/mapping."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from typing import Any, TypeVar
+
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+from pipeload.datapipes.iter._columns import no_length
+from pipeload.datapipes.protocol import PipeIterator
+
+T = TypeVar("T")
+
+
+class IterableWrapper(IterDataPipe[T]):
+    """An iterable pipe over any Python iterable.
+
+    Args:
+        iterable: the data (a list, a range, a generator-producing object, ...).
+        deepcopy: iterate a deep copy made when each run reads its first item, so in-place
+            changes downstream never alter the source (an uncopyable iterable is used as is,
+            with a warning).
+
+    Example:
+        >>> list(IterableWrapper(range(3)))
+        [0, 1, 2]
+    """
+
+    _parent_fields = ()  # a source: its data is never scanned for pipes
+
+    def __init__(self, iterable: Iterable[T], deepcopy: bool = True) -> None:
+        self.iterable = iterable
+        self.deepcopy = deepcopy
+
+    def __iter__(self) -> Iterator[T]:
+        return _WrapperIterator(self)
+
+    def __len__(self) -> int:
+        if isinstance(self.iterable, Sized):
+            return len(self.iterable)
+        raise no_length(self)
+
+
+class _WrapperIterator(PipeIterator[Any]):
+    def __init__(self, pipe: IterableWrapper[Any]) -> None:
+        super().__init__()
+        self._pipe = pipe
+        self._items: Iterator[Any] | None = None
+        self._position = 0  # items handed out, for checkpoints
+
+    def nonblocking_next(self) -> Any:
+        if self._items is None:
+            self._items = iter(self._source_data())
+        item = next(self._items)
+        self._position += 1
+        return item
+
+    def _source_data(self) -> Iterable[Any]:
+        if not self._pipe.deepcopy:
+            return self._pipe.iterable
+        try:
+            return copy.deepcopy(self._pipe.iterable)
+        except TypeError:
+            warnings.warn(
+                "The input iterable can not be deepcopied, please be aware of in-place "
+                f"modification would affect source data. ({type(self._pipe.iterable).__name__})",
+                stacklevel=4,
+            )
+            return self._pipe.iterable
+
+    def _own_state(self) -> Any:
+        return self._position
+
+    def _load_own_state(self, state: Any) -> None:
+        # Replaying is exact for data in memory; sources that can seek do better (issue 9).
+        for _ in range(state):
+            self.nonblocking_next()
+
+
+class SequenceWrapper(MapDataPipe[T]):
+    """A map-style pipe over a sequence or a mapping.
+
+    Args:
+        sequence: the data; keys are its indices (or the mapping's keys).
+        deepcopy: keep a deep copy, made now (an uncopyable sequence is kept as is, with a
+            warning).
+
+    Example:
+        >>> SequenceWrapper({"a": 100, "b": 200})["b"]
+        200
+    """
+
+    _parent_fields = ()
+
+    def __init__(self, sequence: Sequence[T] | Mapping[Any, T], deepcopy: bool = True) -> None:
+        self.sequence = sequence
+        if deepcopy:
+            try:
+                self.sequence = copy.deepcopy(sequence)
+            except TypeError:
+                warnings.warn(
+                    "The input sequence can not be deepcopied, please be aware of in-place "
+                    f"modification would affect source data ({type(sequence).__name__})",
+                    stacklevel=2,
+                )
+
+    def __getitem__(self, index: Any) -> T:
+        return self.sequence[index]
+
+    def __len__(self) -> int:
+        return len(self.sequence)

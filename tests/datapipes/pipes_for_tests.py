@@ -1,0 +1,167 @@
+"""Module-level functions and pipes the DataPipe tests share (module level, so they pickle)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator, lazy_init
+from pipeload.datapipes.protocol import Notifier
+
+
+def add_one(x: int) -> int:
+    return x + 1
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def is_even(x: int) -> bool:
+    return x % 2 == 0
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def parity(x: int) -> int:
+    return x % 2
+
+
+def first_letter(text: str) -> str:
+    return text[0]
+
+
+def as_tensor(x: int) -> torch.Tensor:
+    return torch.full((4,), x, dtype=torch.int64)
+
+
+def fail_at_three(x: int) -> int:
+    if x == 3:
+        raise KeyError(f"no item {x}")
+    return x
+
+
+def exit_at_three(x: int) -> int:
+    if x == 3:
+        os._exit(7)
+    return x
+
+
+def pid_and_item(x: int) -> tuple[int, int]:
+    return os.getpid(), x
+
+
+def normalise(value: Any) -> Any:
+    """Outputs in a comparable form: lists for DataChunks, (tolist, dtype) for tensors."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist(), str(value.dtype))
+    if isinstance(value, list):
+        return [normalise(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(normalise(v) for v in value)
+    if isinstance(value, dict):
+        return {k: normalise(v) for k, v in value.items()}
+    return value
+
+
+class Counting(IterDataPipe):
+    """Counts the items its runs have produced (shared across copies in this process)."""
+
+    def __init__(self, count: int, counter: list[int]) -> None:
+        self.count = count
+        self.counter = counter
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.count):
+            self.counter[0] += 1
+            yield i
+
+
+class Gate:
+    """An asynchronous source controlled by the test: it releases items when told to."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.released: list[Any] = []
+        self.ended = False
+        self.notifier = Notifier()
+        self.polls = 0
+
+    def release(self, *items: Any) -> None:
+        with self.lock:
+            self.released.extend(items)
+        self.notifier.notify()
+
+    def end(self) -> None:
+        with self.lock:
+            self.ended = True
+        self.notifier.notify()
+
+
+class GatedPipe(IterDataPipe):
+    """An iterable pipe over a :class:`Gate`: NotAvailable until the test releases items."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def __iter__(self) -> PipeIterator[Any]:
+        return _GatedIterator(self.gate)
+
+
+class _GatedIterator(PipeIterator[Any]):
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self._gate = gate
+
+    def nonblocking_next(self) -> Any:
+        gate = self._gate
+        with gate.lock:
+            gate.polls += 1
+            if gate.released:
+                return gate.released.pop(0)
+            if gate.ended:
+                raise StopIteration
+        raise NotAvailable
+
+    def notifiers(self) -> list[Notifier]:
+        return [self._gate.notifier]
+
+
+def release_later(gate: Gate, items: list[Any], end: bool) -> threading.Thread:
+    """Release ``items`` one by one from another thread, once each is waited for."""
+
+    def run() -> None:
+        for item in items:
+            time.sleep(0.01)  # spaced out so the consumer has to wait; not a synchronisation
+            gate.release(item)
+        if end:
+            gate.end()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+class MadeWhereUsed(IterDataPipe):
+    """Yields the pid of the process where its lazily made resource was made."""
+
+    def __init__(self, source: IterDataPipe) -> None:
+        self.source = source
+
+    @lazy_init
+    def resource(self) -> int:
+        return os.getpid()
+
+    def __iter__(self) -> Iterator[int]:
+        return (self.resource for _ in self.source)
+
+
+def unpicklable_item(x: int) -> Any:
+    return (i for i in range(x))  # a generator cannot be pickled

@@ -1,0 +1,113 @@
+"""The pipe base classes: the functional registry, descriptions that pickle, lazy setup."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Iterator
+
+import pytest
+import torch.utils.data as tud
+from pipes_for_tests import add_one
+
+import pipeload
+from pipeload.datapipes import IterDataPipe, MapDataPipe, functional_datapipe, lazy_init
+from pipeload.datapipes.iter import IterableWrapper, Mapper
+from pipeload.datapipes.map import SequenceWrapper
+
+
+def test_the_package_exports_torchs_names() -> None:
+    for name in ("IterDataPipe", "MapDataPipe", "functional_datapipe", "DataChunk"):
+        assert hasattr(tud, name) and hasattr(pipeload, name)
+    assert isinstance(IterableWrapper([]), pipeload.IterableDataset)
+    assert isinstance(SequenceWrapper([]), pipeload.Dataset)
+
+
+@functional_datapipe("times")
+class Times(IterDataPipe):
+    def __init__(self, source: IterDataPipe, factor: int = 2) -> None:
+        self.source = source
+        self.factor = factor
+
+    def __iter__(self) -> Iterator[int]:
+        return (x * self.factor for x in self.source)
+
+
+@functional_datapipe("plus_key")
+class PlusKey(MapDataPipe):
+    def __init__(self, source: MapDataPipe) -> None:
+        self.source = source
+
+    def __getitem__(self, index: int) -> int:
+        return self.source[index] + index
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def test_functional_datapipe_registers_a_chainable_method() -> None:
+    pipe = IterableWrapper(range(4)).times(factor=3).map(add_one).times()
+    assert list(pipe) == [2, 8, 14, 20]
+    assert "times" in dir(pipe) and IterDataPipe.functions["times"].__doc__ == Times.__doc__
+    assert list(SequenceWrapper([10, 10]).plus_key()) == [10, 11]
+    assert not hasattr(SequenceWrapper([]), "times")
+
+
+def test_functional_datapipe_refuses_a_taken_name_as_torch_does() -> None:
+    for module in (tud, pipeload):
+        with pytest.raises(Exception, match="Unable to add DataPipe function name map as it is already taken"):
+            @module.functional_datapipe("map")
+            class Clash(module.IterDataPipe):
+                pass
+    with pytest.raises(TypeError, match="can only decorate IterDataPipe"):
+        functional_datapipe("nothing")(object)
+
+
+def test_a_pipe_pickles_as_its_description() -> None:
+    pipe = IterableWrapper(range(6)).map(add_one).shuffle().set_seed(3).batch(2)
+    restored = pickle.loads(pickle.dumps(pipe))
+    assert list(restored) == list(pipe)  # the seed travels with the description: same order
+    assert repr(restored) == "Batcher" and str(restored.datapipe.datapipe) == "Mapper"
+
+
+def test_two_iterators_over_one_pipe_do_not_disturb_each_other() -> None:
+    pipe = IterableWrapper(range(5)).map(add_one)
+    first, second = iter(pipe), iter(pipe)
+    assert [next(first), next(first), next(second), next(first), next(second)] == [1, 2, 1, 3, 2]
+
+
+class Lookup(IterDataPipe):
+    made: list[int] = []
+
+    def __init__(self, source: IterDataPipe, offset: int) -> None:
+        self.source = source
+        self.offset = offset
+
+    @lazy_init
+    def table(self) -> dict[int, int]:
+        Lookup.made.append(self.offset)
+        return {i: i + self.offset for i in range(100)}
+
+    def __iter__(self) -> Iterator[int]:
+        return (self.table[x] for x in self.source)
+
+
+def test_lazy_init_runs_on_first_use_and_is_never_pickled_or_copied() -> None:
+    Lookup.made.clear()
+    pipe = Lookup(IterableWrapper(range(3)), offset=10)
+    assert Lookup.made == []  # nothing at construction
+    assert list(pipe) == [10, 11, 12] and list(pipe) == [10, 11, 12]
+    assert Lookup.made == [10]  # once, then cached
+    assert Lookup.table.is_ready(pipe)
+    restored = pickle.loads(pickle.dumps(pipe))
+    assert not Lookup.table.is_ready(restored) and not Lookup.table.is_ready(copy.copy(pipe))
+    assert list(restored) == [10, 11, 12] and Lookup.made == [10, 10]
+
+
+def test_parents_are_explicit() -> None:
+    a, b = IterableWrapper(range(3)), IterableWrapper(range(4))
+    zipped = a.zip(b)
+    assert zipped.parents() == (a, b)
+    assert Mapper(zipped, add_one).parents() == (zipped,)
+    assert a.parents() == ()
+    assert Times(a).parents() == (a,)  # found among a user's pipe's attributes

@@ -1,0 +1,188 @@
+"""Queue boundaries across threads and processes: every item once, in order, bounded; errors
+arrive whole; a killed upstream is a clear error; nothing outlives the run."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import threading
+
+import pytest
+import torch
+from conftest import pid_gone, wait_until
+from pipes_for_tests import (
+    Counting,
+    add_one,
+    as_tensor,
+    exit_at_three,
+    fail_at_three,
+    pid_and_item,
+    unpicklable_item,
+)
+
+import pipeload
+from pipeload.datapipes.iter import IterableWrapper, QueueBoundary
+from pipeload.errors import WorkerDiedError
+
+pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
+KINDS = ["thread", "process"]
+DEADLINE_S = 10.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_item_once_and_in_order(kind: str) -> None:
+    pipe = IterableWrapper(range(3000)).map(add_one).queue_boundary(kind, buffer_size=7)
+    assert list(pipe) == list(range(1, 3001))
+    assert list(pipe.batch(1000).map(len)) == [1000, 1000, 1000]  # a second run, afresh
+
+
+def thread_and_item(x: int) -> tuple[int, int]:
+    return threading.get_ident(), x
+
+
+def test_the_upstream_runs_in_another_thread_or_process() -> None:
+    (ident, _), = IterableWrapper([0]).map(thread_and_item).queue_boundary("thread")
+    assert ident != threading.get_ident()
+    (pid, _), = IterableWrapper([0]).map(pid_and_item).queue_boundary("process")
+    assert pid != os.getpid()
+
+
+def test_a_thread_boundary_holds_at_most_buffer_size_items() -> None:
+    counter = [0]
+    it = iter(Counting(1000, counter).queue_boundary("thread", buffer_size=5))
+    for taken in range(1, 20):
+        next(it)
+        assert wait_until(lambda: counter[0] >= taken + 5, DEADLINE_S)
+        assert counter[0] <= taken + 5 + 1  # the buffer, and the one item in the producer's hand
+    it.close()
+
+
+class CountingMap:
+    """Counts, in memory shared with the upstream process, the items the map has produced."""
+
+    def __init__(self, shared: object) -> None:
+        self.shared = shared
+
+    def __call__(self, x: int) -> int:
+        with self.shared.get_lock():  # type: ignore[attr-defined]
+            self.shared.value += 1  # type: ignore[attr-defined]
+        return x
+
+
+def test_a_process_boundary_holds_at_most_buffer_size_items() -> None:
+    produced = multiprocessing.get_context("fork").Value("i", 0)
+    pipe = IterableWrapper(range(1000)).map(CountingMap(produced))
+    it = iter(pipe.queue_boundary("process", buffer_size=6, multiprocessing_context="fork"))
+    for taken in range(1, 20):
+        assert next(it) == taken - 1
+        assert wait_until(lambda: produced.value >= taken + 3, DEADLINE_S)  # the credit refills
+        assert produced.value <= taken + 6  # and never beyond the window
+    it.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_error_arrives_whole_after_the_items_before_it(kind: str) -> None:
+    it = iter(IterableWrapper(range(10)).map(fail_at_three).queue_boundary(kind))
+    assert [next(it), next(it), next(it)] == [0, 1, 2]
+    with pytest.raises(KeyError) as error:
+        next(it)
+    if kind == "thread":  # the very exception object, with its own traceback
+        assert any("thread queue boundary" in note for note in error.value.__notes__)
+        assert error.traceback[-1].name == "fail_at_three"
+    else:
+        text = str(error.value)
+        assert "Caught KeyError in the upstream process of a queue boundary (pid" in text
+        assert "in fail_at_three" in text and "no item 3" in text
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_an_item_that_cannot_cross_is_an_error_naming_the_stage() -> None:
+    with pytest.raises(TypeError, match="while sending an item to the consumer"):
+        list(IterableWrapper([2]).map(unpicklable_item).queue_boundary("process"))
+
+
+@pytest.mark.parametrize("how, says", [("sigkill", "signal 9 (SIGKILL)"), ("exit", "exit code 7")])
+def test_a_dead_upstream_process_is_a_clear_error_not_a_hang(how: str, says: str) -> None:
+    fn = pid_and_item if how == "sigkill" else exit_at_three
+    it = iter(IterableWrapper(range(10**6)).map(fn).queue_boundary("process", buffer_size=4))
+    received = [next(it)]
+    if how == "sigkill":
+        os.kill(received[0][0], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=re.escape(says)) as error:
+        while True:
+            received.append(next(it))
+    items = [r[1] if how == "sigkill" else r for r in received]
+    assert items == list(range(len(items)))  # whatever arrived came once and in order
+    assert f"after {len(items)} items" in str(error.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closing_or_dropping_a_run_stops_its_upstream(kind: str) -> None:
+    pipe = IterableWrapper(range(10**6)).map(pid_and_item).queue_boundary(kind, buffer_size=2)
+    it = iter(pipe)
+    next(it)
+    it.close()
+    it.close()  # idempotent
+    dropped = iter(pipe)
+    pid, _ = next(dropped)
+    del dropped  # the finalizer stops it, without waiting for the garbage collector
+    if kind == "process":
+        assert wait_until(lambda: pid_gone(pid), DEADLINE_S)
+    for _ in pipe.header(3):
+        pass  # a run that ends early is released when the loop drops it
+
+
+def test_tensors_cross_a_process_boundary_as_shared_memory() -> None:
+    tensors = list(IterableWrapper(range(5)).map(as_tensor).queue_boundary("process"))
+    assert [t.tolist() for t in tensors] == [[i] * 4 for i in range(5)]
+    assert all(t.is_shared() for t in tensors)  # mapped from the upstream's memory, not unpickled bytes
+
+
+def test_spawn_sends_the_description_and_refuses_what_cannot_travel() -> None:
+    pipe = IterableWrapper(range(6)).map(add_one).queue_boundary("process", multiprocessing_context="spawn")
+    assert list(pipe) == list(range(1, 7))
+    lambdas = IterableWrapper(range(3)).map(lambda x: x).queue_boundary(
+        "process", multiprocessing_context=multiprocessing.get_context("spawn"))
+    with pytest.raises(Exception, match="A queue boundary cannot send datapipe=.*because it cannot be pickled"):
+        list(lambdas)
+
+
+def test_the_upstream_process_is_seeded_from_the_parent_generator() -> None:
+    def run() -> list[int]:
+        torch.manual_seed(5)
+        return list(IterableWrapper(range(8)).shuffle().queue_boundary("process"))
+
+    first = run()
+    assert first == run() and sorted(first) == list(range(8))
+
+
+def test_boundaries_nest_and_join_greedily() -> None:
+    left = IterableWrapper(range(50)).queue_boundary("process", buffer_size=3)
+    right = IterableWrapper(range(100, 150)).prefetch(4).queue_boundary("thread")
+    joined = list(left.greedy_join(right))
+    assert sorted(joined) == list(range(50)) + list(range(100, 150))
+    assert [x for x in joined if x < 100] == list(range(50))  # each input keeps its order
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="worker_type should be one of"):
+        QueueBoundary(IterableWrapper([]), "fiber")
+    with pytest.raises(ValueError, match="multiprocessing_context only applies"):
+        QueueBoundary(IterableWrapper([]), "thread", multiprocessing_context="spawn")
+    with pytest.raises(AssertionError, match="Buffer size is required to be larger than 0"):
+        IterableWrapper([]).prefetch(0)
+
+
+def test_a_thread_boundary_runs_inside_dataloader_process_workers() -> None:
+    pipe = IterableWrapper(range(40)).sharding_filter().map(add_one).prefetch(3)
+    loader = pipeload.DataLoader(pipe, batch_size=5, num_workers=2)
+    assert sorted(sum((b.tolist() for b in loader), [])) == list(range(1, 41))
+
+
+def test_a_process_boundary_inside_a_process_worker_is_a_clear_error() -> None:
+    pipe = IterableWrapper(range(4)).queue_boundary("process")
+    with pytest.raises(RuntimeError, match="daemon processes may not have children"):
+        list(pipeload.DataLoader(pipe, num_workers=1))

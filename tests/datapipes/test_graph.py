@@ -1,0 +1,145 @@
+"""Whole-graph functions: walking, finding, replacing, copying, sharding and seeding, on our pipes,
+torch's pipes and graphs that mix them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data.datapipes.iter as theirs_iter
+import torch.utils.data.graph as theirs_graph
+import torch.utils.data.graph_settings as theirs_settings
+from pipes_for_tests import add_one, double, normalise
+
+import pipeload.datapipes.iter as ours_iter
+from pipeload.datapipes import graph
+from pipeload.datapipes.iter import Batcher, IterableWrapper, Mapper, ShardingFilter, Shuffler
+
+
+def shape(g: dict[int, Any]) -> list[Any]:
+    return [(type(pipe).__name__.replace("IterDataPipe", ""), shape(parents)) for pipe, parents in g.values()]
+
+
+def diamond(module: Any) -> Any:
+    a, b = module.IterableWrapper(range(12)).shuffle().fork(2)
+    return a.map(double).zip(b.shuffle()).shuffle().batch(3)
+
+
+def test_traverse_dps_has_torchs_shape() -> None:
+    theirs = shape(theirs_graph.traverse_dps(diamond(theirs_iter)))
+    ours = shape(graph.traverse_dps(diamond(ours_iter)))
+    rename = {"_ChildDataPipe": "_Branch", "_Forker": "_ForkSource"}
+
+    def named(tree: list[Any]) -> list[Any]:
+        return [(rename.get(name, name), named(parents)) for name, parents in tree]
+
+    assert named(theirs) == ours
+    with pytest.raises(RuntimeError, match="Expected `IterDataPipe` or `MapDataPipe`"):
+        graph.traverse_dps([1, 2])
+
+
+def test_list_and_find() -> None:
+    pipe = diamond(ours_iter)
+    nodes = graph.list_dps(pipe)
+    assert [type(n).__name__ for n in nodes] == [
+        "Batcher", "Shuffler", "Zipper", "Mapper", "_Branch", "_ForkSource", "Shuffler",
+        "IterableWrapper", "Shuffler", "_Branch",
+    ]
+    assert len(graph.find_dps(pipe, Shuffler)) == 3
+    assert graph.find_dps(pipe, (Batcher, Mapper)) == [nodes[0], nodes[3]]
+    zipper = nodes[2]
+    assert graph.list_dps(pipe, exclude_dps=zipper) == nodes[:2]
+
+
+def test_replace_builds_a_new_graph_and_leaves_the_old_one() -> None:
+    pipe = IterableWrapper(range(9)).shuffle().set_seed(1).map(add_one).batch(3)
+    (shuffle,) = graph.find_dps(pipe, Shuffler)
+    ordered = graph.replace_dp(pipe, shuffle, shuffle.datapipe)
+    assert list(ordered) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert graph.find_dps(pipe, Shuffler) == [shuffle] and graph.find_dps(ordered, Shuffler) == []
+    removed = graph.remove_dp(pipe, shuffle)
+    assert list(removed) == list(ordered)
+    with pytest.raises(ValueError, match="is not in the graph"):
+        graph.replace_dp(pipe, IterableWrapper([]), shuffle)
+    with pytest.raises(ValueError, match="exactly one parent"):
+        graph.remove_dp(pipe, graph.find_dps(pipe, IterableWrapper)[0])
+
+
+def test_replace_keeps_a_shared_node_shared() -> None:
+    a, b = IterableWrapper(range(4)).fork(2)
+    pipe = a.zip(b.map(add_one))
+    (source,) = graph.find_dps(pipe, IterableWrapper)
+    swapped = graph.replace_dp(pipe, source, IterableWrapper(range(10, 14)))
+    assert list(swapped) == [(10, 11), (11, 12), (12, 13), (13, 14)]
+    assert list(pipe) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_copy_graph_copies_every_node_but_not_the_data() -> None:
+    data = list(range(6))
+    pipe = IterableWrapper(data, deepcopy=False).sharding_filter().map(add_one)
+    copied = graph.copy_graph(pipe)
+    originals, copies = graph.list_dps(pipe), graph.list_dps(copied)
+    assert len(copies) == 3 and not {id(n) for n in originals} & {id(n) for n in copies}
+    assert copies[-1].iterable is data
+    graph.apply_sharding(copied, 2, 1)
+    assert list(copied) == [2, 4, 6] and list(pipe) == [1, 2, 3, 4, 5, 6]
+
+
+def test_sharding_twice_on_one_path_is_torchs_error() -> None:
+    for module, settings in ((theirs_iter, theirs_settings), (ours_iter, graph)):
+        pipe = module.IterableWrapper(range(4)).sharding_filter().sharding_filter()
+        with pytest.raises(RuntimeError, match="Sharding twice on a single pipeline"):
+            settings.apply_sharding(pipe, 2, 0)
+
+
+def test_sharding_each_branch_is_fine() -> None:
+    left = IterableWrapper(range(6)).sharding_filter()
+    right = IterableWrapper(range(10, 16)).sharding_filter()
+    assert list(graph.apply_sharding(left.zip(right), 3, 1)) == [(1, 11), (4, 14)]
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_apply_random_seed_draws_as_torch(seed: int) -> None:
+    outputs = []
+    for module, settings in ((theirs_iter, theirs_settings), (ours_iter, graph)):
+        pipe = diamond(module)
+        settings.apply_random_seed(pipe, torch.Generator().manual_seed(seed))
+        outputs.append(normalise(list(pipe)))
+    assert outputs[0] == outputs[1]
+
+
+def test_our_graph_functions_handle_torchs_pipes_and_mixed_graphs() -> None:
+    theirs = theirs_iter.IterableWrapper(range(10)).shuffle().sharding_filter()
+    expected = theirs_settings.apply_sharding(
+        theirs_settings.apply_random_seed(theirs, torch.Generator().manual_seed(3)), 2, 1)
+    expected_items = list(expected)
+
+    again = theirs_iter.IterableWrapper(range(10)).shuffle().sharding_filter()
+    graph.apply_sharding(graph.apply_random_seed(again, torch.Generator().manual_seed(3)), 2, 1)
+    assert list(again) == expected_items
+
+    ours_over_theirs = Mapper(theirs_iter.IterableWrapper(range(6)).sharding_filter(), add_one)
+    assert list(graph.apply_sharding(ours_over_theirs, 3, 0)) == [1, 4]
+    theirs_over_ours = theirs_iter.Mapper(IterableWrapper(range(6)).sharding_filter(), add_one)
+    assert list(graph.apply_sharding(theirs_over_ours, 3, 2)) == [3, 6]
+    assert graph.has_sharding(theirs_over_ours) and not graph.has_sharding(IterableWrapper([]))
+
+
+def test_copy_graph_of_torchs_pipes_shares_no_sharding_state() -> None:
+    pipe = theirs_iter.IterableWrapper(range(6)).sharding_filter()
+    copied = graph.copy_graph(pipe)
+    graph.apply_sharding(copied, 2, 0)
+    assert list(copied) == [0, 2, 4] and list(pipe) == list(range(6))
+
+
+def test_apply_shuffle_settings() -> None:
+    pipe = IterableWrapper(range(8)).shuffle().set_seed(0).map(add_one)
+    assert graph.apply_shuffle_settings(pipe, shuffle=False) is pipe
+    assert list(pipe) == list(range(1, 9))
+    assert graph.apply_shuffle_settings(pipe, None) is pipe
+    plain = IterableWrapper(range(8))
+    with pytest.warns(UserWarning, match="does not contain a `Shuffler`. Adding one at the end"):
+        shuffled = graph.apply_shuffle_settings(plain, shuffle=True)
+    assert isinstance(shuffled, Shuffler) and sorted(shuffled) == list(range(8))
+    assert graph.find_dps(shuffled, ShardingFilter) == []

@@ -1,0 +1,198 @@
+"""Pipe graphs through the DataLoader: sharded across workers and ranks, seeded as torch's loader
+seeds torch's pipes (the same batches for the same seed), with 0 or k process or thread workers,
+persistent or not; and the same samples as iterating the pipe directly."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+import torch.utils.data.datapipes.iter as theirs_iter
+import torch.utils.data.datapipes.map as theirs_map
+from pipes_for_tests import MadeWhereUsed, double, is_even, normalise
+
+import pipeload
+import pipeload.datapipes.iter as ours_iter
+import pipeload.datapipes.map as ours_map
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
+
+ENGINES = [
+    pytest.param({"num_workers": 0}, id="inline"),
+    pytest.param({"num_workers": 2}, id="processes"),
+    pytest.param({"num_workers": 2, "worker_type": "thread"}, id="threads"),
+]
+
+
+def shuffled(module: Any, n: int = 30) -> Any:
+    return module.IterableWrapper(range(n)).shuffle().sharding_filter().map(double)
+
+
+def two_shuffles_batched(module: Any) -> Any:
+    pipe = module.IterableWrapper(range(40)).shuffle(buffer_size=8).sharding_filter()
+    return pipe.filter(is_even).shuffle(buffer_size=3).batch(3)
+
+
+def epochs(loader_module: Any, pipe: Any, epochs_count: int = 2, seed: int = 0, **kwargs: Any) -> Any:
+    torch.manual_seed(seed)
+    loader = loader_module.DataLoader(pipe, **kwargs)
+    batches = [normalise(list(loader)) for _ in range(epochs_count)]
+    return batches, torch.rand(1).item()  # the global stream after, too
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("graph, batch_size", [(shuffled, 4), (two_shuffles_batched, None)])
+@pytest.mark.parametrize("pipes", ["ours", "torch's"])
+def test_the_same_batches_as_torchs_loader(engine: dict[str, Any], graph: Any, batch_size: Any, pipes: str) -> None:
+    theirs = epochs(tud, graph(theirs_iter), batch_size=batch_size, num_workers=engine["num_workers"])
+    module = ours_iter if pipes == "ours" else theirs_iter
+    ours = epochs(pipeload, graph(module), batch_size=batch_size, **engine)
+    assert ours == theirs
+    (first, second), _ = ours
+    assert first != second  # a new order every epoch
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_persistent_workers_reseed_every_epoch_as_torch(worker_type: str) -> None:
+    kwargs = {"batch_size": 3, "num_workers": 2, "persistent_workers": True}
+    theirs = epochs(tud, shuffled(theirs_iter), 3, **kwargs)
+    ours = epochs(pipeload, shuffled(ours_iter), 3, worker_type=worker_type, **kwargs)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_sample_exactly_once_and_the_same_order_for_the_same_seed(engine: dict[str, Any]) -> None:
+    pipe = ours_iter.IterableWrapper(range(23)).shuffle().sharding_filter()
+    runs = [epochs(pipeload, pipe, 1, seed=seed, batch_size=4, **engine) for seed in (1, 1, 2)]
+    samples = [sum((batch[1] for batch in batches[0]), []) for batches, _ in runs]  # (tensor, values, dtype)
+    assert all(sorted(s) == list(range(23)) for s in samples)
+    assert samples[0] == samples[1] and samples[0] != samples[2]
+    generators = [torch.Generator().manual_seed(9) for _ in range(2)]
+    by_generator = [list(pipeload.DataLoader(pipe, batch_size=None, generator=g, **engine)) for g in generators]
+    assert by_generator[0] == by_generator[1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_directly_and_through_the_loader_the_same_samples(engine: dict[str, Any]) -> None:
+    pipe = ours_iter.IterableWrapper(range(17)).sharding_filter().map(double).batch(4)
+    direct = list(pipe)
+    loaded = list(pipeload.DataLoader(pipe, batch_size=None, **engine))
+    if engine["num_workers"] == 0:
+        assert loaded == direct  # one copy: the order is defined
+    assert sorted(sum(loaded, [])) == sorted(sum(direct, []))
+    shuffled_pipe = ours_iter.IterableWrapper(range(17)).shuffle().sharding_filter()
+    assert sorted(pipeload.DataLoader(shuffled_pipe, batch_size=None, **engine)) == sorted(shuffled_pipe)
+
+
+def test_an_unsharded_graph_read_by_several_workers_warns() -> None:
+    unsharded = ours_iter.IterableWrapper(range(6)).map(double)
+    with pytest.warns(UserWarning, match="has no sharding_filter.*loaded 2 times per epoch"):
+        samples = list(pipeload.DataLoader(unsharded, batch_size=None, num_workers=2))
+    assert sorted(samples) == sorted(2 * [2 * i for i in range(6)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(pipeload.DataLoader(unsharded, batch_size=None))
+        list(pipeload.DataLoader(unsharded.sharding_filter(), batch_size=None, num_workers=2))
+
+
+def test_the_loaders_shuffle_argument_switches_the_graphs_shuffles() -> None:
+    pipe = ours_iter.IterableWrapper(range(10)).shuffle().sharding_filter()
+    assert list(pipeload.DataLoader(pipe, batch_size=None, shuffle=False)) == list(range(10))
+    assert sorted(pipeload.DataLoader(pipe, batch_size=None, shuffle=True)) == list(range(10))
+    plain = ours_iter.IterableWrapper(range(10))
+    with pytest.warns(UserWarning, match="shuffle=True has no effect.*has no shuffle step"):
+        loader = pipeload.DataLoader(plain, batch_size=None, shuffle=True)
+    assert list(loader) == list(range(10))  # as torch: nothing is shuffled, and we say so
+    with pytest.raises(ValueError, match="expected unspecified shuffle option"):
+        pipeload.DataLoader(pipeload.ChainDataset([]), shuffle=True)
+
+
+@pytest.mark.parametrize("engine", ENGINES[:2])
+def test_a_map_pipe_through_the_loader_matches_torch(engine: dict[str, Any]) -> None:
+    def build(module: Any) -> Any:
+        return module.SequenceWrapper(list(range(20))).map(double)
+
+    theirs = epochs(tud, build(theirs_map), batch_size=6, shuffle=True, num_workers=engine["num_workers"])
+    assert epochs(pipeload, build(ours_map), batch_size=6, shuffle=True, **engine) == theirs
+
+
+def sharded_view(worker_id: int) -> None:
+    info = pipeload.get_worker_info()
+    (sharding,) = [dp for dp in pipeload.datapipes.graph.list_dps(info.dataset)
+                   if isinstance(dp, ours_iter.ShardingFilter)]
+    assert (sharding.num_of_instances, sharding.instance_id) == (info.num_workers, worker_id)
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_workers_shard_before_worker_init_fn(worker_type: str) -> None:
+    pipe = ours_iter.IterableWrapper(range(12)).shuffle().sharding_filter().map(double)
+    kwargs = {"batch_size": 3, "num_workers": 2, "worker_type": worker_type}
+    loader = pipeload.DataLoader(pipe, worker_init_fn=sharded_view, **kwargs)
+    torch.manual_seed(4)
+    checked = [b.tolist() for b in loader]
+    torch.manual_seed(4)
+    assert checked == [b.tolist() for b in pipeload.DataLoader(pipe, **kwargs)]
+
+
+def test_lazy_setup_happens_in_the_worker_not_the_main_process() -> None:
+    pipe = MadeWhereUsed(ours_iter.IterableWrapper(range(4)).sharding_filter())
+    pids = set(pipeload.DataLoader(pipe, batch_size=None, num_workers=2))
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert not MadeWhereUsed.resource.is_ready(pipe)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchruns_environment_shards_by_rank(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    shards = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(0)  # ranks seeded alike, as without a process group they must be
+        pipe = ours_iter.IterableWrapper(range(21)).shuffle().sharding_filter()
+        shards.append(sorted(pipeload.DataLoader(pipe, batch_size=None, num_workers=workers)))
+    assert not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(21))
+    assert len(shards[0]) == 11
+
+
+WORLD_SIZE = 2
+
+
+def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        torch.manual_seed(100 + rank)  # ranks seeded differently: rank 0's shared seed must win
+        pipe = ours_iter.IterableWrapper(range(50)).shuffle().sharding_filter()
+        # fork: a spawned rank would otherwise spawn its workers too (slow, and not the point)
+        loader = pipeload.DataLoader(pipe, batch_size=5, num_workers=2, multiprocessing_context="fork")
+        epochs_seen = [sum((b.tolist() for b in loader), []) for _ in range(2)]
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(epochs_seen))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~15 s on the shared box; tests/engine/test_replica.py runs the same hook over gloo
+@pytest.mark.timeout(120)
+def test_a_gloo_group_shards_by_rank_times_worker_with_rank_zeros_seed(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_run_rank, args=(r, str(tmp_path / "init"), str(tmp_path)))
+             for r in range(WORLD_SIZE)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(100)
+    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    for epoch in range(2):
+        rank0, rank1 = seen[0][epoch], seen[1][epoch]
+        assert not set(rank0) & set(rank1) and sorted(rank0 + rank1) == list(range(50))
+    assert seen[0][0] != seen[0][1]
