@@ -29,11 +29,13 @@ from pipeload.samplers import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from pipeload.shared import CopyOnReadWarning, SharedMapping, SharedSequence, share_containers
 
 __all__ = [
     "BatchSampler",
     "ChainDataset",
     "ConcatDataset",
+    "CopyOnReadWarning",
     "DataLoader",
     "Dataset",
     "DistributedSampler",
@@ -41,6 +43,8 @@ __all__ = [
     "RandomSampler",
     "Sampler",
     "SequentialSampler",
+    "SharedMapping",
+    "SharedSequence",
     "StackDataset",
     "Subset",
     "SubsetRandomSampler",
@@ -53,6 +57,7 @@ __all__ = [
     "default_convert",
     "get_worker_info",
     "random_split",
+    "share_containers",
 ]
 
 __version__ = "0.1.0"

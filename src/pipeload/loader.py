@@ -35,6 +35,7 @@ from pipeload.samplers import (
     BatchSampler,
     Sampler,
 )
+from pipeload.shared import warn_if_copy_on_read
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -283,6 +284,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine.close()
 
     def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
+        warn_if_copy_on_read(self.dataset, self.worker_type)  # pytorch#13246: points at the fix
         method = "thread" if self.worker_type == "thread" else "multiprocessing"
         setup = WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup)
         return PoolConfig(
