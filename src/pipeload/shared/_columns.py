@@ -5,8 +5,9 @@ A column stores ``length`` values of one kind, chosen from the values themselves
 * ``INT`` / ``FLOAT``: every value is exactly an ``int`` (fitting 64 bits) / a ``float``; they are
   packed as int64 / float64, and reading one is a single typed-memory lookup.
 * ``STR`` / ``BYTES`` / ``PICKLE``: variable-sized values, concatenated, with an int64 offsets
-  array (``length + 1`` absolute positions in the segment). Strings are UTF-8 (lone surrogates, as
-  ``os.fsdecode`` makes them, survive); anything else is pickled value by value.
+  array (``length + 1`` absolute positions in the segment). Strings are UTF-8; a column with lone
+  surrogates (as ``os.fsdecode`` makes them) is ``STR_ESCAPED`` and read with ``surrogatepass``,
+  which costs a little more per read. Anything else is pickled value by value.
 * ``RECORD``: every value is a tuple of the same small width, such as ``(path, label)``; each
   field is its own column, so a tuple of a string and an int is read with the fast paths above.
 
@@ -41,6 +42,8 @@ class Kind(enum.IntEnum):
     """Packed float64."""
     STR = 3
     """UTF-8 bytes between offsets."""
+    STR_ESCAPED = 7
+    """UTF-8 bytes between offsets, some with lone surrogates (read with ``surrogatepass``)."""
     BYTES = 4
     """Raw bytes between offsets."""
     PICKLE = 5
@@ -80,7 +83,8 @@ def write_column(writer: SegmentWriter, values: Sequence[Any], what: str) -> Col
         packed = array("q" if kind is Kind.INT else "d", values)
         writer.align()
         return ColumnLayout(kind, len(values), writer.write(packed))
-    return ColumnLayout(kind, len(values), _write_variable(writer, values, kind, what))
+    start, escaped = _write_variable(writer, values, kind, what)
+    return ColumnLayout(Kind.STR_ESCAPED if escaped else kind, len(values), start)
 
 
 def _choose_kind(values: Sequence[Any]) -> Kind:
@@ -111,22 +115,29 @@ def _fits_int64(values: Sequence[int]) -> bool:
     return True
 
 
-def _write_variable(writer: SegmentWriter, values: Sequence[Any], kind: Kind, what: str) -> int:
-    """Write the values' bytes back to back, then their offsets; returns where the offsets are."""
+def _write_variable(writer: SegmentWriter, values: Sequence[Any], kind: Kind, what: str) -> tuple[int, bool]:
+    """Write the values' bytes back to back, then their offsets.
+
+    Returns where the offsets are, and whether some string needed ``surrogatepass``.
+    """
     encode = _encoder(kind, what)
     offsets = array("q", [writer.position])
+    escaped = False
     for chunk_start in range(0, len(values), CHUNK_ITEMS):
         chunk = values[chunk_start : chunk_start + CHUNK_ITEMS]
-        pieces = encode(chunk, chunk_start)
+        try:
+            pieces = encode(chunk, chunk_start)
+        except UnicodeEncodeError:  # lone surrogates (os.fsdecode of an undecodable file name)
+            pieces, escaped = [value.encode("utf-8", _TEXT_ERRORS) for value in chunk], True
         offsets.extend(islice(accumulate(map(len, pieces), initial=offsets[-1]), 1, None))
         writer.write(b"".join(pieces))
     writer.align()
-    return writer.write(offsets)
+    return writer.write(offsets), escaped
 
 
 def _encoder(kind: Kind, what: str) -> Callable[[Sequence[Any], int], list[bytes]]:
     if kind is Kind.STR:
-        return lambda chunk, _: [value.encode("utf-8", _TEXT_ERRORS) for value in chunk]
+        return lambda chunk, _: [value.encode() for value in chunk]
     if kind is Kind.BYTES:
         return lambda chunk, _: list(chunk)
 
@@ -150,6 +161,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def text_offsets(segment: Segment, layout: ColumnLayout) -> memoryview | None:
+    """The offsets of a ``STR`` column, for readers that decode inline; None for other kinds."""
+    return segment.array(layout.start, layout.length + 1, "q") if layout.kind is Kind.STR else None
+
+
 def column_reader(segment: Segment, layout: ColumnLayout) -> Callable[[int], Any]:
     """A function that returns value ``i`` (0 <= i < length) of the column, freshly decoded."""
     kind = layout.kind
@@ -160,6 +176,8 @@ def column_reader(segment: Segment, layout: ColumnLayout) -> Callable[[int], Any
     data = segment.data
     offsets = segment.array(layout.start, layout.length + 1, "q")
     if kind is Kind.STR:
+        return lambda i: data[offsets[i] : offsets[i + 1]].decode()
+    if kind is Kind.STR_ESCAPED:
         return lambda i: data[offsets[i] : offsets[i + 1]].decode("utf-8", _TEXT_ERRORS)
     if kind is Kind.BYTES:
         return lambda i: data[offsets[i] : offsets[i + 1]]

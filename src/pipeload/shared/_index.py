@@ -2,8 +2,9 @@
 
 Python's own ``hash()`` of a string changes from one interpreter to the next (``PYTHONHASHSEED``),
 so a spawned worker could not find a key placed by the main process. Keys here are hashed with
-CRC-32 over a canonical encoding, chosen so that keys equal in Python hash alike, as a dict
-requires: ``1``, ``1.0`` and ``True`` share a hash; so do ``(1, "a")`` and ``(1.0, "a")``.
+CRC-32 over their UTF-8 or raw bytes (str, bytes), multiplicative hashing (ints), and rules chosen
+so that keys equal in Python hash alike, as a dict requires: ``1``, ``1.0`` and ``True`` share a
+hash; so do ``(1, "a")`` and ``(1.0, "a")``.
 
 The index is an open-addressing table with linear probing, at most half full, of uint64 entries
 ``(hash << 32) | (key number + 1)`` (0: empty). A lookup usually reads one entry; keeping the
@@ -28,7 +29,10 @@ KEY_TYPES = "str, bytes, int, float, bool, None, or tuples of these"
 _NONE_HASH = zlib.crc32(b"None")
 _FLOAT = struct.Struct("<d")
 _NUMBER_MASK = 0xFFFF_FFFF  # a table entry is (hash << 32) | (key number + 1); 0 is an empty slot
-_NUMBER_LIMIT = _NUMBER_MASK
+_MAX_ENTRIES = 2**31 - 1  # the table (2 slots a key at least) must fit a 32-bit hash's range
+_INT64_LIMIT = 2**63
+_U64 = 2**64 - 1
+_GOLDEN = 0x9E37_79B9_7F4A_7C15  # 2**64 divided by the golden ratio, made odd
 
 
 class UnsupportedKey(TypeError):
@@ -36,7 +40,7 @@ class UnsupportedKey(TypeError):
 
 
 def stable_hash(key: Any) -> int:
-    """A hash of ``key`` that is the same in every process; equal keys hash alike.
+    """A 32-bit hash of ``key`` that is the same in every process; equal keys hash alike.
 
     Raises:
         UnsupportedKey: ``key`` is not one of ``KEY_TYPES``.
@@ -61,10 +65,11 @@ def stable_hash(key: Any) -> int:
 
 
 def _int_hash(value: int) -> int:
-    try:
-        return zlib.crc32(value.to_bytes(8, "little", signed=True))
-    except OverflowError:
-        return zlib.crc32(str(value).encode())
+    if -_INT64_LIMIT <= value < _INT64_LIMIT:
+        # Multiplicative (Fibonacci) hashing: the top bits of the product mix all of the key's
+        # bits, so sequential and strided ids spread evenly; cheaper than CRC in Python.
+        return ((value & _U64) * _GOLDEN & _U64) >> 32
+    return zlib.crc32(str(value).encode())
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,8 @@ class IndexLayout:
 
 def write_index(writer: SegmentWriter, keys: Sequence[Any]) -> IndexLayout:
     """Hash ``keys`` (raising UnsupportedKey, with the key's position) and append their table."""
-    if len(keys) >= _NUMBER_LIMIT:
-        raise ValueError(f"SharedMapping holds at most {_NUMBER_LIMIT - 1:,} entries, got {len(keys):,}")
+    if len(keys) > _MAX_ENTRIES:
+        raise ValueError(f"SharedMapping holds at most {_MAX_ENTRIES:,} entries, got {len(keys):,}")
     hashes = np.empty(len(keys), dtype=np.uint64)
     for number, key in enumerate(keys):
         try:
@@ -102,7 +107,7 @@ def _fill_table(hashes: np.ndarray, slots: int) -> np.ndarray:
     table = np.zeros(slots, dtype=np.uint64)
     numbers = np.arange(len(hashes), dtype=np.uint64)
     entries = (hashes << np.uint64(32)) | (numbers + np.uint64(1))
-    trying = hashes & mask
+    trying = hashes >> np.uint64(_home_shift(slots))
     homeless = np.arange(len(hashes))
     while homeless.size:
         wanted = trying[homeless]
@@ -117,26 +122,45 @@ def _fill_table(hashes: np.ndarray, slots: int) -> np.ndarray:
     return table
 
 
-def key_finder(segment: Segment, layout: IndexLayout, read_key: Callable[[int], Any]) -> Callable[[Any], int]:
+def _home_shift(slots: int) -> int:
+    """A key's first slot is its hash's top bits: multiplicative hashing puts the mixing there."""
+    return 32 - (slots.bit_length() - 1)
+
+
+def key_finder(
+    segment: Segment, layout: IndexLayout, read_key: Callable[[int], Any], key_text_offsets: memoryview | None
+) -> Callable[[Any], int]:
     """A function that returns the number of the stored key equal to its argument, or -1.
 
     Raises UnsupportedKey for a key that no stored key can equal (another type). A lookup is a
-    hash, usually one table read, and one decoded key to compare.
+    hash, usually one table read, and one key comparison: with ``key_text_offsets`` (the keys
+    are a plain UTF-8 column) a str key is compared as bytes, without decoding the stored one.
     """
     table = segment.array(layout.table_at, layout.slots, "Q")
     mask = layout.slots - 1
+    shift = _home_shift(layout.slots)
     crc32 = zlib.crc32
+    data = segment.data
 
     def find(key: Any) -> int:
-        if type(key) is str:  # the common case, without stable_hash's type dispatch
-            wanted = crc32(key.encode("utf-8", "surrogatepass"))
+        # str and int keys are the common cases: hash them without stable_hash's type dispatch.
+        kind = type(key)
+        encoded = None
+        if kind is str:
+            encoded = key.encode("utf-8", "surrogatepass")
+            wanted = crc32(encoded)
+        elif kind is int and -_INT64_LIMIT <= key < _INT64_LIMIT:
+            wanted = ((key & _U64) * _GOLDEN & _U64) >> 32  # as _int_hash, inline
         else:
             wanted = stable_hash(key)
-        slot = wanted & mask
+        slot = wanted >> shift
         while entry := table[slot]:
             if entry >> 32 == wanted:
                 number = (entry & _NUMBER_MASK) - 1
-                if read_key(number) == key:
+                if encoded is not None and key_text_offsets is not None:
+                    if data[key_text_offsets[number] : key_text_offsets[number + 1]] == encoded:
+                        return number
+                elif read_key(number) == key:
                     return number
             slot = (slot + 1) & mask
         return -1

@@ -7,7 +7,7 @@ from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, Va
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pipeload.shared._columns import ColumnLayout, column_reader, write_column
+from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
 from pipeload.shared._index import IndexLayout, UnsupportedKey, key_finder, write_index
 from pipeload.shared._segment import Segment, SegmentWriter
 
@@ -50,7 +50,8 @@ class SharedMapping(Mapping[K, V]):
         (5, False, -1)
     """
 
-    __slots__ = ("_segment", "_layout", "_read_key", "_read_value", "_find_key", "__weakref__")
+    __slots__ = ("_segment", "_layout", "_read_key", "_read_value", "_find_key", "_data", "_value_text_offsets",
+                 "__weakref__")
 
     def __init__(self, mapping: Mapping[K, V] | Iterable[tuple[K, V]] = (), /) -> None:
         if isinstance(mapping, SharedMapping):
@@ -73,31 +74,53 @@ class SharedMapping(Mapping[K, V]):
         self._layout = layout
         self._read_key: Callable[[int], K] = column_reader(segment, layout.keys)
         self._read_value: Callable[[int], V] = column_reader(segment, layout.values)
-        self._find_key = key_finder(segment, layout.index, self._read_key)
+        self._find_key = key_finder(segment, layout.index, self._read_key, text_offsets(segment, layout.keys))
+        self._data = segment.data
+        self._value_text_offsets = text_offsets(segment, layout.values)  # str values: decoded inline
 
-    def _find(self, key: Any) -> int:
-        """The number of the entry whose key equals ``key``, or -1."""
+    # Lookups call the finder directly, not through a helper method: a dict lookup is cheap, and
+    # one Python call less is a good part of what a shared one costs on top.
+
+    def __getitem__(self, key: K) -> V:
+        try:
+            number = self._find_key(key)
+        except (UnsupportedKey, ValueError):
+            number = None  # sorted out below, so that errors raised there stand alone
+        if number is None:
+            number = self._find_slowly(key)
+        if number < 0:
+            raise KeyError(key)
+        offsets = self._value_text_offsets
+        if offsets is not None:
+            return self._data[offsets[number] : offsets[number + 1]].decode()  # type: ignore[return-value]
+        return self._read_value(number)
+
+    def get(self, key: K, default: Any = None) -> Any:
+        try:
+            number = self._find_key(key)
+        except (UnsupportedKey, ValueError):
+            number = None
+        if number is None:
+            number = self._find_slowly(key)
+        return default if number < 0 else self._read_value(number)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            number = self._find_key(key)
+        except (UnsupportedKey, ValueError):
+            number = None
+        if number is None:
+            number = self._find_slowly(key)
+        return number >= 0
+
+    def _find_slowly(self, key: Any) -> int:
+        """After the finder failed: a closed mapping, or a key of a type never stored here."""
+        self._check_open()
         try:
             return self._find_key(key)
         except UnsupportedKey:
             hash(key)  # an unhashable key raises TypeError, as with a dict
             return -1  # a hashable key of another type cannot be stored here
-        except ValueError:
-            self._check_open()
-            raise
-
-    def __getitem__(self, key: K) -> V:
-        number = self._find(key)
-        if number < 0:
-            raise KeyError(key)
-        return self._read_value(number)
-
-    def get(self, key: K, default: Any = None) -> Any:
-        number = self._find(key)
-        return default if number < 0 else self._read_value(number)
-
-    def __contains__(self, key: object) -> bool:
-        return self._find(key) >= 0
 
     def __len__(self) -> int:
         return self._layout.keys.length

@@ -139,7 +139,10 @@ def _release(data: mmap.mmap, fd: int, views: list[memoryview]) -> None:
     for view in reversed(views):
         view.release()
     views.clear()
-    data.close()
+    try:
+        data.close()
+    except BufferError:
+        pass  # someone else holds a view of the mapping: it is unmapped when that view goes
     os.close(fd)
 
 

@@ -6,7 +6,7 @@ import reprlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
-from pipeload.shared._columns import ColumnLayout, column_reader, write_column
+from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
 from pipeload.shared._segment import Segment, SegmentWriter
 
 T = TypeVar("T")
@@ -41,7 +41,7 @@ class SharedSequence(Sequence[T]):
         ('img_2.jpg', 3, True)
     """
 
-    __slots__ = ("_segment", "_layout", "_positions", "_read", "__weakref__")
+    __slots__ = ("_segment", "_layout", "_positions", "_read", "_data", "_text_offsets", "__weakref__")
 
     def __init__(self, items: Iterable[T] = ()) -> None:
         if isinstance(items, SharedSequence):
@@ -61,6 +61,9 @@ class SharedSequence(Sequence[T]):
         self._layout = layout
         self._positions = positions  # which stored items this sequence (or view) shows, in order
         self._read: Callable[[int], T] = column_reader(segment, layout)
+        # Lists of strings are the common case: __getitem__ decodes them inline, saving a call.
+        self._data = segment.data
+        self._text_offsets = text_offsets(segment, layout)
 
     @classmethod
     def _view(cls, segment: Segment, layout: ColumnLayout, positions: range) -> SharedSequence[T]:
@@ -77,8 +80,22 @@ class SharedSequence(Sequence[T]):
     def __getitem__(self, index: slice) -> SharedSequence[T]: ...
 
     def __getitem__(self, index: Any) -> Any:
+        # The fast path serves an int index; anything else (a slice, a bad index, a closed
+        # sequence) fails in it and is sorted out below, outside the handler, so that errors
+        # raised there do not carry this one along as their context.
         try:
-            # range indexing does the work of a list's: negative indices, bounds, __index__, slices.
+            position = self._positions[index]  # range does a list's work: negatives, bounds, __index__
+            offsets = self._text_offsets
+            if offsets is not None:
+                return self._data[offsets[position] : offsets[position + 1]].decode()
+            return self._read(position)
+        except (IndexError, TypeError, ValueError):
+            pass
+        return self._getitem_slowly(index)
+
+    def _getitem_slowly(self, index: Any) -> Any:
+        self._check_open()
+        try:
             position = self._positions[index]
         except IndexError:
             raise IndexError(f"SharedSequence index {index} out of range (length {len(self)})") from None
@@ -88,11 +105,7 @@ class SharedSequence(Sequence[T]):
             ) from None
         if type(position) is range:
             return self._view(self._segment, self._layout, position)
-        try:
-            return self._read(position)
-        except ValueError:
-            self._check_open()
-            raise
+        return self._read(position)  # raises again what the fast path met (an item's unpickling)
 
     def __iter__(self) -> Iterator[T]:
         self._check_open()
