@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("leak_guard")
 # One list per storage path: packed ints and floats, UTF-8 text (lone surrogates, as os.fsdecode
 # makes them, included), raw bytes, (path, label) records, and pickled mixed values.
 CASES = {
-    "str": ["a", "", "héllo wörld", "\U0001f600", "undecodable-\udcff", "x" * 5000],
+    "str": ["a", "", "héllo wörld", "\U0001f600", "x" * 5000],
+    "str_surrogates": ["a", "undecodable-\udcff", "\udc80"],
     "bytes": [b"", b"\x00\xff", b"abc" * 100],
     "int": [0, -1, 2**63 - 1, -(2**63), 7],
     "big_int": [2**64, -(2**70), 3],
@@ -42,6 +43,14 @@ def test_reads_back_every_item_with_its_type(values: list) -> None:
     assert [type(item) for item in shared] == [type(item) for item in values]
     assert shared == values and values == shared and shared == tuple(values)
     assert list(reversed(shared)) == values[::-1]
+
+
+def test_lone_surrogates_after_the_first_chunk_of_strings() -> None:
+    from pipeload.shared._columns import CHUNK_ITEMS
+
+    values = [f"name-{i}" for i in range(CHUNK_ITEMS + 10)] + ["os.fsdecode(b'\\xff') gives \udcff"]
+    shared = SharedSequence(values)
+    assert shared[-1] == values[-1] and shared[0] == values[0] and list(shared) == values
 
 
 def test_negative_indices_and_bounds_as_a_list() -> None:

@@ -48,6 +48,7 @@ class SegmentWriter:
     def __init__(self, content: Any = MAGIC) -> None:
         """Start a segment with ``content``: the header, or a whole segment's bytes to copy."""
         self._fd = _anonymous_file()
+        self._finalizer = weakref.finalize(self, os.close, self._fd)  # a writer dropped half-way
         self.position = 0
         try:
             self.write(content)
@@ -74,6 +75,7 @@ class SegmentWriter:
 
     def finish(self) -> Segment:
         """Seal the file and map it; the writer is spent."""
+        self._finalizer.detach()
         fd, self._fd = self._fd, -1
         try:
             if _SEALS and hasattr(fcntl, "F_ADD_SEALS"):
@@ -88,9 +90,8 @@ class SegmentWriter:
 
     def abandon(self) -> None:
         """Drop a half-written segment (an item could not be encoded)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._finalizer()
+        self._fd = -1
 
 
 class Segment:
