@@ -81,6 +81,28 @@ def test_what_cannot_be_converted_is_left_with_a_warning() -> None:
     assert all(w.filename == __file__ for w in caught)
 
 
+class Slotted:
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        self.table = list(range(20_000))
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize("dataset", [range(8), Slotted()], ids=["range", "slots"])
+def test_datasets_without_attributes_are_left_alone(dataset: object) -> None:
+    assert share_containers(dataset) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork")
+        assert len(list(loader)) == len(loader)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"use pipeload.SharedSequence\(dataset\) as the dataset instead"):
         share_containers([1, 2, 3])

@@ -114,7 +114,10 @@ def _visit(obj: Any, path: str, depth: int, found: list[_Found], seen: set[int])
     if id(obj) in seen or depth > MAX_DEPTH:
         return
     seen.add(id(obj))
-    for name, value in list(vars(obj).items()):
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return  # a range, a tensor, a class with __slots__: no attributes of ours to look at
+    for name, value in list(attributes.items()):
         where = f"{path}.{name}"
         if type(value) in _CONTAINERS:
             found.append(_Found(where, obj, name, value))
