@@ -184,7 +184,11 @@ def warn_if_copy_on_read(dataset: Any, worker_type: str) -> None:
     """Warn (once per dataset) if process workers would copy its Python objects page by page."""
     if worker_type != "process":
         return  # thread workers share the main process's objects: nothing is copied
-    heavy = [(found, n) for found in _find_containers(dataset) if (n := estimated_objects(found.container)) > WARN_MIN_OBJECTS]
+    try:
+        found = _find_containers(dataset)
+    except Exception:  # an advisory look must never stop a loader (a proxy's odd __getattr__, say)
+        return
+    heavy = [(item, n) for item in found if (n := estimated_objects(item.container)) > WARN_MIN_OBJECTS]
     if not heavy or not _warned.first_time(dataset):
         return
     warnings.warn(_message(heavy), CopyOnReadWarning, stacklevel=_first_frame_outside_pipeload())
