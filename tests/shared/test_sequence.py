@@ -86,6 +86,16 @@ def test_slices_are_views_equal_to_the_list_slices(cut: slice) -> None:
         assert view[1:] == values[cut][1:]  # a view of a view
 
 
+def test_slicing_again_and_again_allocates_nothing_per_slice() -> None:
+    shared = SharedSequence([f"item{i}" for i in range(100)])
+    for start in range(3):
+        assert shared[start : start + 10][0] == f"item{start}"
+    typed_views = len(shared._segment._arrays)
+    for start in range(90):
+        assert shared[start : start + 10][-1] == f"item{start + 9}"
+    assert len(shared._segment._arrays) == typed_views
+
+
 def test_sequence_methods() -> None:
     shared = SharedSequence(["a", "b", "a", "c"])
     assert "c" in shared and "z" not in shared

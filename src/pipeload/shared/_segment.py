@@ -109,18 +109,23 @@ class Segment:
         if self.data[: len(MAGIC)] != MAGIC:
             self.data.close()
             raise ValueError(f"file descriptor {fd} does not hold a pipeload shared segment")
-        self._views: list[memoryview] = []
-        self._finalizer = weakref.finalize(self, _release, self.data, fd, self._views)
+        self._arrays: dict[tuple[int, int, str], memoryview] = {}
+        self._finalizer = weakref.finalize(self, _release, self.data, fd, self._arrays)
 
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
 
     def array(self, start: int, length: int, typecode: str) -> memoryview:
-        """A read-only view of ``length`` packed items of ``typecode`` (struct codes) at ``start``."""
-        end = start + length * struct.calcsize(typecode)
-        view = memoryview(self.data)[start:end].cast(typecode)
-        self._views.append(view)
+        """A read-only view of ``length`` packed items of ``typecode`` (struct codes) at ``start``.
+
+        Made once per place and type: the views and slices of a container ask again each time.
+        """
+        key = (start, length, typecode)
+        view = self._arrays.get(key)
+        if view is None:
+            end = start + length * struct.calcsize(typecode)
+            view = self._arrays[key] = memoryview(self.data)[start:end].cast(typecode)
         return view
 
     def close(self) -> None:
@@ -136,10 +141,10 @@ class Segment:
         return (_from_bytes, (self.data[:],))
 
 
-def _release(data: mmap.mmap, fd: int, views: list[memoryview]) -> None:
-    for view in reversed(views):
+def _release(data: mmap.mmap, fd: int, arrays: dict[tuple[int, int, str], memoryview]) -> None:
+    for view in arrays.values():
         view.release()
-    views.clear()
+    arrays.clear()
     try:
         data.close()
     except BufferError:
