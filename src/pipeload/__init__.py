@@ -30,11 +30,13 @@ from pipeload.samplers import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from pipeload.shared import CopyOnReadWarning, SharedMapping, SharedSequence, share_containers
 
 __all__ = [
     "BatchSampler",
     "ChainDataset",
     "ConcatDataset",
+    "CopyOnReadWarning",
     "DataChunk",
     "DataLoader",
     "Dataset",
@@ -45,6 +47,8 @@ __all__ = [
     "RandomSampler",
     "Sampler",
     "SequentialSampler",
+    "SharedMapping",
+    "SharedSequence",
     "StackDataset",
     "Subset",
     "SubsetRandomSampler",
@@ -58,6 +62,7 @@ __all__ = [
     "functional_datapipe",
     "get_worker_info",
     "random_split",
+    "share_containers",
 ]
 
 __version__ = "0.1.0"

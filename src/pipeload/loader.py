@@ -36,6 +36,7 @@ from pipeload.samplers import (
     BatchSampler,
     Sampler,
 )
+from pipeload.shared import warn_if_copy_on_read
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -311,6 +312,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine.close()
 
     def _worker_setup(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> WorkerSetup:
+        warn_if_copy_on_read(self.dataset, self.worker_type)  # pytorch#13246: points at the fix
         method = "thread" if self.worker_type == "thread" else "multiprocessing"
         return WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup)
 

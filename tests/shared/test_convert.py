@@ -1,0 +1,149 @@
+"""share_containers converts a dataset's large containers in place; the loader warns, once per
+dataset, when process workers would receive millions of Python objects."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from shared_datasets import HoldsTable
+
+from pipeload import (
+    ConcatDataset,
+    CopyOnReadWarning,
+    DataLoader,
+    SharedMapping,
+    SharedSequence,
+    Subset,
+    share_containers,
+)
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(120)]
+
+# More than the warning's threshold (1,000,000 Python objects): 500,001 tuples of two.
+BIG_TABLE_LENGTH = 500_001
+
+
+class ImageFolderLike:
+    """Shaped like torchvision's ImageFolder: ``samples`` and ``imgs`` are the same list."""
+
+    def __init__(self, count: int) -> None:
+        self.classes = ["cat", "dog"]  # small: stays a list
+        self.samples = [(f"/data/{self.classes[i % 2]}/{i}.jpg", i % 2) for i in range(count)]
+        self.imgs = self.samples
+        self.targets = [label for _, label in self.samples]
+        self.boxes = {f"/data/{i}.jpg": [(0, 0, 4, 4)] for i in range(count)}
+        self.root = "/data"
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[str, int, list]:
+        path, label = self.samples[index]
+        return path, label, self.boxes.get(path, [])
+
+
+def test_large_attributes_become_shared_and_the_dataset_reads_the_same() -> None:
+    dataset = ImageFolderLike(20_000)
+    expected = [dataset[i] for i in range(len(dataset))]
+    converted = share_containers(dataset)
+    assert converted == ["dataset.samples", "dataset.imgs", "dataset.targets", "dataset.boxes"]
+    assert isinstance(dataset.samples, SharedSequence) and isinstance(dataset.boxes, SharedMapping)
+    assert dataset.imgs is dataset.samples  # one list held twice stays one container
+    assert dataset.classes == ["cat", "dog"] and type(dataset.classes) is list
+    assert [dataset[i] for i in range(len(dataset))] == expected
+
+
+def test_nested_datasets_are_converted_and_min_items_is_honoured() -> None:
+    inner = ImageFolderLike(300)
+    other = HoldsTable(list(range(500)))
+    dataset = ConcatDataset([Subset(inner, list(range(100))), other])
+    converted = share_containers(dataset, min_items=200)
+    assert converted == [
+        "dataset.datasets[0].dataset.samples",
+        "dataset.datasets[0].dataset.imgs",
+        "dataset.datasets[0].dataset.targets",
+        "dataset.datasets[0].dataset.boxes",
+        "dataset.datasets[1].table",
+    ]
+    assert type(dataset.datasets[0].indices) is list  # 100 items: under min_items
+    assert dataset[50] == inner[50] and dataset[101] == 1
+
+
+def test_what_cannot_be_converted_is_left_with_a_warning() -> None:
+    dataset = HoldsTable({frozenset({i}): i for i in range(10)})
+    dataset.lambdas = [lambda: 0] * 10
+    with pytest.warns(UserWarning) as caught:
+        assert share_containers(dataset, min_items=5) == []
+    messages = sorted(str(w.message) for w in caught)
+    assert messages[0].startswith("share_containers left dataset.lambdas as it is: SharedSequence: item 0")
+    assert messages[1].startswith("share_containers left dataset.table as it is: SharedMapping keys must be")
+    assert all(w.filename == __file__ for w in caught)
+
+
+class Slotted:
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        self.table = list(range(20_000))
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize("dataset", [range(8), Slotted()], ids=["range", "slots"])
+def test_datasets_without_attributes_are_left_alone(dataset: object) -> None:
+    assert share_containers(dataset) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork")
+        assert len(list(loader)) == len(loader)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match=r"use pipeload.SharedSequence\(dataset\) as the dataset instead"):
+        share_containers([1, 2, 3])
+    with pytest.raises(TypeError, match=r"min_items=-1"):
+        share_containers(HoldsTable([]), min_items=-1)
+
+
+def _big_table() -> list[tuple[int, int]]:
+    return [(i, i) for i in range(BIG_TABLE_LENGTH)]
+
+
+def test_process_workers_warn_once_naming_the_attribute_and_the_fix() -> None:
+    dataset = HoldsTable(_big_table())
+    with pytest.warns(CopyOnReadWarning) as caught:
+        assert len(list(DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork"))) == 2
+    (warning,) = caught
+    text = str(warning.message)
+    assert "dataset.table is a list of 500,001 items (about 1,500,003 Python objects)" in text
+    assert "pipeload.share_containers(dataset)" in text and "pytorch#13246" in text
+    assert warning.filename == __file__  # points at the user's loop, not into pipeload
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second loader over the same dataset stays quiet
+        list(DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork"))
+
+
+def test_a_plain_list_as_the_dataset_is_told_to_wrap_it() -> None:
+    dataset = list(range(1_000_001))
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, sampler=[0, 1], multiprocessing_context="fork")
+    with pytest.warns(CopyOnReadWarning, match=r"dataset is a list of 1,000,001 items.*pass pipeload.SharedSequence\(dataset\)"):
+        list(loader)
+
+
+@pytest.mark.parametrize(
+    "how", ["thread", "inline", "converted"],
+)
+def test_no_warning_without_process_workers_or_after_converting(how: str) -> None:
+    dataset = HoldsTable(_big_table())
+    kwargs = {"thread": {"num_workers": 1, "worker_type": "thread"}, "inline": {"num_workers": 0},
+              "converted": {"num_workers": 1, "multiprocessing_context": "fork"}}[how]
+    if how == "converted":
+        assert share_containers(dataset) == ["dataset.table"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(DataLoader(dataset, batch_size=2, **kwargs))) == 2

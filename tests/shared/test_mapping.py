@@ -1,0 +1,134 @@
+"""SharedMapping behaves as a read-only dict of what it was built from: lookups with Python's
+equality (1 == 1.0 == True), dict order, and the same answers in a process with another hash seed."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+from collections import OrderedDict
+
+import pytest
+from shared_datasets import memfd_names
+
+from pipeload import SharedMapping
+
+pytestmark = pytest.mark.usefixtures("leak_guard")
+
+SOURCE = {
+    "cat.jpg": 3,
+    "d\u00e9j\u00e0-vu.jpg": [1, 2],
+    "undecodable-\udcff": None,
+    b"raw": "bytes key",
+    7: "int key",
+    -(2**70): "big int key",
+    2.5: "float key",
+    None: "none key",
+    (1, "a", (b"x", 2.5)): "tuple key",
+    "": {"nested": {"dict": 1}},
+}
+
+
+def test_lookups_membership_and_get_match_the_dict() -> None:
+    shared = SharedMapping(SOURCE)
+    assert len(shared) == len(SOURCE)
+    for key, value in SOURCE.items():
+        assert shared[key] == value and key in shared and shared.get(key) == value
+    assert "dog.jpg" not in shared and shared.get("dog.jpg", -1) == -1
+    with pytest.raises(KeyError, match="dog.jpg"):
+        shared["dog.jpg"]
+
+
+def test_equal_keys_of_other_types_find_the_entry_as_in_a_dict() -> None:
+    shared = SharedMapping({1: "one", 2.0: "two", (1, 2): "pair", 0: "zero"})
+    assert shared[1.0] == shared[True] == "one"
+    assert shared[2] == "two" and shared[(1.0, 2)] == "pair" and shared[False] == "zero"
+    assert shared[-0.0] == "zero"
+    import numpy as np
+
+    assert shared[np.int64(1)] == "one" and shared[np.float64(2.0)] == "two"
+    assert "1" not in shared and b"1" not in shared
+
+
+def test_keys_that_are_not_stored_types() -> None:
+    shared = SharedMapping({"a": 1})
+    assert frozenset() not in shared and shared.get(object()) is None
+    with pytest.raises(TypeError, match="unhashable"):
+        shared[["a"]]
+    with pytest.raises(TypeError, match=r"keys must be str, bytes, int.*got key frozenset\(\{1\}\).*key number 1"):
+        SharedMapping({"a": 1, frozenset({1}): 2})
+
+
+def test_iteration_views_and_order_follow_the_dict() -> None:
+    shared = SharedMapping(SOURCE)
+    assert list(shared) == list(SOURCE)
+    assert list(shared.keys()) == list(SOURCE.keys())
+    assert list(shared.values()) == list(SOURCE.values())
+    assert list(shared.items()) == list(SOURCE.items())
+    assert ("cat.jpg", 3) in shared.items() and 3 in shared.values() and "cat.jpg" in shared.keys()
+    assert dict(shared) == SOURCE
+
+
+def test_equality_with_any_mapping() -> None:
+    shared = SharedMapping(SOURCE)
+    assert shared == SOURCE and SOURCE == shared and shared == SharedMapping(SOURCE)
+    assert shared != {**SOURCE, "cat.jpg": 4} and shared != {"cat.jpg": 3} and shared != [1]
+    with pytest.raises(TypeError):
+        hash(shared)
+
+
+def test_built_from_pairs_mappings_and_empty() -> None:
+    assert SharedMapping([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
+    assert SharedMapping(OrderedDict(x=1)) == {"x": 1}
+    empty = SharedMapping()
+    assert len(empty) == 0 and list(empty) == [] and "a" not in empty
+
+
+def test_many_entries_with_colliding_buckets() -> None:
+    source = {f"/data/train/n{i % 997:08d}/img_{i}.JPEG": i for i in range(50_000)}
+    source.update({i: -i for i in range(50_000)})
+    shared = SharedMapping(source)
+    assert all(shared[key] == value for key, value in source.items())
+    assert all(f"/data/train/n{i % 997:08d}/img_{i}.jpeg" not in shared for i in range(1_000))
+
+
+def test_repr_is_short() -> None:
+    assert repr(SharedMapping({"a": 1})) == "SharedMapping({'a': 1})"
+    long = repr(SharedMapping({i: i for i in range(100)}))
+    assert long.startswith("SharedMapping({0: 0, 1: 1, 2: 2, 3: 3, ...}") and long.endswith("len=100)")
+
+
+def test_copies_pickles_and_closing() -> None:
+    shared = SharedMapping({"a": ("x", 1)})
+    assert copy.deepcopy(shared) is shared
+    restored = pickle.loads(pickle.dumps(shared))
+    assert restored == {"a": ("x", 1)}
+    restored.close()
+    with shared:
+        assert shared["a"] == ("x", 1)
+    assert shared.closed and memfd_names(os.getpid()) == set()
+    with pytest.raises(ValueError, match="closed SharedMapping"):
+        shared["a"]
+    with pytest.raises(ValueError, match="closed SharedMapping"):
+        list(shared.values())
+
+
+_OTHER_SEED = """
+import pickle, sys
+mapping = pickle.load(sys.stdin.buffer)
+keys = ["cat.jpg", "d\\u00e9j\\u00e0-vu.jpg", (1, "a", (b"x", 2.5)), b"raw", 2.5]
+print(all(mapping[key] == expected for key, expected in zip(keys, pickle.loads(bytes.fromhex(sys.argv[1])))))
+"""
+
+
+def test_another_interpreter_with_another_hash_seed_finds_every_key() -> None:
+    shared = SharedMapping(SOURCE)
+    expected = [SOURCE[key] for key in ["cat.jpg", "d\u00e9j\u00e0-vu.jpg", (1, "a", (b"x", 2.5)), b"raw", 2.5]]
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_SEED, pickle.dumps(expected).hex()],
+        input=pickle.dumps(shared), capture_output=True, env=env, timeout=60, check=True,
+    )
+    assert done.stdout.strip() == b"True", done.stderr.decode()
