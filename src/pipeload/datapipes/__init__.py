@@ -8,10 +8,11 @@ A pipe is a picklable description with explicit parents; ``iter(pipe)`` starts a
 iterator holds all of that run's state and answers the non-blocking protocol
 (``nonblocking_next()`` raises :class:`NotAvailable` while nothing is ready). Parts of a graph
 can run in other threads or processes behind a ``queue_boundary``; ``graph`` walks, edits,
-shards and seeds whole graphs. ``docs/design/datapipes.md`` explains the execution model.
+shards and seeds whole graphs. ``sources`` reads files, tar shards and WebDataset samples,
+local or remote; ``webdataset_pipeline`` builds the common graph in one call. ``docs/design/datapipes.md`` explains the execution model.
 """
 
-from pipeload.datapipes import graph, iter, map
+from pipeload.datapipes import graph, iter, map, sources
 from pipeload.datapipes.base import (
     IterDataPipe,
     MapDataPipe,
@@ -23,6 +24,7 @@ from pipeload.datapipes.base import (
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.lazy import lazy_init
 from pipeload.datapipes.protocol import NotAvailable, PipeIterator, as_nonblocking
+from pipeload.datapipes.sources.pipeline import webdataset_pipeline
 
 __all__ = [
     "DataChunk",
@@ -39,4 +41,6 @@ __all__ = [
     "iter",
     "lazy_init",
     "map",
+    "sources",
+    "webdataset_pipeline",
 ]

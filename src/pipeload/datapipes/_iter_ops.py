@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from pipeload.datapipes.iter.selecting import Filter
     from pipeload.datapipes.iter.sharding import ShardingFilter
     from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
+    from pipeload.datapipes.sources._retry import RetryPolicy
+    from pipeload.datapipes.sources.decoders import Decoder, ImageOutput
+    from pipeload.datapipes.sources.files import FileLister, FileOpener
+    from pipeload.datapipes.sources.on_error import OnError
+    from pipeload.datapipes.sources.tar import TarArchiveLoader
+    from pipeload.datapipes.sources.webdataset import WebDataset
 
 
 class IterOperations:
@@ -213,3 +219,43 @@ class IterOperations:
 
         return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context)  # type: ignore[arg-type]
 
+
+    # -- files, archives, samples (pipeload.datapipes.sources) -------------------------------
+
+    def list_files(self, masks: str | list[str] = "", *, recursive: bool = False, abspath: bool = False,
+                   length: int = -1, storage_options: dict[str, Any] | None = None) -> FileLister:
+        """List the files under each root this pipe yields; see :class:`FileLister`."""
+        from pipeload.datapipes.sources.files import FileLister
+
+        return FileLister(self, masks, recursive=recursive, abspath=abspath, length=length,  # type: ignore[arg-type]
+                          storage_options=storage_options)
+
+    def open_files(self, mode: str = "r", encoding: str | None = None, length: int = -1, *,
+                   storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None,
+                   on_error: OnError = "raise", max_failures: int | None = None) -> FileOpener:
+        """Open each path or URL as a ``(url, stream)`` pair; see :class:`FileOpener`."""
+        from pipeload.datapipes.sources.files import FileOpener
+
+        return FileOpener(self, mode, encoding, length, storage_options=storage_options,  # type: ignore[arg-type]
+                          retry=retry, on_error=on_error, max_failures=max_failures)
+
+    def load_from_tar(self, mode: str = "r:*", length: int = -1, *, on_error: OnError = "raise",
+                      max_failures: int | None = None) -> TarArchiveLoader:
+        """Stream the members of each tar archive; see :class:`TarArchiveLoader`."""
+        from pipeload.datapipes.sources.tar import TarArchiveLoader
+
+        return TarArchiveLoader(self, mode, length, on_error=on_error, max_failures=max_failures)  # type: ignore[arg-type]
+
+    def webdataset(self, length: int = -1, *, on_error: OnError = "raise",
+                   max_failures: int | None = None) -> WebDataset:
+        """Group archive members into sample dicts by key; see :class:`WebDataset`."""
+        from pipeload.datapipes.sources.webdataset import WebDataset
+
+        return WebDataset(self, length, on_error=on_error, max_failures=max_failures)  # type: ignore[arg-type]
+
+    def decode(self, handlers: Any = None, *, image: ImageOutput = "pil", on_error: OnError = "raise",
+               max_failures: int | None = None) -> Decoder:
+        """Decode each sample's fields by extension; see :class:`Decoder`."""
+        from pipeload.datapipes.sources.decoders import Decoder
+
+        return Decoder(self, handlers, image=image, on_error=on_error, max_failures=max_failures)  # type: ignore[arg-type]

@@ -12,7 +12,11 @@ from pipeload.datapipes.iter.selecting import Filter
 from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilter
 from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
 from pipeload.datapipes.map.converters import MapToIterConverter
+from pipeload.datapipes.sources.decoders import Decoder
+from pipeload.datapipes.sources.files import FileLister, FileOpener
 from pipeload.datapipes.sources.memory import IterableWrapper
+from pipeload.datapipes.sources.tar import TarArchiveLoader
+from pipeload.datapipes.sources.webdataset import WebDataset
 
 __all__ = [
     "SHARDING_PRIORITIES",
@@ -21,8 +25,11 @@ __all__ = [
     "Collator",
     "Concater",
     "Cycler",
+    "Decoder",
     "Demultiplexer",
     "Enumerator",
+    "FileLister",
+    "FileOpener",
     "Filter",
     "FlatMapper",
     "Forker",
@@ -40,6 +47,8 @@ __all__ = [
     "Sampler",
     "ShardingFilter",
     "Shuffler",
+    "TarArchiveLoader",
     "UnBatcher",
+    "WebDataset",
     "Zipper",
 ]

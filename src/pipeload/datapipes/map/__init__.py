@@ -5,6 +5,8 @@ from pipeload.datapipes.map.combinatorics import Shuffler
 from pipeload.datapipes.map.combining import Concater, Zipper
 from pipeload.datapipes.map.converters import MapToIterConverter
 from pipeload.datapipes.map.grouping import Batcher
+from pipeload.datapipes.sources.files import FileReader
 from pipeload.datapipes.sources.memory import SequenceWrapper
 
-__all__ = ["Batcher", "Concater", "MapToIterConverter", "Mapper", "SequenceWrapper", "Shuffler", "Zipper"]
+__all__ = [
+    "Batcher", "Concater", "FileReader", "MapToIterConverter", "Mapper", "SequenceWrapper", "Shuffler", "Zipper"]

@@ -1,11 +1,53 @@
-"""Where items come from. In memory now; files, archives and remote storage drop in here.
+"""Where items come from: memory, files, tar shards, WebDataset samples, remote storage.
 
 A source is an ordinary pipe with no parents. Sources whose reading can be split across workers
 expose ``apply_sharding(num_of_instances, instance_id)`` (the graph functions find them as they
 find ``sharding_filter``), and sources with a position expose it through their iterator's
-``state_dict()``.
+``state_dict()``. Files and URLs are read through the operating system (local paths) or fsspec
+(``http(s)://``, ``s3://``, ...: the ``remote`` extra). ``docs/design/sources.md`` explains
+retries, archive checks and the ``on_error`` policy.
 """
 
+from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
+from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
+from pipeload.datapipes.sources.errors import ArchiveError, SourceError
+from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, open_stream
 from pipeload.datapipes.sources.memory import IterableWrapper, SequenceWrapper
+from pipeload.datapipes.sources.on_error import (
+    FailureBudgetExceeded,
+    FailureCounts,
+    FailureSite,
+    SkippedSampleWarning,
+    failure_counts,
+)
+from pipeload.datapipes.sources.pipeline import expand_urls, webdataset_pipeline
+from pipeload.datapipes.sources.tar import ArchiveMember, TarArchiveLoader
+from pipeload.datapipes.sources.webdataset import WebDataset, split_key
 
-__all__ = ["IterableWrapper", "SequenceWrapper"]
+__all__ = [
+    "ArchiveError",
+    "ArchiveMember",
+    "Decoder",
+    "FailureBudgetExceeded",
+    "FailureCounts",
+    "FailureSite",
+    "FileLister",
+    "FileOpener",
+    "FileReader",
+    "IterableWrapper",
+    "RetryPolicy",
+    "SampleDecodeError",
+    "SequenceWrapper",
+    "SkippedSampleWarning",
+    "SourceError",
+    "TarArchiveLoader",
+    "WebDataset",
+    "default_handlers",
+    "expand_urls",
+    "failure_counts",
+    "is_transient",
+    "open_stream",
+    "split_key",
+    "text_lines",
+    "webdataset_pipeline",
+]

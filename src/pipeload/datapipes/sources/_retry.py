@@ -1,0 +1,162 @@
+"""Remote reads that survive transient failures: retry with back-off, resume where they stopped.
+
+A dropped connection half-way through a shard should cost a reconnect, not the shard. A
+:class:`RetryingReader` remembers how many bytes it has handed out; when a read fails with a
+transient error it waits (doubling the wait each attempt), opens the file again and carries on
+from the same byte (seeking where the file can seek, reading and dropping the prefix where it
+cannot, as a plain HTTP stream). Errors that will not go away by trying again (a missing file,
+refused credentials) are raised at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+# Errors from the network libraries under fsspec, by class name, so that neither aiohttp nor
+# botocore needs importing here (they are optional, and only present with the remote extra).
+_TRANSIENT_CLASS_NAMES = frozenset({
+    "ClientConnectionError", "ClientOSError", "ClientPayloadError", "ServerDisconnectedError",
+    "ServerTimeoutError", "ClientConnectorError", "ConnectionClosedError", "EndpointConnectionError",
+    "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError",
+    "IncompleteRead", "ProtocolError",
+})
+_TRANSIENT_HTTP_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                               errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
+SKIP_CHUNK_BYTES = 1 << 20  # a stream that cannot seek is fast-forwarded in reads of this size
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a remote read is tried again.
+
+    Attributes:
+        attempts: tries in all, the first included (1: never retry).
+        backoff_s: the wait before the second try; each further wait doubles it.
+        max_backoff_s: the longest single wait.
+    """
+
+    attempts: int = 4
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy: attempts must be at least 1, got attempts={self.attempts!r}")
+        if self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(f"RetryPolicy: waits must not be negative, got backoff_s="
+                             f"{self.backoff_s!r}, max_backoff_s={self.max_backoff_s!r}")
+
+    def wait_s(self, failed_attempts: int) -> float:
+        """The wait after ``failed_attempts`` failures (1 or more)."""
+        return min(self.backoff_s * 2 ** (failed_attempts - 1), self.max_backoff_s)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether trying again may well succeed: connection trouble, timeouts, a server's 5xx/429."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+        return True
+    if any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(error).__mro__):
+        return True
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    return isinstance(status, int) and status in _TRANSIENT_HTTP_STATUS
+
+
+def with_retries(action: Callable[[], Any], policy: RetryPolicy, stop: threading.Event | None = None) -> Any:
+    """``action()``, tried again after transient failures as ``policy`` allows.
+
+    ``stop`` (when given and set) ends the waiting early: the last error is raised at once.
+    """
+    failures = 0
+    while True:
+        try:
+            return action()
+        except Exception as error:
+            failures += 1
+            if not is_transient(error) or failures >= policy.attempts:
+                if failures > 1:
+                    error.add_note(f"pipeload: gave up after {failures} attempts")
+                raise
+            waiter = stop if stop is not None else threading.Event()
+            if waiter.wait(policy.wait_s(failures)):
+                raise
+
+
+class RetryingReader(io.RawIOBase):
+    """A read-only byte stream over a remote file that reconnects and resumes on transient errors.
+
+    Not thread-safe: one run reads it. ``close()`` closes the file under it and is idempotent.
+    """
+
+    def __init__(self, url: str, opener: Callable[[], IO[bytes]], policy: RetryPolicy) -> None:
+        super().__init__()
+        self.url = url
+        self._opener = opener
+        self._policy = policy
+        self._position = 0  # bytes handed out so far: where a reopened file must resume
+        self._file: IO[bytes] | None = with_retries(opener, policy)
+        self.reconnects = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = with_retries(lambda: self._read_once(len(view)), self._policy)
+        view[:len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def _read_once(self, size: int) -> bytes:
+        if self._file is None:
+            self._reopen()
+        try:
+            return self._file.read(size)  # type: ignore[union-attr]
+        except Exception:
+            self._drop_file()
+            raise
+
+    def _reopen(self) -> None:
+        self.reconnects += 1
+        file = self._opener()
+        try:
+            if file.seekable():
+                file.seek(self._position)
+            else:
+                _read_past(file, self._position)
+        except BaseException:
+            file.close()
+            raise
+        self._file = file
+
+    def _drop_file(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except Exception:  # noqa: BLE001  (a broken connection may fail to close; it is gone anyway)
+                pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self._drop_file()
+        super().close()
+
+
+def _read_past(file: IO[bytes], count: int) -> None:
+    left = count
+    while left > 0:
+        chunk = file.read(min(left, SKIP_CHUNK_BYTES))
+        if not chunk:
+            raise ConnectionError(f"the file ended after {count - left} bytes when reopened, "
+                                  f"before the {count} already read: it changed while read")
+        left -= len(chunk)

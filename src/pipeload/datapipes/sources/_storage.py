@@ -1,0 +1,109 @@
+"""Where bytes live: local paths through the operating system, anything else through fsspec.
+
+fsspec (and s3fs for ``s3://``) is an optional extra, ``pip install pipeload[remote]``: the core
+opens local files without it, and a remote URL without it fails with an error naming the extra.
+Credentials and endpoints reach fsspec as its users pass them: a ``storage_options`` dict
+(``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``), or the standard
+environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), which process workers
+inherit. fsspec resets its event loop and instance cache in a forked child, so a worker never
+reuses the main process's connections.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Mapping
+from typing import IO, Any
+
+REMOTE_EXTRA_HINT = "pip install 'pipeload[remote]' (fsspec, plus s3fs for s3://)"
+LOCAL_PREFIX = "file://"
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local file: a plain path or a ``file://`` URL."""
+    return "://" not in url or url.startswith(LOCAL_PREFIX)
+
+
+def local_path(url: str) -> str:
+    """The operating system's path for a local ``url``."""
+    return url[len(LOCAL_PREFIX):] if url.startswith(LOCAL_PREFIX) else url
+
+
+def fsspec_module(url: str) -> Any:
+    """fsspec itself, or an ImportError naming the extra that brings it."""
+    try:
+        import fsspec
+    except ImportError as error:
+        raise ImportError(
+            f"reading {url!r} needs fsspec, which is not installed: {REMOTE_EXTRA_HINT}"
+        ) from error
+    return fsspec
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The fsspec filesystem for ``url`` and the path inside it.
+
+    Raises:
+        ImportError: fsspec, or the protocol's own package (s3fs for ``s3://``), is missing.
+    """
+    fsspec = fsspec_module(url)
+    try:
+        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as error:
+        raise ImportError(f"reading {url!r} needs a package that is not installed ({error}): "
+                          f"{REMOTE_EXTRA_HINT}") from error
+
+
+def open_binary(url: str, storage_options: Mapping[str, Any] | None) -> IO[bytes]:
+    """Open ``url`` for reading bytes, streaming (no full download first).
+
+    HTTP is opened as a plain stream (``block_size=0``): servers need not answer range requests,
+    and a shard is read front to back anyway. Object stores (s3) read ahead in blocks.
+    """
+    if is_local(url):
+        return open(local_path(url), "rb")  # noqa: SIM115  (the caller owns and closes it)
+    fs, path = filesystem(url, storage_options)
+    options: dict[str, Any] = {}
+    if url.startswith(("http://", "https://")):
+        options["block_size"] = 0
+    return fs.open(path, "rb", **options)
+
+
+def expand(root: str, masks: list[str], recursive: bool,
+           storage_options: Mapping[str, Any] | None) -> list[str]:
+    """The files under ``root`` (a directory, or a single file) whose names match a mask, sorted.
+
+    Remote roots keep their protocol in the paths returned, so they can be opened again.
+    """
+    if is_local(root):
+        return _expand_local(local_path(root), masks, recursive)
+    fs, path = filesystem(root, storage_options)
+    if fs.isfile(path):
+        found = [path]
+    else:
+        found = fs.find(path, maxdepth=None if recursive else 1)
+    protocol = root.split("://", 1)[0]
+    return sorted(_with_protocol(f, protocol) for f in found if _matches(f, masks))
+
+
+def _expand_local(root: str, masks: list[str], recursive: bool) -> list[str]:
+    if os.path.isfile(root):
+        return [root] if _matches(root, masks) else []
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"FileLister: root {root!r} is neither a file nor a directory")
+    found = []
+    for directory, subdirectories, names in os.walk(root):
+        found.extend(os.path.join(directory, name) for name in names)
+        if not recursive:
+            subdirectories.clear()
+    return sorted(path for path in found if _matches(path, masks))
+
+
+def _matches(path: str, masks: list[str]) -> bool:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatch(name, mask) for mask in masks)
+
+
+def _with_protocol(path: str, protocol: str) -> str:
+    return path if "://" in path else f"{protocol}://{path}"

@@ -1,0 +1,188 @@
+"""``decode``: bytes to Python objects, chosen by file extension, each choice overridable.
+
+Images go through Pillow (a faster JPEG decoder, simplejpeg, is used for ``image="numpy"`` or
+``"tensor"`` where it is installed); ``.json`` through json, ``.npy`` through numpy, ``.pt`` /
+``.pth`` through ``torch.load(weights_only=True)``, ``.txt`` to text, ``.cls`` / ``.index`` to
+an int. Anything else stays bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.sources.errors import describe_failure
+from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
+
+ImageOutput = Literal["pil", "numpy", "tensor"]
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "webp", "tif", "tiff", "gif"})
+_JPEG_EXTENSIONS = frozenset({"jpg", "jpeg"})
+_IMAGE_OUTPUTS = ("pil", "numpy", "tensor")
+
+
+class SampleDecodeError(ValueError):
+    """A field of a sample could not be decoded; names the sample, the extension and the archive."""
+
+
+def decode_image(data: bytes, output: ImageOutput = "pil", extension: str = "") -> Any:
+    """An image from encoded bytes: a PIL image, an RGB ``uint8`` HWC array, or a CHW tensor."""
+    if output != "pil" and extension in _JPEG_EXTENSIONS:
+        array = _fast_jpeg(data)
+        if array is not None:
+            return array if output == "numpy" else torch.from_numpy(array).permute(2, 0, 1)
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()  # decode now, inside the pipe, so a corrupt image fails here (and is named)
+    if output == "pil":
+        return image
+    array = np.asarray(image.convert("RGB"))
+    return array if output == "numpy" else torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def _fast_jpeg(data: bytes) -> np.ndarray | None:
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg.decode_jpeg(data, colorspace="RGB")
+
+
+def decode_json(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def decode_npy(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def decode_torch(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def decode_text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def text_lines(data: bytes) -> list[str]:
+    """The lines of UTF-8 text, without their line endings (use as ``handlers={"txt": text_lines}``)."""
+    return data.decode("utf-8").splitlines()
+
+
+def decode_int(data: bytes) -> int:
+    return int(data.decode("ascii").strip())
+
+
+def default_handlers(image: ImageOutput = "pil") -> dict[str, Callable[[bytes], Any]]:
+    """Extension -> decoder, as ``decode`` uses them unless told otherwise."""
+    handlers: dict[str, Callable[[bytes], Any]] = {
+        "json": decode_json, "npy": decode_npy, "pt": decode_torch, "pth": decode_torch,
+        "txt": decode_text, "text": decode_text, "cls": decode_int, "cls2": decode_int,
+        "index": decode_int,
+    }
+    for extension in IMAGE_EXTENSIONS:
+        handlers[extension] = functools.partial(decode_image, output=image, extension=extension)
+    return handlers
+
+
+class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
+    """Decode each sample's fields by extension (functional name: ``decode``).
+
+    Takes WebDataset samples (dicts: every field not starting with ``__`` is decoded by the last
+    part of its extension, ``seg.png`` by ``png``) or ``(path, bytes)`` pairs (decoded by the
+    path's extension). Fields with no handler stay bytes.
+
+    Args:
+        datapipe: yields sample dicts or ``(path, bytes)`` pairs.
+        handlers: extension -> ``fn(bytes)``, over the defaults; ``None`` leaves that extension
+            undecoded.
+        image: what images become: ``"pil"`` (PIL images), ``"numpy"`` (RGB uint8 HWC arrays),
+            ``"tensor"`` (RGB uint8 CHW tensors).
+        on_error, max_failures: a sample that fails to decode; see
+            ``pipeload.datapipes.sources.on_error``.
+
+    Example:
+        >>> samples = shards.load_from_tar().webdataset().decode(image="tensor")
+        >>> sample = next(iter(samples)); sample["jpg"].shape, sample["cls"]
+        (torch.Size([3, 32, 32]), 7)
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: IterDataPipe, handlers: Mapping[str, Callable[[bytes], Any] | None] | None = None,
+                 *, image: ImageOutput = "pil", on_error: OnError = "raise", max_failures: int | None = None) -> None:
+        if image not in _IMAGE_OUTPUTS:
+            raise ValueError(f"Decoder: image must be one of {_IMAGE_OUTPUTS}, got image={image!r}")
+        check_policy(on_error, max_failures, "Decoder")
+        self.datapipe = datapipe
+        self.handlers = {**default_handlers(image), **{k.lower(): v for k, v in (handlers or {}).items()}}
+        self.image = image
+        self.on_error = on_error
+        self.max_failures = max_failures
+
+    def decode_field(self, extension: str, data: Any) -> Any:
+        """``data`` decoded as a file with ``extension`` (``"seg.png"`` counts as ``"png"``)."""
+        handler = self.handlers.get(extension.rsplit(".", 1)[-1].lower())
+        if handler is None or not isinstance(data, (bytes, bytearray, memoryview)):
+            return data
+        return handler(bytes(data))
+
+    def decode_sample(self, sample: Any) -> Any:
+        """One sample decoded: a dict field by field, or a ``(path, bytes)`` pair.
+
+        Raises:
+            SampleDecodeError: naming the sample, the field and the archive (the cause chained).
+        """
+        if isinstance(sample, dict):
+            return {field: value if field.startswith("__") else self._decode_named(sample, field, value)
+                    for field, value in sample.items()}
+        path, data = sample
+        name = path.rsplit("/", 1)[-1]
+        return path, self._decode_named(sample, name.split(".", 1)[1] if "." in name else "", data)
+
+    def _decode_named(self, sample: Any, field: str, data: Any) -> Any:
+        try:
+            return self.decode_field(field, data)
+        except Exception as error:
+            url, key = _where(sample)
+            raise SampleDecodeError(f"decode: cannot decode field {field!r} of sample {key!r} in "
+                                    f"{url!r}: {describe_failure(error)}") from error
+
+    def __iter__(self) -> Iterator[Any]:
+        return _DecodeIterator(self, self._failure_handler("decode"))
+
+    def __len__(self) -> int:
+        return length_of(self.datapipe, self)
+
+
+class _DecodeIterator(PipeIterator[Any]):
+    def __init__(self, pipe: Decoder, failures: FailureHandler) -> None:
+        super().__init__(pipe.datapipe)
+        (self._samples,) = self.upstream
+        self._pipe = pipe
+        self.failures = failures
+
+    def nonblocking_next(self) -> Any:
+        while True:
+            sample = self._samples.nonblocking_next()
+            try:
+                return self._pipe.decode_sample(sample)
+            except SampleDecodeError as error:
+                url, key = _where(sample)
+                self.failures.handle(error, self.failures.site(url, key))
+
+
+def _where(sample: Any) -> tuple[str | None, str | None]:
+    if isinstance(sample, dict):
+        return sample.get("__url__"), sample.get("__key__")
+    archive = getattr(sample, "archive", None)
+    return (archive, sample.name) if archive is not None else (None, sample[0])

@@ -1,0 +1,35 @@
+"""The errors sources raise: each names the file or URL (and the archive member) it was reading."""
+
+from __future__ import annotations
+
+
+class SourceError(OSError):
+    """A file or URL could not be opened or read (after any retries).
+
+    Attributes:
+        url: the file or URL.
+        member: the archive member being read, when there was one.
+
+    The underlying error is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, url: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.member = member
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  (crosses process boundaries whole)
+        return (type(self), (self.args[0], self.url, self.member))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ArchiveError(SourceError):
+    """An archive is corrupt or truncated: names the archive and the member where it broke."""
+
+
+def describe_failure(error: BaseException) -> str:
+    """``Type: message`` of an error, for messages that wrap it."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

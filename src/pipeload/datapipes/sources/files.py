@@ -1,0 +1,234 @@
+"""Files as pipes: list them (``FileLister``), open them as streams (``FileOpener``), or read them
+by index (``FileReader``, map-style). Local paths need nothing; URLs go through fsspec."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, Any
+
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
+from pipeload.datapipes.iter._columns import no_length
+from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.sources import _storage
+from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
+from pipeload.datapipes.sources.errors import SourceError, describe_failure
+from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
+
+_MODES = {"r": "r", "t": "r", "rt": "r", "b": "rb", "rb": "rb"}
+
+
+def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
+                storage_options: Mapping[str, Any] | None = None,
+                retry: RetryPolicy | None = None) -> IO[Any]:
+    """Open ``url`` (a path, ``file://``, ``http(s)://``, ``s3://``, ...) for streaming reads.
+
+    Remote files reconnect and resume on transient errors (see :class:`RetryPolicy`).
+
+    Raises:
+        FileNotFoundError, PermissionError: as raised for the file (they name it).
+        SourceError: anything else that stopped the open, after the retries; names ``url``.
+        ImportError: a remote URL without the ``remote`` extra installed.
+    """
+    binary = _MODES.get(mode)
+    if binary is None:
+        raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
+    try:
+        if _storage.is_local(url):
+            return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
+        reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
+                                retry or RetryPolicy())
+    except (FileNotFoundError, PermissionError, IsADirectoryError, ImportError):
+        raise
+    except Exception as error:
+        raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
+    stream: IO[Any] = io.BufferedReader(reader)
+    if binary == "r":
+        stream = io.TextIOWrapper(stream, encoding=encoding)
+    return stream
+
+
+def read_all(stream: IO[Any], url: str) -> Any:
+    """The rest of ``stream``; a failure (after the stream's own retries) names ``url``."""
+    try:
+        return stream.read()
+    except (UnicodeDecodeError, MemoryError):
+        raise
+    except Exception as error:
+        raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
+
+
+class FileLister(IterDataPipe[str]):
+    """The files under one or more roots whose names match ``masks`` (functional name: ``list_files``).
+
+    Args:
+        root: a directory or file (a local path, or a URL through fsspec), a list of them, or a
+            pipe yielding them.
+        masks: shell-style patterns for the file name (``"*.tar"``); a list matches any; empty
+            matches everything.
+        recursive: go into subdirectories.
+        abspath: yield absolute paths (local roots only).
+        length: what ``len()`` reports (-1: no length).
+        storage_options: passed to fsspec for remote roots (credentials, endpoints).
+
+    Example:
+        >>> list(FileLister("shards", "*.tar"))
+        ['shards/train-0000.tar', 'shards/train-0001.tar']
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, root: str | Sequence[str] | IterDataPipe = ".", masks: str | list[str] = "",
+                 *, recursive: bool = False, abspath: bool = False, length: int = -1,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.datapipe = root if is_iter_datapipe(root) else None
+        self.roots = None if self.datapipe is not None else ([root] if isinstance(root, str) else list(root))
+        self.masks = [masks] if isinstance(masks, str) else list(masks)
+        self.recursive = recursive
+        self.abspath = abspath
+        self.length = length
+        self.storage_options = dict(storage_options) if storage_options else None
+
+    def __iter__(self) -> Iterator[str]:
+        roots = self.datapipe if self.datapipe is not None else self.roots
+        return iter(_ListingIterator(self, roots))  # type: ignore[arg-type]
+
+    def list_root(self, root: str) -> list[str]:
+        masks = [m for m in self.masks if m] or ["*"]
+        found = _storage.expand(root, masks, self.recursive, self.storage_options)
+        if self.abspath and _storage.is_local(root):
+            import os
+
+            found = [os.path.abspath(path) for path in found]
+        return found
+
+    def __len__(self) -> int:
+        if self.length == -1:
+            raise no_length(self)
+        return self.length
+
+
+class _ListingIterator(PipeIterator[str]):
+    def __init__(self, pipe: FileLister, roots: Any) -> None:
+        super().__init__(roots)
+        (self._roots,) = self.upstream
+        self._pipe = pipe
+        self._pending: Iterator[str] = iter(())
+
+    def nonblocking_next(self) -> str:
+        while True:
+            for path in self._pending:
+                return path
+            self._pending = iter(self._pipe.list_root(self._roots.nonblocking_next()))
+
+
+class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
+    """Open each path or URL as a stream, yielding ``(url, stream)`` (functional name: ``open_files``).
+
+    Streams are read as needed (nothing is downloaded first); the consumer closes them
+    (``load_from_tar`` does). Remote streams reconnect and resume after transient failures.
+
+    Args:
+        datapipe: yields paths or URLs (``file://``, ``http(s)://``, ``s3://``, any fsspec URL).
+        mode: ``"r"``/``"t"`` text (torchdata's default) or ``"b"`` bytes.
+        encoding: the text encoding (text mode only).
+        length: what ``len()`` reports (-1: the source's length).
+        storage_options: passed to fsspec (credentials, endpoints); environment variables such
+            as ``AWS_ENDPOINT_URL`` work without it.
+        retry: how transient failures are retried (default: 4 attempts, from 0.2 s doubling).
+        on_error, max_failures: what a file that cannot be opened does; see
+            ``pipeload.datapipes.sources.on_error``.
+
+    Example:
+        >>> FileLister("shards", "*.tar").open_files(mode="b").load_from_tar()
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: IterDataPipe[str], mode: str = "r", encoding: str | None = None,
+                 length: int = -1, *, storage_options: Mapping[str, Any] | None = None,
+                 retry: RetryPolicy | None = None, on_error: OnError = "raise",
+                 max_failures: int | None = None) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
+        if encoding is not None and _MODES[mode] == "rb":
+            raise ValueError(f"binary mode doesn't take an encoding argument (got mode={mode!r}, "
+                             f"encoding={encoding!r})")
+        check_policy(on_error, max_failures, "FileOpener")
+        self.datapipe = datapipe
+        self.mode = mode
+        self.encoding = encoding
+        self.length = length
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.retry = retry or RetryPolicy()
+        self.on_error = on_error
+        self.max_failures = max_failures
+
+    def __iter__(self) -> Iterator[tuple[str, IO[Any]]]:
+        return _OpenerIterator(self)
+
+    def open(self, url: str) -> IO[Any]:
+        return open_stream(url, self.mode, self.encoding, self.storage_options, self.retry)
+
+    def __len__(self) -> int:
+        if self.length != -1:
+            return self.length
+        try:
+            return len(self.datapipe)  # type: ignore[arg-type]
+        except TypeError:
+            raise no_length(self) from None
+
+
+class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
+    def __init__(self, pipe: FileOpener) -> None:
+        super().__init__(pipe.datapipe)
+        (self._urls,) = self.upstream
+        self._pipe = pipe
+        self.failures = pipe._failure_handler("open_files")
+
+    def nonblocking_next(self) -> tuple[str, IO[Any]]:
+        while True:
+            url = self._urls.nonblocking_next()
+            try:
+                return url, self._pipe.open(url)
+            except Exception as error:  # noqa: BLE001  (the policy decides: skip or raise)
+                self.failures.handle(error, self.failures.site(url))
+
+
+class FileReader(MapDataPipe[tuple[str, Any]]):
+    """A map-style pipe over a list of files: ``reader[i]`` is ``(path, contents)``.
+
+    Reads the whole file at each access; pair it with a sampler for random access over many
+    small files (images in a folder, local or in a bucket).
+
+    Args:
+        paths: the paths or URLs (``FileLister(...)`` turned into a list works).
+        mode: ``"b"`` (bytes, the default) or ``"r"``/``"t"`` (text).
+        encoding: the text encoding (text mode only).
+        storage_options: passed to fsspec for remote files.
+        retry: how transient failures are retried.
+
+    Example:
+        >>> reader = FileReader(sorted(glob.glob("images/*.jpg")))
+        >>> path, data = reader[0]
+    """
+
+    _parent_fields = ()
+
+    def __init__(self, paths: Sequence[str], mode: str = "b", encoding: str | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
+        self.paths = list(paths)
+        self.mode = mode
+        self.encoding = encoding
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.retry = retry or RetryPolicy()
+
+    def __getitem__(self, index: int) -> tuple[str, Any]:
+        url = self.paths[index]
+        with open_stream(url, self.mode, self.encoding, self.storage_options, self.retry) as stream:
+            return url, read_all(stream, url)
+
+    def __len__(self) -> int:
+        return len(self.paths)

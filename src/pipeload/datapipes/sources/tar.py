@@ -1,0 +1,200 @@
+"""``load_from_tar``: the members of tar archives, streamed (.tar, .tar.gz, .tar.bz2, .tar.xz, .tar.zst)."""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.iter._columns import no_length
+from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.sources import _tar_stream
+from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
+from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
+
+# Errors that mean "these bytes are not a good archive", as opposed to "the bytes did not come".
+_DATA_ERROR_NAMES = frozenset({"ZstdError", "BadGzipFile", "error", "LZMAError"})
+
+
+class ArchiveMember(tuple):
+    """One archive member as ``(path, data)``: ``path`` is ``"<archive url>/<member name>"``.
+
+    ``archive`` and ``name`` keep the two parts apart (``webdataset`` groups by them).
+    """
+
+    archive: str
+    name: str
+
+    def __new__(cls, archive: str, name: str, data: bytes) -> ArchiveMember:
+        member = super().__new__(cls, (f"{archive}/{name}", data))
+        member.archive = archive
+        member.name = name
+        return member
+
+    def __getnewargs__(self) -> tuple[str, str, bytes]:  # type: ignore[override]
+        return self.archive, self.name, self[1]
+
+    def __reduce__(self) -> Any:
+        return (ArchiveMember, (self.archive, self.name, self[1]))
+
+
+class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
+    """Stream the regular files of tar archives, without extracting them (functional name:
+    ``load_from_tar``).
+
+    Takes ``(url, binary stream)`` pairs (``open_files(mode="b")`` makes them) and yields one
+    ``(url/member, bytes)`` pair per regular file, in archive order, closing each stream when
+    its archive ends. Compression is recognised from the data: gzip, bzip2, xz, and zstd (with
+    the ``zstandard`` package). A truncated or corrupt archive raises :class:`ArchiveError`
+    naming the archive and the member where it broke, or is handled by ``on_error``: the members
+    read before the damage have been yielded, the rest of that archive is skipped (one failure).
+
+    Args:
+        datapipe: yields ``(url, stream)`` pairs.
+        mode: accepted for torchdata compatibility (``"r:*"``); compression is always detected.
+        length: what ``len()`` reports (-1: no length).
+        on_error, max_failures: see ``pipeload.datapipes.sources.on_error``.
+
+    Example:
+        >>> for path, data in FileLister("shards", "*.tar").open_files(mode="b").load_from_tar():
+        ...     ...
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: IterDataPipe[tuple[str, IO[bytes]]], mode: str = "r:*", length: int = -1,
+                 *, on_error: OnError = "raise", max_failures: int | None = None) -> None:
+        if not mode.startswith("r"):
+            raise ValueError(f"TarArchiveLoader only reads archives: mode must start with 'r', got mode={mode!r}")
+        check_policy(on_error, max_failures, "TarArchiveLoader")
+        self.datapipe = datapipe
+        self.mode = mode
+        self.length = length
+        self.on_error = on_error
+        self.max_failures = max_failures
+
+    def __iter__(self) -> Iterator[ArchiveMember]:
+        return _TarIterator(self.datapipe, self._failure_handler("load_from_tar"))
+
+    def __len__(self) -> int:
+        if self.length == -1:
+            raise no_length(self)
+        return self.length
+
+
+class _OpenArchive:
+    """One archive being read: its stream, the watch over its bytes, the TarFile. Owned by one run."""
+
+    def __init__(self, url: str, stream: IO[bytes]) -> None:
+        self.url = url
+        self.stream = stream
+        self.last_member: str | None = None  # the last header read
+        self.in_member = False  # reading that member's data (not a header)
+        self.members_read = 0
+        self.watch = _tar_stream.TailWatch(_tar_stream.decompressed(stream))
+        self.tar = _tar_stream.open_tar(self.watch)
+
+    def next_member(self) -> ArchiveMember | None:
+        """The next regular file, or None at a clean end; raises at a broken one."""
+        while True:
+            info = self.tar.next()
+            if info is None:
+                problem = _tar_stream.how_it_ended(self.watch, self.tar.offset)
+                if problem is not None:
+                    raise tarfile.ReadError(problem)
+                return None
+            self.last_member = info.name
+            if not info.isfile():
+                continue
+            self.in_member = True
+            file = self.tar.extractfile(info)
+            data = file.read() if file is not None else b""
+            self.in_member = False
+            self.members_read += 1
+            return ArchiveMember(self.url, info.name, data)
+
+    def where(self) -> str:
+        """Where in the archive reading stopped, in words."""
+        if self.last_member is None:
+            return "at its first header"
+        if self.in_member:
+            return f"in member {self.last_member!r} (file {self.members_read + 1})"
+        return f"after member {self.last_member!r} ({self.members_read} files read)"
+
+    def close(self) -> None:
+        try:
+            self.tar.close()
+        finally:
+            self.stream.close()
+
+
+class _TarIterator(PipeIterator[ArchiveMember]):
+    def __init__(self, source: Any, failures: FailureHandler) -> None:
+        super().__init__(source)
+        (self._archives,) = self.upstream
+        self.failures = failures
+        self._current: _OpenArchive | None = None
+
+    def nonblocking_next(self) -> ArchiveMember:
+        while True:
+            if self._current is None:
+                url, stream = self._archives.nonblocking_next()
+                self._current = self._open(url, stream)
+                if self._current is None:
+                    continue
+            try:
+                member = self._current.next_member()
+            except Exception as error:  # noqa: BLE001  (named, then the policy decides)
+                self._give_up(error)
+                continue
+            if member is not None:
+                return member
+            self._close_current()
+
+    def _open(self, url: str, stream: IO[bytes]) -> _OpenArchive | None:
+        try:
+            return _OpenArchive(url, stream)
+        except Exception as error:  # noqa: BLE001
+            stream.close()
+            if isinstance(error, (TypeError, ImportError)):
+                raise  # the pipeline is built wrong: no policy can help
+            self.failures.handle(_named(error, url, "at its first header"), self.failures.site(url))
+            return None
+
+    def _give_up(self, error: Exception) -> None:
+        archive, self._current = self._current, None
+        assert archive is not None
+        _close_quietly(archive)
+        named = _named(error, archive.url, archive.where(), archive.last_member)
+        self.failures.handle(named, self.failures.site(archive.url, archive.last_member))
+
+    def _close_current(self) -> None:
+        archive, self._current = self._current, None
+        if archive is not None:
+            archive.close()
+
+    def close(self) -> None:
+        if self._current is not None:
+            _close_quietly(self._current)
+            self._current = None
+        super().close()
+
+
+def _close_quietly(archive: _OpenArchive) -> None:
+    try:
+        archive.close()
+    except Exception:  # noqa: BLE001  (already failing: the first error is the one to report)
+        pass
+
+
+def _named(error: Exception, url: str, where: str, member: str | None = None) -> Exception:
+    """The error as an ArchiveError/SourceError naming the archive and where in it it broke."""
+    if isinstance(error, SourceError):
+        return error
+    is_data = isinstance(error, (tarfile.TarError, EOFError)) or type(error).__name__ in _DATA_ERROR_NAMES
+    kind = ArchiveError if is_data else SourceError
+    message = f"cannot read tar archive {url!r} {where}: {describe_failure(error)}"
+    named = kind(message, url, member)
+    named.__cause__ = error
+    return named
