@@ -129,9 +129,7 @@ class RetryingReader(io.RawIOBase):
         self.reconnects += 1
         file = self._opener()
         try:
-            if file.seekable():
-                file.seek(self._position)
-            else:
+            if not _seek(file, self._position):
                 _read_past(file, self._position)
         except BaseException:
             file.close()
@@ -150,6 +148,17 @@ class RetryingReader(io.RawIOBase):
         if not self.closed:
             self._drop_file()
         super().close()
+
+
+def _seek(file: IO[bytes], position: int) -> bool:
+    """Seek ``file`` to ``position`` if it can (fsspec's HTTP streams say they can, and refuse)."""
+    try:
+        if not file.seekable():
+            return False
+        file.seek(position)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _read_past(file: IO[bytes], count: int) -> None:

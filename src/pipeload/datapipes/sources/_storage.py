@@ -18,6 +18,7 @@ from typing import IO, Any
 
 REMOTE_EXTRA_HINT = "pip install 'pipeload[remote]' (fsspec, plus s3fs for s3://)"
 LOCAL_PREFIX = "file://"
+_SIZE_NOT_NEEDED = -1
 
 
 def is_local(url: str) -> bool:
@@ -66,7 +67,9 @@ def open_binary(url: str, storage_options: Mapping[str, Any] | None) -> IO[bytes
     fs, path = filesystem(url, storage_options)
     options: dict[str, Any] = {}
     if url.startswith(("http://", "https://")):
-        options["block_size"] = 0
+        # A stream needs no size; any size given keeps fsspec from asking the server for it
+        # first (one more round trip per shard, and a whole GET where HEAD is not answered).
+        options.update(block_size=0, size=_SIZE_NOT_NEEDED)
     return fs.open(path, "rb", **options)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import lzma
 import tarfile
 from collections import deque
@@ -80,10 +81,10 @@ class _Prefixed:
 
 def decompressed(stream: IO[bytes]) -> Any:
     """``stream`` with any compression taken off, recognised by its magic bytes."""
-    head = stream.read(_MAGIC_BYTES)
-    if not isinstance(head, bytes):
-        raise TypeError(f"load_from_tar needs binary streams, got {type(stream).__name__} yielding "
-                        f"{type(head).__name__}: open the files with mode='b'")
+    head = b"" if isinstance(stream, io.TextIOBase) else stream.read(_MAGIC_BYTES)
+    if not isinstance(head, bytes) or isinstance(stream, io.TextIOBase):
+        raise TypeError(f"load_from_tar needs binary streams, got a text stream ({type(stream).__name__}): "
+                        "open the files with mode='b'")
     source = _Prefixed(head, stream)
     if head.startswith(_GZIP):
         return gzip.GzipFile(fileobj=source)  # type: ignore[arg-type]

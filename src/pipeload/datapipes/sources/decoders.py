@@ -158,7 +158,7 @@ class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
                                     f"{url!r}: {describe_failure(error)}") from error
 
     def __iter__(self) -> Iterator[Any]:
-        return _DecodeIterator(self, self._failure_handler("decode"))
+        return _DecodeIterator(self, self._failure_handler("decode", "the sample"))
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)

@@ -184,7 +184,7 @@ class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
         super().__init__(pipe.datapipe)
         (self._urls,) = self.upstream
         self._pipe = pipe
-        self.failures = pipe._failure_handler("open_files")
+        self.failures = pipe._failure_handler("open_files", "the file")
 
     def nonblocking_next(self) -> tuple[str, IO[Any]]:
         while True:

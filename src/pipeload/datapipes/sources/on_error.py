@@ -111,8 +111,8 @@ class ErrorPolicyMixin:
         """
         return self._tally().counts()
 
-    def _failure_handler(self, stage: str) -> FailureHandler:
-        return FailureHandler(self.on_error, self.max_failures, stage, self._tally())
+    def _failure_handler(self, stage: str, skips: str) -> FailureHandler:
+        return FailureHandler(self.on_error, self.max_failures, stage, skips, self._tally())
 
 
 class FailureHandler:
@@ -121,10 +121,12 @@ class FailureHandler:
     Used by the run's own thread only; the tally it reports to is thread-safe.
     """
 
-    def __init__(self, on_error: OnError, max_failures: int | None, stage: str, tally: FailureTally) -> None:
+    def __init__(self, on_error: OnError, max_failures: int | None, stage: str, skips: str,
+                 tally: FailureTally) -> None:
         self._on_error = on_error
         self._max_failures = max_failures
         self.stage = stage
+        self.skips = skips  # what a skip leaves out, in words ("the file", "the sample", ...)
         self._tally = tally
         self.skipped = 0  # in this run
 
@@ -144,8 +146,8 @@ class FailureHandler:
                 f"the last was {type(error).__name__} reading {site.describe()}: {error}"
             ) from error
         if self._on_error == "skip":
-            warnings.warn(f"{self.stage}: skipped {site.describe()} after "
-                          f"{type(error).__name__}: {error}", SkippedSampleWarning, stacklevel=2)
+            warnings.warn(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}",
+                          SkippedSampleWarning, stacklevel=2)
         else:
             try:
                 self._on_error(error, site)  # type: ignore[operator]

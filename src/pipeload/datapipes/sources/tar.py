@@ -75,7 +75,7 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
         self.max_failures = max_failures
 
     def __iter__(self) -> Iterator[ArchiveMember]:
-        return _TarIterator(self.datapipe, self._failure_handler("load_from_tar"))
+        return _TarIterator(self.datapipe, self._failure_handler("load_from_tar", "the rest of the archive"))
 
     def __len__(self) -> int:
         if self.length == -1:

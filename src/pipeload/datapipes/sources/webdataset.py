@@ -57,7 +57,7 @@ class WebDataset(IterDataPipe[dict[str, Any]], ErrorPolicyMixin):
         self.max_failures = max_failures
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return _GroupingIterator(self.datapipe, self._failure_handler("webdataset"))
+        return _GroupingIterator(self.datapipe, self._failure_handler("webdataset", "the sample"))
 
     def __len__(self) -> int:
         if self.length == -1:

@@ -1,0 +1,193 @@
+"""What the source tests share: tar shards written on the spot, and a real HTTP server on
+127.0.0.1 that can cut a response half-way or stall it (module level, so it all pickles)."""
+
+from __future__ import annotations
+
+import bz2
+import collections
+import gzip
+import io
+import json
+import lzma
+import socket
+import tarfile
+import threading
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+STALL_SLICE_S = 0.05
+
+
+def sample_files(shard: int, index: int) -> list[tuple[str, bytes]]:
+    """The members of one sample: a tiny JPEG, its class, some JSON."""
+    from PIL import Image
+
+    key = f"s{shard:02d}_{index:03d}"
+    image = Image.fromarray(np.full((6, 5, 3), (shard * 40 + index) % 256, np.uint8))
+    encoded = io.BytesIO()
+    image.save(encoded, "JPEG")
+    return [
+        (f"{key}.jpg", encoded.getvalue()),
+        (f"{key}.cls", str(index).encode()),
+        (f"{key}.json", json.dumps({"shard": shard, "index": index}).encode()),
+    ]
+
+
+def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    """An uncompressed tar archive holding ``members`` in order."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def compress(data: bytes, compression: str) -> bytes:
+    if compression == "":
+        return data
+    if compression == "gz":
+        return gzip.compress(data)
+    if compression == "bz2":
+        return bz2.compress(data)
+    if compression == "xz":
+        return lzma.compress(data)
+    if compression == "zst":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data)
+    raise ValueError(compression)
+
+
+def write_shards(directory: Path, shards: int, samples: int, compression: str = "") -> list[Path]:
+    """``shards`` archives of ``samples`` samples each; returns their paths, in order."""
+    suffix = ".tar" + (f".{compression}" if compression else "")
+    paths = []
+    for shard in range(shards):
+        members = [m for index in range(samples) for m in sample_files(shard, index)]
+        path = directory / f"shard-{shard:04d}{suffix}"
+        path.write_bytes(compress(tar_bytes(members), compression))
+        paths.append(path)
+    return paths
+
+
+def all_keys(shards: int, samples: int) -> list[str]:
+    return sorted(f"s{shard:02d}_{index:03d}" for shard in range(shards) for index in range(samples))
+
+
+def sample_key(sample: dict[str, Any]) -> str:
+    return sample["__key__"]
+
+
+class _ShardHandler(BaseHTTPRequestHandler):
+    """Serves files from the server's root; HTTP/1.0, one request per connection."""
+
+    def __init__(self, *args: Any, shards: ShardServer, **kwargs: Any) -> None:
+        self.shards = shards
+        super().__init__(*args, **kwargs)
+
+    def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        name = self.path.lstrip("/")
+        path = self.shards.root / name
+        self.shards.note_request(name)
+        if not path.is_file():
+            self.send_error(404, f"no such shard: {name}")
+            return
+        data = path.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Type", "application/x-tar")
+        self.end_headers()
+        fault = self.shards.take_fault(name)
+        if fault is None:
+            self.wfile.write(data)
+            return
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        if fault == "stall":
+            self.shards.stalled.set()
+            while not self.shards.released.wait(STALL_SLICE_S):
+                pass
+        self.connection.shutdown(socket.SHUT_RDWR)  # cut the response half-way
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # quiet: the tests read the request counts instead
+
+
+class ShardServer:
+    """A real HTTP server in a thread on 127.0.0.1, serving ``root``.
+
+    ``drop(name, times)`` makes the next ``times`` responses for ``name`` stop half-way (the
+    connection is cut after half the bytes a full Content-Length promised); ``stall(name)`` makes
+    every response for ``name`` stop half-way and hang until the server closes.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self.requests: collections.Counter[str] = collections.Counter()
+        self._drops: dict[str, int] = {}
+        self._stalls: set[str] = set()
+        self.stalled = threading.Event()  # set once a stalled response is hanging
+        self.released = threading.Event()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_ShardHandler, shards=self))
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="test-shard-server", daemon=True)
+        self._thread.start()
+
+    def url(self, name: str) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/{name}"
+
+    def drop(self, name: str, times: int) -> None:
+        with self._lock:
+            self._drops[name] = times
+
+    def stall(self, name: str) -> None:
+        with self._lock:
+            self._stalls.add(name)
+
+    def note_request(self, name: str) -> None:
+        with self._lock:
+            self.requests[name] += 1
+
+    def take_fault(self, name: str) -> str | None:
+        with self._lock:
+            if name in self._stalls:
+                return "stall"
+            if self._drops.get(name, 0) > 0:
+                self._drops[name] -= 1
+                return "drop"
+        return None
+
+    def close(self) -> None:
+        self.released.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> ShardServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def refused_url(name: str) -> str:
+    """A URL on 127.0.0.1 where nothing listens: connecting is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{name}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

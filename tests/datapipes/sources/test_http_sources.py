@@ -1,0 +1,121 @@
+"""Tar shards over a real HTTP server on 127.0.0.1: every sample once with 0 and 2 process workers,
+a connection cut half-way resumed, one that keeps failing or is refused named in the error, and
+a loader whose workers hang on a stalled response still shutting down within a second."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import LeakGuard, wait_until
+from sources_for_tests import ShardServer, all_keys, refused_url, sample_key, write_shards
+
+import pipeload
+from pipeload.datapipes import webdataset_pipeline
+from pipeload.datapipes.iter import IterableWrapper
+from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SkippedSampleWarning, SourceError
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+
+FAST_RETRY = RetryPolicy(attempts=3, backoff_s=0.01)
+SHUTDOWN_WITHIN_S = 1.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fsspec_io_thread() -> None:
+    """fsspec runs one IO thread for the life of the process (as Python keeps its resource
+    tracker); start it before any test's leak check, so it is not counted as the test's."""
+    import fsspec.asyn
+
+    fsspec.asyn.get_loop()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ShardServer]:
+    write_shards(tmp_path, 4, 5)
+    with ShardServer(tmp_path) as running:
+        yield running
+
+
+def shard_urls(server: ShardServer, count: int = 4) -> list[str]:
+    return [server.url(f"shard-{shard:04d}.tar") for shard in range(count)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_sample_exactly_once_over_http(server: ShardServer, num_workers: int) -> None:
+    pipe = webdataset_pipeline(shard_urls(server), image="tensor", shuffle_buffer=8).map(sample_key)
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=num_workers)
+    for _ in range(2):
+        keys = list(loader)
+        assert sorted(keys) == all_keys(4, 5)
+    assert sum(server.requests.values()) == 8  # each shard read once per epoch, by one worker
+
+
+def test_a_connection_cut_half_way_is_resumed_and_nothing_is_lost(server: ShardServer, tmp_path: Path) -> None:
+    server.drop("shard-0001.tar", times=1)
+    over_http = list(IterableWrapper(shard_urls(server)).open_files(mode="b", retry=FAST_RETRY).load_from_tar())
+    local = list(IterableWrapper(sorted(str(p) for p in tmp_path.glob("*.tar"))).open_files(mode="b").load_from_tar())
+    assert [(m.name, m[1]) for m in over_http] == [(m.name, m[1]) for m in local]
+    assert server.requests["shard-0001.tar"] == 2
+
+
+def test_a_connection_that_keeps_failing_ends_in_an_error_naming_the_url(server: ShardServer) -> None:
+    server.drop("shard-0002.tar", times=100)
+    urls = shard_urls(server)
+    pipe = IterableWrapper(urls).open_files(mode="b", retry=FAST_RETRY).load_from_tar()
+    with pytest.raises(SourceError) as raised:
+        list(pipe)
+    assert urls[2] in str(raised.value) and raised.value.url == urls[2]
+    # aiohttp may hand out part of the cut response before it reports the cut, and a read that
+    # makes progress starts its attempts afresh: at least `attempts` requests, then the error
+    assert server.requests["shard-0002.tar"] >= FAST_RETRY.attempts
+    assert "gave up after 3 attempts" in " ".join(getattr(raised.value.__cause__, "__notes__", []))
+
+
+def test_the_skip_policy_leaves_out_the_failing_shard_and_counts_it(server: ShardServer) -> None:
+    server.drop("shard-0002.tar", times=100)
+    pipe = webdataset_pipeline(shard_urls(server), shuffle_shards=False, shuffle_buffer=0,
+                               on_error="skip", retry=FAST_RETRY)
+    with pytest.warns(SkippedSampleWarning, match="shard-0002.tar"):
+        keys = [sample["__key__"] for sample in pipe]
+    # the samples read before the cut stay; the rest of that shard is left out
+    assert set(all_keys(4, 5)) - set(keys) and set(keys) >= set(all_keys(2, 5))
+    assert pipeload.datapipes.sources.failure_counts(pipe) == FailureCounts(skipped=1)
+
+
+def test_a_refused_connection_is_named_after_its_retries() -> None:
+    url = refused_url("shard-0000.tar")
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=url):
+        list(IterableWrapper([url]).open_files(mode="b", retry=FAST_RETRY))
+    assert time.monotonic() - started < 5.0
+    opener = IterableWrapper([url]).open_files(mode="b", retry=FAST_RETRY, on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match=url):
+        assert list(opener) == []
+
+
+def test_a_missing_shard_is_a_file_not_found_naming_the_url(server: ShardServer) -> None:
+    url = server.url("no-such-shard.tar")
+    with pytest.raises(FileNotFoundError, match="no-such-shard.tar"):
+        list(IterableWrapper([url]).open_files(mode="b"))
+    assert server.requests["no-such-shard.tar"] == 1  # a 404 is not retried
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_workers_hanging_on_a_stalled_read_do_not_hold_up_shutdown(
+    server: ShardServer, leak_guard: LeakGuard, worker_type: str
+) -> None:
+    for name in ("shard-0000.tar", "shard-0001.tar"):
+        server.stall(name)
+    pipe = IterableWrapper(shard_urls(server, 2)).sharding_filter().open_files(mode="b", retry=FAST_RETRY)
+    loader = pipeload.DataLoader(pipe.load_from_tar(), batch_size=None, num_workers=2, worker_type=worker_type)
+    epoch = iter(loader)
+    assert wait_until(lambda: server.requests.total() == 2 and server.stalled.is_set(), 20.0)
+    pids = [w.pid for w in epoch._workers]
+    started = time.monotonic()
+    epoch.close()
+    assert time.monotonic() - started < SHUTDOWN_WITHIN_S
+    if worker_type == "process":
+        leak_guard.assert_exited(pids, within_s=SHUTDOWN_WITHIN_S)

@@ -1,0 +1,172 @@
+"""load_from_tar over real archives written here: every compression, in order, and broken archives
+(truncated in a member, at a member boundary, in a header; corrupt headers; garbage) named by
+archive and member, raised or skipped by the on_error policy."""
+
+from __future__ import annotations
+
+import sys
+import tarfile
+import warnings
+from pathlib import Path
+
+import pytest
+from sources_for_tests import compress, sample_files, tar_bytes, write_shards
+
+from pipeload.datapipes.iter import FileLister, IterableWrapper
+from pipeload.datapipes.sources import (
+    ArchiveError,
+    ArchiveMember,
+    FailureBudgetExceeded,
+    FailureCounts,
+    SkippedSampleWarning,
+    failure_counts,
+)
+
+MEMBERS = [m for index in range(4) for m in sample_files(0, index)]
+
+
+def members_of(*paths: Path, **policy: object) -> list[tuple[str, bytes]]:
+    pipe = IterableWrapper([str(p) for p in paths]).open_files(mode="b").load_from_tar(**policy)
+    return list(pipe)
+
+
+@pytest.mark.parametrize("compression", ["", "gz", "bz2", "xz", "zst"])
+def test_every_member_in_archive_order_whatever_the_compression(tmp_path: Path, compression: str) -> None:
+    path = tmp_path / ("a.tar" + (f".{compression}" if compression else ""))
+    path.write_bytes(compress(tar_bytes(MEMBERS), compression))
+    got = members_of(path)
+    assert [(p, data) for p, data in got] == [(f"{path}/{name}", data) for name, data in MEMBERS]
+    assert all(isinstance(m, ArchiveMember) and m.archive == str(path) for m in got)
+
+
+def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -> None:
+    import io
+    import pickle
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        directory = tarfile.TarInfo("dir")
+        directory.type = tarfile.DIRTYPE
+        tar.addfile(directory)
+        link = tarfile.TarInfo("dir/link")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "x"
+        tar.addfile(link)
+        info = tarfile.TarInfo("dir/a.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    (tmp_path / "d.tar").write_bytes(buffer.getvalue())
+    (member,) = members_of(tmp_path / "d.tar")
+    assert member.name == "dir/a.txt" and member[1] == b"hi"
+    copy = pickle.loads(pickle.dumps(member))
+    assert copy == member and copy.archive == member.archive and copy.name == "dir/a.txt"
+
+
+def test_streams_are_closed_when_their_archive_ends(tmp_path: Path) -> None:
+    (path,) = write_shards(tmp_path, 1, 2)
+    opened = list(IterableWrapper([str(path)]).open_files(mode="b"))
+    (_, stream), = opened
+    list(IterableWrapper(opened, deepcopy=False).load_from_tar())
+    assert stream.closed
+
+
+def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
+    """name -> (path, members readable before the damage, what the error must say)."""
+    whole = tar_bytes(MEMBERS)
+    sizes = [512 + (len(data) + 511) // 512 * 512 for _, data in MEMBERS]
+    second_header = sizes[0]
+    cases = {
+        # cut inside the 4th member's data (an image)
+        "in a member": (whole[: sum(sizes[:3]) + 512 + 3], 3, "in member 's00_001.jpg'"),
+        # cut exactly after the 3rd member: tarfile alone would end quietly here
+        "at a member boundary": (whole[: sum(sizes[:3])], 3, "truncated"),
+        "in a header": (whole[: sum(sizes[:3]) + 100], 3, "truncated"),
+        "corrupt header": (whole[:second_header] + b"\x07" * 512 + whole[second_header + 512:], 1, "corrupt"),
+        "garbage": (b"not a tar archive at all" * 50, 0, "at its first header"),
+        "truncated gzip": (compress(whole, "gz")[: len(compress(whole, "gz")) // 2], None, "cannot read tar archive"),
+    }
+    written = {}
+    for name, (data, readable, says) in cases.items():
+        path = tmp_path / (name.replace(" ", "_") + ".tar")
+        path.write_bytes(data)
+        written[name] = (path, readable, says)
+    return written
+
+
+@pytest.mark.parametrize("case", ["in a member", "at a member boundary", "in a header", "corrupt header",
+                                  "garbage", "truncated gzip"])
+def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, case: str) -> None:
+    path, readable, says = _broken_archives(tmp_path)[case]
+    pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar()
+    it = iter(pipe)
+    got = []
+    with pytest.raises(ArchiveError) as raised:
+        for member in it:
+            got.append(member)
+    assert str(path) in str(raised.value) and says in str(raised.value)
+    assert raised.value.url == str(path)
+    if readable is not None:
+        assert [m.name for m in got] == [name for name, _ in MEMBERS[:readable]]
+    assert failure_counts(pipe) == FailureCounts(skipped=0, raised=1)
+
+
+def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Path) -> None:
+    broken = _broken_archives(tmp_path)
+    good = tmp_path / "good.tar"
+    good.write_bytes(tar_bytes(MEMBERS[:2]))
+    paths = [broken["in a member"][0], good, broken["garbage"][0], good]
+    pipe = IterableWrapper([str(p) for p in paths]).open_files(mode="b").load_from_tar(on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match="garbage.tar") as caught:
+        got = [m.name for m in pipe]
+    assert got == [n for n, _ in MEMBERS[:3]] + [n for n, _ in MEMBERS[:2]] * 2
+    assert len(caught) == 2
+    assert pipe.failure_counts() == FailureCounts(skipped=2) == failure_counts(pipe.map(len))
+
+
+def test_a_callback_sees_the_error_and_where_and_the_budget_ends_the_run(tmp_path: Path) -> None:
+    garbage = _broken_archives(tmp_path)["garbage"][0]
+    seen = []
+    pipe = IterableWrapper([str(garbage)] * 3).open_files(mode="b").load_from_tar(
+        on_error=lambda error, where: seen.append((type(error), where.url, where.stage)), max_failures=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a callback replaces the warning
+        with pytest.raises(FailureBudgetExceeded, match="max_failures=2") as raised:
+            list(pipe)
+    assert seen == [(ArchiveError, str(garbage), "load_from_tar")] * 2
+    assert isinstance(raised.value.__cause__, ArchiveError)
+    assert pipe.failure_counts() == FailureCounts(skipped=2, raised=1)
+
+
+def test_missing_files_are_named_and_can_be_skipped(tmp_path: Path) -> None:
+    good = tmp_path / "good.tar"
+    good.write_bytes(tar_bytes(MEMBERS[:1]))
+    missing = str(tmp_path / "missing.tar")
+    with pytest.raises(FileNotFoundError, match="missing.tar"):
+        members_of(Path(missing))
+    opener = IterableWrapper([missing, str(good)]).open_files(mode="b", on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match="missing.tar"):
+        assert [m.name for m in opener.load_from_tar()] == [MEMBERS[0][0]]
+    assert opener.failure_counts().skipped == 1
+
+
+def test_text_streams_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    (path,) = write_shards(tmp_path, 1, 1)
+    with pytest.raises(TypeError, match="mode='b'"):
+        list(FileLister(str(tmp_path), "*.tar").open_files().load_from_tar())
+
+
+def test_zst_without_zstandard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (path,) = write_shards(tmp_path, 1, 1, compression="zst")
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(ImportError, match=r"pipeload\[zstd\]"):
+        members_of(path)
+
+
+def test_bad_arguments_name_themselves() -> None:
+    source = IterableWrapper([])
+    with pytest.raises(ValueError, match="on_error"):
+        source.load_from_tar(on_error="ignore")
+    with pytest.raises(ValueError, match="max_failures"):
+        source.load_from_tar(on_error="skip", max_failures=-1)
+    with pytest.raises(ValueError, match="mode"):
+        source.load_from_tar(mode="w")
