@@ -1,0 +1,101 @@
+"""The same shards as s3:// URLs, from moto's S3 server on 127.0.0.1 reached through s3fs: found by
+glob and FileLister, every sample once with 0 and 2 process workers, credentials and endpoint
+from the standard AWS_* environment variables or from storage_options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sources_for_tests import all_keys, free_port, sample_key, write_shards
+
+import pipeload
+from pipeload.datapipes import webdataset_pipeline
+from pipeload.datapipes.iter import FileLister, IterableWrapper
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
+
+BUCKET = "pipeload-shards"
+SHARDS, SAMPLES = 4, 5
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1, holding the shards; AWS_* variables point at it."""
+    import fsspec.asyn
+    from moto.server import ThreadedMotoServer
+
+    fsspec.asyn.get_loop()  # fsspec's IO thread lives as long as the process: not a test's leak
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}.items():
+            env.setenv(name, value)
+        _upload(tmp_path_factory.mktemp("s3-shards"), endpoint)
+        # s3fs resolves hosts and credentials in the IO loop's executor thread, which then lives
+        # as long as the loop: start it here, before any test's leak check.
+        list(FileLister(f"s3://{BUCKET}/train", "*.tar"))
+        yield endpoint
+        _forget_s3_clients()
+    server.stop()
+
+
+def _upload(directory: Path, endpoint: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    for path in write_shards(directory, SHARDS, SAMPLES):
+        client.upload_file(str(path), BUCKET, f"train/{path.name}")
+    client.put_object(Bucket=BUCKET, Key="train/README.txt", Body=b"not a shard")
+
+
+def _forget_s3_clients() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def fresh_s3_clients(s3_endpoint: str) -> Iterator[str]:
+    """Each test starts and ends without cached s3fs clients (their pooled sockets are fds)."""
+    _forget_s3_clients()
+    yield s3_endpoint
+    _forget_s3_clients()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_sample_once_from_s3_with_the_environment_credentials(fresh_s3_clients: str, num_workers: int) -> None:
+    pipe = webdataset_pipeline(f"s3://{BUCKET}/train/shard-*.tar", image="numpy").map(sample_key)
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=num_workers)
+    assert sorted(loader) == all_keys(SHARDS, SAMPLES)
+
+
+def test_storage_options_carry_the_endpoint_and_keys_into_workers(
+    fresh_s3_clients: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ENDPOINT_URL", *CREDENTIALS):
+        monkeypatch.delenv(name)
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": fresh_s3_clients, "region_name": "us-east-1"}}
+    urls = [f"s3://{BUCKET}/train/shard-{{0000..{SHARDS - 1:04d}}}.tar"]
+    pipe = webdataset_pipeline(urls, storage_options=options, shuffle_buffer=4).map(sample_key)
+    assert sorted(pipeload.DataLoader(pipe, batch_size=None, num_workers=2)) == all_keys(SHARDS, SAMPLES)
+
+
+def test_file_lister_finds_the_shards_by_mask(fresh_s3_clients: str) -> None:
+    listed = list(FileLister(f"s3://{BUCKET}/train", "*.tar"))
+    assert listed == [f"s3://{BUCKET}/train/shard-{shard:04d}.tar" for shard in range(SHARDS)]
+    everything = list(IterableWrapper([f"s3://{BUCKET}"]).list_files(recursive=True))
+    assert f"s3://{BUCKET}/train/README.txt" in everything and len(everything) == SHARDS + 1
+
+
+def test_a_missing_object_is_named(fresh_s3_clients: str) -> None:
+    url = f"s3://{BUCKET}/train/no-such-shard.tar"
+    with pytest.raises(FileNotFoundError, match="no-such-shard.tar"):
+        list(IterableWrapper([url]).open_files(mode="b"))
