@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator
+
 STALL_SLICE_S = 0.05
 
 
@@ -191,3 +193,37 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class Gate:
+    """A source the test feeds by hand: NotAvailable until items are released, then the end."""
+
+    def __init__(self) -> None:
+        self.released: list[Any] = []
+        self.ended = False
+
+    def release(self, item: Any) -> None:
+        self.released.append(item)
+
+
+class GatedPipe(IterDataPipe):
+    """An iterable pipe over a :class:`Gate` (one thread: the test's)."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def __iter__(self) -> PipeIterator[Any]:
+        return _GatedIterator(self.gate)
+
+
+class _GatedIterator(PipeIterator[Any]):
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self._gate = gate
+
+    def nonblocking_next(self) -> Any:
+        if self._gate.released:
+            return self._gate.released.pop(0)
+        if self._gate.ended:
+            raise StopIteration
+        raise NotAvailable

@@ -1,0 +1,94 @@
+"""Local files as pipes: FileLister (masks, recursion, several roots), FileOpener (text and bytes),
+FileReader (map-style, through a sampler in the loader), shard URL expansion, and remote URLs
+without the remote extra."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from sources_for_tests import write_shards
+
+import pipeload
+from pipeload.datapipes.iter import FileLister, IterableWrapper
+from pipeload.datapipes.map import FileReader
+from pipeload.datapipes.sources import expand_urls, open_stream
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    for name in ("a.txt", "b.tar", "sub/c.txt", "sub/deeper/d.txt"):
+        (tmp_path / name).write_text(f"contents of {name}\nsecond line\n")
+    return tmp_path
+
+
+def test_file_lister_masks_recursion_and_several_roots(tree: Path) -> None:
+    assert list(FileLister(str(tree))) == [str(tree / "a.txt"), str(tree / "b.tar")]
+    assert list(FileLister(str(tree), "*.txt", recursive=True)) == [
+        str(tree / name) for name in ("a.txt", "sub/c.txt", "sub/deeper/d.txt")]
+    assert list(FileLister(str(tree), ["*.tar", "c.*"], recursive=True)) == [str(tree / "b.tar"), str(tree / "sub/c.txt")]
+    roots = IterableWrapper([str(tree / "sub"), str(tree / "a.txt")])
+    assert list(roots.list_files("*.txt")) == [str(tree / "sub/c.txt"), str(tree / "a.txt")]
+    assert list(FileLister(f"file://{tree}", "*.tar")) == [str(tree / "b.tar")]
+
+
+def test_file_lister_relative_roots_and_abspath(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tree)
+    assert list(FileLister("sub", "*.txt")) == ["sub/c.txt"]
+    assert list(FileLister("sub", "*.txt", abspath=True)) == [str(tree / "sub/c.txt")]
+
+
+def test_file_lister_missing_root_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        list(FileLister(str(tmp_path / "nowhere")))
+
+
+def test_file_opener_text_and_bytes(tree: Path) -> None:
+    paths = IterableWrapper([str(tree / "a.txt")])
+    ((path, stream),) = list(paths.open_files())
+    with stream:
+        assert path == str(tree / "a.txt") and stream.readline() == "contents of a.txt\n"
+    ((_, stream),) = list(paths.open_files(mode="b"))
+    with stream:
+        assert stream.read(8) == b"contents"
+    with pytest.raises(ValueError, match="Invalid mode"):
+        paths.open_files(mode="w")
+    with pytest.raises(ValueError, match="encoding"):
+        paths.open_files(mode="b", encoding="utf-8")
+    assert len(paths.open_files()) == 1
+
+
+def test_file_reader_is_a_map_style_source_the_loader_samples(tree: Path) -> None:
+    paths = [str(p) for p in sorted(tree.rglob("*.txt"))]
+    reader = FileReader(paths)
+    assert len(reader) == 3 and reader[1] == (paths[1], Path(paths[1]).read_bytes())
+    assert FileReader(paths, mode="r")[0][1].startswith("contents of")
+    lengths = pipeload.DataLoader(reader.map(_size), batch_size=None, num_workers=2)
+    assert sorted(lengths) == sorted(Path(p).stat().st_size for p in paths)
+
+
+def _size(item: tuple[str, bytes]) -> int:
+    return len(item[1])
+
+
+def test_shard_urls_from_lists_brace_ranges_and_globs(tmp_path: Path) -> None:
+    paths = [str(p) for p in write_shards(tmp_path, 3, 1)]
+    assert expand_urls(f"{tmp_path}/shard-*.tar") == paths
+    assert expand_urls(f"{tmp_path}/shard-{{0000..0002}}.tar") == paths
+    assert expand_urls("s3://b/x-{8..10}.tar") == ["s3://b/x-8.tar", "s3://b/x-9.tar", "s3://b/x-10.tar"]
+    assert expand_urls(["http://h/a.tar", "http://h/b.tar"]) == ["http://h/a.tar", "http://h/b.tar"]
+    with pytest.raises(ValueError, match="no shard matches"):
+        expand_urls(f"{tmp_path}/nothing-*.tar")
+
+
+def test_a_remote_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"pipeload\[remote\]") as raised:
+        open_stream("s3://bucket/shard.tar")
+    assert "s3://bucket/shard.tar" in str(raised.value)
+    with pytest.raises(ImportError, match=r"pipeload\[remote\]"):
+        list(FileLister("http://example.invalid/shards", "*.tar"))
