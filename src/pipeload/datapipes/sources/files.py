@@ -15,6 +15,8 @@ from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
 
+# Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
+REMOTE_BUFFER_BYTES = 1 << 20
 _MODES = {"r": "r", "t": "r", "rt": "r", "b": "rb", "rb": "rb"}
 
 
@@ -42,7 +44,7 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
-    stream: IO[Any] = io.BufferedReader(reader)
+    stream: IO[Any] = io.BufferedReader(reader, REMOTE_BUFFER_BYTES)
     if binary == "r":
         stream = io.TextIOWrapper(stream, encoding=encoding)
     return stream
