@@ -1,7 +1,7 @@
 """JPEGs in tar shards over HTTP through pipes, against the same JPEGs as local files under
 torch.utils.data, in one run.
 
-    python -m bench.sources [--images 3000] [--per-shard 100] [--num-workers 2] [--repeats 3]
+    python -m bench.sources [--images 3000] [--per-shard 100] [--num-workers 2] [--repeats 3] [--read-ahead 64]
 
 pipeload: ``webdataset_pipeline(<shard URLs>)`` with a ``jpg`` handler that decodes with Pillow
 and resizes to 64x64 (the ``jpeg`` workload's work), samples batched by
@@ -110,8 +110,9 @@ class HttpServerProcess:
             self._process.wait(timeout=5)
 
 
-def pipeload_loader(urls: list[str], num_workers: int) -> Callable[[], Any]:
-    pipe = webdataset_pipeline(urls, shuffle_shards=False, shuffle_buffer=0, handlers={"jpg": DecodeResize()})
+def pipeload_loader(urls: list[str], num_workers: int, read_ahead: int) -> Callable[[], Any]:
+    pipe = webdataset_pipeline(urls, shuffle_shards=False, shuffle_buffer=0, handlers={"jpg": DecodeResize()},
+                               read_ahead=read_ahead)
     pipe = pipe.map(image_and_label)
     return lambda: pipeload.DataLoader(pipe, batch_size=BATCH_SIZE, num_workers=num_workers)
 
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, float]:
     server = HttpServerProcess(root / "shards")
     try:
         factories = {
-            "pipeload (tar over HTTP)": pipeload_loader([server.url(n) for n in names], args.num_workers),
+            "pipeload (tar over HTTP)": pipeload_loader([server.url(n) for n in names], args.num_workers,
+                                                        args.read_ahead),
             "torch (local files)": torch_loader(paths, args.num_workers),
         }
         for factory in factories.values():
@@ -155,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         medians = run(args, Path(scratch))
     ours, theirs = medians.values()
     print(f"{args.images} JPEGs (160x120 -> {JPEG_OUTPUT_SIDE}x{JPEG_OUTPUT_SIDE}), {args.per_shard} per shard, "
-          f"batch {BATCH_SIZE}, {args.num_workers} process workers, median of {args.repeats}")
+          f"batch {BATCH_SIZE}, {args.num_workers} process workers, read_ahead={args.read_ahead}, "
+          f"median of {args.repeats}")
     for name, rate in medians.items():
         print(f"  {name:26s} {rate:10.0f} samples/s")
     print(f"  ratio pipeload/torch       {ours / theirs:10.2f}x")
@@ -168,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-shard", type=int, default=100)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--read-ahead", type=int, default=64, help="webdataset_pipeline's read_ahead")
     return parser
 
 

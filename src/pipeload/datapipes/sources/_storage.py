@@ -56,6 +56,25 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
                           f"{REMOTE_EXTRA_HINT}") from error
 
 
+def load_implementations(urls: list[str]) -> None:
+    """Import fsspec and the filesystem class of every remote protocol in ``urls`` now.
+
+    Called where a pipe is built, in the main process: forked workers then start with them
+    loaded, instead of each paying the import (aiohttp alone takes a third of a second) every
+    epoch. Missing packages are left for the first open to report.
+    """
+    protocols = {url.split("://", 1)[0] for url in urls if not is_local(url)}
+    if not protocols:
+        return
+    try:
+        import fsspec
+
+        for protocol in protocols:
+            fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        pass
+
+
 def open_binary(url: str, storage_options: Mapping[str, Any] | None) -> IO[bytes]:
     """Open ``url`` for reading bytes, streaming (no full download first).
 

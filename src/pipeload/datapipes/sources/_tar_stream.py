@@ -2,10 +2,11 @@
 
 Python's ``tarfile`` in stream mode ends quietly when a header after the first cannot be read:
 a shard cut off at a member boundary, or with garbage in a header, looks exactly like a short
-shard. Every sample after the damage would vanish without a word. So the decompressed bytes pass
-through a :class:`TailWatch` that keeps the last few records; when ``tarfile`` stops, the block
-at its offset tells why: zeros are the end-of-archive marker, a short block means the data ran
-out (truncated), anything else is a header ``tarfile`` could not parse (corrupt).
+shard, and every sample after the damage would vanish without a word. It is also slow for what
+shards need (a general TarInfo per member). So members are read here, header by header: a zero
+block is the end-of-archive marker, a short block means the data ran out (truncated), a block
+whose checksum does not add up is corrupt. ustar, GNU long names and pax headers (``path``,
+``size``) are understood, which covers what tar, Python's tarfile and WebDataset's writers make.
 
 Compression is recognised from the first bytes, not the name: gzip, bzip2 and xz with the
 standard library, zstd with the ``zstandard`` package (the ``zstd`` extra).
@@ -18,48 +19,18 @@ import gzip
 import io
 import lzma
 import tarfile
-from collections import deque
 from typing import IO, Any
 
-BLOCK_BYTES = tarfile.BLOCKSIZE
-TAIL_BYTES = 8 * tarfile.RECORDSIZE  # tarfile reads RECORDSIZE at a time; the failing header is in the last two
+BLOCK_BYTES = 512
+_ZERO_BLOCK = bytes(BLOCK_BYTES)
+_CHECKSUM_FIELD = slice(148, 156)
+_CHECKSUM_SPACES = 8 * ord(" ")  # the checksum is computed with its own field read as spaces
+_REGULAR_TYPES = frozenset({b"0", b"\0", b"7"})
+_PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK, _GNU_SPARSE = b"x", b"g", b"L", b"K", b"S"
+_POSIX_USTAR_MAGIC = b"ustar\x0000"
 _MAGIC_BYTES = 6
 _GZIP, _BZIP2, _XZ, _ZSTD = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"
 ZSTD_EXTRA_HINT = "pip install 'pipeload[zstd]' (the zstandard package)"
-
-
-class TailWatch:
-    """A read-only stream that remembers its last ``TAIL_BYTES`` and whether it hit the end."""
-
-    def __init__(self, source: Any) -> None:
-        self._source = source
-        self.position = 0  # bytes handed out
-        self.ended = False
-        self._tail: deque[tuple[int, bytes]] = deque()  # (start, chunk), oldest first
-        self._tail_bytes = 0
-
-    def read(self, size: int = -1) -> bytes:
-        chunk = self._source.read(size)
-        if not chunk and size != 0:
-            self.ended = True
-            return chunk
-        self._tail.append((self.position, chunk))
-        self.position += len(chunk)
-        self._tail_bytes += len(chunk)
-        while self._tail_bytes - len(self._tail[0][1]) >= TAIL_BYTES:
-            self._tail_bytes -= len(self._tail.popleft()[1])
-        return chunk
-
-    def bytes_at(self, offset: int, size: int) -> bytes | None:
-        """The bytes read at ``[offset, offset + size)`` (fewer where the data ended), or None
-        if they are no longer held."""
-        if self._tail and offset < self._tail[0][0]:
-            return None
-        parts = []
-        for start, chunk in self._tail:
-            if start + len(chunk) > offset and start < offset + size:
-                parts.append(chunk[max(0, offset - start):offset + size - start])
-        return b"".join(parts)
 
 
 class _Prefixed:
@@ -106,20 +77,120 @@ def _zstd_reader(source: Any) -> Any:
     return zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
 
 
-def how_it_ended(watch: TailWatch, offset: int) -> str | None:
-    """None for a clean end-of-archive marker at ``offset``; otherwise what went wrong there."""
-    block = watch.bytes_at(offset, BLOCK_BYTES)
-    if block is None:
-        return None  # long gone from the tail: tarfile did not stop on a bad header here
-    if len(block) < BLOCK_BYTES:
-        if not block:
-            return "truncated: the data ends without an end-of-archive marker"
-        return f"truncated: the data ends {len(block)} bytes into a header"
-    if block.count(0) == BLOCK_BYTES:
-        return None
-    return f"corrupt: the header at byte {offset} is not a valid tar header"
+class TarFormatError(tarfile.ReadError):
+    """The bytes are not a whole, valid tar archive (truncated or corrupt)."""
 
 
-def open_tar(watch: TailWatch) -> tarfile.TarFile:
-    """A stream-mode TarFile over already-decompressed bytes."""
-    return tarfile.open(fileobj=watch, mode="r|")  # type: ignore[call-overload]
+class TarReader:
+    """The regular files of one tar archive, in order, from an already-decompressed stream.
+
+    ``last_member``, ``in_member`` and ``members_read`` say where reading got to, for errors.
+    Used by one run only.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.offset = 0  # bytes consumed
+        self.last_member: str | None = None  # the last header read
+        self.in_member = False  # reading that member's data, not a header
+        self.members_read = 0
+
+    def next_member(self) -> tuple[str, bytes] | None:
+        """``(name, data)`` of the next regular file; None at the end-of-archive marker.
+
+        Raises:
+            TarFormatError: the archive is truncated or a header is corrupt.
+        """
+        pax: dict[str, str] = {}
+        long_name: str | None = None
+        while True:
+            header_at = self.offset
+            block = self._read_exactly(BLOCK_BYTES)
+            if block == _ZERO_BLOCK:
+                return None
+            self._check_header(block, header_at)
+            kind = block[156:157]
+            size = int(pax["size"]) if "size" in pax else _number(block[124:136], header_at)
+            name = pax.get("path") or long_name or _ustar_name(block)
+            if kind in _REGULAR_TYPES:
+                self.last_member, self.in_member = name, True
+                data = self._read_data(size)
+                self.in_member = False
+                self.members_read += 1
+                return name, data
+            if kind == _GNU_SPARSE:
+                raise TarFormatError(f"member {name!r} is a GNU sparse file, which is not supported")
+            extension = self._read_data(size)
+            pax, long_name = {}, None  # they describe the very next header only
+            if kind == _PAX_TYPE:
+                pax = _pax_records(extension)
+            elif kind == _GNU_LONG_NAME:
+                long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
+                self.last_member = name  # a directory, a link, a device: nothing to yield
+
+    def _read_exactly(self, size: int) -> bytes:
+        data = self._stream.read(size)
+        while len(data) < size:
+            more = self._stream.read(size - len(data))
+            if not more:
+                break
+            data += more
+        self.offset += len(data)
+        if len(data) < size:
+            if self.in_member:
+                raise TarFormatError(f"truncated: the data ends {len(data)} of {size} bytes into the member")
+            if not data:
+                raise TarFormatError("truncated: the data ends without an end-of-archive marker")
+            raise TarFormatError(f"truncated: the data ends {len(data)} bytes into a header")
+        return data
+
+    def _read_data(self, size: int) -> bytes:
+        data = self._read_exactly(size)
+        self._read_exactly(-size % BLOCK_BYTES)  # members are padded to whole blocks
+        return data
+
+    @staticmethod
+    def _check_header(block: bytes, header_at: int) -> None:
+        stored = _number(block[_CHECKSUM_FIELD], header_at)
+        unsigned = sum(block) - sum(block[_CHECKSUM_FIELD]) + _CHECKSUM_SPACES
+        if stored == unsigned:
+            return
+        # Some old writers summed signed bytes; tarfile accepts both, and so do we.
+        high_bytes = sum(1 for byte in block if byte > 127) - sum(1 for byte in block[_CHECKSUM_FIELD] if byte > 127)
+        if stored != unsigned - 256 * high_bytes:
+            raise TarFormatError(f"corrupt: the header at byte {header_at} is not a valid tar header "
+                                 "(its checksum does not match)")
+
+
+def _number(field: bytes, header_at: int) -> int:
+    if field and field[0] & 0x80:  # GNU base-256, for sizes past 8 GiB
+        return int.from_bytes(field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise TarFormatError(f"corrupt: the header at byte {header_at} is not a valid tar header "
+                             f"(number field {field!r})") from None
+
+
+def _ustar_name(block: bytes) -> str:
+    name = block[:100].split(b"\0", 1)[0]
+    if block[257:265] == _POSIX_USTAR_MAGIC:
+        prefix = block[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """``"<length> <key>=<value>\\n"`` records, as pax extended headers hold them."""
+    records = {}
+    position = 0
+    while position < len(data) and data[position:position + 1] != b"\0":
+        space = data.index(b" ", position)
+        length = int(data[position:space])
+        key, _, value = data[space + 1:position + length - 1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        position += length
+    return records

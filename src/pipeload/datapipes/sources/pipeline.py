@@ -73,6 +73,7 @@ def webdataset_pipeline(
     on_error: OnError = "raise",
     max_failures: int | None = None,
     retry: RetryPolicy | None = None,
+    read_ahead: int = 64,
 ) -> IterDataPipe:
     """Samples from WebDataset tar shards, ready for ``pipeload.DataLoader``.
 
@@ -90,17 +91,24 @@ def webdataset_pipeline(
         on_error, max_failures: applied to opening, reading and decoding; see
             ``pipeload.datapipes.sources.on_error``.
         retry: how transient remote failures are retried.
+        read_ahead: samples read (not yet decoded) ahead by a background thread in each worker,
+            so waiting for the network overlaps decoding; 0 reads in the worker's own thread.
 
     Example:
         >>> pipe = webdataset_pipeline("https://host/shards/train-{0000..0146}.tar", image="tensor")
         >>> loader = pipeload.DataLoader(pipe.map(to_pair), batch_size=64, num_workers=8)
     """
-    pipe: IterDataPipe = IterableWrapper(expand_urls(urls, storage_options))
+    shard_urls = expand_urls(urls, storage_options)
+    _storage.load_implementations(shard_urls)
+    pipe: IterDataPipe = IterableWrapper(shard_urls)
     if shuffle_shards:
         pipe = pipe.shuffle()
     policy: dict[str, Any] = {"on_error": on_error, "max_failures": max_failures}
     pipe = pipe.sharding_filter().open_files(mode="b", storage_options=storage_options, retry=retry, **policy)
-    pipe = pipe.load_from_tar(**policy).webdataset(**policy).decode(handlers, image=image, **policy)
+    pipe = pipe.load_from_tar(**policy).webdataset(**policy)
+    if read_ahead:
+        pipe = pipe.prefetch(read_ahead)
+    pipe = pipe.decode(handlers, image=image, **policy)
     if shuffle_buffer:
         pipe = pipe.shuffle(buffer_size=shuffle_buffer)
     if batch_size is not None:

@@ -84,49 +84,34 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
 
 
 class _OpenArchive:
-    """One archive being read: its stream, the watch over its bytes, the TarFile. Owned by one run."""
+    """One archive being read: its stream and the reader over its bytes. Owned by one run."""
 
     def __init__(self, url: str, stream: IO[bytes]) -> None:
         self.url = url
         self.stream = stream
-        self.last_member: str | None = None  # the last header read
-        self.in_member = False  # reading that member's data (not a header)
-        self.members_read = 0
-        self.watch = _tar_stream.TailWatch(_tar_stream.decompressed(stream))
-        self.tar = _tar_stream.open_tar(self.watch)
+        self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
 
     def next_member(self) -> ArchiveMember | None:
         """The next regular file, or None at a clean end; raises at a broken one."""
-        while True:
-            info = self.tar.next()
-            if info is None:
-                problem = _tar_stream.how_it_ended(self.watch, self.tar.offset)
-                if problem is not None:
-                    raise tarfile.ReadError(problem)
-                return None
-            self.last_member = info.name
-            if not info.isfile():
-                continue
-            self.in_member = True
-            file = self.tar.extractfile(info)
-            data = file.read() if file is not None else b""
-            self.in_member = False
-            self.members_read += 1
-            return ArchiveMember(self.url, info.name, data)
+        found = self.reader.next_member()
+        return None if found is None else ArchiveMember(self.url, found[0], found[1])
 
     def where(self) -> str:
         """Where in the archive reading stopped, in words."""
-        if self.last_member is None:
-            return "at its first header"
-        if self.in_member:
-            return f"in member {self.last_member!r} (file {self.members_read + 1})"
-        return f"after member {self.last_member!r} ({self.members_read} files read)"
+        reader = self.reader
+        if reader.last_member is None:
+            return "at its first header" if reader.members_read == 0 and reader.offset <= 512 else (
+                f"at byte {reader.offset}")
+        if reader.in_member:
+            return f"in member {reader.last_member!r} (file {reader.members_read + 1})"
+        return f"after member {reader.last_member!r} ({reader.members_read} files read)"
+
+    @property
+    def last_member(self) -> str | None:
+        return self.reader.last_member
 
     def close(self) -> None:
-        try:
-            self.tar.close()
-        finally:
-            self.stream.close()
+        self.stream.close()
 
 
 class _TarIterator(PipeIterator[ArchiveMember]):
