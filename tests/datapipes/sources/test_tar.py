@@ -170,3 +170,22 @@ def test_bad_arguments_name_themselves() -> None:
         source.load_from_tar(on_error="skip", max_failures=-1)
     with pytest.raises(ValueError, match="mode"):
         source.load_from_tar(mode="w")
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_and_non_ascii_names_in_every_tar_format(tmp_path: Path, tar_format: int) -> None:
+    import io
+
+    names = ["d" * 60 + "/" + "n" * 80 + ".jpg", "short.cls"]
+    if tar_format != tarfile.USTAR_FORMAT:  # ustar has no room for names past 255 bytes or UTF-8
+        names += ["x" * 300 + ".txt", "dossier/été.json"]
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tar_format) as tar:
+        for index, name in enumerate(names):
+            info = tarfile.TarInfo(name)
+            info.size = index + 1
+            info.mtime = 1.5  # a float mtime makes pax writers add an extended header
+            tar.addfile(info, io.BytesIO(bytes(index + 1)))
+    (tmp_path / "names.tar").write_bytes(buffer.getvalue())
+    got = members_of(tmp_path / "names.tar")
+    assert [(m.name, m[1]) for m in got] == [(name, bytes(i + 1)) for i, name in enumerate(names)]
