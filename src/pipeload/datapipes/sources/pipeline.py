@@ -79,7 +79,8 @@ def webdataset_pipeline(
 
     The shard list is shuffled (each epoch anew, seeded by the loader) and split across workers
     and ranks before anything is read, so each process streams only its own shards; samples are
-    grouped by key, decoded, shuffled in a buffer and optionally batched.
+    grouped by key, read ahead in a thread, shuffled in a buffer (still encoded), decoded and
+    optionally batched.
 
     Args:
         urls: shard URLs or paths: a list, a brace range or a glob (see :func:`expand_urls`).
@@ -108,9 +109,9 @@ def webdataset_pipeline(
     pipe = pipe.load_from_tar(**policy).webdataset(**policy)
     if read_ahead:
         pipe = pipe.prefetch(read_ahead)
-    pipe = pipe.decode(handlers, image=image, **policy)
-    if shuffle_buffer:
+    if shuffle_buffer:  # before decoding: the buffer holds encoded bytes, not decoded images
         pipe = pipe.shuffle(buffer_size=shuffle_buffer)
+    pipe = pipe.decode(handlers, image=image, **policy)
     if batch_size is not None:
         pipe = pipe.batch(batch_size)
     return pipe
