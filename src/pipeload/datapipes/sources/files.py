@@ -4,6 +4,7 @@ by index (``FileReader``, map-style). Local paths need nothing; URLs go through 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
@@ -99,8 +100,6 @@ class FileLister(IterDataPipe[str]):
         masks = [m for m in self.masks if m] or ["*"]
         found = _storage.expand(root, masks, self.recursive, self.storage_options)
         if self.abspath and _storage.is_local(root):
-            import os
-
             found = [os.path.abspath(path) for path in found]
         return found
 
