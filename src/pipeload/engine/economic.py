@@ -53,6 +53,7 @@ class EconomicConfig:
         timeout_s: raise if no batch arrives for this long (0: wait as long as workers live).
         worker_type: "process" or "thread".
         mp_context: a multiprocessing context (process workers), or None for the default.
+        stats: the loader's ``StatsRecorder`` (None: stats are off).
     """
 
     setup: EconomicSetup
@@ -61,6 +62,7 @@ class EconomicConfig:
     timeout_s: float
     worker_type: str
     mp_context: Any
+    stats: Any = None
 
 
 class EconomicLaunch:
@@ -142,8 +144,9 @@ class EconomicEngine:
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
         self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
+        self._stats = config.stats.new_session(config.prefetch_factor) if config.stats else None
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
-                                    config.timeout_s)
+                                    config.timeout_s, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = 0
         self._reset_epoch_state(TaskSupply())
@@ -198,6 +201,8 @@ class EconomicEngine:
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
+                if self._stats is not None:
+                    self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
                 try:
                     self._top_up()
                 except LoaderTimeoutError:

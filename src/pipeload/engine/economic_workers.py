@@ -38,6 +38,7 @@ from pipeload.engine.worker_main import (
     serve_in_thread,
 )
 from pipeload.errors import RemoteFailure
+from pipeload.stats.clock import StageClock, now, profiling, span, tensor_bytes
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
@@ -70,11 +71,30 @@ class ItemWorkerLoop(WorkerLoop):
 
     def _serve(self, command: WorkerCommand) -> None:
         route = command.route
-        delivery = self._fetch(command)
-        self._hand_over(route.batch_worker, delivery, command.indices)
+        clock = self._clock
+        if clock is None:
+            delivery = self._fetch(command)
+            self._hand_over(route.batch_worker, delivery, command.indices)
+        else:
+            delivery = self._timed_fetch(command, clock)
+            started = now()
+            self._hand_over(route.batch_worker, delivery, command.indices)
+            clock.sent(started)
         del delivery  # the items' memory goes with the message, not with this worker
-        done = WorkerReport(Report.ITEMS_DONE, self._id, command.batch_number, len(command.indices))
-        self._outbox.send(done)
+        self._report(Report.ITEMS_DONE, command.batch_number, len(command.indices))
+
+    def _timed_fetch(self, command: WorkerCommand, clock: StageClock) -> ItemDelivery:
+        started = now()
+        if profiling():
+            with span("pipeload.fetch"):
+                delivery = self._fetch(command)
+        else:
+            delivery = self._fetch(command)
+        clock.fetch_s += now() - started
+        if delivery.delivery is Delivery.ITEMS:
+            clock.samples += len(delivery.payload)
+            clock.bytes_out += tensor_bytes(delivery.payload)
+        return delivery
 
     def _fetch(self, command: WorkerCommand) -> ItemDelivery:
         route = command.route
@@ -205,7 +225,7 @@ class BatchWorkerLoop(WorkerLoop):
         indices = gathering.indices
         failure = self._init_failure or _first_failure(gathering)
         if failure is not None:
-            self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
+            self._report(Report.FAILED, number, failure)
             return
         try:
             batch = self._collate(gathering, epoch, number)
@@ -219,7 +239,17 @@ class BatchWorkerLoop(WorkerLoop):
         gathering.pieces.clear()  # once collated, the items' memory is freed with ``samples``
         reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
         fetch = self._setup.fetch
-        return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        clock = self._clock
+        if clock is None:
+            return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        started = now()
+        try:
+            if profiling():
+                with span("pipeload.collate"):
+                    return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+            return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        finally:
+            clock.collate_s += now() - started
 
 
 def _first_failure(gathering: _Gathering) -> RemoteFailure | None:

@@ -1,13 +1,17 @@
 """Fetchers: turn one task (a list of indices, or one index) into one batch.
 
-Shared by the inline engine and the workers, so every engine fetches the same way.
+Shared by the inline engine and the workers, so every engine fetches the same way. With a
+:class:`~pipeload.stats.clock.StageClock` a fetcher times the dataset and ``collate_fn`` apart
+(and opens profiler spans for them while a torch profiler runs); without one it only fetches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pipeload.engine.plan import DatasetKind, FetchSpec
+from pipeload.stats.clock import StageClock, now, profiling, span
 
 
 class DatasetExhausted(Exception):
@@ -17,13 +21,18 @@ class DatasetExhausted(Exception):
 class MapFetcher:
     """Indexes a map-style dataset; whole batches go to ``__getitems__`` when it is defined."""
 
-    def __init__(self, spec: FetchSpec) -> None:
+    def __init__(self, spec: FetchSpec, clock: StageClock | None = None) -> None:
         self._spec = spec
+        self._clock = clock
         getitems = getattr(spec.dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
 
     def fetch(self, index: Any) -> Any:
         spec = self._spec
+        if self._clock is not None:
+            if not spec.auto_collation:
+                return _timed(self._clock, lambda: [spec.dataset[index]], spec.collate_fn, False)
+            return _timed(self._clock, lambda: self.samples(index), spec.collate_fn, True)
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
@@ -42,8 +51,9 @@ class MapFetcher:
 class IterableFetcher:
     """Pulls from one replica of an iterable dataset; a task's index list only sets the batch size."""
 
-    def __init__(self, spec: FetchSpec) -> None:
+    def __init__(self, spec: FetchSpec, clock: StageClock | None = None) -> None:
         self._spec = spec
+        self._clock = clock
         self._samples = iter(spec.dataset)
         self._ended = False
 
@@ -52,16 +62,24 @@ class IterableFetcher:
             raise DatasetExhausted
         spec = self._spec
         if not spec.auto_collation:
-            try:
-                sample = next(self._samples)
-            except StopIteration:
-                self._ended = True
-                raise DatasetExhausted from None
-            return spec.collate_fn(sample)
-        samples = self._take(len(index))
-        if not samples or (spec.drop_last and len(samples) < len(index)):
-            raise DatasetExhausted
-        return spec.collate_fn(samples)
+            take = self._take_one
+        else:
+            def take() -> list[Any]:
+                samples = self._take(len(index))
+                if not samples or (spec.drop_last and len(samples) < len(index)):
+                    raise DatasetExhausted
+                return samples
+        if self._clock is not None:
+            return _timed(self._clock, take, spec.collate_fn, spec.auto_collation)
+        samples = take()
+        return spec.collate_fn(samples if spec.auto_collation else samples[0])
+
+    def _take_one(self) -> list[Any]:
+        try:
+            return [next(self._samples)]
+        except StopIteration:
+            self._ended = True
+            raise DatasetExhausted from None
 
     def _take(self, count: int) -> list[Any]:
         samples = []
@@ -74,8 +92,33 @@ class IterableFetcher:
         return samples
 
 
-def make_fetcher(spec: FetchSpec) -> MapFetcher | IterableFetcher:
+def _timed(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
+           auto_collation: bool) -> Any:
+    """``collate_fn`` over what ``take`` returns, each timed into ``clock`` (and a profiler span
+    each while a profiler runs). Time spent in a call that raised counts too."""
+    traced = profiling()
+    started = now()
+    try:
+        if traced:
+            with span("pipeload.fetch"):
+                samples = take()
+        else:
+            samples = take()
+    finally:
+        fetched = now()
+        clock.fetch_s += fetched - started
+    clock.samples += len(samples)
+    try:
+        if traced:
+            with span("pipeload.collate"):
+                return collate_fn(samples if auto_collation else samples[0])
+        return collate_fn(samples if auto_collation else samples[0])
+    finally:
+        clock.collate_s += now() - fetched
+
+
+def make_fetcher(spec: FetchSpec, clock: StageClock | None = None) -> MapFetcher | IterableFetcher:
     """Build the fetcher for ``spec``; for iterable datasets this calls ``iter(dataset)``."""
     if spec.kind is DatasetKind.ITERABLE:
-        return IterableFetcher(spec)
-    return MapFetcher(spec)
+        return IterableFetcher(spec, clock)
+    return MapFetcher(spec, clock)

@@ -14,9 +14,12 @@ class InlineEngine:
     """No workers, no threads: ``next_batch`` builds the batch right here, from the loader's own
     dataset (a DataPipe graph is sharded by rank and seeded in place, as torch does)."""
 
-    def __init__(self, spec: FetchSpec, replica_setup: ReplicaSetup = ReplicaSetup()) -> None:
+    def __init__(self, spec: FetchSpec, replica_setup: ReplicaSetup = ReplicaSetup(),
+                 stats: Any = None) -> None:
         self._spec = spec
         self._replica = replica_setup
+        # With stats on (the loader's StatsRecorder), the fetching here is timed as a worker's.
+        self._clock = stats.new_session(1).local_clock() if stats is not None else None
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._tasks: Iterator[Any] = iter(())
         self._closed = False
@@ -35,7 +38,7 @@ class InlineEngine:
         if shared_seed is not None:
             self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)
-        self._fetcher = make_fetcher(self._spec)
+        self._fetcher = make_fetcher(self._spec, self._clock)
 
     def next_batch(self) -> Any:
         """The next batch. The dataset's or collate_fn's error for it propagates, and the next
@@ -44,9 +47,12 @@ class InlineEngine:
             raise StopIteration
         index = next(self._tasks)
         try:
-            return self._fetcher.fetch(index)
+            batch = self._fetcher.fetch(index)
         except DatasetExhausted:
             raise StopIteration from None
+        if self._clock is not None:
+            self._clock.tasks += 1
+        return batch
 
     def close(self) -> None:
         self._closed = True

@@ -17,18 +17,34 @@ import torch
 
 from pipeload.errors import RemoteFailure
 from pipeload.pin import pin_memory
+from pipeload.stats.clock import now, profiling, span
 
 POLL_INTERVAL_S = 0.1
 PINNED_AHEAD = 2
 CLOSE_JOIN_S = 2.0
 
 
+def _timed_pin(batch: Any, device: str | None, stats: Any) -> Any:
+    """``pin_memory``, timed into the loader's StatsRecorder when stats are on."""
+    if stats is None:
+        return pin_memory(batch, device)
+    started = now()
+    if profiling():
+        with span("pipeload.pin"):
+            pinned = pin_memory(batch, device)
+    else:
+        pinned = pin_memory(batch, device)
+    stats.pinned(now() - started)
+    return pinned
+
+
 class InlinePinning:
     """Pins each batch in the calling thread."""
 
-    def __init__(self, engine: Any, device: str | None) -> None:
+    def __init__(self, engine: Any, device: str | None, stats: Any = None) -> None:
         self._engine = engine
         self._device = device
+        self._stats = stats
 
     workers = property(lambda self: self._engine.workers)
     closed = property(lambda self: self._engine.closed)
@@ -37,7 +53,7 @@ class InlinePinning:
         self._engine.start_epoch(tasks, shared_seed)
 
     def next_batch(self) -> Any:
-        return pin_memory(self._engine.next_batch(), self._device)
+        return _timed_pin(self._engine.next_batch(), self._device, self._stats)
 
     def close(self) -> None:
         self._engine.close()
@@ -68,9 +84,10 @@ class ThreadedPinning:
     what wakes a pin thread waiting on the workers.
     """
 
-    def __init__(self, engine: Any, device: str | None) -> None:
+    def __init__(self, engine: Any, device: str | None, stats: Any = None) -> None:
         self._engine = engine
         self._device = device
+        self._stats = stats
         self._device_index = _current_device_index()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -153,7 +170,7 @@ class ThreadedPinning:
         except BaseException as exc:  # SystemExit from user code, say: nothing sensible follows
             return _Outcome(error=exc, last=True)
         try:
-            return _Outcome(batch=pin_memory(batch, self._device))
+            return _Outcome(batch=_timed_pin(batch, self._device, self._stats))
         except Exception:
             # torch's pin thread wraps the error in its own sentence and carries on.
             where = f"in pin memory thread for device {self._device_index}"

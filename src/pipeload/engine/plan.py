@@ -61,6 +61,7 @@ class WorkerSetup:
         worker_init_fn: the user's hook, called with the worker id after seeding.
         worker_method: "multiprocessing" or "thread".
         replica: how each worker shards and seeds its copy of the dataset.
+        stats: each worker times its stages and reports its totals (``loader.stats()``).
     """
 
     fetch: FetchSpec
@@ -69,6 +70,7 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     worker_method: str
     replica: ReplicaSetup = ReplicaSetup()
+    stats: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class PoolConfig:
             kept as the user gave it, since the timeout message prints it as torch does.
         worker_type: "process" or "thread".
         mp_context: a multiprocessing context (process workers), or None for the default.
+        stats: the loader's ``StatsRecorder`` (None: stats are off).
     """
 
     setup: WorkerSetup
@@ -42,6 +43,7 @@ class PoolConfig:
     timeout_s: float
     worker_type: str
     mp_context: Any
+    stats: Any = None
 
 
 class ClassicLaunch:
@@ -96,8 +98,9 @@ class PoolEngine:
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
         self._max_outstanding = config.prefetch_factor * config.setup.num_workers
+        self._stats = config.stats.new_session(self._max_outstanding) if config.stats else None
         self._workers = WorkerGroup(ClassicLaunch(config.setup), config.worker_type,
-                                    config.mp_context, config.timeout_s)
+                                    config.mp_context, config.timeout_s, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = 0
         self._ledger = BatchLedger(config.setup.num_workers, config.in_order)
@@ -151,6 +154,8 @@ class PoolEngine:
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
+                if self._stats is not None:
+                    self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
                 try:
                     self._top_up()
                 except LoaderTimeoutError:

@@ -29,6 +29,7 @@ from pipeload.engine.worker_info import (
     set_worker_info,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
+from pipeload.stats.clock import StageClock, now
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 POLL_INTERVAL_S = 0.1
@@ -71,6 +72,7 @@ class WorkerLoop:
         self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
+        self._clock = StageClock(self.kind, worker_id) if setup.stats else None
 
     def run(self) -> None:
         self._initialise()
@@ -114,7 +116,7 @@ class WorkerLoop:
     def _make_fetcher(self, shared_seed: int | None = None) -> None:
         try:
             replica.reseed(self._setup.fetch.dataset, shared_seed)
-            self._fetcher = make_fetcher(self._setup.fetch)
+            self._fetcher = make_fetcher(self._setup.fetch, self._clock)
         except Exception:
             self._init_failure = RemoteFailure.capture(
                 self._id, "starting to iterate the dataset", worker_kind=self.kind
@@ -151,16 +153,27 @@ class WorkerLoop:
         if self._init_failure_reported and self._setup.fetch.kind is DatasetKind.ITERABLE:
             self._report_exhausted(number)
             return
-        self._outbox.send(WorkerReport(Report.FAILED, self._id, number, self._init_failure))
+        self._report(Report.FAILED, number, self._init_failure)
         self._init_failure_reported = True
 
     def _report_exhausted(self, number: int) -> None:
         self._exhausted = True
-        self._outbox.send(WorkerReport(Report.EXHAUSTED, self._id, number))
+        self._report(Report.EXHAUSTED, number)
+
+    def _report(self, report: Report, number: int, payload: Any = None) -> None:
+        """Send a report; with stats on, it carries this worker's totals, this task counted."""
+        clock = self._clock
+        if clock is None:
+            self._outbox.send(WorkerReport(report, self._id, number, payload))
+            return
+        started = now()
+        self._outbox.send(WorkerReport(report, self._id, number, payload,
+                                       clock.finished(payload if report is Report.BATCH else None)))
+        clock.sent(started)
 
     def _send_batch(self, number: int, batch: Any, indices: Any) -> None:
         try:
-            self._outbox.send(WorkerReport(Report.BATCH, self._id, number, batch))
+            self._report(Report.BATCH, number, batch)
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:
@@ -168,7 +181,7 @@ class WorkerLoop:
 
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
         failure = describe_failure(self._id, self.kind, stage, indices, exc)
-        self._outbox.send(WorkerReport(Report.FAILED, self._id, number, failure))
+        self._report(Report.FAILED, number, failure)
 
 
 def prepare_worker(

@@ -73,8 +73,10 @@ class WorkerGroup:
     engine. Used by one thread at a time (whoever drives the engine), and by ``close()``.
     """
 
-    def __init__(self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float) -> None:
+    def __init__(self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
+                 stats: Any = None) -> None:
         self.plan = plan
+        self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
         self.labels = plan.labels
         self.timeout_s = timeout_s
         self.stop_event: threading.Event | None = None
@@ -167,6 +169,8 @@ class WorkerGroup:
                 reports.clear()  # about to raise: the traceback keeps this frame and its batches
                 self.raise_for_dead_workers()
             if reports:
+                if self.stats is not None:
+                    self.stats.record(reports)
                 return reports
             if deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeoutError(f"DataLoader timed out after {self.timeout_s} seconds")

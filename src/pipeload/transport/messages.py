@@ -81,6 +81,8 @@ class WorkerReport:
     worker_id: int
     batch_number: int
     payload: Any = None
+    totals: Any = None
+    """The sending worker's running totals (``stats.clock.WorkerTotals``) when stats are on."""
 
     @property
     def failure(self) -> RemoteFailure:

@@ -1,0 +1,9 @@
+"""Loader stats: every stage counts and times itself, cheaply enough to stay on.
+
+``loader.stats()`` returns a :class:`LoaderStats`; ``print(loader.stats())`` prints its summary
+in words, naming the bottleneck and what to try. Design notes: docs/design/stats.md.
+"""
+
+from pipeload.stats.report import LoaderStats, QueueStats, StageStats, TuningDecision, WorkerStats
+
+__all__ = ["LoaderStats", "QueueStats", "StageStats", "TuningDecision", "WorkerStats"]

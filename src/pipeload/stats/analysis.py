@@ -1,0 +1,162 @@
+"""Reading a :class:`~pipeload.stats.report.LoaderStats`: the bottleneck, and what to try.
+
+The rules, in order (docs/design/stats.md explains them):
+
+1. The training loop waited less than ``KEEPS_UP`` of the time: loading keeps up. If the
+   workers are mostly idle, fewer of them would do (less memory).
+2. No workers: the main process fetches and collates itself; workers would take that off it.
+3. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
+   where they spend most (dataset, collate_fn, handing over) is named. A loop that waited a
+   fraction ``w`` of the time needs about ``n / (1 - w)`` workers, up to the usable CPUs.
+4. Otherwise the workers idle while the loop waits: the main process's per-batch work
+   (receiving, unpickling, reordering, pinning) is what limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeload.stats.report import LoaderStats, WorkerStats
+
+KEEPS_UP = 0.10
+SATURATED = 0.60
+HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
+MIB = 1024 * 1024
+
+STAGE_WORDS = {
+    "fetch": "`__getitem__` (the dataset)",
+    "collate": "`collate_fn`",
+    "transfer": "handing batches over to the main process",
+}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The bottleneck in a few words, a sentence of advice, and the settings to try."""
+
+    bottleneck: str
+    advice: str
+    suggestions: dict[str, Any] = field(default_factory=dict)
+
+
+def diagnose(stats: LoaderStats) -> Diagnosis:
+    """Apply the module's rules to ``stats``."""
+    if stats.batches == 0:
+        return Diagnosis("unknown", "no batches have been loaded yet")
+    setup = stats.setup
+    wait = stats.wait_fraction
+    workers = [w for w in stats.workers if w.kind != "main"]
+    if wait < KEEPS_UP:
+        return _keeps_up(stats, workers)
+    stage = _busiest_stage(stats)
+    if not workers:
+        target = _workers_for(stats, 1)
+        return Diagnosis(
+            STAGE_WORDS[stage],
+            f"the main process loads every batch itself, and {STAGE_WORDS[stage]} takes most of "
+            f"it; try num_workers={target}", {"num_workers": target})
+    busy = _busiest_kind(workers)
+    if busy >= SATURATED:
+        return _saturated(stats, stage, setup.num_workers)
+    return Diagnosis(
+        "the main process",
+        f"workers are idle {1 - busy:.0%} of the time while the loop waits: the main process's "
+        "work per batch (receiving, unpickling, reordering, pinning) limits; try a larger "
+        "batch_size, or worker_type='thread' for light samples",
+        {"batch_size": 2 * setup.batch_size} if setup.batch_size else {})
+
+
+def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
+    words = f"the training loop waited only {stats.wait_fraction:.0%} of the time: loading keeps up"
+    count = stats.setup.num_workers
+    if count > 1 and workers:
+        needed = max(1, math.ceil(count * _mean_busy(workers) / HEADROOM))
+        if needed < count:
+            return Diagnosis("the training loop", f"{words}; num_workers={needed} would too, with "
+                             "less memory", {"num_workers": needed})
+    return Diagnosis("the training loop", words)
+
+
+def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
+    setup = stats.setup
+    target = _workers_for(stats, count)
+    words = f"{STAGE_WORDS[stage]} is the bottleneck"
+    if setup.mode == "economic" and stage == "collate":
+        batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
+        more = max(batch_workers + 1, math.ceil(batch_workers / max(1e-9, 1 - stats.wait_fraction)))
+        return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_batch_workers={more}",
+                         {"num_batch_workers": more})
+    if target <= count:
+        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {setup.cpus} usable CPUs are all "
+                         f"in use: make {STAGE_WORDS[stage]} cheaper, or try mode='economic'")
+    return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _workers_for(stats: LoaderStats, count: int) -> int:
+    """Workers that would keep up with the loop: ``count / (1 - wait)``, within the CPUs."""
+    wanted = math.ceil(max(count, 1) / max(1e-9, 1 - stats.wait_fraction))
+    return max(1, min(stats.setup.cpus, wanted))
+
+
+def _busiest_stage(stats: LoaderStats) -> str:
+    stages = stats.stages
+    return max(STAGE_WORDS, key=lambda name: stages[name].seconds)
+
+
+def _busiest_kind(workers: list[WorkerStats]) -> float:
+    """The mean busy fraction of the busiest kind of worker (economic mode has two kinds)."""
+    kinds = {w.kind for w in workers}
+    return max(_mean_busy([w for w in workers if w.kind == kind]) for kind in kinds)
+
+
+def _mean_busy(workers: list[WorkerStats]) -> float:
+    return sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
+
+
+def summarise(stats: LoaderStats) -> str:
+    """The lines of ``LoaderStats.summary()``."""
+    setup = stats.setup
+    lines = [
+        f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
+        f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
+        f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
+        f"setup: mode={setup.mode}, num_workers={setup.num_workers}, worker_type={setup.worker_type}, "
+        f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
+        f"{setup.cpus} usable CPUs",
+        f"the training loop waited {stats.wait_fraction:.0%} of the time "
+        f"({stats.wait_s:.2f} s of {stats.elapsed_s:.2f} s)",
+        _stage_line(stats),
+    ]
+    if any(w.kind != "main" for w in stats.workers):
+        lines.append(_worker_line(stats))
+    lines.append(f"moved {stats.bytes_moved / MIB:,.1f} MiB of tensors to the main process; "
+                 f"skipped samples: {stats.skipped_samples}")
+    for decision in stats.decisions:
+        lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
+                     f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
+    diagnosis = diagnose(stats)
+    lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
+    return "\n".join(lines)
+
+
+def _stage_line(stats: LoaderStats) -> str:
+    stages = stats.stages
+    parts = []
+    for name in ("fetch", "collate", "transfer", "pin"):
+        stage = stages[name]
+        if stage.count:
+            unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
+            parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit})")
+    return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
+
+
+def _worker_line(stats: LoaderStats) -> str:
+    workers = [w for w in stats.workers if w.kind != "main"]
+    each = ", ".join(f"{w.name} {w.busy_fraction:.0%}" for w in workers[:8])
+    more = f", and {len(workers) - 8} more" if len(workers) > 8 else ""
+    queue = stats.queue
+    return (f"workers busy {_mean_busy(workers):.0%} of the time ({each}{more}); when a batch "
+            f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
+            f"{queue.mean_in_flight:.1f} in flight (at most {queue.capacity})")

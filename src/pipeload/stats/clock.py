@@ -1,0 +1,118 @@
+"""Where a worker (or the main process, without workers) times its own stages.
+
+A :class:`StageClock` belongs to the one thread that fetches and collates: no locks. It keeps
+running totals, and every report a worker sends carries :meth:`StageClock.snapshot`, a plain
+tuple of those totals (a few dozen bytes to pickle), so the main process only ever keeps the
+latest one per worker and a lost or reordered report cannot make a count wrong.
+
+Spans for ``torch.profiler`` (``record_function``) are entered only while a profiler runs:
+torch keeps a module flag for exactly this cheap check, and entering a span costs tens of
+microseconds, more than a tiny batch's whole trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.autograd.profiler as _torch_profiler
+
+MAX_ITEMS_WALKED = 256  # a bigger container is not a batch's structure: counting it would cost
+now = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable between processes of one machine
+
+
+class WorkerTotals(NamedTuple):
+    """One worker's running totals, as its reports carry them.
+
+    Attributes:
+        kind: "" (a classic worker), "item" or "batch" (economic mode), "main" (no workers).
+        worker_id: the worker's id among workers of its kind.
+        started_at: when the worker's clock started (``time.perf_counter``).
+        tasks: batches (or economic pieces) it has finished, failed ones included.
+        samples: samples it fetched.
+        fetch_s: seconds in the dataset (``__getitem__``, ``__getitems__``, ``__next__``).
+        collate_s: seconds in ``collate_fn``.
+        send_s: seconds handing results over (pickling, writing to the channel); lags one report,
+            as a report cannot carry the time it takes to send itself.
+        bytes_out: bytes of tensor data in what it handed over.
+    """
+
+    kind: str
+    worker_id: int
+    started_at: float
+    tasks: int
+    samples: int
+    fetch_s: float
+    collate_s: float
+    send_s: float
+    bytes_out: int
+
+    @property
+    def busy_s(self) -> float:
+        return self.fetch_s + self.collate_s + self.send_s
+
+
+def profiling() -> bool:
+    """True while a torch profiler records in this process (a module flag: no dispatcher call)."""
+    return _torch_profiler._is_profiler_enabled
+
+
+@contextlib.contextmanager
+def span(name: str) -> Iterator[None]:
+    """A ``record_function`` span named ``name``; call only when :func:`profiling` is True."""
+    with torch.autograd.profiler.record_function(name):
+        yield
+
+
+class StageClock:
+    """Running totals of one fetching thread; see the module docstring.
+
+    Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
+    """
+
+    __slots__ = ("kind", "worker_id", "started_at", "tasks", "samples", "fetch_s", "collate_s",
+                 "send_s", "bytes_out")
+
+    def __init__(self, kind: str, worker_id: int) -> None:
+        self.kind = kind
+        self.worker_id = worker_id
+        self.started_at = now()
+        self.tasks = 0
+        self.samples = 0
+        self.fetch_s = 0.0
+        self.collate_s = 0.0
+        self.send_s = 0.0
+        self.bytes_out = 0
+
+    def snapshot(self) -> WorkerTotals:
+        return WorkerTotals(self.kind, self.worker_id, self.started_at, self.tasks, self.samples,
+                            self.fetch_s, self.collate_s, self.send_s, self.bytes_out)
+
+    def finished(self, result: Any = None) -> WorkerTotals:
+        """Count a finished task (and the tensor bytes of ``result``); returns the totals its
+        report carries."""
+        self.tasks += 1
+        if result is not None:
+            self.bytes_out += tensor_bytes(result)
+        return self.snapshot()
+
+    def sent(self, started: float) -> None:
+        """The report that carried the last totals took from ``started`` until now to send."""
+        self.send_s += now() - started
+
+
+def tensor_bytes(batch: Any, depth: int = 0) -> int:
+    """Bytes of tensor data in ``batch`` (tensors inside lists, tuples and dicts, a few levels
+    deep); other objects count nothing."""
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if depth > 3:
+        return 0
+    if isinstance(batch, (list, tuple)):
+        return sum(tensor_bytes(item, depth + 1) for item in batch) if len(batch) <= MAX_ITEMS_WALKED else 0
+    if isinstance(batch, dict) and len(batch) <= MAX_ITEMS_WALKED:
+        return sum(tensor_bytes(item, depth + 1) for item in batch.values())
+    return 0

@@ -1,0 +1,196 @@
+"""What ``loader.stats()`` returns: frozen, plain numbers, and a summary in words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Kinds of worker, by what their totals mean: who fetches samples, who hands batches over.
+FETCHING_KINDS = ("", "item", "main")
+BATCH_KINDS = ("", "batch", "main")
+HANDING_OVER_KINDS = ("", "batch")
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker's totals (summed over the pools it lived in, with non-persistent workers).
+
+    Attributes:
+        kind: "" (a classic worker), "item" or "batch" (economic mode), "main" (no workers).
+        worker_id: its id among workers of its kind.
+        tasks: batches it built (economic item workers: pieces of batches), failed ones included.
+        samples: samples it fetched.
+        fetch_s: seconds in the dataset.
+        collate_s: seconds in ``collate_fn``.
+        transfer_s: seconds handing results over (pickling and writing them to the channel).
+        bytes_out: bytes of tensor data it handed over.
+        alive_s: seconds from its start to its latest report.
+    """
+
+    kind: str
+    worker_id: int
+    tasks: int
+    samples: int
+    fetch_s: float
+    collate_s: float
+    transfer_s: float
+    bytes_out: int
+    alive_s: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} worker {self.worker_id}".lstrip() if self.kind != "main" else "main process"
+
+    @property
+    def busy_s(self) -> float:
+        return self.fetch_s + self.collate_s + self.transfer_s
+
+    @property
+    def busy_fraction(self) -> float:
+        """How much of its life it spent working (the rest: waiting for tasks, starting up)."""
+        return min(1.0, self.busy_s / self.alive_s) if self.alive_s > 0 else 0.0
+
+    def plus(self, other: WorkerStats) -> WorkerStats:
+        return WorkerStats(self.kind, self.worker_id, self.tasks + other.tasks,
+                           self.samples + other.samples, self.fetch_s + other.fetch_s,
+                           self.collate_s + other.collate_s, self.transfer_s + other.transfer_s,
+                           self.bytes_out + other.bytes_out, self.alive_s + other.alive_s)
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """What the training loop found each time a batch was handed out.
+
+    Attributes:
+        mean_ready, max_ready: batches already built and waiting their turn (beyond the one
+            handed out); near 0 means the loop usually waited.
+        mean_in_flight, max_in_flight: batches sent to workers and not yet handed out.
+        capacity: the most batches the engine may have in flight.
+    """
+
+    mean_ready: float
+    max_ready: int
+    mean_in_flight: float
+    max_in_flight: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage: how often it ran and how long it took in all (summed over workers)."""
+
+    count: int
+    seconds: float
+
+    @property
+    def mean_s(self) -> float:
+        return self.seconds / self.count if self.count else 0.0
+
+
+@dataclass(frozen=True)
+class TuningDecision:
+    """One decision of ``num_workers="auto"`` / ``prefetch_factor="auto"``.
+
+    Attributes:
+        at_batch: batches handed out when it was taken.
+        num_workers, prefetch_factor: the settings from then on.
+        samples_per_s: the throughput measured just before.
+        reason: why, in words.
+    """
+
+    at_batch: int
+    num_workers: int
+    prefetch_factor: int
+    samples_per_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A loader's stats since it was made, across epochs. ``str()`` gives :meth:`summary`.
+
+    Attributes:
+        setup: the loader's mode, worker type, workers, prefetch, batch size, usable CPUs.
+        batches: batches handed to the training loop.
+        epochs: epochs started.
+        wait_s: seconds the training loop spent waiting in ``next()``.
+        compute_s: seconds it spent between two ``next()`` calls (its own work).
+        first_batch_s: time from ``iter(loader)`` to the first batch, in the latest epoch.
+        pin_s, pinned: time spent pinning batches, and how many were pinned.
+        workers: per-worker totals.
+        queue: ready and in-flight batches seen at each hand-out.
+        skipped_samples: samples an error policy (``on_error=``) skipped; 0 until one exists.
+        decisions: what ``num_workers="auto"`` decided, in order.
+    """
+
+    setup: Any
+    batches: int
+    epochs: int
+    wait_s: float
+    compute_s: float
+    first_batch_s: float
+    pin_s: float
+    pinned: int
+    workers: tuple[WorkerStats, ...]
+    queue: QueueStats
+    skipped_samples: int = 0
+    decisions: tuple[TuningDecision, ...] = ()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the training loop spent in epochs: waiting plus its own work."""
+        return self.wait_s + self.compute_s
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def samples_per_batch(self) -> float:
+        built = sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS)
+        fetched = sum(w.samples for w in self.workers if w.kind in FETCHING_KINDS)
+        return fetched / built if built else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batches_per_s * self.samples_per_batch
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes of tensor data handed from workers to the main process."""
+        return sum(w.bytes_out for w in self.workers if w.kind in HANDING_OVER_KINDS)
+
+    @property
+    def stages(self) -> dict[str, StageStats]:
+        """fetch, collate, transfer, pin and wait (the training loop's), each summed."""
+        def total(attribute: str, kinds: tuple[str, ...]) -> float:
+            return sum(getattr(w, attribute) for w in self.workers if w.kind in kinds)
+
+        built = int(sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS))
+        handed = int(sum(w.tasks for w in self.workers if w.kind in HANDING_OVER_KINDS + ("item",)))
+        return {
+            "fetch": StageStats(int(total("samples", FETCHING_KINDS)), total("fetch_s", FETCHING_KINDS)),
+            "collate": StageStats(built, total("collate_s", BATCH_KINDS)),
+            "transfer": StageStats(handed, total("transfer_s", HANDING_OVER_KINDS + ("item",))),
+            "pin": StageStats(self.pinned, self.pin_s),
+            "wait": StageStats(self.batches, self.wait_s),
+        }
+
+    def summary(self) -> str:
+        """A few lines in words: throughput, where the time goes, the bottleneck, what to try."""
+        from pipeload.stats.analysis import summarise  # the words live beside their rules
+
+        return summarise(self)
+
+    def suggested_settings(self) -> dict[str, Any]:
+        """DataLoader arguments worth trying, e.g. ``{"num_workers": 6}`` (empty: keep them)."""
+        from pipeload.stats.analysis import diagnose
+
+        return dict(diagnose(self).suggestions)
+
+    def __str__(self) -> str:
+        return self.summary()
