@@ -242,6 +242,7 @@ class BatchWorkerLoop(WorkerLoop):
         clock = self._clock
         if clock is None:
             return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        clock.samples += len(samples)  # a batch worker's samples: those it collated
         started = now()
         try:
             if profiling():

@@ -19,7 +19,7 @@ class WorkerStats:
         kind: "" (a classic worker), "item" or "batch" (economic mode), "main" (no workers).
         worker_id: its id among workers of its kind.
         tasks: batches it built (economic item workers: pieces of batches), failed ones included.
-        samples: samples it fetched.
+        samples: samples it fetched (a batch worker: samples it collated).
         fetch_s: seconds in the dataset.
         collate_s: seconds in ``collate_fn``.
         transfer_s: seconds handing results over (pickling and writing them to the channel).
@@ -151,9 +151,11 @@ class LoaderStats:
 
     @property
     def samples_per_batch(self) -> float:
+        # Batch workers count the samples they collated: exact with their batches, where item
+        # workers' last reports of an epoch may never be read (nothing waits for them).
         built = sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS)
-        fetched = sum(w.samples for w in self.workers if w.kind in FETCHING_KINDS)
-        return fetched / built if built else 0.0
+        batched = sum(w.samples for w in self.workers if w.kind in BATCH_KINDS)
+        return batched / built if built else 0.0
 
     @property
     def samples_per_s(self) -> float:

@@ -1,0 +1,177 @@
+"""loader.stats(): counts and times per stage and per worker, on every engine, and the words."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import pipeload
+from pipeload.stats import LoaderStats
+
+ITEMS = 96
+BATCH = 8
+ENGINES = {
+    "inline": {"num_workers": 0},
+    "process": {"num_workers": 2, "multiprocessing_context": "fork"},
+    "thread": {"num_workers": 2, "worker_type": "thread"},
+    "economic": {"num_workers": 2, "mode": "economic", "multiprocessing_context": "fork"},
+    "economic-thread": {"num_workers": 2, "mode": "economic", "worker_type": "thread"},
+}
+
+
+class Squares(pipeload.Dataset):
+    """Item i: a float32 tensor of 4 values; a little work so that every stage takes time."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((4,), float(index * index))
+
+
+class Slow(pipeload.Dataset):
+    """Each item costs ``cost_s`` of CPU (a busy loop, not a sleep: the workers must be busy)."""
+
+    def __init__(self, count: int, cost_s: float) -> None:
+        self.count, self.cost_s = count, cost_s
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        until = time.perf_counter() + self.cost_s
+        while time.perf_counter() < until:
+            pass
+        return index
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_every_engine_counts_batches_samples_stages_and_bytes(engine: dict, leak_guard) -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, **engine)
+    for _ in range(2):
+        assert sum(len(batch) for batch in loader) == ITEMS
+    stats = loader.stats()
+    assert isinstance(stats, LoaderStats)
+    assert stats.batches == 2 * ITEMS // BATCH
+    assert stats.epochs == 2
+    stages = stats.stages
+    if engine.get("mode") == "economic":
+        # An item worker reports its pieces after handing them over: the last ones of an epoch
+        # may still be on their way when the epoch ends, and nothing waits for them.
+        assert 2 * ITEMS - 2 * BATCH <= stages["fetch"].count <= 2 * ITEMS
+    else:
+        assert stages["fetch"].count == 2 * ITEMS
+    assert stages["collate"].count == 2 * ITEMS // BATCH
+    assert stages["fetch"].seconds > 0 and stages["collate"].seconds > 0
+    assert stages["wait"].count == stats.batches and stats.wait_s > 0
+    assert stats.samples_per_batch == BATCH
+    assert stats.samples_per_s == pytest.approx(stats.batches_per_s * BATCH)
+    kinds = {w.kind for w in stats.workers}
+    if engine["num_workers"] == 0:
+        assert kinds == {"main"} and stats.bytes_moved == 0
+        return
+    assert kinds == ({"item", "batch"} if engine.get("mode") == "economic" else {""})
+    assert stats.bytes_moved == 2 * ITEMS * 4 * 4  # float32 x 4 per sample, each epoch
+    assert stages["transfer"].count >= stats.batches
+    assert stats.queue.capacity == 2 * (1 if engine.get("mode") == "economic" else 2)
+    assert 0 <= stats.queue.mean_in_flight <= stats.queue.capacity
+    assert all(0 <= w.busy_fraction <= 1 and w.alive_s > 0 for w in stats.workers)
+
+
+@pytest.mark.timeout(60)
+def test_persistent_workers_keep_counting_across_epochs(leak_guard) -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    for _ in range(3):
+        list(loader)
+    stats = loader.stats()
+    assert stats.epochs == 3 and stats.batches == 3 * ITEMS // BATCH
+    assert sorted(w.worker_id for w in stats.workers) == [0, 1]
+    assert sum(w.tasks for w in stats.workers) == stats.batches
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_batch_is_counted_and_the_epoch_goes_on(leak_guard) -> None:
+    class FailsOnFive(Squares):
+        def __getitem__(self, index: int) -> torch.Tensor:
+            if index == 5:
+                raise ValueError("bad sample")
+            return super().__getitem__(index)
+
+    loader = pipeload.DataLoader(FailsOnFive(), batch_size=BATCH, num_workers=2, worker_type="thread")
+    iterator, good = iter(loader), 0
+    while True:
+        try:
+            next(iterator)
+            good += 1
+        except ValueError:
+            continue
+        except StopIteration:
+            break
+    stats = loader.stats()
+    assert good == stats.batches == ITEMS // BATCH - 1
+    assert sum(w.tasks for w in stats.workers) == ITEMS // BATCH  # the failed one too
+
+
+def test_first_batch_time_and_the_loops_own_time() -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH)
+    for _ in loader:
+        busy_until = time.perf_counter() + 0.002  # the "training step"
+        while time.perf_counter() < busy_until:
+            pass
+    stats = loader.stats()
+    assert stats.compute_s >= 0.002 * (stats.batches - 1)
+    assert 0 < stats.first_batch_s < stats.elapsed_s
+
+
+def test_stats_off() -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
+                                 stats=False)
+    assert len(list(loader)) == ITEMS // BATCH
+    with pytest.raises(RuntimeError, match="stats are off"):
+        loader.stats()
+
+
+@pytest.mark.timeout(60)
+def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
+    loader = pipeload.DataLoader(Slow(48, 0.002), batch_size=4, num_workers=1,
+                                 multiprocessing_context="fork")
+    list(loader)  # the loop does nothing: it waits for nearly every batch
+    stats = loader.stats()
+    assert stats.wait_fraction > 0.5
+    text = stats.summary()
+    assert "bottleneck: `__getitem__`" in text, text
+    wanted = min(stats.setup.cpus, math.ceil(1 / (1 - stats.wait_fraction)))
+    assert stats.suggested_settings() == ({"num_workers": wanted} if wanted > 1 else {})
+
+
+def test_a_slow_training_loop_is_named() -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread")
+    for _ in loader:
+        busy_until = time.perf_counter() + 0.01
+        while time.perf_counter() < busy_until:
+            pass
+    text = str(loader.stats())
+    assert "bottleneck: the training loop" in text, text
+    assert "loading keeps up" in text
+
+
+def test_pinning_is_timed(pretend_accelerator) -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
+                                 pin_memory=True)
+    list(loader)
+    stages = loader.stats().stages
+    assert stages["pin"].count == ITEMS // BATCH and stages["pin"].seconds > 0
+
+
+def test_skipped_samples_slot_is_zero_until_a_policy_fills_it() -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH)
+    list(loader)
+    assert loader.stats().skipped_samples == 0
+    loader._stats.skipped(3)  # the hook an on_error= policy calls
+    assert loader.stats().skipped_samples == 3
