@@ -144,7 +144,9 @@ class EconomicEngine:
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
         self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
-        self._stats = config.stats.new_session(config.prefetch_factor) if config.stats else None
+        self._stats = None
+        if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
+            self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
                                     config.timeout_s, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)

@@ -72,7 +72,7 @@ class WorkerLoop:
         self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
-        self._clock = StageClock(self.kind, worker_id) if setup.stats else None
+        self._clock = StageClock() if setup.stats else None
 
     def run(self) -> None:
         self._initialise()

@@ -25,39 +25,32 @@ now = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable between processe
 
 
 class WorkerTotals(NamedTuple):
-    """One worker's running totals, as its reports carry them.
+    """One worker's running totals, as its reports carry them (as a plain tuple: a named one
+    costs several microseconds more to pickle, a visible share of a tiny batch's trip).
 
     Attributes:
-        kind: "" (a classic worker), "item" or "batch" (economic mode), "main" (no workers).
-        worker_id: the worker's id among workers of its kind.
-        started_at: when the worker's clock started (``time.perf_counter``).
         tasks: batches (or economic pieces) it has finished, failed ones included.
-        samples: samples it fetched.
+        samples: samples it fetched (a batch worker: samples it collated).
         fetch_s: seconds in the dataset (``__getitem__``, ``__getitems__``, ``__next__``).
         collate_s: seconds in ``collate_fn``.
         send_s: seconds handing results over (pickling, writing to the channel); lags one report,
             as a report cannot carry the time it takes to send itself.
         bytes_out: bytes of tensor data in what it handed over.
+        started_at: when the worker's clock started (``time.perf_counter``).
     """
 
-    kind: str
-    worker_id: int
-    started_at: float
     tasks: int
     samples: int
     fetch_s: float
     collate_s: float
     send_s: float
     bytes_out: int
-
-    @property
-    def busy_s(self) -> float:
-        return self.fetch_s + self.collate_s + self.send_s
+    started_at: float
 
 
 def profiling() -> bool:
     """True while a torch profiler records in this process (a module flag: no dispatcher call)."""
-    return _torch_profiler._is_profiler_enabled
+    return _torch_profiler._is_profiler_enabled  # torch keeps it for exactly this kind of check
 
 
 @contextlib.contextmanager
@@ -73,12 +66,9 @@ class StageClock:
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
-    __slots__ = ("kind", "worker_id", "started_at", "tasks", "samples", "fetch_s", "collate_s",
-                 "send_s", "bytes_out")
+    __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out")
 
-    def __init__(self, kind: str, worker_id: int) -> None:
-        self.kind = kind
-        self.worker_id = worker_id
+    def __init__(self) -> None:
         self.started_at = now()
         self.tasks = 0
         self.samples = 0
@@ -87,11 +77,12 @@ class StageClock:
         self.send_s = 0.0
         self.bytes_out = 0
 
-    def snapshot(self) -> WorkerTotals:
-        return WorkerTotals(self.kind, self.worker_id, self.started_at, self.tasks, self.samples,
-                            self.fetch_s, self.collate_s, self.send_s, self.bytes_out)
+    def snapshot(self) -> tuple[int, int, float, float, float, int, float]:
+        """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
+        return (self.tasks, self.samples, self.fetch_s, self.collate_s, self.send_s,
+                self.bytes_out, self.started_at)
 
-    def finished(self, result: Any = None) -> WorkerTotals:
+    def finished(self, result: Any = None) -> tuple[int, int, float, float, float, int, float]:
         """Count a finished task (and the tensor bytes of ``result``); returns the totals its
         report carries."""
         self.tasks += 1
@@ -108,7 +99,7 @@ def tensor_bytes(batch: Any, depth: int = 0) -> int:
     """Bytes of tensor data in ``batch`` (tensors inside lists, tuples and dicts, a few levels
     deep); other objects count nothing."""
     if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
+        return batch.nbytes
     if depth > 3:
         return 0
     if isinstance(batch, (list, tuple)):

@@ -60,20 +60,26 @@ class _Consumer:
 
 
 class SessionStats:
-    """What one engine session (one pool, or the inline engine) reports into its recorder."""
+    """What one engine session (one pool, or the inline engine) reports into its recorder.
 
-    def __init__(self, recorder: StatsRecorder, session: int, capacity: int) -> None:
+    ``kinds`` names the kind of worker that sends each type of report (economic mode: item
+    workers send ITEMS_DONE, batch workers the batches); the others are classic workers ("").
+    """
+
+    def __init__(self, recorder: StatsRecorder, session: int, capacity: int,
+                 kinds: dict[Any, str] | None = None) -> None:
         self._seen = recorder._seen
         self._queue = recorder._queue
         self._queue.capacity = capacity
         self._session = session
-        self._local: StageClock | None = None
+        self._kinds = kinds or {}
+        self._default_kind = "batch" if kinds else ""
 
-    def local_clock(self, kind: str = "main") -> StageClock:
+    def local_clock(self) -> StageClock:
         """A clock for fetching in the main process (no workers); read at every snapshot."""
-        self._local = StageClock(kind, 0)
-        self._seen[(self._session, kind, 0)] = (self._local, None)
-        return self._local
+        clock = StageClock()
+        self._seen[(self._session, "main", 0)] = (clock, None)
+        return clock
 
     def record(self, reports: Iterable[Any]) -> None:
         """Keep the latest totals each report carries (reports without any are skipped)."""
@@ -82,7 +88,8 @@ class SessionStats:
             totals = report.totals
             if totals is not None:
                 arrived = arrived or now()
-                self._seen[(self._session, totals.kind, totals.worker_id)] = (totals, arrived)
+                kind = self._kinds.get(report.report, self._default_kind)
+                self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
 
     def handing_out(self, ready: int, in_flight: int) -> None:
         """A batch is being handed out; ``ready`` more are waiting, ``in_flight`` are sent and
@@ -132,11 +139,12 @@ class StatsRecorder:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def new_session(self, capacity: int) -> SessionStats:
-        """A new engine session, holding up to ``capacity`` batches in flight."""
+    def new_session(self, capacity: int, kinds: dict[Any, str] | None = None) -> SessionStats:
+        """A new engine session, holding up to ``capacity`` batches in flight (``kinds``: see
+        :class:`SessionStats`)."""
         with self._lock:
             self._sessions += 1
-            return SessionStats(self, self._sessions, capacity)
+            return SessionStats(self, self._sessions, capacity, kinds)
 
     def epoch_started(self) -> None:
         consumer = self._consumer
@@ -210,16 +218,15 @@ def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: 
     """Sum each worker's totals over the sessions it lived in (a new pool per epoch restarts
     every worker's totals)."""
     merged: dict[tuple[str, int], WorkerStats] = {}
-    for (_, kind, worker_id), (totals, arrived) in seen.items():
-        if isinstance(totals, StageClock):
-            totals = totals.snapshot()
+    for (_, kind, worker_id), (raw, arrived) in seen.items():
+        totals = WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw)
         alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
-        one = _worker_stats(totals, alive_s)
+        one = _worker_stats(kind, worker_id, totals, alive_s)
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
 
 
-def _worker_stats(totals: WorkerTotals, alive_s: float) -> WorkerStats:
-    return WorkerStats(totals.kind, totals.worker_id, totals.tasks, totals.samples, totals.fetch_s,
+def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:
+    return WorkerStats(kind, worker_id, totals.tasks, totals.samples, totals.fetch_s,
                        totals.collate_s, totals.send_s, totals.bytes_out, alive_s)

@@ -82,7 +82,8 @@ class WorkerReport:
     batch_number: int
     payload: Any = None
     totals: Any = None
-    """The sending worker's running totals (``stats.clock.WorkerTotals``) when stats are on."""
+    """The sending worker's running totals when stats are on: a plain tuple in the order of
+    ``pipeload.stats.clock.WorkerTotals``."""
 
     @property
     def failure(self) -> RemoteFailure:
