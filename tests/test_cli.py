@@ -1,10 +1,9 @@
-"""``pipeload bench`` and ``python -m bench.run``: they run, print both loaders and a ratio, and
-leave no process or /dev/shm entry behind."""
+"""``pipeload bench`` and ``pipeload profile``, run as a user runs them: in a subprocess, with
+tiny sizes, a private cache directory, and nothing left behind."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -14,24 +13,23 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeload import cli
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
-SUBPROCESS_TIMEOUT_S = 90
+SUBPROCESS_TIMEOUT_S = 100
 LEFTOVER_GRACE_S = 5.0
-# Every process a run starts inherits this variable, so survivors can be found by it.
-RUN_MARKER = "PIPELOAD_TEST_CLI_RUN"
+RUN_MARKER = "PIPELOAD_TEST_CLI_RUN"  # every process a run starts inherits it: survivors show
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_marked(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], str]:
+def pipeload_command(args: list[str], cache: Path, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
     marker = uuid.uuid4().hex
-    env = {**os.environ, RUN_MARKER: marker}
-    completed = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    return completed, marker
+    env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(cache),
+           "PYTHONPATH": str(REPO_ROOT / "src")}
+    shm_before = _shm_entries()
+    completed = subprocess.run([sys.executable, "-m", "pipeload", *args], cwd=cwd, env=env,
+                               capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    _assert_nothing_left(marker, shm_before)
+    return completed
 
 
 def _marked_processes(marker: str) -> list[psutil.Process]:
@@ -50,84 +48,115 @@ def _shm_entries() -> set[str]:
 
 
 def _assert_nothing_left(marker: str, shm_before: set[str]) -> None:
-    # The machine is shared: entries made by others come and go, so allow a grace period.
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while True:
-        survivors = _marked_processes(marker)
-        new_shm = _shm_entries() - shm_before
-        if not survivors and not new_shm:
-            return
-        if time.monotonic() > deadline:
+        survivors, new_shm = _marked_processes(marker), _shm_entries() - shm_before
+        if (not survivors and not new_shm) or time.monotonic() > deadline:
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # polling for the run's processes to be gone, with a deadline
     assert not survivors, f"processes outlived the run: {survivors}"
     assert not new_shm, f"/dev/shm entries outlived the run: {sorted(new_shm)}"
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_bench_prints_both_loaders_and_a_ratio(num_workers: int) -> None:
-    shm_before = _shm_entries()
-    completed, marker = _run_marked(
-        ["-m", "pipeload", "bench", "--samples", "256", "--batch-size", "32",
-         "--num-workers", str(num_workers)],
-        cwd=REPO_ROOT,
-    )
+def _one_line_error(completed: subprocess.CompletedProcess[str], status: int, words: str) -> None:
+    assert completed.returncode == status, (completed.returncode, completed.stderr)
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1, completed.stderr
+    assert words in lines[0], lines[0]
+
+
+@pytest.mark.timeout(200)
+def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
+    chart = tmp_path / "chart.png"
+    args = ["bench", "--size", "48", "--batch-size", "16", "--workers", "1", "--repeats", "1",
+            "--chart", str(chart)]
+    completed = pipeload_command(args, tmp_path / "cache")
     assert completed.returncode == 0, completed.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in completed.stdout.splitlines() if line}
-    # Two epochs by default, so each loader saw the 256 samples twice.
-    assert rows["pipeload"][0] == "512"
-    assert rows["torch"][0] == "512"
-    assert re.fullmatch(r"\d+\.\d\dx", rows["pipeload/torch"][0])
-    _assert_nothing_left(marker, shm_before)
+    assert "first run: writing 48 synthetic JPEG images" in completed.stderr
+    rows = {line.split()[0]: line.split() for line in completed.stdout.splitlines() if line.strip()}
+    assert {"torch", "classic", "economic", "threads", "pipes"} <= set(rows)
+    assert rows["torch"][3] == "1.00x"
+    assert all(rows[name][3].endswith("x") for name in ("classic", "economic", "threads", "pipes"))
+    assert f"chart: {chart}" in completed.stdout
+    assert chart.read_bytes().startswith(PNG_MAGIC)
+    shards = list((tmp_path / "cache" / "bench-data").glob("jpeg-48-v*/shard-*.tar"))
+    assert len(shards) == 1
 
 
-def test_bench_rejects_a_bad_argument_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--batch-size", "0"])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert "--batch-size" in error and "'0'" in error
+@pytest.mark.timeout(200)
+def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> None:
+    args = ["bench", "--size", "32", "--batch-size", "16", "--workers", "0", "--repeats", "2",
+            "--loaders", "classic,threads", "--chart", str(tmp_path / "c.png")]
+    first = pipeload_command(args, tmp_path)
+    second = pipeload_command(args, tmp_path)
+    assert first.returncode == second.returncode == 0, second.stderr
+    assert "first run" in first.stderr and "first run" not in second.stderr
+    loaders = [line.split()[0] for line in second.stdout.splitlines()[1:3]]
+    assert loaders == ["classic", "threads"]
+    assert second.stderr.count("classic   ") == 2 + 1  # two repeats, and the loader's description
 
 
-def test_bench_alternates_which_loader_goes_first() -> None:
-    config = cli.BenchConfig(samples=64, batch_size=16, epochs=3)
-    loaders = {"first": cli.make_pipeload_loader, "second": cli.make_pipeload_loader}
-    timings = cli.run_bench(config, loaders, progress=False)
-    assert [t.loader_name for t in timings] == [
-        "first", "second", "second", "first", "first", "second",
-    ]
-    summaries = cli.summarise(timings, list(loaders))
-    assert [s.samples for s in summaries] == [192, 192]
-    table = cli.format_table(summaries)
-    assert re.search(r"^first/second\s+\d+\.\d\dx$", table, re.MULTILINE)
+@pytest.mark.parametrize("args, status, words", [
+    (["bench", "--loaders", "classic,nope"], 2, "unknown loader 'nope'"),
+    (["bench", "--size", "0"], 2, "expected an integer >= 1, got '0'"),
+    (["bench", "--loaders", "economic", "--workers", "0", "--size", "16"], 2, "economic mode needs workers"),
+    (["profile", "no_colon_here"], 2, "expected MODULE:FACTORY"),
+    (["profile", "no_such_module_xyz:make"], 2, "cannot import module 'no_such_module_xyz'"),
+    (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
+    (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
+    (["profile", "factories:not_a_dataset"], 1, "returned int, expected a dataset or a DataLoader"),
+    (["profile", "factories:fails_to_load"], 1, "loading failed after 0 batches: KeyError"),
+])
+@pytest.mark.timeout(120)
+def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path: Path, args: list[str], status: int,
+                                                    words: str) -> None:
+    _write_factories(tmp_path)
+    _one_line_error(pipeload_command(args, tmp_path / "cache", cwd=tmp_path), status, words)
 
 
-@pytest.mark.slow
-def test_bench_run_quick_on_the_tiny_workload() -> None:
-    shm_before = _shm_entries()
-    completed, marker = _run_marked(
-        ["-m", "bench.run", "--quick", "--workload", "tiny"], cwd=REPO_ROOT
-    )
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("factory", ["slow_dataset", "slow_loader"])
+def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, factory: str) -> None:
+    _write_factories(tmp_path)
+    completed = pipeload_command(["profile", f"factories:{factory}", "--batches", "12",
+                                  "--batch-size", "4", "--num-workers", "1"], tmp_path, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
-    table = [line.split() for line in completed.stdout.splitlines()]
-    loaders = [row[1] for row in table if row and row[0] == "tiny"]
-    assert loaders == ["pipeload", "torch", "pipeload/torch"]
-    ratio_row = next(row for row in table if row[:2] == ["tiny", "pipeload/torch"])
-    assert re.fullmatch(r"\d+\.\d\dx", ratio_row[2])  # samples/s
-    assert re.fullmatch(r"\d+\.\d\dx", ratio_row[3])  # time to first batch
-    _assert_nothing_left(marker, shm_before)
+    out = completed.stdout
+    assert f"profiled 12 batches from factories:{factory}" in out
+    assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
+    assert "suggested settings: " in out
 
 
-def test_without_the_checkout_baseline_only_pipeload_runs(monkeypatch, tmp_path, capsys) -> None:
-    monkeypatch.setattr(cli, "BASELINE_PATH", tmp_path / "missing.py")
-    assert list(cli.available_loaders()) == ["pipeload"]
-    assert "source checkout" in capsys.readouterr().err
+FACTORIES = '''
+import time
+import torch
+import pipeload
+
+class Slow(pipeload.Dataset):
+    def __len__(self):
+        return 400
+    def __getitem__(self, index):
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:
+            pass
+        return torch.tensor([index])
+
+def slow_dataset():
+    return Slow()
+
+def slow_loader():
+    return pipeload.DataLoader(Slow(), batch_size=4, num_workers=1)
+
+def raises():
+    raise ValueError("no data today")
+
+def not_a_dataset():
+    return 42
+
+def fails_to_load():
+    return {"a": 1}
+'''
 
 
-def test_the_checkout_baseline_is_torch_own_loader() -> None:
-    import torch.utils.data
-
-    loaders = cli.available_loaders()
-    assert list(loaders) == ["pipeload", "torch"]
-    config = cli.BenchConfig(samples=8, batch_size=4, num_workers=0)
-    assert isinstance(loaders["torch"]([0, 1, 2, 3], config), torch.utils.data.DataLoader)
+def _write_factories(directory: Path) -> None:
+    (directory / "factories.py").write_text(FACTORIES)

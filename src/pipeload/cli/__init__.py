@@ -1,0 +1,139 @@
+"""``pipeload`` on the command line (also ``python -m pipeload``).
+
+    pipeload bench [--size N] [--workers N] [--repeats N] [--loaders a,b,...] [--chart PATH]
+    pipeload profile MODULE:FACTORY [--batches N] [--batch-size B] [--num-workers N] [--step-ms T]
+
+``bench`` (bench.py) compares torch's DataLoader with pipeload's modes on a JPEG dataset it
+makes on first run; ``profile`` (profile.py) loads a few batches of your own data and prints the
+stats summary with suggested settings. A mistake in the arguments, a factory that cannot be
+imported or raises, a missing optional package: one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from pipeload.cli.bench import LOADERS, BenchOptions
+from pipeload.cli.profile import CommandError, ProfileOptions
+
+OPTIONAL_PACKAGES = {"PIL": "Pillow", "psutil": "psutil", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (the usage text is a --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pipeload`` command; returns the exit status.
+
+    Example:
+        >>> main(["bench", "--size", "256", "--repeats", "1"])  # doctest: +SKIP
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except CommandError as error:
+        print(f"pipeload {args.command}: {error}", file=sys.stderr)
+        return error.status
+    except LookupError as error:  # a loader that cannot run here (no checkout, no workers)
+        print(f"pipeload {args.command}: {error.args[0]}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        package = OPTIONAL_PACKAGES.get((error.name or "").split(".")[0])
+        if package is None:
+            raise
+        print(f"pipeload {args.command}: needs {package}: pip install 'pipeload[bench]'", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pipeload {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipeload", description="pipeload: torch.utils.data's interface, its own engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser)
+    _add_bench(commands)
+    _add_profile(commands)
+    return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    defaults = BenchOptions()
+    bench = commands.add_parser("bench", help="torch's DataLoader and pipeload's modes, side by side",
+                                description="Load synthetic JPEGs in tar shards (made on first run, "
+                                "under $PIPELOAD_CACHE or ~/.cache/pipeload) with each loader, "
+                                "interleaving repeats; print a table and write a PNG chart.")
+    bench.add_argument("--size", type=_at_least(1), default=defaults.size, help="images (default: %(default)s)")
+    bench.add_argument("--workers", type=_at_least(0), default=defaults.workers,
+                       help="num_workers of every loader (default: %(default)s)")
+    bench.add_argument("--repeats", type=_at_least(1), default=defaults.repeats,
+                       help="runs per loader, interleaved (default: %(default)s)")
+    bench.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
+                       help="default: %(default)s")
+    bench.add_argument("--loaders", type=_loader_names, default=defaults.loaders,
+                       help=f"comma-separated, from {', '.join(LOADERS)} (default: all)")
+    bench.add_argument("--chart", type=Path, default=None, help="where to write the PNG chart")
+    bench.set_defaults(handler=_bench)
+
+
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    defaults = ProfileOptions(target="")
+    profile = commands.add_parser("profile", help="load a few batches of your data; say what limits it",
+                                  description="Import MODULE, call FACTORY() for a dataset or a "
+                                  "DataLoader, load some batches, print the stats summary and "
+                                  "suggested settings.")
+    profile.add_argument("target", metavar="MODULE:FACTORY")
+    profile.add_argument("--batches", type=_at_least(1), default=defaults.batches, help="default: %(default)s")
+    profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
+                         help="for a dataset (default: %(default)s)")
+    profile.add_argument("--num-workers", type=_at_least(0), default=defaults.num_workers,
+                         help="for a dataset (default: %(default)s)")
+    profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode)
+    profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type)
+    profile.add_argument("--step-ms", type=float, default=defaults.step_ms,
+                         help="pretend training time per batch, in ms (default: %(default)s)")
+    profile.set_defaults(handler=_profile)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pipeload.cli import bench
+
+    return bench.run(BenchOptions(args.size, args.workers, args.repeats, args.batch_size,
+                                  tuple(args.loaders), args.chart))
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pipeload.cli import profile
+
+    return profile.run(ProfileOptions(args.target, args.batches, args.batch_size, args.num_workers,
+                                      args.mode, args.worker_type, args.step_ms))
+
+
+def _loader_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in LOADERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown loader {unknown[0] if unknown else text!r}; choose from {', '.join(LOADERS)}")
+    return names
+
+
+def _at_least(minimum: int):  # noqa: ANN202  (an argparse type)
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse

@@ -1,0 +1,251 @@
+"""``pipeload bench``: torch's DataLoader and pipeload's modes, side by side, on JPEG shards.
+
+Every loader reads the same dataset (see ``images.py``) with the same batch size, workers and
+seed. Runs are interleaved: each repeat goes through all loaders, starting one further along each
+time, so warm-up and drifting machine load fall on all of them alike; the table shows medians
+and the spread (lowest to highest samples/s), so noise is visible rather than hidden.
+
+torch's side lives in the source checkout's ``bench/baseline.py`` (pipeload itself never calls
+torch's loader); without a checkout, only pipeload's rows are shown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pipeload
+from pipeload.cli.images import TarImages, cache_dir, ensure_images, shard_pipe
+from pipeload.cli.measure import Run, time_one_pass
+
+SEED = 0
+BASELINE_PATH = Path(__file__).resolve().parents[3] / "bench" / "baseline.py"
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``pipeload bench`` runs."""
+
+    size: int = 2048
+    workers: int = 2
+    repeats: int = 3
+    batch_size: int = 64
+    loaders: tuple[str, ...] = ("torch", "classic", "economic", "threads", "pipes")
+    chart: Path | None = None  # None: a timestamped file under the cache directory
+
+
+LoaderMaker = Callable[[TarImages, BenchOptions], Iterable[Any]]
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(SEED)
+
+
+def _pipeload(**extra: Any) -> LoaderMaker:
+    def make(images: TarImages, options: BenchOptions) -> Iterable[Any]:
+        return pipeload.DataLoader(images, batch_size=options.batch_size, shuffle=True,
+                                   num_workers=options.workers, generator=_generator(), **extra)
+    return make
+
+
+def _pipes(images: TarImages, options: BenchOptions) -> Iterable[Any]:
+    return pipeload.DataLoader(shard_pipe(images), batch_size=options.batch_size,
+                               num_workers=options.workers, generator=_generator())
+
+
+def _torch(images: TarImages, options: BenchOptions) -> Iterable[Any]:
+    baseline = _load_baseline()
+    if baseline is None:
+        raise LookupError(f"torch's side needs the source checkout's {BASELINE_PATH}")
+    return baseline.make_torch_loader(images, options.batch_size, options.workers, SEED)
+
+
+def _economic(images: TarImages, options: BenchOptions) -> Iterable[Any]:
+    if options.workers == 0:
+        raise LookupError("economic mode needs workers (--workers 0 was given)")
+    return _pipeload(mode="economic")(images, options)
+
+
+LOADERS: dict[str, tuple[LoaderMaker, str]] = {
+    "torch": (_torch, "torch.utils.data.DataLoader, process workers"),
+    "classic": (_pipeload(), "pipeload, process workers building whole batches (as torch)"),
+    "economic": (_economic, "pipeload mode='economic': item workers fetch, batch workers collate"),
+    "threads": (_pipeload(worker_type="thread"), "pipeload, thread workers"),
+    "pipes": (_pipes, "pipeload over a DataPipe graph reading whole shards"),
+}
+
+
+def _load_baseline() -> Any:
+    """bench/baseline.py, found by path from this file, not by name (a stray `bench` module on
+    the path cannot stand in for it); None outside a source checkout."""
+    if not BASELINE_PATH.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_pipeload_bench_baseline", BASELINE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def available(names: Sequence[str]) -> list[str]:
+    """``names`` without torch when there is no checkout to take it from (said once on stderr)."""
+    if "torch" in names and not BASELINE_PATH.is_file():
+        print(f"pipeload bench: torch's side needs a source checkout ({BASELINE_PATH} is missing): "
+              "pipeload only", file=sys.stderr)
+        return [n for n in names if n != "torch"]
+    return list(names)
+
+
+def run(options: BenchOptions) -> int:
+    """The whole command: dataset, runs, table, chart. Returns the exit status."""
+    if "economic" in options.loaders and options.workers == 0:
+        raise LookupError("economic mode needs workers (--workers 0 was given); leave it out "
+                          "with --loaders, or give --workers 1 or more")
+    names = available(options.loaders)
+    images = TarImages(_dataset(options.size))
+    _say(f"{len(images)} JPEG images ({images.directory}), batch {options.batch_size}, "
+         f"{options.workers} workers, {options.repeats} repeats, loaders: {', '.join(names)}")
+    for name in names:
+        _say(f"  {name:<9} {LOADERS[name][1]}")
+    runs = []
+    for repeat in range(options.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs.append(_one_run(name, repeat, images, options))
+    rows = summarise(runs, names)
+    print(format_table(rows))
+    print(_machine_line(options))
+    chart = write_chart(rows, options)
+    if chart is not None:
+        print(f"chart: {chart}")
+    return 0
+
+
+def _dataset(size: int) -> Path:
+    from pipeload.cli.images import dataset_dir
+
+    if (dataset_dir(size) / "index.json").is_file():
+        return dataset_dir(size)
+    _say(f"first run: writing {size} synthetic JPEG images in tar shards under {cache_dir()}")
+    with _bar(size, "writing images", "img") as bar:
+        return ensure_images(size, bar)
+
+
+def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -> Run:
+    loader = LOADERS[name][0](images, options)
+    label = f"{name:<9} {repeat + 1}/{options.repeats}"
+    total = -(-len(images) // options.batch_size)
+    with _bar(total, label, "batch") as bar:
+        result = time_one_pass(name, repeat, loader, _batch_length, bar.update)
+    _say(f"{label}: {result.samples_per_s:>9,.0f} samples/s, first batch "
+         f"{result.first_batch_s * 1e3:,.0f} ms")
+    return result
+
+
+def _batch_length(batch: Any) -> int:
+    return len(batch[0])
+
+
+@dataclass(frozen=True)
+class Row:
+    """One loader over all repeats."""
+
+    loader: str
+    median_samples_per_s: float
+    lowest: float
+    highest: float
+    first_batch_s: float
+    peak_rss_bytes: int
+    peak_shm_bytes: int
+
+
+def summarise(runs: Sequence[Run], names: Sequence[str]) -> list[Row]:
+    rows = []
+    for name in names:
+        mine = [r for r in runs if r.loader == name]
+        speeds = [r.samples_per_s for r in mine]
+        rows.append(Row(name, statistics.median(speeds), min(speeds), max(speeds),
+                        statistics.median(r.first_batch_s for r in mine),
+                        max(r.peak_rss_bytes for r in mine), max(r.peak_shm_bytes for r in mine)))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Plain text: per loader, median samples/s with its spread, and the ratio to torch's."""
+    torch_row = next((r for r in rows if r.loader == "torch"), None)
+    header = (f"{'loader':<10}{'samples/s':>11}{'spread':>19}{'vs torch':>10}"
+              f"{'first batch':>13}{'peak RSS':>11}{'peak shm':>11}")
+    lines = [header]
+    for row in rows:
+        ratio = f"{row.median_samples_per_s / torch_row.median_samples_per_s:.2f}x" if torch_row else "-"
+        spread = f"{row.lowest:,.0f}..{row.highest:,.0f}"
+        lines.append(f"{row.loader:<10}{row.median_samples_per_s:>11,.0f}{spread:>19}{ratio:>10}"
+                     f"{row.first_batch_s * 1e3:>10,.0f} ms{row.peak_rss_bytes / MIB:>7,.0f} MiB"
+                     f"{row.peak_shm_bytes / MIB:>7,.1f} MiB")
+    return "\n".join(lines)
+
+
+def _machine_line(options: BenchOptions) -> str:
+    from pipeload.stats.recorder import usable_cpus
+
+    return (f"{usable_cpus()} usable CPUs, torch {torch.__version__}, pipeload "
+            f"{pipeload.__version__}; medians of {options.repeats} interleaved runs; on a shared "
+            "or busy machine the spread shows how much is noise")
+
+
+def write_chart(rows: Sequence[Row], options: BenchOptions) -> Path | None:
+    """A PNG bar chart of samples/s with the spread as error bars; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _say("pipeload bench: matplotlib is not installed: no chart (pip install 'pipeload[bench]')")
+        return None
+    path = options.chart or cache_dir() / "bench" / f"pipeload-bench-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.4))
+    medians = [r.median_samples_per_s for r in rows]
+    errors = [[m - r.lowest for m, r in zip(medians, rows)], [r.highest - m for m, r in zip(medians, rows)]]
+    colours = ["#9e9e9e" if r.loader == "torch" else "#3f7fbf" for r in rows]
+    axis.barh([r.loader for r in rows], medians, xerr=errors, color=colours, capsize=4)
+    axis.invert_yaxis()
+    axis.set_xlabel("samples/s (median; bars: lowest to highest run)")
+    axis.set_title(f"pipeload bench: {options.size} JPEGs, batch {options.batch_size}, "
+                   f"{options.workers} workers")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _bar(total: int, label: str, unit: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    # disable=None: drawn only on a terminal, so logs and pipes stay clean.
+    return tqdm(total=total, desc=label, unit=unit, leave=False, disable=None, file=sys.stderr)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

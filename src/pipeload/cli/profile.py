@@ -1,0 +1,127 @@
+"""``pipeload profile MODULE:FACTORY``: load a few batches of your data and say what limits it.
+
+``FACTORY`` is a callable in an importable module (the current directory is on the path) that
+returns a dataset (map-style or iterable) or a DataLoader. A dataset gets a pipeload DataLoader
+with the command's options; a pipeload DataLoader is used as it is; torch's DataLoader is rebuilt
+as pipeload's with its dataset, batch size, collate_fn and workers. After ``--batches`` batches
+(``--step-ms`` of pretend training between them), the loader's stats summary is printed, with
+the settings worth trying.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data as torch_data
+
+import pipeload
+
+
+class CommandError(Exception):
+    """A problem with what the user asked for: printed as one line, exit status ``status``."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    target: str
+    batches: int = 50
+    batch_size: int = 32
+    num_workers: int = 2
+    mode: str = "classic"
+    worker_type: str = "process"
+    step_ms: float = 0.0
+
+
+def run(options: ProfileOptions) -> int:
+    """The whole command; returns the exit status."""
+    made = call_factory(options.target)
+    loader = as_loader(made, options)
+    batches = _load(loader, options)
+    stats = loader.stats()
+    print(f"profiled {batches} batches from {options.target}")
+    print(stats.summary())
+    suggestions = stats.suggested_settings()
+    if suggestions:
+        settings = ", ".join(f"{key}={value!r}" for key, value in suggestions.items())
+        print(f"suggested settings: DataLoader(..., {settings})")
+    else:
+        print("suggested settings: keep these")
+    return 0
+
+
+def call_factory(target: str) -> Any:
+    """Import ``MODULE:FACTORY`` and call it; every failure becomes a one-line CommandError."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise CommandError(f"expected MODULE:FACTORY (for example mypackage.data:make_dataset), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise CommandError(f"cannot import module {module_name!r}: {type(error).__name__}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        what = "has no attribute" if factory is None else "has a non-callable"
+        raise CommandError(f"module {module_name!r} {what} {attribute!r}")
+    try:
+        return factory()
+    except Exception as error:
+        raise CommandError(f"{target} raised {type(error).__name__}: {error}", status=1) from None
+
+
+def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
+    """The pipeload DataLoader to profile, from what the factory returned."""
+    if isinstance(made, pipeload.DataLoader):
+        return made
+    if isinstance(made, torch_data.DataLoader):
+        return pipeload.DataLoader(made.dataset, batch_size=made.batch_size, collate_fn=made.collate_fn,
+                                   num_workers=made.num_workers or options.num_workers)
+    if not isinstance(made, (torch_data.Dataset, torch_data.IterableDataset)) and not (
+            hasattr(made, "__getitem__") and hasattr(made, "__len__")):
+        raise CommandError(f"{options.target} returned {type(made).__name__}, expected a dataset "
+                           "or a DataLoader", status=1)
+    try:
+        return pipeload.DataLoader(made, batch_size=options.batch_size, num_workers=options.num_workers,
+                                   mode=options.mode, worker_type=options.worker_type)
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"cannot load {options.target}'s dataset: {error}", status=1) from None
+
+
+def _load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
+    step_s = options.step_ms / 1000
+    iterator = iter(loader)
+    batches = 0
+    try:
+        for _ in iterator:
+            batches += 1
+            if step_s:
+                _pretend_to_train(step_s)
+            if batches >= options.batches:
+                break
+    except Exception as error:
+        raise CommandError(f"loading failed after {batches} batches: {type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}", status=1) from None
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+    if batches == 0:
+        raise CommandError(f"{options.target} gave no batches", status=1)
+    return batches
+
+
+def _pretend_to_train(seconds: float) -> None:
+    # Busy, not asleep: a training step keeps a CPU (or the GPU's launching thread) occupied.
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
