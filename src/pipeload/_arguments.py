@@ -31,9 +31,25 @@ class ArgumentAssertionError(ValueError, AssertionError):
     for either keep working."""
 
 
+AUTO = "auto"
+
+
+def auto_options(num_workers: Any, prefetch_factor: Any, stats: bool) -> tuple[bool, bool]:
+    """Which of num_workers and prefetch_factor are "auto" (the tuner reads the stats, so they
+    must be on)."""
+    auto = (num_workers == AUTO, prefetch_factor == AUTO)
+    if auto[1] and not auto[0] and num_workers == 0:
+        resolve_prefetch_factor(prefetch_factor, 0)  # torch's error: prefetching needs workers
+    if any(auto) and not stats:
+        name = "num_workers" if auto[0] else "prefetch_factor"
+        raise ValueError(f"{name}='auto' tunes itself from the loader's stats, but got stats=False; "
+                         "set stats=True or give a number")
+    return auto
+
+
 def check_num_workers(num_workers: Any) -> None:
     if not isinstance(num_workers, int) or isinstance(num_workers, bool):
-        raise TypeError(f"num_workers should be an int, but got num_workers={num_workers!r}")
+        raise TypeError(f"num_workers should be an int (or 'auto'), but got num_workers={num_workers!r}")
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; use num_workers=0 to disable "

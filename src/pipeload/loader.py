@@ -11,6 +11,7 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import warnings
@@ -26,6 +27,7 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
+from pipeload.engine.auto import AutoEngine
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.inline import InlineEngine
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
@@ -38,8 +40,9 @@ from pipeload.samplers import (
 )
 from pipeload.shared import warn_if_copy_on_read
 from pipeload.stats.clock import profiling, span
-from pipeload.stats.recorder import LoaderSetup, StatsRecorder
+from pipeload.stats.recorder import LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats.report import LoaderStats
+from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -58,7 +61,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         shuffle: reshuffle every epoch (map-style only).
         sampler: the order of keys; exclusive with ``shuffle``.
         batch_sampler: yields lists of keys; exclusive with batch_size/shuffle/sampler/drop_last.
-        num_workers: 0 loads in the main process; N > 0 starts N workers.
+        num_workers: 0 loads in the main process; N > 0 starts N workers; "auto" starts with
+            the CPUs this process may use and adjusts while running (see ``stats()``).
         collate_fn: merges a list of samples into a batch.
         pin_memory: hand out batches in pinned memory (when an accelerator is present).
         drop_last: drop the last, incomplete batch.
@@ -66,7 +70,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         worker_init_fn: called in each worker with its id, after seeding.
         multiprocessing_context: "fork", "spawn", "forkserver" or a context object.
         generator: the RNG for the sampler's shuffle and the workers' base seed.
-        prefetch_factor: batches in flight per worker (default 2 when num_workers > 0).
+        prefetch_factor: batches in flight per worker (default 2 when num_workers > 0); "auto"
+            starts at 2 and may double once the workers are settled.
         persistent_workers: keep workers alive across epochs.
         pin_memory_device: kept for compatibility; the current accelerator is used.
         in_order: yield batches in sampler order (True) or as soon as they are ready.
@@ -103,7 +108,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         shuffle: bool | None = None,
         sampler: Sampler | Iterable | None = None,
         batch_sampler: Sampler[list] | Iterable[list] | None = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -112,7 +117,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | None = None,
+        prefetch_factor: int | str | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
@@ -122,6 +127,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
         stats: bool = True,
     ) -> None:
         # torch's __init__ is deliberately not called: it would set up torch's loading state.
+        auto = arguments.auto_options(num_workers, prefetch_factor, stats)
+        if auto[0]:
+            num_workers = usable_cpus()
+        if auto[1]:
+            prefetch_factor = None  # the usual default to start from
         arguments.check_num_workers(num_workers)
         arguments.check_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
@@ -171,6 +181,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._warned_every_rank_loads_all = False
         self._checked_graph_sharding = False
         self._stats = StatsRecorder(self._stats_setup()) if stats else None
+        self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
+        self._tuner: AutoTuner | None = None
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers)
 
@@ -269,9 +281,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iterator
 
     def _draw_base_seed(self) -> int:
-        # One int64 from the loader's generator (or the global RNG) per worker session, as torch
-        # draws it, so the global random stream stays in step with torch's.
-        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        return _draw_base_seed(self.generator)
 
     def _build_engine(self) -> Any:
         # The draws and their order follow torch's: a DataPipe graph's shared seed, the base seed,
@@ -286,6 +296,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
         if self.num_workers == 0:
             engine: Any = InlineEngine(spec, replica_setup, self._stats)
+        elif any(self._auto) and self.mode == "classic":
+            engine = self._auto_engine(spec, base_seed, replica_setup)
         elif self.mode == "economic":
             engine = EconomicEngine(self._economic_config(spec, base_seed, replica_setup))
         else:
@@ -293,6 +305,29 @@ class DataLoader(torch_data.DataLoader[T_co]):
             if replica_setup.shared_seed is not None:
                 replica.draw_shared_seed(self.generator, share=False)
         return self._maybe_pin(engine)
+
+    def _auto_engine(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
+        """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
+        may replace mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
+        re-split mid-stream: it keeps its starting settings."""
+        if self._tuner is None:
+            adjustable = self._dataset_kind is DatasetKind.MAP
+            start = Settings(self.num_workers, self.prefetch_factor)  # type: ignore[arg-type]
+            budget = memory_budget_bytes(getattr(self, "max_shm_bytes", None))
+            self._tuner = AutoTuner(self._stats, usable_cpus(), self._auto[0] and adjustable,
+                                    self._auto[1] and adjustable, start, budget)
+        first = self._pool_config(spec, base_seed, replica_setup)
+        seeds, generator = iter([base_seed]), self.generator
+
+        def make_pool(settings: Settings) -> PoolEngine:
+            # Holds no reference to the loader: a persistent engine must not keep it alive.
+            seed = next(seeds, None)
+            setup = dataclasses.replace(first.setup, num_workers=settings.num_workers,
+                                        base_seed=_draw_base_seed(generator) if seed is None else seed)
+            return PoolEngine(dataclasses.replace(first, setup=setup,
+                                                  prefetch_factor=settings.prefetch_factor))
+
+        return AutoEngine(make_pool, self._tuner)
 
     def _replica_setup(self) -> ReplicaSetup:
         """Where this session's copies of the dataset sit among ranks, and their graph seed."""
@@ -496,6 +531,12 @@ class _EpochIterator:
 
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+
+def _draw_base_seed(generator: torch.Generator | None) -> int:
+    # One int64 from the loader's generator (or the global RNG) per worker session, as torch
+    # draws it, so the global random stream stays in step with torch's.
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:

@@ -7,7 +7,9 @@ The rules, in order (docs/design/stats.md explains them):
 2. No workers: the main process fetches and collates itself; workers would take that off it.
 3. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
    where they spend most (dataset, collate_fn, handing over) is named. A loop that waited a
-   fraction ``w`` of the time needs about ``n / (1 - w)`` workers, up to the usable CPUs.
+   fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the usable CPUs when
+   the workers compute, beyond them when they mostly wait (their time on a CPU, or ready and
+   queued for one, is under ``WAITING`` of their busy time: I/O, remote reads, sleeps).
 4. Otherwise the workers idle while the loop waits: the main process's per-batch work
    (receiving, unpickling, reordering, pinning) is what limits.
 """
@@ -22,6 +24,8 @@ from pipeload.stats.report import LoaderStats, WorkerStats
 
 KEEPS_UP = 0.10
 SATURATED = 0.60
+WAITING = 0.5
+MAX_SUGGESTED_WORKERS = 64
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
 MIB = 1024 * 1024
 
@@ -59,7 +63,7 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
             f"it; try num_workers={target}", {"num_workers": target})
     busy = _busiest_kind(workers)
     if busy >= SATURATED:
-        return _saturated(stats, stage, setup.num_workers)
+        return _saturated(stats, stage, _current_workers(stats))
     return Diagnosis(
         "the main process",
         f"workers are idle {1 - busy:.0%} of the time while the loop waits: the main process's "
@@ -79,10 +83,27 @@ def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     return Diagnosis("the training loop", words)
 
 
+def _current_workers(stats: LoaderStats) -> int:
+    """The workers running now: the last auto decision's, else the loader's setting."""
+    return stats.decisions[-1].num_workers if stats.decisions else stats.setup.num_workers
+
+
+def _mostly_waiting(workers: list[WorkerStats]) -> bool:
+    busy = sum(w.busy_s for w in workers)
+    running = sum(w.cpu_s + w.queued_s for w in workers)  # crowded out is not waiting on I/O
+    return busy > 0 and running < WAITING * busy
+
+
 def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
     setup = stats.setup
-    target = _workers_for(stats, count)
     words = f"{STAGE_WORDS[stage]} is the bottleneck"
+    workers = [w for w in stats.workers if w.kind in ("", "item")]
+    if _mostly_waiting(workers):
+        target = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
+        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the workers mostly wait in it (I/O, "
+                         f"sleep, locks) rather than compute: more workers than CPUs help; try "
+                         f"num_workers={target} (or 'auto')", {"num_workers": target})
+    target = _workers_for(stats, count)
     if setup.mode == "economic" and stage == "collate":
         batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
         more = max(batch_workers + 1, math.ceil(batch_workers / max(1e-9, 1 - stats.wait_fraction)))
@@ -94,10 +115,14 @@ def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
     return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
 
 
+def _wanted(stats: LoaderStats, count: int) -> int:
+    """Workers that would keep up with the loop: ``count / (1 - wait)``."""
+    return math.ceil(max(count, 1) / max(1e-9, 1 - stats.wait_fraction))
+
+
 def _workers_for(stats: LoaderStats, count: int) -> int:
-    """Workers that would keep up with the loop: ``count / (1 - wait)``, within the CPUs."""
-    wanted = math.ceil(max(count, 1) / max(1e-9, 1 - stats.wait_fraction))
-    return max(1, min(stats.setup.cpus, wanted))
+    """As :func:`_wanted`, within the usable CPUs."""
+    return max(1, min(stats.setup.cpus, _wanted(stats, count)))
 
 
 def _busiest_stage(stats: LoaderStats) -> str:
@@ -118,11 +143,14 @@ def _mean_busy(workers: list[WorkerStats]) -> float:
 def summarise(stats: LoaderStats) -> str:
     """The lines of ``LoaderStats.summary()``."""
     setup = stats.setup
+    workers = f"{setup.num_workers}"
+    if stats.decisions:
+        workers = f"auto (now {_current_workers(stats)}, prefetch_factor {stats.decisions[-1].prefetch_factor})"
     lines = [
         f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
         f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
         f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
-        f"setup: mode={setup.mode}, num_workers={setup.num_workers}, worker_type={setup.worker_type}, "
+        f"setup: mode={setup.mode}, num_workers={workers}, worker_type={setup.worker_type}, "
         f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
         f"{setup.cpus} usable CPUs",
         f"the training loop waited {stats.wait_fraction:.0%} of the time "
@@ -157,6 +185,8 @@ def _worker_line(stats: LoaderStats) -> str:
     each = ", ".join(f"{w.name} {w.busy_fraction:.0%}" for w in workers[:8])
     more = f", and {len(workers) - 8} more" if len(workers) > 8 else ""
     queue = stats.queue
-    return (f"workers busy {_mean_busy(workers):.0%} of the time ({each}{more}); when a batch "
+    cpu = sum(w.cpu_fraction for w in workers) / len(workers)
+    return (f"workers busy {_mean_busy(workers):.0%} of the time, on a CPU {cpu:.0%} "
+            f"({each}{more}); when a batch "
             f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
             f"{queue.mean_in_flight:.1f} in flight (at most {queue.capacity})")

@@ -37,6 +37,11 @@ class WorkerTotals(NamedTuple):
             as a report cannot carry the time it takes to send itself.
         bytes_out: bytes of tensor data in what it handed over.
         started_at: when the worker's clock started (``time.perf_counter``).
+        cpu_s: CPU seconds its thread ran since then.
+        queued_s: seconds its thread was ready to run but waited for a CPU (others had them).
+            With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
+            from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
+            at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
     """
 
     tasks: int
@@ -46,6 +51,22 @@ class WorkerTotals(NamedTuple):
     send_s: float
     bytes_out: int
     started_at: float
+    cpu_s: float
+    queued_s: float
+
+
+SCHED_READ_EVERY_S = 0.1
+SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns waiting for one, timeslices
+
+
+def read_sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting for one) of the calling thread."""
+    try:
+        with open(SCHEDSTAT, "rb") as file:
+            on_cpu, queued, _ = file.read().split()
+        return int(on_cpu) / 1e9, int(queued) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0  # no scheduler counters: CPU time alone
 
 
 def profiling() -> bool:
@@ -66,10 +87,12 @@ class StageClock:
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
-    __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out")
+    __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out",
+                 "_sched_at_start", "_sched", "_sched_read_at")
 
     def __init__(self) -> None:
-        self.started_at = now()
+        self._sched_at_start = self._sched = read_sched()
+        self.started_at = self._sched_read_at = now()
         self.tasks = 0
         self.samples = 0
         self.fetch_s = 0.0
@@ -77,12 +100,16 @@ class StageClock:
         self.send_s = 0.0
         self.bytes_out = 0
 
-    def snapshot(self) -> tuple[int, int, float, float, float, int, float]:
+    def snapshot(self) -> tuple[Any, ...]:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
+        at = now()
+        if at - self._sched_read_at >= SCHED_READ_EVERY_S:
+            self._sched, self._sched_read_at = read_sched(), at
         return (self.tasks, self.samples, self.fetch_s, self.collate_s, self.send_s,
-                self.bytes_out, self.started_at)
+                self.bytes_out, self.started_at, self._sched[0] - self._sched_at_start[0],
+                self._sched[1] - self._sched_at_start[1])
 
-    def finished(self, result: Any = None) -> tuple[int, int, float, float, float, int, float]:
+    def finished(self, result: Any = None) -> tuple[Any, ...]:
         """Count a finished task (and the tensor bytes of ``result``); returns the totals its
         report carries."""
         self.tasks += 1

@@ -229,4 +229,4 @@ def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: 
 
 def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:
     return WorkerStats(kind, worker_id, totals.tasks, totals.samples, totals.fetch_s,
-                       totals.collate_s, totals.send_s, totals.bytes_out, alive_s)
+                       totals.collate_s, totals.send_s, totals.bytes_out, alive_s, totals.cpu_s, totals.queued_s)

@@ -25,6 +25,8 @@ class WorkerStats:
         transfer_s: seconds handing results over (pickling and writing them to the channel).
         bytes_out: bytes of tensor data it handed over.
         alive_s: seconds from its start to its latest report.
+        cpu_s: seconds it ran on a CPU meanwhile.
+        queued_s: seconds it was ready to run but waited for a CPU (a crowded machine).
     """
 
     kind: str
@@ -36,6 +38,8 @@ class WorkerStats:
     transfer_s: float
     bytes_out: int
     alive_s: float
+    cpu_s: float = 0.0
+    queued_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -50,11 +54,17 @@ class WorkerStats:
         """How much of its life it spent working (the rest: waiting for tasks, starting up)."""
         return min(1.0, self.busy_s / self.alive_s) if self.alive_s > 0 else 0.0
 
+    @property
+    def cpu_fraction(self) -> float:
+        """How much of its life it used a CPU; well below ``busy_fraction``: it mostly waited."""
+        return min(1.0, self.cpu_s / self.alive_s) if self.alive_s > 0 else 0.0
+
     def plus(self, other: WorkerStats) -> WorkerStats:
         return WorkerStats(self.kind, self.worker_id, self.tasks + other.tasks,
                            self.samples + other.samples, self.fetch_s + other.fetch_s,
                            self.collate_s + other.collate_s, self.transfer_s + other.transfer_s,
-                           self.bytes_out + other.bytes_out, self.alive_s + other.alive_s)
+                           self.bytes_out + other.bytes_out, self.alive_s + other.alive_s,
+                           self.cpu_s + other.cpu_s, self.queued_s + other.queued_s)
 
 
 @dataclass(frozen=True)

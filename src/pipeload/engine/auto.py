@@ -1,0 +1,111 @@
+"""The engine behind ``num_workers="auto"``: a classic pool that a bigger one can replace
+mid-epoch, with batches still yielded in sampler order.
+
+When the tuner (``stats/tuner.py``) asks for other settings, the running pool stops taking tasks
+(its task source is closed: to it, the sampler has run out), a new pool starts on the rest of
+the sampler's tasks at once, and batches come from the old pool until it has handed out all it
+was sent, then from the new one. The old pool is closed as soon as it is drained; for a moment
+both are alive, which is what keeps the new workers' start-up off the training loop's clock.
+
+Map-style datasets only: an iterable dataset's replicas cannot be re-split mid-stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipeload.engine.pool import PoolEngine
+from pipeload.stats.tuner import AutoTuner, Settings
+
+
+class _TaskTap:
+    """The sampler's tasks, as one pool sees them, until the tap is shut (then: exhausted)."""
+
+    def __init__(self, tasks: Iterator[Any]) -> None:
+        self._tasks = tasks
+        self.open = True
+
+    def __iter__(self) -> _TaskTap:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.open:
+            raise StopIteration
+        return next(self._tasks)
+
+
+class AutoEngine:
+    """Runs pools built by ``make_pool(settings)`` and swaps them when the tuner says so.
+
+    Driven by one thread at a time. Invariants: ``_draining`` (if any) was sent only tasks that
+    come before every task of ``_current``; its tap is shut; ``_current``'s tap is open.
+    """
+
+    def __init__(self, make_pool: Callable[[Settings], PoolEngine], tuner: AutoTuner) -> None:
+        self._make_pool = make_pool
+        self._tuner = tuner
+        self._current = make_pool(tuner.current)
+        self._draining: PoolEngine | None = None
+        self._waiting: Settings | None = None  # asked for while a pool was still draining
+        self._tasks: Iterator[Any] = iter(())
+        self._tap = _TaskTap(self._tasks)
+
+    @property
+    def workers(self) -> list[Any]:
+        draining = self._draining.workers if self._draining is not None else []
+        return draining + self._current.workers
+
+    @property
+    def closed(self) -> bool:
+        return self._current.closed
+
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+        self._tasks = tasks
+        self._tap = _TaskTap(tasks)
+        self._current.start_epoch(self._tap, shared_seed)
+
+    def next_batch(self) -> Any:
+        """The next batch in sampler order; StopIteration at the end of the epoch."""
+        if self._draining is not None:
+            try:
+                return self._from(self._draining)
+            except StopIteration:
+                self._draining.close()
+                self._draining = None
+        batch = self._from(self._current)
+        wanted = self._tuner.observe() or self._waiting
+        if wanted is not None:
+            self._switch(wanted)
+        return batch
+
+    def _from(self, engine: PoolEngine) -> Any:
+        try:
+            return engine.next_batch()
+        except StopIteration:
+            raise
+        except BaseException:
+            if engine.closed:  # what ends the epoch for one pool ends it for all
+                self.close()
+            raise
+
+    def _switch(self, settings: Settings) -> None:
+        if self._draining is not None:  # still draining the one before: it finishes first
+            self._waiting = settings
+            return
+        self._waiting = None
+        self._tap.open = False
+        new = self._make_pool(settings)
+        self._tap = _TaskTap(self._tasks)
+        try:
+            new.start_epoch(self._tap)
+        except BaseException:
+            new.close()
+            raise
+        self._draining, self._current = self._current, new
+
+    def close(self) -> None:
+        if self._draining is not None:
+            self._draining.close()
+            self._draining = None
+        self._current.close()

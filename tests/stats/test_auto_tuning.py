@@ -1,0 +1,114 @@
+"""num_workers="auto" / prefetch_factor="auto": the decisions, and the engine that carries them
+out mid-epoch without losing, repeating or reordering a batch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import pipeload
+from pipeload.stats.recorder import LoaderSetup, StatsRecorder
+from pipeload.stats.tuner import AutoTuner, Settings
+
+
+class RemoteReads(pipeload.Dataset):
+    """Each item waits ``wait_s`` as a remote read would: workers wait, CPUs stay free."""
+
+    def __init__(self, count: int, wait_s: float = 0.004) -> None:
+        self.count, self.wait_s = count, wait_s
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.wait_s)  # the workload itself (network latency), not a synchronisation
+        return index
+
+
+def _tuner(cpus: int = 2, budget: int | None = None, prefetch: bool = False) -> AutoTuner:
+    recorder = StatsRecorder(LoaderSetup("classic", "process", cpus, 2, 8, False, cpus))
+    return AutoTuner(recorder, cpus, True, prefetch, Settings(cpus, 2), budget)
+
+
+def test_the_tuner_doubles_while_it_pays_then_goes_back_to_the_best() -> None:
+    tuner = _tuner()
+    assert tuner._step(rate=10.0, waited=0.9) == Settings(4, 2)
+    assert tuner._step(rate=19.0, waited=0.9) == Settings(8, 2)
+    assert tuner._step(rate=19.5, waited=0.9) == Settings(4, 2)  # no faster: back, and stop
+    assert tuner.done and tuner.current == Settings(4, 2)
+    reasons = [d.reason for d in tuner._recorder.snapshot().decisions]
+    assert reasons[0].startswith("start: 2 usable CPUs") and "back to the best" in reasons[-1]
+
+
+def test_the_tuner_stops_once_the_loop_no_longer_waits() -> None:
+    tuner = _tuner()
+    assert tuner._step(rate=10.0, waited=0.01) is None
+    assert tuner.done and tuner.current == Settings(2, 2)
+
+
+def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
+    tuner = _tuner(cpus=1)  # at most 8 workers for 1 CPU
+    for expected in (2, 4, 8):
+        assert tuner._step(rate=10.0 * expected, waited=0.9) == Settings(expected, 2)
+    assert tuner._step(rate=200.0, waited=0.9) is None and tuner.done
+    recorder = StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2))
+    recorder._consumer.batches = 10
+    recorder._seen[(1, "", 0)] = ((10, 80, 0.1, 0.1, 0.0, 10 * 1024, 0.0, 0.0, 0.0), 1.0)
+    squeezed = AutoTuner(recorder, 2, True, False, Settings(2, 2), budget_bytes=4 * 1024 + 1)
+    assert squeezed._step(rate=10.0, waited=0.9) is None  # 4 x 2 batches of 1 KiB would not fit
+
+
+def test_prefetch_doubles_while_it_pays_when_workers_are_capped() -> None:
+    tuner = _tuner(cpus=1, prefetch=True)
+    tuner._max_workers = 1
+    assert tuner._step(rate=10.0, waited=0.9) == Settings(1, 4)
+    assert tuner._step(rate=20.0, waited=0.9) == Settings(1, 8)
+    assert tuner._step(rate=30.0, waited=0.9) is None and tuner.done  # 8 is the most it tries
+
+
+@pytest.mark.timeout(90)
+def test_auto_grows_the_pool_for_waiting_workers_and_keeps_sampler_order(leak_guard) -> None:
+    loader = pipeload.DataLoader(RemoteReads(1200), batch_size=8, num_workers="auto",
+                                 prefetch_factor="auto", multiprocessing_context="fork")
+    assert loader.num_workers == len(__import__("os").sched_getaffinity(0))
+    got = [int(i) for batch in loader for i in batch]
+    assert got == list(range(1200))  # every batch once, in order, across the pool swaps
+    decisions = loader.stats().decisions
+    assert len(decisions) >= 2, decisions
+    assert decisions[1].num_workers == 2 * decisions[0].num_workers
+    assert "auto (now" in loader.stats().summary()
+
+
+@pytest.mark.timeout(90)
+def test_auto_with_shuffle_and_persistent_workers(leak_guard) -> None:
+    loader = pipeload.DataLoader(RemoteReads(600, 0.002), batch_size=8, num_workers="auto",
+                                 shuffle=True, generator=torch.Generator().manual_seed(0),
+                                 persistent_workers=True, worker_type="thread")
+    for _ in range(2):
+        got = sorted(int(i) for batch in loader for i in batch)
+        assert got == list(range(600))
+    assert loader.stats().epochs == 2
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_auto_over_an_iterable_dataset_keeps_its_starting_count(leak_guard) -> None:
+    class Stream(pipeload.IterableDataset):
+        def __iter__(self):
+            info = pipeload.get_worker_info()
+            return iter(range(info.id, 64, info.num_workers))
+
+    loader = pipeload.DataLoader(Stream(), batch_size=4, num_workers="auto", worker_type="thread")
+    assert sorted(int(i) for batch in loader for i in batch) == list(range(64))
+    assert len(loader.stats().decisions) == 1
+
+
+def test_auto_needs_stats_and_prefetch_auto_needs_workers() -> None:
+    with pytest.raises(ValueError, match="num_workers='auto' tunes itself from the loader's stats"):
+        pipeload.DataLoader(range(4), num_workers="auto", stats=False)
+    with pytest.raises(ValueError, match="prefetch_factor option could only be specified in multiprocessing"):
+        pipeload.DataLoader(range(4), prefetch_factor="auto")
+    with pytest.raises(TypeError, match="num_workers should be an int \\(or 'auto'\\)"):
+        pipeload.DataLoader(range(4), num_workers="many")
