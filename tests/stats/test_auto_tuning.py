@@ -49,8 +49,8 @@ def test_the_tuner_stops_once_the_loop_no_longer_waits() -> None:
 
 
 def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
-    tuner = _tuner(cpus=1)  # at most 8 workers for 1 CPU
-    for expected in (2, 4, 8):
+    tuner = _tuner(cpus=1)  # at most 16 workers for 1 CPU
+    for expected in (2, 4, 8, 16):
         assert tuner._step(rate=10.0 * expected, waited=0.9) == Settings(expected, 2)
     assert tuner._step(rate=200.0, waited=0.9) is None and tuner.done
     recorder = StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2))

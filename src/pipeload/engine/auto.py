@@ -1,7 +1,8 @@
 """The engine behind ``num_workers="auto"``: a classic pool that a bigger one can replace
 mid-epoch, with batches still yielded in sampler order.
 
-When the tuner (``stats/tuner.py``) asks for other settings, the running pool stops taking tasks
+When the tuner (``stats/tuner.py``) asks for another prefetch depth alone, the running pool takes
+it as it is. When it asks for another number of workers, the running pool stops taking tasks
 (its task source is closed: to it, the sampler has run out), a new pool starts on the rest of
 the sampler's tasks at once, and batches come from the old pool until it has handed out all it
 was sent, then from the new one. The old pool is closed as soon as it is drained; for a moment
@@ -94,6 +95,9 @@ class AutoEngine:
             self._waiting = settings
             return
         self._waiting = None
+        if settings.num_workers == len(self._current.workers):  # the same pool, deeper or not
+            self._current.set_prefetch_factor(settings.prefetch_factor)
+            return
         self._tap.open = False
         new = self._make_pool(settings)
         self._tap = _TaskTap(self._tasks)

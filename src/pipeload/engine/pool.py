@@ -115,6 +115,11 @@ class PoolEngine:
     def closed(self) -> bool:
         return self._workers.closed
 
+    def set_prefetch_factor(self, prefetch_factor: int) -> None:
+        """Keep ``prefetch_factor`` batches per worker in flight from now on (``prefetch_factor=
+        "auto"``); a lower bound takes effect as the batches in flight are handed out."""
+        self._max_outstanding = prefetch_factor * self._config.setup.num_workers
+
     def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
         """Begin an epoch over ``tasks`` (each a list of indices, or one index).
 

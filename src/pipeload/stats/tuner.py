@@ -3,8 +3,10 @@
 The tuner starts from the CPUs this process may use and ``prefetch_factor=2``, watches the
 training loop through the loader's stats, and climbs one step at a time:
 
-1. Measure a window (at least ``WINDOW_S`` and ``WINDOW_BATCHES`` batches after the last change
-   has settled): batches/s, and how much of the window the training loop waited.
+1. Measure a window (at least ``WINDOW_S`` and ``WINDOW_BATCHES`` batches) once the last change
+   has settled, i.e. once the old pool's batches and the new pool's first round (as many
+   batches as either keeps in flight) have been handed out: a window over new workers still
+   starting up would judge the start-up, not the setting.
 2. The loop waited less than ``STOP_WAITING`` of the window: loading keeps up; stop.
 3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop
    (more workers than CPUs can take, or a bottleneck that workers do not relieve).
@@ -29,12 +31,12 @@ from pipeload.stats.clock import now
 from pipeload.stats.report import TuningDecision
 
 LOG = logging.getLogger("pipeload.auto")
-WINDOW_S = 1.0
+WINDOW_S = 0.5
 WINDOW_BATCHES = 16
-SETTLE_BATCHES = 4  # batches after a change before measuring: new workers start, queues fill
+SETTLE_BATCHES = 4  # batches after a change before measuring, beyond both pools' in-flight rounds
 STOP_WAITING = 0.05
 MIN_GAIN = 0.05
-MAX_WORKERS_PER_CPU = 8
+MAX_WORKERS_PER_CPU = 16  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
 MAX_WORKERS = 64
 MAX_PREFETCH = 8
 SHM_SHARE = 0.5  # of /dev/shm's free space, without a loader budget
@@ -59,6 +61,10 @@ class Settings:
     prefetch_factor: int
 
 
+def _in_flight(settings: Settings) -> int:
+    return settings.num_workers * settings.prefetch_factor
+
+
 class AutoTuner:
     """Decides the pool's size and prefetch from what the loader's stats show.
 
@@ -79,6 +85,7 @@ class AutoTuner:
         self._budget = budget_bytes
         self._max_workers = min(MAX_WORKERS, MAX_WORKERS_PER_CPU * cpus)
         self._since_change = 0
+        self._settle = SETTLE_BATCHES + _in_flight(start)
         self._window: tuple[float, int, float] | None = None  # (at, batches, wait_s) at its start
         self._decide(start, 0.0, f"start: {cpus} usable CPUs, prefetch_factor={start.prefetch_factor}")
 
@@ -87,7 +94,7 @@ class AutoTuner:
         if self.done:
             return None
         self._since_change += 1
-        if self._since_change < SETTLE_BATCHES or self._since_change % CHECK_EVERY:
+        if self._since_change < self._settle or self._since_change % CHECK_EVERY:
             return None
         consumer = self._recorder._consumer
         at = now()
@@ -98,7 +105,7 @@ class AutoTuner:
         if at - started < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
         rate = (consumer.batches - batches) / (at - started)
-        waited = (consumer.wait_s - wait_s) / (at - started)
+        waited = min(1.0, (consumer.wait_s - wait_s) / (at - started))
         return self._step(rate, waited)
 
     def _step(self, rate: float, waited: float) -> Settings | None:
@@ -134,6 +141,7 @@ class AutoTuner:
         return self._budget is None or needed <= self._budget
 
     def _change(self, settings: Settings, rate: float, why: str) -> Settings:
+        self._settle = SETTLE_BATCHES + _in_flight(self.current) + _in_flight(settings)
         self.current = settings
         self._since_change = 0
         self._window = None
