@@ -299,6 +299,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         elif any(self._auto) and self.mode == "classic":
             engine = self._auto_engine(spec, base_seed, replica_setup)
         elif self.mode == "economic":
+            if any(self._auto):
+                self._auto_tuner()  # records the starting settings, which economic mode keeps
             engine = EconomicEngine(self._economic_config(spec, base_seed, replica_setup))
         else:
             engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
@@ -310,12 +312,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
         may replace mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
         re-split mid-stream: it keeps its starting settings."""
-        if self._tuner is None:
-            adjustable = self._dataset_kind is DatasetKind.MAP
-            start = Settings(self.num_workers, self.prefetch_factor)  # type: ignore[arg-type]
-            budget = memory_budget_bytes(getattr(self, "max_shm_bytes", None))
-            self._tuner = AutoTuner(self._stats, usable_cpus(), self._auto[0] and adjustable,
-                                    self._auto[1] and adjustable, start, budget)
+        tuner = self._auto_tuner()
         first = self._pool_config(spec, base_seed, replica_setup)
         seeds, generator = iter([base_seed]), self.generator
 
@@ -327,7 +324,17 @@ class DataLoader(torch_data.DataLoader[T_co]):
             return PoolEngine(dataclasses.replace(first, setup=setup,
                                                   prefetch_factor=settings.prefetch_factor))
 
-        return AutoEngine(make_pool, self._tuner)
+        return AutoEngine(make_pool, tuner)
+
+    def _auto_tuner(self) -> AutoTuner:
+        """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""
+        if self._tuner is None:
+            adjustable = self._dataset_kind is DatasetKind.MAP and self.mode == "classic"
+            start = Settings(self.num_workers, self.prefetch_factor)  # type: ignore[arg-type]
+            budget = memory_budget_bytes(getattr(self, "max_shm_bytes", None))
+            self._tuner = AutoTuner(self._stats, usable_cpus(), self._auto[0] and adjustable,
+                                    self._auto[1] and adjustable, start, budget)
+        return self._tuner
 
     def _replica_setup(self) -> ReplicaSetup:
         """Where this session's copies of the dataset sit among ranks, and their graph seed."""

@@ -102,7 +102,17 @@ def test_auto_over_an_iterable_dataset_keeps_its_starting_count(leak_guard) -> N
 
     loader = pipeload.DataLoader(Stream(), batch_size=4, num_workers="auto", worker_type="thread")
     assert sorted(int(i) for batch in loader for i in batch) == list(range(64))
-    assert len(loader.stats().decisions) == 1
+    decisions = loader.stats().decisions
+    assert len(decisions) == 1 and "kept: only map-style datasets in classic mode" in decisions[0].reason
+
+
+@pytest.mark.timeout(60)
+def test_auto_in_economic_mode_keeps_its_starting_count(leak_guard) -> None:
+    loader = pipeload.DataLoader(RemoteReads(64, 0.0), batch_size=4, num_workers="auto",
+                                 mode="economic", worker_type="thread")
+    assert [int(i) for batch in loader for i in batch] == list(range(64))
+    (decision,) = loader.stats().decisions
+    assert decision.num_workers == loader.num_workers and "kept" in decision.reason
 
 
 def test_auto_needs_stats_and_prefetch_auto_needs_workers() -> None:

@@ -150,10 +150,13 @@ def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
     assert stats.suggested_settings() == ({"num_workers": wanted} if wanted > 1 else {})
 
 
-def test_a_slow_training_loop_is_named() -> None:
-    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread")
+@pytest.mark.timeout(60)
+def test_a_slow_training_loop_is_named(leak_guard) -> None:
+    # Process workers: a Python training step holds the GIL, which would starve thread workers.
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2,
+                                 multiprocessing_context="fork")
     for _ in loader:
-        busy_until = time.perf_counter() + 0.01
+        busy_until = time.perf_counter() + 0.02
         while time.perf_counter() < busy_until:
             pass
     text = str(loader.stats())

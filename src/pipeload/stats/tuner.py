@@ -87,7 +87,8 @@ class AutoTuner:
         self._since_change = 0
         self._settle = SETTLE_BATCHES + _in_flight(start)
         self._window: tuple[float, int, float] | None = None  # (at, batches, wait_s) at its start
-        self._decide(start, 0.0, f"start: {cpus} usable CPUs, prefetch_factor={start.prefetch_factor}")
+        fixed = "" if tune_workers or tune_prefetch else " (kept: only map-style datasets in classic mode are re-tuned)"
+        self._decide(start, 0.0, f"start: {cpus} usable CPUs, prefetch_factor={start.prefetch_factor}{fixed}")
 
     def observe(self) -> Settings | None:
         """Called after each batch handed out; returns new settings when they should change."""
