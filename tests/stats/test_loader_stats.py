@@ -67,7 +67,7 @@ def test_every_engine_counts_batches_samples_stages_and_bytes(engine: dict, leak
         assert stages["fetch"].count == 2 * ITEMS
     assert stages["collate"].count == 2 * ITEMS // BATCH
     assert stages["fetch"].seconds > 0 and stages["collate"].seconds > 0
-    assert stages["wait"].count == stats.batches and stats.wait_s > 0
+    assert stages["wait"].count == stats.batches and stats.wait_s > 0 and stats.first_wait_s > 0
     assert stats.samples_per_batch == BATCH
     assert stats.samples_per_s == pytest.approx(stats.batches_per_s * BATCH)
     kinds = {w.kind for w in stats.workers}

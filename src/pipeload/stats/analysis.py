@@ -153,8 +153,9 @@ def summarise(stats: LoaderStats) -> str:
         f"setup: mode={setup.mode}, num_workers={workers}, worker_type={setup.worker_type}, "
         f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
         f"{setup.cpus} usable CPUs",
-        f"the training loop waited {stats.wait_fraction:.0%} of the time "
-        f"({stats.wait_s:.2f} s of {stats.elapsed_s:.2f} s)",
+        f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
+        f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
+        f"{stats.first_wait_s:.2f} s for the first batches",
         _stage_line(stats),
     ]
     if any(w.kind != "main" for w in stats.workers):

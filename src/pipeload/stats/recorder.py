@@ -52,6 +52,7 @@ class _Consumer:
 
     batches: int = 0
     wait_s: float = 0.0
+    first_wait_s: float = 0.0
     compute_s: float = 0.0
     epochs: int = 0
     first_batch_s: float = 0.0
@@ -164,9 +165,11 @@ class StatsRecorder:
         """The batch asked for at ``asked`` is handed over now."""
         handed = now()
         consumer = self._consumer
-        consumer.wait_s += handed - asked
         consumer.batches += 1
-        if consumer.epoch_started_at is not None:
+        if consumer.epoch_started_at is None:
+            consumer.wait_s += handed - asked
+        else:  # an epoch's first batch: start-up, kept apart from the steady waiting
+            consumer.first_wait_s += handed - asked
             consumer.first_batch_s = handed - consumer.epoch_started_at
             consumer.epoch_started_at = None
         consumer.last_handed_at = handed
@@ -203,6 +206,7 @@ class StatsRecorder:
             epochs=consumer.epochs,
             wait_s=consumer.wait_s,
             compute_s=consumer.compute_s,
+            first_wait_s=consumer.first_wait_s,
             first_batch_s=consumer.first_batch_s,
             pin_s=self._pin_s,
             pinned=self._pinned,

@@ -123,8 +123,10 @@ class LoaderStats:
         setup: the loader's mode, worker type, workers, prefetch, batch size, usable CPUs.
         batches: batches handed to the training loop.
         epochs: epochs started.
-        wait_s: seconds the training loop spent waiting in ``next()``.
+        wait_s: seconds the training loop spent waiting in ``next()``, each epoch's first batch
+            excepted (that is start-up: ``first_wait_s``).
         compute_s: seconds it spent between two ``next()`` calls (its own work).
+        first_wait_s: seconds it waited for the first batch of each epoch, summed.
         first_batch_s: time from ``iter(loader)`` to the first batch, in the latest epoch.
         pin_s, pinned: time spent pinning batches, and how many were pinned.
         workers: per-worker totals.
@@ -145,15 +147,18 @@ class LoaderStats:
     queue: QueueStats
     skipped_samples: int = 0
     decisions: tuple[TuningDecision, ...] = ()
+    first_wait_s: float = 0.0
 
     @property
     def elapsed_s(self) -> float:
-        """Seconds the training loop spent in epochs: waiting plus its own work."""
-        return self.wait_s + self.compute_s
+        """Seconds the training loop spent in epochs: waiting (start-up included) plus its own work."""
+        return self.first_wait_s + self.wait_s + self.compute_s
 
     @property
     def wait_fraction(self) -> float:
-        return self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """The share of the steady time (after each epoch's first batch) the loop waited."""
+        steady = self.wait_s + self.compute_s
+        return self.wait_s / steady if steady > 0 else 0.0
 
     @property
     def batches_per_s(self) -> float:
@@ -189,7 +194,7 @@ class LoaderStats:
             "collate": StageStats(built, total("collate_s", BATCH_KINDS)),
             "transfer": StageStats(handed, total("transfer_s", HANDING_OVER_KINDS + ("item",))),
             "pin": StageStats(self.pinned, self.pin_s),
-            "wait": StageStats(self.batches, self.wait_s),
+            "wait": StageStats(self.batches, self.first_wait_s + self.wait_s),
         }
 
     def summary(self) -> str:
