@@ -111,7 +111,7 @@ def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
                          {"num_batch_workers": more})
     if target <= count:
         return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {setup.cpus} usable CPUs are all "
-                         f"in use: make {STAGE_WORDS[stage]} cheaper, or try mode='economic'")
+                         f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
     return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
 
 
@@ -166,7 +166,10 @@ def summarise(stats: LoaderStats) -> str:
         lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
                      f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
     diagnosis = diagnose(stats)
-    lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
+    if diagnosis.advice.startswith(diagnosis.bottleneck + " is"):
+        lines.append(f"bottleneck: {diagnosis.advice}")
+    else:
+        lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
     return "\n".join(lines)
 
 
