@@ -11,7 +11,6 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import warnings
@@ -27,7 +26,7 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
-from pipeload.engine.auto import AutoEngine
+from pipeload.engine.auto import AutoEngine, pools_like
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.inline import InlineEngine
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
@@ -314,17 +313,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
         re-split mid-stream: it keeps its starting settings."""
         tuner = self._auto_tuner()
         first = self._pool_config(spec, base_seed, replica_setup)
-        seeds, generator = iter([base_seed]), self.generator
-
-        def make_pool(settings: Settings) -> PoolEngine:
-            # Holds no reference to the loader: a persistent engine must not keep it alive.
-            seed = next(seeds, None)
-            setup = dataclasses.replace(first.setup, num_workers=settings.num_workers,
-                                        base_seed=_draw_base_seed(generator) if seed is None else seed)
-            return PoolEngine(dataclasses.replace(first, setup=setup,
-                                                  prefetch_factor=settings.prefetch_factor))
-
-        return AutoEngine(make_pool, tuner)
+        # The later pools' seeds come from the generator, not the loader: a persistent engine
+        # must not keep its loader alive.
+        generator = self.generator
+        return AutoEngine(pools_like(first, lambda: _draw_base_seed(generator)), tuner)
 
     def _auto_tuner(self) -> AutoTuner:
         """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""

@@ -13,11 +13,26 @@ Map-style datasets only: an iterable dataset's replicas cannot be re-split mid-s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeload.engine.pool import PoolEngine
+from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.stats.tuner import AutoTuner, Settings
+
+
+def pools_like(first: PoolConfig, draw_seed: Callable[[], int]) -> Callable[[Settings], PoolEngine]:
+    """Builds pools as ``first`` describes, with the settings asked for: the first pool keeps
+    ``first``'s base seed, each later one draws its own."""
+    seeds = iter([first.setup.base_seed])
+
+    def make_pool(settings: Settings) -> PoolEngine:
+        seed = next(seeds, None)
+        setup = dataclasses.replace(first.setup, num_workers=settings.num_workers,
+                                    base_seed=draw_seed() if seed is None else seed)
+        return PoolEngine(dataclasses.replace(first, setup=setup, prefetch_factor=settings.prefetch_factor))
+
+    return make_pool
 
 
 class _TaskTap:
