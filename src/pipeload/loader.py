@@ -80,8 +80,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             workers collate them, and ``prefetch_factor`` counts the batches in flight across
             all workers, so memory does not grow with ``num_workers``. Map-style datasets only.
         num_batch_workers: economic mode's batch workers (default: ``prefetch_factor``).
-        stats: count and time every stage for :meth:`stats` (on by default; it costs about 1%
-            on the lightest samples). False turns it off.
+        stats: count and time every stage for :meth:`stats` (on by default: about a microsecond
+            per batch, under 1% once a batch takes a millisecond). False turns it off.
 
     Example:
         >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)

@@ -89,7 +89,8 @@ class SessionStats:
             totals = report.totals
             if totals is not None:
                 arrived = arrived or now()
-                kind = self._kinds.get(report.report, self._default_kind)
+                # Hashing an IntEnum member runs Python code: skip it when there is one kind.
+                kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
                 self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
 
     def handing_out(self, ready: int, in_flight: int) -> None:
