@@ -178,3 +178,26 @@ def test_skipped_samples_slot_is_zero_until_a_policy_fills_it() -> None:
     assert loader.stats().skipped_samples == 0
     loader._stats.skipped(3)  # the hook an on_error= policy calls
     assert loader.stats().skipped_samples == 3
+
+
+GOOD_SAMPLE = {"__key__": "good", "json": b"{}"}
+BROKEN_SAMPLE = {"__key__": "bad", "json": b"{not json"}
+
+
+def _keys(batch: list) -> list:
+    return [sample["__key__"] for sample in batch]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("engine", [ENGINES["inline"], ENGINES["process"], ENGINES["thread"]],
+                         ids=["inline", "process", "thread"])
+def test_samples_skipped_by_on_error_pipes_are_counted_in_every_worker(engine: dict, leak_guard) -> None:
+    from pipeload.datapipes.iter import IterableWrapper
+
+    pipe = (IterableWrapper([GOOD_SAMPLE, BROKEN_SAMPLE] * 10).sharding_filter()
+            .decode(on_error="skip"))
+    loader = pipeload.DataLoader(pipe, batch_size=2, collate_fn=_keys, **engine)
+    assert sum(len(batch) for batch in loader) == 10
+    assert loader.stats().skipped_samples == 10
+    assert "skipped samples: 10" in loader.stats().summary()

@@ -8,6 +8,7 @@ from typing import Any
 from pipeload.engine import replica
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
 from pipeload.engine.plan import FetchSpec, ReplicaSetup
+from pipeload.stats.skips import skip_counter
 
 
 class InlineEngine:
@@ -39,6 +40,8 @@ class InlineEngine:
             self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)
         self._fetcher = make_fetcher(self._spec, self._clock)
+        if self._clock is not None and self._clock.count_skipped is None:
+            self._clock.count_skipped = skip_counter(self._spec.dataset)
 
     def next_batch(self) -> Any:
         """The next batch. The dataset's or collate_fn's error for it propagates, and the next

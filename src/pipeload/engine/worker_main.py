@@ -30,6 +30,7 @@ from pipeload.engine.worker_info import (
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
 from pipeload.stats.clock import StageClock, now
+from pipeload.stats.skips import skip_counter
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 POLL_INTERVAL_S = 0.1
@@ -117,6 +118,8 @@ class WorkerLoop:
         try:
             replica.reseed(self._setup.fetch.dataset, shared_seed)
             self._fetcher = make_fetcher(self._setup.fetch, self._clock)
+            if self._clock is not None and self._clock.count_skipped is None:
+                self._clock.count_skipped = skip_counter(self._setup.fetch.dataset)
         except Exception:
             self._init_failure = RemoteFailure.capture(
                 self._id, "starting to iterate the dataset", worker_kind=self.kind

@@ -42,6 +42,7 @@ class WorkerTotals(NamedTuple):
             With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
             from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
             at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
+        skipped: samples its copy of the dataset's on_error pipes skipped.
     """
 
     tasks: int
@@ -53,6 +54,7 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
+    skipped: int
 
 
 SCHED_READ_EVERY_S = 0.1
@@ -88,11 +90,13 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out",
-                 "_sched_at_start", "_sched", "_sched_read_at")
+                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped")
 
     def __init__(self) -> None:
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
+        self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
+        self._skipped = 0
         self.tasks = 0
         self.samples = 0
         self.fetch_s = 0.0
@@ -105,9 +109,11 @@ class StageClock:
         at = now()
         if at - self._sched_read_at >= SCHED_READ_EVERY_S:
             self._sched, self._sched_read_at = read_sched(), at
+        if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
+            self._skipped = self.count_skipped()
         return (self.tasks, self.samples, self.fetch_s, self.collate_s, self.send_s,
                 self.bytes_out, self.started_at, self._sched[0] - self._sched_at_start[0],
-                self._sched[1] - self._sched_at_start[1])
+                self._sched[1] - self._sched_at_start[1], self._skipped)
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """Count a finished task (and the tensor bytes of ``result``); returns the totals its

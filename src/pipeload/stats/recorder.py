@@ -185,7 +185,8 @@ class StatsRecorder:
         self._pinned += 1
 
     def skipped(self, samples: int) -> None:
-        """Samples an error policy skipped (``on_error=``); kept for ``LoaderStats.skipped_samples``."""
+        """Samples skipped by an error policy that reports them itself; the sources' on_error
+        pipes are counted by the workers' clocks instead (``stats/skips.py``)."""
         with self._lock:
             self._skipped_samples += samples
 
@@ -214,7 +215,7 @@ class StatsRecorder:
             workers=workers,
             queue=QueueStats(queue.ready_sum / samples, queue.ready_max,
                              queue.in_flight_sum / samples, queue.in_flight_max, queue.capacity),
-            skipped_samples=self._skipped_samples,
+            skipped_samples=self._skipped_samples + _skipped_by_workers(self._seen.copy()),
             decisions=tuple(self._decisions),
         )
 
@@ -230,6 +231,12 @@ def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: 
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
+
+
+def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> int:
+    """What the workers' (and the main process's) on_error pipes skipped, per their totals."""
+    return sum(WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw).skipped
+               for raw, _ in seen.values())
 
 
 def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:

@@ -131,7 +131,8 @@ class LoaderStats:
         pin_s, pinned: time spent pinning batches, and how many were pinned.
         workers: per-worker totals.
         queue: ready and in-flight batches seen at each hand-out.
-        skipped_samples: samples an error policy (``on_error=``) skipped; 0 until one exists.
+        skipped_samples: samples the dataset's ``on_error="skip"`` (or callable) pipes left out,
+            in every worker's copy (read every 0.1 s or so, so it may lag a little).
         decisions: what ``num_workers="auto"`` decided, in order.
     """
 

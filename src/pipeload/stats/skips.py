@@ -1,0 +1,31 @@
+"""Samples skipped by the sources' ``on_error`` policies, as a worker's stats count them.
+
+Each on_error-aware pipe (``datapipes/sources/on_error.py``) tallies what it skipped in the
+process that runs it. A worker finds those pipes in its own copy of the dataset once, when it
+starts, and its clock reads their tallies with the scheduler counters (at most every 0.1 s), so
+a graph without such pipes costs nothing and one with them costs a few additions now and then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def skip_counter(dataset: Any) -> Callable[[], int] | None:
+    """A function returning how many samples ``dataset``'s on_error pipes skipped in this
+    process, or None when it has none (only pipeload's own DataPipe graphs are looked at)."""
+    from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+
+    if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        return None
+    from pipeload.datapipes.graph import list_dps
+    from pipeload.datapipes.sources.on_error import ErrorPolicyMixin
+
+    try:
+        pipes = [pipe for pipe in list_dps(dataset) if isinstance(pipe, ErrorPolicyMixin)]
+    except Exception:
+        return None  # a graph that cannot be walked still loads; it only goes uncounted
+    if not pipes:
+        return None
+    return lambda: sum(pipe.failure_counts().skipped for pipe in pipes)
