@@ -1,9 +1,10 @@
 """``pipeload bench`` and ``pipeload profile``, run as a user runs them: in a subprocess, with
-tiny sizes, a private cache directory, and nothing left behind."""
+tiny sizes, a private cache directory, and nothing left behind; and ``python -m bench.run``."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -125,6 +126,25 @@ def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, facto
     assert f"profiled 12 batches from factories:{factory}" in out
     assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
     assert "suggested settings: " in out
+
+
+@pytest.mark.slow
+def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    shm_before = _shm_entries()
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--workload", "tiny"], cwd=REPO_ROOT,
+        env={**os.environ, RUN_MARKER: marker}, capture_output=True, text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    table = [line.split() for line in completed.stdout.splitlines()]
+    loaders = [row[1] for row in table if row and row[0] == "tiny"]
+    assert loaders == ["pipeload", "torch", "pipeload/torch"]
+    ratio_row = next(row for row in table if row[:2] == ["tiny", "pipeload/torch"])
+    assert re.fullmatch(r"\d+\.\d\dx", ratio_row[2])  # samples/s
+    assert re.fullmatch(r"\d+\.\d\dx", ratio_row[3])  # time to first batch
+    _assert_nothing_left(marker, shm_before)
 
 
 FACTORIES = '''

@@ -31,6 +31,7 @@ from pipeload.samplers import (
     WeightedRandomSampler,
 )
 from pipeload.shared import CopyOnReadWarning, SharedMapping, SharedSequence, share_containers
+from pipeload.stats import LoaderStats
 
 __all__ = [
     "BatchSampler",
@@ -43,6 +44,7 @@ __all__ = [
     "DistributedSampler",
     "IterDataPipe",
     "IterableDataset",
+    "LoaderStats",
     "MapDataPipe",
     "RandomSampler",
     "Sampler",
