@@ -100,6 +100,7 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
 @pytest.mark.parametrize("args, status, words", [
     (["bench", "--loaders", "classic,nope"], 2, "unknown loader 'nope'"),
     (["bench", "--size", "0"], 2, "expected an integer >= 1, got '0'"),
+    (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
     (["bench", "--loaders", "economic", "--workers", "0", "--size", "16"], 2, "economic mode needs workers"),
     (["profile", "no_colon_here"], 2, "expected MODULE:FACTORY"),
     (["profile", "no_such_module_xyz:make"], 2, "cannot import module 'no_such_module_xyz'"),
@@ -116,11 +117,13 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path: Path, args: list[st
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("factory", ["slow_dataset", "slow_loader"])
-def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, factory: str) -> None:
+@pytest.mark.parametrize("factory, workers", [("slow_dataset", "1"), ("slow_loader", "1"),
+                                              ("slow_dataset", "auto")])
+def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, factory: str,
+                                                           workers: str) -> None:
     _write_factories(tmp_path)
     completed = pipeload_command(["profile", f"factories:{factory}", "--batches", "12",
-                                  "--batch-size", "4", "--num-workers", "1"], tmp_path, cwd=tmp_path)
+                                  "--batch-size", "4", "--num-workers", workers], tmp_path, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert f"profiled 12 batches from factories:{factory}" in out

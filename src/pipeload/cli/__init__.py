@@ -94,8 +94,8 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--batches", type=_at_least(1), default=defaults.batches, help="default: %(default)s")
     profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
                          help="for a dataset (default: %(default)s)")
-    profile.add_argument("--num-workers", type=_at_least(0), default=defaults.num_workers,
-                         help="for a dataset (default: %(default)s)")
+    profile.add_argument("--num-workers", type=_workers, default=defaults.num_workers,
+                         help="for a dataset: a number or 'auto' (default: %(default)s)")
     profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode)
     profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type)
     profile.add_argument("--step-ms", type=float, default=defaults.step_ms,
@@ -124,6 +124,10 @@ def _loader_names(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"unknown loader {unknown[0] if unknown else text!r}; choose from {', '.join(LOADERS)}")
     return names
+
+
+def _workers(text: str) -> int | str:
+    return "auto" if text == "auto" else _at_least(0)(text)
 
 
 def _at_least(minimum: int):  # noqa: ANN202  (an argparse type)

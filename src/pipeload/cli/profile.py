@@ -35,7 +35,7 @@ class ProfileOptions:
     target: str
     batches: int = 50
     batch_size: int = 32
-    num_workers: int = 2
+    num_workers: int | str = 2
     mode: str = "classic"
     worker_type: str = "process"
     step_ms: float = 0.0
@@ -85,7 +85,7 @@ def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
         return made
     if isinstance(made, torch_data.DataLoader):
         return pipeload.DataLoader(made.dataset, batch_size=made.batch_size, collate_fn=made.collate_fn,
-                                   num_workers=made.num_workers or options.num_workers)
+                                   num_workers=made.num_workers)
     if not isinstance(made, (torch_data.Dataset, torch_data.IterableDataset)) and not (
             hasattr(made, "__getitem__") and hasattr(made, "__len__")):
         raise CommandError(f"{options.target} returned {type(made).__name__}, expected a dataset "
