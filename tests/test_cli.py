@@ -97,11 +97,16 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
     assert second.stderr.count("classic   ") == 2 + 1  # two repeats, and the loader's description
 
 
+@pytest.mark.timeout(120)
+def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    completed = pipeload_command(["bench", "--loaders", "classic,nope"], tmp_path)
+    _one_line_error(completed, 2, "pipeload bench: error: argument --loaders: unknown loader 'nope'")
+
+
 @pytest.mark.parametrize("args, status, words", [
-    (["bench", "--loaders", "classic,nope"], 2, "unknown loader 'nope'"),
     (["bench", "--size", "0"], 2, "expected an integer >= 1, got '0'"),
-    (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
     (["bench", "--loaders", "economic", "--workers", "0", "--size", "16"], 2, "economic mode needs workers"),
+    (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
     (["profile", "no_colon_here"], 2, "expected MODULE:FACTORY"),
     (["profile", "no_such_module_xyz:make"], 2, "cannot import module 'no_such_module_xyz'"),
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
@@ -109,11 +114,27 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
     (["profile", "factories:not_a_dataset"], 1, "returned int, expected a dataset or a DataLoader"),
     (["profile", "factories:fails_to_load"], 1, "loading failed after 0 batches: KeyError"),
 ])
-@pytest.mark.timeout(120)
-def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path: Path, args: list[str], status: int,
-                                                    words: str) -> None:
+@pytest.mark.timeout(60)
+def test_bad_input_is_one_line_and_a_non_zero_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    args: list[str], status: int, words: str,
+) -> None:
+    from pipeload import cli
+
     _write_factories(tmp_path)
-    _one_line_error(pipeload_command(args, tmp_path / "cache", cwd=tmp_path), status, words)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        returned = cli.main(args)
+    except SystemExit as exit_:  # argparse's usage errors
+        returned = exit_.code
+    finally:
+        sys.modules.pop("factories", None)  # each test writes its own
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert returned == status and len(lines) == 1, lines
+    assert words in lines[0], lines[0]
+    assert not (tmp_path / "cache").exists()  # refused before any dataset was written
 
 
 @pytest.mark.timeout(120)
