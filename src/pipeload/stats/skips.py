@@ -15,13 +15,14 @@ from typing import Any
 def skip_counter(dataset: Any) -> Callable[[], int] | None:
     """A function returning how many samples ``dataset``'s on_error pipes skipped in this
     process, or None when it has none (only pipeload's own DataPipe graphs are looked at)."""
-    from pipeload.datapipes.base import IterDataPipe, MapDataPipe
-
+    try:  # the family that plugs into the loader may be a stand-in without on_error pipes
+        from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+        from pipeload.datapipes.graph import list_dps
+        from pipeload.datapipes.sources.on_error import ErrorPolicyMixin
+    except ImportError:
+        return None
     if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
         return None
-    from pipeload.datapipes.graph import list_dps
-    from pipeload.datapipes.sources.on_error import ErrorPolicyMixin
-
     try:
         pipes = [pipe for pipe in list_dps(dataset) if isinstance(pipe, ErrorPolicyMixin)]
     except Exception:
