@@ -29,6 +29,8 @@ from pipeload.collate import (
     default_convert,
 )
 from pipeload.engine import worker_info
+from pipeload.transport import collate_output
+from pipeload.transport.slab_writer import SlabWriter
 from oracle import FrozenMap, KeywordOnlyMap
 
 # --- sample structures ----------------------------------------------------------------------
@@ -415,27 +417,36 @@ def test_ragged_list_lengths_keep_torch_wording_and_add_the_field() -> None:
     assert "['ids']" in str(info.value) and "sample 1 has 3" in str(info.value)
 
 
-# --- inside a worker process: output in shared memory ---------------------------------------
+# --- inside a worker process: output where the batch will travel ---------------------------
 
 
 @pytest.fixture
 def as_worker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Collate as a process worker's sender sets it up (a thread worker sets up nothing)."""
     method = getattr(request, "param", "multiprocessing")
     info = worker_info.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None, worker_method=method)
     worker_info.set_worker_info(info)
+    if method == "multiprocessing":
+        collate_output.set_writer(SlabWriter())  # no slab granted: fresh shared memory
     try:
         yield
     finally:
+        collate_output.set_writer(None)
         worker_info.set_worker_info(None)
 
 
-def test_worker_process_stacks_into_shared_memory(as_worker: None) -> None:
-    batch = HAND_PICKED["nested"]()
+def test_worker_process_stacks_large_tensors_into_shared_memory(as_worker: None) -> None:
+    batch = [{"img": torch.full((3, 64, 64), float(i)), "label": i} for i in range(4)]
     ours = default_collate(batch)
-    # Stacked tensors go to shared memory; numbers wrapped by torch.tensor do not (as in torch).
-    assert ours["img"].is_shared() and not ours["meta"]["pair"].left.is_shared()
+    # 192 KiB of images go to shared memory at once; the small labels travel inside the message.
+    assert ours["img"].is_shared() and not ours["label"].is_shared()
     assert_same(ours, torch_default_collate(batch))
-    assert collate_tensor_fn([torch.ones(2, dtype=torch.int16)] * 3).is_shared()
+    assert not collate_tensor_fn([torch.ones(2, dtype=torch.int16)] * 3).is_shared()
+
+
+def test_worker_process_small_structures_match_torch(as_worker: None) -> None:
+    batch = HAND_PICKED["nested"]()
+    assert_same(default_collate(batch), torch_default_collate(batch))
 
 
 @pytest.mark.parametrize("seed", range(50))

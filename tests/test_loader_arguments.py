@@ -384,6 +384,28 @@ def test_mode_and_num_batch_workers_are_keyword_only() -> None:
         pipeload.DataLoader(numbers(pipeload), *positional, "economic")
 
 
+# ------------------------------------------------------------------ max_shm_bytes (pipeload only)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                          ("1G", TypeError), (True, TypeError)])
+def test_a_bad_max_shm_bytes_is_refused_by_name(value: Any, error: type) -> None:
+    with pytest.raises(error) as caught:
+        pipeload.DataLoader(numbers(pipeload), num_workers=2, max_shm_bytes=value)
+    assert f"max_shm_bytes={value!r}" in str(caught.value)
+    assert "positive number of bytes" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", [None, 1, 1 << 40])
+def test_max_shm_bytes_is_keyword_only_and_accepted(value: Any) -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=3, max_shm_bytes=value)
+    assert loader.max_shm_bytes == value
+    assert [batch[0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5]]
+    positional = [1, None, None, None, 0, None, False, False, 0, None, None, None]
+    with pytest.raises(TypeError):
+        pipeload.DataLoader(numbers(pipeload), *positional, 1 << 20)
+
+
 # ------------------------------------------------------------------ generics
 
 

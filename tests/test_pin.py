@@ -171,3 +171,11 @@ def test_real_pinning_pins_every_tensor() -> None:
 def test_real_pinning_of_a_custom_batch() -> None:
     batch = pin_memory(CustomBatch(t(3)))
     assert batch.pin_calls == 1 and batch.data.is_pinned()
+
+
+@needs_cuda
+def test_already_pinned_tensors_pass_through_without_a_copy() -> None:
+    pinned = t(4).pin_memory()
+    result = pin_memory({"x": pinned, "custom": CustomBatch(t(2))})
+    assert result["x"] is pinned
+    assert result["custom"].pin_calls == 1  # custom types are still asked to pin themselves

@@ -117,6 +117,22 @@ def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | No
     return num_batch_workers
 
 
+def check_max_shm_bytes(max_shm_bytes: Any) -> None:
+    """None (the default: half of what the memory behind shared buffers can take) or bytes > 0."""
+    if max_shm_bytes is None:
+        return
+    if not isinstance(max_shm_bytes, int) or isinstance(max_shm_bytes, bool):
+        raise TypeError(
+            "max_shm_bytes should be a positive number of bytes (an int) or None, but got "
+            f"max_shm_bytes={max_shm_bytes!r}"
+        )
+    if max_shm_bytes <= 0:
+        raise ValueError(
+            "max_shm_bytes should be a positive number of bytes or None (no explicit limit), but "
+            f"got max_shm_bytes={max_shm_bytes!r}"
+        )
+
+
 def check_timeout(timeout: Any) -> None:
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
         raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")

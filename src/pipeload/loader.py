@@ -82,6 +82,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         num_batch_workers: economic mode's batch workers (default: ``prefetch_factor``).
         stats: count and time every stage for :meth:`stats` (on by default: about a microsecond
             per batch, under 1% once a batch takes a millisecond). False turns it off.
+        max_shm_bytes: the most shared memory (bytes) process workers' batches in flight and
+            reusable slabs may take; None (the default) allows half of what the memory behind
+            them can still take. Batches larger than it still load, one at a time.
 
     Example:
         >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
@@ -124,6 +127,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         mode: str = "classic",
         num_batch_workers: int | None = None,
         stats: bool = True,
+        max_shm_bytes: int | None = None,
     ) -> None:
         # torch's __init__ is deliberately not called: it would set up torch's loading state.
         auto = arguments.auto_options(num_workers, prefetch_factor, stats)
@@ -132,6 +136,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         if auto[1]:
             prefetch_factor = None  # the usual default to start from
         arguments.check_num_workers(num_workers)
+        arguments.check_max_shm_bytes(max_shm_bytes)
         arguments.check_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
@@ -145,6 +150,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self.multiprocessing_context = multiprocessing_context
         self.in_order = in_order
         self.worker_type = worker_type
+        self.max_shm_bytes = max_shm_bytes
 
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
@@ -392,6 +398,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             worker_type=self.worker_type,
             mp_context=self.multiprocessing_context,
             stats=self._stats,
+            max_shm_bytes=self.max_shm_bytes,
+            pin_slabs=self.pin_memory and pinning_available(),
         )
 
     def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
@@ -403,6 +411,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             worker_type=self.worker_type,
             mp_context=self.multiprocessing_context,
             stats=self._stats,
+            max_shm_bytes=self.max_shm_bytes,
+            pin_slabs=self.pin_memory and pinning_available(),  # page-locked in place: no copy
         )
 
     def _maybe_pin(self, engine: Any) -> Any:

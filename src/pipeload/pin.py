@@ -27,10 +27,11 @@ def pinning_available() -> bool:
 
 
 def pin_memory(data: Any, device: str | None = None) -> Any:
-    """Return ``data`` with every tensor in it copied to pinned memory.
+    """Return ``data`` with every tensor in it in pinned memory.
 
-    Objects with their own ``pin_memory()`` method (custom batch types) are asked to pin
-    themselves. Mappings keep their type (``defaultdict``, ``OrderedDict``, ...) when it can be
+    Tensors already pinned (batches that arrived in page-locked slabs) are returned as they are;
+    the others are copied. Objects with their own ``pin_memory()`` method (custom batch types) are
+    always asked to pin themselves. Mappings keep their type (``defaultdict``, ``OrderedDict``, ...) when it can be
     rebuilt, namedtuples and tuples keep theirs, other sequences fall back to ``list``.
 
     Args:
@@ -50,7 +51,8 @@ def pin_memory(data: Any, device: str | None = None) -> Any:
         True
     """
     if isinstance(data, torch.Tensor):
-        return data.pin_memory()
+        # Batches from pinned slabs are page-locked already: hand them on, no copy.
+        return data if data.is_pinned() else data.pin_memory()
     if hasattr(data, "pin_memory"):
         return data.pin_memory()
     if isinstance(data, (str, bytes)):

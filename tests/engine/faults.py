@@ -209,6 +209,49 @@ class MakesTensors(Numbers):
         return torch.full((self.width,), float(index))
 
 
+class MakesTensorsThenDies(MakesTensors):
+    """MakesTensors whose worker dies (``how``) when it fetches ``bad_index``."""
+
+    def __init__(self, length: int, width: int, bad_index: int, how: str) -> None:
+        super().__init__(length, width)
+        self.bad_index = bad_index
+        self.how = how
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.bad_index:
+            die(self.how)
+        return super().__getitem__(index)
+
+
+def mixed_layout_collate(samples: list[torch.Tensor]) -> dict[str, Any]:
+    """A custom collate whose outputs are not plain stacked tensors: a transposed (non-contiguous)
+    tensor, two views of one storage, a numpy array, a string and a number."""
+    stacked = torch.stack(samples)
+    return {
+        "transposed": stacked.t(),
+        "first_half": stacked[:, : stacked.shape[1] // 2],
+        "every_other_row": stacked[::2],
+        "numpy": stacked[:, :4].numpy().copy(),
+        "name": f"batch of {len(samples)}",
+        "count": len(samples),
+    }
+
+
+class PinsItself:
+    """A custom batch type: the pin stage must call its own ``pin_memory()``."""
+
+    def __init__(self, data: torch.Tensor, pinned_by_itself: bool = False) -> None:
+        self.data = data
+        self.pinned_by_itself = pinned_by_itself
+
+    def pin_memory(self) -> PinsItself:
+        return PinsItself(self.data.pin_memory(), pinned_by_itself=True)
+
+
+def pins_itself_collate(samples: list[torch.Tensor]) -> PinsItself:
+    return PinsItself(torch.stack(samples))
+
+
 def failing_collate(samples: list[Any]) -> Any:
     raise KeyError(f"collate could not find key for {len(samples)} samples")
 

@@ -1,8 +1,9 @@
 """Running out of file descriptors: a clear error with the fix, as torch gives, and no leak.
 
 A user keeps every batch of an iterable dataset of tensors while the process may open only 100
-files. Each kept batch from a process worker holds descriptors (see the message), so the table
-fills: torch raises "Too many open files. ... `ulimit -n` ..."; so must we, with what our
+files. Batches that travel in reusable slabs hold no descriptor, but once the kept batches hold
+every slab the pool may make, each further batch travels in fresh shared memory and holds one
+descriptor per large tensor (see the message), so the table fills: torch raises "Too many open files. ... `ulimit -n` ..."; so must we, with what our
 transport needs per kept batch, and everything (workers, descriptors, shared memory) must be
 released once the batches and the loader are dropped. Runs in its own process, which lowers
 its own limit with ``resource.setrlimit``.
@@ -36,7 +37,8 @@ _SCRIPT = textwrap.dedent(
         class Stream(module.IterableDataset):
             def __iter__(self):
                 for i in range(400):
-                    yield {"x": torch.full((4,), i), "y": torch.full((2,), -i)}
+                    # 256 KiB each: too large to travel inside the message
+                    yield {"x": torch.full((1 << 15,), i), "y": torch.full((1 << 15,), -i)}
         return Stream()
 
     def keep_everything(module):
@@ -89,8 +91,8 @@ def test_running_out_of_descriptors_says_how_to_fix_it_and_leaks_nothing(tmp_pat
     assert message.startswith(TORCH_SENTENCE), message
     assert "one file descriptor" in message and "N*k descriptors" in message
     assert "file_system" not in message  # torch's other advice does not apply to our transport
-    # Two descriptors a kept batch, about 90 to spare: the error comes when the table is full,
-    # not before.
+    # Two descriptors a kept batch beyond the slabs, about 90 to spare: the error comes when the
+    # table is full, not before.
     assert ours["kept"] > 40
     assert ours["seconds"] < 10
     assert results["children_left"] == 0

@@ -99,23 +99,25 @@ def test_after_a_timeout_the_late_batch_and_the_rest_still_come(engine):
     assert timeouts >= 1
 
 
-HUGE_BATCH = 100_000  # about 500 KB of pickled indices per task: three fill a 1 MiB task pipe
+# About 1.5 MB of pickled indices: one task is more than a 1 MiB task pipe holds, so it cannot be
+# written while the worker reads nothing (the budget sends one task per worker at first).
+HUGE_BATCH = 300_000
 
 
 def test_a_stuck_worker_with_a_full_task_pipe_times_out_instead_of_blocking_the_sender(leak_guard):
-    loader = DataLoader(Numbers(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
-                        prefetch_factor=6, timeout=TIMEOUT_S, multiprocessing_context="fork",
+    loader = DataLoader(Numbers(4 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+                        timeout=TIMEOUT_S, multiprocessing_context="fork",
                         worker_init_fn=stalling_init)  # the worker never reads its pipe
     started = time.monotonic()
     with pytest.raises(LoaderTimeoutError, match="not taking new tasks"):
-        iter(loader)  # the prefetch itself must give up, not wait on the pipe for ever
+        iter(loader)  # sending the first task must give up, not wait on the pipe for ever
     assert time.monotonic() - started < TIMEOUT_S + 2.5
 
 
 def test_a_worker_dying_while_its_task_pipe_is_full_is_reported(tmp_path, monkeypatch, leak_guard):
     monkeypatch.setenv("PIPELOAD_TEST_PID_DIR", str(tmp_path))
-    loader = DataLoader(Numbers(10 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
-                        prefetch_factor=6, multiprocessing_context="fork",
+    loader = DataLoader(Numbers(4 * HUGE_BATCH), batch_size=HUGE_BATCH, num_workers=1,
+                        multiprocessing_context="fork",
                         worker_init_fn=record_pid_then_stall)  # never reads: the pipe fills
     pid_file = tmp_path / "0"
 
@@ -126,7 +128,7 @@ def test_a_worker_dying_while_its_task_pipe_is_full_is_reported(tmp_path, monkey
     killer = threading.Thread(target=kill_the_worker, daemon=True)
     killer.start()
     with pytest.raises(WorkerDiedError, match=r"signal 9"):
-        iter(loader)  # blocked sending tasks to a stuck worker until it died: never hangs
+        iter(loader)  # blocked sending a task to a stuck worker until it died: never hangs
     killer.join()
 
 

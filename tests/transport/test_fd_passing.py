@@ -1,8 +1,7 @@
-"""Descriptor passing: a batch's tensors cross a real socket pair as shared memory, not bytes."""
+"""Messages over a real socket pair: framing, descriptors riding along, reading many at once."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import socket
@@ -12,75 +11,84 @@ import textwrap
 import threading
 
 import pytest
-import torch
 
 from pipeload.transport.fd_passing import (
     FDS_PER_SENDMSG,
-    dumps_with_fds,
-    loads_with_fds,
+    READ_CHUNK_BYTES,
+    MessageReader,
     receive_message,
     send_message,
 )
 
 
-def _round_trip(obj):
+def _pipe_fds(count: int) -> list[int]:
+    fds = []
+    for _ in range(count):
+        fds.extend(os.pipe())
+    return fds
+
+
+def _send_in_thread(sock, messages):
+    # A writer thread, so payloads larger than the socket buffer cannot deadlock the test.
+    writer = threading.Thread(target=lambda: [send_message(sock, p, f) for p, f in messages])
+    writer.start()
+    return writer
+
+
+def _same_file(a: int, b: int) -> bool:
+    return os.fstat(a).st_ino == os.fstat(b).st_ino
+
+
+def test_payload_and_descriptors_arrive_together():
+    left, right = socket.socketpair()
+    read_end, write_end = os.pipe()
+    with left, right:
+        send_message(left, b"hello", [read_end])
+        payload, fds = receive_message(right)
+        assert payload == b"hello" and len(fds) == 1 and _same_file(fds[0], read_end)
+        for fd in (*fds, read_end, write_end):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["one at a time", "reader"])
+def test_more_descriptors_than_one_sendmsg_carries(how):
+    left, right = socket.socketpair()
+    fds = _pipe_fds((FDS_PER_SENDMSG + 37) // 2 + 1)
+    with left, right:
+        writer = _send_in_thread(left, [(b"x" * 10, fds), (b"second", fds[:3])])
+        reader = MessageReader(right)
+        first = receive_message(right) if how == "one at a time" else reader.next_message(True)
+        second = receive_message(right) if how == "one at a time" else reader.next_message(True)
+        writer.join()
+        assert first[0] == b"x" * 10 and len(first[1]) == len(fds)
+        assert all(_same_file(a, b) for a, b in zip(first[1], fds))
+        assert second[0] == b"second" and all(_same_file(a, b) for a, b in zip(second[1], fds))
+        for fd in fds + first[1] + second[1]:
+            os.close(fd)
+
+
+def test_the_reader_splits_a_burst_and_says_when_nothing_is_waiting():
     left, right = socket.socketpair()
     with left, right:
-        payload, fds, keep_alive = dumps_with_fds(obj)
-        # A writer thread, so a payload larger than the socket buffer cannot deadlock the test.
-        writer = threading.Thread(target=send_message, args=(left, payload, fds))
-        writer.start()
-        received_payload, received_fds = receive_message(right)
+        reader = MessageReader(right)
+        assert reader.next_message(block=False) is None
+        for index in range(50):
+            send_message(left, str(index).encode(), [])
+        got = []
+        while (message := reader.next_message(block=False)) is not None:
+            got.append(bytes(message[0]))
+        assert got == [str(index).encode() for index in range(50)]
+
+
+def test_the_reader_takes_a_message_larger_than_its_buffer():
+    left, right = socket.socketpair()
+    big = os.urandom(3 * READ_CHUNK_BYTES + 17)
+    with left, right:
+        writer = _send_in_thread(left, [(b"small", []), (big, []), (b"after", [])])
+        reader = MessageReader(right)
+        got = [bytes(reader.next_message(True)[0]) for _ in range(3)]
         writer.join()
-        del keep_alive
-        return loads_with_fds(received_payload, received_fds), len(received_fds)
-
-
-def test_tensors_arrive_in_shared_memory_with_equal_values():
-    batch = {"x": torch.arange(12.0).reshape(3, 4), "label": [1, 2, 3], "name": "b0"}
-    received, fd_count = _round_trip(batch)
-    assert fd_count == 1
-    assert torch.equal(received["x"], batch["x"])
-    assert received["x"].is_shared()
-    assert received["label"] == [1, 2, 3] and received["name"] == "b0"
-
-
-def test_views_of_one_storage_share_one_descriptor_and_one_mapping():
-    base = torch.arange(10)
-    received, fd_count = _round_trip((base, base[2:5], base[::2]))
-    assert fd_count == 1
-    whole, middle, strided = received
-    assert torch.equal(middle, torch.tensor([2, 3, 4])) and torch.equal(strided, base[::2])
-    whole[3] = 100  # one mapping: a write through one view shows through the others
-    assert middle[1].item() == 100
-
-
-def test_empty_and_many_tensors_more_than_one_sendmsg_carries():
-    tensors = [torch.full((2,), float(i)) for i in range(FDS_PER_SENDMSG + 37)]
-    received, fd_count = _round_trip({"many": tensors, "empty": torch.zeros(0)})
-    assert fd_count == len(tensors)
-    assert all(torch.equal(a, b) for a, b in zip(received["many"], tensors))
-    assert received["empty"].numel() == 0
-
-
-def test_no_descriptor_outlives_the_tensors_it_carried():
-    before = len(os.listdir("/proc/self/fd"))
-    received, _ = _round_trip([torch.ones(1000) for _ in range(5)])
-    assert all(t.sum().item() == 1000 for t in received)
-    del received  # each storage holds one descriptor of its own while it lives, as in torch
-    assert len(os.listdir("/proc/self/fd")) == before
-
-
-def test_pickling_keeps_no_batch_alive_without_the_garbage_collector():
-    gc.disable()
-    try:
-        tensor = torch.ones(1000)
-        storage_ref = tensor.untyped_storage()._weak_ref()
-        payload, fds, keep_alive = dumps_with_fds({"t": tensor})
-        del payload, fds, keep_alive, tensor
-        assert torch.UntypedStorage._expired(storage_ref)
-    finally:
-        gc.enable()
+        assert got == [b"small", big, b"after"]
 
 
 def test_a_closed_writer_reads_as_end_of_file():
@@ -88,21 +96,32 @@ def test_a_closed_writer_reads_as_end_of_file():
     left.close()
     with right, pytest.raises(EOFError):
         receive_message(right)
+    left, right = socket.socketpair()
+    send_message(left, b"last", [])
+    left.close()
+    reader = MessageReader(right)
+    with right:
+        assert bytes(reader.next_message(True)[0]) == b"last"
+        with pytest.raises(EOFError):
+            reader.next_message(True)
 
 
 # Runs with a small descriptor table; prints what happened as JSON.
 _FULL_TABLE_SCRIPT = textwrap.dedent(
     """
-    import json, os, resource, socket, sys, threading
+    import json, os, resource, socket
     import torch
     from pipeload.errors import TooManyOpenFilesError
-    from pipeload.transport.fd_passing import dumps_with_fds, loads_with_fds, receive_message, send_message
+    from pipeload.transport.codec import decode, encode
+    from pipeload.transport.fd_passing import MessageReader, receive_message, send_message
 
+    BIG = 1 << 15  # floats: 128 KiB, so each tensor travels by descriptor
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     left, right = socket.socketpair()
+    reader = MessageReader(right)
 
-    def send(batch):
-        payload, fds, keep_alive = dumps_with_fds(batch)
+    def send(*values):
+        payload, fds, keep_alive = encode([torch.full((BIG,), float(v)) for v in values], None)
         send_message(left, payload, fds)
 
     def fill_table_leaving(free):
@@ -116,34 +135,47 @@ _FULL_TABLE_SCRIPT = textwrap.dedent(
             os.close(filler.pop())
         return filler
 
-    def receive_and_load():
+    def load(receive):
         try:
-            return "ok", loads_with_fds(*receive_message(right))
+            batch, _ = decode(*receive(), None)
+            return ["ok", [t[0].item() for t in batch]]
         except TooManyOpenFilesError as exc:
-            return str(exc), None
+            return [str(exc), None]
+
+    def one():
+        return receive_message(right)
+
+    def next_of_reader():
+        return reader.next_message(True)
 
     result = {}
     # 1. The kernel cannot install all of a message's descriptors (room for 2 of 5).
-    send([torch.full((3,), float(i)) for i in range(5)])
+    send(0, 1, 2, 3, 4)
     filler = fill_table_leaving(2)
-    result["truncated"], _ = receive_and_load()
+    result["truncated"] = load(one)[0]
     for fd in filler:
         os.close(fd)
-    send([torch.full((3,), 7.0)])  # the stream must still be in step
-    status, batch = receive_and_load()
-    result["next"] = [status, batch[0].tolist()]
-    del batch
-    # 2. The descriptors arrive, but mapping a storage (which keeps a duplicate) finds no room.
-    send([torch.full((3,), float(i)) for i in range(5)])
+    send(7)  # the stream must still be in step
+    result["next"] = load(one)
+    # 2. The same through the reader, which reads several messages per call: a message without
+    # descriptors before the damaged one, and one after it, arrive intact.
+    send()
+    send(0, 1, 2, 3, 4)
+    filler = fill_table_leaving(2)
+    result["reader"] = [load(next_of_reader), load(next_of_reader)[0]]
+    for fd in filler:
+        os.close(fd)
+    send(9)
+    result["reader_next"] = load(next_of_reader)
+    # 3. The descriptors arrive, but mapping a storage (which keeps a duplicate) finds no room.
+    send(0, 1, 2, 3, 4)
     filler = fill_table_leaving(5)
-    result["mapping"], _ = receive_and_load()
+    result["mapping"] = load(one)[0]
     for fd in filler:
         os.close(fd)
     before = len(os.listdir("/proc/self/fd"))
-    send([torch.full((3,), 8.0)])
-    status, batch = receive_and_load()
-    result["after"] = [status, batch[0].tolist()]
-    del batch
+    send(8)
+    result["after"] = load(one)
     result["fds_back_to"] = len(os.listdir("/proc/self/fd")) - before
     print(json.dumps(result))
     """
@@ -158,9 +190,11 @@ def test_a_full_descriptor_table_is_a_clear_error_and_the_stream_stays_in_step(t
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    for case in ("truncated", "mapping"):
-        assert result[case].startswith("Too many open files. Communication with the workers is no longer possible.")
-        assert "ulimit -n" in result[case] and "one file descriptor" in result[case]
-    assert result["next"] == ["ok", [7.0, 7.0, 7.0]]
-    assert result["after"] == ["ok", [8.0, 8.0, 8.0]]
+    for message in (result["truncated"], result["reader"][1], result["mapping"]):
+        assert message.startswith("Too many open files. Communication with the workers is no longer possible.")
+        assert "ulimit -n" in message and "one file descriptor" in message
+    assert result["next"] == ["ok", [7.0]]
+    assert result["reader"][0] == ["ok", []]
+    assert result["reader_next"] == ["ok", [9.0]]
+    assert result["after"] == ["ok", [8.0]]
     assert result["fds_back_to"] == 0

@@ -1,5 +1,5 @@
-"""The item -> batch links: deliveries with tensors cross real socket pairs as shared memory, a
-batch worker reads commands and deliveries as one channel, a gone writer is dropped, and a forked
+"""The item -> batch links: deliveries cross real socket pairs through the transport's codec
+(large tensors as shared memory, small ones inside the message), a batch worker reads commands and deliveries as one channel, a gone writer is dropped, and a forked
 worker can keep only its own ends."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def test_deliveries_and_commands_arrive_through_one_receive():
     tasks_in, tasks_out = _pipe()
     inbox = links.inbox(0, tasks_in)
     try:
-        item = torch.arange(6.0)
-        links.outbox(1).send(0, _delivery(1, [item]))
-        tasks_out.send(WorkerCommand(Command.COLLATE, 0, [0, 1], epoch=1))
+        item, small = torch.arange(float(1 << 15)), torch.arange(6.0)  # 128 KiB, 24 bytes
+        links.outbox(1).send(0, _delivery(1, [item, small]))
+        tasks_out.conn.send(WorkerCommand(Command.COLLATE, 0, [0, 1], epoch=1))
         received = [inbox.receive(5.0), inbox.receive(5.0)]
         assert inbox.receive(0.05) is None
     finally:
@@ -44,9 +44,10 @@ def test_deliveries_and_commands_arrive_through_one_receive():
     (command,) = [m for m in received if isinstance(m, WorkerCommand)]
     (delivery,) = [m for m in received if isinstance(m, ItemDelivery)]
     assert command.command is Command.COLLATE
-    (tensor,) = delivery.payload
-    assert tensor.tolist() == item.tolist()
+    tensor, small_tensor = delivery.payload
+    assert torch.equal(tensor, item) and torch.equal(small_tensor, small)
     assert tensor.untyped_storage().is_shared()  # it came as shared memory, not as bytes
+    assert not small_tensor.untyped_storage().is_shared()  # inside the message
 
 
 def test_a_gone_item_worker_is_no_longer_waited_on():

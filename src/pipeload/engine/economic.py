@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.economic_workers import (
     BATCH,
     ITEM,
@@ -35,7 +36,7 @@ from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
-from pipeload.engine.workers import WorkerGroup, WorkerLabel
+from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
@@ -54,6 +55,9 @@ class EconomicConfig:
         worker_type: "process" or "thread".
         mp_context: a multiprocessing context (process workers), or None for the default.
         stats: the loader's ``StatsRecorder`` (None: stats are off).
+        max_shm_bytes: the most shared memory the batch slabs may hold (None: half of what the
+            memory backing them can still take).
+        pin_slabs: page-lock slabs for CUDA, so batches come out pinned with no copy.
     """
 
     setup: EconomicSetup
@@ -63,6 +67,8 @@ class EconomicConfig:
     worker_type: str
     mp_context: Any
     stats: Any = None
+    max_shm_bytes: int | None = None
+    pin_slabs: bool = False
 
 
 class EconomicLaunch:
@@ -147,8 +153,14 @@ class EconomicEngine:
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
+        # Batch workers collate into slabs, as classic workers do: prefetch_factor batches in
+        # flight, the one the consumer holds, and the one it is dropping.
+        slab_settings = SlabSettings(config.pin_slabs, shm_budget_bytes(config.max_shm_bytes),
+                                     config.prefetch_factor + 1)
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
-                                    config.timeout_s, self._stats)
+                                    config.timeout_s, slab_settings, self._stats)
+        if self._workers.slabs is not None:
+            self._workers.slabs.set_slab_limit(config.prefetch_factor + 2)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = 0
         self._reset_epoch_state(TaskSupply())
@@ -205,6 +217,8 @@ class EconomicEngine:
             if report is not None:
                 if self._stats is not None:
                     self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+                if self._workers.slabs is not None:
+                    self._workers.slabs.handed_out(report.batch_number)
                 try:
                     self._top_up()
                 except LoaderTimeoutError:
@@ -239,8 +253,10 @@ class EconomicEngine:
         """Tell the batch worker what the batch holds, then queue its pieces. If the send times
         out, nothing is recorded: ``_unopened`` keeps the batch for the next call."""
         number = self._ledger.next_to_send
-        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch)
-        self._workers.send(self._num_item_workers + batch_worker, collate)
+        slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
+        grant = slabs.grant(slot, number) if slabs is not None else None
+        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
+        self._workers.send(slot, collate)
         self._ledger.record_sent(batch_worker)
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)

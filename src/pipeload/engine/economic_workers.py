@@ -15,6 +15,7 @@ which worker happened to do the work, nor when.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ from pipeload.transport.messages import (
     Delivery,
     ItemDelivery,
     Report,
+    SlabGrant,
     WorkerCommand,
     WorkerReport,
 )
@@ -148,6 +150,7 @@ class _Gathering:
     """One batch being gathered by a batch worker: what it needs, and what has come so far."""
 
     indices: list[Any] | None = None  # known once the COLLATE command has arrived
+    grant: SlabGrant | None = None  # where to collate it (from the COLLATE command)
     pieces: dict[int, list[Any]] = dataclasses.field(default_factory=dict)  # slot -> samples
     failures: dict[int, RemoteFailure] = dataclasses.field(default_factory=dict)  # slot -> why
     filled: int = 0
@@ -198,7 +201,8 @@ class BatchWorkerLoop(WorkerLoop):
                 self._start_epoch(message.epoch, message.shared_seed)
             elif message.command is Command.COLLATE:
                 key = (message.epoch, message.batch_number)
-                self._batches.setdefault(key, _Gathering()).indices = message.indices
+                gathering = self._batches.setdefault(key, _Gathering())
+                gathering.indices, gathering.grant = message.indices, message.grant
                 self._finish_if_complete(key)
 
     def _share(self) -> tuple[int, int]:
@@ -223,16 +227,20 @@ class BatchWorkerLoop(WorkerLoop):
         gathering = self._batches.pop(key)
         epoch, number = key
         indices = gathering.indices
+        self._outbox.prepare(gathering.grant)  # collation writes where the batch will travel
         failure = self._init_failure or _first_failure(gathering)
         if failure is not None:
             self._report(Report.FAILED, number, failure)
             return
+        started = time.perf_counter()
         try:
             batch = self._collate(gathering, epoch, number)
         except Exception as exc:
             self._report_failure(number, "collating a batch", indices, exc)
             return
-        self._send_batch(number, batch, indices)
+        setup_s = self._outbox.setup_s
+        build_s = max(0.0, time.perf_counter() - started - setup_s)
+        self._send_batch(number, batch, indices, build_s, setup_s)
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
         samples = gathering.samples()

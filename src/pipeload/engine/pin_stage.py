@@ -2,7 +2,9 @@
 
 With workers, a thread pins batch N+1 while the training loop uses batch N, as torch's
 pin-memory thread does; without workers, pinning happens inline. Only built when an accelerator
-is present; otherwise the loader warns once and uses the engine as it is.
+is present; otherwise the loader warns once and uses the engine as it is. Batches that process
+workers wrote into page-locked slabs are pinned already and pass through without a copy (see
+``pin.pin_memory``); custom batch types are still asked to pin themselves.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
-from pipeload.engine.workers import WorkerGroup, WorkerLabel
+from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
@@ -35,6 +36,9 @@ class PoolConfig:
         worker_type: "process" or "thread".
         mp_context: a multiprocessing context (process workers), or None for the default.
         stats: the loader's ``StatsRecorder`` (None: stats are off).
+        max_shm_bytes: the most shared memory slabs may hold and batches in flight may need
+            (None: half of what the memory backing them can still take).
+        pin_slabs: page-lock slabs for CUDA, so batches come out pinned with no copy.
     """
 
     setup: WorkerSetup
@@ -44,6 +48,8 @@ class PoolConfig:
     worker_type: str
     mp_context: Any
     stats: Any = None
+    max_shm_bytes: int | None = None
+    pin_slabs: bool = False
 
 
 class ClassicLaunch:
@@ -86,26 +92,31 @@ def picklable_parts(setup: WorkerSetup) -> dict[str, Any]:
 
 
 class PoolEngine:
-    """Sends tasks round-robin to workers, keeps ``prefetch_factor * num_workers`` in flight,
+    """Sends tasks round-robin to workers, keeps at most ``prefetch_factor * num_workers`` in
+    flight (fewer when the training loop is slower than the workers: see ``engine/budget.py``),
     and yields the results in sampler order (or as they finish with ``in_order=False``).
 
     Driven by one thread at a time (the caller of ``next_batch``).
     Invariants, between calls: ``_unsent`` is a task taken from the sampler whose send timed out
-    (it goes out first next time, to the same worker); ``_supply`` keeps what the sampler raised
-    until every batch sent before it has been yielded.
+    (it goes out first next time, to the same worker, with the same slab grant); ``_supply`` keeps
+    what the sampler raised until every batch sent before it has been yielded.
     """
 
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
-        self._max_outstanding = config.prefetch_factor * config.setup.num_workers
-        self._stats = config.stats.new_session(self._max_outstanding) if config.stats else None
+        num_workers = config.setup.num_workers
+        max_batches = config.prefetch_factor * num_workers
+        max_bytes = shm_budget_bytes(config.max_shm_bytes)
+        self._budget = InFlightBudget(max_batches, num_workers, max_bytes)
+        self._stats = config.stats.new_session(max_batches) if config.stats else None
+        slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
         self._workers = WorkerGroup(ClassicLaunch(config.setup), config.worker_type,
-                                    config.mp_context, config.timeout_s, self._stats)
+                                    config.mp_context, config.timeout_s, slabs, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = 0
-        self._ledger = BatchLedger(config.setup.num_workers, config.in_order)
+        self._ledger = BatchLedger(num_workers, config.in_order)
         self._supply = TaskSupply()
-        self._unsent: tuple[int, Any] | None = None
+        self._unsent: tuple[int, WorkerCommand] | None = None
 
     @property
     def workers(self) -> list[Any]:
@@ -116,9 +127,10 @@ class PoolEngine:
         return self._workers.closed
 
     def set_prefetch_factor(self, prefetch_factor: int) -> None:
-        """Keep ``prefetch_factor`` batches per worker in flight from now on (``prefetch_factor=
-        "auto"``); a lower bound takes effect as the batches in flight are handed out."""
-        self._max_outstanding = prefetch_factor * self._config.setup.num_workers
+        """Keep at most ``prefetch_factor`` batches per worker in flight from now on
+        (``prefetch_factor="auto"``); a lower bound takes effect as the batches in flight are
+        handed out. The in-flight budget may still keep fewer for a slow training loop."""
+        self._budget.set_max_batches(prefetch_factor * self._config.setup.num_workers)
 
     def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
         """Begin an epoch over ``tasks`` (each a list of indices, or one index).
@@ -131,6 +143,7 @@ class PoolEngine:
         self._supply = TaskSupply(tasks)
         self._unsent = None
         self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
+        self._budget.epoch_started()
         self._top_up()
 
     def next_batch(self) -> Any:
@@ -156,35 +169,79 @@ class PoolEngine:
         """The next report to hand out, or None once every batch sent has been handed out."""
         # No local alias of the ledger: a raised error's traceback keeps this frame, and
         # close() must be able to let go of the batches the ledger holds.
+        self._budget.request_started()
+        self._top_up_while_full()  # tasks held back when the last batch was handed out
+        waited = False
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
-                if self._stats is not None:
-                    self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
-                try:
-                    self._top_up()
-                except LoaderTimeoutError:
-                    pass  # a worker's task pipe stayed full; the task is sent on the next call
+                # Waiting for a batch that paid a one-off set-up is not a sign of too few in flight.
+                self._hand_over(report, starved=waited and report.setup_s == 0)
                 return report
             if self._ledger.nothing_left():
                 return None
+            waited = True
             for report in self._workers.receive(self._workers.deadline()):
                 if report.report is not Report.EPOCH_STARTED:
+                    self._budget.batch_built(report.build_s)
                     self._ledger.record_report(report)
             self._top_up()
 
-    def _top_up(self) -> None:
-        ledger = self._ledger
-        while not self._supply.done and ledger.outstanding < self._max_outstanding:
+    def _hand_over(self, report: WorkerReport, starved: bool) -> None:
+        if self._stats is not None:
+            self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        slabs = self._workers.slabs
+        if slabs is not None:
+            slabs.handed_out(report.batch_number)
+        self._budget.request_served(starved)
+        self._top_up_while_full(handing_out=True)
+        self._budget.consumer_resumes()  # after sending: the consumer's time starts now
+
+    def _top_up_while_full(self, handing_out: bool = False) -> None:
+        try:
+            self._top_up(handing_out)
+        except LoaderTimeoutError:
+            pass  # a worker's task pipe stayed full; the task is sent on the next call
+
+    def _top_up(self, handing_out: bool = False) -> None:
+        """Send tasks up to the budget.
+
+        ``handing_out``: a batch is about to be returned, and the consumer still holds the one
+        before it (a ``for`` loop drops it only afterwards). A large batch that would need fresh
+        memory now then waits for the next request instead: its pages would otherwise be filled
+        while the dropped batch still holds its own, a third batch's worth at the peak.
+        """
+        if self._supply.done and self._unsent is None:
+            return
+        ledger, slabs = self._ledger, self._workers.slabs
+        allowed = self._budget.allowed(slabs.batch_bytes if slabs is not None else 0)
+        if ledger.outstanding >= allowed:
+            return  # the usual case, kept cheap: it runs several times per batch
+        if slabs is not None:
+            # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
+            # on release) the one it is dropping.
+            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+        while ledger.outstanding < allowed:
             if self._unsent is None:
-                worker_id = ledger.choose_worker()
-                if worker_id is None:
+                if handing_out and slabs is not None and slabs.would_need_fresh_memory():
                     return
-                indices = self._supply.take()
-                if self._supply.done:
+                if not self._take_task():
                     return
-                self._unsent = (worker_id, indices)
-            worker_id, indices = self._unsent
-            self._workers.send(worker_id, WorkerCommand(Command.FETCH, ledger.next_to_send, indices))
+            worker_id, command = self._unsent  # type: ignore[misc]
+            self._workers.send(worker_id, command)
             self._unsent = None
             ledger.record_sent(worker_id)
+
+    def _take_task(self) -> bool:
+        """Take the sampler's next task into ``_unsent``, with its worker and slab grant."""
+        worker_id = self._ledger.choose_worker()
+        if worker_id is None or self._supply.done:
+            return False
+        indices = self._supply.take()
+        if self._supply.done:
+            return False
+        number = self._ledger.next_to_send
+        slabs = self._workers.slabs
+        grant = slabs.grant(worker_id, number) if slabs is not None else None
+        self._unsent = (worker_id, WorkerCommand(Command.FETCH, number, indices, grant=grant))
+        return True

@@ -47,13 +47,16 @@ class BatchLedger:
         """Next active worker: round-robin in order mode (as torch), least loaded otherwise
         (ties go to the next in the rotation)."""
         count = len(self.active)
-        candidates = [(self._rotation + step) % count for step in range(count)]
-        candidates = [w for w in candidates if self.active[w]]
-        if not candidates:
-            return None
-        chosen = candidates[0]
-        if self.least_loaded:
-            chosen = min(candidates, key=lambda w: self.in_flight_per_worker[w])
+        if not self.least_loaded and self.active[self._rotation]:
+            chosen = self._rotation  # the usual case, without building the candidate list
+        else:
+            candidates = [(self._rotation + step) % count for step in range(count)]
+            candidates = [w for w in candidates if self.active[w]]
+            if not candidates:
+                return None
+            chosen = candidates[0]
+            if self.least_loaded:
+                chosen = min(candidates, key=lambda w: self.in_flight_per_worker[w])
         self._rotation = (chosen + 1) % count
         return chosen
 

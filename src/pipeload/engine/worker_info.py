@@ -97,12 +97,6 @@ def publish_to_torch(info: WorkerInfo) -> None:
         torch_worker_module._worker_info = info
 
 
-def in_worker_process() -> bool:
-    """True inside a process worker, where batches should be built in shared memory."""
-    info = _current.info
-    return info is not None and info.worker_method == "multiprocessing"
-
-
 def numpy_seed_words(base_seed: int, worker_id: int) -> list[int]:
     """Four 32-bit words for ``np.random.seed``, mixed from the base seed and the worker id.
 

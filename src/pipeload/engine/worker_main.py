@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -40,8 +41,8 @@ SHM_DIR = "/dev/shm"  # where POSIX shared memory names live on Linux
 _TORCH_SEGMENT = re.compile(r"for file </(?P<name>torch_(?P<pid>\d+)_[^>/]*)>")
 
 SHM_TOO_SMALL = (
-    "shared memory (/dev/shm) is too small for the batches in flight. Give the container more "
-    "(docker run --shm-size=2g, or a larger tmpfs on /dev/shm), or lower num_workers, "
+    "shared memory is too small for the batches in flight. Give the container more memory (or "
+    "/dev/shm more room: docker run --shm-size=2g), or lower max_shm_bytes, num_workers, "
     "prefetch_factor or batch_size."
 )
 
@@ -95,14 +96,17 @@ class WorkerLoop:
         the next START_EPOCH; nobody will read their batches, so they are dropped instead of
         built, and the next epoch starts as soon as the task in hand is done.
         """
+        arrived = []
         if not self._pending:
             first = self._inbox.receive(POLL_INTERVAL_S)
             if first is None:
                 return None
-            self._pending.append(first)
+            arrived.append(first)
         while (waiting := self._inbox.receive(0)) is not None:
-            self._pending.append(waiting)
-        self._pending = _without_superseded_tasks(self._pending)
+            arrived.append(waiting)
+        self._pending.extend(arrived)
+        if any(command.command is Command.START_EPOCH for command in arrived):
+            self._pending = _without_superseded_tasks(self._pending)
         return self._pending.popleft()
 
     def _initialise(self) -> None:
@@ -136,9 +140,11 @@ class WorkerLoop:
         if self._exhausted:
             return  # the main process skips tasks sent to a worker that ran dry
         number = command.batch_number
+        self._outbox.prepare(command.grant)  # collation writes where the batch will travel
         if self._init_failure is not None:
             self._serve_failed_setup(number)
             return
+        started = time.perf_counter()
         try:
             batch = self._fetcher.fetch(command.indices)
         except DatasetExhausted:
@@ -147,7 +153,10 @@ class WorkerLoop:
         except Exception as exc:
             self._report_failure(number, "fetching a batch", command.indices, exc)
             return
-        self._send_batch(number, batch, command.indices)
+        # Setting up shared memory is reported apart: it is a one-off cost of a cold start.
+        setup_s = self._outbox.setup_s
+        build_s = max(0.0, time.perf_counter() - started - setup_s)
+        self._send_batch(number, batch, command.indices, build_s, setup_s)
 
     def _serve_failed_setup(self, number: int) -> None:
         """An iterable replica whose setup failed has no iterator to read: like a generator that
@@ -163,20 +172,24 @@ class WorkerLoop:
         self._exhausted = True
         self._report(Report.EXHAUSTED, number)
 
-    def _report(self, report: Report, number: int, payload: Any = None) -> None:
-        """Send a report; with stats on, it carries this worker's totals, this task counted."""
+    def _report(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
+                setup_s: float = 0.0) -> None:
+        """Send a report; with stats on, it carries this worker's totals, this task counted.
+        ``build_s`` and ``setup_s`` feed the pool's in-flight budget (see engine/budget.py)."""
         clock = self._clock
         if clock is None:
-            self._outbox.send(WorkerReport(report, self._id, number, payload))
+            self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s))
             return
         started = now()
-        self._outbox.send(WorkerReport(report, self._id, number, payload,
-                                       clock.finished(payload if report is Report.BATCH else None)))
+        totals = clock.finished(payload if report is Report.BATCH else None)
+        self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s))
         clock.sent(started)
 
-    def _send_batch(self, number: int, batch: Any, indices: Any) -> None:
+    def _send_batch(
+        self, number: int, batch: Any, indices: Any, build_s: float, setup_s: float
+    ) -> None:
         try:
-            self._report(Report.BATCH, number, batch)
+            self._report(Report.BATCH, number, batch, build_s, setup_s)
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:

@@ -27,6 +27,7 @@ from pipeload.engine.lifecycle import (
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+from pipeload.transport.slab_pool import SlabPool
 
 WAIT_SLICE_S = 1.0
 EXIT_STATUS_WAIT_S = 1.0
@@ -45,6 +46,21 @@ class WorkerLabel:
     def name(self, what: str = "worker") -> str:
         """E.g. "worker 3", "item worker 3", "batch worker thread 1"."""
         return f"{self.kind} {what} {self.id}".lstrip()
+
+
+@dataclass(frozen=True)
+class SlabSettings:
+    """The slab pool behind process workers' result channels (see ``transport/slab_pool.py``).
+
+    Attributes:
+        pin: page-lock slabs for CUDA, so batches come out pinned with no copy.
+        max_bytes: the most shared memory the slabs may hold.
+        batches_in_flight: the most batches ever in flight, plus one; bounds the number of slabs.
+    """
+
+    pin: bool
+    max_bytes: int
+    batches_in_flight: int
 
 
 class LaunchPlan(Protocol):
@@ -69,17 +85,24 @@ class LaunchPlan(Protocol):
 class WorkerGroup:
     """Owns the workers' handles and channels; closing it stops and releases everything.
 
+    Process workers send their results through the transport: the group owns the slab pool
+    (``slabs``) their batches are written into, and the main process's ends of the channels that
+    decode against it. Thread workers pass objects as they are (``slabs`` is None).
+
     Kept apart from the engines so an engine's finalizer can hold the group without holding the
     engine. Used by one thread at a time (whoever drives the engine), and by ``close()``.
     """
 
-    def __init__(self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
-                 stats: Any = None) -> None:
+    def __init__(
+        self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
+        slab_settings: SlabSettings, stats: Any = None,
+    ) -> None:
         self.plan = plan
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
         self.labels = plan.labels
         self.timeout_s = timeout_s
         self.stop_event: threading.Event | None = None
+        self.slabs: SlabPool | None = None
         self.closed = False
         count = len(self.labels)
         try:
@@ -89,24 +112,27 @@ class WorkerGroup:
                 self.handles = start_threads(plan.thread_launches(self.channels, self.stop_event),
                                              self.stop_event)
             else:
-                self.channels, self.handles = self._start_processes(plan, mp_context, count)
+                self._start_processes(plan, mp_context, count, slab_settings)
         except BaseException:
             plan.close()
             raise
 
-    @staticmethod
-    def _start_processes(plan: LaunchPlan, mp_context: Any, count: int) -> tuple[Any, list[Any]]:
+    def _start_processes(
+        self, plan: LaunchPlan, mp_context: Any, count: int, settings: SlabSettings
+    ) -> None:
         ctx = mp_context or multiprocessing.get_context()
         if ctx.get_start_method() != "fork":
             check_picklable(plan.picklable_parts(), ctx.get_start_method())
-        channels = ProcessChannels(ctx, count)
+        self.slabs = SlabPool(pin=settings.pin, max_bytes=settings.max_bytes,
+                              batches_in_flight=settings.batches_in_flight)
+        self.channels = ProcessChannels(ctx, count, self.slabs)
         try:
-            handles = start_processes(ctx, plan.process_launches(ctx, channels),
-                                      channels.forget_worker_ends)
+            self.handles = start_processes(ctx, plan.process_launches(ctx, self.channels),
+                                           self.channels.forget_worker_ends)
         except BaseException:
-            channels.close()
+            self.channels.close()
+            self.slabs.close()
             raise
-        return channels, handles
 
     @property
     def wait_slice_s(self) -> float:
@@ -202,6 +228,8 @@ class WorkerGroup:
             for report in self.receive(self.deadline()):
                 if report.report is Report.EPOCH_STARTED and report.batch_number == epoch:
                     waiting -= 1
+        if self.slabs is not None:
+            self.slabs.cancel_all_grants()  # their tasks were answered or dropped by now
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -213,6 +241,8 @@ class WorkerGroup:
             self.stop_event.set()
         stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
         self.channels.close()
+        if self.slabs is not None:
+            self.slabs.close()
         self.plan.close()
         release_finished(self.handles)
 

@@ -1,14 +1,15 @@
 """Channels between the main process and workers; no call here waits without a deadline.
 
 Process workers: each worker gets its own task pipe (main writes, worker reads) and its own result
-pipe (worker writes, main reads). The main process reads all result pipes as one channel through
-``multiprocessing.connection.wait``, together with the workers' exit sentinels, so a worker that
-dies is seen the moment it dies. One pipe per writer means a worker killed halfway through a write
-can never corrupt another worker's messages, and no lock is shared across processes.
+socket (worker writes batches, main reads; slab controls go the other way, see endpoints.py). The
+main process reads all result sockets as one channel with one ``poll``, together with the
+workers' exit sentinels, so a worker that dies is seen the moment it dies. One pipe per writer
+means a worker killed halfway through a write can never corrupt another worker's messages, and no
+lock is shared across processes.
 
-Result channels are Unix socket pairs, so that the shared-memory file descriptors of a batch's
-tensors travel with the batch's pickle in one message (see fd_passing.py): the bytes of a tensor
-are never copied through the channel.
+The fixed cost of a batch is a handful of system calls: the task is one non-blocking ``write``
+(room is only measured when a pipe is nearly full), the worker wakes in one ``poll`` and reads it,
+and the report is one ``sendmsg`` that the main process reads with one ``poll`` and two reads.
 
 Thread workers: the same interface over in-process queues; objects are passed as they are.
 """
@@ -16,8 +17,10 @@ Thread workers: the same interface over in-process queues; objects are passed as
 from __future__ import annotations
 
 import fcntl
+import os
 import pickle
 import queue
+import select
 import socket
 import struct
 import termios
@@ -26,87 +29,128 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from pipeload.transport.fd_passing import (
-    dumps_with_fds,
-    loads_with_fds,
-    receive_message,
-    send_message,
-)
-from pipeload.transport.messages import WorkerCommand, WorkerReport
+from pipeload.transport.endpoints import Receiver, Sender
+from pipeload.transport.messages import Report, SlabGrant, WorkerCommand, WorkerReport
 
 TASK_PIPE_BYTES = 1 << 20
+READ_BYTES = 1 << 20
+POLL_WHOLE_FRAME_S = 0.1
 ROOM_POLL_S = 0.01
-FRAME_BYTES = 16  # Connection.send_bytes adds a small length header
+FRAME_HEADER = struct.Struct("!i")  # what multiprocessing's Connection expects before a message
+FRAME_BYTES = 16  # room to leave beyond the payload when measuring a pipe
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
-
-
-class ResultSocket:
-    """One end of a worker's result socket: the worker sends on it, the main process receives."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def send(self, message: Any) -> None:
-        payload, fds, keep_alive = dumps_with_fds(message)
-        send_message(self.sock, payload, fds)
-        del keep_alive  # the descriptors are in the kernel's hands now
-
-    def ready(self) -> bool:
-        return bool(connection.wait([self.sock], 0))
-
-    def receive(self) -> Any:
-        payload, fds = receive_message(self.sock)
-        return loads_with_fds(payload, fds)
-
-    def close(self) -> None:
-        self.sock.close()
+_READY = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+# Reports that answer a task (and so settle its slab grant); an economic item worker's
+# ITEMS_DONE names a batch whose grant belongs to the batch worker.
+_ANSWERS = frozenset({Report.BATCH, Report.FAILED, Report.EXHAUSTED})
 
 
 class PipeEnd:
-    """One end of a one-way task pipe, for the single process that owns it."""
+    """One end of a one-way task pipe, for the single process that owns it (the main process
+    writes to its end's descriptor directly, see :meth:`ProcessChannels.send`).
+
+    The reading end takes whatever is waiting in one ``read`` and splits it into frames (the
+    4-byte length header ``multiprocessing.connection`` also uses). A read that returned less than
+    it asked for emptied the pipe, so asking again at once (``receive(0)``) costs nothing.
+    """
 
     def __init__(self, conn: connection.Connection) -> None:
         self.conn = conn
+        self._poller: Any = None
+        self._buffer = bytearray()
+        self._drained = False
 
-    def send(self, message: Any) -> None:
-        self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+    def __getstate__(self) -> dict[str, Any]:
+        return {"conn": self.conn}  # read state stays in its process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["conn"])
 
     def receive(self, timeout_s: float) -> Any | None:
         """The next message, or None if none arrives within ``timeout_s``."""
-        if not self.conn.poll(timeout_s):
+        frame = self._next_frame()
+        if frame is None:
+            if timeout_s == 0 and self._drained:
+                return None
+            if not self._read(timeout_s):
+                return None
+            frame = self._next_frame()
+            while frame is None:  # a frame's first bytes are here: the rest is on its way
+                self._read(POLL_WHOLE_FRAME_S)
+                frame = self._next_frame()
+        return pickle.loads(frame)
+
+    def take_waiting(self) -> list[Any]:
+        """Every message waiting now, without waiting; for a reader that polled the pipe itself
+        (``receive(0)`` alone trusts the last read to say whether the pipe was emptied)."""
+        self._drained = False
+        messages = []
+        while (message := self.receive(0)) is not None:
+            messages.append(message)
+        return messages
+
+    def _next_frame(self) -> bytearray | None:
+        buffer = self._buffer
+        if len(buffer) < FRAME_HEADER.size:
             return None
-        return pickle.loads(self.conn.recv_bytes())
+        (length,) = FRAME_HEADER.unpack_from(buffer)
+        end = FRAME_HEADER.size + length
+        if len(buffer) < end:
+            return None
+        frame = buffer[FRAME_HEADER.size:end]
+        del buffer[:end]
+        return frame
+
+    def _read(self, timeout_s: float) -> bool:
+        fd = self.conn.fileno()
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(fd, _READY)
+            os.set_blocking(fd, False)
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            if timeout_s <= 0 or not self._poller.poll(int(timeout_s * 1000)):
+                self._drained = True
+                return False
+            data = os.read(fd, READ_BYTES)
+        if not data:
+            raise EOFError("the main process closed the task pipe")
+        self._buffer += data
+        self._drained = len(data) < READ_BYTES
+        return True
 
     def close(self) -> None:
         self.conn.close()
 
 
 class ProcessChannels:
-    """Task and result pipes for ``num_workers`` process workers; owned by the pool.
+    """Task pipes and result sockets for ``num_workers`` process workers; owned by the pool.
 
     Invariant: once a worker has started, the main process holds only its task writer and result
-    reader (the lifecycle closes our copies of the worker's ends right after each start, before
+    receiver (the lifecycle closes our copies of the worker's ends right after each start, before
     the next fork can inherit them), so a dead worker shows as EOF / broken pipe, not a stall.
     Task pipes are enlarged so that the prefetch budget's tasks fit without blocking the sender,
-    even with large index lists.
+    even with large index lists; the main process's write ends are non-blocking.
     """
 
-    def __init__(self, ctx: Any, num_workers: int) -> None:
+    def __init__(self, ctx: Any, num_workers: int, pool: Any = None) -> None:
         task_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
         for _, writer in task_pipes:
             _enlarge_pipe(writer.fileno())
+            os.set_blocking(writer.fileno(), False)
         result_pairs = [socket.socketpair() for _ in range(num_workers)]
+        self.pool = pool
         self.task_readers = [PipeEnd(reader) for reader, _ in task_pipes]
         self.task_writers = [PipeEnd(writer) for _, writer in task_pipes]
-        self.result_readers = [ResultSocket(reader) for reader, _ in result_pairs]
-        self.result_writers = [ResultSocket(writer) for _, writer in result_pairs]
+        self.result_readers = [Receiver(reader, pool, worker_id)
+                               for worker_id, (reader, _) in enumerate(result_pairs)]
+        self.result_writers = [Sender(writer) for _, writer in result_pairs]
         self._live_readers = list(self.result_readers)
+        self._poller = _Poller()
 
-    def worker_ends(self, worker_id: int) -> tuple[PipeEnd, ResultSocket]:
+    def worker_ends(self, worker_id: int) -> tuple[PipeEnd, Sender]:
         """(task inbox, result outbox) to hand to worker ``worker_id``."""
         return self.task_readers[worker_id], self.result_writers[worker_id]
 
@@ -119,43 +163,98 @@ class ProcessChannels:
         self, worker_id: int, command: WorkerCommand, while_full: Callable[[], None] | None = None
     ) -> None:
         """Send a command; while the worker's pipe has no room for it, call ``while_full`` every
-        slice (it raises to give up: the worker died, the loader timed out, we are closing)."""
+        slice (it raises to give up: the worker died, the loader timed out, we are closing).
+
+        A command carrying a slab grant is preceded by the slab controls it depends on.
+        """
+        if command.grant is not None:
+            self.result_readers[worker_id].send_controls()
         data = pickle.dumps(command, pickle.HIGHEST_PROTOCOL)
-        conn = self.task_writers[worker_id].conn
-        while while_full is not None and not _pipe_has_room(conn.fileno(), len(data)):
-            while_full()
-            # Polled: the kernel wakes writers when PIPE_BUF bytes are free, not when ours are.
-            time.sleep(ROOM_POLL_S)
-        conn.send_bytes(data)
+        frame = FRAME_HEADER.pack(len(data)) + data
+        fd = self.task_writers[worker_id].conn.fileno()
+        if len(frame) <= select.PIPE_BUF:
+            try:
+                if os.write(fd, frame) == len(frame):  # atomic: all or nothing
+                    return
+            except BlockingIOError:
+                pass
+        frame = memoryview(frame)
+        if len(frame) > select.PIPE_BUF:
+            while while_full is not None and not _pipe_has_room(fd, len(data)):
+                while_full()
+                # Polled: the kernel wakes writers when PIPE_BUF bytes are free, not when ours are.
+                time.sleep(ROOM_POLL_S)
+        while frame:
+            try:
+                frame = frame[os.write(fd, frame):]
+            except BlockingIOError:
+                if while_full is None:
+                    _wait_writable(fd)
+                else:
+                    while_full()
+                    time.sleep(ROOM_POLL_S)
 
     def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
         """Reports ready within ``timeout_s`` and the sentinels that fired (dead workers)."""
-        ready = connection.wait(self._live_readers + sentinels, timeout_s)
+        readers = {reader.fileno(): reader for reader in self._live_readers}
+        ready = self._poller.poll([*readers, *sentinels], timeout_s)
         reports, fired = [], []
-        for item in ready:
-            if isinstance(item, int):
-                fired.append(item)
+        for fd in ready:
+            reader = readers.get(fd)
+            if reader is None:
+                fired.append(fd)
             else:
-                reports.extend(self._drain(item))
+                reports.extend(self._drain(reader))
         return reports, fired
 
-    def _drain(self, conn: ResultSocket) -> list[WorkerReport]:
+    def _drain(self, reader: Receiver) -> list[WorkerReport]:
+        """Every report waiting on ``reader`` (at least one: poll said it was readable)."""
         reports = []
         try:
-            while conn.ready():
-                reports.append(conn.receive())
+            while (message := reader.receive(block=not reports)) is not None:
+                report, info = message
+                if self.pool is not None and report.report in _ANSWERS:
+                    self.pool.observe_batch(info.shared_bytes)
+                    self.pool.settle(report.batch_number, info.outcome)
+                    if report.report is Report.EXHAUSTED:  # it skips the tasks it still holds
+                        self.pool.cancel_grants_of(report.worker_id)
+                reports.append(report)
         except (EOFError, ConnectionResetError):
             # The writer is gone; its sentinel tells the pool how it ended. Stop waiting on an
             # end that would otherwise read as ready forever.
-            if conn in self._live_readers:
-                self._live_readers.remove(conn)
+            if reader in self._live_readers:
+                self._live_readers.remove(reader)
         return reports
 
     def close(self) -> None:
         for end in self.task_writers:
             end.close()
-        for conn in self.result_readers:
-            conn.close()
+        for reader in self.result_readers:
+            reader.close()
+
+
+class _Poller:
+    """One ``select.poll`` object, re-registered only when the set of descriptors changes."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._fds: tuple[int, ...] = ()
+
+    def poll(self, fds: list[int], timeout_s: float) -> list[int]:
+        key = tuple(fds)
+        if key != self._fds:
+            self._poll = select.poll()
+            for fd in key:
+                self._poll.register(fd, _READY)
+            self._fds = key
+        timeout_ms = max(0, int(timeout_s * 1000 + 0.999))
+        return [fd for fd, _events in self._poll.poll(timeout_ms)]
+
+
+def _wait_writable(fd: int) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    poller.poll(int(ROOM_POLL_S * 1000))
 
 
 def _pipe_has_room(fd: int, nbytes: int) -> bool:
@@ -168,7 +267,7 @@ def _pipe_has_room(fd: int, nbytes: int) -> bool:
         capacity = fcntl.fcntl(fd, _F_GETPIPE_SZ)
         unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
-        return True  # not a Linux pipe: fall back to a plain (possibly blocking) write
+        return True  # not a Linux pipe: fall back to writing as room appears
     needed = nbytes + FRAME_BYTES
     return needed > capacity or needed <= capacity - unread
 
@@ -190,6 +289,11 @@ class QueueEnd:
     def send(self, message: Any) -> None:
         self.queue.put(message)
 
+    setup_s = 0.0  # threads share memory: nothing to set up
+
+    def prepare(self, grant: SlabGrant | None) -> None:
+        """Threads share memory: no slab, no shared-memory collation."""
+
     def receive(self, timeout_s: float) -> Any | None:
         try:
             return self.queue.get(timeout=timeout_s)
@@ -202,6 +306,8 @@ class QueueEnd:
 
 class ThreadChannels:
     """Per-worker task queues and one shared result queue for thread workers."""
+
+    pool = None
 
     def __init__(self, num_workers: int) -> None:
         self.task_queues = [QueueEnd(queue.SimpleQueue()) for _ in range(num_workers)]

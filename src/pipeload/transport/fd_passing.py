@@ -1,127 +1,45 @@
-"""Batches over a Unix socket, with every tensor's shared-memory file descriptor passed alongside.
+"""Messages over a Unix stream socket, with file descriptors passed alongside (SCM_RIGHTS).
 
-torch's own multiprocessing pickling hands each storage's descriptor over through a separate
-"resource sharer" connection: a connect and an authentication handshake per tensor. Here the
-worker pickles the batch once, collects the descriptors of all its CPU storages, and sends the
-pickle and the descriptors together in one ``sendmsg`` (SCM_RIGHTS). The main process maps each
-storage once, however many tensors view it.
-
-Message layout on the stream: a fixed header (payload length, descriptor count), the pickle,
-then, only when there are more descriptors than one ``sendmsg`` may carry, one byte per extra
-chunk of descriptors.
+One message is a fixed header (payload length, descriptor count), the payload, then, only when
+there are more descriptors than one ``sendmsg`` may carry, one byte per extra chunk of
+descriptors. :class:`MessageReader` reads whatever is waiting in one ``recvmsg`` and splits it
+into messages, so a reader woken for one message pays one system call for it, or less. The
+descriptors of a batch's shared-memory buffers ride on the same ``sendmsg`` as its bytes, so a
+batch is one message however many buffers it has: no side channel, no handshake per tensor (torch
+hands each descriptor over through a separate connection). When this process's descriptor table
+is full, the kernel drops descriptors; the reader notices (see :class:`MessageReader`) and raises
+:class:`~pipeload.errors.TooManyOpenFilesError` for that message only.
 """
 
 from __future__ import annotations
 
 import array
+import collections
 import errno
-import io
 import os
-import pickle
 import socket
 import struct
-import threading
-from multiprocessing.reduction import ForkingPickler
-from typing import Any
-
-import torch
-import torch.multiprocessing  # noqa: F401  (registers tensor and storage reductions)
-from torch.multiprocessing.reductions import reduce_storage
 
 from pipeload.errors import TooManyOpenFilesError, too_many_open_files
 
 _HEADER = struct.Struct("<QI")
 FDS_PER_SENDMSG = 200  # the kernel caps one message at 253 descriptors (SCM_MAX_FD)
 _FD_SIZE = array.array("i").itemsize
+_ANCILLARY_SPACE = socket.CMSG_SPACE(FDS_PER_SENDMSG * _FD_SIZE)
+_BLOCKING = int(socket.MSG_CMSG_CLOEXEC)  # plain ints: flag enums cost a Python call to combine
+_NON_BLOCKING = int(socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+_TRUNCATED = int(socket.MSG_CTRUNC)
 
 # What a kept batch costs in this process's descriptor table (said when the table is full).
 DESCRIPTORS_PER_KEPT_BATCH = (
-    "Every tensor storage of a batch from a worker process keeps one file descriptor open here "
-    "for as long as any tensor of that batch is alive, so keeping N batches of k tensors holds "
-    "N*k descriptors. "
+    "A batch from a worker process that finds no reusable shared-memory slab free (kept batches "
+    "hold theirs) travels in fresh shared memory, and every tensor storage of it larger than "
+    "64 KiB keeps one file descriptor open here for as long as any tensor of that batch is "
+    "alive, so keeping N such batches of k tensors holds N*k descriptors. "
 )
 
 
-class _DescriptorCollector:
-    """Turns CPU storages into slot numbers while a report is pickled, collecting their fds.
-
-    Deliberately not the pickler itself: a pickler whose dispatch table holds its own bound
-    method is a reference cycle, and the cycle would keep every pickled batch (and its shared
-    memory) alive until the garbage collector happened to run.
-    """
-
-    def __init__(self) -> None:
-        self.fds: list[int] = []
-        self.keep_alive: list[torch.UntypedStorage] = []  # their fds stay valid until sent
-        self._slot_of: dict[int, int] = {}
-
-    def reduce_storage(self, storage: torch.UntypedStorage) -> Any:
-        if storage.device.type != "cpu":
-            return reduce_storage(storage)  # torch's own path for accelerator storages
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return (_empty_storage, ())
-        slot = self._slot_of.get(storage.data_ptr())
-        if slot is None:
-            fd, _ = storage._share_fd_cpu_()  # moves it into shared memory if it is not there
-            slot = len(self.fds)
-            self.fds.append(fd)
-            self._slot_of[storage.data_ptr()] = slot
-            self.keep_alive.append(storage)
-        return (_storage_from_slot, (slot, nbytes))
-
-
-class _Incoming(threading.local):
-    fds: list[int] = []
-    storages: dict[int, torch.UntypedStorage] = {}
-
-
-_incoming = _Incoming()
-
-
-def _storage_from_slot(slot: int, nbytes: int) -> torch.UntypedStorage:
-    storage = _incoming.storages.get(slot)
-    if storage is None:
-        storage = torch.UntypedStorage._new_shared_fd_cpu(_incoming.fds[slot], nbytes)
-        _incoming.storages[slot] = storage
-    return storage
-
-
-def _empty_storage() -> torch.UntypedStorage:
-    return torch.UntypedStorage(0)
-
-
-def dumps_with_fds(obj: Any) -> tuple[memoryview, list[int], list[Any]]:
-    """Pickle ``obj``; returns the bytes, the descriptors to send, and what keeps them valid."""
-    buffer = io.BytesIO()
-    collector = _DescriptorCollector()
-    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table[torch.UntypedStorage] = collector.reduce_storage
-    pickler.dump(obj)
-    return buffer.getbuffer(), collector.fds, collector.keep_alive
-
-
-def loads_with_fds(payload: bytes | bytearray, fds: list[int]) -> Any:
-    """Unpickle a message; closes every received descriptor (storages hold their own).
-
-    Raises:
-        TooManyOpenFilesError: mapping a storage failed because this process is out of file
-            descriptors (each storage duplicates its descriptor to keep it).
-    """
-    _incoming.fds, _incoming.storages = fds, {}
-    try:
-        return pickle.loads(payload)
-    except RuntimeError as exc:
-        if _descriptor_table_full():  # checked before ours are closed: they count against it
-            raise TooManyOpenFilesError(too_many_open_files(DESCRIPTORS_PER_KEPT_BATCH)) from exc
-        raise
-    finally:
-        _incoming.fds, _incoming.storages = [], {}
-        for fd in fds:
-            os.close(fd)
-
-
-def send_message(sock: socket.socket, payload: memoryview, fds: list[int]) -> None:
+def send_message(sock: socket.socket, payload: memoryview | bytes, fds: list[int]) -> None:
     """Write one message: header and payload, with the descriptors riding on the first byte."""
     chunks = [fds[i : i + FDS_PER_SENDMSG] for i in range(0, len(fds), FDS_PER_SENDMSG)]
     header = _HEADER.pack(len(payload), len(fds))
@@ -130,7 +48,7 @@ def send_message(sock: socket.socket, payload: memoryview, fds: list[int]) -> No
         sock.sendall(header[sent:])
         sent = len(header)
     if sent < len(header) + len(payload):
-        sock.sendall(payload[sent - len(header) :])
+        sock.sendall(memoryview(payload)[sent - len(header) :])
     for chunk in chunks[1:]:
         sock.sendmsg([b"\0"], _rights(chunk))
 
@@ -161,7 +79,7 @@ def receive_message(sock: socket.socket) -> tuple[bytearray, list[int]]:
     return payload, fds
 
 
-def _descriptor_table_full() -> bool:
+def descriptor_table_full() -> bool:
     """Whether this process can open no more file descriptors (as torch checks, by trying)."""
     try:
         probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -181,14 +99,13 @@ def _receive_exactly(sock: socket.socket, size: int, fds: list[int]) -> bytearra
     data = bytearray(size)
     view = memoryview(data)
     got = 0
-    ancillary_space = socket.CMSG_SPACE(FDS_PER_SENDMSG * _FD_SIZE)
     while got < size:
         nbytes, ancillary, _flags, _addr = sock.recvmsg_into(
-            [view[got:]], ancillary_space, socket.MSG_CMSG_CLOEXEC
+            [view[got:]], _ANCILLARY_SPACE, _BLOCKING
         )
         fds.extend(_descriptors_in(ancillary))
         if nbytes == 0:
-            raise EOFError("the worker closed its result channel")
+            raise EOFError("the other end closed the channel")
         got += nbytes
     return data
 
@@ -200,3 +117,113 @@ def _descriptors_in(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
             usable = len(data) - len(data) % _FD_SIZE
             found.extend(array.array("i", data[:usable]))
     return found
+
+
+READ_CHUNK_BYTES = 256 * 1024
+MIN_READ_BYTES = 64 * 1024
+
+
+class MessageReader:
+    """Reads :func:`send_message` messages from one socket, many per ``recvmsg`` when available.
+
+    Owned by one thread. Which message received descriptors belong to follows from where the
+    ``recvmsg`` that brought them ended: the kernel hands a write's descriptors to the first read
+    that touches the write's bytes and ends that read within the write, so a batch of descriptors
+    belongs to the message whose bytes contain the end of its read. That holds even when the
+    kernel drops descriptors (a full table: ``MSG_CTRUNC``), so the stream stays in step and only
+    the message that lost some is refused.
+
+    Invariant: ``_buffer[_start:_end]`` holds the bytes received but not yet returned, the first
+    of them at stream offset ``_offset``; ``_arrivals`` holds, oldest first, the descriptors of
+    reads not yet matched to a message, with the stream offset where each read ended and whether
+    the kernel dropped some.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray(READ_CHUNK_BYTES)
+        self._start = self._end = 0
+        self._offset = 0
+        self._arrivals: collections.deque[tuple[int, list[int], bool]] = collections.deque()
+
+    def next_message(self, block: bool) -> tuple[bytearray, list[int]] | None:
+        """The next whole message; None when ``block`` is False and none is complete yet.
+
+        A message whose first bytes have arrived is always read to its end (its writer sends it
+        whole, or dies and closes the socket).
+
+        Raises:
+            EOFError: the writer is gone.
+            TooManyOpenFilesError: the kernel could not give this process all the message's
+                descriptors; the message is consumed, later ones stay readable.
+        """
+        while self._end - self._start < _HEADER.size:
+            if not self._fill(block):
+                return None
+        length, count = _HEADER.unpack_from(self._buffer, self._start)
+        markers = max(0, -(-count // FDS_PER_SENDMSG) - 1)
+        total = _HEADER.size + length + markers
+        while self._end - self._start < total:
+            self._fill(True, room=total)
+        begin = self._start + _HEADER.size
+        payload = self._buffer[begin:begin + length]
+        self._start += total
+        self._offset += total
+        fds, dropped = self._descriptors_until(self._offset)
+        if dropped or len(fds) != count:
+            _close_all(fds)
+            raise TooManyOpenFilesError(too_many_open_files(DESCRIPTORS_PER_KEPT_BATCH))
+        return payload, fds
+
+    def _descriptors_until(self, end: int) -> tuple[list[int], bool]:
+        """Descriptors of the reads that ended at or before stream offset ``end``."""
+        fds: list[int] = []
+        dropped = False
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= end:
+            _, more, truncated = arrivals.popleft()
+            fds.extend(more)
+            dropped = dropped or truncated
+        return fds, dropped
+
+    def _fill(self, block: bool, room: int = 0) -> bool:
+        """Receive more bytes; False if none were waiting (non-blocking). Raises EOFError."""
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buffer) > 4 * READ_CHUNK_BYTES:  # a huge message passed: shrink back
+                self._buffer = bytearray(READ_CHUNK_BYTES)
+        if room or len(self._buffer) - self._end < MIN_READ_BYTES:
+            self._make_room(room)
+        flags = _BLOCKING if block else _NON_BLOCKING
+        try:
+            nbytes, ancillary, msg_flags, _addr = self.sock.recvmsg_into(
+                [memoryview(self._buffer)[self._end:]], _ANCILLARY_SPACE, flags)
+        except BlockingIOError:
+            return False
+        self._end += nbytes
+        if ancillary or msg_flags & _TRUNCATED:
+            read_end = self._offset + self._end - self._start
+            self._arrivals.append((read_end, _descriptors_in(ancillary), bool(msg_flags & _TRUNCATED)))
+        if nbytes == 0:
+            raise EOFError("the other end closed the channel")
+        return True
+
+    def _make_room(self, room: int) -> None:
+        """Keep at least ``room`` bytes (and a useful read's worth) free after ``_start``."""
+        unread = self._end - self._start
+        wanted = max(room, unread + MIN_READ_BYTES)
+        if len(self._buffer) - self._start < wanted and self._start:
+            self._buffer[:unread] = self._buffer[self._start:self._end]
+            self._start, self._end = 0, unread
+        if len(self._buffer) < wanted:
+            self._buffer.extend(bytearray(wanted - len(self._buffer)))
+
+    def close(self) -> None:
+        """Close descriptors received but never handed out."""
+        while self._arrivals:
+            _close_all(self._arrivals.popleft()[1])
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

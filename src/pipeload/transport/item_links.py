@@ -1,11 +1,14 @@
 """Economic mode's item -> batch hop: item workers hand fetched items straight to batch workers.
 
 Process workers: one socket pair per (item worker, batch worker), each with exactly one writer and
-one reader, like the result channels (see channel.py). Tensors travel as shared-memory file
-descriptors next to the pickle (fd_passing.py), so an item's bytes are never copied through a
-socket or through the main process; a worker killed mid-write damages only its own sockets; no
-lock is shared between processes. A batch worker waits on its task pipe and its item sockets in
-one call, so commands and items reach it through a single ``receive``.
+one reader, like the result channels (see channel.py), and the same transport on it: a
+:class:`~pipeload.transport.endpoints.Sender` / :class:`~pipeload.transport.endpoints.Receiver`
+pair and its codec. Small tensors ride inside the message; larger ones travel in shared memory
+whose descriptor rides along, so an item's bytes never pass through a socket or the main process.
+A worker killed mid-write damages only its own sockets; no lock is shared between processes. A
+batch worker waits on its task pipe and its item sockets in one call, so commands and items reach
+it through a single ``receive``. (No slabs on this hop: grants come with tasks, and the main
+process, not the batch worker, sends the item workers theirs; see docs/design/transport.md.)
 
 Thread workers: an item thread puts its deliveries straight into the batch thread's task queue,
 objects as they are.
@@ -21,18 +24,19 @@ from collections import deque
 from multiprocessing import connection
 from typing import Any
 
-from pipeload.transport.channel import PipeEnd, QueueEnd, ResultSocket
+from pipeload.transport.channel import PipeEnd, QueueEnd
+from pipeload.transport.endpoints import Receiver, Sender
 from pipeload.transport.messages import ItemDelivery, WorkerCommand
 
 
 class ItemOutbox:
     """An item worker's sockets to every batch worker (process workers)."""
 
-    def __init__(self, sockets: list[ResultSocket]) -> None:
+    def __init__(self, sockets: list[Sender]) -> None:
         self._sockets = sockets
 
     @property
-    def links(self) -> list[ResultSocket]:
+    def links(self) -> list[Sender]:
         """The socket ends this outbox owns."""
         return self._sockets
 
@@ -52,14 +56,14 @@ class BatchInbox:
     channels, oldest first; sockets whose writer has gone are no longer waited on.
     """
 
-    def __init__(self, tasks: PipeEnd, items: list[ResultSocket]) -> None:
+    def __init__(self, tasks: PipeEnd, items: list[Receiver]) -> None:
         self._tasks = tasks
         self._items = items
         self._live_items = list(items)
         self._pending: deque[Any] = deque()
 
     @property
-    def links(self) -> list[ResultSocket]:
+    def links(self) -> list[Receiver]:
         """The item socket ends this inbox owns."""
         return self._items
 
@@ -75,12 +79,11 @@ class BatchInbox:
 
     def _drain(self, ready: Any) -> None:
         if ready is self._tasks.conn:
-            while (command := self._tasks.receive(0)) is not None:
-                self._pending.append(command)
+            self._pending.extend(self._tasks.take_waiting())
             return
         try:
-            while ready.ready():
-                self._pending.append(ready.receive())
+            while (message := ready.receive(block=False)) is not None:
+                self._pending.append(message[0])
         except (EOFError, ConnectionResetError):
             # That item worker is gone; the main process sees its exit and stops the epoch.
             self._live_items.remove(ready)
@@ -101,12 +104,12 @@ class ItemLinks:
     """
 
     def __init__(self, num_item_workers: int, num_batch_workers: int) -> None:
-        self._writers: list[list[ResultSocket]] = []
-        self._readers: list[list[ResultSocket]] = []
-        for _ in range(num_item_workers):
+        self._writers: list[list[Sender]] = []
+        self._readers: list[list[Receiver]] = []
+        for item_worker in range(num_item_workers):
             pairs = [socket.socketpair() for _ in range(num_batch_workers)]
-            self._readers.append([ResultSocket(reader) for reader, _ in pairs])
-            self._writers.append([ResultSocket(writer) for _, writer in pairs])
+            self._readers.append([Receiver(reader, None, item_worker) for reader, _ in pairs])
+            self._writers.append([Sender(writer) for _, writer in pairs])
 
     def outbox(self, item_worker: int) -> ItemOutbox:
         return ItemOutbox(self._writers[item_worker])
@@ -114,7 +117,7 @@ class ItemLinks:
     def inbox(self, batch_worker: int, tasks: PipeEnd) -> BatchInbox:
         return BatchInbox(tasks, [row[batch_worker] for row in self._readers])
 
-    def keep_only(self, own: list[ResultSocket]) -> None:
+    def keep_only(self, own: list[Sender] | list[Receiver]) -> None:
         """In a forked worker: close every inherited end that is not ``own``."""
         for end in self._all_ends():
             if not any(end is mine for mine in own):
@@ -124,7 +127,7 @@ class ItemLinks:
         for end in self._all_ends():
             end.close()
 
-    def _all_ends(self) -> list[ResultSocket]:
+    def _all_ends(self) -> list[Sender | Receiver]:
         return [end for rows in (self._writers, self._readers) for row in rows for end in row]
 
 

@@ -3,7 +3,13 @@
 Commands go main -> worker on that worker's own task channel; reports come back worker -> main on
 the result channel. In economic mode, item workers also hand fetched items straight to a batch
 worker as :class:`ItemDelivery` messages (never through the main process). No bare tuples, no
-sentinel objects: the enums say what each message is.
+sentinel objects: the enums say what each message is. Slab controls go the other way on a
+result channel (main -> worker), and on an item link (batch worker -> item worker).
+
+Every message pickles as one call with positional arguments, its enums as plain ints
+(``__reduce__``): the default for slotted dataclasses goes through ``copyreg`` and
+``__setstate__``, and each enum member through ``EnumType.__call__``, which together cost more
+than the rest of a tiny batch's trip.
 """
 
 from __future__ import annotations
@@ -50,6 +56,26 @@ class ItemRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class SlabGrant:
+    """Permission to write one message's tensors into slab ``slab_id``.
+
+    Attributes:
+        slab_id: the slab (already announced to this producer by a ``MAP`` control).
+        releases: write only once the release board shows at least this count for the slab, i.e.
+            once every batch that viewed it before has been freed by the consumer.
+        controls: how many slab controls the producer must have applied first (they travel on
+            another channel and may still be in flight when the grant arrives).
+    """
+
+    slab_id: int
+    releases: int
+    controls: int
+
+    def __reduce__(self) -> Any:
+        return (SlabGrant, (self.slab_id, self.releases, self.controls))
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerCommand:
     command: Command
     batch_number: int = -1
@@ -57,6 +83,32 @@ class WorkerCommand:
     epoch: int = 0
     shared_seed: int | None = None
     route: ItemRoute | None = None  # FETCH_ITEMS only
+    grant: SlabGrant | None = None
+
+    def __reduce__(self) -> Any:
+        return (_command, (int(self.command), self.batch_number, self.indices, self.epoch,
+                           self.shared_seed, self.route, self.grant))
+
+
+def _command(command: int, batch_number: int, indices: Any, epoch: int, shared_seed: int | None,
+             route: ItemRoute | None, grant: SlabGrant | None) -> WorkerCommand:
+    return WorkerCommand(_COMMANDS[command], batch_number, indices, epoch, shared_seed, route, grant)
+
+
+class GrantOutcome(enum.IntEnum):
+    """What a producer did with the slab it was granted for a message."""
+
+    NO_GRANT = 0
+    """No slab was granted."""
+    USED = 1
+    """Some of the message's tensors are in the slab."""
+    UNUSED = 2
+    """Nothing needed it (small or no tensors); the slab is free again."""
+    BUSY = 3
+    """The producer itself still holds tensors viewing the slab (user code kept a batch): it must
+    not be granted again."""
+    LATE = 4
+    """The batch that viewed the slab before was not freed in time; the producer used fresh memory."""
 
 
 class Report(enum.IntEnum):
@@ -84,11 +136,45 @@ class WorkerReport:
     totals: Any = None
     """The sending worker's running totals when stats are on: a plain tuple in the order of
     ``pipeload.stats.clock.WorkerTotals``."""
+    build_s: float = 0.0
+    """Seconds the worker spent fetching and collating the batch, set-up excluded."""
+    setup_s: float = 0.0
+    """Seconds it spent setting up shared memory for it (a new slab's pages, fresh buffers)."""
+
+    def __reduce__(self) -> Any:
+        return (_report, (int(self.report), self.worker_id, self.batch_number, self.payload,
+                          self.totals, self.build_s, self.setup_s))
 
     @property
     def failure(self) -> RemoteFailure:
         assert self.report is Report.FAILED
         return self.payload
+
+
+def _report(report: int, worker_id: int, batch_number: int, payload: Any, totals: Any,
+            build_s: float, setup_s: float) -> WorkerReport:
+    return WorkerReport(_REPORTS[report], worker_id, batch_number, payload, totals, build_s, setup_s)
+
+
+class SlabControlKind(enum.IntEnum):
+    """What the owner of a slab pool tells a producer about its slabs."""
+
+    BOARD = 1
+    """Map the release board (its descriptor rides along): one counter per slab id."""
+    MAP = 2
+    """Map slab ``slab_id`` of ``size`` bytes (its descriptor rides along)."""
+    FORGET = 3
+    """Unmap slab ``slab_id``: it is retired and will not be granted again under this mapping."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlabControl:
+    kind: SlabControlKind
+    slab_id: int = -1
+    size: int = 0
+
+    def __reduce__(self) -> Any:
+        return (SlabControl, (self.kind, self.slab_id, self.size))
 
 
 class Delivery(enum.IntEnum):
@@ -122,3 +208,9 @@ class ItemDelivery:
     slot: int
     count: int
     payload: Any = None
+
+
+# Member lookups by value for the unpickling helpers above (a tuple index, not EnumType.__call__).
+_COMMANDS = (None, *Command)
+_REPORTS = (None, *Report)
+GRANT_OUTCOMES = tuple(GrantOutcome)

@@ -1,0 +1,137 @@
+"""How many batches the pool keeps in flight: enough to keep the training loop fed, no more.
+
+torch keeps ``prefetch_factor * num_workers`` batches in flight whatever happens. When the training
+loop is slower than the workers, the batches beyond what keeps it fed only sit in shared memory.
+The budget therefore measures two times: how long a worker takes to build a batch, and how long the
+consumer takes between two requests. ``ceil(margin * build / consume)`` batches in flight finish
+one batch per request; every request that finds its batch missing adds one more (given back once
+the consumer stays fed). A byte budget caps it too.
+
+Two refinements keep the start from deciding the peak:
+
+* Until the consumer's pace is known (two requests), only the first wave (one task per worker) is
+  in flight; nothing is sent after the first batch is handed out.
+* Setting up shared memory (a new slab's pages, a fresh buffer) is a one-off cost of the start,
+  reported apart by the worker: it is left out of the build time, and a request that waited for
+  a batch that paid it does not count as the consumer being starved.
+
+The budget only ever lowers what is in flight: ``prefetch_factor * num_workers`` stays the most,
+and one batch the least, so ordering, ``in_order=False`` and persistent workers are unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from pipeload.transport import shared_memory
+
+EMA_WEIGHT = 0.5  # weight of the newest sample: recent behaviour decides
+MARGIN = 1.25  # build time is stretched by this much before dividing
+CALM_REQUESTS = 8  # requests served without waiting before one extra batch is given back
+DEFAULT_SHM_SHARE = 0.5  # of what the backing memory can still take, when max_shm_bytes is None
+UNKNOWN_SHM_BYTES = 1 << 62
+
+
+def shm_budget_bytes(max_shm_bytes: int | None) -> int:
+    """The byte budget for slabs and batches in flight: ``max_shm_bytes`` when the user gave
+    one, else half of what the memory behind shared buffers can still take."""
+    if max_shm_bytes is not None:
+        return max_shm_bytes
+    available = shared_memory.available_bytes()
+    return UNKNOWN_SHM_BYTES if available is None else max(1, int(available * DEFAULT_SHM_SHARE))
+
+
+class InFlightBudget:
+    """The number of batches the pool may have sent and not yet handed out.
+
+    Touched only by the thread that drives the engine.
+    Invariant: ``1 <= allowed() <= max_batches``.
+
+    Example:
+        >>> budget = InFlightBudget(max_batches=4, num_workers=2, max_bytes=1 << 30)
+        >>> budget.allowed(batch_bytes=0)
+        2
+    """
+
+    def __init__(
+        self, max_batches: int, num_workers: int, max_bytes: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.max_batches = max_batches
+        self._clock = clock
+        self._first_wave = max(1, min(max_batches, num_workers))
+        self._max_bytes = max_bytes
+        self._build_s: float | None = None
+        self._consume_s: float | None = None
+        self._returned_at: float | None = None
+        self._served = 0
+        self._extra = 0
+        self._calm = 0
+        self._needed = self._first_wave
+
+    def set_max_batches(self, max_batches: int) -> None:
+        """A new ceiling (``prefetch_factor="auto"`` deepening or thinning the pool)."""
+        self.max_batches = max(1, max_batches)
+        self._extra = min(self._extra, self.max_batches)
+        self._update()
+
+    def epoch_started(self) -> None:
+        """A new epoch: the gap since the last request was not the consumer's work on a batch."""
+        self._returned_at = None
+
+    def batch_built(self, build_s: float) -> None:
+        """A worker reported how long it took to build one batch (shared-memory set-up excluded)."""
+        if build_s > 0:
+            old = self._build_s
+            self._build_s = build_s if old is None else old + EMA_WEIGHT * (build_s - old)
+
+    def request_started(self) -> None:
+        """The consumer asks for the next batch: the time since the last one was its own."""
+        if self._returned_at is not None:
+            self._consume_s = _blend(self._consume_s, self._clock() - self._returned_at)
+
+    def request_served(self, starved: bool) -> None:
+        """The batch is being handed out; ``starved`` if the consumer waited for it for want of
+        batches in flight (not for a one-off set-up)."""
+        self._served += 1
+        if starved and self._model_known() and self._needed < self.max_batches:
+            self._extra += 1
+            self._calm = 0
+        elif not starved:
+            self._calm += 1
+            if self._calm >= CALM_REQUESTS and self._extra > 0:
+                self._extra -= 1
+                self._calm = 0
+        self._update()
+
+    def consumer_resumes(self) -> None:
+        """The batch is in the consumer's hands: its own time starts now."""
+        self._returned_at = self._clock()
+
+    def allowed(self, batch_bytes: int) -> int:
+        """Batches that may be in flight now, for batches of ``batch_bytes`` (0: unknown).
+
+        The estimate is refreshed once per request (``request_served``), not on every sample.
+        """
+        needed = self._needed
+        if batch_bytes > 0:
+            needed = min(needed, max(1, self._max_bytes // batch_bytes))
+        return needed
+
+    def _model_known(self) -> bool:
+        return self._build_s is not None and self._consume_s is not None
+
+    def _update(self) -> None:
+        if self._model_known():
+            ratio = MARGIN * self._build_s / max(self._consume_s, 1e-6)  # type: ignore[operator]
+            self._needed = max(1, min(self.max_batches, math.ceil(ratio) + self._extra))
+        elif self._served > 0:
+            self._needed = 1  # the first wave is out; wait for the consumer's pace
+        else:
+            self._needed = min(self.max_batches, self._first_wave + self._extra)
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA_WEIGHT * (new - old)

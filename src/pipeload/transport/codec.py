@@ -1,0 +1,310 @@
+"""Turning a batch into one message and back: small tensors inside it, large ones in shared memory.
+
+The message is a pickle with our own reductions for CPU tensors and storages. A plain tensor
+becomes its layout (dtype, shape, strides, offset) and a reference to its storage; everything that
+is not a tensor (numbers, strings, custom objects) is pickled as usual. Each storage is placed once,
+whatever the number of tensors viewing it, in the first way that applies:
+
+1. the slab granted for this message, when collation already wrote it there: no copy at all;
+2. inline, when it is at most ``INLINE_MAX_BYTES`` (and the message's inline budget allows): its
+   bytes ride inside the message, which beats any shared-memory set-up for small batches;
+3. its own descriptor, when it already lives in descriptor-backed shared memory;
+4. copied into the rest of the granted slab, when there is room;
+5. copied into a fresh one-shot buffer, whose descriptor rides along (SCM_RIGHTS).
+
+The consumer views slab storages through the message's lease (see slab_pool.py) and maps
+descriptors; a trailer after the pickle says how many bytes the batch needed outside the message
+and what became of the grant, so the owner can size slabs and settle the grant.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import ctypes
+import io
+import os
+import pickle
+import struct
+import threading
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions, used for the rest)
+from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
+from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
+
+from pipeload.errors import TooManyOpenFilesError, too_many_open_files
+from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor_table_full
+from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
+from pipeload.transport.shared_memory import note_received
+from pipeload.transport.slab_writer import SlabWriter, one_shot_storage
+
+INLINE_MAX_BYTES = 64 * 1024
+INLINE_BUDGET_BYTES = 1 << 20
+_TRAILER = struct.Struct("<QB")
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+_DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}
+
+
+class Placement:
+    """How one storage travels (an int tag in the message)."""
+
+    CACHED = 0  # already placed earlier in this message
+    SLAB = 1
+    REGION = 2
+    INLINE = 3
+    DESCRIPTOR = 4
+
+
+@dataclass(frozen=True)
+class MessageInfo:
+    """What the consumer learns about a message besides its content."""
+
+    shared_bytes: int = 0
+    """Bytes the batch needed outside the message (slab and one-shot buffers)."""
+    outcome: GrantOutcome = GrantOutcome.NO_GRANT
+
+
+NO_INFO = MessageInfo()
+
+
+# -- encoding (producer side) ---------------------------------------------------------------
+
+
+class _Outgoing(threading.local):
+    """Per-message state of the encoder, for the thread encoding it."""
+
+    writer: SlabWriter | None = None
+    fds: list[int] = []
+    keep_alive: list[Any] = []
+    slots: dict[tuple[int, int], int] = {}
+    inline_left = 0
+
+
+_outgoing = _Outgoing()
+
+
+def encode(obj: Any, writer: SlabWriter | None) -> tuple[memoryview, list[int], list[Any]]:
+    """Pickle ``obj`` into one message.
+
+    Returns the bytes, the descriptors to pass with them, and the objects that keep those
+    descriptors valid until the message is sent.
+    """
+    out = _outgoing
+    out.writer, out.fds, out.keep_alive, out.slots = writer, [], [], {}
+    out.inline_left = INLINE_BUDGET_BYTES
+    buffer = io.BytesIO()
+    try:
+        pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = _dispatch_table()
+        pickler.dump(obj)
+        shared, outcome = (0, GrantOutcome.NO_GRANT) if writer is None else writer.finish()
+        buffer.write(_TRAILER.pack(shared, outcome))
+        return buffer.getbuffer(), out.fds, out.keep_alive
+    finally:
+        out.writer, out.fds, out.keep_alive, out.slots = None, [], [], {}
+
+
+_table_cache: dict[str, Any] = {"size": -1, "table": {}}
+
+
+def _dispatch_table() -> dict[Any, Any]:
+    """copyreg's and multiprocessing's reductions (torch's among them), and ours on top."""
+    size = len(copyreg.dispatch_table) + len(ForkingPickler._extra_reducers)
+    if _table_cache["size"] != size:
+        table = dict(copyreg.dispatch_table)
+        table.update(ForkingPickler._extra_reducers)
+        table[torch.Tensor] = _reduce_tensor
+        table[torch.UntypedStorage] = _reduce_storage
+        _table_cache.update(size=size, table=table)
+    return _table_cache["table"]
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    if (not tensor.is_cpu or tensor.requires_grad or tensor.layout is not torch.strided
+            or tensor.is_quantized):
+        return _torch_reduce_tensor(tensor)  # torch's path keeps autograd and exotic layouts
+    if tensor.is_conj() or tensor.is_neg():
+        # A lazy conjugate/negation is a bit on the tensor, not in its storage: apply it (a
+        # copy), or the values would arrive unconjugated.
+        tensor = tensor.resolve_conj().resolve_neg()
+    storage = tensor.untyped_storage()
+    dtype_index = _DTYPE_INDEX[tensor.dtype]
+    shape = tuple(tensor.shape)
+    inline = _whole_inline_tensor(tensor, storage)
+    if inline is not None:
+        return (_inline_tensor, (inline[0], inline[1], dtype_index, shape))
+    return (_rebuild_tensor, (storage, dtype_index, shape, tensor.stride(),
+                              tensor.storage_offset()))
+
+
+def _whole_inline_tensor(tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
+    """(slot, bytes) when the tensor is all of a small storage seen first here, else None.
+
+    The common case for small batches gets one opcode and two torch calls on each side instead of
+    a storage and a tensor built separately.
+    """
+    out = _outgoing
+    nbytes = storage.nbytes()
+    if (nbytes == 0 or nbytes > INLINE_MAX_BYTES or nbytes > out.inline_left
+            or tensor.storage_offset() != 0 or not tensor.is_contiguous()
+            or tensor.numel() * tensor.element_size() != nbytes):
+        return None
+    if out.writer is not None and out.writer.owns(storage):
+        return None
+    key = (storage.data_ptr(), nbytes)
+    if key in out.slots:
+        return None
+    slot = out.slots[key] = len(out.slots)
+    out.inline_left -= nbytes
+    return slot, _raw_bytes(storage)
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> Any:
+    out = _outgoing
+    if storage.device.type != "cpu":
+        return _torch_reduce_storage(storage)
+    nbytes = storage.nbytes()
+    key = (storage.data_ptr(), nbytes)
+    slot = out.slots.get(key)
+    if slot is not None:
+        return (_storage_at, (slot, Placement.CACHED, None))
+    slot = out.slots[key] = len(out.slots)
+    return (_storage_at, (slot, *_place(storage, nbytes, out)))
+
+
+def _place(storage: torch.UntypedStorage, nbytes: int, out: _Outgoing) -> tuple[int, Any]:
+    writer = out.writer
+    if nbytes == 0:
+        return Placement.INLINE, bytearray()
+    if writer is not None and writer.owns(storage):
+        return Placement.SLAB, writer.slab_id
+    if nbytes <= INLINE_MAX_BYTES and nbytes <= out.inline_left:
+        out.inline_left -= nbytes
+        return Placement.INLINE, _raw_bytes(storage)
+    if storage.is_shared():
+        return Placement.DESCRIPTOR, (_pass_descriptor(storage, out), nbytes)
+    room = writer.allocate(nbytes) if writer is not None else None
+    if room is not None:
+        slab_storage, offset = room
+        _byte_view(slab_storage, offset, nbytes).copy_(_byte_view(storage))
+        return Placement.REGION, (writer.slab_id, offset, nbytes)
+    fresh = writer.one_shot(nbytes) if writer is not None else one_shot_storage(nbytes)
+    _byte_view(fresh).copy_(_byte_view(storage))
+    return Placement.DESCRIPTOR, (_pass_descriptor(fresh, out), nbytes)
+
+
+def _raw_bytes(storage: torch.UntypedStorage) -> pickle.PickleBuffer:
+    """The storage's bytes, pickled in-band (a copy into the message; a bytearray on arrival)."""
+    nbytes = storage.nbytes()
+    _outgoing.keep_alive.append(storage)  # the raw view below does not hold it
+    return pickle.PickleBuffer((ctypes.c_ubyte * nbytes).from_address(storage.data_ptr()))
+
+
+def _pass_descriptor(storage: torch.UntypedStorage, out: _Outgoing) -> int:
+    fd, _ = storage._share_fd_cpu_()
+    out.fds.append(fd)
+    out.keep_alive.append(storage)
+    return len(out.fds) - 1
+
+
+def _byte_view(storage: torch.UntypedStorage, offset: int = 0, nbytes: int | None = None) -> Any:
+    view = torch.empty((0,), dtype=torch.uint8)
+    size = storage.nbytes() - offset if nbytes is None else nbytes
+    return view.set_(storage, offset, (size,), (1,))
+
+
+# -- decoding (consumer side) ---------------------------------------------------------------
+
+
+class _Incoming(threading.local):
+    """Per-message state of the decoder, for the thread decoding it."""
+
+    pool: Any = None
+    fds: list[int] = []
+    storages: dict[int, Any] = {}  # slot -> storage, or a tensor that is all of one
+    lease: memoryview | None = None
+    lease_slab = -1
+
+
+_incoming = _Incoming()
+
+
+def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -> tuple[Any, MessageInfo]:
+    """Rebuild a message made by :func:`encode`; closes every received descriptor.
+
+    Args:
+        payload: the message bytes.
+        fds: the descriptors that came with it.
+        pool: the :class:`~pipeload.transport.slab_pool.SlabPool` its slab references belong to
+            (None where no slab can have been granted).
+
+    Raises:
+        TooManyOpenFilesError: mapping a storage failed because this process is out of file
+            descriptors (each storage that arrives by descriptor keeps a duplicate of it).
+    """
+    incoming = _incoming
+    incoming.pool, incoming.fds, incoming.storages, incoming.lease = pool, fds, {}, None
+    try:
+        obj = pickle.loads(payload)  # stops at the pickle's end; the trailer follows
+        shared, outcome = _TRAILER.unpack_from(payload, len(payload) - _TRAILER.size)
+        if shared == 0 and outcome == GrantOutcome.NO_GRANT:
+            return obj, NO_INFO
+        return obj, MessageInfo(shared, GRANT_OUTCOMES[outcome])
+    except RuntimeError as exc:
+        if descriptor_table_full():  # checked before ours are closed: they count against it
+            raise TooManyOpenFilesError(too_many_open_files(DESCRIPTORS_PER_KEPT_BATCH)) from exc
+        raise
+    finally:
+        incoming.pool, incoming.fds, incoming.storages, incoming.lease = None, [], {}, None
+        for fd in fds:
+            os.close(fd)
+
+
+def _storage_at(slot: int, placement: int, detail: Any) -> torch.UntypedStorage:
+    incoming = _incoming
+    if placement == Placement.CACHED:
+        known = incoming.storages[slot]
+        return known if isinstance(known, torch.UntypedStorage) else known.untyped_storage()
+    if placement == Placement.INLINE:
+        storage = (torch.frombuffer(detail, dtype=torch.uint8).untyped_storage() if len(detail)
+                   else torch.UntypedStorage(0))
+    elif placement == Placement.DESCRIPTOR:
+        index, nbytes = detail
+        note_received(incoming.fds[index])
+        storage = torch.UntypedStorage._new_shared_fd_cpu(incoming.fds[index], nbytes)
+    elif placement == Placement.SLAB:
+        storage = torch.frombuffer(_lease(detail), dtype=torch.uint8).untyped_storage()
+    else:
+        slab_id, offset, nbytes = detail
+        region = _lease(slab_id)[offset:offset + nbytes]
+        storage = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+    incoming.storages[slot] = storage
+    return storage
+
+
+def _lease(slab_id: int) -> memoryview:
+    incoming = _incoming
+    if incoming.lease is None:
+        if incoming.pool is None:
+            raise ValueError(f"a message refers to slab {slab_id} but no slab pool receives it")
+        incoming.lease = incoming.pool.open_lease(slab_id)
+        incoming.lease_slab = slab_id
+    elif incoming.lease_slab != slab_id:
+        raise ValueError(f"a message refers to two slabs ({incoming.lease_slab}, {slab_id})")
+    return incoming.lease
+
+
+def _inline_tensor(slot: int, data: bytearray, dtype_index: int,
+                   shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = torch.frombuffer(data, dtype=_DTYPES[dtype_index]).view(shape)
+    _incoming.storages[slot] = tensor  # its storage is made only if another tensor shares it
+    return tensor
+
+
+def _rebuild_tensor(storage: torch.UntypedStorage, dtype_index: int, size: tuple[int, ...],
+                    stride: tuple[int, ...], offset: int) -> torch.Tensor:
+    tensor = torch.empty((0,), dtype=_DTYPES[dtype_index])
+    return tensor.set_(storage, offset, size, stride)

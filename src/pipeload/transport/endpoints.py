@@ -1,0 +1,128 @@
+"""A reusable sender/receiver pair over one Unix socket: batches one way, slab controls the other.
+
+The pair knows nothing of workers, epochs or tasks, so every process boundary in pipeload can use
+it: the pool's workers sending batches to the main process, and any other producer/consumer
+pair (item workers feeding batch workers, a pipe's process boundary) the same way.
+
+* The :class:`Receiver` (consumer side) owns its end of the socket and decodes messages against a
+  :class:`~pipeload.transport.slab_pool.SlabPool`, which decides the grants. Before a command that
+  carries a grant goes to the producer (on whatever channel commands travel), the consumer calls
+  :meth:`Receiver.send_controls` so the producer can learn about new slabs first.
+* The :class:`Sender` (producer side) applies those controls when a grant needs them
+  (:meth:`Sender.prepare`), lets collation write into the granted slab, and sends the message.
+
+Example (two threads standing in for two processes)::
+
+    left, right = socket.socketpair()
+    pool = SlabPool(pin=False, max_bytes=1 << 30)
+    sender, receiver = Sender(left), Receiver(right, pool, producer=0)
+    sender.prepare(None)
+    sender.send({"x": torch.ones(4)})
+    batch, info = receiver.receive()
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from typing import Any
+
+from pipeload.transport import collate_output
+from pipeload.transport.codec import MessageInfo, decode, encode
+from pipeload.transport.fd_passing import MessageReader, receive_message, send_message
+from pipeload.transport.messages import SlabControl, SlabGrant
+from pipeload.transport.slab_writer import SlabWriter
+
+CONTROL_WAIT_S = 5.0  # controls are written before the grant that needs them: they are there
+
+
+class Sender:
+    """The producing end. Owned by one thread of the producer process."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.writer = SlabWriter()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def prepare(self, grant: SlabGrant | None) -> None:
+        """Start the next message, which may use ``grant``'s slab; collation in this thread
+        writes its outputs where the message will travel."""
+        started = time.perf_counter()
+        if grant is not None and not self._apply_controls(grant.controls):
+            grant = None
+        self.writer.begin(grant, setup_s=time.perf_counter() - started)
+        collate_output.set_writer(self.writer)
+
+    @property
+    def setup_s(self) -> float:
+        """Seconds the current message has spent setting up shared memory so far."""
+        return self.writer.setup_s
+
+    def _apply_controls(self, wanted: int) -> bool:
+        writer = self.writer
+        if writer.controls_applied >= wanted:
+            return True
+        self.sock.settimeout(CONTROL_WAIT_S)
+        try:
+            while writer.controls_applied < wanted:
+                payload, fds = receive_message(self.sock)
+                writer.apply(pickle.loads(payload), fds)
+        except TimeoutError:
+            return False  # never expected; the message then goes to fresh memory
+        finally:
+            self.sock.settimeout(None)
+        return True
+
+    def send(self, obj: Any) -> None:
+        """Encode and send ``obj`` as one message (ends the message begun by :meth:`prepare`)."""
+        collate_output.set_writer(None)
+        payload, fds, keep_alive = encode(obj, self.writer)
+        send_message(self.sock, payload, fds)
+        del keep_alive  # the descriptors are in the kernel's hands now
+
+    def close(self) -> None:
+        collate_output.set_writer(None)
+        self.writer.close()
+        self.sock.close()
+
+
+class Receiver:
+    """The consuming end. Owned by the consumer's thread that drives it."""
+
+    def __init__(self, sock: socket.socket, pool: Any, producer: int) -> None:
+        self.sock = sock
+        self.pool = pool
+        self.producer = producer
+        self._reader = MessageReader(sock)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def receive(self, block: bool = True) -> tuple[Any, MessageInfo] | None:
+        """The next message, or None if ``block`` is False and none is waiting.
+
+        Raises EOFError if the producer is gone.
+        """
+        message = self._reader.next_message(block)
+        if message is None:
+            return None
+        payload, fds = message
+        return decode(payload, fds, self.pool)
+
+    def send_controls(self) -> None:
+        """Pass the pool's pending slab controls for this producer (call before a grant)."""
+        if self.pool is None:
+            return
+        for control, fds in self.pool.take_controls(self.producer):
+            send_message(self.sock, memoryview(_dumps(control)), fds)
+
+    def close(self) -> None:
+        self._reader.close()
+        self.sock.close()
+
+
+def _dumps(control: SlabControl) -> bytes:
+    return pickle.dumps(control, pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,255 @@
+"""Where shared batch memory comes from: nameless memfd files, or unlinked files as a fallback.
+
+Every buffer is a file descriptor that never has a name anyone can see: ``memfd_create`` where
+Linux offers it; otherwise a file created in ``/dev/shm`` and unlinked at once; and when that
+file system is full, a file in the temporary directory, unlinked too. Nothing can be left behind
+whatever kills whichever process: the memory is freed when the last descriptor and mapping go.
+
+memfd memory is not limited by the size of ``/dev/shm`` (Docker gives containers 64 MiB there by
+default); it is still shared memory to the kernel: ``Shmem`` in ``/proc/meminfo``, charged to the
+container's memory limit. ``available_bytes`` reports what the chosen backing can still take, and
+the loader's default ``max_shm_bytes`` is derived from it.
+
+``PIPELOAD_SHM_BACKING`` (``memfd``, ``dev-shm`` or ``file``) picks the first backing to try; it
+exists to test the fallbacks on a machine that has memfd, and to diagnose a host.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+
+DEV_SHM = "/dev/shm"
+BACKING_ENV = "PIPELOAD_SHM_BACKING"
+_MEMINFO = "/proc/meminfo"
+_CGROUP_DIR = "/sys/fs/cgroup"
+MIB = 1 << 20
+
+
+class Backing(enum.Enum):
+    """What holds the pages of a shared buffer."""
+
+    MEMFD = "memfd"
+    """An anonymous memory file: no name, not bounded by /dev/shm's size."""
+    DEV_SHM = "dev-shm"
+    """A file in /dev/shm, unlinked as soon as it is created."""
+    FILE = "file"
+    """A file in the temporary directory, unlinked at once (disk-backed page cache)."""
+
+
+class _Choice:
+    """The backing in use by this process; moves down the list when one fails. Thread-safe.
+
+    Falling back is silent here (it may happen in a worker, whose warnings nobody catches): the
+    consumer warns once when a buffer in a fallback backing reaches it (:func:`note_received`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._order = _backing_order()
+        self.preferred = self._order[0]
+        self.warned = False
+
+    @property
+    def current(self) -> Backing:
+        return self._order[0]
+
+    def give_up_on(self, backing: Backing) -> bool:
+        """Stop using ``backing``; returns False when there is nothing left to fall back on."""
+        with self._lock:
+            if backing in self._order and len(self._order) > 1:
+                self._order.remove(backing)
+            return self._order[0] is not backing
+
+
+def _backing_order() -> list[Backing]:
+    order = [Backing.MEMFD, Backing.DEV_SHM, Backing.FILE]
+    if not hasattr(os, "memfd_create"):
+        order.remove(Backing.MEMFD)
+    if not os.path.isdir(DEV_SHM):
+        order.remove(Backing.DEV_SHM)
+    wanted = os.environ.get(BACKING_ENV)
+    if wanted:
+        try:
+            first = Backing(wanted)
+        except ValueError:
+            raise ValueError(
+                f"{BACKING_ENV} should be one of {[b.value for b in Backing]}, got {wanted!r}"
+            ) from None
+        order = order[order.index(first):] if first in order else order
+    return order
+
+
+_choice = _Choice()
+
+
+def current_backing() -> Backing:
+    """The backing new buffers are made in, in this process."""
+    return _choice.current
+
+
+def _describe(backing: Backing) -> str:
+    if backing is Backing.MEMFD:
+        return "anonymous shared memory (memfd)"
+    if backing is Backing.DEV_SHM:
+        return DEV_SHM
+    return f"an unlinked file in {tempfile.gettempdir()}"
+
+
+def describe_backing(backing: Backing | None = None) -> str:
+    """Words for a warning: where batches travel."""
+    return _describe(backing or current_backing())
+
+
+def create_buffer(nbytes: int, *, allocate: bool) -> int:
+    """A new nameless shared file of ``nbytes``; returns its descriptor (close-on-exec).
+
+    ``allocate=True`` reserves every page now (``posix_fallocate``), so running out of space is an
+    ``OSError(ENOSPC)`` here rather than a SIGBUS when a page is first written. The pages must be
+    zeroed at some point anyway, so this costs no more than faulting them in later.
+
+    Raises:
+        OSError: ENOSPC/ENOMEM when no backing has room.
+    """
+    while True:
+        backing = _choice.current
+        try:
+            return _create_in(backing, nbytes, allocate)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.ENOSYS, errno.EPERM,
+                                   errno.EACCES, errno.EINVAL):
+                raise
+            if not _choice.give_up_on(backing):
+                raise
+
+
+def _create_in(backing: Backing, nbytes: int, allocate: bool) -> int:
+    if backing is Backing.MEMFD:
+        fd = os.memfd_create("pipeload-batch", os.MFD_CLOEXEC)
+    else:
+        directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="pipeload-", dir=directory)
+        os.unlink(path)  # nameless from here on: nothing to leak
+    try:
+        os.ftruncate(fd, nbytes)
+        if allocate and nbytes > 0:
+            os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def backing_of_descriptor(fd: int) -> Backing | None:
+    """Which backing a descriptor's file lives in (from its /proc link), or None if unknown."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    if target.startswith("/memfd:"):
+        return Backing.MEMFD
+    if target.startswith(DEV_SHM + "/"):
+        return Backing.DEV_SHM
+    return Backing.FILE
+
+
+def note_received(fd: int) -> None:
+    """Warn once per process when a buffer arrives in a backing below the preferred one."""
+    if _choice.warned:
+        return
+    backing = backing_of_descriptor(fd)
+    if backing is None or backing is _choice.preferred or backing is Backing.MEMFD:
+        return
+    _choice.warned = True
+    warnings.warn(
+        f"pipeload: could not make shared memory in {_describe(_choice.preferred)} (full, or not "
+        f"allowed here); batches now travel in {_describe(backing)}, which is slower. Give the "
+        "container more shared memory, or lower max_shm_bytes.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:
+    """Say once why loading works where torch's would fail: /dev/shm is not what we use."""
+    free = dev_shm_free_bytes()
+    backing = current_backing()
+    needed = batch_bytes * batches_in_flight
+    if free is None or backing is Backing.DEV_SHM or needed <= free:
+        return
+    warnings.warn(
+        f"pipeload: batches of {batch_bytes / MIB:.1f} MiB, up to {batches_in_flight} in flight, "
+        f"do not fit in /dev/shm ({free / MIB:.1f} MiB free), where torch.utils.data would fail; "
+        f"pipeload passes them in {_describe(backing)}, which the size of /dev/shm does "
+        "not limit. That memory still counts against the container's memory limit; the "
+        "DataLoader's max_shm_bytes bounds how much of it the loader keeps.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def available_bytes() -> int | None:
+    """How much more shared memory the current backing can take, or None if unknown."""
+    backing = _choice.current
+    if backing is Backing.MEMFD:
+        return memory_headroom_bytes()
+    directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def dev_shm_free_bytes() -> int | None:
+    """Free space on /dev/shm, or None where there is none."""
+    try:
+        return shutil.disk_usage(DEV_SHM).free
+    except OSError:
+        return None
+
+
+def memory_headroom_bytes() -> int | None:
+    """Memory this process's container can still use: MemAvailable, capped by a cgroup v2 limit."""
+    available = _meminfo_bytes("MemAvailable")
+    limit = _read_int(os.path.join(_cgroup_path(), "memory.max"))
+    used = _read_int(os.path.join(_cgroup_path(), "memory.current"))
+    if limit is not None and used is not None:
+        headroom = max(0, limit - used)
+        available = headroom if available is None else min(available, headroom)
+    return available
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open(_MEMINFO) as meminfo:
+            for line in meminfo:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_path() -> str:
+    try:
+        with open("/proc/self/cgroup") as cgroup:
+            for line in cgroup:
+                if line.startswith("0::"):
+                    return _CGROUP_DIR + line[3:].strip()
+    except OSError:
+        pass
+    return _CGROUP_DIR
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" means no limit

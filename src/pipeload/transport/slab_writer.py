@@ -1,0 +1,187 @@
+"""The producer's side of the slab transport: the slabs it has mapped, and the one it may fill now.
+
+A producer (a worker process) maps each slab once, when the owner announces it, and keeps the
+mapping until told to forget it, so a reused slab costs no page faults. For each message the owner
+may grant one slab; tensors are placed in it with a bump allocator (64-byte aligned) until it is
+full, and whatever does not fit goes to a fresh one-shot buffer instead.
+
+Before the first write into a granted slab the producer checks two things: that the release board
+shows the count the grant names (the batch that viewed the slab before has been freed; waiting at
+most ``RELEASE_WAIT_S``), and that no tensor of an earlier message still views the slab in this
+process (user code that kept a batch). Either failing, the message goes to fresh memory and the
+owner learns why from the grant's outcome.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import numpy as np
+import torch
+
+from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
+from pipeload.transport.shared_memory import create_buffer
+
+RELEASE_WAIT_S = 0.1
+RELEASE_POLL_S = 0.0002
+ALIGN_BYTES = 64
+PAGE = mmap.PAGESIZE
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _MappedSlab:
+    __slots__ = ("slab_id", "size", "storage", "baseline_uses")
+
+    def __init__(self, slab_id: int, size: int, fd: int) -> None:
+        self.slab_id = slab_id
+        self.size = size
+        # Populated at once: the producer writes the whole slab anyway, and one kernel loop is
+        # cheaper than a fault per page.
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        self.storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+        self.baseline_uses = _uses(self.storage)
+
+
+def one_shot_storage(nbytes: int) -> torch.UntypedStorage:
+    """A fresh descriptor-backed shared storage of ``nbytes``, freed when its last user goes.
+
+    Its pages are allocated and mapped at once (the caller is about to write all of them), so the
+    cost of fresh memory is paid here, where it is timed as set-up, not in the copy after it.
+    """
+    fd = create_buffer(nbytes, allocate=True)
+    try:
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # keeps its own descriptor
+    finally:
+        os.close(fd)
+    if nbytes:
+        _touch_pages(storage, nbytes)
+    return storage
+
+
+def _touch_pages(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Fault every page of ``storage`` in, one write per page."""
+    pages = torch.empty((0,), dtype=torch.uint8).set_(storage, 0, ((nbytes + PAGE - 1) // PAGE,),
+                                                     (PAGE,))
+    pages.zero_()
+
+
+def _uses(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class SlabWriter:
+    """Slabs mapped by one producer, and the space it is filling for the current message.
+
+    Owned by the producer's single thread.
+    Invariants: bytes are written only into the slab of the current grant, only after the board
+    showed the count the grant names and no earlier tensor in this process still viewed it;
+    ``used_bytes`` never exceeds that slab's size.
+    """
+
+    def __init__(self) -> None:
+        self._slabs: dict[int, _MappedSlab] = {}
+        self._board: np.ndarray | None = None
+        self.controls_applied = 0
+        self._grant: SlabGrant | None = None
+        self._slab: _MappedSlab | None = None
+        self._checked = False
+        self._outcome = GrantOutcome.NO_GRANT
+        self.used_bytes = 0
+        self.one_shot_bytes = 0
+        self.setup_s = 0.0
+
+    # -- controls from the owner -------------------------------------------------------
+
+    def apply(self, control: SlabControl, fds: list[int]) -> None:
+        """Apply one control; takes ownership of (and closes) its descriptors."""
+        try:
+            if control.kind is SlabControlKind.BOARD:
+                board = mmap.mmap(fds[0], control.size, prot=mmap.PROT_READ)
+                self._board = np.frombuffer(board, dtype=np.uint64)
+            elif control.kind is SlabControlKind.MAP:
+                self._slabs[control.slab_id] = _MappedSlab(control.slab_id, control.size, fds[0])
+            elif control.kind is SlabControlKind.FORGET:
+                # Unmapped once no tensor here views it any more (usually at once).
+                self._slabs.pop(control.slab_id, None)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            self.controls_applied += 1
+
+    # -- one message --------------------------------------------------------------------
+
+    def begin(self, grant: SlabGrant | None, setup_s: float = 0.0) -> None:
+        """Start a message that may use ``grant``'s slab (``setup_s`` already spent on it)."""
+        self.setup_s = setup_s
+        self._grant = grant
+        self._slab = None if grant is None else self._slabs.get(grant.slab_id)
+        self._checked = False
+        self._outcome = GrantOutcome.NO_GRANT if grant is None else GrantOutcome.UNUSED
+        self.used_bytes = 0
+        self.one_shot_bytes = 0
+
+    def allocate(self, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
+        """Room for ``nbytes`` in the granted slab: (its storage, byte offset), or None."""
+        slab = self._slab
+        if slab is None:
+            return None
+        if not self._checked and not self._may_write(slab):
+            self._slab = None
+            return None
+        offset = -(-self.used_bytes // ALIGN_BYTES) * ALIGN_BYTES
+        if offset + nbytes > slab.size:
+            return None
+        self.used_bytes = offset + nbytes
+        self._outcome = GrantOutcome.USED
+        return slab.storage, offset
+
+    def _may_write(self, slab: _MappedSlab) -> bool:
+        self._checked = True
+        if _uses(slab.storage) != slab.baseline_uses:
+            self._outcome = GrantOutcome.BUSY
+            return False
+        if not self._await_release(slab.slab_id):
+            self._outcome = GrantOutcome.LATE
+            return False
+        return True
+
+    def _await_release(self, slab_id: int) -> bool:
+        board, grant = self._board, self._grant
+        if board is None or grant is None:
+            return False
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while int(board[slab_id]) < grant.releases:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(RELEASE_POLL_S)
+        return True
+
+    def owns(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is the slab granted for this message (after a write into it)."""
+        slab = self._slab
+        return (slab is not None and self._outcome is GrantOutcome.USED
+                and storage.data_ptr() == slab.storage.data_ptr())
+
+    @property
+    def slab_id(self) -> int:
+        return -1 if self._grant is None else self._grant.slab_id
+
+    def one_shot(self, nbytes: int) -> torch.UntypedStorage:
+        """A fresh shared storage of ``nbytes`` for what the slab cannot hold (counted, timed)."""
+        started = time.perf_counter()
+        storage = one_shot_storage(nbytes)
+        self.one_shot_bytes += nbytes
+        self.setup_s += time.perf_counter() - started
+        return storage
+
+    def finish(self) -> tuple[int, GrantOutcome]:
+        """End the message; returns the bytes it put in shared memory and what became of its grant."""
+        result = (self.used_bytes + self.one_shot_bytes, self._outcome)
+        self.begin(None)
+        return result
+
+    def close(self) -> None:
+        self._slabs.clear()
+        self._board = None
