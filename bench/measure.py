@@ -15,8 +15,8 @@ What the numbers mean:
   * shared memory, honestly (see memory.py): the growth of the kernel's ``Shmem`` count (memfd
     segments included), and the distinct segments the loader's process tree maps or holds; the
     latter is read every ``TREE_SHM_EVERY`` samples, as reading every process's mappings costs
-    a few milliseconds each; so is the tree's proportional set size (PSS), which counts a page
-    shared by n processes once in all, where the RSS sum counts it n times.
+    a few milliseconds each; the tree's proportional set size (PSS), which counts a page
+    shared by n processes once in all where the RSS sum counts it n times, every ``PSS_EVERY``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import psutil
 from bench.memory import machine_shmem_bytes, tree_pss_bytes, tree_shared_memory_bytes
 
 SAMPLE_INTERVAL_S = 0.05
-TREE_SHM_EVERY = 10
+TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
+PSS_EVERY = 10
 CHILD_EXIT_WAIT_S = 5.0
 SHM_PATH = "/dev/shm"
 
@@ -143,8 +144,9 @@ def _sample_until_stopped(
         peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
         peaks.shm_bytes = max(peaks.shm_bytes, shm_used_bytes() - peaks.shm_baseline_bytes)
         peaks.shmem_bytes = max(peaks.shmem_bytes, machine_shmem_bytes() - peaks.shmem_baseline_bytes)
-        if tick % TREE_SHM_EVERY == 0:
+        if tick % TREE_SHM_EVERY == 0 or stopping:
             peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
+        if tick % PSS_EVERY == 0:
             peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
         if stopping:
             return

@@ -6,7 +6,8 @@ For every workload, each loader first takes a few untimed warm-up batches. Then,
 repeat, both loaders run one after the other with a fresh loader each, and the order alternates
 (pipeload first, then torch first, ...) so warm-up and drifting machine load fall on both alike.
 The table gives, per workload and loader, the median samples/s and time to first batch over the
-repeats, the peak RSS of the whole process tree and the peak growth of ``/dev/shm``, then the
+repeats, the peak RSS of the whole process tree and the peak shared memory the tree holds (see
+bench/measure.py: /dev/shm segments, memfd files and anonymous shared mappings alike), then the
 ratio pipeload/torch for each column.
 """
 
@@ -19,6 +20,8 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +32,14 @@ import torch.utils.data
 
 import pipeload
 from bench.measure import Measurement, measure, warm_up
-from bench.workloads import WORKLOADS, WorkloadContext, batch_length, get_workload
+from bench.workloads import (
+    DEFAULT_WORKLOADS,
+    WORKLOADS,
+    Workload,
+    WorkloadContext,
+    batch_length,
+    get_workload,
+)
 
 LOADER_NAMES = ("pipeload", "torch")
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -64,10 +74,11 @@ class Summary:
 
 
 def make_loader(
-    loader_name: str, dataset: Any, batch_size: int, options: RunOptions
+    loader_name: str, dataset: Any, batch_size: int, options: RunOptions, pin_memory: bool = False
 ) -> Iterable[Any]:
     """A fresh DataLoader of the named kind; both kinds get identical arguments."""
-    arguments: dict[str, Any] = {"batch_size": batch_size, "num_workers": options.num_workers}
+    arguments: dict[str, Any] = {"batch_size": batch_size, "num_workers": options.num_workers,
+                                 "pin_memory": pin_memory}
     if options.start_method is not None and options.num_workers > 0:
         arguments["multiprocessing_context"] = options.start_method
     if loader_name == "pipeload":
@@ -89,19 +100,22 @@ def run_workload(
         for loader_name in LOADER_NAMES
     }
     for loader_name in LOADER_NAMES:
-        warm_up(_loader_factory(loader_name, datasets[loader_name], workload.batch_size, options),
+        warm_up(_loader_factory(loader_name, datasets[loader_name], workload, options),
                 WARMUP_BATCHES)
     measurements = []
     for repeat in range(options.repeats):
         flip = (repeat + first_loader) % 2 == 1
         for loader_name in reversed(LOADER_NAMES) if flip else LOADER_NAMES:
+            consumer = Consumer(workload)
             result = measure(
-                _loader_factory(loader_name, datasets[loader_name], workload.batch_size, options),
+                _loader_factory(loader_name, datasets[loader_name], workload, options),
                 batch_length, workload=name, loader=loader_name, epochs=options.epochs,
+                step=consumer if consumer.active else None,
             )
+            consumer.finish()
             _log(f"{name:<13} {loader_name:<9} repeat {repeat + 1}/{options.repeats}: "
                  f"{result.samples_per_s:>12,.0f} samples/s, first batch "
-                 f"{result.first_batch_s * 1e3:,.0f} ms")
+                 f"{result.first_batch_s * 1e3:,.0f} ms{consumer.describe()}")
             _check_sample_count(result, workload.items(options.quick) * options.epochs)
             measurements.append(result)
     return measurements
@@ -116,9 +130,47 @@ def _check_sample_count(result: Measurement, expected: int) -> None:
 
 
 def _loader_factory(
-    loader_name: str, dataset: Any, batch_size: int, options: RunOptions
+    loader_name: str, dataset: Any, workload: Workload, options: RunOptions
 ) -> Callable[[], Iterable[Any]]:
-    return lambda: make_loader(loader_name, dataset, batch_size, options)
+    return lambda: make_loader(loader_name, dataset, workload.batch_size, options,
+                               pin_memory=workload.to_gpu)
+
+
+class Consumer:
+    """The simulated training loop's work on each batch: a fixed delay, or a copy to the GPU.
+
+    GPU copies are issued with ``non_blocking=True``, one batch in flight at a time (the copy of
+    the previous batch is waited for before the next is issued), and every batch is checked for
+    ``is_pinned()``.
+    """
+
+    def __init__(self, workload: Workload) -> None:
+        self.delay_s = workload.consumer_s
+        self.to_gpu = workload.to_gpu
+        self.active = self.delay_s > 0 or self.to_gpu
+        self.batches = 0
+        self.pinned = 0
+        self._in_flight: deque[Any] = deque()
+
+    def __call__(self, batch: Any) -> None:
+        self.batches += 1
+        if self.to_gpu:
+            self.pinned += int(batch.is_pinned())
+            event = torch.cuda.Event()
+            batch.cuda(non_blocking=True)
+            event.record()
+            self._in_flight.append(event)
+            if len(self._in_flight) > 1:
+                self._in_flight.popleft().synchronize()
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+
+    def finish(self) -> None:
+        if self.to_gpu:
+            torch.cuda.synchronize()
+
+    def describe(self) -> str:
+        return f", {self.pinned}/{self.batches} batches pinned" if self.to_gpu else ""
 
 
 def summarise(measurements: Sequence[Measurement]) -> list[Summary]:
@@ -132,7 +184,7 @@ def summarise(measurements: Sequence[Measurement]) -> list[Summary]:
             statistics.median(m.samples_per_s for m in runs),
             statistics.median(m.first_batch_s for m in runs),
             max(m.peak_rss_bytes for m in runs),
-            max(m.peak_shm_bytes for m in runs),
+            max(m.peak_tree_shm_bytes for m in runs),
         ))
     return summaries
 
@@ -201,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epochs=args.epochs, quick=args.quick, worker_type=args.worker_type,
         start_method=args.start_method,
     )
-    names = args.workload or list(WORKLOADS)
+    names = args.workload or [*DEFAULT_WORKLOADS, *(["gpu_copy"] if torch.cuda.is_available() else [])]
     _log(describe_machine(options))
     measurements = []
     with tempfile.TemporaryDirectory(prefix="pipeload-bench-") as scratch:
@@ -225,7 +277,8 @@ def _write_json(path: Path, options: RunOptions, measurements: Sequence[Measurem
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
-                        help="a workload to run; repeat for several (default: all)")
+                        help="a workload to run; repeat for several (default: all; gpu_copy "
+                             "only where CUDA is available)")
     parser.add_argument("--num-workers", type=_non_negative_int, default=2,
                         help="default: %(default)s")
     parser.add_argument("--repeats", type=_positive_int, default=None,

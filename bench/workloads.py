@@ -9,6 +9,10 @@ Every dataset is a module-level class holding only plain, picklable values, so i
     python_work   ~2 ms of pure-Python work per item: spreading compute over workers
     jpeg          small JPEG files decoded and resized with Pillow: a realistic mix
     iterable      an IterableDataset sharding itself with its loader's get_worker_info()
+    slow_consumer 64 items of 4 MB per batch, a training loop taking 200 ms a batch: how much
+                  shared memory a loader keeps when the workers are faster than the consumer
+    gpu_copy      float_images with pin_memory=True, each batch copied to the GPU with
+                  non_blocking=True (needs CUDA; skipped elsewhere)
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class Workload:
     full_items: int
     quick_items: int
     make: Callable[[WorkloadContext], torch.utils.data.Dataset]
+    consumer_s: float = 0.0
+    """Seconds the simulated training loop spends on each batch (0: none)."""
+    to_gpu: bool = False
+    """Load with pin_memory=True and copy each batch to the GPU with non_blocking=True."""
 
     def items(self, quick: bool) -> int:
         return self.quick_items if quick else self.full_items
@@ -108,6 +116,29 @@ class FloatImages(torch.utils.data.Dataset):
         if not 0 <= index < self.count:
             raise IndexError(f"index {index} out of range for {self.count} items")
         return torch.full((3, self.side, self.side), float(index % 251) / 251.0)
+
+
+# --- slow_consumer --------------------------------------------------------------------------
+
+
+class BigItems(torch.utils.data.Dataset):
+    """Item ``i`` is a 4 MB float32 tensor, one of a few held in memory (a dataset already loaded).
+
+    Returning stored tensors keeps the workers' own work to collating 256 MB per batch, so a
+    200 ms training step is slower than the workers and the loader's memory policy is what shows.
+    """
+
+    def __init__(self, count: int, distinct: int = 8, item_floats: int = 1 << 20) -> None:
+        self.count = count
+        self.items = [torch.full((item_floats,), float(k)) for k in range(distinct)]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < self.count:
+            raise IndexError(f"index {index} out of range for {self.count} items")
+        return self.items[index % len(self.items)]
 
 
 # --- python_work ----------------------------------------------------------------------------
@@ -247,8 +278,13 @@ WORKLOADS: dict[str, Workload] = {
         Workload("jpeg", "decode + resize", 32, 3_000, 300, _make_jpeg),
         Workload("iterable", "iterable sharding", 64, 30_000, 3_000,
                  lambda context: ShardedStream(context.items, context.loader_name)),
+        Workload("slow_consumer", "shared memory held", 64, 64 * 24, 64 * 12,
+                 lambda context: BigItems(context.items), consumer_s=0.2),
+        Workload("gpu_copy", "pinned copies to the GPU", 64, 4_096, 512,
+                 lambda context: FloatImages(context.items), to_gpu=True),
     ]
 }
+DEFAULT_WORKLOADS = ("tiny", "float_images", "python_work", "jpeg", "iterable", "slow_consumer")
 
 
 def get_workload(name: str) -> Workload:
