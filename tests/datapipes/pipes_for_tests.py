@@ -42,6 +42,10 @@ def as_tensor(x: int) -> torch.Tensor:
     return torch.full((4,), x, dtype=torch.int64)
 
 
+def as_large_tensor(x: int) -> torch.Tensor:
+    return torch.full((1 << 14,), x, dtype=torch.int64)  # 128 KiB: beyond what rides inline
+
+
 def fail_at_three(x: int) -> int:
     if x == 3:
         raise KeyError(f"no item {x}")

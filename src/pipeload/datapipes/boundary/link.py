@@ -2,9 +2,9 @@
 
 Everything the boundary sends or receives across processes goes through :class:`ProcessLink`:
 credits and STOP one way on a task pipe, items, failures and the end the other way on a result
-socket whose messages carry tensors as shared-memory descriptors (no pickle of their bytes).
-It uses the engine's own channels and typed messages; a faster transport replaces this class,
-not the boundary.
+socket, through the transport's Sender/Receiver pair: small tensors inside the message, large ones
+as shared-memory descriptors (no pickle of their bytes). It uses the engine's own channels and
+typed messages; a faster transport replaces this class, not the boundary.
 
 How the messages are used here: ``FETCH`` with ``batch_number=n`` grants the upstream the right
 to send items numbered below ``n`` (a credit window, so at most ``buffer_size`` items are ever
