@@ -175,17 +175,22 @@ def _take_slowly(dataset: _CountsAhead, loader: DataLoader, fill_to: int) -> Non
         assert wait_until(lambda: dataset.fetched.value >= target, 10.0)
 
 
-@pytest.mark.parametrize("mode", ["economic", "classic"])
+@pytest.mark.parametrize("mode", ["economic", "torch"])
 def test_items_in_flight_are_bounded_by_prefetch_factor_not_num_workers(mode):
     batch_size, prefetch_factor, num_workers = 4, 2, 8
     dataset = _CountsAhead(30 * batch_size, batch_size)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                        prefetch_factor=prefetch_factor, mode=mode, multiprocessing_context="fork")
+    arguments = dict(batch_size=batch_size, num_workers=num_workers,
+                     prefetch_factor=prefetch_factor, multiprocessing_context="fork")
     bound = prefetch_factor * batch_size
     if mode == "economic":
-        _take_slowly(dataset, loader, fill_to=bound)  # exactly as far as it may go
-        assert dataset.most_ahead.value <= bound
-    else:  # the contrast that makes the bound mean something: classic runs further ahead
+        _take_slowly(dataset, DataLoader(dataset, mode="economic", **arguments), fill_to=bound)
+        assert dataset.most_ahead.value <= bound  # exactly as far as it may go
+    else:
+        # The contrast that makes the bound mean something: torch's loader (the model classic
+        # mode follows) keeps num_workers * prefetch_factor batches in flight. Classic mode's
+        # own in-flight budget shrinks to what a slow consumer needs (tests/engine/test_budget.py),
+        # so it is not the contrast here.
+        loader = torch.utils.data.DataLoader(dataset, **arguments)
         _take_slowly(dataset, loader, fill_to=bound + batch_size + 1)
         assert dataset.most_ahead.value > bound
 

@@ -87,17 +87,17 @@ def test_large_batches_arrive_in_reused_slabs(engine):
     assert len(set(addresses[4:])) <= 6, addresses
 
 
-def test_kept_batches_are_never_overwritten():
-    loader = DataLoader(MakesTensors(160, BIG), batch_size=4, num_workers=2,
-                        multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_kept_batches_are_never_overwritten(engine):
+    loader = DataLoader(MakesTensors(160, BIG), batch_size=4, num_workers=2, **loader_kwargs(engine))
     batches = list(loader)  # the pool grows to its bound, then fresh memory takes over
     for number, batch in enumerate(batches):
         assert torch.equal(batch, torch.tensor(expected_rows(number, 4))[:, None].expand(4, BIG))
 
 
-def test_a_kept_view_keeps_its_slab_out_of_the_pool():
-    loader = DataLoader(MakesTensors(120, BIG), batch_size=4, num_workers=2,
-                        multiprocessing_context="fork")
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_a_kept_view_keeps_its_slab_out_of_the_pool(engine):
+    loader = DataLoader(MakesTensors(120, BIG), batch_size=4, num_workers=2, **loader_kwargs(engine))
     kept = None
     for number, batch in enumerate(loader):
         if number == 3:
@@ -134,9 +134,10 @@ def test_custom_collate_outputs_and_views_arrive_whole(width):
             got["transposed"].untyped_storage().data_ptr()
 
 
-def test_persistent_workers_keep_their_slabs_across_epochs_and_abandoned_ones():
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_persistent_workers_keep_their_slabs_across_epochs_and_abandoned_ones(engine):
     loader = DataLoader(MakesTensors(64, BIG), batch_size=4, num_workers=2,
-                        persistent_workers=True, multiprocessing_context="fork")
+                        persistent_workers=True, **loader_kwargs(engine))
     for abandon_after in (2, 5, None, 1, None):
         for number, batch in enumerate(loader):
             assert batch[:, 0].tolist() == expected_rows(number, 4)
