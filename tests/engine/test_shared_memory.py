@@ -83,8 +83,14 @@ def test_large_batches_arrive_in_reused_slabs(engine):
         assert in_shared_memory(batch)
         addresses.append(batch.data_ptr())
     # The first batches travel in fresh buffers (their size is not known yet); then a handful of
-    # slabs serve all the others.
-    assert len(set(addresses[4:])) <= 6, addresses
+    # slabs (at most the 4 batches in flight + 2 at a time) serve the others. On a loaded machine
+    # a batch whose slab was not released in time takes a one-shot buffer, and a budget that
+    # moves may retire a surplus slab and later make another; so count the addresses that served
+    # several batches, and how many batches they served (undisturbed: 5 slabs, 4 batches each).
+    later = addresses[4:]
+    reused = {address for address in later if later.count(address) >= 2}
+    assert len(reused) <= 8, addresses
+    assert sum(address in reused for address in later) >= 0.75 * len(later), addresses
 
 
 @pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
