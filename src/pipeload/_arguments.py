@@ -23,6 +23,8 @@ from pipeload.samplers import (
 
 WORKER_TYPES = ("process", "thread")
 MODES = ("classic", "economic")
+EQUAL_BATCHES = (None, "drop", "pad")
+WORKER_SEEDINGS = ("torch", "per_batch")
 
 
 class ArgumentAssertionError(ValueError, AssertionError):
@@ -115,6 +117,24 @@ def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | No
             f"batches in mode='economic'), but got num_batch_workers={num_batch_workers!r}"
         )
     return num_batch_workers
+
+
+def check_equal_batches(equal_batches: Any) -> None:
+    if equal_batches not in EQUAL_BATCHES:
+        raise ValueError(
+            f"equal_batches should be one of {EQUAL_BATCHES} (\"drop\": every rank stops when the "
+            "first runs out; \"pad\": ranks that run out repeat their last batch), but got "
+            f"equal_batches={equal_batches!r}"
+        )
+
+
+def check_worker_seeding(worker_seeding: Any) -> None:
+    if worker_seeding not in WORKER_SEEDINGS:
+        raise ValueError(
+            f"worker_seeding should be one of {WORKER_SEEDINGS} (\"torch\": each worker seeded "
+            "once, as torch does; \"per_batch\": the generators are seeded before every batch, "
+            f"so a resumed epoch draws the same random values), but got worker_seeding={worker_seeding!r}"
+        )
 
 
 def check_timeout(timeout: Any) -> None:
