@@ -19,7 +19,7 @@ from pipeload.datasets import (
     random_split,
 )
 from pipeload.engine.worker_info import WorkerInfo, get_worker_info
-from pipeload.errors import WorkerError
+from pipeload.errors import IncompatibleStateError, WorkerError
 from pipeload.loader import DataLoader
 from pipeload.samplers import (
     BatchSampler,
@@ -42,6 +42,7 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "DistributedSampler",
+    "IncompatibleStateError",
     "IterDataPipe",
     "IterableDataset",
     "LoaderStats",

@@ -23,6 +23,8 @@ from pipeload.samplers import (
 
 WORKER_TYPES = ("process", "thread")
 MODES = ("classic", "economic")
+EQUAL_BATCHES = (None, "drop", "pad")
+WORKER_SEEDINGS = ("torch", "per_batch")
 
 
 class ArgumentAssertionError(ValueError, AssertionError):
@@ -130,6 +132,24 @@ def check_max_shm_bytes(max_shm_bytes: Any) -> None:
         raise ValueError(
             "max_shm_bytes should be a positive number of bytes or None (no explicit limit), but "
             f"got max_shm_bytes={max_shm_bytes!r}"
+        )
+
+
+def check_equal_batches(equal_batches: Any) -> None:
+    if equal_batches not in EQUAL_BATCHES:
+        raise ValueError(
+            f"equal_batches should be one of {EQUAL_BATCHES} (\"drop\": every rank stops when the "
+            "first runs out; \"pad\": ranks that run out repeat their last batch), but got "
+            f"equal_batches={equal_batches!r}"
+        )
+
+
+def check_worker_seeding(worker_seeding: Any) -> None:
+    if worker_seeding not in WORKER_SEEDINGS:
+        raise ValueError(
+            f"worker_seeding should be one of {WORKER_SEEDINGS} (\"torch\": each worker seeded "
+            "once, as torch does; \"per_batch\": the generators are seeded before every batch, "
+            f"so a resumed epoch draws the same random values), but got worker_seeding={worker_seeding!r}"
         )
 
 

@@ -24,10 +24,12 @@ _WRAPPER_DEPTH = 4
 
 @dataclass(frozen=True)
 class Placement:
-    """This process's rank among ``world_size`` ranks (0 of 1 outside a distributed job)."""
+    """This process's rank among ``world_size`` ranks (0 of 1 outside a distributed job), and
+    its rank among the ranks of its machine (torchrun's LOCAL_RANK; 0 when not set)."""
 
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0
 
 
 def _dist() -> Any:
@@ -50,19 +52,28 @@ def current_placement() -> Placement:
     Raises:
         ValueError: RANK or WORLD_SIZE is set but is not an integer.
     """
+    local_rank = _local_rank()
     dist = _dist()
     if dist is not None:
-        return Placement(dist.get_rank(), dist.get_world_size())
+        return Placement(dist.get_rank(), dist.get_world_size(), local_rank)
     rank, world_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank is None or world_size is None:
-        return Placement()
+        return Placement(local_rank=local_rank)
     try:
-        return Placement(int(rank), int(world_size))
+        return Placement(int(rank), int(world_size), local_rank)
     except ValueError:
         raise ValueError(
             "RANK and WORLD_SIZE should be integers (as torchrun sets them), but got "
             f"RANK={rank!r}, WORLD_SIZE={world_size!r}"
         ) from None
+
+
+def _local_rank() -> int:
+    text = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK should be an integer (as torchrun sets it), but got LOCAL_RANK={text!r}") from None
 
 
 class _GlooGroupCache:
@@ -97,6 +108,35 @@ def share_from_rank0(value: int) -> int:
     tensor = torch.tensor(value, dtype=torch.int64)
     dist.broadcast(tensor, src=0, group=_GLOO_GROUPS.group_for(dist))
     return int(tensor.item())
+
+
+def check_ranks_can_agree() -> None:
+    """Check that the ranks can agree through a collective: an initialised group, or a job of one.
+
+    Raises:
+        RuntimeError: torchrun's environment says there are several ranks but no process group
+            is initialised, so the ranks have no way to agree.
+    """
+    placement = current_placement()
+    if _dist() is None and placement.world_size > 1:
+        raise RuntimeError(
+            "equal_batches needs an initialised torch.distributed process group to agree on "
+            f"each epoch's batch count, but this process is rank {placement.rank} of "
+            f"{placement.world_size} (from torchrun's RANK/WORLD_SIZE) without one: call "
+            "torch.distributed.init_process_group() before iterating the DataLoader"
+        )
+
+
+def all_ranks_agree(value: bool, every: bool) -> bool:
+    """Whether ``value`` holds on every rank (``every``) or on at least one (a collective: all
+    ranks must call it together). Outside a group of several ranks, ``value`` itself."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor(int(value), dtype=torch.int64)
+    op = dist.ReduceOp.MIN if every else dist.ReduceOp.MAX
+    dist.all_reduce(flag, op=op, group=_GLOO_GROUPS.group_for(dist))
+    return bool(flag.item())
 
 
 def _is_rank_aware(sampler: Any) -> bool:

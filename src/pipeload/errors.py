@@ -37,6 +37,19 @@ class TooManyOpenFilesError(WorkerError):
     """The main process ran out of file descriptors while receiving a batch from a worker."""
 
 
+class IncompatibleStateError(ValueError):
+    """A checkpoint (``state_dict()``) taken from another configuration than the one it is loaded
+    into: another dataset length, batch size, world size, ... The message names what differs."""
+
+
+def state_mismatch(owner: str, differences: dict[str, tuple[object, object]]) -> IncompatibleStateError:
+    """The error for a state whose recorded settings differ from ``owner``'s: each difference is
+    ``name -> (in the state, here)``."""
+    listed = "; ".join(f"{name} differs (state: {saved!r}, here: {here!r})"
+                       for name, (saved, here) in differences.items())
+    return IncompatibleStateError(f"cannot load this state into {owner}: {listed}")
+
+
 class _KeyErrorMessage(str):
     """A str whose repr is itself, so a KeyError shows the traceback text readably."""
 

@@ -24,14 +24,16 @@ import torch.utils.data as torch_data  # torch's DataLoader: a base for identity
 from pipeload import _arguments as arguments
 from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
-from pipeload.distributed import current_placement, replication_warning
+from pipeload.distributed import check_ranks_can_agree, current_placement, replication_warning
 from pipeload.engine import replica
 from pipeload.engine.auto import AutoEngine, pools_like
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
+from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.inline import InlineEngine
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
-from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, ReplicaSetup, WorkerSetup
+from pipeload.engine.plan import DatasetKind, EconomicSetup, EpochStart, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
+from pipeload import resume
 from pipeload.pin import pinning_available
 from pipeload.samplers import (
     BatchSampler,
@@ -47,7 +49,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 _FROZEN_AFTER_INIT = frozenset(
     {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers", "mode",
-     "num_batch_workers"}
+     "num_batch_workers", "equal_batches", "worker_seeding"}
 )
 
 
@@ -85,6 +87,17 @@ class DataLoader(torch_data.DataLoader[T_co]):
         max_shm_bytes: the most shared memory (bytes) process workers' batches in flight and
             reusable slabs may take; None (the default) allows half of what the memory behind
             them can still take. Batches larger than it still load, one at a time.
+        equal_batches: under ``torch.distributed`` with several ranks, make every rank yield the
+            same number of batches each epoch, so DDP never waits on a rank that has finished:
+            ``"drop"`` ends the epoch on every rank when the first runs out, ``"pad"`` lets ranks
+            that ran out repeat their last batch until the last rank is done. Costs one small
+            ``all_reduce`` per batch; needs an initialised process group. None (the default, as
+            torch): each rank yields what its share holds.
+        worker_seeding: ``"torch"`` (the default) seeds each worker once, as torch does;
+            ``"per_batch"`` seeds the generators that build each batch (torch, random, numpy)
+            from the base seed, the epoch and the batch alone, so the random values of a batch
+            do not depend on which worker built it: what exact resume of random augmentations
+            needs (see ``state_dict``).
 
     Example:
         >>> loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, shuffle=True)
@@ -128,6 +141,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         num_batch_workers: int | None = None,
         stats: bool = True,
         max_shm_bytes: int | None = None,
+        equal_batches: str | None = None,
+        worker_seeding: str = "torch",
     ) -> None:
         # torch's __init__ is deliberately not called: it would set up torch's loading state.
         auto = arguments.auto_options(num_workers, prefetch_factor, stats)
@@ -140,6 +155,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
         arguments.check_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
+        arguments.check_equal_batches(equal_batches)
+        arguments.check_worker_seeding(worker_seeding)
+        self.equal_batches = equal_batches
+        self.worker_seeding = worker_seeding
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -188,6 +207,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._stats = StatsRecorder(self._stats_setup()) if stats else None
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._tuner: AutoTuner | None = None
+        self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session
+        self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
+        self._resume_point: resume.ResumePoint | None = None
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers)
 
@@ -259,48 +281,121 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
-        tasks = iter(self._index_sampler)
+        point, self._resume_point = self._resume_point, None
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
-        epoch_seed: dict[str, int] = {}
-        if self.persistent_workers and self.num_workers > 0:
-            if self._persistent_engine is None or self._persistent_engine.closed:
-                self._persistent_engine = self._build_engine()
-                weakref.finalize(self, self._persistent_engine.close)
-            elif replica.draws_shared_seed(self.dataset):
-                # A later epoch of a persistent session: torch draws one seed, for the graphs only.
-                epoch_seed["shared_seed"] = replica.draw_shared_seed(self.generator)
-            engine, owned = self._persistent_engine, False
-        else:
-            engine, owned = self._build_engine(), True
+        record = resume.begin_epoch(self)  # before anything is drawn for this epoch
+        with resume.epoch_start_draws(point):
+            tasks = iter(self._index_sampler)
+            engine, owned, epoch_seed = self._engine_for_epoch(point, record)
+            tasks, start = self._position_tasks(tasks, point)
         try:
-            engine.start_epoch(tasks, **epoch_seed)
+            engine.start_epoch(tasks, start=start, **epoch_seed)
         except BaseException:
             engine.close()
             raise
         if self._stats is not None:
             self._stats.epoch_started()
-        iterator = _EpochIterator(self, engine, owned)
+        progress = resume.EpochProgress()
+        self._epoch_notes = (record, progress)
+        iterator = _EpochIterator(self, engine, owned, progress)
         if not owned:
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
 
+    def _engine_for_epoch(self, point: resume.ResumePoint | None, record: resume.EpochRecord) -> tuple[Any, bool, dict[str, int]]:
+        """This epoch's engine (a new one, or the persistent session's), whether the epoch owns
+        it, and the seed a persistent session's later epoch gives its DataPipe graphs."""
+        epoch_seed: dict[str, int] = {}
+        session = point.session if point is not None else None
+        if not (self.persistent_workers and self.num_workers > 0):
+            engine = self._build_engine(point, session)
+            record.base_seed, record.session_epoch = self._session
+            record.later_in_session = session is not None
+            return engine, True, epoch_seed
+        if self._persistent_engine is None or self._persistent_engine.closed:
+            self._persistent_engine = self._build_engine(point, session)
+            weakref.finalize(self, self._persistent_engine.close)
+            record.later_in_session = session is not None
+        else:
+            if replica.draws_shared_seed(self.dataset):
+                # A later epoch of a persistent session: torch draws one seed, for the graphs only.
+                epoch_seed["shared_seed"] = replica.draw_shared_seed(self.generator)
+            self._session = (self._session[0], self._session[1] + 1)
+            record.later_in_session = True
+        record.base_seed, record.session_epoch = self._session
+        return self._persistent_engine, False, epoch_seed
+
+    def _position_tasks(self, tasks: Any, point: resume.ResumePoint | None) -> tuple[Any, EpochStart]:
+        """Where a resumed epoch goes on: map-style skips the keys already handed out."""
+        if self._dataset_kind is DatasetKind.ITERABLE:
+            return tasks, resume.stream_start(point, self.num_workers)
+        keys_of = len if self._auto_collation else (lambda _task: 1)
+        return resume.skip_handed_out(tasks, point, keys_of)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of where this loader stands: small, JSON-serialisable, versioned.
+
+        Taken after any batch, and loaded into a new DataLoader over the same dataset (in a new
+        process, say), the new loader yields exactly the remaining batches of the epoch, then
+        the following epochs, as this one would have. What is guaranteed about random values
+        drawn while building batches is in docs/design/resume.md (``worker_seeding``).
+
+        Raises:
+            ValueError: ``in_order=False`` with workers (the batches handed out are then not
+                the first N of the epoch, so a count cannot say which they were).
+        """
+        if not self.in_order and self.num_workers > 0:
+            raise ValueError(
+                "state_dict() needs in_order=True when num_workers > 0, but this DataLoader has "
+                "in_order=False: its batches come as they finish, so the ones handed out are not "
+                "the first N of the epoch and cannot be told apart by a count"
+            )
+        record, progress = self._epoch_notes if self._epoch_notes is not None else (None, None)
+        session = None
+        if self._persistent_engine is not None and not self._persistent_engine.closed:
+            session = (self._session[0], self._session[1] + 1)  # the session's next epoch
+        return resume.build_state(self, record, progress, session)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict()``: the next ``iter(loader)`` resumes that epoch.
+
+        Persistent workers this loader already runs are stopped (the checkpoint's session takes
+        their place).
+
+        Raises:
+            IncompatibleStateError: the state comes from another configuration (dataset length,
+                batch size, world size, ...: the message names each difference), another kind
+                of state, or a newer version.
+        """
+        point = resume.read_state(self, state)
+        if self._persistent_engine is not None:
+            self._iterator = None  # type: ignore[assignment]
+        self._epoch_notes = None
+        self._resume_point = point
+
     def _draw_base_seed(self) -> int:
         return _draw_base_seed(self.generator)
 
-    def _build_engine(self) -> Any:
+    def _build_engine(self, point: resume.ResumePoint | None = None,
+                      session: tuple[int, int] | None = None) -> Any:
         # The draws and their order follow torch's: a DataPipe graph's shared seed, the base seed,
         # and, once workers have started, one more shared seed that torch draws and never uses.
+        # A session resumed from a checkpoint has its base seed already: it draws the graph's
+        # seed only, as the session's later epochs did.
         replica_setup = self._replica_setup()
-        base_seed = self._draw_base_seed()
+        base_seed = self._draw_base_seed() if session is None else session[0]
+        self._session = (base_seed, 1 if session is None else session[1])
         if self.timeout > 0 and self.num_workers == 0:
             raise arguments.ArgumentAssertionError(
                 "_SingleProcessDataLoaderIter requires timeout == 0 (pipeload: "
                 f"timeout={self.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
             )
-        spec = FetchSpec(self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last)
+        if self.equal_batches is not None:
+            check_ranks_can_agree()
+        spec = self._fetch_spec(point)
         if self.num_workers == 0:
-            engine: Any = InlineEngine(spec, replica_setup, self._stats)
+            engine: Any = InlineEngine(spec, replica_setup, self._stats, base_seed, self._session[1])
         elif any(self._auto) and self.mode == "classic":
             engine = self._auto_engine(spec, base_seed, replica_setup)
         elif self.mode == "economic":
@@ -309,9 +404,24 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine = EconomicEngine(self._economic_config(spec, base_seed, replica_setup))
         else:
             engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
-            if replica_setup.shared_seed is not None:
+            if replica_setup.shared_seed is not None and session is None:
                 replica.draw_shared_seed(self.generator, share=False)
-        return self._maybe_pin(engine)
+        return self._balance_ranks(self._maybe_pin(engine))
+
+    def _balance_ranks(self, engine: Any) -> Any:
+        if self.equal_batches is None or current_placement().world_size == 1:
+            return engine
+        return EqualBatches(engine, self.equal_batches)
+
+    def _fetch_spec(self, point: resume.ResumePoint | None) -> FetchSpec:
+        iterable = self._dataset_kind is DatasetKind.ITERABLE
+        streams = point.streams if point is not None and point.record is not None else None
+        return FetchSpec(
+            self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last,
+            per_batch_seeding=self.worker_seeding == "per_batch" and self.mode == "classic",
+            stream_snapshot_every=resume.STREAM_SNAPSHOT_EVERY if iterable else 0,
+            resume_streams=streams,
+        )
 
     def _auto_engine(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
         """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
@@ -386,7 +496,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         warn_if_copy_on_read(self.dataset, self.worker_type)  # pytorch#13246: points at the fix
         method = "thread" if self.worker_type == "thread" else "multiprocessing"
         return WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup,
-                           stats=self._stats is not None)
+                           stats=self._stats is not None, first_epoch=self._session[1])
 
     def _economic_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
         setup = EconomicSetup(self._worker_setup(spec, base_seed, replica_setup), self.num_batch_workers)  # type: ignore[arg-type]
@@ -447,8 +557,10 @@ class _EpochIterator:
     worker, a broken channel); Ctrl-C (anything that is not an ``Exception``) closes it here.
     """
 
-    def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool) -> None:
+    def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool,
+                 progress: resume.EpochProgress) -> None:
         self._engine = engine
+        self._progress = progress
         self._owns_engine = owns_engine
         # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
         # `for b in DataLoader(..., persistent_workers=True)` would close it under our feet.
@@ -476,17 +588,19 @@ class _EpochIterator:
             else:
                 batch = self._engine.next_batch()
         except StopIteration:
+            self._progress.ended = True
             if stats is not None:
                 stats.ended(asked)
             self._finish()
             raise
-        except Exception:
+        except Exception as error:
+            self._progress.failed(error)
             if stats is not None:
                 stats.ended(asked)
             # The error's traceback keeps this frame: without `self` in it, an uncaught error
             # (one that unwinds the caller's `for` loop) still lets the iterator go, and its
             # workers with it, however long the error itself is kept.
-            del self
+            del self, error
             raise
         except BaseException:
             self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
@@ -494,6 +608,7 @@ class _EpochIterator:
             raise
         if stats is not None:
             stats.handed(asked)
+        batch = self._progress.handed_out(batch)
         self._yielded += 1
         if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
             _warn_length_exceeded(self._dataset, self._len_reported, self._yielded, self._num_workers)
@@ -509,15 +624,21 @@ class _EpochIterator:
     @property
     def _pin_memory(self) -> bool:
         """Whether batches are pinned (torch's attribute: False without an accelerator)."""
-        return isinstance(self._engine, (InlinePinning, ThreadedPinning))
+        return isinstance(self._pin_stage, (InlinePinning, ThreadedPinning))
 
     @property
     def _pin_memory_thread(self) -> threading.Thread:
         """The thread that pins batches, as in torch: only with workers and an accelerator."""
-        thread = self._engine.thread if isinstance(self._engine, ThreadedPinning) else None
+        stage = self._pin_stage
+        thread = stage.thread if isinstance(stage, ThreadedPinning) else None
         if thread is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pin_memory_thread'")
         return thread
+
+    @property
+    def _pin_stage(self) -> Any:
+        engine = self._engine
+        return engine.inner if isinstance(engine, EqualBatches) else engine
 
     def close(self) -> None:
         """Stop the workers now (persistent workers belong to the loader and stay)."""

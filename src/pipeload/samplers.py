@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
+from pipeload._sampler_state import StatefulSampler
 from pipeload.errors import exact_value
 
 __all__ = [
@@ -55,7 +56,7 @@ class Sampler(torch_data.Sampler[T_co]):
     # No default __len__: a sampler without one is a sampler of unknown length.
 
 
-class SequentialSampler(Sampler[int], torch_data.SequentialSampler):
+class SequentialSampler(StatefulSampler, Sampler[int], torch_data.SequentialSampler):
     """Yields ``0, 1, ..., len(data_source) - 1``.
 
     Example:
@@ -68,14 +69,17 @@ class SequentialSampler(Sampler[int], torch_data.SequentialSampler):
     def __init__(self, data_source: Sized) -> None:
         self.data_source = data_source
 
-    def __iter__(self) -> Iterator[int]:
+    def _keys(self) -> Iterator[int]:
         return iter(range(len(self.data_source)))
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.data_source)}
 
     def __len__(self) -> int:
         return len(self.data_source)
 
 
-class RandomSampler(Sampler[int], torch_data.RandomSampler):
+class RandomSampler(StatefulSampler, Sampler[int], torch_data.RandomSampler):
     """Yields indices in random order: a shuffle, or draws with replacement.
 
     Args:
@@ -128,7 +132,14 @@ class RandomSampler(Sampler[int], torch_data.RandomSampler):
             return len(self.data_source)
         return self._num_samples
 
-    def __iter__(self) -> Iterator[int]:
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.data_source), "num_samples": self.num_samples,
+                "replacement": self.replacement}
+
+    def _keys(self) -> Iterator[int]:
         size = len(self.data_source)
         generator = self.generator
         if generator is None:
@@ -169,7 +180,7 @@ def _chained_permutations(size: int, count: int, generator: torch.Generator) -> 
     yield from torch.randperm(size, generator=generator).tolist()[: count % size]
 
 
-class SubsetRandomSampler(Sampler[int], torch_data.SubsetRandomSampler):
+class SubsetRandomSampler(StatefulSampler, Sampler[int], torch_data.SubsetRandomSampler):
     """Yields the given indices in a random order (one ``randperm`` per iteration).
 
     Args:
@@ -187,7 +198,13 @@ class SubsetRandomSampler(Sampler[int], torch_data.SubsetRandomSampler):
         self.indices = indices
         self.generator = generator
 
-    def __iter__(self) -> Iterator[int]:
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.indices)}
+
+    def _keys(self) -> Iterator[int]:
         for position in torch.randperm(len(self.indices), generator=self.generator).tolist():
             yield self.indices[position]
 
@@ -195,7 +212,7 @@ class SubsetRandomSampler(Sampler[int], torch_data.SubsetRandomSampler):
         return len(self.indices)
 
 
-class WeightedRandomSampler(Sampler[int], torch_data.WeightedRandomSampler):
+class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRandomSampler):
     """Yields ``num_samples`` indices into ``weights``, drawn with probability ∝ weight.
 
     Args:
@@ -246,7 +263,14 @@ class WeightedRandomSampler(Sampler[int], torch_data.WeightedRandomSampler):
         self.replacement = replacement
         self.generator = generator
 
-    def __iter__(self) -> Iterator[int]:
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"weights": self.weights.numel(), "num_samples": self.num_samples,
+                "replacement": self.replacement}
+
+    def _keys(self) -> Iterator[int]:
         drawn = torch.multinomial(self.weights, self.num_samples, self.replacement,
                                   generator=self.generator)
         yield from drawn.tolist()
@@ -285,7 +309,7 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
         )
 
 
-class BatchSampler(Sampler[list[int]], torch_data.BatchSampler):
+class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler):
     """Groups the keys of ``sampler`` into lists of ``batch_size``.
 
     Args:
@@ -322,12 +346,31 @@ class BatchSampler(Sampler[list[int]], torch_data.BatchSampler):
         self.batch_size = batch_size
         self.drop_last = drop_last
 
-    def __iter__(self) -> Iterator[list[int]]:
-        keys = iter(self.sampler)
+    def _keys(self) -> Iterator[list[int]]:
+        inner = self.sampler
+        keys = inner._uncounted_iter() if isinstance(inner, StatefulSampler) else iter(inner)
         while batch := list(itertools.islice(keys, self.batch_size)):
             if self.drop_last and len(batch) < self.batch_size:
                 return
             yield batch
+
+    def _config(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last}
+
+    def _inner_state(self) -> dict[str, Any]:
+        # Mid-iteration, the keys inside are replayed from their start and regrouped; the sampler
+        # inside has often finished already (batches are taken ahead), so ask for its start.
+        inner = self.sampler
+        if not isinstance(inner, StatefulSampler):
+            return {"sampler": None}
+        latest = self._latest
+        in_progress = latest is not None and not latest.finished
+        return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
+
+    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
+        inner_state = state.get("sampler")
+        if inner_state is not None and isinstance(self.sampler, StatefulSampler):
+            self.sampler.load_state_dict(inner_state)
 
     def __len__(self) -> int:
         count = len(self.sampler)  # type: ignore[arg-type]
@@ -336,7 +379,7 @@ class BatchSampler(Sampler[list[int]], torch_data.BatchSampler):
         return -(-count // self.batch_size)
 
 
-class DistributedSampler(Sampler[int], torch_data.DistributedSampler):
+class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSampler):
     """Yields this rank's share of the dataset: every ``num_replicas``-th index from ``rank``.
 
     All ranks see the same (optionally shuffled, seeded by ``seed + epoch``) order. Without
@@ -393,7 +436,17 @@ class DistributedSampler(Sampler[int], torch_data.DistributedSampler):
             self.num_samples = math.ceil(size / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
-    def __iter__(self) -> Iterator[int]:
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.dataset), "num_replicas": self.num_replicas, "rank": self.rank,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+
+    def _inner_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
+        self.epoch = state["epoch"]
+
+    def _keys(self) -> Iterator[int]:
         size = len(self.dataset)
         if self.shuffle:
             generator = torch.Generator()

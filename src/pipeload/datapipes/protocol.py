@@ -119,6 +119,18 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         pass
 
 
+class SkipToResume:
+    """Mixin for iterators whose position is not (yet) written down as a checkpoint: asking for
+    their ``state_dict()`` says so, and a DataLoader resumes them by skipping instead (exact, if
+    slower) rather than from a state that would lose what they hold."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            f"{type(self).__name__} keeps no checkpoint of its position: it can only be resumed "
+            "by skipping items"
+        )
+
+
 def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] | None = None) -> T_co:
     """Block until ``iterator`` yields, ends or fails, sleeping on its sources' notifiers.
 

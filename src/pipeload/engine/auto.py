@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeload.engine.plan import EpochStart
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.stats.tuner import AutoTuner, Settings
 
@@ -76,10 +77,11 @@ class AutoEngine:
     def closed(self) -> bool:
         return self._current.closed
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None:
         self._tasks = tasks
         self._tap = _TaskTap(tasks)
-        self._current.start_epoch(self._tap, shared_seed)
+        self._current.start_epoch(self._tap, shared_seed, start)
 
     def next_batch(self) -> Any:
         """The next batch in sampler order; StopIteration at the end of the epoch."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from pipeload.engine.plan import EpochStart
+
 
 class Engine(Protocol):
     """Turns the tasks of an epoch into batches.
@@ -18,7 +20,8 @@ class Engine(Protocol):
     iterator calls on Ctrl-C) ``next_batch`` raises StopIteration.
 
     ``shared_seed`` is given only when a persistent session's later epoch must reseed the
-    dataset's random pipes (a DataPipe graph: see ``engine/replica.py``).
+    dataset's random pipes (a DataPipe graph: see ``engine/replica.py``). ``start`` is given only
+    when the epoch continues one cut short (a resumed checkpoint: see ``pipeload/resume``).
     """
 
     @property
@@ -27,7 +30,8 @@ class Engine(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None: ...
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None: ...
 
     def next_batch(self) -> Any: ...
 

@@ -33,7 +33,7 @@ from pipeload.engine.economic_workers import (
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.item_scheduler import ItemScheduler
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import EconomicSetup
+from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -162,7 +162,8 @@ class EconomicEngine:
         if self._workers.slabs is not None:
             self._workers.slabs.set_slab_limit(config.prefetch_factor + 2)
         self._finalizer = weakref.finalize(self, self._workers.close)
-        self._epoch = 0
+        self._epoch = setup.worker.first_epoch - 1
+        self._started = False
         self._reset_epoch_state(TaskSupply())
 
     @property
@@ -174,15 +175,19 @@ class EconomicEngine:
     def closed(self) -> bool:
         return self._workers.closed
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None:
         """Begin an epoch over ``tasks`` (each a list of indices, or one index).
 
-        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch.
+        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch;
+        ``start`` continues an epoch cut short (a resumed checkpoint): batch numbers and item
+        positions, which the seeds derive from, go on from where it was.
         """
-        if self._epoch > 0:
+        if self._started:
             self._workers.start_epoch(self._epoch + 1, shared_seed)
+        self._started = True
         self._epoch += 1
-        self._reset_epoch_state(TaskSupply(tasks))
+        self._reset_epoch_state(TaskSupply(tasks), start)
         self._top_up()
 
     def next_batch(self) -> Any:
@@ -199,12 +204,12 @@ class EconomicEngine:
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
 
-    def _reset_epoch_state(self, supply: TaskSupply) -> None:
+    def _reset_epoch_state(self, supply: TaskSupply, start: EpochStart = EpochStart()) -> None:
         self._supply = supply
         self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
-                                   least_loaded=True)
+                                   least_loaded=True, first_batch=start.first_batch)
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
-        self._next_position = 0
+        self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
 
     def _next_report(self) -> WorkerReport | None:

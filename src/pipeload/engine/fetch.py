@@ -3,13 +3,18 @@
 Shared by the inline engine and the workers, so every engine fetches the same way. With a
 :class:`~pipeload.stats.clock.StageClock` a fetcher times the dataset and ``collate_fn`` apart
 (and opens profiler spans for them while a torch profiler runs); without one it only fetches.
+With per-batch seeding (``engine/batch_seeding.py``) it seeds the generators before each batch;
+an iterable replica also reports its position with every batch (``StreamBatch``) and resumes
+from one, which is how the loader checkpoints iterable datasets (``pipeload/resume``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import StageClock, now, profiling, span
 
@@ -18,16 +23,50 @@ class DatasetExhausted(Exception):
     """An iterable dataset replica has nothing more to give (never sent as an object: see messages)."""
 
 
+class StreamPosition(NamedTuple):
+    """Where one iterable replica stands after a batch.
+
+    A replica's ``state_dict()`` can be costly (a shuffle buffer is copied), so it is taken with
+    every few batches only; resuming loads the latest one and makes (and drops) the batches made
+    since. A replica without a state starts over and drops every batch it had made.
+
+    Attributes:
+        worker_id: the replica's worker (0 without workers).
+        batches: how many batches it has made this epoch, this one included.
+        snapshot: None, or ``(batches made when it was taken, the iterator's state_dict() or the
+            dataset's, or None when it has none)``.
+    """
+
+    worker_id: int
+    batches: int
+    snapshot: tuple[int, Any] | None = None
+
+
+class StreamBatch(NamedTuple):
+    """A batch with its replica's position, as sent when the loader tracks positions."""
+
+    batch: Any
+    position: StreamPosition
+
+
 class MapFetcher:
     """Indexes a map-style dataset; whole batches go to ``__getitems__`` when it is defined."""
 
-    def __init__(self, spec: FetchSpec, clock: StageClock | None = None) -> None:
+    def __init__(self, spec: FetchSpec, clock: StageClock | None = None,
+                 seeding: BatchSeeding | None = None) -> None:
         self._spec = spec
         self._clock = clock
+        self._seeding = seeding
         getitems = getattr(spec.dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
 
-    def fetch(self, index: Any) -> Any:
+    def fetch(self, index: Any, batch_number: int = 0) -> Any:
+        if self._seeding is None:
+            return self._fetch(index)
+        with self._seeding.for_map_batch(batch_number):
+            return self._fetch(index)
+
+    def _fetch(self, index: Any) -> Any:
         spec = self._spec
         clock = self._clock
         if clock is not None:
@@ -61,13 +100,51 @@ class MapFetcher:
 class IterableFetcher:
     """Pulls from one replica of an iterable dataset; a task's index list only sets the batch size."""
 
-    def __init__(self, spec: FetchSpec, clock: StageClock | None = None) -> None:
+    def __init__(self, spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
+                 worker_id: int = 0, resume_from: StreamPosition | None = None) -> None:
         self._spec = spec
         self._clock = clock
-        self._samples = iter(spec.dataset)
+        self._seeding = seeding
+        self._worker_id = worker_id
+        self._made = 0
+        self._to_drop = 0  # batches made before the checkpoint since the snapshot resumed from
         self._ended = False
+        self._stateless = False
+        snapshot = resume_from.snapshot if resume_from is not None else None
+        self._samples = _resumed_iterator(spec.dataset, snapshot[1] if snapshot else None)
+        if resume_from is not None:
+            self._made = snapshot[0] if snapshot and snapshot[1] is not None else 0
+            self._to_drop = resume_from.batches - self._made
 
-    def fetch(self, index: Any) -> Any:
+    def fetch(self, index: Any, batch_number: int = 0) -> Any:
+        while self._to_drop:  # made before the checkpoint: made again, as then, and dropped
+            self._to_drop -= 1
+            try:
+                self._make(index)
+            except DatasetExhausted:
+                raise
+            except Exception:
+                pass  # it raised the first time too: its turn is what counts
+        batch = self._make(index)
+        every = self._spec.stream_snapshot_every
+        if not every:
+            return batch
+        # The first batch's snapshot also says at once whether the replica has a state at all.
+        due = self._made == 1 or self._made % every == 0
+        snapshot = (self._made, self._state()) if due else None
+        return StreamBatch(batch, StreamPosition(self._worker_id, self._made, snapshot))
+
+    def _make(self, index: Any) -> Any:
+        if self._ended:
+            raise DatasetExhausted
+        seeding = self._seeding
+        seeded = seeding.for_stream_batch(self._worker_id, self._made) if seeding else contextlib.nullcontext()
+        with seeded:
+            batch = self._next_batch(index)
+        self._made += 1
+        return batch
+
+    def _next_batch(self, index: Any) -> Any:
         if self._ended:
             raise DatasetExhausted
         spec = self._spec
@@ -83,6 +160,20 @@ class IterableFetcher:
             return _traced(self._clock, take, spec.collate_fn, spec.auto_collation, profiling())
         samples = take()
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
+
+    def _state(self) -> Any:
+        """The replica's position, from its iterator (pipes) or the dataset; None without one."""
+        if self._stateless:
+            return None
+        for holder in (self._samples, self._spec.dataset):
+            state_dict = getattr(holder, "state_dict", None)
+            if callable(state_dict):
+                try:
+                    return state_dict()
+                except NotImplementedError:  # a pipe over a plain generator: it can only skip
+                    break
+        self._stateless = True
+        return None
 
     def _take_one(self) -> list[Any]:
         try:
@@ -126,8 +217,25 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
         clock.collate_s += now() - fetched
 
 
-def make_fetcher(spec: FetchSpec, clock: StageClock | None = None) -> MapFetcher | IterableFetcher:
+def _resumed_iterator(dataset: Any, state: Any) -> Any:
+    """``iter(dataset)``, moved to ``state`` when there is one: through the iterator's
+    ``load_state_dict`` (pipes), else the dataset's (before ``iter``, as torchdata's datasets)."""
+    if state is None:
+        return iter(dataset)
+    load_into_dataset = getattr(dataset, "load_state_dict", None)
+    samples = iter(dataset) if load_into_dataset is None else None
+    if samples is not None and callable(getattr(samples, "load_state_dict", None)):
+        samples.load_state_dict(state)
+        return samples
+    if callable(load_into_dataset):
+        load_into_dataset(state)
+        return iter(dataset)
+    raise TypeError(f"{type(dataset).__name__} gave a state_dict() but has no load_state_dict() to take it back")
+
+
+def make_fetcher(spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
+                 worker_id: int = 0, resume_from: StreamPosition | None = None) -> MapFetcher | IterableFetcher:
     """Build the fetcher for ``spec``; for iterable datasets this calls ``iter(dataset)``."""
     if spec.kind is DatasetKind.ITERABLE:
-        return IterableFetcher(spec, clock)
-    return MapFetcher(spec, clock)
+        return IterableFetcher(spec, clock, seeding, worker_id, resume_from)
+    return MapFetcher(spec, clock, seeding)

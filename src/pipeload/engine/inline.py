@@ -6,23 +6,31 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeload.engine import replica
+from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
-from pipeload.engine.plan import FetchSpec, ReplicaSetup
+from pipeload.engine.plan import EpochStart, FetchSpec, ReplicaSetup
 from pipeload.stats.skips import skip_counter
 
 
 class InlineEngine:
     """No workers, no threads: ``next_batch`` builds the batch right here, from the loader's own
-    dataset (a DataPipe graph is sharded by rank and seeded in place, as torch does)."""
+    dataset (a DataPipe graph is sharded by rank and seeded in place, as torch does).
+
+    With per-batch seeding it borrows the process's generators for each batch and gives them
+    back, so the training loop's own random stream is left as it was.
+    """
 
     def __init__(self, spec: FetchSpec, replica_setup: ReplicaSetup = ReplicaSetup(),
-                 stats: Any = None) -> None:
+                 stats: Any = None, base_seed: int = 0, epoch: int = 1) -> None:
         self._spec = spec
         self._replica = replica_setup
+        self._base_seed = base_seed
+        self._epoch = epoch  # seeds per batch name it: a resumed session's epoch, else 1
         # With stats on (the loader's StatsRecorder), the fetching here is timed as a worker's.
         self._clock = stats.new_session(1).local_clock() if stats is not None else None
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._tasks: Iterator[Any] = iter(())
+        self._next_number = 0
         self._closed = False
 
     @property
@@ -33,13 +41,17 @@ class InlineEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None:
         self._closed = False
         self._tasks = tasks
+        self._next_number = start.first_batch
         if shared_seed is not None:
             self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)
-        self._fetcher = make_fetcher(self._spec, self._clock)
+        seeding = BatchSeeding(self._base_seed, self._epoch, borrow=True) if self._spec.per_batch_seeding else None
+        resume_from = (self._spec.resume_streams or {}).get(0)
+        self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
         if self._clock is not None and self._clock.count_skipped is None:
             self._clock.count_skipped = skip_counter(self._spec.dataset)
 
@@ -49,8 +61,10 @@ class InlineEngine:
         if self._closed:
             raise StopIteration
         index = next(self._tasks)
+        number = self._next_number
+        self._next_number += 1
         try:
-            batch = self._fetcher.fetch(index)
+            batch = self._fetcher.fetch(index, number)
         except DatasetExhausted:
             raise StopIteration from None
         if self._clock is not None:

@@ -51,8 +51,8 @@ class InlinePinning:
     workers = property(lambda self: self._engine.workers)
     closed = property(lambda self: self._engine.closed)
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
-        self._engine.start_epoch(tasks, shared_seed)
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None, **start: Any) -> None:
+        self._engine.start_epoch(tasks, shared_seed, **start)
 
     def next_batch(self) -> Any:
         return _timed_pin(self._engine.next_batch(), self._device, self._stats)
@@ -104,9 +104,9 @@ class ThreadedPinning:
         """The pin thread of the current epoch (torch's ``_pin_memory_thread``)."""
         return self._thread
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None, **start: Any) -> None:
         self._stop_thread()
-        self._engine.start_epoch(tasks, shared_seed)
+        self._engine.start_epoch(tasks, shared_seed, **start)
         self._stop = threading.Event()
         self._pinned = queue.Queue(maxsize=PINNED_AHEAD)
         self._finished = False

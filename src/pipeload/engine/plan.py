@@ -25,6 +25,13 @@ class FetchSpec:
         auto_collation: True when tasks carry a list of indices to collate into a batch.
         collate_fn: the function that turns the list of samples into a batch.
         drop_last: iterable-style only: drop each worker's last, partial batch.
+        per_batch_seeding: reseed the generators before building each batch, from the base
+            seed, the epoch and the batch alone (``worker_seeding="per_batch"``).
+        stream_snapshot_every: iterable-style only: send each batch with its replica's position
+            (a :class:`~pipeload.engine.fetch.StreamBatch`), so the loader can checkpoint it, and
+            the replica's ``state_dict()`` with every this-many-th batch (0: no positions).
+        resume_streams: iterable-style only: worker id -> the position its replica resumes
+            from, on the first epoch of a session (see ``pipeload/resume``).
     """
 
     dataset: Any
@@ -32,6 +39,9 @@ class FetchSpec:
     auto_collation: bool
     collate_fn: Callable[[Any], Any]
     drop_last: bool
+    per_batch_seeding: bool = False
+    stream_snapshot_every: int = 0
+    resume_streams: dict[int, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class WorkerSetup:
         worker_method: "multiprocessing" or "thread".
         replica: how each worker shards and seeds its copy of the dataset.
         stats: each worker times its stages and reports its totals (``loader.stats()``).
+        first_epoch: the number of the session's first epoch (1, or where a resumed persistent
+            session was); later epochs count on from it. Seeds derived per batch include it.
     """
 
     fetch: FetchSpec
@@ -71,6 +83,23 @@ class WorkerSetup:
     worker_method: str
     replica: ReplicaSetup = ReplicaSetup()
     stats: bool = False
+    first_epoch: int = 1
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """Where an epoch begins when it continues one that was cut short (a resumed checkpoint).
+
+    Attributes:
+        first_batch: the number of the first batch to build (the batches before it were handed
+            out before the checkpoint); per-batch seeds are derived from these numbers.
+        first_position: how many samples those batches held (economic mode's item seeds).
+        first_worker: the worker whose turn comes first (iterable datasets, round-robin).
+    """
+
+    first_batch: int = 0
+    first_position: int = 0
+    first_worker: int = 0
 
 
 @dataclass(frozen=True)

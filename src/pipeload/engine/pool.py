@@ -14,7 +14,7 @@ from typing import Any
 from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import WorkerSetup
+from pipeload.engine.plan import EpochStart, WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -113,7 +113,8 @@ class PoolEngine:
         self._workers = WorkerGroup(ClassicLaunch(config.setup), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)
-        self._epoch = 0
+        self._epoch = config.setup.first_epoch - 1
+        self._started = False
         self._ledger = BatchLedger(num_workers, config.in_order)
         self._supply = TaskSupply()
         self._unsent: tuple[int, WorkerCommand] | None = None
@@ -132,17 +133,21 @@ class PoolEngine:
         handed out. The in-flight budget may still keep fewer for a slow training loop."""
         self._budget.set_max_batches(prefetch_factor * self._config.setup.num_workers)
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None) -> None:
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None:
         """Begin an epoch over ``tasks`` (each a list of indices, or one index).
 
-        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch.
+        ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch;
+        ``start`` continues an epoch cut short (a resumed checkpoint).
         """
-        if self._epoch > 0:
+        if self._started:
             self._workers.start_epoch(self._epoch + 1, shared_seed)
+        self._started = True
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
+        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order,
+                                   first_batch=start.first_batch, first_worker=start.first_worker)
         self._budget.epoch_started()
         self._top_up()
 

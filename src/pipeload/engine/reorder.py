@@ -22,19 +22,22 @@ class BatchLedger:
         batches that arrive early count against it and memory stays bounded behind a slow worker.
     """
 
-    def __init__(self, num_workers: int, in_order: bool, least_loaded: bool = False) -> None:
+    def __init__(self, num_workers: int, in_order: bool, least_loaded: bool = False,
+                 first_batch: int = 0, first_worker: int = 0) -> None:
         self.in_order = in_order
         # Round-robin in order mode is torch's rule (iterable workers interleave by it); economic
         # mode's batch workers have no such stream to keep, so they always take the least loaded.
         self.least_loaded = least_loaded or not in_order
-        self.next_to_send = 0
-        self.next_to_yield = 0
+        # A resumed epoch numbers its batches on from those handed out before the checkpoint,
+        # and the round-robin goes on with the worker whose turn it was.
+        self.next_to_send = first_batch
+        self.next_to_yield = first_batch
         self.building: dict[int, int] = {}  # batch number -> worker id
         self.arrived: dict[int, WorkerReport] = {}
         self.skipped: set[int] = set()
         self.active = [True] * num_workers
         self.in_flight_per_worker = [0] * num_workers
-        self._rotation = 0
+        self._rotation = first_worker % num_workers if num_workers else 0
 
     @property
     def outstanding(self) -> int:

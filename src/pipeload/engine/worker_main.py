@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from pipeload.engine import replica
+from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
 from pipeload.engine.lifecycle import exit_now, exit_when_parent_dies
 from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
+    get_worker_info,
     make_thread_rng,
     seed_process_worker,
     publish_to_torch,
@@ -75,6 +77,7 @@ class WorkerLoop:
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
         self._clock = StageClock() if setup.stats else None
+        self._epoch = setup.first_epoch
 
     def run(self) -> None:
         self._initialise()
@@ -112,24 +115,34 @@ class WorkerLoop:
     def _initialise(self) -> None:
         self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
         if self._init_failure is None:
-            self._make_fetcher()
+            self._make_fetcher(first=True)
 
     def _share(self) -> tuple[int, int]:
         """(this copy's index, how many copies): how a DataPipe graph is sharded across workers."""
         return self._id, self._setup.num_workers
 
-    def _make_fetcher(self, shared_seed: int | None = None) -> None:
+    def _make_fetcher(self, shared_seed: int | None = None, first: bool = False) -> None:
+        fetch = self._setup.fetch
+        # A resumed session's replicas continue from their checkpoint in its first epoch only.
+        resume_from = (fetch.resume_streams or {}).get(self._id) if first else None
         try:
-            replica.reseed(self._setup.fetch.dataset, shared_seed)
-            self._fetcher = make_fetcher(self._setup.fetch, self._clock)
+            replica.reseed(fetch.dataset, shared_seed)
+            self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id, resume_from)
             if self._clock is not None and self._clock.count_skipped is None:
-                self._clock.count_skipped = skip_counter(self._setup.fetch.dataset)
+                self._clock.count_skipped = skip_counter(fetch.dataset)
         except Exception:
             self._init_failure = RemoteFailure.capture(
                 self._id, "starting to iterate the dataset", worker_kind=self.kind
             )
 
+    def _batch_seeding(self) -> BatchSeeding | None:
+        if not self._setup.fetch.per_batch_seeding:
+            return None
+        info = get_worker_info()
+        return BatchSeeding(self._setup.base_seed, self._epoch, info.rng if info is not None else None)
+
     def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
+        self._epoch = epoch
         self._exhausted = False
         self._init_failure_reported = False
         if self._init_failure is None:
@@ -146,7 +159,7 @@ class WorkerLoop:
             return
         started = time.perf_counter()
         try:
-            batch = self._fetcher.fetch(command.indices)
+            batch = self._fetcher.fetch(command.indices, number)
         except DatasetExhausted:
             self._report_exhausted(number)
             return

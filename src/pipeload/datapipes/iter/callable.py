@@ -149,14 +149,38 @@ def _identity(data: Any) -> Any:
 
 
 class _FlatMapperIterator(PipeIterator[Any]):
+    """Its checkpoint keeps the source item being expanded and how many of its elements were
+    handed out: the upstream has moved past that item, so resuming expands it again and skips
+    those (a file path and a count, for the usual flatmap over shards)."""
+
+    _NOTHING = object()
+
     def __init__(self, expand: Callable[[Any], Any], source: Any) -> None:
         super().__init__(source)
         self._expand = expand
         (self._source,) = self.upstream
         self._current: Iterator[Any] = iter(())
+        self._item: Any = self._NOTHING
+        self._taken = 0
 
     def nonblocking_next(self) -> Any:
         while True:
             for element in self._current:
+                self._taken += 1
                 return element
-            self._current = iter(self._expand(self._source.nonblocking_next()))
+            item = self._source.nonblocking_next()
+            self._current = iter(self._expand(item))
+            self._item, self._taken = item, 0
+
+    def _own_state(self) -> Any:
+        if self._item is self._NOTHING:
+            return None
+        return {"item": self._item, "taken": self._taken}
+
+    def _load_own_state(self, state: Any) -> None:
+        if state is None:
+            return
+        self._item, self._taken = state["item"], state["taken"]
+        self._current = iter(self._expand(self._item))
+        for _ in range(self._taken):
+            next(self._current)

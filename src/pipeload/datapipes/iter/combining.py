@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeload.datapipes.base import IterDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import NotAvailable, PipeIterator, as_nonblocking
+from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume, as_nonblocking
 
 
 class Concater(IterDataPipe[Any]):
@@ -124,7 +124,7 @@ class Multiplexer(IterDataPipe[Any]):
         raise no_length(self)
 
 
-class _RoundIterator(PipeIterator[Any]):
+class _RoundIterator(SkipToResume, PipeIterator[Any]):
     """Collects one item from every source per round; a partial round survives NotAvailable.
 
     zip yields each round as a tuple; mux yields its items one by one. Either ends for good when
@@ -190,7 +190,7 @@ class GreedyJoiner(IterDataPipe[Any]):
         raise no_length(self)
 
 
-class _GreedyIterator(PipeIterator[Any]):
+class _GreedyIterator(SkipToResume, PipeIterator[Any]):
     def __init__(self, datapipes: tuple[Any, ...]) -> None:
         super().__init__(*datapipes)
         self._live = list(self.upstream)

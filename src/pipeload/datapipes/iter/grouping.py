@@ -9,7 +9,7 @@ from typing import Any
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import check_positive, length_of, no_length
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 
 
 class Batcher(IterDataPipe[DataChunk]):
@@ -117,6 +117,12 @@ class _UnBatcherIterator(PipeIterator[Any]):
             self._pending.extend(_dive(self._source.nonblocking_next(), self._level, self._level))
         return self._pending.popleft()
 
+    def _own_state(self) -> Any:
+        return list(self._pending)  # the rest of the batch being unbatched
+
+    def _load_own_state(self, state: Any) -> None:
+        self._pending = deque(state)
+
 
 def _dive(element: Any, level: int, asked: int) -> Iterator[Any]:
     if level == 0:
@@ -198,7 +204,7 @@ class Grouper(IterDataPipe[DataChunk]):
         raise no_length(self)
 
 
-class _GrouperIterator(PipeIterator[Any]):
+class _GrouperIterator(SkipToResume, PipeIterator[Any]):
     def __init__(self, pipe: Grouper, source: Any) -> None:
         super().__init__(source)
         (self._source,) = self.upstream

@@ -14,7 +14,7 @@ from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.iter.combinatorics import SeededPipe
 from pipeload.datapipes.iter.grouping import Batcher, _BatcherIterator
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 
 _SCALARS = (int, float, complex, bool)
 
@@ -164,7 +164,7 @@ class BucketBatcher(SeededPipe, IterDataPipe[DataChunk]):
         return (length + self.batch_size - 1) // self.batch_size
 
 
-class _BucketIterator(PipeIterator[DataChunk]):
+class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):
     """Fills one pool (surviving NotAvailable), then hands out its batches."""
 
     def __init__(self, pipe: BucketBatcher, source: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
-from pipeload.datapipes.protocol import PipeIterator, as_nonblocking
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume, as_nonblocking
 
 T_co = TypeVar("T_co", covariant=True)
 MEGABYTE = 1024 * 1024
@@ -226,7 +226,7 @@ def _size_of(item: Any) -> int:
     return sys.getsizeof(item)
 
 
-class _CachingIterator(PipeIterator[Any]):
+class _CachingIterator(SkipToResume, PipeIterator[Any]):
     def __init__(self, pipe: InMemoryCacheHolder[Any]) -> None:
         super().__init__(pipe.source_dp)
         (self._source,) = self.upstream
@@ -250,7 +250,7 @@ class _CachingIterator(PipeIterator[Any]):
         return item
 
 
-class _ReplayIterator(PipeIterator[Any]):
+class _ReplayIterator(SkipToResume, PipeIterator[Any]):
     """The items that did not fit come from the source again, then the cached tail."""
 
     def __init__(self, source_pipe: Any, cached: tuple[Any, ...], dropped: int) -> None:

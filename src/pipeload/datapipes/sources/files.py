@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
@@ -109,7 +109,7 @@ class FileLister(IterDataPipe[str]):
         return self.length
 
 
-class _ListingIterator(PipeIterator[str]):
+class _ListingIterator(SkipToResume, PipeIterator[str]):
     def __init__(self, pipe: FileLister, roots: Any) -> None:
         super().__init__(roots)
         (self._roots,) = self.upstream

@@ -8,7 +8,7 @@ from typing import IO, Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _tar_stream
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
@@ -114,7 +114,7 @@ class _OpenArchive:
         self.stream.close()
 
 
-class _TarIterator(PipeIterator[ArchiveMember]):
+class _TarIterator(SkipToResume, PipeIterator[ArchiveMember]):
     def __init__(self, source: Any, failures: FailureHandler) -> None:
         super().__init__(source)
         (self._archives,) = self.upstream

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
 
 # WebDataset's convention: the key runs to the first dot of the file's own name (directories
@@ -72,7 +72,7 @@ def _url_and_name(member: Any) -> tuple[str | None, str]:
     return None, member[0]
 
 
-class _GroupingIterator(PipeIterator[dict[str, Any]]):
+class _GroupingIterator(SkipToResume, PipeIterator[dict[str, Any]]):
     def __init__(self, source: Any, failures: FailureHandler) -> None:
         super().__init__(source)
         (self._members,) = self.upstream

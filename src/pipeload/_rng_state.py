@@ -1,0 +1,56 @@
+"""Random generator states as JSON-friendly text, and borrowing torch's global generator.
+
+A checkpoint must be plain JSON, so a ``torch.Generator`` state (a ByteTensor of about 5 KB) is
+kept as base64 text. Replaying draws that were made from torch's *global* generator must not
+disturb the user's own stream: :func:`borrowed_global_rng` sets the global generator to a recorded
+state for a moment and gives the user's state back afterwards.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def encode_state(state: torch.Tensor) -> str:
+    """A generator state (``get_state()`` / ``get_rng_state()``) as base64 text."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_state(text: str) -> torch.Tensor:
+    """The ByteTensor that :func:`encode_state` encoded."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def generator_state(generator: torch.Generator | None) -> str:
+    """The state of ``generator`` (torch's global CPU generator when None), encoded."""
+    if generator is None:
+        return encode_state(torch.get_rng_state())
+    return encode_state(generator.get_state())
+
+
+def set_generator_state(generator: torch.Generator | None, text: str) -> None:
+    """Set ``generator`` (the global one when None) to an encoded state."""
+    if generator is None:
+        torch.set_rng_state(decode_state(text))
+    else:
+        generator.set_state(decode_state(text))
+
+
+@contextlib.contextmanager
+def borrowed_global_rng(state: str | torch.Tensor | None) -> Iterator[None]:
+    """Draw from torch's global generator as it was at a recorded state (encoded, or the
+    tensor itself), then give it back. ``None`` borrows nothing (the block draws from the global
+    generator as it is)."""
+    if state is None:
+        yield
+        return
+    saved = torch.get_rng_state()
+    torch.set_rng_state(decode_state(state) if isinstance(state, str) else state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)

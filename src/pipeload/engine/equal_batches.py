@@ -1,0 +1,105 @@
+"""The equal-batches stage: every rank of a ``torch.distributed`` job yields as many batches.
+
+DDP runs one collective per training step; a rank that stops one step early leaves the others
+waiting in theirs for ever. A ``DistributedSampler`` gives every rank the same count by
+construction, but an iterable dataset or a DataPipe sharded by rank cannot know its share's
+length in advance (filters, uneven shards, several workers' last partial batches). This stage
+sits after the engine (and after pinning, so the collective runs in the training thread) and,
+before handing out each batch, asks every rank whether it still has one:
+
+- ``"drop"``: the epoch ends on every rank as soon as one rank has run out; a rank's extra batches
+  are never handed out (its engine stops them, as when a loop breaks early).
+- ``"pad"``: the epoch goes on until every rank has run out; a rank that ran out first hands out
+  its last batch again, once per missing step.
+
+The question is one ``all_reduce`` of one integer over a gloo group per batch (microseconds on
+one machine, a network round trip across machines), and it needs an initialised process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pipeload.distributed import all_ranks_agree
+from pipeload.errors import LoaderTimeoutError
+
+POLICIES = ("drop", "pad")
+
+
+class EqualBatches:
+    """Wraps an engine (or a pin stage) so that all ranks agree on each epoch's batch count.
+
+    Driven by the training thread only. Invariant between calls: ``_ended`` is True once every
+    rank agreed that this epoch is over; ``_last`` is the batch to repeat (``"pad"`` only).
+    """
+
+    def __init__(self, engine: Any, policy: str) -> None:
+        self._engine = engine
+        self._policy = policy
+        self._last: Any = None
+        self._handed_out = 0
+        self._ended = True
+
+    workers = property(lambda self: self._engine.workers)
+    closed = property(lambda self: self._engine.closed)
+    inner = property(lambda self: self._engine)
+
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None, **start: Any) -> None:
+        self._engine.start_epoch(tasks, shared_seed, **start)
+        self._last = None
+        self._handed_out = 0
+        self._ended = False
+
+    def next_batch(self) -> Any:
+        """The next batch, or StopIteration once the ranks agree the epoch is over.
+
+        A batch's own error counts as a step (the other ranks trained on theirs): it is raised
+        after the ranks have agreed. A timeout is raised before asking, as no step happened.
+        """
+        if self._ended:
+            raise StopIteration
+        error: Exception | None = None
+        have = True
+        try:
+            batch = self._engine.next_batch()
+        except StopIteration:
+            have, batch = False, None
+        except LoaderTimeoutError:
+            raise
+        except Exception as exc:  # one batch's error: the step still happened
+            error, batch = exc, None
+        go_on = all_ranks_agree(have, every=self._policy == "drop")
+        if not go_on:
+            self._end_epoch()
+            raise StopIteration
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
+        if not have:
+            return self._repeat_last()
+        self._handed_out += 1
+        if self._policy == "pad":
+            self._last = batch
+        return batch
+
+    def _repeat_last(self) -> Any:
+        if self._handed_out == 0:
+            self._end_epoch()
+            raise RuntimeError(
+                "equal_batches='pad' cannot pad this rank: it had no batch at all this epoch, "
+                "while another rank still has some. Shard the data so every rank gets at least "
+                "one batch, or use equal_batches='drop'"
+            )
+        return self._last
+
+    def _end_epoch(self) -> None:
+        self._ended = True
+        self._last = None
+
+    def close(self) -> None:
+        self._last = None
+        self._ended = True
+        self._engine.close()

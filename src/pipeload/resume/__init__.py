@@ -1,0 +1,28 @@
+"""Checkpoint and resume: ``DataLoader.state_dict()`` / ``load_state_dict()``.
+
+- ``epoch.py``: what the loader notes when an epoch begins and as it hands batches out;
+- ``state.py``: the JSON checkpoint built from those notes, and reading one back (with the
+  checks that refuse a state from another configuration);
+- ``replay.py``: beginning an interrupted epoch again and going on from where it was.
+
+The engines know nothing of checkpoints: they are given an :class:`~pipeload.engine.plan.EpochStart`
+(where numbering begins), a session's base seed and first epoch, and for iterable datasets each
+replica's position. See docs/design/resume.md.
+"""
+
+from pipeload.resume.epoch import STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch
+from pipeload.resume.replay import epoch_start_draws, skip_handed_out, stream_start
+from pipeload.resume.state import ResumePoint, build_state, read_state
+
+__all__ = [
+    "STREAM_SNAPSHOT_EVERY",
+    "EpochProgress",
+    "EpochRecord",
+    "ResumePoint",
+    "begin_epoch",
+    "build_state",
+    "epoch_start_draws",
+    "read_state",
+    "skip_handed_out",
+    "stream_start",
+]

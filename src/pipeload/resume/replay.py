@@ -1,0 +1,65 @@
+"""Beginning an interrupted epoch again, and going on from where it was.
+
+The loader begins the epoch as it began the first time, under the generator states the record
+kept (torch's global generator is borrowed for that moment and given back, so the training
+loop's own stream is untouched): the same base seed and DataPipe seeds are drawn, the sampler
+draws the same order. Then:
+
+- map-style datasets skip the keys of the batches already handed out, without loading them, and
+  the engine numbers the remaining batches on from there (per-batch and economic seeds follow);
+- iterable datasets: each replica starts from its latest snapshot (its ``state_dict()``, taken
+  every few batches) and makes again, and drops, the batches it had made since; a replica without
+  a state starts over and drops all it had made (with a warning). The round-robin goes on with
+  the worker whose turn it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipeload._rng_state import borrowed_global_rng
+from pipeload.engine.plan import EpochStart
+from pipeload.resume.state import ResumePoint
+
+_END = object()
+
+
+def epoch_start_draws(point: ResumePoint | None) -> contextlib.AbstractContextManager[None]:
+    """The context in which an epoch's first draws are made: the recorded global generator
+    when an interrupted epoch is begun again, else the global generator as it is."""
+    if point is None or point.record is None:
+        return contextlib.nullcontext()
+    return borrowed_global_rng(point.record.global_rng)
+
+
+def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None,
+                    keys_of: Callable[[Any], int]) -> tuple[Iterator[Any], EpochStart]:
+    """Map-style: drop the tasks of the batches handed out before the checkpoint.
+
+    The first remaining task is taken here too if the interrupted epoch had taken it: samplers
+    draw from the global generator when their first key is asked for, which must then happen
+    while it is borrowed (and otherwise after, from the user's generator, as it would have).
+    """
+    if point is None or point.record is None:
+        return tasks, EpochStart()
+    skipped_keys = 0
+    for _ in range(point.consumed):
+        task = next(tasks, _END)
+        if task is _END:
+            break
+        skipped_keys += keys_of(task)
+    if not point.sampler_started:
+        return tasks, EpochStart()
+    first = next(tasks, _END)
+    rest = tasks if first is _END else itertools.chain([first], tasks)
+    return rest, EpochStart(first_batch=point.consumed, first_position=skipped_keys)
+
+
+def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:
+    """Iterable datasets: whose turn comes first."""
+    if point is None or point.record is None:
+        return EpochStart()
+    return EpochStart(first_worker=point.next_worker % max(num_workers, 1))

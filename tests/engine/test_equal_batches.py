@@ -1,0 +1,118 @@
+"""equal_batches: every rank of a gloo job yields the same number of batches, by dropping or by
+padding, whatever each rank's share holds."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import pipeload
+
+WORLD_SIZE = 2
+# Rank 0's share makes 3 batches of 2, rank 1's makes 5 (the last one partial).
+SHARES = {0: list(range(6)), 1: list(range(100, 109))}
+
+
+class RankShare(pipeload.IterableDataset):
+    """An iterable that shards by rank itself, unevenly; workers split it further."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()  # workers have no process group: read it here
+
+    def __iter__(self) -> Any:
+        share = SHARES[self.rank]
+        info = pipeload.get_worker_info()
+        if info is not None:
+            share = share[info.id::info.num_workers]
+        return iter(share)
+
+
+class FailsOnce(RankShare):
+    def __iter__(self) -> Any:
+        for item in super().__iter__():
+            if item == 102:
+                raise KeyError("one bad sample")
+            yield item
+
+
+def _epochs(policy: str, num_workers: int, dataset: Any) -> list[list[Any]]:
+    # Thread workers: quick to start, and they shard the same way (the stage is after the engine).
+    loader = pipeload.DataLoader(dataset, batch_size=2, num_workers=num_workers, equal_batches=policy,
+                                 worker_type="thread")
+    epochs = []
+    for _ in range(2):
+        seen = []
+        iterator = iter(loader)
+        while True:
+            try:
+                seen.append(next(iterator).tolist())
+            except StopIteration:
+                break
+            except KeyError:
+                seen.append("error")
+        epochs.append(seen)
+    return epochs
+
+
+def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        found = {f"{policy}-{workers}": _epochs(policy, workers, RankShare())
+                 for policy in ("drop", "pad") for workers in (0, 2)}
+        found["pad-error"] = _epochs("pad", 0, FailsOnce())
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_drop_and_pad_give_every_rank_the_same_count(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_run_rank, args=(rank, str(tmp_path / "init"), str(tmp_path)))
+             for rank in range(WORLD_SIZE)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(150)
+    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD_SIZE))
+    # Rank 0 has 3 batches alone, 4 with two workers (each worker's last one partial); rank 1 has 5.
+    for workers, fewer in ((0, 3), (2, 4)):
+        for epoch in range(2):
+            # drop: both ranks stop when rank 0 runs out
+            assert len(rank0[f"drop-{workers}"][epoch]) == len(rank1[f"drop-{workers}"][epoch]) == fewer
+            assert sorted(sum(rank0[f"drop-{workers}"][epoch], [])) == SHARES[0]
+            # pad: rank 0 repeats its last batch until rank 1's five are done
+            padded, full = rank0[f"pad-{workers}"][epoch], rank1[f"pad-{workers}"][epoch]
+            assert len(padded) == len(full) == 5
+            assert all(batch == padded[fewer - 1] for batch in padded[fewer:])
+            assert sorted(sum(full, [])) == SHARES[1]
+    # a batch's error is a step like any other: the ranks stay in step around it
+    # (rank 1's generator is finished by its error, as in torch, and pads from its first batch)
+    assert len(rank0["pad-error"][0]) == len(rank1["pad-error"][0]) == 3
+    assert rank1["pad-error"][0] == [[100, 101], "error", [100, 101]]
+
+
+def test_outside_a_job_it_changes_nothing() -> None:
+    loader = pipeload.DataLoader(range(5), batch_size=2, equal_batches="pad")
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_torchrun_environment_without_a_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = pipeload.DataLoader(range(5), batch_size=2, equal_batches="drop")
+    warnings.simplefilter("ignore")  # that every rank loads everything: not this test's point
+    with pytest.raises(RuntimeError, match="equal_batches needs an initialised torch.distributed"):
+        iter(loader)
+
+
+def test_the_argument_names_its_choices() -> None:
+    with pytest.raises(ValueError, match=r"equal_batches should be one of .*'even'"):
+        pipeload.DataLoader(range(5), equal_batches="even")

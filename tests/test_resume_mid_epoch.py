@@ -1,0 +1,370 @@
+"""Exact mid-epoch resume: a loader restored from ``state_dict()`` (in a fresh loader, JSON in
+between, the global generator scrambled and then restored as a user's checkpoint does) yields
+the remaining batches of the epoch and the following epochs exactly as an uninterrupted run,
+random values drawn while building batches included (``worker_seeding="per_batch"``).
+
+The fast suite covers each engine, sampler, checkpoint position and kind of dataset once; the
+whole product is marked slow."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import LeakGuard
+
+import pipeload
+from pipeload.datapipes.iter import IterableWrapper
+from pipeload.errors import IncompatibleStateError
+
+EPOCHS = 3
+CHECKPOINT_EPOCH = 1
+LENGTH = 26
+BATCH = 4  # 7 batches, the last one partial
+
+
+def draws() -> tuple[float, float, float]:
+    """One value from each generator a batch may draw from: a thread worker's own set, else the
+    process's globals (as pipeload's README tells dataset authors)."""
+    info = pipeload.get_worker_info()
+    if info is not None and info.rng is not None:
+        rng = info.rng
+        return (torch.rand(1, generator=rng.torch_generator).item(), rng.random_generator.random(),
+                float(rng.numpy_generator.rand()))
+    return torch.rand(1).item(), random.random(), float(np.random.rand())
+
+
+class RandomAugment(pipeload.Dataset):
+    """Sample ``i`` is ``i`` with three random values, as an augmentation would draw them."""
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def __getitem__(self, i: int) -> tuple[int, float, float, float]:
+        return (i, *draws())
+
+
+def augment(x: int) -> tuple[int, float, float, float]:
+    return (x, *draws())
+
+
+class PlainStream(pipeload.IterableDataset):
+    """An iterable without a state_dict: resumed by fast-forwarding."""
+
+    def __iter__(self) -> Any:
+        info = pipeload.get_worker_info()
+        ids = range(LENGTH) if info is None else range(info.id, LENGTH, info.num_workers)
+        return (augment(i) for i in ids)
+
+
+ENGINES: dict[str, dict[str, Any]] = {
+    "inline": {},
+    "processes": {"num_workers": 2},
+    "persistent": {"num_workers": 2, "persistent_workers": True},
+    "threads": {"num_workers": 2, "worker_type": "thread"},
+    "economic": {"num_workers": 2, "mode": "economic", "num_batch_workers": 2},
+    "economic-threads-persistent": {"num_workers": 2, "mode": "economic", "worker_type": "thread",
+                                    "num_batch_workers": 1, "persistent_workers": True},
+}
+
+
+def map_loader(sampling: str, **options: Any) -> pipeload.DataLoader:
+    dataset = RandomAugment()
+    options.setdefault("worker_seeding", "per_batch")
+    if sampling == "shuffle":
+        return pipeload.DataLoader(dataset, batch_size=BATCH, shuffle=True, **options)
+    if sampling == "loader-generator":
+        generator = torch.Generator().manual_seed(11)
+        return pipeload.DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=generator, **options)
+    if sampling == "weighted":
+        sampler = pipeload.WeightedRandomSampler([1.0 + i % 3 for i in range(LENGTH)], LENGTH)
+        return pipeload.DataLoader(dataset, batch_size=BATCH, sampler=sampler, **options)
+    if sampling == "distributed":
+        sampler = pipeload.DistributedSampler(dataset, num_replicas=2, rank=1, seed=3)
+        return pipeload.DataLoader(dataset, batch_size=BATCH, sampler=sampler, **options)
+    if sampling == "batch-sampler":
+        batches = pipeload.BatchSampler(pipeload.SubsetRandomSampler(range(0, LENGTH, 2)), 3, True)
+        return pipeload.DataLoader(dataset, batch_sampler=batches, **options)
+    raise AssertionError(sampling)
+
+
+def pipe_loader(length: int = LENGTH, **options: Any) -> pipeload.DataLoader:
+    pipe = IterableWrapper(range(length)).shuffle(buffer_size=6).sharding_filter().map(augment)
+    return pipeload.DataLoader(pipe, batch_size=BATCH, shuffle=True, worker_seeding="per_batch", **options)
+
+
+def plain_loader(**options: Any) -> pipeload.DataLoader:
+    return pipeload.DataLoader(PlainStream(), batch_size=BATCH, worker_seeding="per_batch", **options)
+
+
+@dataclass
+class Run:
+    """Every epoch's batches, as plain lists."""
+
+    epochs: list[list[Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def as_lists(batch: Any) -> Any:
+    return [column.tolist() for column in batch]
+
+
+def epoch_of(loader: pipeload.DataLoader, epoch: int, limit: int | None = None) -> tuple[list[Any], Any]:
+    if isinstance(loader.sampler, pipeload.DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+    iterator = iter(loader)
+    return [as_lists(b) for b in itertools.islice(iterator, limit)], iterator
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def user_generators() -> tuple[Any, ...]:
+    """What a training script's checkpoint saves of the process's generators."""
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def restore_user_generators(saved: tuple[Any, ...]) -> None:
+    torch.set_rng_state(saved[0])
+    random.setstate(saved[1])
+    np.random.set_state(saved[2])
+
+
+def uninterrupted(make: Callable[[], pipeload.DataLoader]) -> Run:
+    seed_everything(0)
+    loader = make()
+    return Run([epoch_of(loader, epoch)[0] for epoch in range(EPOCHS)])
+
+
+def interrupted(make: Callable[[], pipeload.DataLoader], taken: int | None,
+                resume_with: Callable[[], pipeload.DataLoader] | None = None) -> Run:
+    """Stop after ``taken`` batches of the checkpoint epoch (None: between it and the next),
+    checkpoint, and go on in a new loader (``resume_with``, else the same kind)."""
+    seed_everything(0)
+    loader = make()
+    run = Run([epoch_of(loader, epoch)[0] for epoch in range(CHECKPOINT_EPOCH)])
+    head, iterator = epoch_of(loader, CHECKPOINT_EPOCH, taken)
+    ended = taken is None or len(head) < taken  # the epoch had fewer batches: it reached its end
+    state = json.loads(json.dumps(loader.state_dict()))
+    saved = user_generators()
+    del iterator, loader
+
+    seed_everything(999)  # a new process has other generator states...
+    resumed = (resume_with or make)()
+    restore_user_generators(saved)  # ...until the user's checkpoint restores theirs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state)
+        if ended:
+            run.epochs.append(head)
+        else:
+            rest, _ = epoch_of(resumed, CHECKPOINT_EPOCH)
+            run.epochs.append(head + rest)
+    run.warnings = [str(w.message) for w in caught]
+    run.epochs += [epoch_of(resumed, epoch)[0] for epoch in range(CHECKPOINT_EPOCH + 1, EPOCHS)]
+    return run
+
+
+def assert_same(make: Callable[[], pipeload.DataLoader], taken: int | None, **kwargs: Any) -> Run:
+    expected = uninterrupted(make)
+    got = interrupted(make, taken, **kwargs)
+    for epoch, (want, have) in enumerate(zip(expected.epochs, got.epochs, strict=True)):
+        assert have == want, f"epoch {epoch} differs after resuming at batch {taken}"
+    return got
+
+
+# -- map-style ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_engine_resumes_exactly(engine: str, leak_guard: LeakGuard) -> None:
+    assert_same(lambda: map_loader("shuffle", **ENGINES[engine]), taken=3)
+
+
+@pytest.mark.parametrize("sampling", ["loader-generator", "weighted", "distributed", "batch-sampler"])
+def test_each_sampler_resumes_exactly(sampling: str) -> None:
+    assert_same(lambda: map_loader(sampling), taken=2)
+
+
+@pytest.mark.parametrize("taken", [0, 1, 7, None], ids=["before-first", "after-first", "after-last", "between-epochs"])
+def test_any_checkpoint_position(taken: int | None) -> None:
+    assert_same(lambda: map_loader("loader-generator"), taken=taken)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("before", "after"), [("processes", "inline"), ("inline", "threads"),
+                                               ("economic", "processes")])
+def test_another_num_workers_or_mode_gives_the_same_samples(before: str, after: str, leak_guard: LeakGuard) -> None:
+    same_seeding = "economic" not in (before, after)  # economic seeds per item, classic per batch
+    expected = uninterrupted(lambda: map_loader("shuffle", **ENGINES[before]))
+    got = interrupted(lambda: map_loader("shuffle", **ENGINES[before]), taken=3,
+                      resume_with=lambda: map_loader("shuffle", **ENGINES[after]))
+    for want, have in zip(expected.epochs, got.epochs, strict=True):
+        assert [batch[0] for batch in have] == [batch[0] for batch in want]  # the samples
+        if same_seeding:
+            assert have == want  # and every random value: per-batch seeds do not name a worker
+
+
+@pytest.mark.timeout(120)
+def test_torch_seeding_resumes_the_samples_not_the_worker_draws(leak_guard: LeakGuard) -> None:
+    make = lambda: map_loader("shuffle", num_workers=2, worker_seeding="torch")  # noqa: E731
+    expected = uninterrupted(make)
+    got = interrupted(make, taken=3)
+    for want, have in zip(expected.epochs, got.epochs, strict=True):
+        assert [batch[0] for batch in have] == [batch[0] for batch in want]
+    # Without workers the main process's generators build the batches: the user's restored
+    # state gives the same draws even with torch's seeding.
+    make_inline = lambda: map_loader("shuffle", worker_seeding="torch")  # noqa: E731
+    assert_same(make_inline, taken=3)
+
+
+# -- iterable-style -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "processes", "threads", "persistent"])
+def test_a_pipe_resumes_through_its_state(engine: str, leak_guard: LeakGuard) -> None:
+    run = assert_same(lambda: pipe_loader(**ENGINES[engine]), taken=3)
+    assert run.warnings == []
+
+
+@pytest.mark.timeout(120)
+def test_replicas_resume_from_their_latest_snapshot_and_remake_the_rest(leak_guard: LeakGuard) -> None:
+    # 25 batches per worker: each sends its state with batches 1, 8, 16, 24; at batch 23 of the
+    # epoch worker 0 has made 12 (snapshot at 8: 4 made again), worker 1 has made 11 (3 again).
+    run = assert_same(lambda: pipe_loader(length=200, num_workers=2, worker_type="thread"), taken=23)
+    assert run.warnings == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "processes"])
+def test_an_iterable_without_state_is_fast_forwarded_with_a_warning(engine: str, leak_guard: LeakGuard) -> None:
+    run = assert_same(lambda: plain_loader(**ENGINES[engine]), taken=3)
+    assert len(run.warnings) == 1
+    assert "PlainStream cannot say where it stands" in run.warnings[0]
+    assert "reads the 3 batches already handed out" in run.warnings[0]
+
+
+# -- the state itself ---------------------------------------------------------------------------
+
+
+class BigSamples(pipeload.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((256, 256), float(i))
+
+
+def test_the_state_is_small_json_with_no_sample_in_it() -> None:
+    loader = pipeload.DataLoader(BigSamples(), batch_size=8, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    text = json.dumps(loader.state_dict())
+    assert len(text) < 20_000  # generator states and counts; one batch alone is 2 MB
+    state = json.loads(text)
+    assert (state["format"], state["version"], state["epoch"]["consumed"]) == ("pipeload.DataLoader", 1, 1)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"dataset": RandomAugment.__new__(type("Shorter", (RandomAugment,), {"__len__": lambda self: 20}))},
+     "dataset_length differs (state: 26, here: 20)"),
+    ({"batch_size": 5}, "batch_size differs (state: 4, here: 5)"),
+    ({"drop_last": True}, "drop_last differs (state: False, here: True)"),
+])
+def test_a_state_from_another_configuration_is_refused(change: dict[str, Any], named: str) -> None:
+    options = {"dataset": RandomAugment(), "batch_size": BATCH, "drop_last": False, **change}
+    state = pipeload.DataLoader(RandomAugment(), batch_size=BATCH).state_dict()
+    with pytest.raises(IncompatibleStateError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        pipeload.DataLoader(**options).load_state_dict(state)
+
+
+def test_another_world_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = pipeload.DataLoader(RandomAugment(), batch_size=BATCH).state_dict()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(IncompatibleStateError, match=r"world_size differs \(state: 1, here: 2\)"):
+        pipeload.DataLoader(RandomAugment(), batch_size=BATCH).load_state_dict(state)
+
+
+def test_iterable_replicas_need_the_same_num_workers() -> None:
+    state = plain_loader(num_workers=2, worker_type="thread").state_dict()
+    with pytest.raises(IncompatibleStateError, match=r"num_workers differs \(state: 2, here: 1\)"):
+        plain_loader(num_workers=1, worker_type="thread").load_state_dict(state)
+
+
+def test_not_a_loader_state_and_a_newer_version_are_refused() -> None:
+    loader = pipeload.DataLoader(RandomAugment(), batch_size=BATCH)
+    with pytest.raises(IncompatibleStateError, match="made by DataLoader.state_dict"):
+        loader.load_state_dict({"epoch": 3})
+    with pytest.raises(IncompatibleStateError, match="version 2"):
+        loader.load_state_dict({**loader.state_dict(), "version": 2})
+
+
+def test_out_of_order_loading_cannot_checkpoint() -> None:
+    loader = pipeload.DataLoader(RandomAugment(), batch_size=BATCH, num_workers=1, in_order=False,
+                                 worker_type="thread")
+    with pytest.raises(ValueError, match="state_dict\\(\\) needs in_order=True"):
+        loader.state_dict()
+
+
+# -- the whole product --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("sampling", ["shuffle", "loader-generator", "weighted", "distributed", "batch-sampler"])
+@pytest.mark.parametrize("taken", [0, 4, 7, None])
+def test_every_engine_sampler_and_position(engine: str, sampling: str, taken: int | None, leak_guard: LeakGuard) -> None:
+    assert_same(lambda: map_loader(sampling, **ENGINES[engine]), taken=taken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ["inline", "processes", "persistent", "threads"])
+@pytest.mark.parametrize("make", [pipe_loader, plain_loader], ids=["pipe", "plain"])
+@pytest.mark.parametrize("taken", [0, 1, 5, None])
+def test_every_iterable_engine_and_position(engine: str, make: Callable[..., Any], taken: int | None,
+                                            leak_guard: LeakGuard) -> None:
+    assert_same(lambda: make(**ENGINES[engine]), taken=taken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("before", "after"), list(itertools.permutations(
+    ["inline", "processes", "persistent", "threads"], 2)))
+def test_every_change_of_classic_engine(before: str, after: str, leak_guard: LeakGuard) -> None:
+    expected = uninterrupted(lambda: map_loader("shuffle", **ENGINES[before]))
+    got = interrupted(lambda: map_loader("shuffle", **ENGINES[before]), taken=3,
+                      resume_with=lambda: map_loader("shuffle", **ENGINES[after]))
+    assert got.epochs[CHECKPOINT_EPOCH] == expected.epochs[CHECKPOINT_EPOCH]
+
+
+class OwnOrder(pipeload.Sampler[int]):
+    """A user's sampler without state_dict(), drawing from the global generator as it starts."""
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(LENGTH).tolist())
+
+    def __len__(self) -> int:
+        return LENGTH
+
+
+def test_a_sampler_without_state_is_replayed_with_a_warning() -> None:
+    make = lambda: pipeload.DataLoader(RandomAugment(), batch_size=BATCH, sampler=OwnOrder(),  # noqa: E731
+                                       worker_seeding="per_batch")
+    run = assert_same(make, taken=2)
+    assert len(run.warnings) == 1 and "OwnOrder has no state_dict()" in run.warnings[0]

@@ -1,0 +1,99 @@
+"""Samplers' state_dict/load_state_dict: a sampler loaded from a checkpoint taken mid-iteration
+yields exactly what the original went on to yield, then the same following iterations."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import pipeload
+from pipeload.errors import IncompatibleStateError
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+SAMPLERS: dict[str, Callable[[], Any]] = {
+    "sequential": lambda: pipeload.SequentialSampler(range(11)),
+    "random-own-generator": lambda: pipeload.RandomSampler(range(11), generator=seeded(3)),
+    "random-global": lambda: pipeload.RandomSampler(range(11)),
+    "random-replacement": lambda: pipeload.RandomSampler(range(11), replacement=True, num_samples=70,
+                                                         generator=seeded(3)),
+    "random-more-than-length": lambda: pipeload.RandomSampler(range(5), num_samples=17),
+    "subset-global": lambda: pipeload.SubsetRandomSampler([4, 8, 15, 16, 23, 42]),
+    "weighted-own-generator": lambda: pipeload.WeightedRandomSampler([1.0, 2.0, 3.0], 9, generator=seeded(1)),
+    "weighted-global": lambda: pipeload.WeightedRandomSampler([1.0, 2.0, 3.0, 0.5], 3, replacement=False),
+    "distributed": lambda: pipeload.DistributedSampler(range(11), num_replicas=3, rank=1, seed=5),
+    "batch-of-random": lambda: pipeload.BatchSampler(pipeload.RandomSampler(range(11)), 3, False),
+    "batch-drop-last": lambda: pipeload.BatchSampler(
+        pipeload.RandomSampler(range(11), generator=seeded(2)), 4, True),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("taken", [0, 1, 2])
+def test_resumed_sampler_goes_on_as_the_original(name: str, taken: int) -> None:
+    make = SAMPLERS[name]
+    torch.manual_seed(7)
+    original = make()
+    first = list(original)  # an earlier iteration: generators have moved on
+    iterator = iter(original)
+    head = [next(iterator) for _ in range(taken)]
+    state = json.loads(json.dumps(original.state_dict()))  # JSON all the way
+    global_state = torch.get_rng_state()
+    if isinstance(original, pipeload.DistributedSampler):
+        original.set_epoch(1)  # a later epoch must come from the state's epoch, then this one
+    rest, following = list(iterator), list(original)
+
+    torch.manual_seed(12345)  # a new process: other global state...
+    resumed = make()
+    torch.set_rng_state(global_state)  # ...until the user restores theirs, as a checkpoint does
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == head + rest
+    if isinstance(resumed, pipeload.DistributedSampler):
+        resumed.set_epoch(1)
+    assert list(resumed) == following
+    assert len(first) == len(head + rest) or isinstance(original, pipeload.BatchSampler)
+
+
+def test_a_finished_iteration_resumes_as_the_next_one() -> None:
+    original = pipeload.RandomSampler(range(6), generator=seeded(0))
+    list(original)
+    state = original.state_dict()
+    assert state["iteration"] is None
+    following = list(original)
+    resumed = pipeload.RandomSampler(range(6), generator=seeded(99))
+    resumed.load_state_dict(state)
+    assert list(resumed) == following
+
+
+def test_the_state_holds_no_indices() -> None:
+    sampler = pipeload.RandomSampler(range(1_000_000), generator=seeded(0))
+    iterator = iter(sampler)
+    next(iterator)
+    assert len(json.dumps(sampler.state_dict())) < 16_000  # two generator states, not a permutation
+
+
+@pytest.mark.parametrize(("make_other", "named"), [
+    (lambda: pipeload.RandomSampler(range(12)), "length differs (state: 11, here: 12)"),
+    (lambda: pipeload.SequentialSampler(range(11)), "sampler type differs"),
+    (lambda: pipeload.DistributedSampler(range(11), num_replicas=4, rank=1), "num_replicas differs (state: 3, here: 4)"),
+])
+def test_a_state_from_another_configuration_is_refused(make_other: Callable[[], Any], named: str) -> None:
+    source = (pipeload.DistributedSampler(range(11), num_replicas=3, rank=1)
+              if "num_replicas" in named else pipeload.RandomSampler(range(11)))
+    with pytest.raises(IncompatibleStateError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        make_other().load_state_dict(source.state_dict())
+
+
+def test_batch_size_and_version_are_checked() -> None:
+    state = pipeload.BatchSampler(range(10), 4, False).state_dict()
+    with pytest.raises(IncompatibleStateError, match="batch_size differs"):
+        pipeload.BatchSampler(range(10), 5, False).load_state_dict(state)
+    with pytest.raises(IncompatibleStateError, match="version 99"):
+        pipeload.BatchSampler(range(10), 4, False).load_state_dict({**state, "version": 99})
