@@ -588,7 +588,9 @@ def torch_reference(case: str, num_workers: int) -> Run:
     return run(tud, CASES[case], worker_kwargs(num_workers, "process"))
 
 
-@pytest.mark.parametrize("num_workers", [0, 2, 3])
+# Three workers (uneven turns) for every case is the slow suite's; the fast one keeps 0 and 2 here
+# and three workers in the sharding and RNG tests below.
+@pytest.mark.parametrize("num_workers", [0, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_process_workers_match_torch(case: str, num_workers: int) -> None:
     mine = run(pipeload, CASES[case], worker_kwargs(num_workers, "process"))
@@ -600,7 +602,7 @@ def test_process_workers_match_torch(case: str, num_workers: int) -> None:
 THREAD_CASE_IDS = [c for c in CASE_IDS if c != "torch-sharded-by-torch-worker-info-b2"]
 
 
-@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("num_workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", THREAD_CASE_IDS)
 def test_thread_workers_match_torch_processes(case: str, num_workers: int) -> None:
     mine = run(pipeload, CASES[case], worker_kwargs(num_workers, "thread"))

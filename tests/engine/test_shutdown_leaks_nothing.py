@@ -126,7 +126,7 @@ def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode):
 
 @pytest.mark.parametrize(
     ("context", "loader_mode"),
-    [("thread", "classic"), ("thread", "economic"), pytest.param("spawn", "classic", marks=pytest.mark.timeout(120)),
+    [("thread", "classic"), ("thread", "economic"), pytest.param("spawn", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      pytest.param("spawn", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
 def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode):
@@ -136,7 +136,7 @@ def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode):
 @pytest.mark.parametrize(
     ("context", "mode", "loader_mode"),
     [("fork", "busy", "classic"), ("fork", "idle", "classic"), ("fork", "busy", "economic"),
-     ("fork", "idle", "economic"), pytest.param("spawn", "busy", "classic", marks=pytest.mark.timeout(120)),
+     ("fork", "idle", "economic"), pytest.param("spawn", "busy", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
 def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
