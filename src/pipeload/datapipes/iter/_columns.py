@@ -24,6 +24,11 @@ def length_of(source: object, pipe: object) -> int:
     raise no_length(pipe)
 
 
+def batch_count(length: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches ``length`` items make: a short last batch counts unless ``drop_last``."""
+    return length // batch_size if drop_last else -(-length // batch_size)
+
+
 def apply_to_columns(fn: Callable[..., Any], data: Any, input_col: Any) -> Any:
     """Call ``fn`` on the whole item, one column, or several columns as separate arguments."""
     if input_col is None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
-from pipeload.datapipes.iter._columns import check_positive, length_of, no_length
+from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of, no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 
 
@@ -45,10 +45,7 @@ class Batcher(IterDataPipe[DataChunk]):
         return _BatcherIterator(self, self.datapipe)
 
     def __len__(self) -> int:
-        length = length_of(self.datapipe, self)
-        if self.drop_last:
-            return length // self.batch_size
-        return (length + self.batch_size - 1) // self.batch_size
+        return batch_count(length_of(self.datapipe, self), self.batch_size, self.drop_last)
 
 
 class _BatcherIterator(PipeIterator[DataChunk]):

@@ -11,7 +11,7 @@ import torch
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
-from pipeload.datapipes.iter._columns import check_positive, length_of
+from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of
 from pipeload.datapipes.iter.combinatorics import SeededPipe
 from pipeload.datapipes.iter.grouping import Batcher, _BatcherIterator
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
@@ -158,10 +158,7 @@ class BucketBatcher(SeededPipe, IterDataPipe[DataChunk]):
         return _BucketIterator(self, self.datapipe)
 
     def __len__(self) -> int:
-        length = length_of(self.datapipe, self)
-        if self.drop_last:
-            return length // self.batch_size
-        return (length + self.batch_size - 1) // self.batch_size
+        return batch_count(length_of(self.datapipe, self), self.batch_size, self.drop_last)
 
 
 class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):

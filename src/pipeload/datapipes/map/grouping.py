@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sized
 from typing import Any
 
 from pipeload.datapipes.base import MapDataPipe
 from pipeload.datapipes.chunk import DataChunk
-from pipeload.datapipes.iter._columns import check_positive, no_length
+from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of
 
 
 class Batcher(MapDataPipe[DataChunk]):
@@ -46,8 +45,4 @@ class Batcher(MapDataPipe[DataChunk]):
         return self.wrapper_class(batch)
 
     def __len__(self) -> int:
-        if not isinstance(self.datapipe, Sized):
-            raise no_length(self)
-        if self.drop_last:
-            return len(self.datapipe) // self.batch_size
-        return (len(self.datapipe) + self.batch_size - 1) // self.batch_size
+        return batch_count(length_of(self.datapipe, self), self.batch_size, self.drop_last)
