@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
 from pipeload.shared._index import IndexLayout, UnsupportedKey, key_finder, write_index
-from pipeload.shared._segment import Segment, SegmentWriter
+from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -25,7 +25,7 @@ class _MappingLayout:
     index: IndexLayout
 
 
-class SharedMapping(Mapping[K, V]):
+class SharedMapping(SegmentBacked, Mapping[K, V]):
     """A read-only dict kept outside Python's reference counting, shared by every worker.
 
     Built from a dict (or anything ``dict()`` accepts). Keys must be ``str``, ``bytes``, ``int``,
@@ -158,35 +158,6 @@ class SharedMapping(Mapping[K, V]):
 
     def __reduce__(self) -> Any:
         return (_rebuild, (type(self), self._segment, self._layout))
-
-    def __copy__(self) -> SharedMapping[K, V]:
-        return self  # read-only: a copy could never differ
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SharedMapping[K, V]:
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the shared segment: keys, values and the hash index."""
-        return self._segment.size
-
-    @property
-    def closed(self) -> bool:
-        return self._segment.closed
-
-    def close(self) -> None:
-        """Release this process's mapping now (others keep theirs). Idempotent."""
-        self._segment.close()
-
-    def __enter__(self) -> SharedMapping[K, V]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._segment.closed:
-            raise ValueError("I/O operation on a closed SharedMapping")
 
 
 class _Values(ValuesView):

@@ -141,6 +141,47 @@ class Segment:
         return (_from_bytes, (self.data[:],))
 
 
+class SegmentBacked:
+    """What every shared container does with the one segment it reads: copies are the container
+    itself (it is read-only, so a copy could never differ), and closing releases this process's
+    mapping. Subclasses set ``_segment``."""
+
+    __slots__ = ()  # the containers keep theirs: no per-object dict
+    _segment: Segment
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared segment (data, offsets and any index), shared by its views."""
+        return self._segment.size
+
+    @property
+    def closed(self) -> bool:
+        return self._segment.closed
+
+    def close(self) -> None:
+        """Release this process's mapping now, for this container and every view of its segment.
+
+        Other processes keep theirs; the memory is freed once all have let go. Idempotent.
+        """
+        self._segment.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._segment.closed:
+            raise ValueError(f"I/O operation on a closed {type(self).__name__}")
+
+
 def _release(data: mmap.mmap, fd: int, arrays: dict[tuple[int, int, str], memoryview]) -> None:
     for view in arrays.values():
         view.release()

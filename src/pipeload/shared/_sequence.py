@@ -7,14 +7,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
-from pipeload.shared._segment import Segment, SegmentWriter
+from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 T = TypeVar("T")
 _SHORT = reprlib.Repr()
 _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother = 5, 60, 60
 
 
-class SharedSequence(Sequence[T]):
+class SharedSequence(SegmentBacked, Sequence[T]):
     """A read-only list kept outside Python's reference counting, shared by every worker.
 
     Built from any iterable of picklable values. The items are encoded once into one memory
@@ -136,38 +136,6 @@ class SharedSequence(Sequence[T]):
     def __reduce__(self) -> Any:
         # The segment pickles as a handle while a worker process starts, as bytes otherwise.
         return (_rebuild, (type(self), self._segment, self._layout, self._positions))
-
-    def __copy__(self) -> SharedSequence[T]:
-        return self  # read-only: a copy could never differ
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SharedSequence[T]:
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the shared segment (offsets and index included), shared by its views."""
-        return self._segment.size
-
-    @property
-    def closed(self) -> bool:
-        return self._segment.closed
-
-    def close(self) -> None:
-        """Release this process's mapping now, for this sequence and every view of its segment.
-
-        Other processes keep theirs; the memory is freed once all have let go. Idempotent.
-        """
-        self._segment.close()
-
-    def __enter__(self) -> SharedSequence[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._segment.closed:
-            raise ValueError("I/O operation on a closed SharedSequence")
 
 
 def _rebuild(cls: type[SharedSequence[Any]], segment: Segment, layout: ColumnLayout, positions: range) -> Any:
