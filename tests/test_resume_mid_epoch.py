@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -313,11 +314,61 @@ def test_not_a_loader_state_and_a_newer_version_are_refused() -> None:
         loader.load_state_dict({**loader.state_dict(), "version": 2})
 
 
-def test_out_of_order_loading_cannot_checkpoint() -> None:
-    loader = pipeload.DataLoader(RandomAugment(), batch_size=BATCH, num_workers=1, in_order=False,
-                                 worker_type="thread")
-    with pytest.raises(ValueError, match="state_dict\\(\\) needs in_order=True"):
-        loader.state_dict()
+class FirstBatchLate(RandomAugment):
+    """Batch 0 takes a while, so out of order the batches after it are handed out first."""
+
+    def __getitem__(self, i: int) -> tuple[int, float, float, float]:
+        if i == 0:
+            time.sleep(0.3)  # a slow sample, not a wait: the test polls nothing
+        return super().__getitem__(i)
+
+
+def out_of_order_loader(**options: Any) -> pipeload.DataLoader:
+    options = {"num_workers": 2, "in_order": False, **options}
+    return pipeload.DataLoader(FirstBatchLate(), batch_size=BATCH, worker_seeding="per_batch", **options)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["processes", "threads", "economic", "to-inline"])
+def test_out_of_order_loading_resumes_the_batches_not_handed_out(engine: str, leak_guard: LeakGuard) -> None:
+    options = {"processes": {}, "threads": {"worker_type": "thread"},
+               "economic": {"mode": "economic", "num_batch_workers": 2}, "to-inline": {}}[engine]
+    expected = uninterrupted(lambda: out_of_order_loader(**options))
+    after = {"num_workers": 0, "in_order": True} if engine == "to-inline" else options
+    seed_everything(0)
+    loader = out_of_order_loader(**options)
+    head, iterator = epoch_of(loader, 0, 1)  # batch 1: batch 0 is still being made
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator, loader
+    assert (state["epoch"]["consumed"], state["epoch"]["handed_out_above"]) == (0, [1])
+    resumed = out_of_order_loader(**after)
+    resumed.load_state_dict(state)
+    rest, _ = epoch_of(resumed, 0)
+    by_first_sample = lambda batches: sorted(batches, key=lambda b: b[0][0])  # noqa: E731
+    # the same batches, every random value included, each exactly once
+    assert by_first_sample(head + rest) == by_first_sample(expected.epochs[0])
+    assert [by_first_sample(epoch_of(resumed, e)[0]) for e in (1, 2)] == [by_first_sample(e) for e in expected.epochs[1:]]
+
+
+@pytest.mark.parametrize("make", [lambda: map_loader("loader-generator"), lambda: pipe_loader()], ids=["map", "pipe"])
+def test_a_checkpoint_taken_after_resuming_resumes_too(make: Callable[[], pipeload.DataLoader]) -> None:
+    expected = uninterrupted(make)
+    seed_everything(0)
+    loader = make()
+    seen = epoch_of(loader, 0, 2)[0]
+    for _ in range(2):  # resume, take two more, checkpoint again
+        state = json.loads(json.dumps(loader.state_dict()))
+        saved = user_generators()
+        loader = make()
+        restore_user_generators(saved)
+        loader.load_state_dict(state)
+        iterator = iter(loader)
+        seen += [as_lists(next(iterator)) for _ in range(2)]
+        del iterator
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader = make()
+    loader.load_state_dict(state)
+    assert seen + epoch_of(loader, 0)[0] == expected.epochs[0]
 
 
 # -- the whole product --------------------------------------------------------------------------

@@ -284,7 +284,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         point, self._resume_point = self._resume_point, None
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
-        record = resume.begin_epoch(self)  # before anything is drawn for this epoch
+        record = resume.begin_epoch(self, point.record if point is not None else None)  # before any draw
         with resume.epoch_start_draws(point):
             tasks = iter(self._index_sampler)
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
@@ -296,7 +296,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             raise
         if self._stats is not None:
             self._stats.epoch_started()
-        progress = resume.EpochProgress()
+        progress = resume.progress_from(point)
         self._epoch_notes = (record, progress)
         iterator = _EpochIterator(self, engine, owned, progress)
         if not owned:
@@ -342,15 +342,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
         drawn while building batches is in docs/design/resume.md (``worker_seeding``).
 
         Raises:
-            ValueError: ``in_order=False`` with workers (the batches handed out are then not
-                the first N of the epoch, so a count cannot say which they were).
+            ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across
+                ranks (see ``resume.check_can_checkpoint``).
         """
-        if not self.in_order and self.num_workers > 0:
-            raise ValueError(
-                "state_dict() needs in_order=True when num_workers > 0, but this DataLoader has "
-                "in_order=False: its batches come as they finish, so the ones handed out are not "
-                "the first N of the epoch and cannot be told apart by a count"
-            )
+        resume.check_can_checkpoint(self)
         record, progress = self._epoch_notes if self._epoch_notes is not None else (None, None)
         session = None
         if self._persistent_engine is not None and not self._persistent_engine.closed:
@@ -406,6 +401,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
             if replica_setup.shared_seed is not None and session is None:
                 replica.draw_shared_seed(self.generator, share=False)
+        if point is not None and point.handed_out_above:
+            engine = resume.DropHandedOut(engine)  # below pinning and the ranks' agreement
         return self._balance_ranks(self._maybe_pin(engine))
 
     def _balance_ranks(self, engine: Any) -> Any:
@@ -415,7 +412,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
     def _fetch_spec(self, point: resume.ResumePoint | None) -> FetchSpec:
         iterable = self._dataset_kind is DatasetKind.ITERABLE
-        streams = point.streams if point is not None and point.record is not None else None
+        streams = resume.resumed_streams(point)
         return FetchSpec(
             self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last,
             per_batch_seeding=self.worker_seeding == "per_batch" and self.mode == "classic",

@@ -60,12 +60,45 @@ def _epochs(policy: str, num_workers: int, dataset: Any) -> list[list[Any]]:
     return epochs
 
 
+def _pad_loader(kind: str, num_workers: int) -> pipeload.DataLoader:
+    dataset = RankShare() if kind == "iterable" else SHARES[dist.get_rank()]
+    return pipeload.DataLoader(dataset, batch_size=2, num_workers=num_workers, equal_batches="pad",
+                               worker_type="thread", worker_seeding="per_batch")
+
+
+def _resumed_while_padding(kind: str, num_workers: int, taken: int) -> list[Any]:
+    """Every rank checkpoints after ``taken`` steps (rank 0 padding by then), and a new loader
+    goes on from its state: what the epoch handed out, before and after."""
+    loader = _pad_loader(kind, num_workers)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(taken)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator, loader
+    resumed = _pad_loader(kind, num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RankShare has no state: it is fast-forwarded
+        resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    seen += [next(iterator).tolist()]
+    state = json.loads(json.dumps(resumed.state_dict()))  # a second checkpoint, after resuming
+    del iterator, resumed
+    again = _pad_loader(kind, num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again.load_state_dict(state)
+    return seen + [batch.tolist() for batch in again]
+
+
 def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
         found = {f"{policy}-{workers}": _epochs(policy, workers, RankShare())
                  for policy in ("drop", "pad") for workers in (0, 2)}
         found["pad-error"] = _epochs("pad", 0, FailsOnce())
+        for kind in ("map", "iterable"):
+            for workers in (0, 2):
+                found[f"resumed-{kind}-{workers}"] = _resumed_while_padding(kind, workers, taken=3)
+                found[f"uninterrupted-{kind}-{workers}"] = [b.tolist() for b in _pad_loader(kind, workers)]
         Path(out_dir, f"{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
@@ -97,6 +130,15 @@ def test_drop_and_pad_give_every_rank_the_same_count(tmp_path: Path) -> None:
     # (rank 1's generator is finished by its error, as in torch, and pads from its first batch)
     assert len(rank0["pad-error"][0]) == len(rank1["pad-error"][0]) == 3
     assert rank1["pad-error"][0] == [[100, 101], "error", [100, 101]]
+    # checkpoints taken while rank 0 pads (after step 3 of 5, and again after step 4): both ranks
+    # go on exactly as the uninterrupted epoch, rank 0 repeating the batch it repeated
+    for found in (rank0, rank1):
+        for kind in ("map", "iterable"):
+            for workers in (0, 2):
+                uninterrupted = found[f"uninterrupted-{kind}-{workers}"]
+                assert len(uninterrupted) == 5
+                assert found[f"resumed-{kind}-{workers}"] == uninterrupted, (kind, workers)
+    assert rank0["uninterrupted-map-0"][3:] == [[4, 5], [4, 5]]
 
 
 def test_outside_a_job_it_changes_nothing() -> None:

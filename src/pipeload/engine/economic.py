@@ -33,7 +33,7 @@ from pipeload.engine.economic_workers import (
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.item_scheduler import ItemScheduler
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import EconomicSetup, EpochStart
+from pipeload.engine.plan import DatasetKind, EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -146,6 +146,9 @@ class EconomicEngine:
 
     def __init__(self, config: EconomicConfig) -> None:
         self._config = config
+        # Out of order, a map-style epoch's batches say their numbers: which were handed out is
+        # then a set, which a checkpoint records (iterable replicas record their own positions).
+        self._numbered = not config.in_order and config.setup.worker.fetch.kind is DatasetKind.MAP
         setup = config.setup
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
@@ -197,7 +200,7 @@ class EconomicEngine:
         when its turn comes, and the next call goes on with the following batch; a timeout leaves
         everything as it was; anything else (a dead worker, Ctrl-C) closes the engine first.
         """
-        return hand_out(self._next_report, self.close, self._supply)
+        return hand_out(self._next_report, self.close, self._supply, self._numbered)
 
     def close(self) -> None:
         self._finalizer()

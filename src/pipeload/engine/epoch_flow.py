@@ -10,10 +10,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.messages import Report, WorkerReport
+
+
+class NumberedBatch(NamedTuple):
+    """A batch handed out out of order (``in_order=False``, map-style), with its number: which
+    batches an epoch has handed out is then a set, not a count (``pipeload/resume``)."""
+
+    batch: Any
+    number: int
+
+
+_BATCH_NUMBER = "_pipeload_batch_number"
+
+
+def batch_number_of(error: BaseException) -> int | None:
+    """The number of the batch whose building raised ``error``, when it was handed out out of
+    order (None otherwise)."""
+    return getattr(error, _BATCH_NUMBER, None)
 
 
 class TaskSupply:
@@ -51,12 +68,14 @@ class TaskSupply:
 
 
 def hand_out(
-    next_report: Callable[[], WorkerReport | None], close: Callable[[], None], supply: TaskSupply
+    next_report: Callable[[], WorkerReport | None], close: Callable[[], None], supply: TaskSupply,
+    numbered: bool = False,
 ) -> Any:
     """``next_batch`` for a pooled engine: the next report's batch, by the rules above.
 
     ``next_report`` returns the next report to hand out, or None once every batch sent has been
-    handed out.
+    handed out. ``numbered``: batches come out of order; each says its number (a
+    :class:`NumberedBatch`, or the number attached to the error a failed one raises).
     """
     try:
         report = next_report()
@@ -67,11 +86,17 @@ def hand_out(
         raise
     if report is None:
         supply.end_epoch()
-    return batch_or_raise(report)
+    if not numbered:
+        return batch_or_raise(report)
+    return NumberedBatch(batch_or_raise(report, numbered), report.batch_number)
 
 
-def batch_or_raise(report: WorkerReport) -> Any:
-    """The batch a BATCH report carries; a FAILED report raises the worker's exception instead."""
+def batch_or_raise(report: WorkerReport, numbered: bool = False) -> Any:
+    """The batch a BATCH report carries; a FAILED report raises the worker's exception instead
+    (carrying the batch's number when ``numbered``)."""
     if report.report is Report.FAILED:
-        raise report.failure.to_exception()
+        error = report.failure.to_exception()
+        if numbered:
+            setattr(error, _BATCH_NUMBER, report.batch_number)
+        raise error
     return report.payload

@@ -19,12 +19,20 @@ one machine, a network round trip across machines), and it needs an initialised 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeload.distributed import all_ranks_agree
+from pipeload.engine.plan import EpochStart
 from pipeload.errors import LoaderTimeoutError
 
 POLICIES = ("drop", "pad")
+
+
+class PaddedBatch(NamedTuple):
+    """A batch handed out again by ``"pad"`` (this rank's own are spent): the loader's progress
+    counts it apart, since a resumed rank must make the batch it repeats again, not skip it."""
+
+    batch: Any
 
 
 class EqualBatches:
@@ -45,11 +53,31 @@ class EqualBatches:
     closed = property(lambda self: self._engine.closed)
     inner = property(lambda self: self._engine)
 
-    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None, **start: Any) -> None:
-        self._engine.start_epoch(tasks, shared_seed, **start)
+    def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
+                    start: EpochStart = EpochStart()) -> None:
+        self._engine.start_epoch(tasks, shared_seed, start=start)
         self._last = None
         self._handed_out = 0
         self._ended = False
+        for _ in range(start.remake):
+            self._make_again()
+
+    def _make_again(self) -> None:
+        """A resumed epoch begins before this rank's latest good batch (what ``"pad"`` repeats
+        once the rank's own batches are spent): make it again and keep it, with any batch that
+        raised after it; all were handed out before the checkpoint. No collective: the other
+        ranks take no step meanwhile."""
+        try:
+            batch = self._engine.next_batch()
+        except StopIteration:
+            return
+        except LoaderTimeoutError:
+            raise
+        except Exception:  # it raised before the checkpoint too; its turn was counted then
+            return
+        if self._policy == "pad":
+            self._last = batch
+        self._handed_out += 1
 
     def next_batch(self) -> Any:
         """The next batch, or StopIteration once the ranks agree the epoch is over.
@@ -93,7 +121,7 @@ class EqualBatches:
                 "while another rank still has some. Shard the data so every rank gets at least "
                 "one batch, or use equal_batches='drop'"
             )
-        return self._last
+        return PaddedBatch(self._last)
 
     def _end_epoch(self) -> None:
         self._ended = True

@@ -95,11 +95,20 @@ class EpochStart:
             out before the checkpoint); per-batch seeds are derived from these numbers.
         first_position: how many samples those batches held (economic mode's item seeds).
         first_worker: the worker whose turn comes first (iterable datasets, round-robin).
+        remake: ``equal_batches="pad"`` across ranks: the epoch resumes before the rank's
+            latest good batch (the one it repeats once its own are spent); the equal-batches
+            stage makes this many batches again without handing them out, keeping that one.
+            The engines ignore it.
+        handed_out: out of order (``in_order=False``): numbers past ``first_batch`` handed out
+            before the checkpoint; they are made again and dropped right after the engine
+            (``resume/handed_out.py``). The engines ignore it.
     """
 
     first_batch: int = 0
     first_position: int = 0
     first_worker: int = 0
+    remake: int = 0
+    handed_out: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import EpochStart, WorkerSetup
+from pipeload.engine.plan import DatasetKind, EpochStart, WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -104,6 +104,9 @@ class PoolEngine:
 
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
+        # Out of order, a map-style epoch's batches say their numbers: which were handed out is
+        # then a set, which a checkpoint records (iterable replicas record their own positions).
+        self._numbered = not config.in_order and config.setup.fetch.kind is DatasetKind.MAP
         num_workers = config.setup.num_workers
         max_batches = config.prefetch_factor * num_workers
         max_bytes = shm_budget_bytes(config.max_shm_bytes)
@@ -160,7 +163,7 @@ class PoolEngine:
         else (a dead worker, a broken channel, Ctrl-C) closes the engine before it propagates:
         the epoch is over, and the next call raises StopIteration.
         """
-        return hand_out(self._next_report, self.close, self._supply)
+        return hand_out(self._next_report, self.close, self._supply, self._numbered)
 
     def close(self) -> None:
         self._finalizer()

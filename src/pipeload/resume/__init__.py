@@ -10,19 +10,24 @@ The engines know nothing of checkpoints: they are given an :class:`~pipeload.eng
 replica's position. See docs/design/resume.md.
 """
 
+from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.epoch import STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch
-from pipeload.resume.replay import epoch_start_draws, skip_handed_out, stream_start
-from pipeload.resume.state import ResumePoint, build_state, read_state
+from pipeload.resume.replay import epoch_start_draws, progress_from, resumed_streams, skip_handed_out, stream_start
+from pipeload.resume.state import ResumePoint, build_state, check_can_checkpoint, read_state
 
 __all__ = [
+    "DropHandedOut",
     "STREAM_SNAPSHOT_EVERY",
     "EpochProgress",
     "EpochRecord",
     "ResumePoint",
     "begin_epoch",
     "build_state",
+    "check_can_checkpoint",
     "epoch_start_draws",
+    "progress_from",
     "read_state",
+    "resumed_streams",
     "skip_handed_out",
     "stream_start",
 ]

@@ -10,7 +10,7 @@ engine or a worker: the loader keeps the latest pair, and ``state_dict()`` reads
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,8 @@ import torch
 # batches per replica from the latest snapshot.
 STREAM_SNAPSHOT_EVERY = 8
 
+from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of
+from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
 
@@ -46,50 +48,108 @@ class EpochRecord:
     later_in_session: bool = False
 
 
+class RepeatFrom(NamedTuple):
+    """Where an epoch stood just before its latest good batch was handed out.
+
+    Under ``equal_batches="pad"`` a rank repeats that batch once its own are spent, so a rank
+    resumed from a checkpoint must have it again: it resumes from here, and the equal-batches
+    stage makes the batches handed out since (that one, and any that raised after it) again
+    without handing them out.
+
+    Attributes:
+        consumed: batches handed out before it.
+        position: iterable datasets: the position its replica had before it (None: that replica
+            had made nothing yet, or map-style).
+        last_worker: the worker of the batch handed out before it.
+    """
+
+    consumed: int
+    position: StreamPosition | None
+    last_worker: int | None
+
+
 @dataclass
 class EpochProgress:
     """What an epoch has handed out. Updated by the epoch's iterator, read by ``state_dict()``.
 
     Attributes:
-        consumed: batches handed out, a batch whose building raised included (its turn passed).
+        consumed: batches handed out, a batch whose building raised included (its turn passed);
+            repeats handed out by ``equal_batches="pad"`` not included. Out of order: every
+            batch numbered below it has been handed out.
+        handed_out_above: out of order (``in_order=False``, map-style): the numbers of the
+            batches handed out beyond ``consumed`` (a few: at most those in flight).
         streams: iterable datasets: worker id -> that replica's position after its latest batch
             handed out, with its latest snapshot.
         last_worker: the worker of the latest batch handed out (None before the first).
+        padded: ``equal_batches="pad"``: how many times this rank, its own batches spent, has
+            handed out its last good batch again.
+        repeat_from: where the epoch stood before its latest good batch (None before the first).
         ended: the epoch reached its end (StopIteration).
     """
 
     consumed: int = 0
     streams: dict[int, StreamPosition] = field(default_factory=dict)
     last_worker: int | None = None
+    padded: int = 0
+    repeat_from: RepeatFrom | None = None
+    handed_out_above: set[int] = field(default_factory=set)
     ended: bool = False
 
     def handed_out(self, batch: Any) -> Any:
-        """Note a batch handed out; returns it without its position, if it came with one."""
-        self.consumed += 1
-        if isinstance(batch, StreamBatch):
-            position = batch.position
-            if position.snapshot is None and position.worker_id in self.streams:
-                # not taken with this batch: the replica's latest snapshot stands
-                position = position._replace(snapshot=self.streams[position.worker_id].snapshot)
-            self.streams[position.worker_id] = position
-            self.last_worker = position.worker_id
+        """Note a batch handed out; returns it without its position and padding marks."""
+        if isinstance(batch, PaddedBatch):
+            self.padded += 1
+            batch = batch.batch
+            return batch.batch if isinstance(batch, (StreamBatch, NumberedBatch)) else batch
+        if isinstance(batch, NumberedBatch):
+            self.repeat_from = None  # out of order, "pad" cannot checkpoint (state.py says why)
+            self._mark(batch.number)
             return batch.batch
-        return batch
+        if not isinstance(batch, StreamBatch):
+            self.repeat_from = RepeatFrom(self.consumed, None, self.last_worker)
+            self._mark(self.consumed)
+            return batch
+        position = batch.position
+        previous = self.streams.get(position.worker_id)
+        self.repeat_from = RepeatFrom(self.consumed, previous, self.last_worker)
+        if position.snapshot is None and previous is not None:
+            # not taken with this batch: the replica's latest snapshot stands
+            position = position._replace(snapshot=previous.snapshot)
+        self.streams[position.worker_id] = position
+        self.last_worker = position.worker_id
+        self.consumed += 1
+        return batch.batch
 
     def failed(self, error: BaseException) -> None:
         """A batch raised in its turn: it counts as handed out; a timeout does not (it comes)."""
         if isinstance(error, Exception) and not isinstance(error, LoaderTimeoutError):
+            number = batch_number_of(error)
+            self._mark(self.consumed if number is None else number)
+
+    def _mark(self, number: int) -> None:
+        """Batch ``number`` was handed out (in order, it is ``consumed``)."""
+        if number != self.consumed:
+            if number > self.consumed:
+                self.handed_out_above.add(number)
+            return
+        self.consumed += 1
+        while self.consumed in self.handed_out_above:  # a resumed in-order epoch jumps these
+            self.handed_out_above.discard(self.consumed)
             self.consumed += 1
 
 
-def begin_epoch(loader: Any) -> EpochRecord:
-    """The record of an epoch about to begin (taken before anything is drawn for it)."""
+def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
+    """The record of an epoch about to begin (taken before anything is drawn for it).
+
+    An epoch begun again from a checkpoint keeps the global generator state it first began
+    with (the one it is replayed under), so a checkpoint taken after resuming replays it too.
+    """
     generator = loader.generator
     sampler_state = None
     if loader._dataset_kind.value == "map":
         sampler_state = fresh_sampler_state(loader._index_sampler)
     return EpochRecord(
-        global_rng=torch.get_rng_state(),
+        global_rng=resumed.global_rng if resumed is not None else torch.get_rng_state(),
         generator=generator.get_state() if generator is not None else None,
         sampler=sampler_state,
     )

@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload._rng_state import borrowed_global_rng
+from pipeload.engine.fetch import StreamPosition
 from pipeload.engine.plan import EpochStart
+from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
 
 _END = object()
@@ -45,21 +47,42 @@ def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None,
     """
     if point is None or point.record is None:
         return tasks, EpochStart()
+    skip, _, _, remake = point.engine_view()
     skipped_keys = 0
-    for _ in range(point.consumed):
+    for _ in range(skip):
         task = next(tasks, _END)
         if task is _END:
             break
         skipped_keys += keys_of(task)
+    handed_out = point.handed_out_above
     if not point.sampler_started:
-        return tasks, EpochStart()
+        return tasks, EpochStart(remake=remake, handed_out=handed_out)
     first = next(tasks, _END)
     rest = tasks if first is _END else itertools.chain([first], tasks)
-    return rest, EpochStart(first_batch=point.consumed, first_position=skipped_keys)
+    return rest, EpochStart(first_batch=skip, first_position=skipped_keys, remake=remake,
+                            handed_out=handed_out)
+
+
+def resumed_streams(point: ResumePoint | None) -> dict[int, StreamPosition] | None:
+    """Iterable datasets: where each replica resumes (None: from the start of the epoch)."""
+    if point is None or point.record is None:
+        return None
+    return point.engine_view()[1]
+
+
+def progress_from(point: ResumePoint | None) -> EpochProgress:
+    """A new epoch's progress: from zero, or where a resumed epoch stood (so a checkpoint
+    taken after resuming says where the whole epoch stands)."""
+    if point is None or point.record is None:
+        return EpochProgress()
+    return EpochProgress(point.consumed, dict(point.streams or {}), point.last_worker, point.padded,
+                         point.repeat_from, set(point.handed_out_above))
 
 
 def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:
     """Iterable datasets: whose turn comes first."""
     if point is None or point.record is None:
         return EpochStart()
-    return EpochStart(first_worker=point.next_worker % max(num_workers, 1))
+    _, _, last_worker, remake = point.engine_view()
+    first = 0 if last_worker is None else last_worker + 1
+    return EpochStart(first_worker=first % max(num_workers, 1), remake=remake)

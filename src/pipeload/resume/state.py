@@ -17,7 +17,7 @@ from pipeload._rng_state import decode_state, encode_state
 from pipeload.distributed import current_placement
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import IncompatibleStateError, state_mismatch
-from pipeload.resume.epoch import EpochProgress, EpochRecord, fresh_sampler_state
+from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
 
 FORMAT = "pipeload.DataLoader"
 VERSION = 1
@@ -34,19 +34,39 @@ class ResumePoint:
             map-style datasets).
         streams: iterable datasets: each replica's position and latest snapshot (a replica
             without one starts over and drops the batches it had made).
-        next_worker: iterable datasets: whose batch comes next, round-robin.
         session: persistent workers: (base seed, epoch number) of the epoch to run, when it
             belongs to a session begun before the checkpoint.
         sampler_started: mid-epoch: the sampler had been asked for its first task before the
             checkpoint (so its draws from the global generator are part of the replay).
+        last_worker: iterable datasets: the worker of the latest batch handed out (None before
+            the first).
+        padded: ``equal_batches="pad"``: the repeats of its last batch this rank had handed out.
+        repeat_from: ``equal_batches="pad"`` across ranks: the engine resumes from here, before
+            the rank's latest good batch, which the equal-batches stage makes again to repeat.
     """
 
     record: EpochRecord | None
     consumed: int = 0
     streams: dict[int, StreamPosition] | None = None
-    next_worker: int = 0
     session: tuple[int, int] | None = None
     sampler_started: bool = True
+    last_worker: int | None = None
+    padded: int = 0
+    repeat_from: RepeatFrom | None = None
+    handed_out_above: frozenset[int] = frozenset()
+
+    def engine_view(self) -> tuple[int, dict[int, StreamPosition], int | None, int]:
+        """(batches to skip, replica positions, worker of the batch before, batches the engine
+        makes again without handing them out) where the engine resumes."""
+        streams = dict(self.streams or {})
+        if self.repeat_from is None:
+            return self.consumed, streams, self.last_worker, 0
+        before = self.repeat_from
+        if self.last_worker is not None:
+            streams.pop(self.last_worker, None)
+            if before.position is not None:
+                streams[self.last_worker] = before.position
+        return before.consumed, streams, before.last_worker, self.consumed - before.consumed
 
 
 def config_of(loader: Any) -> dict[str, Any]:
@@ -75,11 +95,11 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
     state: dict[str, Any] = {"format": FORMAT, "version": VERSION, "config": config_of(loader),
                              "worker_seeding": loader.worker_seeding, "mode": loader.mode}
     if record is not None and progress is not None and not progress.ended:
-        state["epoch"] = _epoch_state(record, progress)
+        state["epoch"] = _epoch_state(record, progress, _pads_across_ranks(loader))
         # Engines with workers ask the sampler for tasks as the epoch starts; without workers
         # the first task is asked for with the first batch. A sampler drawing from the global
         # generator has drawn already, or will draw after the checkpoint: the replay must agree.
-        state["epoch"]["sampler_started"] = progress.consumed > 0 or loader.num_workers > 0
+        state["epoch"]["sampler_started"] = progress.consumed > 0 or progress.padded > 0 or loader.num_workers > 0
         return state
     generator = loader.generator
     state["next"] = {
@@ -90,9 +110,40 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
     return state
 
 
-def _epoch_state(record: EpochRecord, progress: EpochProgress) -> dict[str, Any]:
-    streams = {str(w): {"batches": p.batches, "snapshot": list(p.snapshot) if p.snapshot is not None else None}
-               for w, p in progress.streams.items()}
+def check_can_checkpoint(loader: Any) -> None:
+    """Refuse the one configuration whose place cannot be written down.
+
+    Raises:
+        ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across ranks.
+    """
+    if loader.in_order or loader.num_workers == 0 or not _pads_across_ranks(loader):
+        return
+    raise ValueError(
+        "state_dict() cannot checkpoint equal_batches='pad' with in_order=False and "
+        f"num_workers={loader.num_workers}: a rank that pads repeats its latest batch, which a "
+        "resumed rank must make again before anything else, but out of order the engine hands "
+        "out whichever batch finishes first, so the batch to repeat cannot be told from the "
+        "batches still to come. Use in_order=True (the default) or equal_batches='drop'"
+    )
+
+
+def _pads_across_ranks(loader: Any) -> bool:
+    return loader.equal_batches == "pad" and current_placement().world_size > 1
+
+
+def _position_state(position: StreamPosition) -> dict[str, Any]:
+    snapshot = list(position.snapshot) if position.snapshot is not None else None
+    return {"batches": position.batches, "snapshot": snapshot}
+
+
+def _position_of(worker: int, saved: dict[str, Any]) -> StreamPosition:
+    snapshot = tuple(saved["snapshot"]) if saved["snapshot"] else None
+    return StreamPosition(worker, saved["batches"], snapshot)
+
+
+def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> dict[str, Any]:
+    streams = {str(w): _position_state(p) for w, p in progress.streams.items()}
+    repeat = progress.repeat_from if pads else None
     return {
         "global_rng": encode_state(record.global_rng),
         "generator": encode_state(record.generator) if record.generator is not None else None,
@@ -103,6 +154,11 @@ def _epoch_state(record: EpochRecord, progress: EpochProgress) -> dict[str, Any]
         "consumed": progress.consumed,
         "streams": streams,
         "last_worker": progress.last_worker,
+        "padded": progress.padded,
+        "handed_out_above": sorted(progress.handed_out_above),
+        "repeat_from": None if repeat is None else {
+            "consumed": repeat.consumed, "last_worker": repeat.last_worker,
+            "position": _position_state(repeat.position) if repeat.position is not None else None},
     }
 
 
@@ -151,13 +207,18 @@ def _mid_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
     if record.generator is not None and loader.generator is not None:
         loader.generator.set_state(record.generator)
     _load_sampler(loader, record.sampler)
-    positions = {int(w): StreamPosition(int(w), p["batches"], tuple(p["snapshot"]) if p["snapshot"] else None)
-                 for w, p in saved["streams"].items()}
+    positions = {int(w): _position_of(int(w), p) for w, p in saved["streams"].items()}
+    repeat = saved.get("repeat_from")
+    if repeat is not None:
+        position = repeat["position"]
+        last = saved["last_worker"]
+        repeat = RepeatFrom(repeat["consumed"], _position_of(last, position) if position else None,
+                            repeat["last_worker"])
     _warn_if_replicas_start_over(loader, positions)
-    last = saved["last_worker"]
-    next_worker = 0 if last is None else last + 1
     session = (record.base_seed, record.session_epoch) if record.later_in_session else None
-    return ResumePoint(record, saved["consumed"], positions, next_worker, session, saved["sampler_started"])
+    return ResumePoint(record, saved["consumed"], positions, session, saved["sampler_started"],
+                       saved["last_worker"], saved.get("padded", 0), repeat,
+                       frozenset(saved.get("handed_out_above", ())))
 
 
 def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPosition]) -> None:
