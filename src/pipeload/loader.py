@@ -426,10 +426,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         re-split mid-stream: it keeps its starting settings."""
         tuner = self._auto_tuner()
         first = self._pool_config(spec, base_seed, replica_setup)
-        # The later pools' seeds come from the generator, not the loader: a persistent engine
-        # must not keep its loader alive.
-        generator = self.generator
-        return AutoEngine(pools_like(first, lambda: _draw_base_seed(generator)), tuner)
+        return AutoEngine(pools_like(first), tuner, first.setup.first_epoch)
 
     def _auto_tuner(self) -> AutoTuner:
         """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""

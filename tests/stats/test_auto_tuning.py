@@ -122,3 +122,38 @@ def test_auto_needs_stats_and_prefetch_auto_needs_workers() -> None:
         pipeload.DataLoader(range(4), prefetch_factor="auto")
     with pytest.raises(TypeError, match="num_workers should be an int \\(or 'auto'\\)"):
         pipeload.DataLoader(range(4), num_workers="many")
+
+
+class RandomReads(RemoteReads):
+    """A remote read and a random augmentation drawn from torch's generator."""
+
+    def __getitem__(self, index: int) -> tuple[int, float]:
+        return super().__getitem__(index), torch.rand(()).item()
+
+
+def _random_reads_loader(num_workers: int | str) -> pipeload.DataLoader:
+    return pipeload.DataLoader(RandomReads(800), batch_size=8, num_workers=num_workers,
+                               generator=torch.Generator().manual_seed(5), worker_seeding="per_batch",
+                               multiprocessing_context="fork")
+
+
+def _as_lists(batches: list) -> list:
+    return [[column.tolist() for column in batch] for batch in batches]
+
+
+@pytest.mark.timeout(120)
+def test_per_batch_random_values_do_not_depend_on_the_pool_swaps(leak_guard) -> None:
+    # A batch's seed is (base seed, epoch, batch number): the pools the tuner starts mid-epoch
+    # keep the base seed and number on, so the values equal a fixed pool's, and resume.
+    fixed = _as_lists(list(_random_reads_loader(2)))
+    auto = _random_reads_loader("auto")
+    assert _as_lists(list(auto)) == fixed
+    assert len({d.num_workers for d in auto.stats().decisions}) >= 2  # it did swap pools
+    interrupted = _random_reads_loader("auto")
+    iterator = iter(interrupted)
+    head = _as_lists([next(iterator) for _ in range(60)])
+    state = interrupted.state_dict()
+    del iterator
+    resumed = _random_reads_loader("auto")
+    resumed.load_state_dict(state)
+    assert head + _as_lists(list(resumed)) == fixed

@@ -19,29 +19,47 @@ from typing import Any
 
 from pipeload.engine.plan import EpochStart
 from pipeload.engine.pool import PoolConfig, PoolEngine
+from pipeload.engine.worker_info import derive_seed
 from pipeload.stats.tuner import AutoTuner, Settings
 
 
-def pools_like(first: PoolConfig, draw_seed: Callable[[], int]) -> Callable[[Settings], PoolEngine]:
-    """Builds pools as ``first`` describes, with the settings asked for: the first pool keeps
-    ``first``'s base seed, each later one draws its own."""
-    seeds = iter([first.setup.base_seed])
+AUTO_POOL_STREAM = 5  # apart from the item (1), batch (2) and per-batch (3, 4) seed streams
 
-    def make_pool(settings: Settings) -> PoolEngine:
-        seed = next(seeds, None)
-        setup = dataclasses.replace(first.setup, num_workers=settings.num_workers,
-                                    base_seed=draw_seed() if seed is None else seed)
+
+def pools_like(first: PoolConfig) -> Callable[[Settings, int], PoolEngine]:
+    """Builds pools as ``first`` describes, with the settings asked for, starting at the
+    session epoch given (a pool that replaces another mid-epoch goes on with its epoch).
+
+    Their base seeds follow from ``first``'s, not from a generator: a pool started whenever
+    the tuner decides must not move the loader's or the global generator (what later epochs
+    draw from). With per-batch seeding every pool keeps ``first``'s seed, so a batch's random
+    values depend on its number alone, whichever pool (and however many workers) built it;
+    with torch's seeding each later pool gets a seed of its own, so that its workers do not
+    repeat the first pool's workers' streams.
+    """
+    pools = 0
+
+    def make_pool(settings: Settings, epoch: int) -> PoolEngine:
+        nonlocal pools
+        seed = first.setup.base_seed
+        if pools and not first.setup.fetch.per_batch_seeding:
+            seed = derive_seed(seed, AUTO_POOL_STREAM, pools)
+        pools += 1
+        setup = dataclasses.replace(first.setup, num_workers=settings.num_workers, base_seed=seed,
+                                    first_epoch=epoch)
         return PoolEngine(dataclasses.replace(first, setup=setup, prefetch_factor=settings.prefetch_factor))
 
     return make_pool
 
 
 class _TaskTap:
-    """The sampler's tasks, as one pool sees them, until the tap is shut (then: exhausted)."""
+    """The sampler's tasks, as one pool sees them, until the tap is shut (then: exhausted).
+    ``taken`` counts the tasks it passed on: the next pool numbers its batches on from them."""
 
     def __init__(self, tasks: Iterator[Any]) -> None:
         self._tasks = tasks
         self.open = True
+        self.taken = 0
 
     def __iter__(self) -> _TaskTap:
         return self
@@ -49,7 +67,9 @@ class _TaskTap:
     def __next__(self) -> Any:
         if not self.open:
             raise StopIteration
-        return next(self._tasks)
+        task = next(self._tasks)
+        self.taken += 1
+        return task
 
 
 class AutoEngine:
@@ -59,10 +79,12 @@ class AutoEngine:
     come before every task of ``_current``; its tap is shut; ``_current``'s tap is open.
     """
 
-    def __init__(self, make_pool: Callable[[Settings], PoolEngine], tuner: AutoTuner) -> None:
+    def __init__(self, make_pool: Callable[[Settings, int], PoolEngine], tuner: AutoTuner,
+                 first_epoch: int = 1) -> None:
         self._make_pool = make_pool
         self._tuner = tuner
-        self._current = make_pool(tuner.current)
+        self._current = make_pool(tuner.current, first_epoch)
+        self._first_batch = 0  # the number of the current pool's first batch this epoch
         self._draining: PoolEngine | None = None
         self._waiting: Settings | None = None  # asked for while a pool was still draining
         self._tasks: Iterator[Any] = iter(())
@@ -81,6 +103,7 @@ class AutoEngine:
                     start: EpochStart = EpochStart()) -> None:
         self._tasks = tasks
         self._tap = _TaskTap(tasks)
+        self._first_batch = start.first_batch
         self._current.start_epoch(self._tap, shared_seed, start)
 
     def next_batch(self) -> Any:
@@ -116,10 +139,13 @@ class AutoEngine:
             self._current.set_prefetch_factor(settings.prefetch_factor)
             return
         self._tap.open = False
-        new = self._make_pool(settings)
+        # The new pool takes over the epoch: its batches go on numbering (and seeding) from
+        # where the old pool's tasks ended, in the same session epoch.
+        self._first_batch += self._tap.taken
+        new = self._make_pool(settings, self._current.epoch)
         self._tap = _TaskTap(self._tasks)
         try:
-            new.start_epoch(self._tap)
+            new.start_epoch(self._tap, start=EpochStart(first_batch=self._first_batch))
         except BaseException:
             new.close()
             raise

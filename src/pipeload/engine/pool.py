@@ -130,6 +130,11 @@ class PoolEngine:
     def closed(self) -> bool:
         return self._workers.closed
 
+    @property
+    def epoch(self) -> int:
+        """The session's current epoch number (1 for the first)."""
+        return self._epoch
+
     def set_prefetch_factor(self, prefetch_factor: int) -> None:
         """Keep at most ``prefetch_factor`` batches per worker in flight from now on
         (``prefetch_factor="auto"``); a lower bound takes effect as the batches in flight are
