@@ -77,6 +77,9 @@ def _zstd_reader(source: Any) -> Any:
     return zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
 
 
+_SKIP_CHUNK_BYTES = 1 << 20
+
+
 class TarFormatError(tarfile.ReadError):
     """The bytes are not a whole, valid tar archive (truncated or corrupt)."""
 
@@ -128,6 +131,22 @@ class TarReader:
                 long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
                 self.last_member = name  # a directory, a link, a device: nothing to yield
+
+    def move_to(self, offset: int, members_read: int) -> None:
+        """Continue from ``offset`` bytes into the archive (a member boundary, as a checkpoint
+        recorded it), having read ``members_read`` files: by seeking, when the archive is not
+        compressed and its stream can seek; else by reading up to there."""
+        stream = self._stream
+        rest = getattr(stream, "_rest", None)  # an uncompressed archive: _Prefixed
+        seekable = rest is not None and callable(getattr(rest, "seekable", None)) and rest.seekable()
+        if seekable and self.offset == 0:
+            start = rest.tell() - len(stream._prefix)  # where the archive begins in its stream
+            rest.seek(start + offset)
+            stream._prefix = b""
+            self.offset = offset
+        while self.offset < offset:
+            self._read_exactly(min(offset - self.offset, _SKIP_CHUNK_BYTES))
+        self.members_read = members_read
 
     def _read_exactly(self, size: int) -> bytes:
         data = self._stream.read(size)

@@ -10,9 +10,10 @@ from typing import IO, Any
 
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator, SkipToResume
+from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
+from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
 
@@ -93,7 +94,8 @@ class FileLister(IterDataPipe[str]):
         self.storage_options = dict(storage_options) if storage_options else None
 
     def __iter__(self) -> Iterator[str]:
-        roots = self.datapipe if self.datapipe is not None else self.roots
+        # Roots given as paths are read through IterableWrapper, whose position checkpoints.
+        roots = self.datapipe if self.datapipe is not None else IterableWrapper(self.roots, deepcopy=False)
         return iter(_ListingIterator(self, roots))  # type: ignore[arg-type]
 
     def list_root(self, root: str) -> list[str]:
@@ -109,18 +111,44 @@ class FileLister(IterDataPipe[str]):
         return self.length
 
 
-class _ListingIterator(SkipToResume, PipeIterator[str]):
+class _ListingIterator(PipeIterator[str]):
+    """Lists each root as it comes. Its checkpoint: the upstream's state before the current
+    root, and how many of that root's paths were handed out (resuming lists the root again, a
+    metadata read, and skips them)."""
+
     def __init__(self, pipe: FileLister, roots: Any) -> None:
         super().__init__(roots)
         (self._roots,) = self.upstream
         self._pipe = pipe
         self._pending: Iterator[str] = iter(())
+        self._before_root: Any = None  # the upstream's state before the current root
+        self._handed_out = 0  # paths of the current root handed out
+        self._skip = 0  # resuming: paths of the next root already handed out
 
     def nonblocking_next(self) -> str:
         while True:
             for path in self._pending:
+                self._handed_out += 1
                 return path
-            self._pending = iter(self._pipe.list_root(self._roots.nonblocking_next()))
+            before = _state_or_none(self._roots)
+            listed = self._pipe.list_root(self._roots.nonblocking_next())
+            skip, self._skip = self._skip, 0
+            self._pending, self._before_root, self._handed_out = iter(listed[skip:]), before, skip
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._before_root is None:  # before the first root, or roots without a checkpoint
+            return {"own": 0, "upstream": [self._roots.state_dict()]}
+        return {"own": self._handed_out, "upstream": [self._before_root]}
+
+    def _load_own_state(self, state: Any) -> None:
+        self._skip = state
+
+
+def _state_or_none(iterator: PipeIterator[Any]) -> Any:
+    try:
+        return iterator.state_dict()
+    except NotImplementedError:  # roots without a checkpoint: so is the listing (it says so)
+        return None
 
 
 class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):

@@ -8,7 +8,7 @@ from typing import IO, Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator, SkipToResume
+from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _tar_stream
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
@@ -114,18 +114,29 @@ class _OpenArchive:
         self.stream.close()
 
 
-class _TarIterator(SkipToResume, PipeIterator[ArchiveMember]):
+class _TarIterator(PipeIterator[ArchiveMember]):
+    """Reads the archives its upstream opens, member by member.
+
+    Its checkpoint is where the current archive came from (the upstream's state taken just
+    before it was opened: loading that opens the same archive again) and how far into the
+    archive's (decompressed) bytes reading got. Resuming seeks there in an uncompressed archive
+    whose stream can seek, and reads up to there otherwise (a compressed stream cannot jump).
+    """
+
     def __init__(self, source: Any, failures: FailureHandler) -> None:
         super().__init__(source)
         (self._archives,) = self.upstream
         self.failures = failures
         self._current: _OpenArchive | None = None
+        self._before_current: Any = None  # the upstream's state before the current archive
+        self._resume_at: tuple[int, int] | None = None  # (bytes, members) into the next archive
 
     def nonblocking_next(self) -> ArchiveMember:
         while True:
             if self._current is None:
+                before = self._archives.state_dict() if self._tracks_state() else None
                 url, stream = self._archives.nonblocking_next()
-                self._current = self._open(url, stream)
+                self._current, self._before_current = self._open(url, stream), before
                 if self._current is None:
                     continue
             try:
@@ -137,9 +148,38 @@ class _TarIterator(SkipToResume, PipeIterator[ArchiveMember]):
                 return member
             self._close_current()
 
+    def _tracks_state(self) -> bool:
+        """Whether the upstream can say where it is (asked once: a plain iterator cannot)."""
+        tracks = getattr(self, "_upstream_has_state", None)
+        if tracks is None:
+            try:
+                self._archives.state_dict()
+                tracks = True
+            except NotImplementedError:
+                tracks = False
+            self._upstream_has_state = tracks
+        return tracks
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._tracks_state():
+            raise NotImplementedError(
+                f"{type(self).__name__}'s archives come from a source without a checkpoint: it "
+                "can only be resumed by skipping items")
+        if self._current is None:
+            return {"own": None, "upstream": [self._archives.state_dict()]}
+        reader = self._current.reader
+        return {"own": [reader.offset, reader.members_read], "upstream": [self._before_current]}
+
+    def _load_own_state(self, state: Any) -> None:
+        self._resume_at = tuple(state) if state is not None else None
+
     def _open(self, url: str, stream: IO[bytes]) -> _OpenArchive | None:
+        resume_at, self._resume_at = self._resume_at, None
         try:
-            return _OpenArchive(url, stream)
+            archive = _OpenArchive(url, stream)
+            if resume_at is not None:
+                archive.reader.move_to(*resume_at)
+            return archive
         except Exception as error:  # noqa: BLE001
             stream.close()
             if isinstance(error, (TypeError, ImportError)):
