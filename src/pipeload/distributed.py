@@ -139,6 +139,17 @@ def all_ranks_agree(value: bool, every: bool) -> bool:
     return bool(flag.item())
 
 
+def all_ranks_range(value: int) -> tuple[int, int]:
+    """The least and the most ``value`` among the ranks, in one collective (all ranks must call
+    it together). Outside a group of several ranks, ``(value, value)``."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return value, value
+    both = torch.tensor([-value, value], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_GLOO_GROUPS.group_for(dist))
+    return -int(both[0].item()), int(both[1].item())
+
+
 def _is_rank_aware(sampler: Any) -> bool:
     if isinstance(sampler, torch_data.DistributedSampler):
         return True

@@ -11,6 +11,7 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import warnings
@@ -38,6 +39,7 @@ from pipeload.pin import pinning_available
 from pipeload.samplers import (
     BatchSampler,
     Sampler,
+    exact_length,
 )
 from pipeload.shared import warn_if_copy_on_read
 from pipeload.stats.clock import profiling, span
@@ -289,6 +291,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             tasks = iter(self._index_sampler)
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
             tasks, start = self._position_tasks(tasks, point)
+        if self.equal_batches is not None and self._dataset_kind is DatasetKind.MAP:
+            start = dataclasses.replace(start, epoch_batches=exact_length(self._index_sampler))
         try:
             engine.start_epoch(tasks, start=start, **epoch_seed)
         except BaseException:
@@ -504,6 +508,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             stats=self._stats,
             max_shm_bytes=self.max_shm_bytes,
             pin_slabs=self.pin_memory and pinning_available(),
+            numbered=self._numbers_batches(),
         )
 
     def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
@@ -517,7 +522,13 @@ class DataLoader(torch_data.DataLoader[T_co]):
             stats=self._stats,
             max_shm_bytes=self.max_shm_bytes,
             pin_slabs=self.pin_memory and pinning_available(),  # page-locked in place: no copy
+            numbered=self._numbers_batches(),
         )
+
+    def _numbers_batches(self) -> bool:
+        # Out of order, a map-style epoch's batches say their numbers, so that a checkpoint can
+        # record which were handed out (iterable replicas record their own positions).
+        return not self.in_order and self._dataset_kind is DatasetKind.MAP
 
     def _maybe_pin(self, engine: Any) -> Any:
         if not self.pin_memory:

@@ -488,3 +488,19 @@ class _InfiniteConstantSampler(Sampler[None]):
 
     def __iter__(self) -> Iterator[None]:
         return itertools.repeat(None)
+
+
+def exact_length(sampler: Any) -> int | None:
+    """``len(sampler)`` when it is exactly what iterating yields and iterating cannot fail
+    midway: torch's samplers and ours, as they are (a subclass may yield otherwise); else None."""
+    kind = type(sampler)
+    if kind in (BatchSampler, torch_data.BatchSampler):
+        return len(sampler) if exact_length(sampler.sampler) is not None else None
+    if kind.__name__ in _EXACT_SAMPLERS and kind.__module__ in (__name__, torch_data.sampler.__name__,
+                                                                 torch_data.distributed.__name__):
+        return len(sampler)
+    return None
+
+
+_EXACT_SAMPLERS = frozenset({"SequentialSampler", "RandomSampler", "SubsetRandomSampler",
+                             "WeightedRandomSampler", "DistributedSampler"})

@@ -95,6 +95,9 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
         found = {f"{policy}-{workers}": _epochs(policy, workers, RankShare())
                  for policy in ("drop", "pad") for workers in (0, 2)}
         found["pad-error"] = _epochs("pad", 0, FailsOnce())
+        # map-style with exact lengths: the ranks agree on the count once per epoch
+        found.update({f"map-{policy}-{workers}": _epochs(policy, workers, SHARES[rank])
+                      for policy in ("drop", "pad") for workers in (0, 2)})
         for kind in ("map", "iterable"):
             for workers in (0, 2):
                 found[f"resumed-{kind}-{workers}"] = _resumed_while_padding(kind, workers, taken=3)
@@ -126,6 +129,12 @@ def test_drop_and_pad_give_every_rank_the_same_count(tmp_path: Path) -> None:
             assert len(padded) == len(full) == 5
             assert all(batch == padded[fewer - 1] for batch in padded[fewer:])
             assert sorted(sum(full, [])) == SHARES[1]
+    for workers in (0, 2):
+        for epoch in range(2):
+            assert rank0[f"map-drop-{workers}"][epoch] == [[0, 1], [2, 3], [4, 5]]
+            assert rank1[f"map-drop-{workers}"][epoch] == [[100, 101], [102, 103], [104, 105]]
+            assert rank0[f"map-pad-{workers}"][epoch] == [[0, 1], [2, 3], [4, 5], [4, 5], [4, 5]]
+            assert rank1[f"map-pad-{workers}"][epoch] == [[100, 101], [102, 103], [104, 105], [106, 107], [108]]
     # a batch's error is a step like any other: the ranks stay in step around it
     # (rank 1's generator is finished by its error, as in torch, and pads from its first batch)
     assert len(rank0["pad-error"][0]) == len(rank1["pad-error"][0]) == 3

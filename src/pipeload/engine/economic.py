@@ -33,7 +33,7 @@ from pipeload.engine.economic_workers import (
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.item_scheduler import ItemScheduler
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import DatasetKind, EconomicSetup, EpochStart
+from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -58,6 +58,9 @@ class EconomicConfig:
         max_shm_bytes: the most shared memory the batch slabs may hold (None: half of what the
             memory backing them can still take).
         pin_slabs: page-lock slabs for CUDA, so batches come out pinned with no copy.
+        numbered: with ``in_order=False``, hand each batch out as a ``NumberedBatch`` (and
+            attach its number to a failed batch's error): which batches an out-of-order epoch
+            has handed out is then a set, which the loader's checkpoints record.
     """
 
     setup: EconomicSetup
@@ -69,6 +72,7 @@ class EconomicConfig:
     stats: Any = None
     max_shm_bytes: int | None = None
     pin_slabs: bool = False
+    numbered: bool = False
 
 
 class EconomicLaunch:
@@ -146,9 +150,7 @@ class EconomicEngine:
 
     def __init__(self, config: EconomicConfig) -> None:
         self._config = config
-        # Out of order, a map-style epoch's batches say their numbers: which were handed out is
-        # then a set, which a checkpoint records (iterable replicas record their own positions).
-        self._numbered = not config.in_order and config.setup.worker.fetch.kind is DatasetKind.MAP
+        self._numbered = config.numbered and not config.in_order
         setup = config.setup
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch

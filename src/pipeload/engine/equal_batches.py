@@ -12,8 +12,12 @@ before handing out each batch, asks every rank whether it still has one:
 - ``"pad"``: the epoch goes on until every rank has run out; a rank that ran out first hands out
   its last batch again, once per missing step.
 
-The question is one ``all_reduce`` of one integer over a gloo group per batch (microseconds on
-one machine, a network round trip across machines), and it needs an initialised process group.
+The question is one ``all_reduce`` of one integer over a gloo group per batch (tens of
+microseconds on one machine, a network round trip across machines), and it needs an initialised
+process group. When every rank knows its epoch's batch count in advance (a map-style dataset
+whose samplers are torch's or ours: their lengths are exact and they cannot fail mid-epoch), the
+ranks agree once, as the epoch starts, on the count to stop at (the least for ``"drop"``, the
+most for ``"pad"``), and then count their steps without asking again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from pipeload.distributed import all_ranks_agree
+from pipeload.distributed import all_ranks_agree, all_ranks_range
 from pipeload.engine.plan import EpochStart
 from pipeload.errors import LoaderTimeoutError
 
@@ -39,7 +43,9 @@ class EqualBatches:
     """Wraps an engine (or a pin stage) so that all ranks agree on each epoch's batch count.
 
     Driven by the training thread only. Invariant between calls: ``_ended`` is True once every
-    rank agreed that this epoch is over; ``_last`` is the batch to repeat (``"pad"`` only).
+    rank agreed that this epoch is over; ``_last`` is the batch to repeat (``"pad"`` only);
+    ``_steps_left`` is None while the ranks agree batch by batch, else the steps every rank
+    still takes this epoch (agreed as it began).
     """
 
     def __init__(self, engine: Any, policy: str) -> None:
@@ -48,6 +54,7 @@ class EqualBatches:
         self._last: Any = None
         self._handed_out = 0
         self._ended = True
+        self._steps_left: int | None = None
 
     workers = property(lambda self: self._engine.workers)
     closed = property(lambda self: self._engine.closed)
@@ -59,6 +66,10 @@ class EqualBatches:
         self._last = None
         self._handed_out = 0
         self._ended = False
+        self._steps_left = None
+        if start.epoch_batches is not None:  # a collective every rank makes as its epoch starts
+            fewest, most = all_ranks_range(start.epoch_batches)
+            self._steps_left = (fewest if self._policy == "drop" else most) - start.steps_done
         for _ in range(start.remake):
             self._make_again()
 
@@ -87,6 +98,8 @@ class EqualBatches:
         """
         if self._ended:
             raise StopIteration
+        if self._steps_left is not None:
+            return self._next_counted()
         error: Exception | None = None
         have = True
         try:
@@ -111,6 +124,33 @@ class EqualBatches:
         self._handed_out += 1
         if self._policy == "pad":
             self._last = batch
+        return batch
+
+    def _next_counted(self) -> Any:
+        """The next batch when the ranks agreed on the count as the epoch began: no collective."""
+        if self._steps_left <= 0:  # type: ignore[operator]
+            self._end_epoch()
+            raise StopIteration
+        try:
+            batch = self._engine.next_batch()
+        except StopIteration:
+            if self._policy == "drop":  # the count was the least: a known length cannot end early
+                self._end_epoch()
+                raise RuntimeError(
+                    "equal_batches='drop': this rank's sampler ended before the batch count it "
+                    "reported with len(), which the ranks agreed on; the other ranks go on") from None
+            batch = self._repeat_last()
+        except LoaderTimeoutError:
+            raise  # no step happened
+        except Exception:
+            self._steps_left -= 1  # type: ignore[operator]  # a batch's error is a step
+            raise
+        else:
+            if not isinstance(batch, PaddedBatch):
+                self._handed_out += 1
+                if self._policy == "pad":
+                    self._last = batch
+        self._steps_left -= 1  # type: ignore[operator]
         return batch
 
     def _repeat_last(self) -> Any:

@@ -102,6 +102,11 @@ class EpochStart:
         handed_out: out of order (``in_order=False``): numbers past ``first_batch`` handed out
             before the checkpoint; they are made again and dropped right after the engine
             (``resume/handed_out.py``). The engines ignore it.
+        epoch_batches: how many batches the whole epoch has, when the sampler's length is
+            exact (map-style, torch's or our samplers): the equal-batches stage then agrees
+            with the other ranks once, not per batch. None when not known.
+        steps_done: steps this rank took in the epoch before the checkpoint (handed out,
+            raised, or repeated by ``"pad"``).
     """
 
     first_batch: int = 0
@@ -109,6 +114,8 @@ class EpochStart:
     first_worker: int = 0
     remake: int = 0
     handed_out: frozenset[int] = frozenset()
+    epoch_batches: int | None = None
+    steps_done: int = 0
 
 
 @dataclass(frozen=True)

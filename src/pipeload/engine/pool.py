@@ -14,7 +14,7 @@ from typing import Any
 from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import DatasetKind, EpochStart, WorkerSetup
+from pipeload.engine.plan import EpochStart, WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -39,6 +39,9 @@ class PoolConfig:
         max_shm_bytes: the most shared memory slabs may hold and batches in flight may need
             (None: half of what the memory backing them can still take).
         pin_slabs: page-lock slabs for CUDA, so batches come out pinned with no copy.
+        numbered: with ``in_order=False``, hand each batch out as a ``NumberedBatch`` (and
+            attach its number to a failed batch's error): which batches an out-of-order epoch
+            has handed out is then a set, which the loader's checkpoints record.
     """
 
     setup: WorkerSetup
@@ -50,6 +53,7 @@ class PoolConfig:
     stats: Any = None
     max_shm_bytes: int | None = None
     pin_slabs: bool = False
+    numbered: bool = False
 
 
 class ClassicLaunch:
@@ -104,9 +108,7 @@ class PoolEngine:
 
     def __init__(self, config: PoolConfig) -> None:
         self._config = config
-        # Out of order, a map-style epoch's batches say their numbers: which were handed out is
-        # then a set, which a checkpoint records (iterable replicas record their own positions).
-        self._numbered = not config.in_order and config.setup.fetch.kind is DatasetKind.MAP
+        self._numbered = config.numbered and not config.in_order
         num_workers = config.setup.num_workers
         max_batches = config.prefetch_factor * num_workers
         max_bytes = shm_budget_bytes(config.max_shm_bytes)

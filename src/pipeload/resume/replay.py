@@ -55,12 +55,13 @@ def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None,
             break
         skipped_keys += keys_of(task)
     handed_out = point.handed_out_above
+    steps_done = point.consumed + len(handed_out) + point.padded
     if not point.sampler_started:
-        return tasks, EpochStart(remake=remake, handed_out=handed_out)
+        return tasks, EpochStart(remake=remake, handed_out=handed_out, steps_done=steps_done)
     first = next(tasks, _END)
     rest = tasks if first is _END else itertools.chain([first], tasks)
     return rest, EpochStart(first_batch=skip, first_position=skipped_keys, remake=remake,
-                            handed_out=handed_out)
+                            handed_out=handed_out, steps_done=steps_done)
 
 
 def resumed_streams(point: ResumePoint | None) -> dict[int, StreamPosition] | None:
