@@ -130,6 +130,7 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         self._current: _OpenArchive | None = None
         self._before_current: Any = None  # the upstream's state before the current archive
         self._resume_at: tuple[int, int] | None = None  # (bytes, members) into the next archive
+        self._upstream_has_state: bool | None = None  # asked once, with the first archive
 
     def nonblocking_next(self) -> ArchiveMember:
         while True:
@@ -150,7 +151,7 @@ class _TarIterator(PipeIterator[ArchiveMember]):
 
     def _tracks_state(self) -> bool:
         """Whether the upstream can say where it is (asked once: a plain iterator cannot)."""
-        tracks = getattr(self, "_upstream_has_state", None)
+        tracks = self._upstream_has_state
         if tracks is None:
             try:
                 self._archives.state_dict()
