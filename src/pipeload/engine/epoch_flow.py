@@ -98,5 +98,8 @@ def batch_or_raise(report: WorkerReport, numbered: bool = False) -> Any:
         error = report.failure.to_exception()
         if numbered:
             setattr(error, _BATCH_NUMBER, report.batch_number)
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # the traceback holds this frame: no cycle through the local
     return report.payload
