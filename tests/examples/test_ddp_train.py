@@ -46,18 +46,37 @@ def test_ranks_split_every_epoch_and_take_equal_steps(data: str, tmp_path: Path,
         assert all(len(distinct_ids(s)) == SAMPLES // WORLD_SIZE for s in orders[0])
 
 
+def first_padding_step(records: list[dict]) -> int | None:
+    """The global step just after a rank first repeats a batch (equal_batches="pad"), if any."""
+    done = 0
+    for epoch in sorted(records[0]["seen"], key=int):
+        for record in records:
+            batches = record["seen"][epoch]
+            repeats = [i for i in range(1, len(batches)) if batches[i] == batches[i - 1]]
+            if repeats:
+                return done + repeats[0] + 1
+        done += len(records[0]["seen"][epoch])
+    return None
+
+
 @pytest.mark.slow  # three torchrun jobs; tests/test_resume_after_kill.py covers resuming in the fast suite
-@pytest.mark.timeout(300)
-def test_stopped_mid_epoch_and_resumed_it_trains_as_if_never_stopped(tmp_path: Path, leak_guard: LeakGuard) -> None:
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("data", ["map", "shards"])
+def test_stopped_mid_epoch_and_resumed_it_trains_as_if_never_stopped(data: str, tmp_path: Path,
+                                                                      leak_guard: LeakGuard) -> None:
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     whole.mkdir()
     parts.mkdir()
-    expected = run_ranks(torchrun("--record", str(whole)), whole, WORLD_SIZE)
+    options = ("--data", data, "--shards", str(tmp_path / "shards"))
+    expected = run_ranks(torchrun(*options, "--record", str(whole)), whole, WORLD_SIZE)
+    # map-style: in the second epoch of five steps; shards: while a rank repeats its last batch
+    stop_after = 7 if data == "map" else first_padding_step(expected)
+    assert stop_after is not None, "no rank padded: the shards no longer leave the ranks uneven"
     checkpoint = str(tmp_path / "checkpoints")
-    stopped = run_ranks(torchrun("--record", str(parts), "--checkpoint", checkpoint, "--stop-after", "7"),
-                        parts, WORLD_SIZE)
-    assert [record["stopped"] for record in stopped] == [7, 7]  # in the second epoch of five steps
-    resumed = run_ranks(torchrun("--record", str(parts), "--checkpoint", checkpoint, "--resume"),
+    stopped = run_ranks(torchrun(*options, "--record", str(parts), "--checkpoint", checkpoint,
+                                 "--stop-after", str(stop_after)), parts, WORLD_SIZE)
+    assert [record["stopped"] for record in stopped] == [stop_after] * WORLD_SIZE
+    resumed = run_ranks(torchrun(*options, "--record", str(parts), "--checkpoint", checkpoint, "--resume"),
                         parts, WORLD_SIZE)
     assert wait_until(lambda: no_rank_left(tmp_path), LEFTOVER_DEADLINE_S)
     for want, have in zip(expected, resumed, strict=True):
