@@ -11,9 +11,7 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -23,29 +21,17 @@ import torch
 import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
 from pipeload import _arguments as arguments
+from pipeload import _engine_choice, resume
+from pipeload._epoch_iterator import _EpochIterator
 from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
-from pipeload.distributed import check_ranks_can_agree, current_placement, replication_warning
+from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
-from pipeload.engine.auto import AutoEngine, pools_like
-from pipeload.engine.economic import EconomicConfig, EconomicEngine
-from pipeload.engine.equal_batches import EqualBatches
-from pipeload.engine.inline import InlineEngine
-from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
-from pipeload.engine.plan import DatasetKind, EconomicSetup, EpochStart, FetchSpec, ReplicaSetup, WorkerSetup
-from pipeload.engine.pool import PoolConfig, PoolEngine
-from pipeload import resume
-from pipeload.pin import pinning_available
-from pipeload.samplers import (
-    BatchSampler,
-    Sampler,
-    exact_length,
-)
-from pipeload.shared import warn_if_copy_on_read
-from pipeload.stats.clock import profiling, span
+from pipeload.engine.plan import DatasetKind
+from pipeload.samplers import BatchSampler, Sampler
 from pipeload.stats.recorder import LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats.report import LoaderStats
-from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
+from pipeload.stats.tuner import AutoTuner
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -93,7 +79,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             same number of batches each epoch, so DDP never waits on a rank that has finished:
             ``"drop"`` ends the epoch on every rank when the first runs out, ``"pad"`` lets ranks
             that ran out repeat their last batch until the last rank is done. Costs one small
-            ``all_reduce`` per batch; needs an initialised process group. None (the default, as
+            ``all_reduce`` per batch (per epoch when the sampler's length is exact: map-style,
+            torch's or our samplers); needs an initialised process group. None (the default, as
             torch): each rank yields what its share holds.
         worker_seeding: ``"torch"`` (the default) seeds each worker once, as torch does;
             ``"per_batch"`` seeds the generators that build each batch (torch, random, numpy)
@@ -290,9 +277,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         with resume.epoch_start_draws(point):
             tasks = iter(self._index_sampler)
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
-            tasks, start = self._position_tasks(tasks, point)
-        if self.equal_batches is not None and self._dataset_kind is DatasetKind.MAP:
-            start = dataclasses.replace(start, epoch_batches=exact_length(self._index_sampler))
+            tasks, start = resume.position_tasks(self, tasks, point)
         try:
             engine.start_epoch(tasks, start=start, **epoch_seed)
         except BaseException:
@@ -313,12 +298,12 @@ class DataLoader(torch_data.DataLoader[T_co]):
         epoch_seed: dict[str, int] = {}
         session = point.session if point is not None else None
         if not (self.persistent_workers and self.num_workers > 0):
-            engine = self._build_engine(point, session)
+            engine = _engine_choice.build_engine(self, point, session)
             record.base_seed, record.session_epoch = self._session
             record.later_in_session = session is not None
             return engine, True, epoch_seed
         if self._persistent_engine is None or self._persistent_engine.closed:
-            self._persistent_engine = self._build_engine(point, session)
+            self._persistent_engine = _engine_choice.build_engine(self, point, session)
             weakref.finalize(self, self._persistent_engine.close)
             record.later_in_session = session is not None
         else:
@@ -329,13 +314,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
             record.later_in_session = True
         record.base_seed, record.session_epoch = self._session
         return self._persistent_engine, False, epoch_seed
-
-    def _position_tasks(self, tasks: Any, point: resume.ResumePoint | None) -> tuple[Any, EpochStart]:
-        """Where a resumed epoch goes on: map-style skips the keys already handed out."""
-        if self._dataset_kind is DatasetKind.ITERABLE:
-            return tasks, resume.stream_start(point, self.num_workers)
-        keys_of = len if self._auto_collation else (lambda _task: 1)
-        return resume.skip_handed_out(tasks, point, keys_of)
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of where this loader stands: small, JSON-serialisable, versioned.
@@ -372,81 +350,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
             self._iterator = None  # type: ignore[assignment]
         self._epoch_notes = None
         self._resume_point = point
-
-    def _draw_base_seed(self) -> int:
-        return _draw_base_seed(self.generator)
-
-    def _build_engine(self, point: resume.ResumePoint | None = None,
-                      session: tuple[int, int] | None = None) -> Any:
-        # The draws and their order follow torch's: a DataPipe graph's shared seed, the base seed,
-        # and, once workers have started, one more shared seed that torch draws and never uses.
-        # A session resumed from a checkpoint has its base seed already: it draws the graph's
-        # seed only, as the session's later epochs did.
-        replica_setup = self._replica_setup()
-        base_seed = self._draw_base_seed() if session is None else session[0]
-        self._session = (base_seed, 1 if session is None else session[1])
-        if self.timeout > 0 and self.num_workers == 0:
-            raise arguments.ArgumentAssertionError(
-                "_SingleProcessDataLoaderIter requires timeout == 0 (pipeload: "
-                f"timeout={self.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
-            )
-        if self.equal_batches is not None:
-            check_ranks_can_agree()
-        spec = self._fetch_spec(point)
-        if self.num_workers == 0:
-            engine: Any = InlineEngine(spec, replica_setup, self._stats, base_seed, self._session[1])
-        elif any(self._auto) and self.mode == "classic":
-            engine = self._auto_engine(spec, base_seed, replica_setup)
-        elif self.mode == "economic":
-            if any(self._auto):
-                self._auto_tuner()  # records the starting settings, which economic mode keeps
-            engine = EconomicEngine(self._economic_config(spec, base_seed, replica_setup))
-        else:
-            engine = PoolEngine(self._pool_config(spec, base_seed, replica_setup))
-            if replica_setup.shared_seed is not None and session is None:
-                replica.draw_shared_seed(self.generator, share=False)
-        if point is not None and point.handed_out_above:
-            engine = resume.DropHandedOut(engine)  # below pinning and the ranks' agreement
-        return self._balance_ranks(self._maybe_pin(engine))
-
-    def _balance_ranks(self, engine: Any) -> Any:
-        if self.equal_batches is None or current_placement().world_size == 1:
-            return engine
-        return EqualBatches(engine, self.equal_batches)
-
-    def _fetch_spec(self, point: resume.ResumePoint | None) -> FetchSpec:
-        iterable = self._dataset_kind is DatasetKind.ITERABLE
-        streams = resume.resumed_streams(point)
-        return FetchSpec(
-            self.dataset, self._dataset_kind, self._auto_collation, self.collate_fn, self.drop_last,
-            per_batch_seeding=self.worker_seeding == "per_batch" and self.mode == "classic",
-            stream_snapshot_every=resume.STREAM_SNAPSHOT_EVERY if iterable else 0,
-            resume_streams=streams,
-        )
-
-    def _auto_engine(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
-        """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
-        may replace mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
-        re-split mid-stream: it keeps its starting settings."""
-        tuner = self._auto_tuner()
-        first = self._pool_config(spec, base_seed, replica_setup)
-        return AutoEngine(pools_like(first), tuner, first.setup.first_epoch)
-
-    def _auto_tuner(self) -> AutoTuner:
-        """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""
-        if self._tuner is None:
-            adjustable = self._dataset_kind is DatasetKind.MAP and self.mode == "classic"
-            start = Settings(self.num_workers, self.prefetch_factor)  # type: ignore[arg-type]
-            budget = memory_budget_bytes(getattr(self, "max_shm_bytes", None))
-            self._tuner = AutoTuner(self._stats, usable_cpus(), self._auto[0] and adjustable,
-                                    self._auto[1] and adjustable, start, budget)
-        return self._tuner
-
-    def _replica_setup(self) -> ReplicaSetup:
-        """Where this session's copies of the dataset sit among ranks, and their graph seed."""
-        placement = current_placement()
-        seed = replica.draw_shared_seed(self.generator) if replica.draws_shared_seed(self.dataset) else None
-        return ReplicaSetup(placement.rank, placement.world_size, seed)
 
     def _warn_if_every_rank_loads_all(self) -> None:
         if self._warned_every_rank_loads_all or self._dataset_kind is not DatasetKind.MAP:
@@ -490,202 +393,3 @@ class DataLoader(torch_data.DataLoader[T_co]):
         elif engine is not None:
             engine.close()
 
-    def _worker_setup(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> WorkerSetup:
-        warn_if_copy_on_read(self.dataset, self.worker_type)  # pytorch#13246: points at the fix
-        method = "thread" if self.worker_type == "thread" else "multiprocessing"
-        return WorkerSetup(spec, self.num_workers, base_seed, self.worker_init_fn, method, replica_setup,
-                           stats=self._stats is not None, first_epoch=self._session[1])
-
-    def _economic_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
-        setup = EconomicSetup(self._worker_setup(spec, base_seed, replica_setup), self.num_batch_workers)  # type: ignore[arg-type]
-        return EconomicConfig(
-            setup=setup,
-            prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
-            in_order=self.in_order,
-            timeout_s=self.timeout,
-            worker_type=self.worker_type,
-            mp_context=self.multiprocessing_context,
-            stats=self._stats,
-            max_shm_bytes=self.max_shm_bytes,
-            pin_slabs=self.pin_memory and pinning_available(),
-            numbered=self._numbers_batches(),
-        )
-
-    def _pool_config(self, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
-        return PoolConfig(
-            setup=self._worker_setup(spec, base_seed, replica_setup),
-            prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
-            in_order=self.in_order,
-            timeout_s=self.timeout,
-            worker_type=self.worker_type,
-            mp_context=self.multiprocessing_context,
-            stats=self._stats,
-            max_shm_bytes=self.max_shm_bytes,
-            pin_slabs=self.pin_memory and pinning_available(),  # page-locked in place: no copy
-            numbered=self._numbers_batches(),
-        )
-
-    def _numbers_batches(self) -> bool:
-        # Out of order, a map-style epoch's batches say their numbers, so that a checkpoint can
-        # record which were handed out (iterable replicas record their own positions).
-        return not self.in_order and self._dataset_kind is DatasetKind.MAP
-
-    def _maybe_pin(self, engine: Any) -> Any:
-        if not self.pin_memory:
-            return engine
-        if self.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the "
-                f"device,ignore pin_memory_device='{self.pin_memory_device}'. (pipeload: batches "
-                "are pinned for the current accelerator.)",
-                stacklevel=4,
-            )
-        if not pinning_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, then device "
-                "pinned memory won't be used. (pipeload: batches are handed out in ordinary "
-                "memory.)",
-                stacklevel=4,
-            )
-            return engine
-        if self.num_workers == 0:
-            return InlinePinning(engine, None, self._stats)
-        return ThreadedPinning(engine, None, self._stats)
-
-
-class _EpochIterator:
-    """One epoch over a loader. Owns its engine unless the loader keeps workers persistent.
-
-    Closing it (at the end, or when it is dropped) stops an owned engine at once. An error
-    raised for one batch leaves the epoch running, as in torch: catch it, call ``next`` again,
-    and the other batches keep coming. The engine itself closes on what ends an epoch (a dead
-    worker, a broken channel); Ctrl-C (anything that is not an ``Exception``) closes it here.
-    """
-
-    def __init__(self, loader: DataLoader, engine: Any, owns_engine: bool,
-                 progress: resume.EpochProgress) -> None:
-        self._engine = engine
-        self._progress = progress
-        self._owns_engine = owns_engine
-        # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
-        # `for b in DataLoader(..., persistent_workers=True)` would close it under our feet.
-        self._loader = None if owns_engine else loader
-        self._index_sampler = loader._index_sampler
-        self._len_reported = loader._len_reported
-        self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
-        self._num_workers = loader.num_workers
-        self._dataset = loader.dataset
-        self._yielded = 0
-        self._ended = False
-        self._stats = loader._stats
-        self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        stats = self._stats  # times the wait for data; holds no engine, so the frame may keep it
-        asked = stats.asking() if stats is not None else 0.0
-        try:
-            if profiling():  # a span as torch's loader records for its __next__
-                with span("pipeload.DataLoader.__next__"):
-                    batch = self._engine.next_batch()
-            else:
-                batch = self._engine.next_batch()
-        except StopIteration:
-            self._progress.ended = True
-            if stats is not None:
-                stats.ended(asked)
-            self._finish()
-            raise
-        except Exception as error:
-            self._progress.failed(error)
-            if stats is not None:
-                stats.ended(asked)
-            # The error's traceback keeps this frame: without `self` in it, an uncaught error
-            # (one that unwinds the caller's `for` loop) still lets the iterator go, and its
-            # workers with it, however long the error itself is kept.
-            del self, error
-            raise
-        except BaseException:
-            self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
-            del self
-            raise
-        if stats is not None:
-            stats.handed(asked)
-        batch = self._progress.handed_out(batch)
-        self._yielded += 1
-        if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
-            _warn_length_exceeded(self._dataset, self._len_reported, self._yielded, self._num_workers)
-        return batch
-
-    def __len__(self) -> int:
-        return len(self._index_sampler)
-
-    @property
-    def _workers(self) -> list[Any]:
-        return self._engine.workers
-
-    @property
-    def _pin_memory(self) -> bool:
-        """Whether batches are pinned (torch's attribute: False without an accelerator)."""
-        return isinstance(self._pin_stage, (InlinePinning, ThreadedPinning))
-
-    @property
-    def _pin_memory_thread(self) -> threading.Thread:
-        """The thread that pins batches, as in torch: only with workers and an accelerator."""
-        stage = self._pin_stage
-        thread = stage.thread if isinstance(stage, ThreadedPinning) else None
-        if thread is None:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pin_memory_thread'")
-        return thread
-
-    @property
-    def _pin_stage(self) -> Any:
-        engine = self._engine
-        return engine.inner if isinstance(engine, EqualBatches) else engine
-
-    def close(self) -> None:
-        """Stop the workers now (persistent workers belong to the loader and stay)."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def _finish(self) -> None:
-        self._ended = True
-        if self._owns_engine:
-            self.close()
-
-    def _adopt_engine(self) -> None:
-        """The loader let go of its persistent workers mid-epoch: this epoch stops them when it
-        ends (or is dropped), as torch's workers stop with the iterator that held them."""
-        self._owns_engine = True
-        self._loader = None
-        self._finalizer = weakref.finalize(self, self._engine.close)
-        if self._ended:
-            self.close()
-
-    def __getstate__(self) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
-
-
-def _draw_base_seed(generator: torch.Generator | None) -> int:
-    # One int64 from the loader's generator (or the global RNG) per worker session, as torch
-    # draws it, so the global random stream stays in step with torch's.
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
-def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:
-    # torch's sentence, its missing space before "(when" included.
-    message = (
-        f"Length of IterableDataset {dataset} was reported to be {reported}(when accessing "
-        f"len(dataloader)), but {yielded} samples have been fetched. "
-    )
-    if num_workers > 0:
-        message += (
-            "For multiprocessing data-loading, this could be caused by not properly configuring "
-            "the IterableDataset replica at each worker. Please see "
-            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
-            "examples. (pipeload: with several workers, each worker's replica must yield only "
-            "its share: see get_worker_info().)"
-        )
-    warnings.warn(message, stacklevel=3)

@@ -3,21 +3,30 @@
 - ``epoch.py``: what the loader notes when an epoch begins and as it hands batches out;
 - ``state.py``: the JSON checkpoint built from those notes, and reading one back (with the
   checks that refuse a state from another configuration);
-- ``replay.py``: beginning an interrupted epoch again and going on from where it was.
+- ``replay.py``: beginning an interrupted epoch again and going on from where it was;
+- ``handed_out.py``: dropping, right after the engine, the batches an out-of-order epoch had
+  handed out past its watermark (made again on resume).
 
 The engines know nothing of checkpoints: they are given an :class:`~pipeload.engine.plan.EpochStart`
 (where numbering begins), a session's base seed and first epoch, and for iterable datasets each
 replica's position. See docs/design/resume.md.
 """
 
-from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.epoch import STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch
-from pipeload.resume.replay import epoch_start_draws, progress_from, resumed_streams, skip_handed_out, stream_start
+from pipeload.resume.handed_out import DropHandedOut
+from pipeload.resume.replay import (
+    epoch_start_draws,
+    position_tasks,
+    progress_from,
+    resumed_streams,
+    skip_handed_out,
+    stream_start,
+)
 from pipeload.resume.state import ResumePoint, build_state, check_can_checkpoint, read_state
 
 __all__ = [
-    "DropHandedOut",
     "STREAM_SNAPSHOT_EVERY",
+    "DropHandedOut",
     "EpochProgress",
     "EpochRecord",
     "ResumePoint",
@@ -25,6 +34,7 @@ __all__ = [
     "build_state",
     "check_can_checkpoint",
     "epoch_start_draws",
+    "position_tasks",
     "progress_from",
     "read_state",
     "resumed_streams",

@@ -16,6 +16,7 @@ draws the same order. Then:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from pipeload.engine.fetch import StreamPosition
 from pipeload.engine.plan import EpochStart
 from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
+from pipeload.samplers import exact_length
 
 _END = object()
 
@@ -35,6 +37,19 @@ def epoch_start_draws(point: ResumePoint | None) -> contextlib.AbstractContextMa
     if point is None or point.record is None:
         return contextlib.nullcontext()
     return borrowed_global_rng(point.record.global_rng)
+
+
+def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None) -> tuple[Iterator[Any], EpochStart]:
+    """Where an epoch begins: a resumed map-style epoch skips the keys already handed out, an
+    iterable one goes on with the worker whose turn it was. With ``equal_batches``, a sampler
+    whose length is exact says how many batches the epoch has, so the ranks agree once."""
+    if loader._dataset_kind.value == "iterable":
+        return tasks, stream_start(point, loader.num_workers)
+    keys_of = len if loader._auto_collation else (lambda _task: 1)
+    tasks, start = skip_handed_out(tasks, point, keys_of)
+    if loader.equal_batches is not None:
+        start = dataclasses.replace(start, epoch_batches=exact_length(loader._index_sampler))
+    return tasks, start
 
 
 def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None,

@@ -1,0 +1,121 @@
+"""``DistributedSampler``: this rank's share of a map-style dataset, exactly as torch's.
+
+It reads the process group as torch's does (and fails as torch's does without one). Public
+through ``pipeload.samplers``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.utils.data as torch_data  # torch's class: a base for identity, never called
+
+from pipeload._sampler_base import Sampler
+from pipeload._sampler_state import StatefulSampler
+
+
+class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSampler):
+    """Yields this rank's share of the dataset: every ``num_replicas``-th index from ``rank``.
+
+    All ranks see the same (optionally shuffled, seeded by ``seed + epoch``) order. Without
+    ``drop_last`` the order is padded by repeating its start so every rank gets the same
+    count; with it, the tail is cut instead.
+
+    Args:
+        dataset: anything with ``__len__``.
+        num_replicas: number of ranks; default: the world size of the initialised group.
+        rank: this process's rank; default: the rank in the initialised group.
+        shuffle: shuffle the order each epoch.
+        seed: base seed, identical on every rank.
+        drop_last: cut the tail instead of padding.
+
+    Raises:
+        RuntimeError: rank or num_replicas left out and ``torch.distributed`` is unavailable.
+        ValueError: left out with no initialised process group (from ``torch.distributed``),
+            or ``rank`` outside ``[0, num_replicas)``.
+
+    Example:
+        >>> list(DistributedSampler(range(5), num_replicas=2, rank=1, shuffle=False))
+        [1, 3, 0]
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = _process_group().get_world_size()
+        if rank is None:
+            rank = _process_group().get_rank()
+        if rank < 0 or rank >= num_replicas:
+            raise ValueError(
+                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]: "
+                f"got rank={rank} with num_replicas={num_replicas}"
+            )
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.seed = seed
+        size = len(dataset)
+        if drop_last and size % num_replicas != 0:
+            self.num_samples = math.ceil((size - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.dataset), "num_replicas": self.num_replicas, "rank": self.rank,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+
+    def _inner_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
+        self.epoch = state["epoch"]
+
+    def _keys(self) -> Iterator[int]:
+        size = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(size, generator=generator).tolist()
+        else:
+            order = list(range(size))
+        if self.drop_last:
+            order = order[: self.total_size]
+        elif self.total_size > len(order):
+            missing = self.total_size - len(order)
+            order += (order * math.ceil(missing / len(order)))[:missing]
+        return iter(order[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch; with ``shuffle`` each epoch gets its own order (the same on all ranks)."""
+        self.epoch = epoch
+
+
+def _process_group() -> Any:
+    """``torch.distributed``, imported only when asked for; RuntimeError if it is absent."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - builds without distributed support
+        dist = None
+    if dist is None or not dist.is_available():
+        raise RuntimeError(
+            "Requires distributed package to be available: pass num_replicas and rank "
+            "explicitly, or use a torch build with torch.distributed"
+        )
+    return dist

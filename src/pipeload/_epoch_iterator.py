@@ -1,0 +1,152 @@
+"""One epoch over a DataLoader: the iterator ``iter(loader)`` returns.
+
+It owns the epoch's engine (or borrows the loader's, with ``persistent_workers=True``), hands
+batches out, notes each in the epoch's progress (what checkpoints read), and stops the engine
+when the epoch ends, is dropped, or is interrupted.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from pipeload import resume
+from pipeload.engine.equal_batches import EqualBatches
+from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
+from pipeload.engine.plan import DatasetKind
+from pipeload.stats.clock import profiling, span
+
+
+class _EpochIterator:
+    """One epoch over a loader. Owns its engine unless the loader keeps workers persistent.
+
+    Closing it (at the end, or when it is dropped) stops an owned engine at once. An error
+    raised for one batch leaves the epoch running, as in torch: catch it, call ``next`` again,
+    and the other batches keep coming. The engine itself closes on what ends an epoch (a dead
+    worker, a broken channel); Ctrl-C (anything that is not an ``Exception``) closes it here.
+    """
+
+    def __init__(self, loader: Any, engine: Any, owns_engine: bool,
+                 progress: resume.EpochProgress) -> None:
+        self._engine = engine
+        self._progress = progress
+        self._owns_engine = owns_engine
+        # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
+        # `for b in DataLoader(..., persistent_workers=True)` would close it under our feet.
+        self._loader = None if owns_engine else loader
+        self._index_sampler = loader._index_sampler
+        self._len_reported = loader._len_reported
+        self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
+        self._num_workers = loader.num_workers
+        self._dataset = loader.dataset
+        self._yielded = 0
+        self._ended = False
+        self._stats = loader._stats
+        self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        stats = self._stats  # times the wait for data; holds no engine, so the frame may keep it
+        asked = stats.asking() if stats is not None else 0.0
+        try:
+            if profiling():  # a span as torch's loader records for its __next__
+                with span("pipeload.DataLoader.__next__"):
+                    batch = self._engine.next_batch()
+            else:
+                batch = self._engine.next_batch()
+        except StopIteration:
+            self._progress.ended = True
+            if stats is not None:
+                stats.ended(asked)
+            self._finish()
+            raise
+        except Exception as error:
+            self._progress.failed(error)
+            if stats is not None:
+                stats.ended(asked)
+            # The error's traceback keeps this frame: without `self` in it, an uncaught error
+            # (one that unwinds the caller's `for` loop) still lets the iterator go, and its
+            # workers with it, however long the error itself is kept.
+            del self, error
+            raise
+        except BaseException:
+            self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
+            del self
+            raise
+        if stats is not None:
+            stats.handed(asked)
+        batch = self._progress.handed_out(batch)
+        self._yielded += 1
+        if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
+            _warn_length_exceeded(self._dataset, self._len_reported, self._yielded, self._num_workers)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    @property
+    def _workers(self) -> list[Any]:
+        return self._engine.workers
+
+    @property
+    def _pin_memory(self) -> bool:
+        """Whether batches are pinned (torch's attribute: False without an accelerator)."""
+        return isinstance(self._pin_stage, (InlinePinning, ThreadedPinning))
+
+    @property
+    def _pin_memory_thread(self) -> threading.Thread:
+        """The thread that pins batches, as in torch: only with workers and an accelerator."""
+        stage = self._pin_stage
+        thread = stage.thread if isinstance(stage, ThreadedPinning) else None
+        if thread is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pin_memory_thread'")
+        return thread
+
+    @property
+    def _pin_stage(self) -> Any:
+        engine = self._engine
+        return engine.inner if isinstance(engine, EqualBatches) else engine
+
+    def close(self) -> None:
+        """Stop the workers now (persistent workers belong to the loader and stay)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _finish(self) -> None:
+        self._ended = True
+        if self._owns_engine:
+            self.close()
+
+    def _adopt_engine(self) -> None:
+        """The loader let go of its persistent workers mid-epoch: this epoch stops them when it
+        ends (or is dropped), as torch's workers stop with the iterator that held them."""
+        self._owns_engine = True
+        self._loader = None
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        if self._ended:
+            self.close()
+
+    def __getstate__(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+
+
+def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:
+    # torch's sentence, its missing space before "(when" included.
+    message = (
+        f"Length of IterableDataset {dataset} was reported to be {reported}(when accessing "
+        f"len(dataloader)), but {yielded} samples have been fetched. "
+    )
+    if num_workers > 0:
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly configuring "
+            "the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
+            "examples. (pipeload: with several workers, each worker's replica must yield only "
+            "its share: see get_worker_info().)"
+        )
+    warnings.warn(message, stacklevel=3)

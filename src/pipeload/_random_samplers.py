@@ -1,0 +1,251 @@
+"""The random samplers: ``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``.
+
+They draw from torch's generators in exactly the order ``torch.utils.data`` does, so the same
+seed gives the same indices (``RandomSampler`` without a generator draws its seed lazily, when
+iteration starts, as torch's does). Public through ``pipeload.samplers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any
+
+import torch
+import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
+
+from pipeload._sampler_base import Sampler
+from pipeload._sampler_state import StatefulSampler
+from pipeload.errors import exact_value
+
+# RandomSampler with replacement draws its indices this many at a time (torch's block size).
+_REPLACEMENT_BLOCK = 32
+
+
+class RandomSampler(StatefulSampler, Sampler[int], torch_data.RandomSampler):
+    """Yields indices in random order: a shuffle, or draws with replacement.
+
+    Args:
+        data_source: anything with ``__len__``.
+        replacement: draw with replacement (``num_samples`` draws) instead of shuffling.
+        num_samples: how many indices to yield; defaults to ``len(data_source)``. Without
+            replacement and above the length, whole fresh permutations are chained.
+        generator: a ``torch.Generator``; if None, each iteration seeds a private generator
+            from torch's global RNG when the first index is requested.
+
+    Raises:
+        TypeError: ``replacement`` is not a bool.
+        ValueError: ``num_samples`` is not a positive int.
+
+    Example:
+        >>> list(RandomSampler(range(5), generator=torch.Generator().manual_seed(0)))
+    """
+
+    data_source: Sized
+    replacement: bool
+
+    def __init__(
+        self,
+        data_source: Sized,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.data_source = data_source
+        self.replacement = replacement
+        self._num_samples = num_samples
+        self.generator = generator
+        if not isinstance(replacement, bool):
+            raise TypeError(
+                f"replacement should be a boolean value, but got replacement={replacement}"
+                f"{exact_value('replacement', replacement)}"
+            )
+        count = self.num_samples
+        # bool passes as an int here on purpose: torch accepts num_samples=True.
+        if not isinstance(count, int) or count <= 0:
+            raise ValueError(
+                f"num_samples should be a positive integer value, but got num_samples={count}"
+                f"{exact_value('num_samples', count)}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """Indices per iteration: the value given, or the current length of the data."""
+        if self._num_samples is None:
+            return len(self.data_source)
+        return self._num_samples
+
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.data_source), "num_samples": self.num_samples,
+                "replacement": self.replacement}
+
+    def _keys(self) -> Iterator[int]:
+        size = len(self.data_source)
+        generator = self.generator
+        if generator is None:
+            # Same draw as torch: one int64 from the global RNG, made lazily on first next().
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        if self.replacement:
+            yield from _draws_with_replacement(size, self.num_samples, generator)
+        else:
+            yield from _chained_permutations(size, self.num_samples, generator)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _draws_with_replacement(size: int, count: int, generator: torch.Generator) -> Iterator[int]:
+    full_blocks, rest = divmod(count, _REPLACEMENT_BLOCK)
+    for _ in range(full_blocks):
+        block = torch.randint(high=size, size=(_REPLACEMENT_BLOCK,), dtype=torch.int64,
+                              generator=generator)
+        yield from block.tolist()
+    # torch always makes this last call, even for zero draws; keep the generator in step.
+    yield from torch.randint(high=size, size=(rest,), dtype=torch.int64,
+                             generator=generator).tolist()
+
+
+def _chained_permutations(size: int, count: int, generator: torch.Generator) -> Iterator[int]:
+    if size == 0:
+        # ZeroDivisionError is the type torch raises here; keep it, with a clearer message.
+        raise ZeroDivisionError(
+            f"RandomSampler cannot draw num_samples={count} without replacement from an empty "
+            "data_source (len 0)"
+        )
+    for _ in range(count // size):
+        yield from torch.randperm(size, generator=generator).tolist()
+    # As in torch, a final permutation is drawn even when nothing of it is used.
+    yield from torch.randperm(size, generator=generator).tolist()[: count % size]
+
+
+class SubsetRandomSampler(StatefulSampler, Sampler[int], torch_data.SubsetRandomSampler):
+    """Yields the given indices in a random order (one ``randperm`` per iteration).
+
+    Args:
+        indices: the keys to shuffle.
+        generator: a ``torch.Generator``; None uses torch's global RNG.
+
+    Example:
+        >>> sorted(SubsetRandomSampler([4, 8, 15]))
+        [4, 8, 15]
+    """
+
+    indices: Sequence[int]
+
+    def __init__(self, indices: Sequence[int], generator: torch.Generator | None = None) -> None:
+        self.indices = indices
+        self.generator = generator
+
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"length": len(self.indices)}
+
+    def _keys(self) -> Iterator[int]:
+        for position in torch.randperm(len(self.indices), generator=self.generator).tolist():
+            yield self.indices[position]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRandomSampler):
+    """Yields ``num_samples`` indices into ``weights``, drawn with probability ∝ weight.
+
+    Args:
+        weights: a 1-d sequence of non-negative, finite weights with a positive sum.
+        num_samples: how many indices to draw per iteration.
+        replacement: draw with replacement; without it ``num_samples <= len(weights)``.
+        generator: a ``torch.Generator``; None uses torch's global RNG.
+
+    Raises:
+        ValueError: bad ``num_samples``, ``replacement`` or shape of ``weights``.
+        RuntimeError: weights that ``torch.multinomial`` would refuse (checked up front).
+
+    Example:
+        >>> list(WeightedRandomSampler([0.0, 1.0], 3))
+        [1, 1, 1]
+    """
+
+    weights: torch.Tensor
+    num_samples: int
+    replacement: bool
+
+    def __init__(
+        self,
+        weights: Sequence[float] | torch.Tensor,
+        num_samples: int,
+        replacement: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
+            raise ValueError(
+                "num_samples should be a positive integer value, but got "
+                f"num_samples={num_samples}{exact_value('num_samples', num_samples)}"
+            )
+        if not isinstance(replacement, bool):
+            raise ValueError(
+                f"replacement should be a boolean value, but got replacement={replacement}"
+                f"{exact_value('replacement', replacement)}"
+            )
+        weights_tensor = torch.as_tensor(weights, dtype=torch.double)
+        if weights_tensor.dim() != 1:
+            raise ValueError(
+                "weights should be a 1d sequence but given weights have shape "
+                f"{tuple(weights_tensor.shape)}"
+            )
+        _check_weights(weights_tensor, num_samples, replacement)
+        self.weights = weights_tensor
+        self.num_samples = num_samples
+        self.replacement = replacement
+        self.generator = generator
+
+    def _draws_from(self) -> tuple[bool, torch.Generator | None]:
+        return True, self.generator
+
+    def _config(self) -> dict[str, Any]:
+        return {"weights": self.weights.numel(), "num_samples": self.num_samples,
+                "replacement": self.replacement}
+
+    def _keys(self) -> Iterator[int]:
+        drawn = torch.multinomial(self.weights, self.num_samples, self.replacement,
+                                  generator=self.generator)
+        yield from drawn.tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -> None:
+    """Reject, at construction, what torch.multinomial would reject at the first iteration.
+
+    Each message starts with torch.multinomial's own sentence for the case.
+    """
+    problems = {
+        "every weight must be finite, but some are inf or NaN": ~torch.isfinite(weights),
+        "every weight must be >= 0, but some are negative": weights < 0,
+    }
+    for problem, where in problems.items():
+        if bool(where.any()):
+            positions = where.nonzero().flatten().tolist()[:10]
+            raise RuntimeError(
+                "probability tensor contains either `inf`, `nan` or element < 0 (pipeload: "
+                f"invalid weights: {problem}, at positions {positions})"
+            )
+    if not float(weights.sum()) > 0:
+        raise RuntimeError(
+            "invalid multinomial distribution (sum of probabilities <= 0) (pipeload: the weights "
+            f"must have a positive sum, but got {weights.numel()} weights summing to "
+            f"{float(weights.sum())})"
+        )
+    if not replacement and num_samples > weights.numel():
+        raise RuntimeError(
+            "cannot sample n_sample > prob_dist.size(-1) samples without replacement (pipeload: "
+            f"cannot draw num_samples={num_samples} without replacement from "
+            f"{weights.numel()} weights)"
+        )
