@@ -28,6 +28,13 @@ def set_writer(writer: SlabWriter | None) -> None:
     _current.writer = writer
 
 
+def copied_into_message() -> bool:
+    """Whether what this thread collates now is copied into a message (a process worker's batch)
+    rather than handed to the caller as it is: then any memory will do, even memory that torch
+    cannot resize (a numpy array's)."""
+    return _current.writer is not None
+
+
 def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """An uninitialised contiguous tensor in the memory the current message travels in, or None
     when it should be made in ordinary memory (not in a worker, or small enough to go inline)."""

@@ -90,6 +90,27 @@ class WorkerCommand:
                            self.shared_seed, self.route, self.grant))
 
 
+def command_to_wire(command: WorkerCommand) -> Any:
+    """What the task pipe carries for ``command``: a ``FETCH`` as a plain tuple ``(batch_number,
+    indices, grant fields or None)``, which pickles without looking up a single global (the
+    commonest message of all, once per batch); any other command as itself."""
+    if (command.command is not Command.FETCH or command.epoch or command.shared_seed is not None
+            or command.route is not None):
+        return command
+    grant = command.grant
+    fields = None if grant is None else (grant.slab_id, grant.releases, grant.controls)
+    return (command.batch_number, command.indices, fields)
+
+
+def command_from_wire(message: Any) -> WorkerCommand:
+    """The command :func:`command_to_wire` sent."""
+    if type(message) is not tuple:
+        return message
+    number, indices, fields = message
+    return WorkerCommand(Command.FETCH, number, indices,
+                         grant=None if fields is None else SlabGrant(*fields))
+
+
 def _command(command: int, batch_number: int, indices: Any, epoch: int, shared_seed: int | None,
              route: ItemRoute | None, grant: SlabGrant | None) -> WorkerCommand:
     return WorkerCommand(_COMMANDS[command], batch_number, indices, epoch, shared_seed, route, grant)
