@@ -56,6 +56,11 @@ class Measurement:
     peak_shmem_bytes: int = 0  # growth of the kernel's Shmem (memfd included), machine-wide
     peak_tree_shm_bytes: int = 0  # distinct segments the loader's process tree maps or holds
     peak_pss_bytes: int = 0  # proportional set size of the tree (shared pages split, not repeated)
+    cpu_s: float = 0.0  # CPU seconds of the tree (workers reaped by then), the sampler left out
+
+    @property
+    def cpu_us_per_sample(self) -> float:
+        return self.cpu_s / self.samples * 1e6 if self.samples else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -73,6 +78,7 @@ class _Peaks:
         self.shmem_bytes = 0
         self.tree_shm_bytes = 0
         self.pss_bytes = 0
+        self.sampler_cpu_s = 0.0
 
 
 class PeakSampler:
@@ -122,6 +128,11 @@ class PeakSampler:
     def peak_pss_bytes(self) -> int:
         return self._peaks.pss_bytes
 
+    @property
+    def own_cpu_s(self) -> float:
+        """CPU seconds the sampling thread itself used (read after ``close()``)."""
+        return self._peaks.sampler_cpu_s
+
     def close(self) -> None:
         """Take a last sample and stop the thread. Safe to call more than once."""
         self._stop.set()
@@ -139,6 +150,7 @@ def _sample_until_stopped(
     root: psutil.Process, peaks: _Peaks, stop: threading.Event, interval_s: float
 ) -> None:
     tick = 0
+    started_cpu = time.thread_time()
     while True:
         stopping = stop.is_set()  # read first, so one sample always follows the stop request
         peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
@@ -149,6 +161,7 @@ def _sample_until_stopped(
         if tick % PSS_EVERY == 0:
             peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
         if stopping:
+            peaks.sampler_cpu_s = time.thread_time() - started_cpu
             return
         tick += 1
         stop.wait(interval_s)
@@ -207,15 +220,25 @@ def measure(
         RuntimeError: if the loader yielded no batch at all.
     """
     children_before = _child_pids()
+    cpu_before = _tree_cpu_s()
     with PeakSampler() as sampler:
         samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs, step)
         gc.collect()  # drop the loader and any iterator cycles while still sampling
         _wait_for_children(children_before)
+    cpu_s = _tree_cpu_s() - cpu_before - sampler.own_cpu_s
     if first_batch_s is None:
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
                        sampler.peak_rss_bytes, sampler.peak_shm_bytes, sampler.peak_shmem_bytes,
-                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes)
+                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes, cpu_s)
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have been waited for (both loaders
+    join their workers when an epoch ends). On a shared machine this, unlike wall time, does not
+    depend on how much of the CPUs other programs took."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
