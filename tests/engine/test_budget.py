@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pipeload.engine.budget import CALM_REQUESTS, LARGE_BATCH_BYTES, TOLERATED_WAIT, InFlightBudget
+from pipeload.engine.budget import (
+    CALM_REQUESTS,
+    GROW_AFTER,
+    LARGE_BATCH_BYTES,
+    TOLERATED_WAIT,
+    InFlightBudget,
+)
 
 
 class Clock:
@@ -97,11 +103,11 @@ def test_a_new_epoch_does_not_count_the_gap_as_consumer_time():
     assert budget.allowed(0) == 4
 
 
-def _large_batches(build_s: float, consume_s: float) -> tuple[InFlightBudget, Clock]:
+def _large_batches(build_s: float, consume_s: float, requests: int = 2 + GROW_AFTER) -> tuple[InFlightBudget, Clock]:
     clock = Clock()
     budget = InFlightBudget(max_batches=4, num_workers=2, max_bytes=1 << 40, clock=clock)
     budget.allowed(LARGE_BATCH_BYTES)
-    for _ in range(4):
+    for _ in range(requests):
         budget.batch_built(build_s)
         _serve(budget, clock, consume_s)
     return budget, clock
@@ -123,3 +129,20 @@ def test_large_batches_count_only_waits_beyond_the_tolerated_share_as_starving()
     assert budget.allowed(LARGE_BATCH_BYTES) == 1
     _serve(budget, clock, 0.2, starved=True, waited_s=0.2 * TOLERATED_WAIT * 2)
     assert budget.allowed(LARGE_BATCH_BYTES) == 2
+
+
+def test_large_batches_get_another_slab_only_when_the_estimate_keeps_asking():
+    # The pace is known from the second request on; the estimate must ask GROW_AFTER times.
+    budget, clock = _large_batches(build_s=0.5, consume_s=0.2, requests=GROW_AFTER)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 1
+    budget.batch_built(0.5)
+    _serve(budget, clock, 0.2)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 3
+    # One slow build among quick ones leaves no slab behind.
+    steady, clock = _large_batches(build_s=0.1, consume_s=0.2)
+    steady.batch_built(0.9)
+    _serve(steady, clock, 0.2)
+    for _ in range(GROW_AFTER):
+        steady.batch_built(0.1)
+        _serve(steady, clock, 0.2)
+        assert steady.allowed(LARGE_BATCH_BYTES) == 1
