@@ -28,6 +28,7 @@ from bench.workloads import PythonInts
 BATCH_SIZE = 64
 _totals: collections.Counter = collections.Counter()
 _calls: collections.Counter = collections.Counter()
+_ORDER: list[str] = []  # how the stages print: each parent above what it includes
 
 
 def _wrap(owner: Any, name: str, label: str) -> None:
@@ -55,6 +56,9 @@ def _wrap_main() -> None:
     _wrap(pool.PoolEngine, "_hand_over", "  hand over (stats, budget, top up)")
     _wrap(pool.PoolEngine, "_take_task", "    next task (sampler, grant)")
     _wrap(workers.WorkerGroup, "send", "    task send (pickle, write)")
+    _ORDER[:] = ["next_batch (all)", "  receive (poll, read, decode, stats)", "    poll",
+                 "    decode", "  hand over (stats, budget, top up)",
+                 "    next task (sampler, grant)", "    task send (pickle, write)"]
 
 
 def _wrap_workers(out_dir: str) -> None:
@@ -68,6 +72,8 @@ def _wrap_workers(out_dir: str) -> None:
     _wrap(endpoints.Sender, "send", "  send (encode, sendmsg)")
     _wrap(endpoints, "encode", "    encode")
     _wrap(endpoints, "send_message", "    sendmsg")
+    _ORDER[:] = ["next command (read, unpickle)", "  read (poll, read)", "serve (all)",
+                 "  fetch and collate", "  send (encode, sendmsg)", "    encode", "    sendmsg"]
     exit_now = worker_main.exit_now
 
     def leave() -> None:
@@ -104,8 +110,9 @@ def run(side: str, items: int) -> None:
             _calls.update(calls)
     batches = items / BATCH_SIZE
     print(f"{side}: {rate:,.0f} samples/s; CPU per batch by stage (workers: summed over both)")
-    for label, total in _totals.items():
-        print(f"  {label:<40} {total / batches / 1000:7.1f} us   calls/batch {_calls[label] / batches:.2f}")
+    for label in _ORDER:
+        per_batch = _totals[label] / batches / 1000
+        print(f"  {label:<40} {per_batch:7.1f} us   calls/batch {_calls[label] / batches:.2f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,7 +103,8 @@ def test_a_new_epoch_does_not_count_the_gap_as_consumer_time():
     assert budget.allowed(0) == 4
 
 
-def _large_batches(build_s: float, consume_s: float, requests: int = 2 + GROW_AFTER) -> tuple[InFlightBudget, Clock]:
+def _large_batches(build_s: float, consume_s: float,
+                   requests: int = 2 + GROW_AFTER) -> tuple[InFlightBudget, Clock]:
     clock = Clock()
     budget = InFlightBudget(max_batches=4, num_workers=2, max_bytes=1 << 40, clock=clock)
     budget.allowed(LARGE_BATCH_BYTES)

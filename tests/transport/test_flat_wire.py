@@ -47,7 +47,8 @@ def test_tensors_of_every_dtype_and_shape_arrive_equal_on_the_flat_wire(dtype):
         received, info, flat = _round_trip(_report(batch))
         assert flat and info.outcome is GrantOutcome.NO_GRANT and info.shared_bytes == 0
         assert type(received.payload) is type(batch)
-        pairs = [(received.payload, batch)] if isinstance(batch, torch.Tensor) else zip(received.payload, batch)
+        single = isinstance(batch, torch.Tensor)
+        pairs = [(received.payload, batch)] if single else zip(received.payload, batch)
         for got, sent in pairs:
             assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
             assert got.is_contiguous() and got.untyped_storage().nbytes() == sent.nbytes
@@ -91,7 +92,8 @@ def test_other_reports_go_through_the_codec():
 
 def test_fetch_tasks_travel_as_plain_tuples_and_other_commands_as_themselves():
     grant = SlabGrant(2, 5, 1)
-    for command in (WorkerCommand(Command.FETCH, 9, [4, 5, 6]), WorkerCommand(Command.FETCH, 10, [1], grant=grant)):
+    fetches = (WorkerCommand(Command.FETCH, 9, [4, 5, 6]), WorkerCommand(Command.FETCH, 10, [1], grant=grant))
+    for command in fetches:
         wire = command_to_wire(command)
         assert type(wire) is tuple
         assert command_from_wire(pickle.loads(pickle.dumps(wire))) == command
