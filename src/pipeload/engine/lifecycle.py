@@ -26,6 +26,7 @@ JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.2
+PIDFD_SLICE_MS = 60_000  # the pidfd watcher's wait slice: it is woken by the parent's exit
 
 
 class WorkerHandle(Protocol):
@@ -178,8 +179,9 @@ def exit_when_parent_dies(parent_pid: int) -> None:
         if pidfd is not None:
             poller = select.poll()
             poller.register(pidfd, select.POLLIN)
-            while not poller.poll():
-                pass  # woken without the parent's exit (a signal): wait again
+            # In long slices (a wake-up a minute costs nothing), checking the parent each time.
+            while not poller.poll(PIDFD_SLICE_MS) and os.getppid() == parent_pid:
+                pass
         while os.getppid() == parent_pid:
             time.sleep(PARENT_CHECK_INTERVAL_S)
         os._exit(0)
