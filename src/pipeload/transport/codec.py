@@ -12,6 +12,9 @@ whatever the number of tensors viewing it, in the first way that applies:
 4. copied into the rest of the granted slab, when there is room;
 5. copied into a fresh one-shot buffer, whose descriptor rides along (SCM_RIGHTS).
 
+A batch report whose batch is one small tensor, or a plain list or tuple of a few, skips all of
+this and takes ``flat_wire.py``, which delivers it the same way for a fraction of the cost.
+
 The consumer views slab storages through the message's lease (see slab_pool.py) and maps
 descriptors; a trailer after the pickle says how many bytes the batch needed outside the message
 and what became of the grant, so the owner can size slabs and settle the grant.
