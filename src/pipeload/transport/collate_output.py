@@ -1,5 +1,8 @@
 """Where ``default_collate`` stacks tensors: inside a worker process, straight into the memory the
 batch will travel in (the granted slab, or a fresh shared buffer), so sending it copies nothing.
+In economic mode the item workers have already written the items where their stack goes (see
+``ItemPlacement``): the stack is then a view of the slab, and only items that could not be placed
+are copied in.
 
 The worker's sender names the writer for the message it is building; small outputs (that travel
 inline anyway) and everything outside a worker process stay in ordinary memory.
@@ -44,3 +47,32 @@ def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | 
     else:
         storage, offset = room
     return torch.empty((0,), dtype=dtype).set_(storage, offset // itemsize, shape)
+
+
+def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The stack of ``parts`` (one tensor per item, same shape and dtype) as a view of the slab
+    where item workers placed them, with any item that is elsewhere copied into its place; None
+    when they were not placed (stack them as usual)."""
+    writer = _current.writer
+    if writer is None or not writer.expects_items:
+        return None
+    first = parts[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device
+           or p.requires_grad for p in parts):
+        return None  # torch.stack decides, and says what is wrong
+    offset = writer.claim_items(parts)
+    storage = writer.slab_storage()
+    if offset is None or storage is None:
+        return None
+    size = first.numel() * first.element_size()
+    stacked = torch.empty((0,), dtype=first.dtype).set_(
+        storage, offset // first.element_size(), (len(parts), *first.shape))
+    base = storage.data_ptr() + offset
+    area = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+    for i, part in enumerate(parts):
+        if part.data_ptr() == base + i * size and part.is_contiguous():
+            continue
+        if area[0] <= part.data_ptr() < area[1]:
+            part = part.clone()  # it lies in the slab, maybe over another item's place
+        stacked[i].copy_(part)
+    return stacked
