@@ -15,6 +15,7 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator
@@ -31,7 +32,8 @@ from pipeload.engine.economic_workers import (
     run_item_thread,
 )
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
-from pipeload.engine.item_scheduler import ItemScheduler
+from pipeload.collate import default_collate
+from pipeload.engine.item_scheduler import ItemScheduler, Piece, item_placement
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
@@ -40,7 +42,15 @@ from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
-from pipeload.transport.messages import Command, ItemRoute, Report, WorkerCommand, WorkerReport
+from pipeload.transport.messages import (
+    Command,
+    ItemPlacement,
+    ItemRoute,
+    Report,
+    SlabGrant,
+    WorkerCommand,
+    WorkerReport,
+)
 
 
 @dataclass(frozen=True)
@@ -155,17 +165,24 @@ class EconomicEngine:
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
         self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
+        # Item workers write items straight into their batch's slab once their size is known:
+        # only for default_collate, whose stack of them is then a view (see ItemPlacement).
+        self._places_items = (config.worker_type == "process" and fetch.auto_collation
+                              and fetch.collate_fn is default_collate)
+        self._item_bytes: tuple[int, ...] | None = None
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
-        # Batch workers collate into slabs, as classic workers do: prefetch_factor batches in
-        # flight, the one the consumer holds, and the one it is dropping.
+        # Batch workers collate into slabs, as classic workers do (item workers fill them): the
+        # prefetch_factor batches in flight and the one the consumer holds. The batch a ``for``
+        # loop is dropping needs no slab of its own: the next batch is granted its slab, and
+        # written once it is released (see slab_pool.py).
         slab_settings = SlabSettings(config.pin_slabs, shm_budget_bytes(config.max_shm_bytes),
                                      config.prefetch_factor + 1)
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats)
         if self._workers.slabs is not None:
-            self._workers.slabs.set_slab_limit(config.prefetch_factor + 2)
+            self._workers.slabs.set_slab_limit(config.prefetch_factor + 1)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -216,6 +233,7 @@ class EconomicEngine:
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
+        self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -243,7 +261,10 @@ class EconomicEngine:
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
+            if report.payload.item_bytes is not None:
+                self._item_bytes = report.payload.item_bytes
         elif report.report in (Report.BATCH, Report.FAILED):
+            self._placements.pop(report.batch_number, None)
             self._ledger.record_report(report)
 
     def _top_up(self) -> None:
@@ -265,6 +286,11 @@ class EconomicEngine:
         number = self._ledger.next_to_send
         slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
         grant = slabs.grant(slot, number) if slabs is not None else None
+        if grant is not None and self._places_items and self._item_bytes is not None:
+            placement = item_placement(self._item_bytes, len(indices), slabs.granted_size(number))
+            if placement is not None:
+                grant = dataclasses.replace(grant, items=placement)
+                self._placements[number] = placement
         collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
         self._workers.send(slot, collate)
         self._ledger.record_sent(batch_worker)
@@ -275,9 +301,19 @@ class EconomicEngine:
         while (piece := self._scheduler.next_piece()) is not None:
             route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
             fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
-                                  epoch=self._epoch, route=route)
+                                  epoch=self._epoch, route=route, grant=self._item_grant(piece))
             try:
                 self._workers.send(piece.item_worker, fetch)
             except LoaderTimeoutError:
                 self._scheduler.give_back(piece)  # it goes out first next time
                 raise
+
+    def _item_grant(self, piece: Piece) -> SlabGrant | None:
+        """A share of the batch's slab for ``piece``'s items, at their places; None: fresh memory."""
+        placement = self._placements.get(piece.batch_number)
+        if placement is None:
+            return None
+        shared = self._workers.slabs.share_grant(piece.batch_number, piece.item_worker)
+        if shared is None:
+            return None
+        return dataclasses.replace(shared[0], items=dataclasses.replace(placement, first_item=piece.slot))
