@@ -147,15 +147,18 @@ class EconomicEngine:
 
     Driven by one thread at a time (the caller of ``next_batch``).
     Invariants, between calls:
-      - ``ledger.outstanding <= prefetch_factor``: batches sent to a batch worker and not yet
-        yielded, whether still gathering, collating, or waiting their turn;
+      - ``ledger.outstanding <= prefetch_factor``: batches opened and not yet yielded, whether
+        waiting for their first piece to go out (their ``COLLATE`` then waits in
+        ``_to_collate``), gathering, collating, or waiting their turn;
+      - ``_placements`` holds where the items go for batches whose ``COLLATE`` carried an item
+        area and that have not answered yet;
       - so the items in flight (waiting in the scheduler, or in an item worker's hands, or on
         their way to a batch worker) never exceed the items of those batches:
         ``prefetch_factor * batch_size`` with a fixed batch size;
       - ``next_position`` is the number of samples in the batches opened this epoch (the next
         batch's first seed position);
-      - ``_unopened`` is a batch taken from the sampler whose ``COLLATE`` could not be sent yet
-        (a full task pipe and a timeout): it is opened first next time.
+      - ``_unopened`` is an empty batch taken from the sampler whose ``COLLATE`` could not be
+        sent yet (a full task pipe and a timeout): it is opened first next time.
     """
 
     def __init__(self, config: EconomicConfig) -> None:
@@ -234,6 +237,7 @@ class EconomicEngine:
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
+        self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -281,28 +285,51 @@ class EconomicEngine:
         self._send_pieces()
 
     def _open_batch(self, batch_worker: int, indices: list[Any]) -> None:
-        """Tell the batch worker what the batch holds, then queue its pieces. If the send times
-        out, nothing is recorded: ``_unopened`` keeps the batch for the next call."""
+        """Count the batch as sent to its batch worker and queue its pieces. Its ``COLLATE``
+        goes out with its first piece (see ``_send_collate``); an empty batch's at once, and if
+        that send times out, nothing is recorded: ``_unopened`` keeps the batch for next time."""
         number = self._ledger.next_to_send
+        self._to_collate[number] = (batch_worker, indices)
+        if not indices:
+            try:
+                self._send_collate(number)
+            except LoaderTimeoutError:
+                del self._to_collate[number]
+                raise
+        self._ledger.record_sent(batch_worker)
+        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
+        self._next_position += len(indices)
+
+    def _send_collate(self, number: int) -> None:
+        """Tell a batch worker what batch ``number`` holds, with the slab to collate it into.
+
+        Sent just before the batch's first piece, not when the batch opens: by then the first
+        items of the epoch may have told us their size, so the items of all but the first batch
+        or two can be written straight into the slab (see ItemPlacement).
+        """
+        batch_worker, indices = self._to_collate[number]
         slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
+        placing = self._places_items and self._item_bytes is not None and slabs is not None
+        if placing:  # size the slab for the items before the first batch worker's answer does
+            slabs.observe_batch(item_placement(self._item_bytes, len(indices), 1 << 62).area_bytes)
         grant = slabs.grant(slot, number) if slabs is not None else None
-        if grant is not None and self._places_items and self._item_bytes is not None:
+        if grant is not None and placing:
             placement = item_placement(self._item_bytes, len(indices), slabs.granted_size(number))
             if placement is not None:
                 grant = dataclasses.replace(grant, items=placement)
                 self._placements[number] = placement
         collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
         self._workers.send(slot, collate)
-        self._ledger.record_sent(batch_worker)
-        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
-        self._next_position += len(indices)
+        del self._to_collate[number]
 
     def _send_pieces(self) -> None:
         while (piece := self._scheduler.next_piece()) is not None:
-            route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
-            fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
-                                  epoch=self._epoch, route=route, grant=self._item_grant(piece))
             try:
+                if piece.batch_number in self._to_collate:
+                    self._send_collate(piece.batch_number)
+                route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
+                fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
+                                      epoch=self._epoch, route=route, grant=self._item_grant(piece))
                 self._workers.send(piece.item_worker, fetch)
             except LoaderTimeoutError:
                 self._scheduler.give_back(piece)  # it goes out first next time
