@@ -74,7 +74,7 @@ class BatchInbox:
     def read_slabs_with(self, outbox: Sender) -> None:
         """Items placed in the slabs granted to this batch worker (on ``outbox``, its result
         channel) are read through that channel's mappings."""
-        reader = _GrantedSlabs(outbox)
+        reader = GrantedSlabs(outbox)
         for end in self._items:
             end.pool = reader
 
@@ -105,7 +105,7 @@ class BatchInbox:
             end.close()
 
 
-class _GrantedSlabs:
+class GrantedSlabs:
     """Stands in for a slab pool when a batch worker decodes items: it views the slabs its own
     result channel has mapped (item workers wrote into the batch's slab, see ItemPlacement)."""
 
@@ -113,12 +113,12 @@ class _GrantedSlabs:
         self._outbox = outbox
 
     def open_lease(self, slab_id: int) -> memoryview:
+        # The slab's MAP control was sent before the batch's COLLATE, so before the item workers
+        # were even asked: it is waiting on the result channel, maybe behind the FORGET of an
+        # older slab with the same id, which this process may still have mapped. Apply every
+        # control that is there: none can be about this slab's next use, as it is granted.
+        self._outbox.apply_waiting_controls()
         view = self._outbox.writer.view(slab_id)
-        if view is None:
-            # Its MAP control was sent before the batch's COLLATE, so before the item workers
-            # were even asked: it is waiting on the result channel.
-            self._outbox.apply_waiting_controls()
-            view = self._outbox.writer.view(slab_id)
         if view is None:
             raise ValueError(f"an item refers to slab {slab_id}, which this batch worker has not mapped")
         return view
