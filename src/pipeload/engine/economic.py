@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload.collate import default_collate
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.economic_workers import (
     BATCH,
@@ -32,8 +33,7 @@ from pipeload.engine.economic_workers import (
     run_item_thread,
 )
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
-from pipeload.collate import default_collate
-from pipeload.engine.item_scheduler import ItemScheduler, Piece, item_placement
+from pipeload.engine.item_scheduler import PIECES_IN_HAND, ItemScheduler, Piece, item_placement
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
@@ -173,6 +173,7 @@ class EconomicEngine:
         self._places_items = (config.worker_type == "process" and fetch.auto_collation
                               and fetch.collate_fn is default_collate)
         self._item_bytes: tuple[int, ...] | None = None
+        self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
@@ -265,6 +266,7 @@ class EconomicEngine:
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
+            self._heard_items = True
             if report.payload.item_bytes is not None:
                 self._item_bytes = report.payload.item_bytes
         elif report.report in (Report.BATCH, Report.FAILED):
@@ -323,10 +325,16 @@ class EconomicEngine:
         del self._to_collate[number]
 
     def _send_pieces(self) -> None:
+        # Until the first piece of the session is reported, item sizes are unknown: each item
+        # worker gets one piece, so that the second half of the first batch can already be
+        # written into its slab, whose COLLATE waits for that report (or for its last piece).
+        learning = self._places_items and not self._heard_items
+        self._scheduler.pieces_in_hand = 1 if learning else PIECES_IN_HAND
         while (piece := self._scheduler.next_piece()) is not None:
             try:
-                if piece.batch_number in self._to_collate:
-                    self._send_collate(piece.batch_number)
+                number = piece.batch_number
+                if number in self._to_collate and (not learning or self._scheduler.last_of(number)):
+                    self._send_collate(number)
                 route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
                 fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
                                       epoch=self._epoch, route=route, grant=self._item_grant(piece))

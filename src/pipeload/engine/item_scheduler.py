@@ -97,6 +97,10 @@ class ItemScheduler:
         self._next = (worker + 1) % len(self.in_hand)
         return dataclasses.replace(self.waiting.popleft(), item_worker=worker)
 
+    def last_of(self, batch_number: int) -> bool:
+        """Whether no piece of batch ``batch_number`` waits any more."""
+        return all(piece.batch_number != batch_number for piece in self.waiting)
+
     def give_back(self, piece: Piece) -> None:
         """A piece that could not be sent: it waits again, first in line."""
         self.in_hand[piece.item_worker] -= 1
