@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeload.transport.channel import PipeEnd
+from pipeload.transport.collate_output import note_items
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import Command, Delivery, GrantOutcome, ItemDelivery, WorkerCommand
 
@@ -122,15 +123,15 @@ class _Hop:
         self.link_out, self.link_in = Sender(pairs[2][0]), Receiver(pairs[2][1], None, 0)
         self.link_in.pool = GrantedSlabs(self.batch)
 
-    def grants(self, token: int, count: int):
+    def grants(self, token: int, count: int, item_bytes: tuple[int, ...] = (LEAF * 4,)):
         import dataclasses
 
         from pipeload.engine.item_scheduler import item_placement
 
-        placement = item_placement((LEAF * 4,), count, 1 << 30)
+        placement = item_placement(item_bytes, count, 1 << 30)
         self.pool.observe_batch(placement.area_bytes)
         batch_grant = self.pool.grant(1, token)
-        placement = item_placement((LEAF * 4,), count, self.pool.granted_size(token))
+        placement = item_placement(item_bytes, count, self.pool.granted_size(token))
         self.batch_main.send_controls()
         share, _ = self.pool.share_grant(token, 0)
         self.item_main.send_controls()
@@ -138,10 +139,13 @@ class _Hop:
                 lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
 
     def hand_over(self, grant, items: list) -> list:
+        from pipeload.transport.item_links import ItemOutbox
+
         self.item.prepare(grant)
         self.item.writer.place_items()
-        self.link_out.send(items, self.item.writer)
-        return self.link_in.receive()[0]
+        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, grant.items.first_item, len(items), items)
+        ItemOutbox([self.link_out]).send(0, delivery, self.item.writer)
+        return self.link_in.receive()[0].payload
 
     def close(self) -> None:
         for end in (self.batch_main, self.batch, self.item_main, self.item, self.link_out, self.link_in):
@@ -188,6 +192,7 @@ def test_an_item_that_does_not_fit_its_place_is_copied_in_and_overwrites_nothing
         assert hop.item.writer.last_large_sizes == [LEAF * 4, LEAF * 8]
         hop.batch.prepare(batch_grant)
         samples = [piece[0], {"x": piece[1]["x"][:LEAF].clone(), "label": 9}, rest[0]]
+        note_items(samples)  # as a batch worker does before collating
         batch = default_collate(samples)
         assert batch["x"][0].data_ptr() == piece[0]["x"].data_ptr()  # these two were in place
         assert batch["x"][2].data_ptr() == rest[0]["x"].data_ptr()
@@ -196,6 +201,39 @@ def test_an_item_that_does_not_fit_its_place_is_copied_in_and_overwrites_nothing
         del batch, samples, piece, rest
         message, _ = hop.batch_main.receive()
         assert message["x"].sum(dim=1).tolist() == [0.0, 9.0 * LEAF, 2.0 * LEAF]
+        del message
+    finally:
+        hop.close()
+
+
+def test_items_whose_structure_differs_are_never_written_over_each_other():
+    from pipeload.collate import default_collate
+
+    def pair(value: float, order: str = "ab", extra: bool = False) -> dict:
+        item = {key: torch.full((LEAF,), value + (0.5 if key == "b" else 0.0)) for key in order}
+        if extra:
+            item["z"] = torch.full((LEAF,), -1.0)  # default_collate ignores keys item 0 lacks
+        return item
+
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=4, item_bytes=(LEAF * 4, LEAF * 4))
+        # Item 1 has one large tensor too many, item 2 its keys the other way round: placed by
+        # order, item 2's "b" sits where its "a" belongs. Nothing may be copied over it.
+        samples = hop.hand_over(item_grant(0), [pair(0.0), pair(1.0, extra=True)])
+        samples += hop.hand_over(item_grant(2), [pair(2.0, order="ba"), pair(3.0)])
+        hop.batch.prepare(batch_grant)
+        note_items(samples)
+        batch = default_collate(samples)
+        assert batch["a"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert batch["b"][:, 0].tolist() == [0.5, 1.5, 2.5, 3.5]
+        assert batch["a"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert batch["b"][:, -1].tolist() == [0.5, 1.5, 2.5, 3.5]
+        hop.batch.send(batch)
+        del batch, samples
+        message, _ = hop.batch_main.receive()
+        assert message["a"].sum(dim=1).tolist() == [v * LEAF for v in (0.0, 1.0, 2.0, 3.0)]
+        assert message["b"].sum(dim=1).tolist() == [v * LEAF for v in (0.5, 1.5, 2.5, 3.5)]
         del message
     finally:
         hop.close()

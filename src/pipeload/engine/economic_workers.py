@@ -42,6 +42,7 @@ from pipeload.engine.worker_main import (
 )
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import StageClock, now, profiling, span, tensor_bytes
+from pipeload.transport import collate_output
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
@@ -310,6 +311,7 @@ class BatchWorkerLoop(WorkerLoop):
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
         samples = gathering.samples()
         gathering.pieces.clear()  # once collated, the items' memory is freed with ``samples``
+        collate_output.note_items(samples)  # what of the slab the items view (ItemPlacement)
         reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
         fetch = self._setup.fetch
         clock = self._clock

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from pipeload.transport.codec import INLINE_MAX_BYTES
-from pipeload.transport.slab_writer import SlabWriter
+from pipeload.transport.slab_writer import SlabWriter, in_place
 
 
 class _Current(threading.local):
@@ -68,11 +70,35 @@ def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
     stacked = torch.empty((0,), dtype=first.dtype).set_(
         storage, offset // first.element_size(), (len(parts), *first.shape))
     base = storage.data_ptr() + offset
-    area = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
     for i, part in enumerate(parts):
-        if part.data_ptr() == base + i * size and part.is_contiguous():
-            continue
-        if area[0] <= part.data_ptr() < area[1]:
-            part = part.clone()  # it lies in the slab, maybe over another item's place
-        stacked[i].copy_(part)
+        if not in_place(part, base + i * size):
+            stacked[i].copy_(part)  # its place is free (claim_items checked)
     return stacked
+
+
+def note_items(samples: list[Any]) -> None:
+    """Tell the current writer which of its slab's bytes the batch's items view, so that
+    ``stacked_in_place`` never copies an item over another one's bytes. Items it cannot see
+    into (anything but tensors, mappings, sequences and scalars) leave it unknown."""
+    writer = _current.writer
+    if writer is None or not writer.expects_items:
+        return
+    storage = writer.slab_storage()
+    low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    ranges: list[tuple[int, int]] = []
+    writer.occupied = ranges if _walk(samples, low, high, ranges) else None
+
+
+def _walk(value: Any, low: int, high: int, ranges: list[tuple[int, int]]) -> bool:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and low <= value.data_ptr() < high:
+            start = value.untyped_storage().data_ptr()
+            ranges.append((start, start + value.untyped_storage().nbytes()))
+        return True
+    if value is None or isinstance(value, (str, bytes, int, float, bool, complex)):
+        return True
+    if isinstance(value, Mapping):
+        return all(_walk(v, low, high, ranges) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_walk(v, low, high, ranges) for v in value)
+    return False

@@ -21,6 +21,7 @@ would replace what is here and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections import deque
 from multiprocessing import connection
@@ -46,11 +47,33 @@ class ItemOutbox:
     def send(self, batch_worker: int, delivery: ItemDelivery, writer: SlabWriter | None = None) -> None:
         """Hand ``delivery`` to ``batch_worker``, its tensors placed by ``writer`` (None: the
         link's own, which has no slabs). Raises BrokenPipeError if that worker is gone."""
+        if writer is not None and writer.placing and isinstance(delivery.payload, list):
+            # Each item announces itself to the writer as the codec meets it, so that its
+            # storages go to its own places (see ItemPlacement); it arrives as the bare item.
+            marked = [_ItemStart(writer, index, item) for index, item in enumerate(delivery.payload)]
+            delivery = dataclasses.replace(delivery, payload=marked)
         self._sockets[batch_worker].send(delivery, writer)
 
     def close(self) -> None:
         for end in self._sockets:
             end.close()
+
+
+class _ItemStart:
+    """Pickles as the bare item, telling the slab writer first that its storages come next."""
+
+    __slots__ = ("writer", "index", "item")
+
+    def __init__(self, writer: SlabWriter, index: int, item: Any) -> None:
+        self.writer, self.index, self.item = writer, index, item
+
+    def __reduce__(self) -> Any:
+        self.writer.start_item(self.index)
+        return (_bare, (self.item,))
+
+
+def _bare(item: Any) -> Any:
+    return item
 
 
 class BatchInbox:

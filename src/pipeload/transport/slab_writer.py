@@ -50,6 +50,11 @@ class _MappedSlab:
         self.baseline_uses = _uses(self.storage)
 
 
+def in_place(part: torch.Tensor, address: int) -> bool:
+    """Whether ``part`` lies, contiguous, at ``address`` (an item at its place in the slab)."""
+    return part.data_ptr() == address and part.is_contiguous()
+
+
 def one_shot_storage(nbytes: int) -> torch.UntypedStorage:
     """A fresh descriptor-backed shared storage of ``nbytes``, freed when its last user goes.
 
@@ -99,6 +104,8 @@ class SlabWriter:
         self.setup_s = 0.0
         self._placing: _ItemCursor | None = None
         self._claimed: set[int] = set()
+        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown).
+        self.occupied: list[tuple[int, int]] | None = None
         self.large_sizes: list[int] = []  # of the storages the current message asked room for
         self.last_large_sizes: list[int] = []  # the same, for the message finished last
 
@@ -134,7 +141,18 @@ class SlabWriter:
         self.one_shot_bytes = 0
         self._placing = None
         self._claimed = set()
+        self.occupied = None
         self.large_sizes = []
+
+    @property
+    def placing(self) -> bool:
+        """Whether this message's items are being placed (see ``place_items``)."""
+        return self._placing is not None
+
+    def start_item(self, index: int) -> None:
+        """The codec is about to meet the storages of the piece's ``index``-th item."""
+        if self._placing is not None:
+            self._placing.start_item(index)
 
     def place_items(self) -> None:
         """This message carries items of a batch (an economic item worker's piece): each large
@@ -198,8 +216,10 @@ class SlabWriter:
 
     def claim_items(self, parts: list[torch.Tensor]) -> int | None:
         """The byte offset of the leaf run in the item area where ``parts`` (one tensor per item
-        of the batch, in order) already sit, at least one of them; None if none does. A run is
-        claimed once per message: its stacked view may then be the batch's tensor."""
+        of the batch, in order) already sit, at least one of them; None if none does, or if a
+        part that is elsewhere could not be copied into its place without writing over bytes
+        that some item still views (``occupied``). A run is claimed once per message: its
+        stacked view is then the batch's tensor."""
         slab, grant = self._slab, self._grant
         if slab is None or grant is None or grant.items is None or not parts:
             return None
@@ -210,8 +230,12 @@ class SlabWriter:
             if (size != nbytes or leaf in self._claimed
                     or start + len(parts) * size > items.area_bytes):
                 continue
-            if not any(part.data_ptr() == base + start + i * size for i, part in enumerate(parts)):
+            missing = [i for i, part in enumerate(parts)
+                       if not in_place(part, base + start + i * size)]
+            if len(missing) == len(parts):
                 continue
+            if missing and not self._free(base + start, size, missing):
+                return None
             if not self._checked and not self._may_write(slab):
                 self._slab = None
                 return None
@@ -219,6 +243,13 @@ class SlabWriter:
             self._outcome = GrantOutcome.USED
             return start
         return None
+
+    def _free(self, run: int, size: int, places: list[int]) -> bool:
+        occupied = self.occupied
+        if occupied is None:
+            return False
+        return not any(low < run + (i + 1) * size and run + i * size < high
+                       for i in places for low, high in occupied)
 
     def slab_storage(self) -> torch.UntypedStorage | None:
         """The granted slab's storage while this message may write into it."""
@@ -262,24 +293,27 @@ class SlabWriter:
 
 
 class _ItemCursor:
-    """Where an item worker's next large storage goes: the j-th one asked for is leaf
-    ``j % leaves`` of the piece's item ``first_item + j // leaves``. A size that differs from the
-    layout's stops placing for the rest of the message (its items go to fresh memory), so two
-    items can never be written over each other."""
+    """Where an item worker's next large storage goes. The codec meets a piece's items one by
+    one (``start_item``, see item_links.py) and each item's storages in order: the k-th one of
+    item i is leaf k, placed at ``leaf_offsets[k] + (first_item + i) * leaf_bytes[k]``. A storage
+    the layout has no room for (a size that differs, one leaf too many) stops placing for the
+    rest of the message, whose storages go to fresh memory: an item is only ever written into
+    its own places, never over another item's."""
 
     def __init__(self, items: ItemPlacement) -> None:
         self._items = items
-        self._count = 0
+        self._item: int | None = None
+        self._leaf = 0
         self._stopped = False
 
+    def start_item(self, index: int) -> None:
+        self._item, self._leaf = index, 0
+
     def next_offset(self, nbytes: int) -> int | None:
-        items = self._items
-        leaves = len(items.leaf_bytes)
-        if leaves == 0:
-            return None
-        item, leaf = divmod(self._count, leaves)
-        self._count += 1
-        if self._stopped or nbytes != items.leaf_bytes[leaf]:
+        items, item, leaf = self._items, self._item, self._leaf
+        self._leaf += 1
+        if (self._stopped or item is None or leaf >= len(items.leaf_bytes)
+                or nbytes != items.leaf_bytes[leaf]):
             self._stopped = True
             return None
         offset = items.leaf_offsets[leaf] + (items.first_item + item) * nbytes
