@@ -180,13 +180,15 @@ class EconomicEngine:
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
         # prefetch_factor batches in flight and the one the consumer holds. The batch a ``for``
         # loop is dropping needs no slab of its own: the next batch is granted its slab, and
-        # written once it is released (see slab_pool.py).
+        # written once it is released (see slab_pool.py); pinned slabs are released by this
+        # thread, so there the dropped batch keeps one more.
         slab_settings = SlabSettings(config.pin_slabs, shm_budget_bytes(config.max_shm_bytes),
                                      config.prefetch_factor + 1)
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats)
-        if self._workers.slabs is not None:
-            self._workers.slabs.set_slab_limit(config.prefetch_factor + 1)
+        slabs = self._workers.slabs
+        if slabs is not None:
+            slabs.set_slab_limit(config.prefetch_factor + (2 if slabs.pinned else 1))
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
