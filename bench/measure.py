@@ -16,7 +16,9 @@ What the numbers mean:
     segments included), and the distinct segments the loader's process tree maps or holds; the
     latter is read every ``TREE_SHM_EVERY`` samples, as reading every process's mappings costs
     a few milliseconds each; the tree's proportional set size (PSS), which counts a page
-    shared by n processes once in all where the RSS sum counts it n times, every ``PSS_EVERY``.
+    shared by n processes once in all where the RSS sum counts it n times, every ``PSS_EVERY``;
+    and, as often, the tree's memory with every page once whether mapped or not (PSS without
+    shared memory, plus the tree's segments whole: see ``memory.tree_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from typing import Any
 
 import psutil
 
-from bench.memory import machine_shmem_bytes, tree_pss_bytes, tree_shared_memory_bytes
+from bench.memory import (
+    machine_shmem_bytes,
+    tree_memory_bytes,
+    tree_pss_bytes,
+    tree_shared_memory_bytes,
+)
 
 SAMPLE_INTERVAL_S = 0.05
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
@@ -56,6 +63,7 @@ class Measurement:
     peak_shmem_bytes: int = 0  # growth of the kernel's Shmem (memfd included), machine-wide
     peak_tree_shm_bytes: int = 0  # distinct segments the loader's process tree maps or holds
     peak_pss_bytes: int = 0  # proportional set size of the tree (shared pages split, not repeated)
+    peak_tree_memory_bytes: int = 0  # PSS without shared memory, plus the tree's segments whole
     cpu_s: float = 0.0  # CPU seconds of the tree (workers reaped by then), the sampler left out
 
     @property
@@ -78,6 +86,7 @@ class _Peaks:
         self.shmem_bytes = 0
         self.tree_shm_bytes = 0
         self.pss_bytes = 0
+        self.tree_memory_bytes = 0
         self.sampler_cpu_s = 0.0
 
 
@@ -129,6 +138,10 @@ class PeakSampler:
         return self._peaks.pss_bytes
 
     @property
+    def peak_tree_memory_bytes(self) -> int:
+        return self._peaks.tree_memory_bytes
+
+    @property
     def own_cpu_s(self) -> float:
         """CPU seconds the sampling thread itself used (read after ``close()``)."""
         return self._peaks.sampler_cpu_s
@@ -160,6 +173,7 @@ def _sample_until_stopped(
             peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
         if tick % PSS_EVERY == 0:
             peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
+            peaks.tree_memory_bytes = max(peaks.tree_memory_bytes, tree_memory_bytes(root))
         if stopping:
             peaks.sampler_cpu_s = time.thread_time() - started_cpu
             return
@@ -230,7 +244,8 @@ def measure(
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
                        sampler.peak_rss_bytes, sampler.peak_shm_bytes, sampler.peak_shmem_bytes,
-                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes, cpu_s)
+                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes,
+                       sampler.peak_tree_memory_bytes, cpu_s)
 
 
 def _tree_cpu_s() -> float:

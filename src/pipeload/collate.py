@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeload.transport.collate_output import copied_into_message, shared_output
+from pipeload.transport.collate_output import copied_into_message, shared_output, stacked_in_place
 
 __all__ = [
     "CollateFnMap",
@@ -294,6 +294,8 @@ def collate_tensor_fn(
             "please provide a custom collate_fn to handle them appropriately. (pipeload: got "
             f"layout {elem.layout})"
         )
+    if elem.device.type == "cpu" and (placed := stacked_in_place(list(batch))) is not None:
+        return placed
     try:
         return torch.stack(batch, 0, out=_shared_output_like(batch))  # type: ignore[arg-type]
     except RuntimeError as error:
