@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -227,3 +228,17 @@ def pretend_accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self.clone())
     yield
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt here and in the programs a test starts, for this test.
+
+    A shell that runs the suite in the background (``pytest &``) starts it with SIGINT ignored,
+    which Python keeps and children inherit; a test of Ctrl-C needs what a terminal gives.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -129,7 +129,7 @@ def _ctrl_c(tmp_path: Path, context: str, whole_group: bool, loader_mode: str = 
 
 @pytest.mark.parametrize("loader_mode", ["classic", "economic"])
 @pytest.mark.parametrize("whole_group", [False, True], ids=["main-only", "process-group"])
-def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode):
+def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode, ctrl_c_raises):
     _ctrl_c(tmp_path, "fork", whole_group, loader_mode)
 
 
@@ -138,7 +138,7 @@ def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode):
     [("thread", "classic"), ("thread", "economic"), pytest.param("spawn", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      pytest.param("spawn", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
-def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode):
+def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises):
     _ctrl_c(tmp_path, context, whole_group=False, loader_mode=loader_mode)
 
 
