@@ -2,7 +2,8 @@
 
 Shared by the inline engine and the workers, so every engine fetches the same way. With a
 :class:`~pipeload.stats.clock.StageClock` a fetcher times the dataset and ``collate_fn`` apart
-(and opens profiler spans for them while a torch profiler runs); without one it only fetches.
+(and opens profiler spans for them while a torch profiler runs) on the tasks the clock samples,
+and only counts samples on the others; without one it only fetches.
 With per-batch seeding (``engine/batch_seeding.py``) it seeds the generators before each batch;
 an iterable replica also reports its position with every batch (``StreamBatch``) and resumes
 from one, which is how the loader checkpoints iterable datasets (``pipeload/resume``).
@@ -16,6 +17,8 @@ from typing import Any, NamedTuple
 
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
+import torch.autograd.profiler as _torch_profiler
+
 from pipeload.stats.clock import StageClock, now, profiling, span
 
 
@@ -69,22 +72,24 @@ class MapFetcher:
     def _fetch(self, index: Any) -> Any:
         spec = self._spec
         clock = self._clock
-        if clock is not None:
-            take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
-            if profiling():
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation)
-            # The common case, kept lean: a tiny batch's whole trip takes tens of microseconds.
-            started = now()
-            samples = take()
-            fetched = now()
-            clock.fetch_s += fetched - started
-            clock.samples += len(samples)
-            batch = spec.collate_fn(samples if spec.auto_collation else samples[0])
-            clock.collate_s += now() - fetched
-            return batch
+        # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
+        if clock is not None and (clock.timing or _torch_profiler._is_profiler_enabled):
+            return self._timed(clock, index)
+        # Untimed (stats off, or a task the clock does not sample): no closures, no clock reads.
         if not spec.auto_collation:
-            return spec.collate_fn(spec.dataset[index])
-        return spec.collate_fn(self.samples(index))
+            sample = spec.dataset[index]
+            if clock is not None:
+                clock.samples += 1
+            return spec.collate_fn(sample)
+        samples = self.samples(index)
+        if clock is not None:
+            clock.samples += len(samples)
+        return spec.collate_fn(samples)
+
+    def _timed(self, clock: StageClock, index: Any) -> Any:
+        spec = self._spec
+        take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
+        return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling())
 
     def samples(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices``, uncollated (economic mode's item workers stop here)."""
@@ -156,9 +161,12 @@ class IterableFetcher:
                 if not samples or (spec.drop_last and len(samples) < len(index)):
                     raise DatasetExhausted
                 return samples
-        if self._clock is not None:
-            return _traced(self._clock, take, spec.collate_fn, spec.auto_collation, profiling())
+        clock = self._clock
+        if clock is not None and (clock.timing or profiling()):
+            return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling())
         samples = take()
+        if clock is not None:
+            clock.samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
 
     def _state(self) -> Any:
@@ -195,8 +203,10 @@ class IterableFetcher:
 
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
             auto_collation: bool, traced: bool = True) -> Any:
-    """``collate_fn`` over what ``take`` returns, each timed into ``clock``, and each in a
-    profiler span when ``traced``. Time spent in a call that raised counts too."""
+    """``collate_fn`` over what ``take`` returns, each in a profiler span when ``traced``, and
+    each timed into ``clock`` when the clock samples this task (``clock.timing``). Time spent in
+    a call that raised counts too."""
+    timing = clock.timing
     started = now()
     try:
         if traced:
@@ -206,7 +216,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
             samples = take()
     finally:
         fetched = now()
-        clock.fetch_s += fetched - started
+        if timing:
+            clock.fetch_s += fetched - started
     clock.samples += len(samples)
     try:
         if traced:
@@ -214,7 +225,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
                 return collate_fn(samples if auto_collation else samples[0])
         return collate_fn(samples if auto_collation else samples[0])
     finally:
-        clock.collate_s += now() - fetched
+        if timing:
+            clock.collate_s += now() - fetched
 
 
 def _resumed_iterator(dataset: Any, state: Any) -> Any:

@@ -68,7 +68,7 @@ class InlineEngine:
         except DatasetExhausted:
             raise StopIteration from None
         if self._clock is not None:
-            self._clock.tasks += 1
+            self._clock.task_done()
         return batch
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ microseconds, more than a tiny batch's whole trip.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import random
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -83,26 +85,51 @@ def span(name: str) -> Iterator[None]:
         yield
 
 
+SAMPLE_EVERY = 8  # a worker times one task in this many, on average: see StageClock
+
+
+def gaps(every: int) -> Iterator[int]:
+    """Tasks from one timed task to the next: 1 to ``2 * every - 1`` in a shuffled, repeating
+    order, so they average ``every`` and no periodic pattern of the work (round robin over
+    workers, a dataset's period) lines up with the sampling."""
+    order = list(range(1, 2 * every))
+    random.Random(0x5A5A).shuffle(order)
+    return itertools.cycle(order)
+
+
 class StageClock:
     """Running totals of one fetching thread; see the module docstring.
+
+    With ``every=1`` every task is timed and every report carries the totals. With ``every=N``
+    (classic workers, the inline engine) one task in N on average is: ``timing`` says whether
+    the task in hand is, the fetcher reads it (one attribute) and times the dataset and
+    ``collate_fn`` only then, only such a task's tensor bytes are counted and only its report
+    carries the totals. :meth:`snapshot` scales the timed tasks' sums to all tasks. Counts
+    (tasks, samples) are exact; the main process counts the reports that came without totals
+    (``stats/recorder.py``), so nothing is lost at the end of an epoch.
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
     __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out",
-                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped")
+                 "timing", "timed", "_gaps", "_left", "_sched_at_start", "_sched",
+                 "_sched_read_at", "count_skipped", "_skipped")
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
         self._skipped = 0
         self.tasks = 0
         self.samples = 0
-        self.fetch_s = 0.0
+        self.fetch_s = 0.0  # these four: sums over the timed tasks only
         self.collate_s = 0.0
         self.send_s = 0.0
         self.bytes_out = 0
+        self.timing = True  # the first task is always timed
+        self.timed = 0
+        self._gaps = gaps(every) if every > 1 else None
+        self._left = 0
 
     def snapshot(self) -> tuple[Any, ...]:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
@@ -111,16 +138,33 @@ class StageClock:
             self._sched, self._sched_read_at = read_sched(), at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()
-        return (self.tasks, self.samples, self.fetch_s, self.collate_s, self.send_s,
-                self.bytes_out, self.started_at, self._sched[0] - self._sched_at_start[0],
-                self._sched[1] - self._sched_at_start[1], self._skipped)
+        scale = self.tasks / self.timed if self._gaps is not None and self.timed else 1.0
+        return (self.tasks, self.samples, self.fetch_s * scale, self.collate_s * scale,
+                self.send_s * scale, round(self.bytes_out * scale), self.started_at,
+                self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
+                self._skipped)
 
-    def finished(self, result: Any = None) -> tuple[Any, ...]:
-        """Count a finished task (and the tensor bytes of ``result``); returns the totals its
-        report carries."""
+    def task_done(self, result: Any = None, report_anyway: bool = False) -> bool:
+        """Count a finished task (and, if it was timed, the tensor bytes of ``result``); True
+        when its report should carry the totals: it was timed, or ``report_anyway``."""
         self.tasks += 1
+        if not self.timing:  # the usual case, kept to a few steps
+            self._left -= 1
+            if self._left <= 0:
+                self.timing = True
+            return report_anyway
+        self.timed += 1
         if result is not None:
             self.bytes_out += tensor_bytes(result)
+        if self._gaps is not None:
+            self._left = next(self._gaps) - 1
+            self.timing = self._left <= 0
+        return True
+
+    def finished(self, result: Any = None) -> tuple[Any, ...]:
+        """Count a finished task (see :meth:`task_done`); returns the totals, whether or not its
+        report would carry them (economic mode's workers time every task and always send)."""
+        self.task_done(result)
         return self.snapshot()
 
     def sent(self, started: float) -> None:

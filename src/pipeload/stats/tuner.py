@@ -100,13 +100,13 @@ class AutoTuner:
         consumer = self._recorder._consumer
         at = now()
         if self._window is None:
-            self._window = (at, consumer.batches, consumer.wait_s)
+            self._window = (at, consumer.batches, consumer.wait_estimate())
             return None
         started, batches, wait_s = self._window
         if at - started < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
         rate = (consumer.batches - batches) / (at - started)
-        waited = min(1.0, (consumer.wait_s - wait_s) / (at - started))
+        waited = min(1.0, max(0.0, consumer.wait_estimate() - wait_s) / (at - started))
         return self._step(rate, waited)
 
     def _step(self, rate: float, waited: float) -> Settings | None:
