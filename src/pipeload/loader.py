@@ -193,7 +193,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
         self._checked_graph_sharding = False
-        self._stats = StatsRecorder(self._stats_setup()) if stats else None
+        # "auto" judges each window of batches by the loop's waits: it times every one.
+        self._stats = StatsRecorder(self._stats_setup(), time_every_batch=any(auto)) if stats else None
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._tuner: AutoTuner | None = None
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session

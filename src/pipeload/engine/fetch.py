@@ -70,26 +70,45 @@ class MapFetcher:
             return self._fetch(index)
 
     def _fetch(self, index: Any) -> Any:
-        spec = self._spec
         clock = self._clock
-        # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
-        if clock is not None and (clock.timing or _torch_profiler._is_profiler_enabled):
-            return self._timed(clock, index)
-        # Untimed (stats off, or a task the clock does not sample): no closures, no clock reads.
-        if not spec.auto_collation:
-            sample = spec.dataset[index]
-            if clock is not None:
+        if clock is not None:  # count down to the next timed task (stats/clock.py)
+            clock.left -= 1
+            # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
+            if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
+                return self._timed(clock, index)
+            # Untimed: no closures, no clock reads; only the samples are counted.
+            spec = self._spec
+            if not spec.auto_collation:
                 clock.samples += 1
-            return spec.collate_fn(sample)
-        samples = self.samples(index)
-        if clock is not None:
+                return spec.collate_fn(spec.dataset[index])
+            samples = self.samples(index)
             clock.samples += len(samples)
-        return spec.collate_fn(samples)
+            return spec.collate_fn(samples)
+        spec = self._spec
+        if not spec.auto_collation:
+            return spec.collate_fn(spec.dataset[index])
+        return spec.collate_fn(self.samples(index))
 
     def _timed(self, clock: StageClock, index: Any) -> Any:
+        timed = clock.left <= 0
+        if timed:
+            clock.start_timed()
         spec = self._spec
-        take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
-        return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling())
+        if _torch_profiler._is_profiler_enabled:
+            take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
+            return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, timed)
+        # A timed task without a profiler, kept lean: no closures, three clock reads.
+        started = now()
+        try:
+            samples = self.samples(index) if spec.auto_collation else [spec.dataset[index]]
+        finally:
+            fetched = now()
+            clock.fetch_s += fetched - started
+        clock.samples += len(samples)
+        try:
+            return spec.collate_fn(samples if spec.auto_collation else samples[0])
+        finally:
+            clock.collate_s += now() - fetched
 
     def samples(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices``, uncollated (economic mode's item workers stop here)."""
@@ -162,8 +181,13 @@ class IterableFetcher:
                     raise DatasetExhausted
                 return samples
         clock = self._clock
-        if clock is not None and (clock.timing or profiling()):
-            return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling())
+        if clock is not None:  # count down to the next timed task (stats/clock.py)
+            clock.left -= 1
+            if clock.left <= 0:
+                clock.start_timed()
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True)
+            if profiling():
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False)
         samples = take()
         if clock is not None:
             clock.samples += len(samples)
@@ -202,11 +226,10 @@ class IterableFetcher:
 
 
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
-            auto_collation: bool, traced: bool = True) -> Any:
+            auto_collation: bool, traced: bool, timing: bool) -> Any:
     """``collate_fn`` over what ``take`` returns, each in a profiler span when ``traced``, and
-    each timed into ``clock`` when the clock samples this task (``clock.timing``). Time spent in
-    a call that raised counts too."""
-    timing = clock.timing
+    each timed into ``clock`` when ``timing`` (the clock samples this task). Time spent in a
+    call that raised counts too."""
     started = now()
     try:
         if traced:

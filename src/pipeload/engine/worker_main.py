@@ -193,12 +193,12 @@ class WorkerLoop:
         totals, this task counted (the others go without: stats/clock.py).
         ``build_s`` and ``setup_s`` feed the pool's in-flight budget (see engine/budget.py)."""
         clock = self._clock
-        batch = report is Report.BATCH
-        if clock is None or not clock.task_done(payload if batch else None, not batch):
+        if clock is None or (not clock.timing and report is Report.BATCH):
             self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s))
             return
         started = now()
-        self._outbox.send(WorkerReport(report, self._id, number, payload, clock.snapshot(), build_s, setup_s))
+        totals = clock.finished(payload if report is Report.BATCH else None)
+        self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s))
         clock.sent(started)
 
     def _send_batch(

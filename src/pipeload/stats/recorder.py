@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeload.stats.clock import SAMPLE_EVERY, StageClock, WorkerTotals, gaps, now
+from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals, gaps, now
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
 from pipeload.transport.messages import Report
 
@@ -51,80 +51,91 @@ class _Queue:
 class _Consumer:
     """The training loop's side, written by the thread that iterates the loader.
 
-    Counts are exact; times are sampled: the loop's wait for a batch, and its own work before
-    asking, are timed for the first batch of each epoch (start-up, kept apart) and for about one
-    batch in ``SAMPLE_EVERY`` after it, then scaled to all steady batches. ``timing`` says
-    whether the next ``next()`` is timed: the loader reads it before calling :meth:`asking`, so
-    an untimed batch costs a flag and :meth:`handed`'s count.
+    The loader's epoch iterator counts batches down ``left`` itself and calls :meth:`asking`
+    and :meth:`handed` only for timed batches: an untimed one costs a subtraction and a
+    comparison. Timed are each epoch's first batch (start-up, kept apart), every batch of the
+    loader's first ``TIME_ALL_FIRST``, then about one pair of batches in ``2 * every`` (all of
+    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows): the first of a pair times the wait for it, the second
+    also the loop's own work since the first was handed out. Batches are counted exactly from
+    the countdown; the timed waits and work are scaled to all steady batches.
     """
 
-    def __init__(self) -> None:
-        self.batches = 0
+    def __init__(self, every: int = SAMPLE_EVERY) -> None:
+        self.left = 0
         self.epochs = 0
-        self.timing = False
         self.first_wait_s = 0.0
         self.first_batch_s = 0.0
-        self.end_wait_s = 0.0  # waits that ended in StopIteration or an error: timed, not scaled
+        self._counted = 0  # batches asked for up to the latest timed one, that one included
+        self._gap = 0
+        self._not_handed = 0  # asked for, and ended in StopIteration or an error instead
+        self._firsts = 0
         self._wait_s = 0.0  # over the timed steady batches
-        self._compute_s = 0.0
-        self._timed = 0
+        self._waits = 0
+        self._compute_s = 0.0  # over the second batches of the timed pairs
+        self._computes = 0
+        self._end_wait_s = 0.0
+        self._second = False  # the next timed batch is a pair's second
         self._epoch_started_at: float | None = None
-        self._last_handed_at: float | None = None
-        self._gaps = gaps(SAMPLE_EVERY)
-        self._left = 0
+        self._last_handed_at = 0.0
+        self._gaps = gaps(2 * every - 1)  # every=1: every batch is timed
+
+    @property
+    def batches(self) -> int:
+        return self._counted + self._gap - self.left - self._not_handed
 
     def epoch_started(self) -> None:
         self.epochs += 1
+        self._next_timed(0)  # the epoch's first batch
+        self._second = False
         self._epoch_started_at = now()
-        self._last_handed_at = None
-        self.timing = True
+
+    def _next_timed(self, gap: int) -> None:
+        self._counted += self._gap - self.left
+        self._gap = self.left = gap
 
     def asking(self) -> float:
-        """The loop asks for a timed batch: what it did since the last one was its own work."""
+        """The countdown reached this batch (``left <= 0``); returns when it was asked for."""
         asked = now()
-        if self._last_handed_at is not None:
+        if self._second:
             self._compute_s += asked - self._last_handed_at
+            self._computes += 1
+            self._second = False
+            self._next_timed(next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1)
+        else:
+            self._second = True
+            self._next_timed(1)
         return asked
 
     def handed(self, asked: float) -> None:
-        """A batch is handed over now; ``asked``: when it was asked for (0.0: untimed)."""
-        self.batches += 1
-        self._left -= 1
-        if asked:
-            handed = now()
-            if self._epoch_started_at is None:
-                self._wait_s += handed - asked
-                self._timed += 1
-            else:  # an epoch's first batch: start-up, kept apart from the steady waiting
-                self.first_wait_s += handed - asked
-                self.first_batch_s = handed - self._epoch_started_at
-                self._epoch_started_at = None
-            self._last_handed_at = None
-        if self._left <= 0:  # time the loop's work from now, and its wait for the next batch
-            self._left = next(self._gaps)
-            self.timing = True
-            self._last_handed_at = now()
-        else:
-            self.timing = False
+        """The timed batch asked for at ``asked`` is handed over now."""
+        handed = self._last_handed_at = now()
+        if self._epoch_started_at is None:
+            self._wait_s += handed - asked
+            self._waits += 1
+        else:  # an epoch's first batch: start-up, kept apart from the steady waiting
+            self.first_wait_s += handed - asked
+            self.first_batch_s = handed - self._epoch_started_at
+            self._epoch_started_at = None
+            self._firsts += 1
 
     def ended(self, asked: float) -> None:
-        """The epoch ended (or raised) while the loop waited since ``asked`` (0.0: untimed)."""
+        """The batch asked for (at ``asked``; 0.0: untimed) ended in StopIteration or an error."""
+        self._not_handed += 1
+        self._second = False  # no batch was handed out to time the loop's work from
         if asked:
-            self.end_wait_s += now() - asked
-        self._last_handed_at = None
-        self.timing = True  # after an error mid-epoch, the next wait is timed
+            self._end_wait_s += now() - asked
+
+    def _steady(self) -> int:
+        return max(0, self.batches - self._firsts)
 
     def wait_estimate(self) -> float:
         """Seconds the loop waited for its steady batches (scaled from the timed ones)."""
-        return self._scaled(self._wait_s) + self.end_wait_s
+        scaled = self._wait_s * self._steady() / self._waits if self._waits else 0.0
+        return scaled + self._end_wait_s
 
     def compute_estimate(self) -> float:
-        """Seconds the loop spent on its own work between batches (scaled likewise)."""
-        return self._scaled(self._compute_s)
-
-    def _scaled(self, seconds: float) -> float:
-        steady = max(0, self.batches - self.epochs)
-        return seconds * steady / self._timed if self._timed else 0.0
+        """Seconds the loop spent on its own work before its steady batches (scaled likewise)."""
+        return self._compute_s * self._steady() / self._computes if self._computes else 0.0
 
 
 class SessionStats:
@@ -207,11 +218,11 @@ class StatsRecorder:
     only grow, so keeping the latest is keeping everything.
     """
 
-    def __init__(self, setup: LoaderSetup) -> None:
+    def __init__(self, setup: LoaderSetup, time_every_batch: bool = False) -> None:
         self.setup = setup
         self._seen: dict[tuple[int, str, int], tuple[Any, float | None]] = {}
         self._queue = _Queue()
-        self._consumer = _Consumer()
+        self._consumer = _Consumer(1 if time_every_batch else SAMPLE_EVERY)
         self._sessions = 0
         self._lags: dict[int, dict[int, int]] = {}  # per session: tasks reported without totals
         self._pin_s = 0.0
