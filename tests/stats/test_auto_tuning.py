@@ -3,12 +3,17 @@ out mid-epoch without losing, repeating or reordering a batch."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
+from conftest import wait_until
+
 import pipeload
+from pipeload.engine.lifecycle import ThreadWorkerHandle
+from pipeload.stats.clock import running_s
 from pipeload.stats.recorder import LoaderSetup, StatsRecorder
 from pipeload.stats.tuner import AutoTuner, Settings
 
@@ -49,15 +54,24 @@ def test_the_tuner_stops_once_the_loop_no_longer_waits() -> None:
 
 
 def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
-    tuner = _tuner(cpus=1)  # at most 16 workers for 1 CPU
-    for expected in (2, 4, 8, 16):
+    tuner = _tuner(cpus=1)  # at most 32 workers for 1 CPU, when they wait rather than compute
+    for expected in (2, 4, 8, 16, 32):
         assert tuner._step(rate=10.0 * expected, waited=0.9) == Settings(expected, 2)
-    assert tuner._step(rate=200.0, waited=0.9) is None and tuner.done
+    assert tuner._step(rate=400.0, waited=0.9) is None and tuner.done
     recorder = StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2))
     recorder._consumer._counted = 10  # ten batches handed out
     recorder._seen[(1, "", 0)] = ((10, 80, 0.1, 0.1, 0.0, 10 * 1024, 0.0, 0.0, 0.0, 0), 1.0)
     squeezed = AutoTuner(recorder, 2, True, False, Settings(2, 2), budget_bytes=4 * 1024 + 1)
     assert squeezed._step(rate=10.0, waited=0.9) is None  # 4 x 2 batches of 1 KiB would not fit
+
+
+def test_workers_that_compute_never_outnumber_the_usable_cpus() -> None:
+    tuner = _tuner(cpus=2)  # starts at 2 workers: as many as CPUs
+    assert tuner._step(rate=10.0, waited=0.9, share=0.95) is None and tuner.done
+    assert tuner.current == Settings(2, 2)
+    assert "the workers compute: no more of them than the 2 usable CPUs" in tuner._recorder.snapshot().decisions[-1].reason
+    waiting = _tuner(cpus=2)  # the same loop, with workers that mostly wait: more of them
+    assert waiting._step(rate=10.0, waited=0.9, share=0.1) == Settings(4, 2)
 
 
 def test_prefetch_doubles_while_it_pays_when_workers_are_capped() -> None:
