@@ -1,6 +1,6 @@
 """num_workers="auto" against the best fixed num_workers, on a CPU-bound and an I/O-like workload.
 
-    python -m bench.auto_workers [--rounds 2] [--warm-up-epochs 3] [--epochs 2] [--workload cpu|io ...]
+    python -m bench.auto_workers [--rounds 2] [--warm-up-epochs 4] [--epochs 2] [--workload cpu|io ...]
 
 Every setting gets a fresh loader with persistent workers. The warm-up epochs are where "auto"
 finds its settings (and where every setting starts its workers), so they are timed apart; the
@@ -116,7 +116,7 @@ def describe_auto(stats: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.auto_workers", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warm-up-epochs", type=int, default=3)
+    parser.add_argument("--warm-up-epochs", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
     args = parser.parse_args(argv)

@@ -12,7 +12,9 @@ watches the training loop through the loader's stats, and climbs one step at a t
    one disturbed window (another job's burst on a shared machine) does not decide.
 2. The loop waited less than ``STOP_WAITING`` of the time: loading keeps up; stop.
 3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop.
-4. Otherwise double the workers: up to the usable CPUs when the workers compute (on or queued
+4. Otherwise grow the pool: to ``n / (1 - waited)`` workers, what would stop the waiting if
+   workers were the only limit, but at least double and at most ``MAX_STEP`` times; up to the
+   usable CPUs when the workers compute (on or queued
    for a CPU at least ``COMPUTING`` of the time: more would only take turns on the same CPUs),
    up to ``MAX_WORKERS_PER_CPU`` per usable CPU when they mostly wait (I/O, remote reads); in
    both cases within the memory budget (batches in flight times their measured size). At the
@@ -30,6 +32,7 @@ The engine (``engine/auto.py``) carries them out. Owned by the thread that drive
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -40,7 +43,7 @@ from pipeload.stats.clock import now, running_s
 from pipeload.stats.report import TuningDecision
 
 LOG = logging.getLogger("pipeload.auto")
-WINDOW_S = 0.4
+WINDOW_S = 0.3
 WINDOW_BATCHES = 12
 WINDOWS = 3  # per setting: decisions take their medians
 COMPUTING = 0.5  # of the wall time on (or queued for) a CPU, per worker: they compute
@@ -50,6 +53,7 @@ MIN_GAIN = 0.05
 MAX_WORKERS_PER_CPU = 32  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
 MAX_WORKERS = 64
 MAX_PREFETCH = 8
+MAX_STEP = 4  # the most a pool grows in one step
 SHM_SHARE = 0.5  # of /dev/shm's free space, without a loader budget
 CHECK_EVERY = 8  # batches between looks at the clock: observing must cost next to nothing
 
@@ -113,15 +117,14 @@ class AutoTuner:
             return None
         consumer = self._recorder.consumer
         at = now()
-        window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
         if self._window is None:
-            self._window = window
+            self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
             return None
         started, batches, wait_s, running = self._window
         elapsed = at - started
-        if elapsed < WINDOW_S or window[1] - batches < WINDOW_BATCHES:
+        if elapsed < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
-        self._window = window
+        window = self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
         self._measured.append(((window[1] - batches) / elapsed,
                                min(1.0, max(0.0, window[2] - wait_s) / elapsed),
                                (window[3] - running) / (elapsed * max(1, len(workers)))))
@@ -142,7 +145,7 @@ class AutoTuner:
         computing = share >= COMPUTING
         seen = (f"the training loop waited {waited:.0%} at {rate:,.1f} batches/s, workers on or "
                 f"queued for a CPU {share:.0%} of the time")
-        bigger = self._next_settings(computing)
+        bigger = self._next_settings(computing, waited)
         if bigger is None:
             why = (f"the workers compute: no more of them than the {self.cpus} usable CPUs"
                    if computing and self.current.num_workers >= self.cpus else
@@ -150,11 +153,18 @@ class AutoTuner:
             return self._finish(None, rate, f"{seen}; {why}")
         return self._change(bigger, rate, seen)
 
-    def _next_settings(self, computing: bool = False) -> Settings | None:
+    @staticmethod
+    def _grown(workers: int, waited: float) -> int:
+        """The next pool size: as many workers as would stop the waiting if the workers were
+        the only limit (``n / (1 - waited)``), at least twice and at most four times as many."""
+        wanted = math.ceil(workers / max(1e-3, 1 - waited))
+        return max(2 * workers, min(MAX_STEP * workers, wanted))
+
+    def _next_settings(self, computing: bool = False, waited: float = 0.0) -> Settings | None:
         workers, prefetch = self.current.num_workers, self.current.prefetch_factor
         most = min(self._max_workers, self.cpus) if computing else self._max_workers
         if self._tune_workers and workers < most:
-            wanted = Settings(min(most, workers * 2), prefetch)
+            wanted = Settings(min(most, self._grown(workers, waited)), prefetch)
             if self._fits(wanted):
                 return wanted
         if self._tune_prefetch and prefetch == self.best.prefetch_factor and prefetch < MAX_PREFETCH:
