@@ -1,9 +1,10 @@
 """Where a worker (or the main process, without workers) times its own stages.
 
 A :class:`StageClock` belongs to the one thread that fetches and collates: no locks. It keeps
-running totals, and every report a worker sends carries :meth:`StageClock.snapshot`, a plain
-tuple of those totals (a few dozen bytes to pickle), so the main process only ever keeps the
-latest one per worker and a lost or reordered report cannot make a count wrong.
+running totals; it times about one task in ``SAMPLE_EVERY`` (after all of the first
+``TIME_ALL_FIRST``), and that task's report carries :meth:`StageClock.snapshot`, a plain tuple
+of the totals (a few dozen bytes to pickle), so the main process keeps only the latest one per
+worker and counts the reports that came without (docs/design/stats.md).
 
 Spans for ``torch.profiler`` (``record_function``) are entered only while a profiler runs:
 torch keeps a module flag for exactly this cheap check, and entering a span costs tens of
