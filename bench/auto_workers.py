@@ -5,7 +5,8 @@
 Every setting gets a fresh loader with persistent workers. The warm-up epochs are where "auto"
 finds its settings (and where every setting starts its workers), so they are timed apart; the
 ratio compares steady throughput, samples/s over the epochs after them. The settings take turns
-within each round (fixed ones, then "auto"), so drifting machine load falls on all alike; the
+within each round, each round starting one setting further along ("auto" first in the second),
+so drifting machine load falls on all alike; the
 table shows each setting's median over the rounds, and the ratio of "auto" to the best fixed
 setting's median, with each round's own ratio beside it as the spread. Workloads:
 
@@ -133,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm: dict[Any, list[float]] = {s: [] for s in settings}
         ratios = []
         for round_ in range(args.rounds):
-            for setting in settings:
+            shift = round_ % len(settings)  # each round starts one setting further along
+            for setting in settings[-shift:] + settings[:-shift] if shift else settings:
                 first, speed, stats = run(dataset, setting, args.warm_up_epochs, args.epochs)
                 steady[setting].append(speed)
                 warm[setting].append(first)
