@@ -3,8 +3,10 @@
     python -m bench.auto_workers [--rounds 2] [--warm-up-epochs 4] [--epochs 2] [--workload cpu|io ...]
 
 Every setting gets a fresh loader with persistent workers. The warm-up epochs are where "auto"
-finds its settings (and where every setting starts its workers), so they are timed apart; the
-ratio compares steady throughput, samples/s over the epochs after them. The settings take turns
+finds its settings (and where every setting starts its workers), so they are timed apart;
+"auto" warms up for at least as many epochs as the others and on until its tuner has settled
+(at most 12): the target is the throughput it reaches, and its warm-up time is shown beside it.
+The ratio compares steady throughput, samples/s over the epochs after the warm-up. The settings take turns
 within each round, each round starting one setting further along ("auto" first in the second),
 so drifting machine load falls on all alike; the
 table shows each setting's median over the rounds, and the ratio of "auto" to the best fixed
@@ -36,6 +38,7 @@ from pipeload.stats.recorder import usable_cpus
 from pipeload.stats.tuner import memory_budget_bytes
 
 BATCH_SIZE = 16
+MAX_WARM_UP = 12  # epochs "auto" may take to settle before it is timed anyway
 
 
 class BusyItems(pipeload.Dataset):
@@ -82,24 +85,31 @@ WORKLOADS = {
 
 
 def run(dataset: Any, num_workers: Any, warm_up: int, epochs: int) -> tuple[float, float, Any]:
-    """(warm-up seconds, samples/s over the epochs after it, the loader's stats)."""
+    """(warm-up seconds, samples/s over the epochs after it, the loader's stats). "auto" warms
+    up until its tuner has settled (at most ``MAX_WARM_UP`` epochs), however many that takes."""
     loader = pipeload.DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=num_workers,
                                  prefetch_factor="auto" if num_workers == "auto" else None,
                                  persistent_workers=True)
     started = time.perf_counter()
-    first = later = 0.0
+    warmed = 0
+    while warmed < warm_up or (num_workers == "auto" and not settled(loader) and warmed < MAX_WARM_UP):
+        for _ in loader:
+            pass
+        warmed += 1
+    first = time.perf_counter() - started
     samples = 0
-    for epoch in range(warm_up + epochs):
-        epoch_started = time.perf_counter()
-        count = sum(len(batch) for batch in loader)
-        if epoch < warm_up:
-            first = time.perf_counter() - started
-        else:
-            samples += count
-            later += time.perf_counter() - epoch_started
+    started = time.perf_counter()
+    for _ in range(epochs):
+        samples += sum(len(batch) for batch in loader)
+    later = time.perf_counter() - started
     stats = loader.stats()
     loader._iterator = None  # stop the persistent workers now
     return first, samples / later if later else 0.0, stats
+
+
+def settled(loader: Any) -> bool:
+    """Whether "auto" has taken its last decision (the ones it is still trying say "trying")."""
+    return "trying" not in loader.stats().decisions[-1].reason
 
 
 def describe_auto(stats: Any) -> str:

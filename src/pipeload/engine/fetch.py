@@ -15,10 +15,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pipeload.engine.batch_seeding import BatchSeeding
-from pipeload.engine.plan import DatasetKind, FetchSpec
 import torch.autograd.profiler as _torch_profiler
 
+from pipeload.engine.batch_seeding import BatchSeeding
+from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import StageClock, now, profiling, span
 
 
