@@ -16,7 +16,9 @@ What the numbers mean:
     segments included), and the distinct segments the loader's process tree maps or holds; the
     latter is read every ``TREE_SHM_EVERY`` samples, as reading every process's mappings costs
     a few milliseconds each; the tree's proportional set size (PSS), which counts a page
-    shared by n processes once in all where the RSS sum counts it n times, every ``PSS_EVERY``.
+    shared by n processes once in all where the RSS sum counts it n times, every ``PSS_EVERY``;
+    and, as often, the tree's memory with every page once whether mapped or not (PSS without
+    shared memory, plus the tree's segments whole: see ``memory.tree_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ from typing import Any
 
 import psutil
 
-from bench.memory import machine_shmem_bytes, tree_pss_bytes, tree_shared_memory_bytes
+from bench.memory import (
+    machine_shmem_bytes,
+    tree_memory_bytes,
+    tree_pss_bytes,
+    tree_shared_memory_bytes,
+)
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
 from pipeload.cli.measure import SAMPLE_INTERVAL_S, shm_used_bytes, tree_rss_bytes
 
@@ -55,6 +62,12 @@ class Measurement:
     peak_shmem_bytes: int = 0  # growth of the kernel's Shmem (memfd included), machine-wide
     peak_tree_shm_bytes: int = 0  # distinct segments the loader's process tree maps or holds
     peak_pss_bytes: int = 0  # proportional set size of the tree (shared pages split, not repeated)
+    peak_tree_memory_bytes: int = 0  # PSS without shared memory, plus the tree's segments whole
+    cpu_s: float = 0.0  # CPU seconds of the tree (workers reaped by then), the sampler left out
+
+    @property
+    def cpu_us_per_sample(self) -> float:
+        return self.cpu_s / self.samples * 1e6 if self.samples else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -72,6 +85,8 @@ class _Peaks:
         self.shmem_bytes = 0
         self.tree_shm_bytes = 0
         self.pss_bytes = 0
+        self.tree_memory_bytes = 0
+        self.sampler_cpu_s = 0.0
 
 
 class PeakSampler:
@@ -121,6 +136,15 @@ class PeakSampler:
     def peak_pss_bytes(self) -> int:
         return self._peaks.pss_bytes
 
+    @property
+    def peak_tree_memory_bytes(self) -> int:
+        return self._peaks.tree_memory_bytes
+
+    @property
+    def own_cpu_s(self) -> float:
+        """CPU seconds the sampling thread itself used (read after ``close()``)."""
+        return self._peaks.sampler_cpu_s
+
     def close(self) -> None:
         """Take a last sample and stop the thread. Safe to call more than once."""
         self._stop.set()
@@ -138,6 +162,7 @@ def _sample_until_stopped(
     root: psutil.Process, peaks: _Peaks, stop: threading.Event, interval_s: float
 ) -> None:
     tick = 0
+    started_cpu = time.thread_time()
     while True:
         stopping = stop.is_set()  # read first, so one sample always follows the stop request
         peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
@@ -147,7 +172,9 @@ def _sample_until_stopped(
             peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
         if tick % PSS_EVERY == 0:
             peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
+            peaks.tree_memory_bytes = max(peaks.tree_memory_bytes, tree_memory_bytes(root))
         if stopping:
+            peaks.sampler_cpu_s = time.thread_time() - started_cpu
             return
         tick += 1
         stop.wait(interval_s)
@@ -183,15 +210,26 @@ def measure(
         RuntimeError: if the loader yielded no batch at all.
     """
     children_before = _child_pids()
+    cpu_before = _tree_cpu_s()
     with PeakSampler() as sampler:
         samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs, step)
         gc.collect()  # drop the loader and any iterator cycles while still sampling
         _wait_for_children(children_before)
+    cpu_s = _tree_cpu_s() - cpu_before - sampler.own_cpu_s
     if first_batch_s is None:
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
                        sampler.peak_rss_bytes, sampler.peak_shm_bytes, sampler.peak_shmem_bytes,
-                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes)
+                       sampler.peak_tree_shm_bytes, sampler.peak_pss_bytes,
+                       sampler.peak_tree_memory_bytes, cpu_s)
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have been waited for (both loaders
+    join their workers when an epoch ends). On a shared machine this, unlike wall time, does not
+    depend on how much of the CPUs other programs took."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:

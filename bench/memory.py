@@ -28,6 +28,7 @@ _SHARED_MAPPING = re.compile(
 )
 _SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
 _PSS_LINE = re.compile(rb"^Pss:\s+(\d+) kB", re.MULTILINE)
+_PSS_SHMEM_LINE = re.compile(rb"^Pss_Shmem:\s+(\d+) kB", re.MULTILINE)
 
 
 def machine_shmem_bytes() -> int:
@@ -100,3 +101,29 @@ def tree_pss_bytes(root: psutil.Process) -> int:
             continue  # it exited meanwhile
         total += int(match.group(1)) * 1024 if match else 0
     return total
+
+
+def tree_memory_bytes(root: psutil.Process) -> int:
+    """What the process tree holds, each page once: its PSS without shared memory, plus its
+    distinct shared-memory segments whole (``tree_shared_memory_bytes``), mapped or not.
+
+    PSS alone counts a shared-memory page only while some process has it in its page tables:
+    a segment that is held but whose pages nobody has touched lately (a batch waiting in the
+    main process, a slab between batches, a descriptor in flight) drops out of it, and a loader
+    that keeps its batches there looks smaller than it is. Segments are counted at their size,
+    which is what they hold once written (batches and slabs are written whole).
+    """
+    try:
+        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+                text = rollup.read()
+        except OSError:
+            continue  # it exited meanwhile
+        pss, shmem = _PSS_LINE.search(text), _PSS_SHMEM_LINE.search(text)
+        total += (int(pss.group(1)) - (int(shmem.group(1)) if shmem else 0)) * 1024 if pss else 0
+    return total + tree_shared_memory_bytes(root)

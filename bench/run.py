@@ -7,8 +7,10 @@ repeat, both loaders run one after the other with a fresh loader each, and the o
 (pipeload first, then torch first, ...) so warm-up and drifting machine load fall on both alike.
 The table gives, per workload and loader, the median samples/s and time to first batch over the
 repeats, the peak RSS of the whole process tree and the peak shared memory the tree holds (see
-bench/measure.py: /dev/shm segments, memfd files and anonymous shared mappings alike), then the
-ratio pipeload/torch for each column.
+bench/measure.py: /dev/shm segments, memfd files and anonymous shared mappings alike), the median
+CPU time the tree spent per sample (main process and workers; on a shared machine it does not
+swing with other programs' load as wall-clock rates do), then the ratio pipeload/torch for each
+column.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Summary:
     first_batch_s: float
     peak_rss_bytes: int
     peak_shm_bytes: int
+    cpu_us_per_sample: float
 
 
 def make_loader(
@@ -115,7 +118,8 @@ def run_workload(
             consumer.finish()
             _log(f"{name:<13} {loader_name:<9} repeat {repeat + 1}/{options.repeats}: "
                  f"{result.samples_per_s:>12,.0f} samples/s, first batch "
-                 f"{result.first_batch_s * 1e3:,.0f} ms{consumer.describe()}")
+                 f"{result.first_batch_s * 1e3:,.0f} ms, CPU {result.cpu_us_per_sample:,.1f} us/sample"
+                 f"{consumer.describe()}")
             _check_sample_count(result, workload.items(options.quick) * options.epochs)
             measurements.append(result)
     return measurements
@@ -185,11 +189,13 @@ def summarise(measurements: Sequence[Measurement]) -> list[Summary]:
             statistics.median(m.first_batch_s for m in runs),
             max(m.peak_rss_bytes for m in runs),
             max(m.peak_tree_shm_bytes for m in runs),
+            statistics.median(m.cpu_us_per_sample for m in runs),
         ))
     return summaries
 
 
-HEADERS = ("workload", "loader", "samples/s", "first batch ms", "peak RSS MiB", "peak shm MiB")
+HEADERS = ("workload", "loader", "samples/s", "first batch ms", "peak RSS MiB", "peak shm MiB",
+           "CPU us/sample")
 
 
 def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
@@ -201,14 +207,15 @@ def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
             if (row := by_key.get((workload, loader))) is not None:
                 rows.append((workload, loader, f"{row.samples_per_s:,.0f}",
                              f"{row.first_batch_s * 1e3:,.0f}", f"{row.peak_rss_bytes / MIB:,.0f}",
-                             f"{row.peak_shm_bytes / MIB:,.1f}"))
+                             f"{row.peak_shm_bytes / MIB:,.1f}", f"{row.cpu_us_per_sample:,.1f}"))
         ours, theirs = by_key.get((workload, "pipeload")), by_key.get((workload, "torch"))
         if ours is not None and theirs is not None:
             rows.append((workload, "pipeload/torch",
                          _ratio(ours.samples_per_s, theirs.samples_per_s),
                          _ratio(ours.first_batch_s, theirs.first_batch_s),
                          _ratio(ours.peak_rss_bytes, theirs.peak_rss_bytes),
-                         _ratio(ours.peak_shm_bytes, theirs.peak_shm_bytes, SHM_RATIO_FLOOR)))
+                         _ratio(ours.peak_shm_bytes, theirs.peak_shm_bytes, SHM_RATIO_FLOOR),
+                         _ratio(ours.cpu_us_per_sample, theirs.cpu_us_per_sample)))
     return rows
 
 

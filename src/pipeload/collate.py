@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeload.transport.collate_output import shared_output
+from pipeload.transport.collate_output import copied_into_message, shared_output, stacked_in_place
 
 __all__ = [
     "CollateFnMap",
@@ -294,6 +294,8 @@ def collate_tensor_fn(
             "please provide a custom collate_fn to handle them appropriately. (pipeload: got "
             f"layout {elem.layout})"
         )
+    if elem.device.type == "cpu" and (placed := stacked_in_place(list(batch))) is not None:
+        return placed
     try:
         return torch.stack(batch, 0, out=_shared_output_like(batch))  # type: ignore[arg-type]
     except RuntimeError as error:
@@ -333,16 +335,22 @@ def collate_float_fn(
     return torch.tensor(batch, dtype=torch.float64)
 
 
+_PLAIN_INT = frozenset({int})
+
+
 def collate_int_fn(
     batch: Sequence[int], *, collate_fn_map: CollateFnMap | None = None
 ) -> torch.Tensor:
     """Python ints become an int64 tensor; bools (an int subclass) a bool tensor."""
-    if all(type(value) is int for value in batch):
+    if set(map(type, batch)) <= _PLAIN_INT:
         try:
             # Through numpy: several times faster than torch.tensor on a list for the same result.
-            return torch.tensor(np.array(batch, dtype=np.int64))
+            array = np.array(batch, dtype=np.int64)
         except OverflowError:
             pass  # beyond int64: torch.tensor raises its own error
+        else:
+            # In a process worker the batch is copied into its message anyway: skip torch's copy.
+            return torch.from_numpy(array) if copied_into_message() else torch.tensor(array)
     return torch.tensor(batch)
 
 

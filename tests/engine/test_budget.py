@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pipeload.engine.budget import CALM_REQUESTS, InFlightBudget
+from pipeload.engine.budget import (
+    CALM_REQUESTS,
+    GROW_AFTER,
+    LARGE_BATCH_BYTES,
+    TOLERATED_WAIT,
+    InFlightBudget,
+)
 
 
 class Clock:
@@ -15,11 +21,12 @@ class Clock:
         return self.now
 
 
-def _serve(budget: InFlightBudget, clock: Clock, consume_s: float, starved: bool = False) -> None:
+def _serve(budget: InFlightBudget, clock: Clock, consume_s: float, starved: bool = False,
+           waited_s: float = 0.0) -> None:
     """One request: the consumer worked ``consume_s``, asked, and got its batch."""
     clock.now += consume_s
     budget.request_started()
-    budget.request_served(starved)
+    budget.request_served(starved, waited_s)
     budget.consumer_resumes()
 
 
@@ -94,3 +101,49 @@ def test_a_new_epoch_does_not_count_the_gap_as_consumer_time():
     clock.now += 60.0  # validation between epochs
     _serve(budget, clock, 0.0001)
     assert budget.allowed(0) == 4
+
+
+def _large_batches(build_s: float, consume_s: float,
+                   requests: int = 2 + GROW_AFTER) -> tuple[InFlightBudget, Clock]:
+    clock = Clock()
+    budget = InFlightBudget(max_batches=4, num_workers=2, max_bytes=1 << 40, clock=clock)
+    budget.allowed(LARGE_BATCH_BYTES)
+    for _ in range(requests):
+        budget.batch_built(build_s)
+        _serve(budget, clock, consume_s)
+    return budget, clock
+
+
+def test_large_batches_fly_one_at_a_time_while_a_build_takes_about_a_step():
+    # Small batches keep a margin (2 in flight here); a large one costs a slab, so one flies
+    # while the consumer would wait at most TOLERATED_WAIT of its step.
+    budget, _ = _large_batches(build_s=0.2 * (1 + TOLERATED_WAIT) - 0.01, consume_s=0.2)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 1
+    assert budget.allowed(0) == 2
+    slower, _ = _large_batches(build_s=0.5, consume_s=0.2)
+    assert slower.allowed(LARGE_BATCH_BYTES) == 3  # ceil(2.5 - TOLERATED_WAIT)
+
+
+def test_large_batches_count_only_waits_beyond_the_tolerated_share_as_starving():
+    budget, clock = _large_batches(build_s=0.1, consume_s=0.2)
+    _serve(budget, clock, 0.2, starved=True, waited_s=0.2 * TOLERATED_WAIT / 2)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 1
+    _serve(budget, clock, 0.2, starved=True, waited_s=0.2 * TOLERATED_WAIT * 2)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 2
+
+
+def test_large_batches_get_another_slab_only_when_the_estimate_keeps_asking():
+    # The pace is known from the second request on; the estimate must ask GROW_AFTER times.
+    budget, clock = _large_batches(build_s=0.5, consume_s=0.2, requests=GROW_AFTER)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 1
+    budget.batch_built(0.5)
+    _serve(budget, clock, 0.2)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 3
+    # One slow build among quick ones leaves no slab behind.
+    steady, clock = _large_batches(build_s=0.1, consume_s=0.2)
+    steady.batch_built(0.9)
+    _serve(steady, clock, 0.2)
+    for _ in range(GROW_AFTER):
+        steady.batch_built(0.1)
+        _serve(steady, clock, 0.2)
+        assert steady.allowed(LARGE_BATCH_BYTES) == 1

@@ -129,6 +129,44 @@ def test_items_travel_from_item_worker_to_batch_worker_directly():
         assert batch["collated_in"] != os.getpid()
 
 
+class _ShapeShifters(torch.utils.data.Dataset):
+    """Large items whose layout changes along the epoch: same-sized dicts, then longer ones (the
+    layout learned from the first batches no longer fits), then transposed (non-contiguous)
+    tensors in a tuple with a second large leaf. Every batch is still stackable."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, index: int) -> Any:
+        value = float(index)
+        if index < 32:
+            return {"x": torch.full((20_000,), value), "label": index}
+        if index < 64:
+            return {"x": torch.full((30_000,), value), "label": index}
+        grid = torch.arange(20_000.0).reshape(100, 200) + value
+        return (grid.t(), torch.full((40_000,), -value), index)
+
+
+def test_items_written_into_their_batch_slab_give_torchs_batches_whatever_their_layout():
+    expected = list(torch.utils.data.DataLoader(_ShapeShifters(), batch_size=8))
+    loader = DataLoader(_ShapeShifters(), batch_size=8, num_workers=3, mode="economic",
+                        multiprocessing_context="fork", persistent_workers=True)
+    for _ in range(2):  # the second epoch starts with the layout the first one ended with
+        got = list(loader)
+        assert len(got) == len(expected)
+        for number, (ours, theirs) in enumerate(zip(got, expected)):
+            assert _same(ours, theirs), f"batch {number} differs"
+        del got
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    if isinstance(theirs, torch.Tensor):
+        return ours.shape == theirs.shape and torch.equal(ours, theirs) and ours.is_contiguous()
+    if isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(_same(ours[k], theirs[k]) for k in theirs)
+    return len(ours) == len(theirs) and all(_same(a, b) for a, b in zip(ours, theirs))
+
+
 class _SubBatches(Numbers):
     """Defines ``__getitems__``; each call's size is recorded with its first item."""
 

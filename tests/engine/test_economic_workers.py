@@ -18,6 +18,7 @@ from pipeload.transport.messages import (
     Command,
     Delivery,
     ItemDelivery,
+    ItemsDone,
     ItemRoute,
     Report,
     WorkerCommand,
@@ -104,4 +105,4 @@ def test_an_item_worker_hands_pieces_to_the_named_batch_worker_and_reports_them_
     assert (bad.delivery, bad.batch_number, bad.slot, bad.count) == (Delivery.FAILED, 1, 2, 1)
     assert bad.payload.worker_kind == "item" and bad.payload.indices == [6]
     assert [(r.report, r.worker_id, r.batch_number, r.payload) for r in _drain(outbox)] == [
-        (Report.ITEMS_DONE, 3, 0, 2), (Report.ITEMS_DONE, 3, 1, 1)]
+        (Report.ITEMS_DONE, 3, 0, ItemsDone(2)), (Report.ITEMS_DONE, 3, 1, ItemsDone(1))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipeload.engine.item_scheduler import ItemScheduler, piece_size
+from pipeload.engine.item_scheduler import ItemScheduler, item_placement, piece_size
 
 
 def test_an_idle_pool_spreads_the_first_batch_over_every_worker():
@@ -58,3 +58,22 @@ def test_an_empty_batch_has_no_pieces():
     scheduler = ItemScheduler(2, sub_batches=False)
     scheduler.add_batch(0, 0, [], first_position=0)
     assert scheduler.assign() == []
+
+
+def test_a_batchs_items_are_laid_out_leaf_by_leaf_as_their_stack():
+    placement = item_placement((100, 4000), count=3, room=1 << 20)
+    # Leaf 0 of items 0..2 first (300 bytes, rounded up to 64), then leaf 1 of each.
+    assert placement.leaf_offsets == (0, 320)
+    assert placement.area_bytes == 12_352  # 320 + 12,000, rounded up to 64
+    assert item_placement((100, 4000), count=3, room=12_000) is None  # does not fit
+    assert item_placement((), count=3, room=1 << 20) is None  # nothing to place
+
+
+def test_last_of_says_when_no_piece_of_a_batch_waits():
+    scheduler = ItemScheduler(num_item_workers=1, sub_batches=False, pieces_in_hand=1)
+    scheduler.add_batch(0, 0, list(range(4)), 0)  # two pieces of two items
+    scheduler.next_piece()
+    assert not scheduler.last_of(0)  # the second piece waits for the worker's hands
+    scheduler.record_done(0)
+    scheduler.next_piece()
+    assert scheduler.last_of(0)

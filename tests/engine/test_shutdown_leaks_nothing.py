@@ -35,6 +35,7 @@ from pipeload import DataLoader
 pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
 
 ORPHAN_EXIT_S = 3.0  # workers watch their parent every 0.2 s
+INTERRUPTED_EXIT_S = 10.0  # the whole interrupted process, interpreter exit included
 STARTUP_S = 45.0  # a spawn worker imports torch: slow on a busy 2-core machine
 
 
@@ -77,7 +78,13 @@ _SCRIPT = textwrap.dedent(
         while len([n for n in os.listdir(marks) if n.startswith("busy.")]) < 2:
             time.sleep(0.01)  # until both (item) workers are inside __getitem__
         publish(pid_file, pids)
-        next(iterator)
+        try:
+            next(iterator)
+        except KeyboardInterrupt:
+            # when the loader let the interrupt through (CLOCK_MONOTONIC is machine-wide)
+            with open(os.path.join(marks, "interrupted"), "w") as out:
+                out.write(repr(time.monotonic()))
+            raise
     """
 )
 
@@ -109,12 +116,14 @@ def _ctrl_c(tmp_path: Path, context: str, whole_group: bool, loader_mode: str = 
         os.killpg(proc.pid, signal.SIGINT)
     else:
         proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=10)
-    took = time.monotonic() - sent
+    _, err = proc.communicate(timeout=INTERRUPTED_EXIT_S)
+    answered = float((tmp_path / "interrupted").read_text()) - sent
 
     assert "KeyboardInterrupt" in err, err
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1), proc.returncode
-    assert took < 2.0, f"Ctrl-C took {took:.2f} s to stop the loader"
+    # The loader must let the interrupt through at once; the interpreter's own exit after it
+    # (tearing down torch) is not ours to time, and takes seconds on a loaded machine.
+    assert answered < 2.0, f"the loader took {answered:.2f} s to raise KeyboardInterrupt"
     assert all(pid_gone(pid) for pid in pids), "workers outlived the interrupted main process"
 
 

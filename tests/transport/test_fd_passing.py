@@ -80,6 +80,17 @@ def test_the_reader_splits_a_burst_and_says_when_nothing_is_waiting():
         assert got == [str(index).encode() for index in range(50)]
 
 
+def test_a_message_after_the_end_of_a_burst_is_read_by_the_next_call():
+    left, right = socket.socketpair()
+    with left, right:
+        reader = MessageReader(right)
+        send_message(left, b"first", [])
+        assert bytes(reader.next_message(block=True)[0]) == b"first"
+        assert reader.next_message(block=False) is None  # the short read emptied the socket
+        send_message(left, b"later", [])
+        assert bytes(reader.next_message(block=False)[0]) == b"later"
+
+
 def test_the_reader_takes_a_message_larger_than_its_buffer():
     left, right = socket.socketpair()
     big = os.urandom(3 * READ_CHUNK_BYTES + 17)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pipeload.transport.channel import PipeEnd
+from pipeload.transport.collate_output import note_items
 from pipeload.transport.item_links import ItemLinks
-from pipeload.transport.messages import Command, Delivery, ItemDelivery, WorkerCommand
+from pipeload.transport.messages import Command, Delivery, GrantOutcome, ItemDelivery, WorkerCommand
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(30)]
 
@@ -91,3 +92,148 @@ def test_the_outbox_refuses_what_cannot_be_pickled_before_writing_anything():
         links.close()
         tasks_in.close()
         tasks_out.close()
+
+
+# -- items written straight into their batch's slab ------------------------------------------
+
+
+LEAF = 1 << 16  # floats in one item's large tensor: 256 KiB, well above the inline limit
+
+
+def _item(value: float, leaf: int = LEAF) -> dict:
+    return {"x": torch.full((leaf,), value), "label": int(value)}
+
+
+class _Hop:
+    """One slab pool (the main process), a batch worker's and an item worker's result channels,
+    and the link between them: every end a real socket, all in this process, one step at a time."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from pipeload.transport.endpoints import Receiver, Sender
+        from pipeload.transport.item_links import GrantedSlabs
+        from pipeload.transport.slab_pool import SlabPool
+
+        self.pool = SlabPool(pin=False, max_bytes=1 << 30)
+        self.pool.set_slab_limit(2)
+        pairs = [socket.socketpair() for _ in range(3)]
+        self.batch_main, self.batch = Receiver(pairs[0][0], self.pool, 1), Sender(pairs[0][1])
+        self.item_main, self.item = Receiver(pairs[1][0], self.pool, 0), Sender(pairs[1][1])
+        self.link_out, self.link_in = Sender(pairs[2][0]), Receiver(pairs[2][1], None, 0)
+        self.link_in.pool = GrantedSlabs(self.batch)
+
+    def grants(self, token: int, count: int, item_bytes: tuple[int, ...] = (LEAF * 4,)):
+        import dataclasses
+
+        from pipeload.engine.item_scheduler import item_placement
+
+        placement = item_placement(item_bytes, count, 1 << 30)
+        self.pool.observe_batch(placement.area_bytes)
+        batch_grant = self.pool.grant(1, token)
+        placement = item_placement(item_bytes, count, self.pool.granted_size(token))
+        self.batch_main.send_controls()
+        share, _ = self.pool.share_grant(token, 0)
+        self.item_main.send_controls()
+        return (dataclasses.replace(batch_grant, items=placement),
+                lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
+
+    def hand_over(self, grant, items: list) -> list:
+        from pipeload.transport.item_links import ItemOutbox
+
+        self.item.prepare(grant)
+        self.item.writer.place_items()
+        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, grant.items.first_item, len(items), items)
+        ItemOutbox([self.link_out]).send(0, delivery, self.item.writer)
+        return self.link_in.receive()[0].payload
+
+    def close(self) -> None:
+        for end in (self.batch_main, self.batch, self.item_main, self.item, self.link_out, self.link_in):
+            end.close()
+        self.pool.close()
+
+
+def test_items_placed_in_the_batch_slab_are_stacked_without_a_copy():
+    from pipeload.collate import default_collate
+
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=4)
+        # Two pieces of two items, placed by the item worker at their rows of the stacked batch.
+        samples = hop.hand_over(item_grant(0), [_item(0.0), _item(1.0)])
+        samples += hop.hand_over(item_grant(2), [_item(2.0), _item(3.0)])
+        assert hop.item.writer.last_large_sizes == [LEAF * 4, LEAF * 4]
+        hop.batch.prepare(batch_grant)
+        batch = default_collate(samples)
+        # The stack is a view of where the items already were: not a single byte copied.
+        assert [batch["x"][i].data_ptr() for i in range(4)] == [s["x"].data_ptr() for s in samples]
+        hop.batch.send(batch)
+        del batch, samples
+        message, info = hop.batch_main.receive()
+        assert message["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert message["x"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert message["label"].tolist() == [0, 1, 2, 3]
+        assert info.outcome is GrantOutcome.USED
+        del message
+    finally:
+        hop.close()
+
+
+def test_an_item_that_does_not_fit_its_place_is_copied_in_and_overwrites_nothing():
+    from pipeload.collate import default_collate
+
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=3)
+        rest = hop.hand_over(item_grant(2), [_item(2.0)])
+        # Item 1 is twice as long as its place: written there, it would cover item 2's place.
+        # Placing stops at it; it travels in fresh memory.
+        piece = hop.hand_over(item_grant(0), [_item(0.0), {"x": torch.full((LEAF * 2,), 9.0), "label": 9}])
+        assert hop.item.writer.last_large_sizes == [LEAF * 4, LEAF * 8]
+        hop.batch.prepare(batch_grant)
+        samples = [piece[0], {"x": piece[1]["x"][:LEAF].clone(), "label": 9}, rest[0]]
+        note_items(samples)  # as a batch worker does before collating
+        batch = default_collate(samples)
+        assert batch["x"][0].data_ptr() == piece[0]["x"].data_ptr()  # these two were in place
+        assert batch["x"][2].data_ptr() == rest[0]["x"].data_ptr()
+        assert batch["x"][:, 0].tolist() == [0.0, 9.0, 2.0]
+        hop.batch.send(batch)
+        del batch, samples, piece, rest
+        message, _ = hop.batch_main.receive()
+        assert message["x"].sum(dim=1).tolist() == [0.0, 9.0 * LEAF, 2.0 * LEAF]
+        del message
+    finally:
+        hop.close()
+
+
+def test_items_whose_structure_differs_are_never_written_over_each_other():
+    from pipeload.collate import default_collate
+
+    def pair(value: float, order: str = "ab", extra: bool = False) -> dict:
+        item = {key: torch.full((LEAF,), value + (0.5 if key == "b" else 0.0)) for key in order}
+        if extra:
+            item["z"] = torch.full((LEAF,), -1.0)  # default_collate ignores keys item 0 lacks
+        return item
+
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=4, item_bytes=(LEAF * 4, LEAF * 4))
+        # Item 1 has one large tensor too many, item 2 its keys the other way round: placed by
+        # order, item 2's "b" sits where its "a" belongs. Nothing may be copied over it.
+        samples = hop.hand_over(item_grant(0), [pair(0.0), pair(1.0, extra=True)])
+        samples += hop.hand_over(item_grant(2), [pair(2.0, order="ba"), pair(3.0)])
+        hop.batch.prepare(batch_grant)
+        note_items(samples)
+        batch = default_collate(samples)
+        assert batch["a"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert batch["b"][:, 0].tolist() == [0.5, 1.5, 2.5, 3.5]
+        assert batch["a"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert batch["b"][:, -1].tolist() == [0.5, 1.5, 2.5, 3.5]
+        hop.batch.send(batch)
+        del batch, samples
+        message, _ = hop.batch_main.receive()
+        assert message["a"].sum(dim=1).tolist() == [v * LEAF for v in (0.0, 1.0, 2.0, 3.0)]
+        assert message["b"].sum(dim=1).tolist() == [v * LEAF for v in (0.5, 1.5, 2.5, 3.5)]
+        del message
+    finally:
+        hop.close()

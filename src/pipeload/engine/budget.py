@@ -15,6 +15,16 @@ Two refinements keep the start from deciding the peak:
   reported apart by the worker: it is left out of the build time, and a request that waited for
   a batch that paid it does not count as the consumer being starved.
 
+Large batches (``LARGE_BATCH_BYTES`` and more of shared memory each) are priced differently: each
+batch in flight beyond the first holds a whole slab, so the margin goes. One batch flies while a
+worker builds a batch in at most ``1 + TOLERATED_WAIT`` consumer steps (the consumer then waits at
+most that share of a step), and a wait shorter than that share does not count as starving. With
+the slab of the batch being dropped granted ahead (``transport/slab_pool.py``), that is two slabs
+in all: the one the training loop holds and the one being filled. A new slab costs its pages
+(seconds for hundreds of MB on a loaded machine) and keeps them: for large batches the estimate
+raises the count only once it has asked for more on ``GROW_AFTER`` requests in a row, so one slow
+build (another program took the CPU for a moment) does not leave a slab behind.
+
 The budget only ever lowers what is in flight: ``prefetch_factor * num_workers`` stays the most,
 and one batch the least, so ordering, ``in_order=False`` and persistent workers are unaffected.
 """
@@ -30,6 +40,9 @@ from pipeload.transport import shared_memory
 EMA_WEIGHT = 0.5  # weight of the newest sample: recent behaviour decides
 MARGIN = 1.25  # build time is stretched by this much before dividing
 CALM_REQUESTS = 8  # requests served without waiting before one extra batch is given back
+LARGE_BATCH_BYTES = 8 << 20  # from here on, each batch in flight is a slab's worth of memory
+TOLERATED_WAIT = 0.2  # large batches: a wait under this share of the consumer's step is jitter
+GROW_AFTER = 4  # large batches: requests in a row whose estimate asks for more before it is given
 DEFAULT_SHM_SHARE = 0.5  # of what the backing memory can still take, when max_shm_bytes is None
 UNKNOWN_SHM_BYTES = 1 << 62
 
@@ -70,6 +83,8 @@ class InFlightBudget:
         self._extra = 0
         self._calm = 0
         self._needed = self._first_wave
+        self._large = False
+        self._asked_more = 0  # requests in a row whose estimate asked for more than it had
 
     def set_max_batches(self, max_batches: int) -> None:
         """A new ceiling (``prefetch_factor="auto"`` deepening or thinning the pool)."""
@@ -92,10 +107,12 @@ class InFlightBudget:
         if self._returned_at is not None:
             self._consume_s = _blend(self._consume_s, self._clock() - self._returned_at)
 
-    def request_served(self, starved: bool) -> None:
+    def request_served(self, starved: bool, waited_s: float = 0.0) -> None:
         """The batch is being handed out; ``starved`` if the consumer waited for it for want of
-        batches in flight (not for a one-off set-up)."""
+        batches in flight (not for a one-off set-up), for ``waited_s`` seconds."""
         self._served += 1
+        if starved and self._large and self._consume_s is not None:
+            starved = waited_s > TOLERATED_WAIT * self._consume_s
         if starved and self._model_known() and self._needed < self.max_batches:
             self._extra += 1
             self._calm = 0
@@ -104,7 +121,7 @@ class InFlightBudget:
             if self._calm >= CALM_REQUESTS and self._extra > 0:
                 self._extra -= 1
                 self._calm = 0
-        self._update()
+        self._update(per_request=True)
 
     def consumer_resumes(self) -> None:
         """The batch is in the consumer's hands: its own time starts now."""
@@ -115,6 +132,10 @@ class InFlightBudget:
 
         The estimate is refreshed once per request (``request_served``), not on every sample.
         """
+        large = batch_bytes >= LARGE_BATCH_BYTES
+        if large is not self._large:
+            self._large = large
+            self._update()
         needed = self._needed
         if batch_bytes > 0:
             needed = min(needed, max(1, self._max_bytes // batch_bytes))
@@ -123,10 +144,17 @@ class InFlightBudget:
     def _model_known(self) -> bool:
         return self._build_s is not None and self._consume_s is not None
 
-    def _update(self) -> None:
+    def _update(self, per_request: bool = False) -> None:
         if self._model_known():
-            ratio = MARGIN * self._build_s / max(self._consume_s, 1e-6)  # type: ignore[operator]
-            self._needed = max(1, min(self.max_batches, math.ceil(ratio) + self._extra))
+            ratio = self._build_s / max(self._consume_s, 1e-6)  # type: ignore[operator]
+            wanted = math.ceil(ratio - TOLERATED_WAIT) if self._large else math.ceil(MARGIN * ratio)
+            wanted = max(1, min(self.max_batches, wanted + self._extra))
+            if self._large and wanted > self._needed and self._extra == 0:
+                self._asked_more = self._asked_more + 1 if per_request else self._asked_more
+                if self._asked_more < GROW_AFTER:
+                    return  # not yet: a single slow build is no reason for another slab
+            self._asked_more = 0
+            self._needed = wanted
         elif self._served > 0:
             self._needed = 1  # the first wave is out; wait for the consumer's pace
         else:

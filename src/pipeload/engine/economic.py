@@ -15,12 +15,14 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload.collate import default_collate
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.economic_workers import (
     BATCH,
@@ -31,7 +33,7 @@ from pipeload.engine.economic_workers import (
     run_item_thread,
 )
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
-from pipeload.engine.item_scheduler import ItemScheduler
+from pipeload.engine.item_scheduler import PIECES_IN_HAND, ItemScheduler, Piece, item_placement
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
@@ -40,7 +42,15 @@ from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
-from pipeload.transport.messages import Command, ItemRoute, Report, WorkerCommand, WorkerReport
+from pipeload.transport.messages import (
+    Command,
+    ItemPlacement,
+    ItemRoute,
+    Report,
+    SlabGrant,
+    WorkerCommand,
+    WorkerReport,
+)
 
 
 @dataclass(frozen=True)
@@ -137,15 +147,18 @@ class EconomicEngine:
 
     Driven by one thread at a time (the caller of ``next_batch``).
     Invariants, between calls:
-      - ``ledger.outstanding <= prefetch_factor``: batches sent to a batch worker and not yet
-        yielded, whether still gathering, collating, or waiting their turn;
+      - ``ledger.outstanding <= prefetch_factor``: batches opened and not yet yielded, whether
+        waiting for their first piece to go out (their ``COLLATE`` then waits in
+        ``_to_collate``), gathering, collating, or waiting their turn;
+      - ``_placements`` holds where the items go for batches whose ``COLLATE`` carried an item
+        area and that have not answered yet;
       - so the items in flight (waiting in the scheduler, or in an item worker's hands, or on
         their way to a batch worker) never exceed the items of those batches:
         ``prefetch_factor * batch_size`` with a fixed batch size;
       - ``next_position`` is the number of samples in the batches opened this epoch (the next
         batch's first seed position);
-      - ``_unopened`` is a batch taken from the sampler whose ``COLLATE`` could not be sent yet
-        (a full task pipe and a timeout): it is opened first next time.
+      - ``_unopened`` is an empty batch taken from the sampler whose ``COLLATE`` could not be
+        sent yet (a full task pipe and a timeout): it is opened first next time.
     """
 
     def __init__(self, config: EconomicConfig) -> None:
@@ -155,17 +168,27 @@ class EconomicEngine:
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
         self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
+        # Item workers write items straight into their batch's slab once their size is known:
+        # only for default_collate, whose stack of them is then a view (see ItemPlacement).
+        self._places_items = (config.worker_type == "process" and fetch.auto_collation
+                              and fetch.collate_fn is default_collate)
+        self._item_bytes: tuple[int, ...] | None = None
+        self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
-        # Batch workers collate into slabs, as classic workers do: prefetch_factor batches in
-        # flight, the one the consumer holds, and the one it is dropping.
+        # Batch workers collate into slabs, as classic workers do (item workers fill them): the
+        # prefetch_factor batches in flight and the one the consumer holds. The batch a ``for``
+        # loop is dropping needs no slab of its own: the next batch is granted its slab, and
+        # written once it is released (see slab_pool.py); pinned slabs are released by this
+        # thread, so there the dropped batch keeps one more.
         slab_settings = SlabSettings(config.pin_slabs, shm_budget_bytes(config.max_shm_bytes),
                                      config.prefetch_factor + 1)
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats)
-        if self._workers.slabs is not None:
-            self._workers.slabs.set_slab_limit(config.prefetch_factor + 2)
+        slabs = self._workers.slabs
+        if slabs is not None:
+            slabs.set_slab_limit(config.prefetch_factor + (2 if slabs.pinned else 1))
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -216,6 +239,8 @@ class EconomicEngine:
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
+        self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
+        self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -243,7 +268,11 @@ class EconomicEngine:
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
+            self._heard_items = True
+            if report.payload.item_bytes is not None:
+                self._item_bytes = report.payload.item_bytes
         elif report.report in (Report.BATCH, Report.FAILED):
+            self._placements.pop(report.batch_number, None)
             self._ledger.record_report(report)
 
     def _top_up(self) -> None:
@@ -260,24 +289,68 @@ class EconomicEngine:
         self._send_pieces()
 
     def _open_batch(self, batch_worker: int, indices: list[Any]) -> None:
-        """Tell the batch worker what the batch holds, then queue its pieces. If the send times
-        out, nothing is recorded: ``_unopened`` keeps the batch for the next call."""
+        """Count the batch as sent to its batch worker and queue its pieces. Its ``COLLATE``
+        goes out with its first piece (see ``_send_collate``); an empty batch's at once, and if
+        that send times out, nothing is recorded: ``_unopened`` keeps the batch for next time."""
         number = self._ledger.next_to_send
-        slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
-        grant = slabs.grant(slot, number) if slabs is not None else None
-        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
-        self._workers.send(slot, collate)
+        self._to_collate[number] = (batch_worker, indices)
+        if not indices:
+            try:
+                self._send_collate(number)
+            except LoaderTimeoutError:
+                del self._to_collate[number]
+                raise
         self._ledger.record_sent(batch_worker)
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)
 
+    def _send_collate(self, number: int) -> None:
+        """Tell a batch worker what batch ``number`` holds, with the slab to collate it into.
+
+        Sent just before the batch's first piece, not when the batch opens: by then the first
+        items of the epoch may have told us their size, so the items of all but the first batch
+        or two can be written straight into the slab (see ItemPlacement).
+        """
+        batch_worker, indices = self._to_collate[number]
+        slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
+        placing = self._places_items and self._item_bytes is not None and slabs is not None
+        if placing:  # size the slab for the items before the first batch worker's answer does
+            slabs.observe_batch(item_placement(self._item_bytes, len(indices), 1 << 62).area_bytes)
+        grant = slabs.grant(slot, number) if slabs is not None else None
+        if grant is not None and placing:
+            placement = item_placement(self._item_bytes, len(indices), slabs.granted_size(number))
+            if placement is not None:
+                grant = dataclasses.replace(grant, items=placement)
+                self._placements[number] = placement
+        collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
+        self._workers.send(slot, collate)
+        del self._to_collate[number]
+
     def _send_pieces(self) -> None:
+        # Until the first piece of the session is reported, item sizes are unknown: each item
+        # worker gets one piece, so that the second half of the first batch can already be
+        # written into its slab, whose COLLATE waits for that report (or for its last piece).
+        learning = self._places_items and not self._heard_items
+        self._scheduler.pieces_in_hand = 1 if learning else PIECES_IN_HAND
         while (piece := self._scheduler.next_piece()) is not None:
-            route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
-            fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
-                                  epoch=self._epoch, route=route)
             try:
+                number = piece.batch_number
+                if number in self._to_collate and (not learning or self._scheduler.last_of(number)):
+                    self._send_collate(number)
+                route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
+                fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
+                                      epoch=self._epoch, route=route, grant=self._item_grant(piece))
                 self._workers.send(piece.item_worker, fetch)
             except LoaderTimeoutError:
                 self._scheduler.give_back(piece)  # it goes out first next time
                 raise
+
+    def _item_grant(self, piece: Piece) -> SlabGrant | None:
+        """A share of the batch's slab for ``piece``'s items, at their places; None: fresh memory."""
+        placement = self._placements.get(piece.batch_number)
+        if placement is None:
+            return None
+        shared = self._workers.slabs.share_grant(piece.batch_number, piece.item_worker)
+        if shared is None:
+            return None
+        return dataclasses.replace(shared[0], items=dataclasses.replace(placement, first_item=piece.slot))

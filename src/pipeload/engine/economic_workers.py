@@ -14,6 +14,8 @@ which worker happened to do the work, nor when.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import time
 from collections.abc import Callable
@@ -40,11 +42,13 @@ from pipeload.engine.worker_main import (
 )
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import StageClock, now, profiling, span, tensor_bytes
+from pipeload.transport import collate_output
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
     Delivery,
     ItemDelivery,
+    ItemsDone,
     Report,
     SlabGrant,
     WorkerCommand,
@@ -65,6 +69,17 @@ class ItemWorkerLoop(WorkerLoop):
         super().__init__(setup, worker_id, inbox, outbox, should_stop)
         self._deliveries = deliveries
         self._rng = rng
+        self._said_item_bytes: tuple[int, ...] | None = None
+        self._heap_in_use = False
+
+    def _next_command(self) -> WorkerCommand | None:
+        command = super()._next_command()
+        if command is None and self._heap_in_use:
+            # Idle for a while (the loader is ahead of the training loop): give the heap that
+            # held fetched items back to the system, instead of keeping a few of them per worker.
+            self._heap_in_use = False
+            release_free_heap()
+        return command
 
     def _share(self) -> tuple[int, int]:
         # Items are fetched by global index, so no item worker may hold only a shard: each copy
@@ -74,16 +89,26 @@ class ItemWorkerLoop(WorkerLoop):
     def _serve(self, command: WorkerCommand) -> None:
         route = command.route
         clock = self._clock
+        self._heap_in_use = True
         if clock is None:
             delivery = self._fetch(command)
-            self._hand_over(route.batch_worker, delivery, command.indices)
+            self._hand_over(route.batch_worker, delivery, command)
         else:
             delivery = self._timed_fetch(command, clock)
             started = now()
-            self._hand_over(route.batch_worker, delivery, command.indices)
+            self._hand_over(route.batch_worker, delivery, command)
             clock.sent(started)
         del delivery  # the items' memory goes with the message, not with this worker
-        self._report(Report.ITEMS_DONE, command.batch_number, len(command.indices))
+        self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices)))
+
+    def _items_done(self, count: int) -> ItemsDone:
+        """The report's payload; says the items' sizes when they are new (see ItemPlacement)."""
+        writer = getattr(self._outbox, "writer", None)
+        sizes = None if writer is None else _item_bytes(writer.last_large_sizes, count)
+        if sizes is None or sizes == self._said_item_bytes:
+            return ItemsDone(count)
+        self._said_item_bytes = sizes
+        return ItemsDone(count, sizes)
 
     def _timed_fetch(self, command: WorkerCommand, clock: StageClock) -> ItemDelivery:
         started = now()
@@ -127,18 +152,59 @@ class ItemWorkerLoop(WorkerLoop):
         """How messages name these indices: without batching, the single index, as classic does."""
         return indices if self._setup.fetch.auto_collation else indices[0]
 
-    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, indices: list[Any]) -> None:
+    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> None:
+        indices = command.indices
+        # Process workers place the items with their result channel's slab writer: the grant (a
+        # share of the batch's slab) came on that channel, and its slabs are mapped there.
+        writer = getattr(self._outbox, "writer", None)
+        if writer is not None:
+            placing = command.grant is not None and delivery.delivery is Delivery.ITEMS
+            self._outbox.prepare(command.grant if placing else None)
+            if placing:
+                writer.place_items()
         try:
-            self._deliveries.send(batch_worker, delivery)
+            self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
             return  # that batch worker is gone; the main process sees it exit and says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
             failure = describe_failure(self._id, ITEM, stage, self._named(indices), exc)
+            if writer is not None:
+                self._outbox.prepare(None)
             try:
-                self._deliveries.send(batch_worker, _failed(delivery, failure))
+                self._deliveries.send(batch_worker, _failed(delivery, failure), writer)
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+
+_libc: Any = None
+
+
+def release_free_heap() -> None:
+    """Return the free pages of this process's heap to the system (glibc's ``malloc_trim``;
+    nothing elsewhere). Freed items stay in a glibc heap otherwise: it raises its trimming
+    threshold after large frees, to save page faults when they are allocated again."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
+    """One item's large storage sizes, if ``sizes`` (a piece's, in codec order) repeats them
+    for each of its ``count`` items; None otherwise."""
+    if not sizes or count <= 0 or len(sizes) % count:
+        return None
+    per_item = len(sizes) // count
+    first = tuple(sizes[:per_item])
+    if any(tuple(sizes[i:i + per_item]) != first for i in range(per_item, len(sizes), per_item)):
+        return None
+    return first
 
 
 def _failed(delivery: ItemDelivery, failure: RemoteFailure) -> ItemDelivery:
@@ -245,6 +311,7 @@ class BatchWorkerLoop(WorkerLoop):
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
         samples = gathering.samples()
         gathering.pieces.clear()  # once collated, the items' memory is freed with ``samples``
+        collate_output.note_items(samples)  # what of the slab the items view (ItemPlacement)
         reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
         fetch = self._setup.fetch
         clock = self._clock
@@ -287,6 +354,7 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
     """Entry point of a batch worker process; its seed comes after the item workers' seeds."""
     if links is not None:
         links.keep_only(inbox.links)
+    inbox.read_slabs_with(outbox)
     common = setup.worker
     seed = enter_worker_process(common.base_seed, common.num_workers + worker_id)
     info = WorkerInfo(worker_id, setup.num_batch_workers, seed, common.fetch.dataset, kind=BATCH)

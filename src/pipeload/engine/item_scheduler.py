@@ -12,6 +12,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload.transport.messages import ItemPlacement
+
+ALIGN_BYTES = 64  # as the slab writer aligns what it places
 PIECES_IN_HAND = 2  # per item worker: the one it fetches, and the next, so it never waits for us
 PIECES_PER_WORKER = 2  # a batch is cut into about this many pieces per item worker
 
@@ -94,6 +97,10 @@ class ItemScheduler:
         self._next = (worker + 1) % len(self.in_hand)
         return dataclasses.replace(self.waiting.popleft(), item_worker=worker)
 
+    def last_of(self, batch_number: int) -> bool:
+        """Whether no piece of batch ``batch_number`` waits any more."""
+        return all(piece.batch_number != batch_number for piece in self.waiting)
+
     def give_back(self, piece: Piece) -> None:
         """A piece that could not be sent: it waits again, first in line."""
         self.in_hand[piece.item_worker] -= 1
@@ -107,3 +114,16 @@ class ItemScheduler:
         # Ties go to the worker after the last one chosen, so an idle pool spreads a batch wide.
         count = len(self.in_hand)
         return min(range(count), key=lambda w: (self.in_hand[w], (w - self._next) % count))
+
+
+def item_placement(item_bytes: tuple[int, ...], count: int, room: int) -> ItemPlacement | None:
+    """Where the ``count`` items of a batch go in a slab of ``room`` bytes, each of whose large
+    tensors has the sizes ``item_bytes``: leaf by leaf, as the stacked batch lies (None if they
+    do not fit). See ``ItemPlacement``."""
+    offsets, end = [], 0
+    for size in item_bytes:
+        offsets.append(end)
+        end = -(-(end + count * size) // ALIGN_BYTES) * ALIGN_BYTES
+    if not item_bytes or end > room:
+        return None
+    return ItemPlacement(tuple(offsets), item_bytes, end)

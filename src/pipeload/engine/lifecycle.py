@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import pickle
 import reprlib
+import select
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.2
+PIDFD_SLICE_MS = 60_000  # the pidfd watcher's wait slice: it is woken by the parent's exit
 
 
 class WorkerHandle(Protocol):
@@ -168,14 +170,40 @@ def exit_when_parent_dies(parent_pid: int) -> None:
 
     The parent is the main process (fork, spawn) or the forkserver, which itself exits when the
     main process does; either way our parent pid changes when the main process is gone.
+
+    The watching thread sleeps in ``poll`` on a pidfd of the parent, which wakes it only when the
+    parent exits. A thread that woke every few hundred milliseconds instead would take the GIL
+    from the worker's own (often GIL-bound) thread each time, and on a crowded machine each such
+    hand-over waits for both threads to get a CPU again: a CPU-bound worker lost a tenth of its
+    throughput or more that way. Where pidfds are missing, it falls back to checking every
+    ``PARENT_CHECK_INTERVAL_S``.
     """
+    pidfd = _parent_pidfd(parent_pid)
 
     def watch() -> None:
+        if pidfd is not None:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            # In long slices (a wake-up a minute costs nothing), checking the parent each time.
+            while not poller.poll(PIDFD_SLICE_MS) and os.getppid() == parent_pid:
+                pass
         while os.getppid() == parent_pid:
             time.sleep(PARENT_CHECK_INTERVAL_S)
         os._exit(0)
 
     threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()
+
+
+def _parent_pidfd(parent_pid: int) -> int | None:
+    """A pidfd of the parent, or None where the system has none (the watcher then polls)."""
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        return None
+    if os.getppid() != parent_pid:
+        os.close(pidfd)  # it died before we opened it: the pid may be someone else's now
+        os._exit(0)
+    return pidfd
 
 
 def exit_now() -> None:

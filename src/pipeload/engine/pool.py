@@ -6,6 +6,7 @@ One instance serves one epoch, or every epoch of a loader with ``persistent_work
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -186,23 +187,24 @@ class PoolEngine:
         # close() must be able to let go of the batches the ledger holds.
         self._budget.request_started()
         self._top_up_while_full()  # tasks held back when the last batch was handed out
-        waited = False
+        waited_since = 0.0
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
                 # Waiting for a batch that paid a one-off set-up is not a sign of too few in flight.
-                self._hand_over(report, starved=waited and report.setup_s == 0)
+                waited_s = time.perf_counter() - waited_since if waited_since else 0.0
+                self._hand_over(report, waited_since > 0 and report.setup_s == 0, waited_s)
                 return report
             if self._ledger.nothing_left():
                 return None
-            waited = True
+            waited_since = waited_since or time.perf_counter()
             for report in self._workers.receive(self._workers.deadline()):
                 if report.report is not Report.EPOCH_STARTED:
                     self._budget.batch_built(report.build_s)
                     self._ledger.record_report(report)
             self._top_up()
 
-    def _hand_over(self, report: WorkerReport, starved: bool) -> None:
+    def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         stats = self._stats
         if stats is not None:
             stats.skip -= 1
@@ -211,7 +213,7 @@ class PoolEngine:
         slabs = self._workers.slabs
         if slabs is not None:
             slabs.handed_out(report.batch_number)
-        self._budget.request_served(starved)
+        self._budget.request_served(starved, waited_s)
         self._top_up_while_full(handing_out=True)
         self._budget.consumer_resumes()  # after sending: the consumer's time starts now
 

@@ -30,7 +30,14 @@ from multiprocessing import connection
 from typing import Any
 
 from pipeload.transport.endpoints import Receiver, Sender
-from pipeload.transport.messages import Report, SlabGrant, WorkerCommand, WorkerReport
+from pipeload.transport.messages import (
+    Report,
+    SlabGrant,
+    WorkerCommand,
+    WorkerReport,
+    command_from_wire,
+    command_to_wire,
+)
 
 TASK_PIPE_BYTES = 1 << 20
 READ_BYTES = 1 << 20
@@ -79,7 +86,7 @@ class PipeEnd:
             while frame is None:  # a frame's first bytes are here: the rest is on its way
                 self._read(POLL_WHOLE_FRAME_S)
                 frame = self._next_frame()
-        return pickle.loads(frame)
+        return command_from_wire(pickle.loads(frame))
 
     def take_waiting(self) -> list[Any]:
         """Every message waiting now, without waiting; for a reader that polled the pipe itself
@@ -169,7 +176,7 @@ class ProcessChannels:
         """
         if command.grant is not None:
             self.result_readers[worker_id].send_controls()
-        data = pickle.dumps(command, pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(command_to_wire(command), pickle.HIGHEST_PROTOCOL)
         frame = FRAME_HEADER.pack(len(data)) + data
         fd = self.task_writers[worker_id].conn.fileno()
         if len(frame) <= select.PIPE_BUF:

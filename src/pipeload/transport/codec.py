@@ -12,6 +12,9 @@ whatever the number of tensors viewing it, in the first way that applies:
 4. copied into the rest of the granted slab, when there is room;
 5. copied into a fresh one-shot buffer, whose descriptor rides along (SCM_RIGHTS).
 
+A batch report whose batch is one small tensor, or a plain list or tuple of a few, skips all of
+this and takes ``flat_wire.py``, which delivers it the same way for a fraction of the cost.
+
 The consumer views slab storages through the message's lease (see slab_pool.py) and maps
 descriptors; a trailer after the pickle says how many bytes the batch needed outside the message
 and what became of the grant, so the owner can size slabs and settle the grant.
@@ -36,6 +39,7 @@ from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_sto
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
 from pipeload.errors import TooManyOpenFilesError, too_many_open_files
+from pipeload.transport import flat_wire
 from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor_table_full
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
 from pipeload.transport.shared_memory import note_received
@@ -92,6 +96,9 @@ def encode(obj: Any, writer: SlabWriter | None) -> tuple[memoryview, list[int], 
     Returns the bytes, the descriptors to pass with them, and the objects that keep those
     descriptors valid until the message is sent.
     """
+    flat = flat_wire.encode_report(obj, writer, _DTYPE_INDEX, INLINE_MAX_BYTES, INLINE_BUDGET_BYTES)
+    if flat is not None:
+        return memoryview(flat), [], []
     out = _outgoing
     out.writer, out.fds, out.keep_alive, out.slots = writer, [], [], {}
     out.inline_left = INLINE_BUDGET_BYTES
@@ -245,6 +252,10 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -
         TooManyOpenFilesError: mapping a storage failed because this process is out of file
             descriptors (each storage that arrives by descriptor keeps a duplicate of it).
     """
+    if flat_wire.is_flat(payload) and not fds:
+        report, outcome = flat_wire.decode_report(payload, _DTYPES)
+        return report, (NO_INFO if outcome == GrantOutcome.NO_GRANT
+                        else MessageInfo(0, GRANT_OUTCOMES[outcome]))
     incoming = _incoming
     incoming.pool, incoming.fds, incoming.storages, incoming.lease = pool, fds, {}, None
     try:

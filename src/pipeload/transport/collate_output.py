@@ -1,5 +1,8 @@
 """Where ``default_collate`` stacks tensors: inside a worker process, straight into the memory the
 batch will travel in (the granted slab, or a fresh shared buffer), so sending it copies nothing.
+In economic mode the item workers have already written the items where their stack goes (see
+``ItemPlacement``): the stack is then a view of the slab, and only items that could not be placed
+are copied in.
 
 The worker's sender names the writer for the message it is building; small outputs (that travel
 inline anyway) and everything outside a worker process stay in ordinary memory.
@@ -9,11 +12,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from pipeload.transport.codec import INLINE_MAX_BYTES
-from pipeload.transport.slab_writer import SlabWriter
+from pipeload.transport.slab_writer import SlabWriter, in_place
 
 
 class _Current(threading.local):
@@ -26,6 +31,13 @@ _current = _Current()
 def set_writer(writer: SlabWriter | None) -> None:
     """Send this thread's collated tensors to ``writer`` (None: ordinary memory)."""
     _current.writer = writer
+
+
+def copied_into_message() -> bool:
+    """Whether what this thread collates now is copied into a message (a process worker's batch)
+    rather than handed to the caller as it is: then any memory will do, even memory that torch
+    cannot resize (a numpy array's)."""
+    return _current.writer is not None
 
 
 def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -44,3 +56,56 @@ def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | 
     else:
         storage, offset = room
     return torch.empty((0,), dtype=dtype).set_(storage, offset // itemsize, shape)
+
+
+def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The stack of ``parts`` (one tensor per item, same shape and dtype) as a view of the slab
+    where item workers placed them, with any item that is elsewhere copied into its place; None
+    when they were not placed (stack them as usual)."""
+    writer = _current.writer
+    if writer is None or not writer.expects_items:
+        return None
+    first = parts[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device
+           or p.requires_grad for p in parts):
+        return None  # torch.stack decides, and says what is wrong
+    offset = writer.claim_items(parts)
+    storage = writer.slab_storage()
+    if offset is None or storage is None:
+        return None
+    size = first.numel() * first.element_size()
+    stacked = torch.empty((0,), dtype=first.dtype).set_(
+        storage, offset // first.element_size(), (len(parts), *first.shape))
+    base = storage.data_ptr() + offset
+    for i, part in enumerate(parts):
+        if not in_place(part, base + i * size):
+            stacked[i].copy_(part)  # its place is free (claim_items checked)
+    return stacked
+
+
+def note_items(samples: list[Any]) -> None:
+    """Tell the current writer which of its slab's bytes the batch's items view, so that
+    ``stacked_in_place`` never copies an item over another one's bytes. Items it cannot see
+    into (anything but tensors, mappings, sequences and scalars) leave it unknown."""
+    writer = _current.writer
+    if writer is None or not writer.expects_items:
+        return
+    storage = writer.slab_storage()
+    low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    ranges: list[tuple[int, int]] = []
+    writer.occupied = ranges if _walk(samples, low, high, ranges) else None
+
+
+def _walk(value: Any, low: int, high: int, ranges: list[tuple[int, int]]) -> bool:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and low <= value.data_ptr() < high:
+            start = value.untyped_storage().data_ptr()
+            ranges.append((start, start + value.untyped_storage().nbytes()))
+        return True
+    if value is None or isinstance(value, (str, bytes, int, float, bool, complex)):
+        return True
+    if isinstance(value, Mapping):
+        return all(_walk(v, low, high, ranges) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_walk(v, low, high, ranges) for v in value)
+    return False

@@ -24,6 +24,7 @@ Example (two threads standing in for two processes)::
 from __future__ import annotations
 
 import pickle
+import select
 import socket
 import time
 from typing import Any
@@ -76,10 +77,30 @@ class Sender:
             self.sock.settimeout(None)
         return True
 
-    def send(self, obj: Any) -> None:
-        """Encode and send ``obj`` as one message (ends the message begun by :meth:`prepare`)."""
+    def apply_waiting_controls(self) -> None:
+        """Apply the slab controls already waiting on the socket, without waiting for more.
+
+        For a producer that reads what other producers wrote into a slab it was granted (an
+        economic batch worker reading items): the owner sends the controls before the commands
+        that lead to those writes, so they are here by the time such a message arrives.
+        """
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        self.sock.settimeout(CONTROL_WAIT_S)
+        try:
+            while poller.poll(0):
+                payload, fds = receive_message(self.sock)
+                self.writer.apply(pickle.loads(payload), fds)
+        finally:
+            self.sock.settimeout(None)
+
+    def send(self, obj: Any, writer: SlabWriter | None = None) -> None:
+        """Encode and send ``obj`` as one message (ends the message begun by :meth:`prepare`).
+
+        ``writer``: place its tensors with another sender's writer (economic item workers send
+        items on an item link into a slab granted on their result channel)."""
         collate_output.set_writer(None)
-        payload, fds, keep_alive = encode(obj, self.writer)
+        payload, fds, keep_alive = encode(obj, self.writer if writer is None else writer)
         send_message(self.sock, payload, fds)
         del keep_alive  # the descriptors are in the kernel's hands now
 

@@ -7,8 +7,10 @@ pair and its codec. Small tensors ride inside the message; larger ones travel in
 whose descriptor rides along, so an item's bytes never pass through a socket or the main process.
 A worker killed mid-write damages only its own sockets; no lock is shared between processes. A
 batch worker waits on its task pipe and its item sockets in one call, so commands and items reach
-it through a single ``receive``. (No slabs on this hop: grants come with tasks, and the main
-process, not the batch worker, sends the item workers theirs; see docs/design/transport.md.)
+it through a single ``receive``. Once the main process knows an item's size, item workers write
+items straight into the slab of the batch they belong to, each at its place in the stacked batch
+(``ItemPlacement``), and the message names the place; the batch worker reads them there through
+its own mappings of the slabs it was granted.
 
 Thread workers: an item thread puts its deliveries straight into the batch thread's task queue,
 objects as they are.
@@ -19,6 +21,7 @@ would replace what is here and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections import deque
 from multiprocessing import connection
@@ -27,6 +30,7 @@ from typing import Any
 from pipeload.transport.channel import PipeEnd, QueueEnd
 from pipeload.transport.endpoints import Receiver, Sender
 from pipeload.transport.messages import ItemDelivery, WorkerCommand
+from pipeload.transport.slab_writer import SlabWriter
 
 
 class ItemOutbox:
@@ -40,13 +44,36 @@ class ItemOutbox:
         """The socket ends this outbox owns."""
         return self._sockets
 
-    def send(self, batch_worker: int, delivery: ItemDelivery) -> None:
-        """Hand ``delivery`` to ``batch_worker``. Raises BrokenPipeError if that worker is gone."""
-        self._sockets[batch_worker].send(delivery)
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer: SlabWriter | None = None) -> None:
+        """Hand ``delivery`` to ``batch_worker``, its tensors placed by ``writer`` (None: the
+        link's own, which has no slabs). Raises BrokenPipeError if that worker is gone."""
+        if writer is not None and writer.placing and isinstance(delivery.payload, list):
+            # Each item announces itself to the writer as the codec meets it, so that its
+            # storages go to its own places (see ItemPlacement); it arrives as the bare item.
+            marked = [_ItemStart(writer, index, item) for index, item in enumerate(delivery.payload)]
+            delivery = dataclasses.replace(delivery, payload=marked)
+        self._sockets[batch_worker].send(delivery, writer)
 
     def close(self) -> None:
         for end in self._sockets:
             end.close()
+
+
+class _ItemStart:
+    """Pickles as the bare item, telling the slab writer first that its storages come next."""
+
+    __slots__ = ("writer", "index", "item")
+
+    def __init__(self, writer: SlabWriter, index: int, item: Any) -> None:
+        self.writer, self.index, self.item = writer, index, item
+
+    def __reduce__(self) -> Any:
+        self.writer.start_item(self.index)
+        return (_bare, (self.item,))
+
+
+def _bare(item: Any) -> Any:
+    return item
 
 
 class BatchInbox:
@@ -66,6 +93,13 @@ class BatchInbox:
     def links(self) -> list[Receiver]:
         """The item socket ends this inbox owns."""
         return self._items
+
+    def read_slabs_with(self, outbox: Sender) -> None:
+        """Items placed in the slabs granted to this batch worker (on ``outbox``, its result
+        channel) are read through that channel's mappings."""
+        reader = GrantedSlabs(outbox)
+        for end in self._items:
+            end.pool = reader
 
     def receive(self, timeout_s: float) -> WorkerCommand | ItemDelivery | None:
         """The next command or delivery, or None if nothing arrives within ``timeout_s``.
@@ -92,6 +126,25 @@ class BatchInbox:
         self._tasks.close()
         for end in self._items:
             end.close()
+
+
+class GrantedSlabs:
+    """Stands in for a slab pool when a batch worker decodes items: it views the slabs its own
+    result channel has mapped (item workers wrote into the batch's slab, see ItemPlacement)."""
+
+    def __init__(self, outbox: Sender) -> None:
+        self._outbox = outbox
+
+    def open_lease(self, slab_id: int) -> memoryview:
+        # The slab's MAP control was sent before the batch's COLLATE, so before the item workers
+        # were even asked: it is waiting on the result channel, maybe behind the FORGET of an
+        # older slab with the same id, which this process may still have mapped. Apply every
+        # control that is there: none can be about this slab's next use, as it is granted.
+        self._outbox.apply_waiting_controls()
+        view = self._outbox.writer.view(slab_id)
+        if view is None:
+            raise ValueError(f"an item refers to slab {slab_id}, which this batch worker has not mapped")
+        return view
 
 
 class ItemLinks:
@@ -137,7 +190,7 @@ class ThreadItemOutbox:
     def __init__(self, batch_inboxes: list[QueueEnd]) -> None:
         self._inboxes = batch_inboxes
 
-    def send(self, batch_worker: int, delivery: ItemDelivery) -> None:
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer: Any = None) -> None:
         self._inboxes[batch_worker].send(delivery)
 
     def close(self) -> None:

@@ -56,6 +56,31 @@ class ItemRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class ItemPlacement:
+    """Where each item of one batch goes inside the batch's slab (economic mode).
+
+    The items' large tensors ("leaves", in the order the codec meets them) are laid out leaf by
+    leaf, as the stacked batch will be: item ``i``'s leaf ``k`` sits at
+    ``leaf_offsets[k] + i * leaf_bytes[k]``, so a batch worker's stack of them is a view, not a
+    copy. The item area ends at ``area_bytes``; a batch worker puts anything else after it.
+
+    Attributes:
+        leaf_offsets: where each leaf's run of items starts in the slab.
+        leaf_bytes: the size of one item's leaf (items whose sizes differ are not placed).
+        area_bytes: the end of the item area.
+        first_item: for an item worker, the place in the batch of its piece's first item.
+    """
+
+    leaf_offsets: tuple[int, ...]
+    leaf_bytes: tuple[int, ...]
+    area_bytes: int
+    first_item: int = 0
+
+    def __reduce__(self) -> Any:
+        return (ItemPlacement, (self.leaf_offsets, self.leaf_bytes, self.area_bytes, self.first_item))
+
+
+@dataclass(frozen=True, slots=True)
 class SlabGrant:
     """Permission to write one message's tensors into slab ``slab_id``.
 
@@ -65,14 +90,16 @@ class SlabGrant:
             once every batch that viewed it before has been freed by the consumer.
         controls: how many slab controls the producer must have applied first (they travel on
             another channel and may still be in flight when the grant arrives).
+        items: economic mode: where the batch's items go in the slab (None: nowhere special).
     """
 
     slab_id: int
     releases: int
     controls: int
+    items: ItemPlacement | None = None
 
     def __reduce__(self) -> Any:
-        return (SlabGrant, (self.slab_id, self.releases, self.controls))
+        return (SlabGrant, (self.slab_id, self.releases, self.controls, self.items))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +115,27 @@ class WorkerCommand:
     def __reduce__(self) -> Any:
         return (_command, (int(self.command), self.batch_number, self.indices, self.epoch,
                            self.shared_seed, self.route, self.grant))
+
+
+def command_to_wire(command: WorkerCommand) -> Any:
+    """What the task pipe carries for ``command``: a ``FETCH`` as a plain tuple ``(batch_number,
+    indices, grant fields or None)``, which pickles without looking up a single global (the
+    commonest message of all, once per batch); any other command as itself."""
+    if (command.command is not Command.FETCH or command.epoch or command.shared_seed is not None
+            or command.route is not None):
+        return command
+    grant = command.grant
+    fields = None if grant is None else (grant.slab_id, grant.releases, grant.controls)
+    return (command.batch_number, command.indices, fields)
+
+
+def command_from_wire(message: Any) -> WorkerCommand:
+    """The command :func:`command_to_wire` sent."""
+    if type(message) is not tuple:
+        return message
+    number, indices, fields = message
+    return WorkerCommand(Command.FETCH, number, indices,
+                         grant=None if fields is None else SlabGrant(*fields))
 
 
 def _command(command: int, batch_number: int, indices: Any, epoch: int, shared_seed: int | None,
@@ -123,8 +171,9 @@ class Report(enum.IntEnum):
     EPOCH_STARTED = 4
     """Acknowledges ``START_EPOCH`` for epoch ``batch_number``; earlier reports are all sent."""
     ITEMS_DONE = 5
-    """Economic mode: an item worker has handed over (or failed) ``payload`` items of batch
-    ``batch_number``; the main process counts them off that worker's load."""
+    """Economic mode: an item worker has handed over (or failed) a piece of batch
+    ``batch_number``; the main process counts it off that worker's load. ``payload`` is an
+    :class:`ItemsDone`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +203,24 @@ class WorkerReport:
 def _report(report: int, worker_id: int, batch_number: int, payload: Any, totals: Any,
             build_s: float, setup_s: float) -> WorkerReport:
     return WorkerReport(_REPORTS[report], worker_id, batch_number, payload, totals, build_s, setup_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ItemsDone:
+    """What an item worker says about a piece it handed over (economic mode).
+
+    Attributes:
+        count: how many items the piece held.
+        item_bytes: the sizes of one item's large tensors, in the order the codec met them,
+            when every item of the piece had the same ones (None otherwise, or unchanged since
+            this worker last said): the main process lays out later batches' slabs from it.
+    """
+
+    count: int
+    item_bytes: tuple[int, ...] | None = None
+
+    def __reduce__(self) -> Any:
+        return (ItemsDone, (self.count, self.item_bytes))
 
 
 class SlabControlKind(enum.IntEnum):

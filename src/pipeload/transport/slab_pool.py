@@ -54,7 +54,8 @@ class _Slab:
     """
 
     __slots__ = ("slab_id", "size", "fd", "mapping", "array", "pinned_address", "leases_made",
-                 "granted_to", "granted_producer", "lease_token", "mapped_by", "retired", "__weakref__")
+                 "granted_to", "granted_producer", "granted_releases", "lease_token", "mapped_by",
+                 "retired", "__weakref__")
 
     def __init__(self, slab_id: int, size: int) -> None:
         self.slab_id = slab_id
@@ -67,6 +68,7 @@ class _Slab:
         self.leases_made = 0
         self.granted_to: int | None = None  # the token (batch number) of the outstanding grant
         self.granted_producer = -1
+        self.granted_releases = 0  # the board count its outstanding grant names
         self.lease_token: int | None = None  # the token of the batch that last viewed it
         self.mapped_by: set[int] = set()
         self.retired = False
@@ -164,10 +166,31 @@ class SlabPool:
         self.settle(token, GrantOutcome.UNUSED)  # a token is granted once; never leak a slab
         slab.granted_to = token
         slab.granted_producer = producer
+        slab.granted_releases = releases
         self._grants[token] = slab
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
         return SlabGrant(slab.slab_id, releases, self.controls_queued.get(producer, 0))
+
+    def share_grant(self, token: int, producer: int) -> tuple[SlabGrant, int] | None:
+        """Let ``producer`` write into the slab granted for message ``token`` too, and its size;
+        None if ``token`` holds no grant.
+
+        Economic mode's item workers write their items straight into the batch's slab, each in
+        its own place (see ``ItemPlacement``); only the first grantee's answer settles the grant.
+        """
+        slab = self._grants.get(token)
+        if slab is None or self._closed:
+            return None
+        if producer not in slab.mapped_by:
+            self._announce(producer, slab)
+        controls = self.controls_queued.get(producer, 0)
+        return SlabGrant(slab.slab_id, slab.granted_releases, controls), slab.size
+
+    def granted_size(self, token: int) -> int:
+        """The size of the slab granted for message ``token`` (0: none)."""
+        slab = self._grants.get(token)
+        return 0 if slab is None else slab.size
 
     def would_need_fresh_memory(self) -> bool:
         """Whether the next grant would have to map new pages for a large batch (a new slab, or

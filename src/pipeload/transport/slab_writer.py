@@ -21,7 +21,13 @@ import time
 import numpy as np
 import torch
 
-from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
+from pipeload.transport.messages import (
+    GrantOutcome,
+    ItemPlacement,
+    SlabControl,
+    SlabControlKind,
+    SlabGrant,
+)
 from pipeload.transport.shared_memory import create_buffer
 
 RELEASE_WAIT_S = 0.1
@@ -32,16 +38,21 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _MappedSlab:
-    __slots__ = ("slab_id", "size", "storage", "baseline_uses")
+    __slots__ = ("slab_id", "size", "mapping", "storage", "baseline_uses")
 
     def __init__(self, slab_id: int, size: int, fd: int) -> None:
         self.slab_id = slab_id
         self.size = size
         # Populated at once: the producer writes the whole slab anyway, and one kernel loop is
         # cheaper than a fault per page.
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        self.mapping = mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
         self.storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
         self.baseline_uses = _uses(self.storage)
+
+
+def in_place(part: torch.Tensor, address: int) -> bool:
+    """Whether ``part`` lies, contiguous, at ``address`` (an item at its place in the slab)."""
+    return part.data_ptr() == address and part.is_contiguous()
 
 
 def one_shot_storage(nbytes: int) -> torch.UntypedStorage:
@@ -91,6 +102,12 @@ class SlabWriter:
         self.used_bytes = 0
         self.one_shot_bytes = 0
         self.setup_s = 0.0
+        self._placing: _ItemCursor | None = None
+        self._claimed: set[int] = set()
+        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown).
+        self.occupied: list[tuple[int, int]] | None = None
+        self.large_sizes: list[int] = []  # of the storages the current message asked room for
+        self.last_large_sizes: list[int] = []  # the same, for the message finished last
 
     # -- controls from the owner -------------------------------------------------------
 
@@ -119,14 +136,48 @@ class SlabWriter:
         self._slab = None if grant is None else self._slabs.get(grant.slab_id)
         self._checked = False
         self._outcome = GrantOutcome.NO_GRANT if grant is None else GrantOutcome.UNUSED
-        self.used_bytes = 0
+        # A batch worker's own outputs go after the item area its item workers fill.
+        self.used_bytes = 0 if grant is None or grant.items is None else grant.items.area_bytes
         self.one_shot_bytes = 0
+        self._placing = None
+        self._claimed = set()
+        self.occupied = None
+        self.large_sizes = []
+
+    @property
+    def placing(self) -> bool:
+        """Whether this message's items are being placed (see ``place_items``)."""
+        return self._placing is not None
+
+    def start_item(self, index: int) -> None:
+        """The codec is about to meet the storages of the piece's ``index``-th item."""
+        if self._placing is not None:
+            self._placing.start_item(index)
+
+    def place_items(self) -> None:
+        """This message carries items of a batch (an economic item worker's piece): each large
+        storage goes to its own place in the item area (the grant's ``items``), in codec order."""
+        grant = self._grant
+        if grant is not None and grant.items is not None:
+            self._placing = _ItemCursor(grant.items)
+            self.used_bytes = 0
 
     def allocate(self, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
         """Room for ``nbytes`` in the granted slab: (its storage, byte offset), or None."""
+        self.large_sizes.append(nbytes)
         slab = self._slab
         if slab is None:
             return None
+        if self._placing is not None:
+            offset = self._placing.next_offset(nbytes)
+            if offset is None or offset + nbytes > slab.size:
+                return None
+            if not self._checked and not self._may_write(slab):
+                self._slab = None
+                return None
+            self._outcome = GrantOutcome.USED
+            self.used_bytes = max(self.used_bytes, offset + nbytes)
+            return slab.storage, offset
         if not self._checked and not self._may_write(slab):
             self._slab = None
             return None
@@ -158,6 +209,57 @@ class SlabWriter:
             time.sleep(RELEASE_POLL_S)
         return True
 
+    @property
+    def expects_items(self) -> bool:
+        """Whether item workers may have placed this message's items in its slab."""
+        return self._slab is not None and self._grant is not None and self._grant.items is not None
+
+    def claim_items(self, parts: list[torch.Tensor]) -> int | None:
+        """The byte offset of the leaf run in the item area where ``parts`` (one tensor per item
+        of the batch, in order) already sit, at least one of them; None if none does, or if a
+        part that is elsewhere could not be copied into its place without writing over bytes
+        that some item still views (``occupied``). A run is claimed once per message: its
+        stacked view is then the batch's tensor."""
+        slab, grant = self._slab, self._grant
+        if slab is None or grant is None or grant.items is None or not parts:
+            return None
+        items = grant.items
+        nbytes = parts[0].numel() * parts[0].element_size()
+        base = slab.storage.data_ptr()
+        for leaf, (start, size) in enumerate(zip(items.leaf_offsets, items.leaf_bytes)):
+            if (size != nbytes or leaf in self._claimed
+                    or start + len(parts) * size > items.area_bytes):
+                continue
+            missing = [i for i, part in enumerate(parts)
+                       if not in_place(part, base + start + i * size)]
+            if len(missing) == len(parts):
+                continue
+            if missing and not self._free(base + start, size, missing):
+                return None
+            if not self._checked and not self._may_write(slab):
+                self._slab = None
+                return None
+            self._claimed.add(leaf)
+            self._outcome = GrantOutcome.USED
+            return start
+        return None
+
+    def _free(self, run: int, size: int, places: list[int]) -> bool:
+        occupied = self.occupied
+        if occupied is None:
+            return False
+        return not any(low < run + (i + 1) * size and run + i * size < high
+                       for i in places for low, high in occupied)
+
+    def slab_storage(self) -> torch.UntypedStorage | None:
+        """The granted slab's storage while this message may write into it."""
+        return self._slab.storage if self._slab is not None else None
+
+    def view(self, slab_id: int) -> memoryview | None:
+        """All of mapped slab ``slab_id``, for reading what another producer wrote into it."""
+        slab = self._slabs.get(slab_id)
+        return None if slab is None else memoryview(slab.mapping)
+
     def owns(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` is the slab granted for this message (after a write into it)."""
         slab = self._slab
@@ -178,10 +280,44 @@ class SlabWriter:
 
     def finish(self) -> tuple[int, GrantOutcome]:
         """End the message; returns the bytes it put in shared memory and what became of its grant."""
-        result = (self.used_bytes + self.one_shot_bytes, self._outcome)
+        used = self.used_bytes if self._outcome is GrantOutcome.USED else 0
+        result = (used + self.one_shot_bytes, self._outcome)
+        sizes = self.large_sizes
         self.begin(None)
+        self.last_large_sizes = sizes
         return result
 
     def close(self) -> None:
         self._slabs.clear()
         self._board = None
+
+
+class _ItemCursor:
+    """Where an item worker's next large storage goes. The codec meets a piece's items one by
+    one (``start_item``, see item_links.py) and each item's storages in order: the k-th one of
+    item i is leaf k, placed at ``leaf_offsets[k] + (first_item + i) * leaf_bytes[k]``. A storage
+    the layout has no room for (a size that differs, one leaf too many) stops placing for the
+    rest of the message, whose storages go to fresh memory: an item is only ever written into
+    its own places, never over another item's."""
+
+    def __init__(self, items: ItemPlacement) -> None:
+        self._items = items
+        self._item: int | None = None
+        self._leaf = 0
+        self._stopped = False
+
+    def start_item(self, index: int) -> None:
+        self._item, self._leaf = index, 0
+
+    def next_offset(self, nbytes: int) -> int | None:
+        items, item, leaf = self._items, self._item, self._leaf
+        self._leaf += 1
+        if (self._stopped or item is None or leaf >= len(items.leaf_bytes)
+                or nbytes != items.leaf_bytes[leaf]):
+            self._stopped = True
+            return None
+        offset = items.leaf_offsets[leaf] + (items.first_item + item) * nbytes
+        if offset + nbytes > items.area_bytes:
+            self._stopped = True
+            return None
+        return offset
