@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -41,12 +40,12 @@ from bench.memory import (
     tree_pss_bytes,
     tree_shared_memory_bytes,
 )
+# The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
+from pipeload.cli.measure import SAMPLE_INTERVAL_S, shm_used_bytes, tree_rss_bytes
 
-SAMPLE_INTERVAL_S = 0.05
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
 PSS_EVERY = 10
 CHILD_EXIT_WAIT_S = 5.0
-SHM_PATH = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -179,29 +178,6 @@ def _sample_until_stopped(
             return
         tick += 1
         stop.wait(interval_s)
-
-
-def tree_rss_bytes(root: psutil.Process) -> int:
-    """Resident memory of ``root`` plus every live descendant, in bytes."""
-    try:
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass  # a worker that exited between listing and reading
-    return total
-
-
-def shm_used_bytes() -> int:
-    """Bytes in use on ``/dev/shm``; 0 where there is no such file system."""
-    try:
-        return shutil.disk_usage(SHM_PATH).used
-    except OSError:
-        return 0
 
 
 def measure(

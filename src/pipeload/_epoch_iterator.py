@@ -43,7 +43,7 @@ class _EpochIterator:
         self._dataset = loader.dataset
         self._yielded = 0
         self._ended = False
-        self._stats = loader._stats
+        self._stats = loader._stats.consumer if loader._stats is not None else None
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
 
     def __iter__(self) -> _EpochIterator:
@@ -51,7 +51,11 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         stats = self._stats  # times the wait for data; holds no engine, so the frame may keep it
-        asked = stats.asking() if stats is not None else 0.0
+        asked = 0.0
+        if stats is not None:  # one batch in several is timed: see stats/recorder.py
+            stats.left -= 1
+            if stats.left <= 0:
+                asked = stats.asking()
         try:
             if profiling():  # a span as torch's loader records for its __next__
                 with span("pipeload.DataLoader.__next__"):
@@ -77,7 +81,7 @@ class _EpochIterator:
             self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
             del self
             raise
-        if stats is not None:
+        if asked:
             stats.handed(asked)
         batch = self._progress.handed_out(batch)
         self._yielded += 1

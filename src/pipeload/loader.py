@@ -70,8 +70,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             workers collate them, and ``prefetch_factor`` counts the batches in flight across
             all workers, so memory does not grow with ``num_workers``. Map-style datasets only.
         num_batch_workers: economic mode's batch workers (default: ``prefetch_factor``).
-        stats: count and time every stage for :meth:`stats` (on by default: about a microsecond
-            per batch, under 1% once a batch takes a millisecond). False turns it off.
+        stats: count every batch and time a sample of them for :meth:`stats` (on by default:
+            a countdown per batch, the timing about one batch in 32). False turns it off.
         max_shm_bytes: the most shared memory (bytes) process workers' batches in flight and
             reusable slabs may take; None (the default) allows half of what the memory behind
             them can still take. Batches larger than it still load, one at a time.
@@ -193,7 +193,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
         self._checked_graph_sharding = False
-        self._stats = StatsRecorder(self._stats_setup()) if stats else None
+        # "auto" judges each window of batches by the loop's waits: it times every one.
+        self._stats = StatsRecorder(self._stats_setup(), time_every_batch=any(auto)) if stats else None
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._tuner: AutoTuner | None = None
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session

@@ -4,8 +4,8 @@ A background thread samples, every ``SAMPLE_INTERVAL_S``, the resident memory of
 and all its descendants (RSS summed over the tree: pages shared between processes count once
 per process, an upper bound that is fair between loaders measured alike) and how much of
 ``/dev/shm`` is in use (machine-wide: others writing there show up as noise). The source
-checkout's ``bench/measure.py`` goes further (PSS, memfd segments); this is the installed
-command's light version.
+checkout's ``bench/measure.py`` goes further (PSS, memfd segments) on the same readings, which
+it takes from here.
 """
 
 from __future__ import annotations
@@ -41,10 +41,28 @@ class Run:
 
 
 def shm_used_bytes() -> int:
+    """Bytes in use on ``/dev/shm``; 0 where there is no such file system."""
     try:
         return shutil.disk_usage(SHM_PATH).used
     except OSError:
         return 0
+
+
+def tree_rss_bytes(root: Any) -> int:
+    """Resident memory of ``root`` (a ``psutil.Process``) plus every live descendant, in bytes."""
+    import psutil  # the `bench` extra
+
+    try:
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            pass  # a worker that exited between listing and reading
+    return total
 
 
 class PeakSampler:
@@ -77,19 +95,8 @@ class PeakSampler:
 
 
 def _sample(root: Any, shm_baseline: int, peaks: dict[str, int], stop: threading.Event) -> None:
-    import psutil
-
     while True:
-        rss = 0
-        try:
-            for process in [root, *root.children(recursive=True)]:
-                try:
-                    rss += process.memory_info().rss
-                except psutil.Error:
-                    continue  # a worker that just exited
-        except psutil.Error:
-            pass
-        peaks["rss"] = max(peaks["rss"], rss)
+        peaks["rss"] = max(peaks["rss"], tree_rss_bytes(root))
         peaks["shm"] = max(peaks["shm"], shm_used_bytes() - shm_baseline)
         if stop.wait(SAMPLE_INTERVAL_S):
             return

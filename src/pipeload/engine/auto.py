@@ -115,7 +115,7 @@ class AutoEngine:
                 self._draining.close()
                 self._draining = None
         batch = self._from(self._current)
-        wanted = self._tuner.observe() or self._waiting
+        wanted = self._tuner.observe(self._current.workers) or self._waiting
         if wanted is not None:
             self._switch(wanted)
         return batch

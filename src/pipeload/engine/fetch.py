@@ -2,7 +2,8 @@
 
 Shared by the inline engine and the workers, so every engine fetches the same way. With a
 :class:`~pipeload.stats.clock.StageClock` a fetcher times the dataset and ``collate_fn`` apart
-(and opens profiler spans for them while a torch profiler runs); without one it only fetches.
+(and opens profiler spans for them while a torch profiler runs) on the tasks the clock samples,
+and only counts samples on the others; without one it only fetches.
 With per-batch seeding (``engine/batch_seeding.py``) it seeds the generators before each batch;
 an iterable replica also reports its position with every batch (``StreamBatch``) and resumes
 from one, which is how the loader checkpoints iterable datasets (``pipeload/resume``).
@@ -13,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import torch.autograd.profiler as _torch_profiler
 
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
@@ -67,24 +70,45 @@ class MapFetcher:
             return self._fetch(index)
 
     def _fetch(self, index: Any) -> Any:
-        spec = self._spec
         clock = self._clock
-        if clock is not None:
-            take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
-            if profiling():
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation)
-            # The common case, kept lean: a tiny batch's whole trip takes tens of microseconds.
-            started = now()
-            samples = take()
-            fetched = now()
-            clock.fetch_s += fetched - started
+        if clock is not None:  # count down to the next timed task (stats/clock.py)
+            clock.left -= 1
+            # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
+            if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
+                return self._timed(clock, index)
+            # Untimed: no closures, no clock reads; only the samples are counted.
+            spec = self._spec
+            if not spec.auto_collation:
+                clock.samples += 1
+                return spec.collate_fn(spec.dataset[index])
+            samples = self.samples(index)
             clock.samples += len(samples)
-            batch = spec.collate_fn(samples if spec.auto_collation else samples[0])
-            clock.collate_s += now() - fetched
-            return batch
+            return spec.collate_fn(samples)
+        spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
+
+    def _timed(self, clock: StageClock, index: Any) -> Any:
+        timed = clock.left <= 0
+        if timed:
+            clock.start_timed()
+        spec = self._spec
+        if _torch_profiler._is_profiler_enabled:
+            take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
+            return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, timed)
+        # A timed task without a profiler, kept lean: no closures, three clock reads.
+        started = now()
+        try:
+            samples = self.samples(index) if spec.auto_collation else [spec.dataset[index]]
+        finally:
+            fetched = now()
+            clock.fetch_s += fetched - started
+        clock.samples += len(samples)
+        try:
+            return spec.collate_fn(samples if spec.auto_collation else samples[0])
+        finally:
+            clock.collate_s += now() - fetched
 
     def samples(self, indices: list[Any]) -> list[Any]:
         """The samples at ``indices``, uncollated (economic mode's item workers stop here)."""
@@ -156,9 +180,17 @@ class IterableFetcher:
                 if not samples or (spec.drop_last and len(samples) < len(index)):
                     raise DatasetExhausted
                 return samples
-        if self._clock is not None:
-            return _traced(self._clock, take, spec.collate_fn, spec.auto_collation, profiling())
+        clock = self._clock
+        if clock is not None:  # count down to the next timed task (stats/clock.py)
+            clock.left -= 1
+            if clock.left <= 0:
+                clock.start_timed()
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True)
+            if profiling():
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False)
         samples = take()
+        if clock is not None:
+            clock.samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
 
     def _state(self) -> Any:
@@ -194,9 +226,10 @@ class IterableFetcher:
 
 
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
-            auto_collation: bool, traced: bool = True) -> Any:
-    """``collate_fn`` over what ``take`` returns, each timed into ``clock``, and each in a
-    profiler span when ``traced``. Time spent in a call that raised counts too."""
+            auto_collation: bool, traced: bool, timing: bool) -> Any:
+    """``collate_fn`` over what ``take`` returns, each in a profiler span when ``traced``, and
+    each timed into ``clock`` when ``timing`` (the clock samples this task). Time spent in a
+    call that raised counts too."""
     started = now()
     try:
         if traced:
@@ -206,7 +239,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
             samples = take()
     finally:
         fetched = now()
-        clock.fetch_s += fetched - started
+        if timing:
+            clock.fetch_s += fetched - started
     clock.samples += len(samples)
     try:
         if traced:
@@ -214,7 +248,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
                 return collate_fn(samples if auto_collation else samples[0])
         return collate_fn(samples if auto_collation else samples[0])
     finally:
-        clock.collate_s += now() - fetched
+        if timing:
+            clock.collate_s += now() - fetched
 
 
 def _resumed_iterator(dataset: Any, state: Any) -> Any:

@@ -67,8 +67,6 @@ class InlineEngine:
             batch = self._fetcher.fetch(index, number)
         except DatasetExhausted:
             raise StopIteration from None
-        if self._clock is not None:
-            self._clock.tasks += 1
         return batch
 
     def close(self) -> None:

@@ -50,6 +50,11 @@ class ThreadWorkerHandle:
         self.sentinel = None
 
     @property
+    def thread_id(self) -> int | None:
+        """The kernel's id of the thread (``/proc/self/task/ID``), to read its CPU time."""
+        return self._thread.native_id
+
+    @property
     def exitcode(self) -> int | None:
         return None if self._thread.is_alive() else 0
 

@@ -205,8 +205,11 @@ class PoolEngine:
             self._top_up()
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
-        if self._stats is not None:
-            self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        stats = self._stats
+        if stats is not None:
+            stats.skip -= 1
+            if stats.skip <= 0:  # occupancy is sampled: see SessionStats.handing_out
+                stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
         slabs = self._workers.slabs
         if slabs is not None:
             slabs.handed_out(report.batch_number)

@@ -32,7 +32,7 @@ from pipeload.engine.worker_info import (
     set_worker_info,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
-from pipeload.stats.clock import StageClock, now
+from pipeload.stats.clock import SAMPLE_EVERY, StageClock, now
 from pipeload.stats.skips import skip_counter
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
@@ -76,7 +76,9 @@ class WorkerLoop:
         self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
-        self._clock = StageClock() if setup.stats else None
+        # A classic worker times one task in SAMPLE_EVERY (stats/clock.py); economic mode's
+        # workers, whose pieces cost far more than the timing, time them all.
+        self._clock = StageClock(SAMPLE_EVERY if self.kind == "" else 1) if setup.stats else None
         self._epoch = setup.first_epoch
 
     def run(self) -> None:
@@ -187,10 +189,11 @@ class WorkerLoop:
 
     def _report(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
                 setup_s: float = 0.0) -> None:
-        """Send a report; with stats on, it carries this worker's totals, this task counted.
+        """Send a report; with stats on, a timed task's (or a failure's) carries this worker's
+        totals, this task counted (the others go without: stats/clock.py).
         ``build_s`` and ``setup_s`` feed the pool's in-flight budget (see engine/budget.py)."""
         clock = self._clock
-        if clock is None:
+        if clock is None or (not clock.timing and report is Report.BATCH):
             self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s))
             return
         started = now()

@@ -1,9 +1,10 @@
 """Where a worker (or the main process, without workers) times its own stages.
 
 A :class:`StageClock` belongs to the one thread that fetches and collates: no locks. It keeps
-running totals, and every report a worker sends carries :meth:`StageClock.snapshot`, a plain
-tuple of those totals (a few dozen bytes to pickle), so the main process only ever keeps the
-latest one per worker and a lost or reordered report cannot make a count wrong.
+running totals; it times about one task in ``SAMPLE_EVERY`` (after all of the first
+``TIME_ALL_FIRST``), and that task's report carries :meth:`StageClock.snapshot`, a plain tuple
+of the totals (a few dozen bytes to pickle), so the main process keeps only the latest one per
+worker and counts the reports that came without (docs/design/stats.md).
 
 Spans for ``torch.profiler`` (``record_function``) are entered only while a profiler runs:
 torch keeps a module flag for exactly this cheap check, and entering a span costs tens of
@@ -13,6 +14,9 @@ microseconds, more than a tiny batch's whole trip.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import random
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -71,6 +75,33 @@ def read_sched() -> tuple[float, float]:
         return time.thread_time(), 0.0  # no scheduler counters: CPU time alone
 
 
+def running_s(workers: list[Any]) -> float:
+    """Seconds the workers' threads were on a CPU or ready and queued for one (a crowded
+    machine queues computing threads; threads that wait for I/O are in neither), summed.
+    ``workers``: process handles (every thread of the process), or thread handles with a
+    ``thread_id``. Workers that are gone count nothing."""
+    total = 0
+    for handle in workers:
+        thread_id = getattr(handle, "thread_id", None)
+        paths = ([f"/proc/self/task/{thread_id}/schedstat"] if thread_id is not None else
+                 [f"{task}/schedstat" for task in _tasks(handle.pid)])
+        for path in paths:
+            try:
+                with open(path, "rb") as file:
+                    on_cpu, queued, _ = file.read().split()
+                total += int(on_cpu) + int(queued)
+            except (OSError, ValueError):
+                pass  # ended meanwhile, or no scheduler counters
+    return total / 1e9
+
+
+def _tasks(pid: int | None) -> list[str]:
+    try:
+        return [f"/proc/{pid}/task/{tid}" for tid in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, TypeError):
+        return []
+
+
 def profiling() -> bool:
     """True while a torch profiler records in this process (a module flag: no dispatcher call)."""
     return _torch_profiler._is_profiler_enabled  # torch keeps it for exactly this kind of check
@@ -83,26 +114,68 @@ def span(name: str) -> Iterator[None]:
         yield
 
 
+SAMPLE_EVERY = 32  # a worker times one task in this many, on average: see StageClock
+TIME_ALL_FIRST = 64  # ... after timing all of its first ones: a short run's figures stay exact
+
+
+def gaps(every: int) -> Iterator[int]:
+    """Tasks from one timed task to the next: 1 to ``2 * every - 1`` in a shuffled, repeating
+    order, so they average ``every`` and no periodic pattern of the work (round robin over
+    workers, a dataset's period) lines up with the sampling."""
+    order = list(range(1, 2 * every)) or [1]
+    random.Random(0x5A5A).shuffle(order)
+    return itertools.cycle(order)
+
+
 class StageClock:
     """Running totals of one fetching thread; see the module docstring.
+
+    Two ways to count. ``every=1`` (economic mode's workers, whose pieces cost far more than
+    the timing): the worker times every task, and :meth:`finished` counts each one. ``every=N``
+    (classic workers, the inline engine): the fetcher (``engine/fetch.py``) counts tasks down
+    ``left`` and calls :meth:`start_timed` for each of its first ``TIME_ALL_FIRST`` tasks, then
+    for about one task in N, which it then times; the
+    others cost it a subtraction, a comparison and the samples' count. ``timing`` says whether
+    the task in hand is timed: only its tensor bytes are counted and only its report carries
+    the totals (the main process counts the reports that come without, ``stats/recorder.py``).
+    :meth:`snapshot` scales the timed tasks' sums to all tasks; counts are exact.
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
-    __slots__ = ("started_at", "tasks", "samples", "fetch_s", "collate_s", "send_s", "bytes_out",
-                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped")
+    __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
+                 "left", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
+                 "_sched", "_sched_read_at", "count_skipped", "_skipped")
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
         self._skipped = 0
-        self.tasks = 0
         self.samples = 0
-        self.fetch_s = 0.0
+        self.fetch_s = 0.0  # these four: sums over the timed tasks only
         self.collate_s = 0.0
         self.send_s = 0.0
         self.bytes_out = 0
+        self._every = every
+        self.timing = every == 1
+        self.left = 0  # tasks until the next timed one (every > 1): the first task is timed
+        self._counted = 0  # tasks up to the latest timed one, that one included
+        self._gap = 0
+        self._timed = 0
+        self._gaps = gaps(every)
+
+    @property
+    def tasks(self) -> int:
+        """Tasks finished (or failed) so far."""
+        return self._counted - self.left + (0 if self._every == 1 else self._gap)
+
+    def start_timed(self) -> None:
+        """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
+        self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
+        self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
+        self._timed += 1
+        self.timing = True
 
     def snapshot(self) -> tuple[Any, ...]:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
@@ -111,16 +184,23 @@ class StageClock:
             self._sched, self._sched_read_at = read_sched(), at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()
-        return (self.tasks, self.samples, self.fetch_s, self.collate_s, self.send_s,
-                self.bytes_out, self.started_at, self._sched[0] - self._sched_at_start[0],
-                self._sched[1] - self._sched_at_start[1], self._skipped)
+        tasks = self.tasks
+        scale = tasks / self._timed if self._every > 1 and self._timed else 1.0
+        return (tasks, self.samples, self.fetch_s * scale, self.collate_s * scale,
+                self.send_s * scale, round(self.bytes_out * scale), self.started_at,
+                self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
+                self._skipped)
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
-        """Count a finished task (and the tensor bytes of ``result``); returns the totals its
-        report carries."""
-        self.tasks += 1
-        if result is not None:
+        """The task in hand is done and its report carries the totals (returned): count its
+        tensor bytes (``result``: the batch, if any) when it was timed, and, with ``every=1``,
+        the task itself."""
+        if self.timing and result is not None:
             self.bytes_out += tensor_bytes(result)
+        if self._every == 1:
+            self._counted += 1
+        else:
+            self.timing = False
         return self.snapshot()
 
     def sent(self, started: float) -> None:

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeload.stats.clock import StageClock, WorkerTotals, now
+from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals, gaps, now
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
+from pipeload.transport.messages import Report
+
+
+_EPOCH_STARTED = Report.EPOCH_STARTED  # a module name: one lookup per report, not two
 
 
 def usable_cpus() -> int:
@@ -46,18 +51,94 @@ class _Queue:
     capacity: int = 0
 
 
-@dataclass
 class _Consumer:
-    """The training loop's side: written by the thread that iterates the loader."""
+    """The training loop's side, written by the thread that iterates the loader.
 
-    batches: int = 0
-    wait_s: float = 0.0
-    first_wait_s: float = 0.0
-    compute_s: float = 0.0
-    epochs: int = 0
-    first_batch_s: float = 0.0
-    epoch_started_at: float | None = None
-    last_handed_at: float | None = None
+    The loader's epoch iterator counts batches down ``left`` itself and calls :meth:`asking`
+    and :meth:`handed` only for timed batches: an untimed one costs a subtraction and a
+    comparison. Timed are each epoch's first batch (start-up, kept apart), every batch of the
+    loader's first ``TIME_ALL_FIRST``, then about one pair of batches in ``2 * every`` (all of
+    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows): the first of a pair times the wait for it, the second
+    also the loop's own work since the first was handed out. Batches are counted exactly from
+    the countdown; the timed waits and work are scaled to all steady batches.
+    """
+
+    def __init__(self, every: int = SAMPLE_EVERY) -> None:
+        self.left = 0
+        self.epochs = 0
+        self.first_wait_s = 0.0
+        self.first_batch_s = 0.0
+        self._counted = 0  # batches asked for up to the latest timed one, that one included
+        self._gap = 0
+        self._not_handed = 0  # asked for, and ended in StopIteration or an error instead
+        self._firsts = 0
+        self._wait_s = 0.0  # over the timed steady batches
+        self._waits = 0
+        self._compute_s = 0.0  # over the second batches of the timed pairs
+        self._computes = 0
+        self._end_wait_s = 0.0
+        self._second = False  # the next timed batch is a pair's second
+        self._epoch_started_at: float | None = None
+        self._last_handed_at = 0.0
+        self._gaps = gaps(2 * every - 1)  # every=1: every batch is timed
+
+    @property
+    def batches(self) -> int:
+        return self._counted + self._gap - self.left - self._not_handed
+
+    def epoch_started(self) -> None:
+        self.epochs += 1
+        self._next_timed(0)  # the epoch's first batch
+        self._second = False
+        self._epoch_started_at = now()
+
+    def _next_timed(self, gap: int) -> None:
+        self._counted += self._gap - self.left
+        self._gap = self.left = gap
+
+    def asking(self) -> float:
+        """The countdown reached this batch (``left <= 0``); returns when it was asked for."""
+        asked = now()
+        if self._second:
+            self._compute_s += asked - self._last_handed_at
+            self._computes += 1
+            self._second = False
+            self._next_timed(next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1)
+        else:
+            self._second = True
+            self._next_timed(1)
+        return asked
+
+    def handed(self, asked: float) -> None:
+        """The timed batch asked for at ``asked`` is handed over now."""
+        handed = self._last_handed_at = now()
+        if self._epoch_started_at is None:
+            self._wait_s += handed - asked
+            self._waits += 1
+        else:  # an epoch's first batch: start-up, kept apart from the steady waiting
+            self.first_wait_s += handed - asked
+            self.first_batch_s = handed - self._epoch_started_at
+            self._epoch_started_at = None
+            self._firsts += 1
+
+    def ended(self, asked: float) -> None:
+        """The batch asked for (at ``asked``; 0.0: untimed) ended in StopIteration or an error."""
+        self._not_handed += 1
+        self._second = False  # no batch was handed out to time the loop's work from
+        if asked:
+            self._end_wait_s += now() - asked
+
+    def _steady(self) -> int:
+        return max(0, self.batches - self._firsts)
+
+    def wait_estimate(self) -> float:
+        """Seconds the loop waited for its steady batches (scaled from the timed ones)."""
+        scaled = self._wait_s * self._steady() / self._waits if self._waits else 0.0
+        return scaled + self._end_wait_s
+
+    def compute_estimate(self) -> float:
+        """Seconds the loop spent on its own work before its steady batches (scaled likewise)."""
+        return self._compute_s * self._steady() / self._computes if self._computes else 0.0
 
 
 class SessionStats:
@@ -75,27 +156,40 @@ class SessionStats:
         self._session = session
         self._kinds = kinds or {}
         self._default_kind = "batch" if kinds else ""
+        self._lag: dict[int, int] = recorder._lags.setdefault(session, defaultdict(int))
+        self._gaps = gaps(SAMPLE_EVERY)
+        self.skip = 0  # hand-outs until the queue is looked at again: see handing_out
 
     def local_clock(self) -> StageClock:
         """A clock for fetching in the main process (no workers); read at every snapshot."""
-        clock = StageClock()
+        clock = StageClock(SAMPLE_EVERY)
         self._seen[(self._session, "main", 0)] = (clock, None)
         return clock
 
     def record(self, reports: Iterable[Any]) -> None:
-        """Keep the latest totals each report carries (reports without any are skipped)."""
+        """Keep the latest totals the reports carry; count, per worker, the tasks reported
+        since without them (a classic worker sends its totals with one task in SAMPLE_EVERY)."""
         arrived = None
+        lag = self._lag
         for report in reports:
             totals = report.totals
-            if totals is not None:
-                arrived = arrived or now()
-                # Hashing an IntEnum member runs Python code: skip it when there is one kind.
-                kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
-                self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
+            if totals is None:
+                if report.report is not _EPOCH_STARTED:  # the only report that is no task
+                    lag[report.worker_id] += 1
+                continue
+            arrived = arrived or now()
+            # Hashing an IntEnum member runs Python code: skip it when there is one kind.
+            kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
+            self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
+            if not self._kinds:
+                lag[report.worker_id] = 0
 
     def handing_out(self, ready: int, in_flight: int) -> None:
         """A batch is being handed out; ``ready`` more are waiting, ``in_flight`` are sent and
-        not yet handed out (this one excluded)."""
+        not yet handed out (this one excluded). The pool calls it when ``skip`` has counted
+        down to 0 (about one hand-out in SAMPLE_EVERY: occupancy is a sampled mean and
+        maximum); economic mode, whose batches cost far more, at every hand-out."""
+        self.skip = next(self._gaps)
         queue = self._queue
         queue.samples += 1
         queue.ready_sum += ready
@@ -127,12 +221,13 @@ class StatsRecorder:
     only grow, so keeping the latest is keeping everything.
     """
 
-    def __init__(self, setup: LoaderSetup) -> None:
+    def __init__(self, setup: LoaderSetup, time_every_batch: bool = False) -> None:
         self.setup = setup
         self._seen: dict[tuple[int, str, int], tuple[Any, float | None]] = {}
         self._queue = _Queue()
-        self._consumer = _Consumer()
+        self._consumer = _Consumer(1 if time_every_batch else SAMPLE_EVERY)
         self._sessions = 0
+        self._lags: dict[int, dict[int, int]] = {}  # per session: tasks reported without totals
         self._pin_s = 0.0
         self._pinned = 0
         self._skipped_samples = 0
@@ -148,37 +243,13 @@ class StatsRecorder:
             self._sessions += 1
             return SessionStats(self, self._sessions, capacity, kinds)
 
+    @property
+    def consumer(self) -> _Consumer:
+        """The training loop's side, which the loader's epoch iterator times directly."""
+        return self._consumer
+
     def epoch_started(self) -> None:
-        consumer = self._consumer
-        consumer.epochs += 1
-        consumer.epoch_started_at = now()
-        consumer.last_handed_at = None
-
-    def asking(self) -> float:
-        """The training loop asks for a batch: what it did since the last one was its own work."""
-        asked = now()
-        consumer = self._consumer
-        if consumer.last_handed_at is not None:
-            consumer.compute_s += asked - consumer.last_handed_at
-        return asked
-
-    def handed(self, asked: float) -> None:
-        """The batch asked for at ``asked`` is handed over now."""
-        handed = now()
-        consumer = self._consumer
-        consumer.batches += 1
-        if consumer.epoch_started_at is None:
-            consumer.wait_s += handed - asked
-        else:  # an epoch's first batch: start-up, kept apart from the steady waiting
-            consumer.first_wait_s += handed - asked
-            consumer.first_batch_s = handed - consumer.epoch_started_at
-            consumer.epoch_started_at = None
-        consumer.last_handed_at = handed
-
-    def ended(self, asked: float) -> None:
-        """The epoch ended (or raised) while the loop waited since ``asked``."""
-        self._consumer.wait_s += now() - asked
-        self._consumer.last_handed_at = None
+        self._consumer.epoch_started()
 
     def pinned(self, seconds: float) -> None:
         self._pin_s += seconds
@@ -200,14 +271,15 @@ class StatsRecorder:
     def snapshot(self) -> LoaderStats:
         """Everything so far, as a frozen :class:`LoaderStats`."""
         consumer, queue = self._consumer, self._queue
-        workers = _per_worker(self._seen.copy(), now())
+        lags = {session: dict(lag) for session, lag in self._lags.copy().items()}
+        workers = _per_worker(self._seen.copy(), now(), lags)
         samples = queue.samples or 1
         return LoaderStats(
             setup=self.setup,
             batches=consumer.batches,
             epochs=consumer.epochs,
-            wait_s=consumer.wait_s,
-            compute_s=consumer.compute_s,
+            wait_s=consumer.wait_estimate(),
+            compute_s=consumer.compute_estimate(),
             first_wait_s=consumer.first_wait_s,
             first_batch_s=consumer.first_batch_s,
             pin_s=self._pin_s,
@@ -220,17 +292,29 @@ class StatsRecorder:
         )
 
 
-def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float) -> tuple[WorkerStats, ...]:
+def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,
+                lags: dict[int, dict[int, int]]) -> tuple[WorkerStats, ...]:
     """Sum each worker's totals over the sessions it lived in (a new pool per epoch restarts
-    every worker's totals)."""
+    every worker's totals), each brought up to the tasks it reported since its latest totals."""
     merged: dict[tuple[str, int], WorkerStats] = {}
-    for (_, kind, worker_id), (raw, arrived) in seen.items():
+    for (session, kind, worker_id), (raw, arrived) in seen.items():
         totals = WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw)
+        lag = lags.get(session, {}).get(worker_id, 0) if kind == "" else 0
         alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
-        one = _worker_stats(kind, worker_id, totals, alive_s)
+        one = _worker_stats(kind, worker_id, _extrapolated(totals, lag), alive_s)
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
+
+
+def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
+    """``totals`` plus ``lag`` more tasks like the ones they cover (exact for equal batches)."""
+    if not lag or not totals.tasks:
+        return totals
+    scale = (totals.tasks + lag) / totals.tasks
+    return totals._replace(tasks=totals.tasks + lag, samples=round(totals.samples * scale),
+                           fetch_s=totals.fetch_s * scale, collate_s=totals.collate_s * scale,
+                           send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
 
 
 def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> int:

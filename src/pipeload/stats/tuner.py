@@ -1,21 +1,29 @@
 """``num_workers="auto"`` and ``prefetch_factor="auto"``: the decisions, apart from the engine.
 
-The tuner starts from the CPUs this process may use and ``prefetch_factor=2``, watches the
-training loop through the loader's stats, and climbs one step at a time:
+The tuner starts from the CPUs this process may use (its affinity) and ``prefetch_factor=2``,
+watches the training loop through the loader's stats, and climbs one step at a time:
 
-1. Measure a window (at least ``WINDOW_S`` and ``WINDOW_BATCHES`` batches) once the last change
-   has settled, i.e. once the old pool's batches and the new pool's first round (as many
-   batches as either keeps in flight) have been handed out: a window over new workers still
-   starting up would judge the start-up, not the setting.
-2. The loop waited less than ``STOP_WAITING`` of the window: loading keeps up; stop.
-3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop
-   (more workers than CPUs can take, or a bottleneck that workers do not relieve).
-4. Otherwise double the workers, up to ``MAX_WORKERS_PER_CPU`` per usable CPU and within the
-   memory budget (batches in flight times their measured size); at the cap, double
-   ``prefetch_factor`` (when it is "auto"; up to ``MAX_PREFETCH``) while it pays; then stop.
+1. Measure ``WINDOWS`` windows (each at least ``WINDOW_S`` and ``WINDOW_BATCHES`` batches) once
+   the last change has settled, i.e. once the old pool's batches and the new pool's first round
+   (as many batches as either keeps in flight) have been handed out: a window over new workers
+   still starting up would judge the start-up, not the setting. Each window gives the batches/s,
+   the share of the time the loop waited, and the share of the wall time the workers' threads
+   were on a CPU or queued for one (the kernel's counters). The step takes their medians, so
+   one disturbed window (another job's burst on a shared machine) does not decide.
+2. The loop waited less than ``STOP_WAITING`` of the time: loading keeps up; stop.
+3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop.
+4. Otherwise grow the pool: to ``n / (1 - waited)`` workers, what would stop the waiting if
+   workers were the only limit, but at least double and at most ``MAX_STEP`` times; up to the
+   usable CPUs when the workers compute (on or queued
+   for a CPU at least ``COMPUTING`` of the time: more would only take turns on the same CPUs),
+   up to ``MAX_WORKERS_PER_CPU`` per usable CPU when they mostly wait (I/O, remote reads); in
+   both cases within the memory budget (batches in flight times their measured size). At the
+   cap, double ``prefetch_factor`` (when it is "auto"; up to ``MAX_PREFETCH``) while it pays;
+   then stop.
 
-Economic mode takes "auto" as its starting settings and keeps them: it bounds memory by its
-own rule, and its two kinds of workers would need a tuner of their own.
+Economic mode takes "auto" as its starting settings and keeps them: its two kinds of workers
+would need a tuner of their own (which kind limits, and a swap of either pool mid-epoch without
+losing a piece in flight), more than its fixed rule for memory leaves to gain.
 
 Every decision is logged (logger ``pipeload.auto``) and kept in ``loader.stats().decisions``.
 The engine (``engine/auto.py``) carries them out. Owned by the thread that drives the epoch.
@@ -24,21 +32,28 @@ The engine (``engine/auto.py``) carries them out. Owned by the thread that drive
 from __future__ import annotations
 
 import logging
+import math
 import os
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pipeload.stats.clock import now
+from pipeload.stats.clock import now, running_s
 from pipeload.stats.report import TuningDecision
 
 LOG = logging.getLogger("pipeload.auto")
-WINDOW_S = 0.5
-WINDOW_BATCHES = 16
+WINDOW_S = 0.3
+WINDOW_BATCHES = 12
+WINDOWS = 3  # per setting: decisions take their medians
+COMPUTING = 0.5  # of the wall time on (or queued for) a CPU, per worker: they compute
 SETTLE_BATCHES = 4  # batches after a change before measuring, beyond both pools' in-flight rounds
 STOP_WAITING = 0.05
 MIN_GAIN = 0.05
-MAX_WORKERS_PER_CPU = 16  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
+MAX_WORKERS_PER_CPU = 32  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
 MAX_WORKERS = 64
 MAX_PREFETCH = 8
+MAX_STEP = 4  # the most a pool grows in one step
 SHM_SHARE = 0.5  # of /dev/shm's free space, without a loader budget
 CHECK_EVERY = 8  # batches between looks at the clock: observing must cost next to nothing
 
@@ -86,30 +101,40 @@ class AutoTuner:
         self._max_workers = min(MAX_WORKERS, MAX_WORKERS_PER_CPU * cpus)
         self._since_change = 0
         self._settle = SETTLE_BATCHES + _in_flight(start)
-        self._window: tuple[float, int, float] | None = None  # (at, batches, wait_s) at its start
+        # The window being measured, at its start: (at, batches, wait_s, workers' running_s).
+        self._window: tuple[float, int, float, float] | None = None
+        self._measured: list[tuple[float, float, float]] = []  # (batches/s, waited, CPU share)
         fixed = "" if tune_workers or tune_prefetch else " (kept: only map-style datasets in classic mode are re-tuned)"
         self._decide(start, 0.0, f"start: {cpus} usable CPUs, prefetch_factor={start.prefetch_factor}{fixed}")
 
-    def observe(self) -> Settings | None:
-        """Called after each batch handed out; returns new settings when they should change."""
+    def observe(self, workers: Sequence[Any] = ()) -> Settings | None:
+        """Called after each batch handed out, with the running pool's worker handles; returns
+        new settings when they should change."""
         if self.done:
             return None
         self._since_change += 1
         if self._since_change < self._settle or self._since_change % CHECK_EVERY:
             return None
-        consumer = self._recorder._consumer
+        consumer = self._recorder.consumer
         at = now()
         if self._window is None:
-            self._window = (at, consumer.batches, consumer.wait_s)
+            self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
             return None
-        started, batches, wait_s = self._window
-        if at - started < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
+        started, batches, wait_s, running = self._window
+        elapsed = at - started
+        if elapsed < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
-        rate = (consumer.batches - batches) / (at - started)
-        waited = min(1.0, (consumer.wait_s - wait_s) / (at - started))
-        return self._step(rate, waited)
+        window = self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
+        self._measured.append(((window[1] - batches) / elapsed,
+                               min(1.0, max(0.0, window[2] - wait_s) / elapsed),
+                               (window[3] - running) / (elapsed * max(1, len(workers)))))
+        if len(self._measured) < WINDOWS:
+            return None
+        rate, waited, share = (statistics.median(m[i] for m in self._measured) for i in range(3))
+        self._measured = []
+        return self._step(rate, waited, share)
 
-    def _step(self, rate: float, waited: float) -> Settings | None:
+    def _step(self, rate: float, waited: float, share: float = 0.0) -> Settings | None:
         if waited < STOP_WAITING:
             return self._finish(None, rate, f"the training loop waits {waited:.0%} of the time: keeping these")
         if self.current != self.best and rate < self.best_rate * (1 + MIN_GAIN):
@@ -117,15 +142,29 @@ class AutoTuner:
                                 f"({rate:,.1f} vs {self.best_rate:,.1f} batches/s): back to the best")
         if rate > self.best_rate:
             self.best, self.best_rate = self.current, rate
-        bigger = self._next_settings()
+        computing = share >= COMPUTING
+        seen = (f"the training loop waited {waited:.0%} at {rate:,.1f} batches/s, workers on or "
+                f"queued for a CPU {share:.0%} of the time")
+        bigger = self._next_settings(computing, waited)
         if bigger is None:
-            return self._finish(None, rate, "no further step fits the CPUs and the memory budget")
-        return self._change(bigger, rate, f"the training loop waited {waited:.0%} at {rate:,.1f} batches/s")
+            why = (f"the workers compute: no more of them than the {self.cpus} usable CPUs"
+                   if computing and self.current.num_workers >= self.cpus else
+                   "no further step fits the CPUs and the memory budget")
+            return self._finish(None, rate, f"{seen}; {why}")
+        return self._change(bigger, rate, seen)
 
-    def _next_settings(self) -> Settings | None:
+    @staticmethod
+    def _grown(workers: int, waited: float) -> int:
+        """The next pool size: as many workers as would stop the waiting if the workers were
+        the only limit (``n / (1 - waited)``), at least twice and at most four times as many."""
+        wanted = math.ceil(workers / max(1e-3, 1 - waited))
+        return max(2 * workers, min(MAX_STEP * workers, wanted))
+
+    def _next_settings(self, computing: bool = False, waited: float = 0.0) -> Settings | None:
         workers, prefetch = self.current.num_workers, self.current.prefetch_factor
-        if self._tune_workers and workers < self._max_workers:
-            wanted = Settings(min(self._max_workers, workers * 2), prefetch)
+        most = min(self._max_workers, self.cpus) if computing else self._max_workers
+        if self._tune_workers and workers < most:
+            wanted = Settings(min(most, self._grown(workers, waited)), prefetch)
             if self._fits(wanted):
                 return wanted
         if self._tune_prefetch and prefetch == self.best.prefetch_factor and prefetch < MAX_PREFETCH:
@@ -146,6 +185,7 @@ class AutoTuner:
         self.current = settings
         self._since_change = 0
         self._window = None
+        self._measured = []
         self._decide(settings, rate, f"{why}: trying {self._describe(settings)}")
         return settings
 
@@ -157,7 +197,7 @@ class AutoTuner:
         return settings
 
     def _decide(self, settings: Settings, rate: float, reason: str) -> None:
-        batches = self._recorder._consumer.batches
+        batches = self._recorder.consumer.batches
         samples_per_s = rate * (self._recorder.setup.batch_size or 1)
         LOG.info("pipeload auto at batch %d: num_workers=%d, prefetch_factor=%d (%s)", batches,
                  settings.num_workers, settings.prefetch_factor, reason)
