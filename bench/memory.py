@@ -43,12 +43,8 @@ def machine_shmem_bytes() -> int:
 
 def tree_shared_memory_bytes(root: psutil.Process) -> int:
     """Bytes of distinct shared-memory segments mapped or held open by ``root`` and descendants."""
-    try:
-        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return 0
     sizes: dict[tuple[int, int], int] = {}
-    for pid in pids:
+    for pid in _tree_pids(root):
         _add_mapped(pid, sizes)
         _add_held_open(pid, sizes)
     return sum(sizes.values())
@@ -88,19 +84,7 @@ def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
 
 def tree_pss_bytes(root: psutil.Process) -> int:
     """Sum of the proportional set sizes of ``root`` and its descendants, in bytes."""
-    try:
-        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-                match = _PSS_LINE.search(rollup.read())
-        except OSError:
-            continue  # it exited meanwhile
-        total += int(match.group(1)) * 1024 if match else 0
-    return total
+    return sum(_kib(_PSS_LINE, text) * 1024 for text in _rollups(root))
 
 
 def tree_memory_bytes(root: psutil.Process) -> int:
@@ -113,17 +97,29 @@ def tree_memory_bytes(root: psutil.Process) -> int:
     that keeps its batches there looks smaller than it is. Segments are counted at their size,
     which is what they hold once written (batches and slabs are written whole).
     """
-    try:
-        pids = [root.pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for pid in pids:
+    private = sum((_kib(_PSS_LINE, text) - _kib(_PSS_SHMEM_LINE, text)) * 1024 for text in _rollups(root))
+    return private + tree_shared_memory_bytes(root)
+
+
+def _rollups(root: psutil.Process) -> list[bytes]:
+    """``/proc/PID/smaps_rollup`` of ``root`` and each descendant still running."""
+    texts = []
+    for pid in _tree_pids(root):
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-                text = rollup.read()
+                texts.append(rollup.read())
         except OSError:
             continue  # it exited meanwhile
-        pss, shmem = _PSS_LINE.search(text), _PSS_SHMEM_LINE.search(text)
-        total += (int(pss.group(1)) - (int(shmem.group(1)) if shmem else 0)) * 1024 if pss else 0
-    return total + tree_shared_memory_bytes(root)
+    return texts
+
+
+def _kib(line: re.Pattern[bytes], text: bytes) -> int:
+    match = line.search(text)
+    return int(match.group(1)) if match else 0
+
+
+def _tree_pids(root: psutil.Process) -> list[int]:
+    try:
+        return [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []

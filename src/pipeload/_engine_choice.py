@@ -117,32 +117,24 @@ def _worker_setup(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: R
 
 def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
     setup = EconomicSetup(_worker_setup(loader, spec, base_seed, replica_setup), loader.num_batch_workers)  # type: ignore[arg-type]
-    return EconomicConfig(
-        setup=setup,
-        prefetch_factor=loader.prefetch_factor,  # type: ignore[arg-type]
-        in_order=loader.in_order,
-        timeout_s=loader.timeout,
-        worker_type=loader.worker_type,
-        mp_context=loader.multiprocessing_context,
-        stats=loader._stats,
-        max_shm_bytes=loader.max_shm_bytes,
-        pin_slabs=loader.pin_memory and pinning_available(),
-        numbered=_numbers_batches(loader),
-    )
+    return EconomicConfig(setup=setup, **_engine_settings(loader))
 
 def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
-    return PoolConfig(
-        setup=_worker_setup(loader, spec, base_seed, replica_setup),
-        prefetch_factor=loader.prefetch_factor,  # type: ignore[arg-type]
-        in_order=loader.in_order,
-        timeout_s=loader.timeout,
-        worker_type=loader.worker_type,
-        mp_context=loader.multiprocessing_context,
-        stats=loader._stats,
-        max_shm_bytes=loader.max_shm_bytes,
-        pin_slabs=loader.pin_memory and pinning_available(),  # page-locked in place: no copy
-        numbered=_numbers_batches(loader),
-    )
+    return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup), **_engine_settings(loader))
+
+def _engine_settings(loader: Any) -> dict[str, Any]:
+    """What both worker engines (classic and economic) take from the loader alike."""
+    return {
+        "prefetch_factor": loader.prefetch_factor,
+        "in_order": loader.in_order,
+        "timeout_s": loader.timeout,
+        "worker_type": loader.worker_type,
+        "mp_context": loader.multiprocessing_context,
+        "stats": loader._stats,
+        "max_shm_bytes": loader.max_shm_bytes,
+        "pin_slabs": loader.pin_memory and pinning_available(),  # page-locked in place: no copy
+        "numbered": _numbers_batches(loader),
+    }
 
 def _numbers_batches(loader: Any) -> bool:
     # Out of order, a map-style epoch's batches say their numbers, so that a checkpoint can
