@@ -406,6 +406,31 @@ def test_max_shm_bytes_is_keyword_only_and_accepted(value: Any) -> None:
         pipeload.DataLoader(numbers(pipeload), *positional, 1 << 20)
 
 
+# ------------------------------------------------------------------ generator
+
+
+@pytest.mark.parametrize("value", [5, "seed", 0.5, torch.tensor(3)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda mod, g: mod.DataLoader(list(range(8)), shuffle=True, generator=g),
+        lambda mod, g: mod.RandomSampler(range(8), generator=g),
+        lambda mod, g: mod.SubsetRandomSampler([1, 2, 3], generator=g),
+        lambda mod, g: mod.WeightedRandomSampler([1.0, 2.0], 4, generator=g),
+    ],
+    ids=["DataLoader", "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"],
+)
+def test_a_generator_that_is_not_one_is_refused_by_name_when_given(make: Callable, value: Any) -> None:
+    # torch takes it and fails at the first draw, inside randperm/multinomial, with a TypeError
+    # naming neither the argument nor the class: the same type, raised where the mistake is.
+    with pytest.raises(TypeError):
+        list(make(tud, value))
+    with pytest.raises(TypeError) as caught:
+        make(pipeload, value)
+    assert "generator should be a torch.Generator or None" in str(caught.value)
+    assert type(value).__name__ in str(caught.value)
+
+
 # ------------------------------------------------------------------ generics
 
 

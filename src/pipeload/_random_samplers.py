@@ -15,7 +15,7 @@ import torch.utils.data as torch_data  # torch's classes: bases for identity, ne
 
 from pipeload._sampler_base import Sampler
 from pipeload._sampler_state import StatefulSampler
-from pipeload.errors import exact_value
+from pipeload.errors import check_generator, exact_value
 
 # RandomSampler with replacement draws its indices this many at a time (torch's block size).
 _REPLACEMENT_BLOCK = 32
@@ -53,6 +53,7 @@ class RandomSampler(StatefulSampler, Sampler[int], torch_data.RandomSampler):
         self.data_source = data_source
         self.replacement = replacement
         self._num_samples = num_samples
+        check_generator(generator)
         self.generator = generator
         if not isinstance(replacement, bool):
             raise TypeError(
@@ -138,6 +139,7 @@ class SubsetRandomSampler(StatefulSampler, Sampler[int], torch_data.SubsetRandom
 
     def __init__(self, indices: Sequence[int], generator: torch.Generator | None = None) -> None:
         self.indices = indices
+        check_generator(generator)
         self.generator = generator
 
     def _draws_from(self) -> tuple[bool, torch.Generator | None]:
@@ -183,6 +185,7 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
         replacement: bool = True,
         generator: torch.Generator | None = None,
     ) -> None:
+        check_generator(generator)
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
             raise ValueError(
                 "num_samples should be a positive integer value, but got "

@@ -147,6 +147,21 @@ def exact_value(name: str, value: object) -> str:
     return "" if shown == exact else f" (pipeload: got {name}={exact})"
 
 
+def check_generator(generator: object, name: str = "generator") -> None:
+    """Refuse anything but a ``torch.Generator`` (or None) when it is given, not at the first draw.
+
+    torch accepts any value here and fails later, inside ``randperm``, with a message that names
+    neither the argument nor the class; ours names both, with the same exception type.
+    """
+    import torch  # here, not at the top: the rest of this module needs no torch
+
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{name} should be a torch.Generator or None, but got {name}={generator!r} "
+            f"({type(generator).__name__})"
+        )
+
+
 def _small(indices: object, limit: int = 64) -> object:
     """Keep index lists short enough to print in an error message."""
     if isinstance(indices, list) and len(indices) > limit:

@@ -28,6 +28,7 @@ from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
 from pipeload.engine.plan import DatasetKind
+from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
 from pipeload.stats.recorder import LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats.report import LoaderStats
@@ -160,6 +161,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self.worker_type = worker_type
         self.max_shm_bytes = max_shm_bytes
 
+        check_generator(generator)
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
         self.num_batch_workers = arguments.resolve_mode(
