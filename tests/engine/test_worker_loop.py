@@ -1,12 +1,17 @@
-"""The worker loop on its own: commands in, reports out, through real in-process queues."""
+"""The worker loop on its own: commands in, reports out, through real in-process queues; and what a
+worker process sets up for itself before its loop runs."""
 
 from __future__ import annotations
 
+import os
 import queue
 
-from faults import Numbers
+import pytest
+from faults import ECONOMIC, FORK, Numbers, engine_params, loader_kwargs
 
+from pipeload import DataLoader, Dataset
 from pipeload.collate import default_collate
+from pipeload.engine.lifecycle import WORKER_SCHEDULING_ENV
 from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
 from pipeload.engine.worker_main import WorkerLoop
 from pipeload.transport.channel import QueueEnd
@@ -52,3 +57,32 @@ def test_tasks_left_by_an_abandoned_epoch_are_dropped_not_built():
         (Report.BATCH, 0),
     ]
     assert reports[1].payload.tolist() == [4, 5]
+
+
+class _SchedulingPolicy(Dataset):
+    """Each item is the scheduling policy of the process that fetched it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return os.sched_getscheduler(0)
+
+
+_HAS_SCHEDULING = hasattr(os, "sched_getscheduler") and hasattr(os, "SCHED_BATCH")
+
+
+@pytest.mark.skipif(not _HAS_SCHEDULING, reason="no scheduling policies on this platform")
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+@pytest.mark.parametrize("setting", [None, "normal"])
+def test_worker_processes_run_as_batch_work_unless_told_not_to(engine, setting, monkeypatch):
+    # A worker woken by a task must not preempt the main process that sent it (lifecycle.py).
+    if setting is not None:
+        monkeypatch.setenv(WORKER_SCHEDULING_ENV, setting)
+    loader = DataLoader(_SchedulingPolicy(), batch_size=2, num_workers=2, **loader_kwargs(engine))
+    policies = {int(policy) for batch in loader for policy in batch}
+    expected = os.SCHED_OTHER if setting == "normal" else os.SCHED_BATCH
+    assert policies == {expected}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the main process keeps its own

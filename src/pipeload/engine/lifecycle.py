@@ -165,6 +165,35 @@ def stop_workers(
         _join_all(alive, grace)
 
 
+WORKER_SCHEDULING_ENV = "PIPELOAD_WORKER_SCHEDULING"  # "normal": keep the default policy
+
+
+def schedule_as_batch_work() -> bool:
+    """In a worker process: ask the kernel to treat this process as batch work (``SCHED_BATCH``,
+    same nice value, so the same share of the CPU); returns whether the policy was set.
+
+    Under the default policy a worker woken by a task preempts the process that woke it: on a
+    machine with no idle core, the main process's task ``write`` then returns only once the
+    worker has built its batch and gone back to sleep, and the two run one after the other
+    instead of side by side (one core's worth of work on two, with the tiny-batch workload). A
+    batch-policy process is never woken into the CPU ahead of the running one; it runs when a
+    core is free or at the next tick, which a worker that builds batches ahead never notices.
+    Set ``PIPELOAD_WORKER_SCHEDULING=normal`` to keep the default policy; where the policy
+    cannot be set (not Linux, a seccomp filter), nothing changes.
+    """
+    if os.environ.get(WORKER_SCHEDULING_ENV, "").lower() == "normal":
+        return False
+    set_policy = getattr(os, "sched_setscheduler", None)
+    batch = getattr(os, "SCHED_BATCH", None)
+    if set_policy is None or batch is None:
+        return False
+    try:
+        set_policy(0, batch, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
 def exit_when_parent_dies(parent_pid: int) -> None:
     """In a child process: leave at once if the parent dies, even while user code is busy.
 

@@ -21,7 +21,7 @@ import torch
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
-from pipeload.engine.lifecycle import exit_now, exit_when_parent_dies
+from pipeload.engine.lifecycle import exit_now, exit_when_parent_dies, schedule_as_batch_work
 from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -298,9 +298,11 @@ def run_process_worker(setup: WorkerSetup, worker_id: int, inbox: Any, outbox: A
 
 def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     """A worker process's first steps: leave Ctrl-C to the main process, leave when the parent
-    dies, one torch thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
+    dies, never preempt the main process when woken (``schedule_as_batch_work``), one torch
+    thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     exit_when_parent_dies(os.getppid())
+    schedule_as_batch_work()
     torch.set_num_threads(1)
     return seed_process_worker(base_seed, seed_offset)
 

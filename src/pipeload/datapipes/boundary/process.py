@@ -26,6 +26,7 @@ from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_parent_dies,
     release_finished,
+    schedule_as_batch_work,
     start_process,
     stop_workers,
 )
@@ -148,6 +149,7 @@ def run_upstream_process(upstream_pipe: Any, seed: int, inbox: Any, outbox: Any)
     """Entry point of a boundary's upstream process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     exit_when_parent_dies(os.getppid())
+    schedule_as_batch_work()  # woken by the consumer, it must not preempt it
     torch.set_num_threads(1)
     seed_process_worker(seed, 0)  # its own random streams, fixed by the parent's generator
     try:
