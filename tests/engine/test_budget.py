@@ -39,6 +39,21 @@ def test_the_first_wave_is_one_task_per_worker_then_nothing_until_the_pace_is_kn
     assert budget.allowed(0) == 1  # the consumer's pace is not known yet
 
 
+def test_batches_that_travel_inline_all_fly_whatever_the_consumer_pace():
+    clock = Clock()
+    budget = InFlightBudget(max_batches=8, num_workers=4, max_bytes=1 << 40, clock=clock)
+    budget.batch_built(0.5)
+    _serve(budget, clock, 0.0)
+    assert budget.allowed(0, inline_only=True) == 8  # no waiting for the consumer's pace
+    for _ in range(4):  # a slow consumer would keep one in flight; inline ones cost nothing
+        budget.batch_built(0.05)
+        _serve(budget, clock, 0.2)
+    assert budget.allowed(0) == 1
+    assert budget.allowed(0, inline_only=True) == 8
+    budget.set_max_batches(2)
+    assert budget.allowed(0, inline_only=True) == 2  # still never more than torch keeps
+
+
 def test_a_fast_consumer_gets_everything_torch_would_keep_in_flight():
     clock = Clock()
     budget = InFlightBudget(max_batches=8, num_workers=4, max_bytes=1 << 40, clock=clock)

@@ -75,6 +75,8 @@ def test_each_tensor_arrives_writable_in_memory_of_its_own():
     pytest.param(lambda base: {"x": base}, id="dict"),
     pytest.param(lambda base: [base, 3], id="not-only-tensors"),
     pytest.param(lambda base: [base.clone() for _ in range(17)], id="too-many"),
+    pytest.param(lambda base: base.to(torch.complex64).conj(), id="lazy-conjugate"),
+    pytest.param(lambda base: torch._neg_view(base), id="lazy-negation"),
 ])
 def test_what_the_flat_wire_cannot_promise_goes_through_the_codec(batch):
     sent = batch(torch.arange(6.0))

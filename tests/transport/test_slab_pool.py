@@ -199,3 +199,18 @@ def test_pinned_slabs_hand_out_pinned_batches():
         pool.close()
         writer.close()
 
+
+
+def test_the_pool_knows_when_every_batch_so_far_travelled_inline():
+    pool = SlabPool(pin=False, max_bytes=1 << 30)
+    try:
+        assert not pool.inline_only  # nothing has arrived: the size is unknown
+        pool.observe_batch(0)
+        pool.observe_batch(0)
+        assert pool.inline_only and pool.batch_bytes == 0
+        pool.observe_batch(BATCH_BYTES)
+        assert not pool.inline_only  # one batch needed shared memory: the budget prices them again
+        pool.observe_batch(0)
+        assert not pool.inline_only
+    finally:
+        pool.close()

@@ -10,7 +10,9 @@ the consumer stays fed). A byte budget caps it too.
 Two refinements keep the start from deciding the peak:
 
 * Until the consumer's pace is known (two requests), only the first wave (one task per worker) is
-  in flight; nothing is sent after the first batch is handed out.
+  in flight; nothing is sent after the first batch is handed out. Batches that travel inside
+  their messages (small ones) skip this and the estimate alike: they hold no shared memory, so
+  all ``prefetch_factor * num_workers`` fly as soon as the first has arrived.
 * Setting up shared memory (a new slab's pages, a fresh buffer) is a one-off cost of the start,
   reported apart by the worker: it is left out of the build time, and a request that waited for
   a batch that paid it does not count as the consumer being starved.
@@ -127,11 +129,16 @@ class InFlightBudget:
         """The batch is in the consumer's hands: its own time starts now."""
         self._returned_at = self._clock()
 
-    def allowed(self, batch_bytes: int) -> int:
+    def allowed(self, batch_bytes: int, inline_only: bool = False) -> int:
         """Batches that may be in flight now, for batches of ``batch_bytes`` (0: unknown).
 
+        ``inline_only``: every batch so far travelled inside its message, so one in flight holds
+        no shared memory and costs nothing to keep: all ``max_batches`` fly, from the first
+        arrival on (not one per worker until the consumer's pace is known).
         The estimate is refreshed once per request (``request_served``), not on every sample.
         """
+        if inline_only:
+            return self.max_batches
         large = batch_bytes >= LARGE_BATCH_BYTES
         if large is not self._large:
             self._large = large

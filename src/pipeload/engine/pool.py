@@ -234,7 +234,8 @@ class PoolEngine:
         if self._supply.done and self._unsent is None:
             return
         ledger, slabs = self._ledger, self._workers.slabs
-        allowed = self._budget.allowed(slabs.batch_bytes if slabs is not None else 0)
+        allowed = (self._budget.allowed(slabs.batch_bytes, slabs.inline_only) if slabs is not None
+                   else self._budget.allowed(0))
         if ledger.outstanding >= allowed:
             return  # the usual case, kept cheap: it runs several times per batch
         if slabs is not None:

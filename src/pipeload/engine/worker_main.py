@@ -101,18 +101,20 @@ class WorkerLoop:
         the next START_EPOCH; nobody will read their batches, so they are dropped instead of
         built, and the next epoch starts as soon as the task in hand is done.
         """
-        arrived = []
-        if not self._pending:
-            first = self._inbox.receive(POLL_INTERVAL_S)
+        pending, receive = self._pending, self._inbox.receive
+        restarts = False
+        if not pending:
+            first = receive(POLL_INTERVAL_S)
             if first is None:
                 return None
-            arrived.append(first)
-        while (waiting := self._inbox.receive(0)) is not None:
-            arrived.append(waiting)
-        self._pending.extend(arrived)
-        if any(command.command is Command.START_EPOCH for command in arrived):
-            self._pending = _without_superseded_tasks(self._pending)
-        return self._pending.popleft()
+            pending.append(first)
+            restarts = first.command is _START_EPOCH
+        while (waiting := receive(0)) is not None:
+            pending.append(waiting)
+            restarts = restarts or waiting.command is _START_EPOCH
+        if restarts:
+            self._pending = pending = _without_superseded_tasks(pending)
+        return pending.popleft()
 
     def _initialise(self) -> None:
         self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
@@ -248,6 +250,7 @@ def describe_failure(worker_id: int, kind: str, stage: str, indices: Any, exc: E
 
 
 _EPOCH_WORK = frozenset({Command.FETCH, Command.FETCH_ITEMS})  # what a new epoch makes pointless
+_START_EPOCH = Command.START_EPOCH
 
 
 def _without_superseded_tasks(commands: deque[WorkerCommand]) -> deque[WorkerCommand]:

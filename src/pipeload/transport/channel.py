@@ -155,6 +155,7 @@ class ProcessChannels:
                                for worker_id, (reader, _) in enumerate(result_pairs)]
         self.result_writers = [Sender(writer) for _, writer in result_pairs]
         self._live_readers = list(self.result_readers)
+        self._readers_by_fd: dict[int, Receiver] | None = None
         self._poller = _Poller()
 
     def worker_ends(self, worker_id: int) -> tuple[PipeEnd, Sender]:
@@ -203,7 +204,9 @@ class ProcessChannels:
 
     def wait(self, timeout_s: float, sentinels: list[int]) -> tuple[list[WorkerReport], list[int]]:
         """Reports ready within ``timeout_s`` and the sentinels that fired (dead workers)."""
-        readers = {reader.fileno(): reader for reader in self._live_readers}
+        readers = self._readers_by_fd
+        if readers is None:  # rebuilt only when a reader is dropped
+            readers = self._readers_by_fd = {r.fileno(): r for r in self._live_readers}
         ready = self._poller.poll([*readers, *sentinels], timeout_s)
         reports, fired = [], []
         for fd in ready:
@@ -221,7 +224,8 @@ class ProcessChannels:
             while (message := reader.receive(block=not reports)) is not None:
                 report, info = message
                 if self.pool is not None and report.report in _ANSWERS:
-                    self.pool.observe_batch(info.shared_bytes)
+                    if report.report is Report.BATCH:  # the others carry no batch to size
+                        self.pool.observe_batch(info.shared_bytes)
                     self.pool.settle(report.batch_number, info.outcome)
                     if report.report is Report.EXHAUSTED:  # it skips the tasks it still holds
                         self.pool.cancel_grants_of(report.worker_id)
@@ -231,6 +235,7 @@ class ProcessChannels:
             # end that would otherwise read as ready forever.
             if reader in self._live_readers:
                 self._live_readers.remove(reader)
+                self._readers_by_fd = None
         return reports
 
     def close(self) -> None:

@@ -51,10 +51,13 @@ class Sender:
     def prepare(self, grant: SlabGrant | None) -> None:
         """Start the next message, which may use ``grant``'s slab; collation in this thread
         writes its outputs where the message will travel."""
-        started = time.perf_counter()
-        if grant is not None and not self._apply_controls(grant.controls):
-            grant = None
-        self.writer.begin(grant, setup_s=time.perf_counter() - started)
+        if grant is None:
+            self.writer.begin(None)
+        else:
+            started = time.perf_counter()
+            if not self._apply_controls(grant.controls):
+                grant = None
+            self.writer.begin(grant, setup_s=time.perf_counter() - started)
         collate_output.set_writer(self.writer)
 
     @property

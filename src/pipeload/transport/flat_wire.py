@@ -88,12 +88,15 @@ def _specs(tensors: Any, dtype_index: dict[torch.dtype, int], max_tensor_bytes: 
     for tensor in tensors:
         if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.requires_grad:
             return None
-        if (tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_conj()
-                or tensor.is_neg() or tensor.storage_offset() != 0 or not tensor.is_contiguous()):
+        torch_dtype = tensor.dtype
+        # The conjugate bit exists only on complex tensors; asking a real one costs a call.
+        if (tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_neg()
+                or (torch_dtype.is_complex and tensor.is_conj())
+                or tensor.storage_offset() != 0 or not tensor.is_contiguous()):
             return None
         nbytes = tensor.untyped_storage().nbytes()
-        dtype = dtype_index.get(tensor.dtype)
-        if dtype is None or nbytes > max_tensor_bytes or tensor.numel() * tensor.element_size() != nbytes:
+        dtype = dtype_index.get(torch_dtype)
+        if dtype is None or nbytes > max_tensor_bytes or tensor.nbytes != nbytes:
             return None
         pointer = tensor.data_ptr()
         if nbytes and pointer in pointers:

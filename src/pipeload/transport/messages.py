@@ -4,7 +4,9 @@ Commands go main -> worker on that worker's own task channel; reports come back 
 the result channel. In economic mode, item workers also hand fetched items straight to a batch
 worker as :class:`ItemDelivery` messages (never through the main process). No bare tuples, no
 sentinel objects: the enums say what each message is. Slab controls go the other way on a
-result channel (main -> worker), and on an item link (batch worker -> item worker).
+result channel (main -> worker), and on an item link (batch worker -> item worker). The two
+messages of every batch (:class:`WorkerCommand`, :class:`WorkerReport`) are named tuples, the
+rest frozen dataclasses.
 
 Every message pickles as one call with positional arguments, its enums as plain ints
 (``__reduce__``): the default for slotted dataclasses goes through ``copyreg`` and
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeload.errors import RemoteFailure
 
@@ -102,8 +104,14 @@ class SlabGrant:
         return (SlabGrant, (self.slab_id, self.releases, self.controls, self.items))
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerCommand:
+class WorkerCommand(NamedTuple):
+    """One command to a worker (see :class:`Command` for what each field means per command).
+
+    A named tuple rather than a frozen dataclass, like :class:`WorkerReport`: one is built on
+    each side of the task pipe for every batch, and a frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` per field) costs three times as much.
+    """
+
     command: Command
     batch_number: int = -1
     indices: Any = None
@@ -176,8 +184,14 @@ class Report(enum.IntEnum):
     :class:`ItemsDone`."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerReport:
+class WorkerReport(NamedTuple):
+    """What a worker says about one task (see :class:`Report`).
+
+    A named tuple (immutable, fields by name) rather than a frozen dataclass: every batch builds
+    one in the worker and one in the main process, and a frozen dataclass costs about 1.5 us
+    more each time, a measurable share of a tiny batch's whole trip.
+    """
+
     report: Report
     worker_id: int
     batch_number: int

@@ -103,6 +103,7 @@ class SlabPool:
         self._slab_limit = 0
         self._wanted_size = 0
         self._largest_batch = 0
+        self._batches_seen = False
         self._slabs: dict[int, _Slab] = {}
         self._retired_in_use: dict[int, _Slab] = {}  # ids not reused until their views are gone
         self._grants: dict[int, _Slab] = {}  # token -> slab
@@ -142,8 +143,15 @@ class SlabPool:
         """The most shared memory one batch has needed so far (0: none yet)."""
         return self._largest_batch
 
+    @property
+    def inline_only(self) -> bool:
+        """Whether batches have arrived and every one travelled inside its message: then a batch
+        in flight holds no shared memory at all."""
+        return self._batches_seen and self._largest_batch == 0
+
     def observe_batch(self, shared_bytes: int) -> None:
         """A batch needed ``shared_bytes`` outside its message; slabs are sized to fit the largest."""
+        self._batches_seen = True
         if shared_bytes <= self._largest_batch:
             return
         if self._largest_batch == 0:

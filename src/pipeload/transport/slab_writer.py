@@ -140,7 +140,8 @@ class SlabWriter:
         self.used_bytes = 0 if grant is None or grant.items is None else grant.items.area_bytes
         self.one_shot_bytes = 0
         self._placing = None
-        self._claimed = set()
+        if self._claimed:  # left as they are when empty: no allocation per tiny message
+            self._claimed = set()
         self.occupied = None
         self.large_sizes = []
 
