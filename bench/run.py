@@ -116,6 +116,9 @@ def run_workload(
                 step=consumer if consumer.active else None,
             )
             consumer.finish()
+            if consumer.to_gpu and consumer.pinned < consumer.batches:
+                _log(f"WARNING: {loader_name} handed out {consumer.batches - consumer.pinned} "
+                     f"of {consumer.batches} batches unpinned on {name}")
             _log(f"{name:<13} {loader_name:<9} repeat {repeat + 1}/{options.repeats}: "
                  f"{result.samples_per_s:>12,.0f} samples/s, first batch "
                  f"{result.first_batch_s * 1e3:,.0f} ms, CPU {result.cpu_us_per_sample:,.1f} us/sample"
@@ -260,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         epochs=args.epochs, quick=args.quick, worker_type=args.worker_type,
         start_method=args.start_method,
     )
-    names = args.workload or [*DEFAULT_WORKLOADS, *(["gpu_copy"] if torch.cuda.is_available() else [])]
+    names = runnable_workloads(args.workload or [*DEFAULT_WORKLOADS, "gpu_copy"])
+    if not names:
+        _log("nothing to run: every workload asked for needs what this machine lacks")
+        return 0
     _log(describe_machine(options))
     measurements = []
     with tempfile.TemporaryDirectory(prefix="pipeload-bench-") as scratch:
@@ -271,6 +277,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         _write_json(args.json, options, measurements)
     return 0
+
+
+def runnable_workloads(names: Sequence[str]) -> list[str]:
+    """``names`` without the workloads this machine cannot run, each skipped with a message
+    saying why (``gpu_copy`` needs a CUDA device)."""
+    runnable = []
+    for name in names:
+        if get_workload(name).to_gpu and not torch.cuda.is_available():
+            _log(f"skipping {name}: it copies every batch to a CUDA device, and torch "
+                 f"{torch.__version__} sees none here (torch.cuda.is_available() is False)")
+            continue
+        runnable.append(name)
+    return runnable
 
 
 def _write_json(path: Path, options: RunOptions, measurements: Sequence[Measurement]) -> None:
@@ -285,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                         help="a workload to run; repeat for several (default: all; gpu_copy "
-                             "only where CUDA is available)")
+                             "is skipped, with a message, where CUDA is not available)")
     parser.add_argument("--num-workers", type=_non_negative_int, default=2,
                         help="default: %(default)s")
     parser.add_argument("--repeats", type=_positive_int, default=None,

@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.utils.data
 from faults import (
     ECONOMIC,
     ECONOMIC_SPAWN,
@@ -216,6 +217,35 @@ def test_pin_memory_without_accelerator_warns_once_and_passes_batches_through(en
     for batches in epochs:
         assert [b.tolist() for b in batches] == plain
         assert not any(b.is_pinned() for b in batches)
+
+
+@pytest.mark.skipif(pinning_available(), reason="an accelerator is present: batches are really pinned")
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+def test_pin_memory_without_accelerator_still_loads_large_batches_through_plain_slabs():
+    # The slab path with pin_memory=True on a CPU-only machine: slabs are made and reused as
+    # without it (nothing to page-lock them for), and batches stay unpinned, as torch's do.
+    loader = DataLoader(MakesTensors(48, BIG), batch_size=4, num_workers=2, pin_memory=True,
+                        multiprocessing_context="fork")
+    in_slabs = 0
+    for number, batch in enumerate(loader):
+        assert not batch.is_pinned()
+        assert batch[:, 0].tolist() == expected_rows(number, 4)
+        in_slabs += backing_of(batch).startswith("/memfd:")
+    assert in_slabs >= 6  # after the first few (fresh buffers until a batch's size is known)
+
+
+@pytest.mark.skipif(pinning_available(), reason="an accelerator is present: batches are really pinned")
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+@pytest.mark.parametrize("module", ["torch", "pipeload"])
+def test_pin_memory_without_accelerator_never_asks_custom_batches_to_pin(module):
+    # torch builds no pin thread without an accelerator, so a batch's own pin_memory() (which
+    # would raise here) is never called; neither is ours.
+    loader_class = torch.utils.data.DataLoader if module == "torch" else DataLoader
+    loader = loader_class(MakesTensors(8, BIG), batch_size=4, num_workers=2, pin_memory=True,
+                          collate_fn=pins_itself_collate, multiprocessing_context="fork")
+    batches = list(loader)
+    assert [batch.pinned_by_itself for batch in batches] == [False, False]
+    assert batches[1].data[:, 0].tolist() == expected_rows(1, 4)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to pin slabs")

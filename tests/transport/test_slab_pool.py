@@ -180,6 +180,26 @@ def test_a_byte_budget_stops_the_pool_from_growing(pool):
         small.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA-less fallback")
+def test_a_pool_asked_to_pin_without_cuda_works_as_an_unpinned_one():
+    pool = SlabPool(pin=True, max_bytes=1 << 30)
+    pool.observe_batch(BATCH_BYTES)
+    pool.set_slab_limit(2)
+    writer = SlabWriter()
+    try:
+        assert not pool.pinned and pool.defers_releases  # no events to wait for: grants ahead
+        _, batch, _ = _message(pool, writer, token=0, value=1.0)
+        assert not batch.is_pinned()
+        first_slab = batch.untyped_storage().data_ptr()
+        del batch  # released through the board, as in an unpinned pool
+        _, again, _ = _message(pool, writer, token=1, value=2.0)
+        assert again.untyped_storage().data_ptr() == first_slab  # the same slab, reused
+        assert again[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    finally:
+        pool.close()
+        writer.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to page-lock slabs")
 def test_pinned_slabs_hand_out_pinned_batches():
     pool = SlabPool(pin=True, max_bytes=1 << 30)
