@@ -115,20 +115,13 @@ class PipeEnd:
             self._poller = select.poll()
             self._poller.register(fd, _READY)
             os.set_blocking(fd, False)
-        if self._drained and timeout_s > 0:
-            # The last read emptied the pipe: sleep in poll first instead of reading, failing
-            # (a raised BlockingIOError costs more than the system call) and then polling.
-            if not self._poller.poll(int(timeout_s * 1000)):
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            if timeout_s <= 0 or not self._poller.poll(int(timeout_s * 1000)):
+                self._drained = True
                 return False
             data = os.read(fd, READ_BYTES)
-        else:
-            try:
-                data = os.read(fd, READ_BYTES)
-            except BlockingIOError:
-                if timeout_s <= 0 or not self._poller.poll(int(timeout_s * 1000)):
-                    self._drained = True
-                    return False
-                data = os.read(fd, READ_BYTES)
         if not data:
             raise EOFError("the main process closed the task pipe")
         self._buffer += data
