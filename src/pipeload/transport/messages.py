@@ -188,7 +188,7 @@ class WorkerReport(NamedTuple):
     """What a worker says about one task (see :class:`Report`).
 
     A named tuple (immutable, fields by name) rather than a frozen dataclass: every batch builds
-    one in the worker and one in the main process, and a frozen dataclass costs about 1.5 us
+    one in the worker and one in the main process, and a frozen dataclass costs about 1 us
     more each time, a measurable share of a tiny batch's whole trip.
     """
 
