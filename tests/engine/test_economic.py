@@ -13,6 +13,7 @@ import random
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from faults import (
     ECONOMIC_THREAD,
     FORK,
     DiesAt,
+    MakesTensors,
     Numbers,
     RaisesAt,
     SampleFailed,
@@ -221,8 +223,15 @@ def test_items_in_flight_are_bounded_by_prefetch_factor_not_num_workers(mode):
                      prefetch_factor=prefetch_factor, multiprocessing_context="fork")
     bound = prefetch_factor * batch_size
     if mode == "economic":
-        _take_slowly(dataset, DataLoader(dataset, mode="economic", **arguments), fill_to=bound)
-        assert dataset.most_ahead.value <= bound  # exactly as far as it may go
+        # A consumer that takes batches as fast as they come gets prefetch_factor in flight (a
+        # slow one gets fewer: see the slab test below), and never more.
+        iterator = iter(DataLoader(dataset, mode="economic", **arguments))
+        in_flight = []
+        for _ in iterator:
+            dataset.taken.value += 1
+            in_flight.append(iterator._engine._ledger.outstanding)
+        assert max(in_flight) == prefetch_factor, in_flight
+        assert dataset.most_ahead.value <= bound
     else:
         # The contrast that makes the bound mean something: torch's loader (the model classic
         # mode follows) keeps num_workers * prefetch_factor batches in flight. Classic mode's
@@ -231,6 +240,25 @@ def test_items_in_flight_are_bounded_by_prefetch_factor_not_num_workers(mode):
         loader = torch.utils.data.DataLoader(dataset, **arguments)
         _take_slowly(dataset, loader, fill_to=bound + batch_size + 1)
         assert dataset.most_ahead.value > bound
+
+
+LARGE_ITEM_FLOATS = 1 << 18  # 1 MiB items, 12 MiB batches: each batch in flight costs a slab
+
+
+def test_a_slow_training_loop_keeps_two_slabs_the_one_it_holds_and_the_next():
+    # The pool builds a batch far quicker than the loop's step, so one batch in flight keeps it
+    # fed (engine/budget.py): with the slab of the batch being dropped granted ahead, two slabs
+    # serve the epoch, whatever prefetch_factor allows.
+    loader = DataLoader(MakesTensors(12 * 10, LARGE_ITEM_FLOATS), batch_size=12, num_workers=4,
+                        prefetch_factor=3, mode="economic", multiprocessing_context="fork")
+    iterator = iter(loader)
+    slabs = iterator._engine._workers.slabs
+    live = []
+    for number, batch in enumerate(iterator):
+        assert batch[:, 0].tolist() == [float(number * 12 + k) for k in range(12)]
+        live.append(slabs.slab_count)
+        time.sleep(0.3)  # the training step
+    assert max(live) <= 2, live
 
 
 # -- seeding --------------------------------------------------------------------------------

@@ -170,3 +170,39 @@ class InFlightBudget:
 
 def _blend(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
+
+
+class PoolBuildClock:
+    """How long the pool takes to build one batch, when all workers build batches together.
+
+    In classic mode a worker times its own batch. In economic mode many item workers fill every
+    batch, and pieces go out in batch order, so the pool works on its batches one after another,
+    like a single server taking them in turn: a batch's build time runs from the moment the pool
+    could start on it (it was opened, and the batch before it had arrived) to its own arrival.
+    With several batches in flight their pieces overlap a little at the edges; the sum over a run
+    is still the pool's busy time. The first batch of an epoch is not timed: it also waited for
+    the workers to start (or to begin the epoch). Touched only by the thread that drives the engine.
+
+    Example:
+        >>> clock = PoolBuildClock()
+        >>> for number in range(3):
+        ...     clock.opened(number, at=1.0)
+        >>> [round(clock.arrived(number, at), 3) for number, at in enumerate([2.0, 2.3, 2.5])]
+        [0.0, 0.3, 0.2]
+    """
+
+    def __init__(self) -> None:
+        self._opened: dict[int, float] = {}
+        self._free_at: float | None = None  # when the pool could start on the next batch
+
+    def opened(self, number: int, at: float) -> None:
+        """Batch ``number`` was opened (its pieces may go out) at time ``at``."""
+        self._opened[number] = at
+
+    def arrived(self, number: int, at: float) -> float:
+        """Batch ``number`` arrived at ``at``: its build time (0.0: not timed)."""
+        opened = self._opened.pop(number, None)
+        free_at, self._free_at = self._free_at, at if self._free_at is None else max(self._free_at, at)
+        if opened is None or free_at is None:
+            return 0.0
+        return max(0.0, at - max(opened, free_at))

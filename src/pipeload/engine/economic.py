@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pipeload.collate import default_collate
-from pipeload.engine.budget import shm_budget_bytes
+from pipeload.engine.budget import InFlightBudget, PoolBuildClock, shm_budget_bytes
 from pipeload.engine.economic_workers import (
     BATCH,
     ITEM,
@@ -177,18 +178,19 @@ class EconomicEngine:
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
+        # Batches in flight: prefetch_factor at most, fewer when the training loop is slower than
+        # the pool builds batches (engine/budget.py, as in classic mode). The first wave is one
+        # batch, built by every item worker; more go out once the consumer's pace is known.
+        max_bytes = shm_budget_bytes(config.max_shm_bytes)
+        self._budget = InFlightBudget(config.prefetch_factor, 1, max_bytes)
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
-        # prefetch_factor batches in flight and the one the consumer holds. The batch a ``for``
-        # loop is dropping needs no slab of its own: the next batch is granted its slab, and
-        # written once it is released (see slab_pool.py); pinned slabs are released by this
-        # thread, so there the dropped batch keeps one more.
-        slab_settings = SlabSettings(config.pin_slabs, shm_budget_bytes(config.max_shm_bytes),
-                                     config.prefetch_factor + 1)
+        # batches in flight and the one the consumer holds. The batch a ``for`` loop is dropping
+        # needs no slab of its own: the next batch is granted its slab, and written once it is
+        # released (see slab_pool.py); pinned slabs are released by this thread, so there the
+        # dropped batch keeps one more. ``_top_up`` follows the budget.
+        slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats)
-        slabs = self._workers.slabs
-        if slabs is not None:
-            slabs.set_slab_limit(config.prefetch_factor + (2 if slabs.pinned else 1))
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -216,6 +218,7 @@ class EconomicEngine:
         self._started = True
         self._epoch += 1
         self._reset_epoch_state(TaskSupply(tasks), start)
+        self._budget.epoch_started()
         self._top_up()
 
     def next_batch(self) -> Any:
@@ -241,29 +244,40 @@ class EconomicEngine:
         self._unopened: tuple[int, list[Any]] | None = None
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
         self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
+        self._build_clock = PoolBuildClock()
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
         # One deadline per batch: item reports keep arriving while a batch is late, and must
         # not keep the loader's timeout from firing.
         deadline = self._workers.deadline()
+        self._budget.request_started()
+        waited_since = 0.0
         while True:
             report = self._ledger.pop_ready()
             if report is not None:
-                if self._stats is not None:
-                    self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
-                if self._workers.slabs is not None:
-                    self._workers.slabs.handed_out(report.batch_number)
-                try:
-                    self._top_up()
-                except LoaderTimeoutError:
-                    pass  # a task pipe stayed full; what was not sent goes out on the next call
+                waited_s = time.perf_counter() - waited_since if waited_since else 0.0
+                self._hand_over(report, waited_since > 0 and report.setup_s == 0, waited_s)
                 return report
             if self._ledger.nothing_left():
                 return None
+            waited_since = waited_since or time.perf_counter()
             for report in self._workers.receive(deadline):
                 self._record(report)
             self._top_up()
+
+    def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
+        """Book-keeping as batch ``report`` goes to the consumer; then open what the budget allows."""
+        if self._stats is not None:
+            self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        if self._workers.slabs is not None:
+            self._workers.slabs.handed_out(report.batch_number)
+        self._budget.request_served(starved, waited_s)
+        try:
+            self._top_up()
+        except LoaderTimeoutError:
+            pass  # a task pipe stayed full; what was not sent goes out on the next call
+        self._budget.consumer_resumes()  # after sending: the consumer's time starts now
 
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
@@ -273,11 +287,20 @@ class EconomicEngine:
                 self._item_bytes = report.payload.item_bytes
         elif report.report in (Report.BATCH, Report.FAILED):
             self._placements.pop(report.batch_number, None)
+            build_s = self._build_clock.arrived(report.batch_number, time.perf_counter())
+            if report.report is Report.BATCH:
+                self._budget.batch_built(build_s)
             self._ledger.record_report(report)
 
     def _top_up(self) -> None:
         """Open batches while the budget allows, then give waiting pieces to item workers."""
-        while not self._supply.done and self._ledger.outstanding < self._config.prefetch_factor:
+        slabs = self._workers.slabs
+        allowed = self._budget.allowed(slabs.batch_bytes if slabs is not None else 0)
+        if slabs is not None:
+            # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
+            # on release) the one it is dropping. Free slabs beyond it are retired.
+            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+        while not self._supply.done and self._ledger.outstanding < allowed:
             if self._unopened is None:
                 task = self._supply.take()
                 if self._supply.done:
@@ -301,6 +324,7 @@ class EconomicEngine:
                 del self._to_collate[number]
                 raise
         self._ledger.record_sent(batch_worker)
+        self._build_clock.opened(number, time.perf_counter())
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)
 

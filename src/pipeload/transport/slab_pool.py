@@ -130,6 +130,11 @@ class SlabPool:
         return not self._pin and self._late_pause == 0
 
     @property
+    def slab_count(self) -> int:
+        """How many slabs the pool holds now (not counting retired ones still viewed)."""
+        return len(self._slabs)
+
+    @property
     def slab_bytes(self) -> int:
         """Bytes of all slabs the pool holds now."""
         return sum(slab.size for slab in self._slabs.values())
