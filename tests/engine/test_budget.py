@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pipeload.engine.budget import (
     CALM_REQUESTS,
     GROW_AFTER,
     LARGE_BATCH_BYTES,
     TOLERATED_WAIT,
     InFlightBudget,
+    PoolBuildClock,
 )
 
 
@@ -162,3 +165,14 @@ def test_large_batches_get_another_slab_only_when_the_estimate_keeps_asking():
         steady.batch_built(0.1)
         _serve(steady, clock, 0.2)
         assert steady.allowed(LARGE_BATCH_BYTES) == 1
+
+
+def test_the_pool_build_clock_times_batches_one_after_another_and_skips_the_first():
+    clock = PoolBuildClock()
+    clock.opened(0, at=10.0)
+    clock.opened(1, at=10.0)  # opened together: the pool starts on 1 once 0 is done
+    assert clock.arrived(0, at=11.5) == 0.0  # the first of an epoch waited for the workers too
+    assert clock.arrived(1, at=11.6) == pytest.approx(0.1)
+    clock.opened(2, at=12.0)  # opened after the pool went idle (a slow training loop)
+    assert clock.arrived(2, at=12.15) == pytest.approx(0.15)
+    assert clock.arrived(9, at=13.0) == 0.0  # never opened here (an earlier epoch's)

@@ -27,7 +27,7 @@ TOTALS = (3, 192, 0.5, 0.25, 0.125, 1536, 12.0, 0.75, 0.0, 0)
 
 
 def _report(batch, report=Report.BATCH):
-    return WorkerReport(report, 1, 7, batch, TOTALS, 0.002, 0.001)
+    return WorkerReport(report, 1, 7, batch, TOTALS, 0.002, 0.001, 12.5)
 
 
 def _round_trip(report, writer=None):
@@ -54,7 +54,8 @@ def test_tensors_of_every_dtype_and_shape_arrive_equal_on_the_flat_wire(dtype):
             assert got.is_contiguous() and got.untyped_storage().nbytes() == sent.nbytes
             assert got.data_ptr() % 16 == 0 or got.numel() == 0
         assert (received.report, received.worker_id, received.batch_number) == (Report.BATCH, 1, 7)
-        assert (received.totals, received.build_s, received.setup_s) == (TOTALS, 0.002, 0.001)
+        assert (received.totals, received.build_s, received.setup_s, received.finished_at) == \
+            (TOTALS, 0.002, 0.001, 12.5)
 
 
 def test_each_tensor_arrives_writable_in_memory_of_its_own():

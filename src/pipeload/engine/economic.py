@@ -287,7 +287,10 @@ class EconomicEngine:
                 self._item_bytes = report.payload.item_bytes
         elif report.report in (Report.BATCH, Report.FAILED):
             self._placements.pop(report.batch_number, None)
-            build_s = self._build_clock.arrived(report.batch_number, time.perf_counter())
+            # The worker's own time (one clock machine-wide): a report read only when the
+            # training loop comes back for it would make every build look a step long.
+            finished_at = report.finished_at or time.monotonic()
+            build_s = self._build_clock.arrived(report.batch_number, finished_at)
             if report.report is Report.BATCH:
                 self._budget.batch_built(build_s)
             self._ledger.record_report(report)
@@ -324,7 +327,7 @@ class EconomicEngine:
                 del self._to_collate[number]
                 raise
         self._ledger.record_sent(batch_worker)
-        self._build_clock.opened(number, time.perf_counter())
+        self._build_clock.opened(number, time.monotonic())
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)
 

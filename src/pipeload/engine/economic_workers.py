@@ -306,7 +306,7 @@ class BatchWorkerLoop(WorkerLoop):
             return
         setup_s = self._outbox.setup_s
         build_s = max(0.0, time.perf_counter() - started - setup_s)
-        self._send_batch(number, batch, indices, build_s, setup_s)
+        self._send_batch(number, batch, indices, build_s, setup_s, time.monotonic())
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
         samples = gathering.samples()

@@ -190,24 +190,28 @@ class WorkerLoop:
         self._report(Report.EXHAUSTED, number)
 
     def _report(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
-                setup_s: float = 0.0) -> None:
+                setup_s: float = 0.0, finished_at: float = 0.0) -> None:
         """Send a report; with stats on, a timed task's (or a failure's) carries this worker's
         totals, this task counted (the others go without: stats/clock.py).
-        ``build_s`` and ``setup_s`` feed the pool's in-flight budget (see engine/budget.py)."""
+        ``build_s``, ``setup_s`` and ``finished_at`` feed the pool's in-flight budget (see
+        engine/budget.py)."""
         clock = self._clock
         if clock is None or (not clock.timing and report is Report.BATCH):
-            self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s))
+            self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s,
+                                           finished_at))
             return
         started = now()
         totals = clock.finished(payload if report is Report.BATCH else None)
-        self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s))
+        self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s,
+                                       finished_at))
         clock.sent(started)
 
     def _send_batch(
-        self, number: int, batch: Any, indices: Any, build_s: float, setup_s: float
+        self, number: int, batch: Any, indices: Any, build_s: float, setup_s: float,
+        finished_at: float = 0.0,
     ) -> None:
         try:
-            self._report(Report.BATCH, number, batch, build_s, setup_s)
+            self._report(Report.BATCH, number, batch, build_s, setup_s, finished_at)
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:

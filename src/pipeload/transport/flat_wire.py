@@ -68,7 +68,8 @@ def encode_report(report: Any, writer: Any, dtype_index: dict[torch.dtype, int],
         return None  # collation put something in shared memory: the codec places it
     outcome = GrantOutcome.NO_GRANT if writer is None else writer.finish()[1]
     meta = pickle.dumps((report.worker_id, report.batch_number, report.totals, report.build_s,
-                         report.setup_s, int(outcome), container, specs), pickle.HIGHEST_PROTOCOL)
+                         report.setup_s, report.finished_at, int(outcome), container, specs),
+                        pickle.HIGHEST_PROTOCOL)
     parts = [bytes((FLAT_TAG,)), _LENGTH.pack(len(meta)), meta]
     offset = _HEAD + len(meta)
     for tensor, (_, _, nbytes) in zip(tensors, specs):
@@ -113,7 +114,7 @@ def decode_report(payload: bytes | bytearray | memoryview,
     if not isinstance(payload, bytearray):
         payload = bytearray(payload)  # frombuffer needs a writable buffer
     (length,) = _LENGTH.unpack_from(payload, 1)
-    worker_id, number, totals, build_s, setup_s, outcome, container, specs = pickle.loads(
+    worker_id, number, totals, build_s, setup_s, finished_at, outcome, container, specs = pickle.loads(
         memoryview(payload)[_HEAD:_HEAD + length])
     offset = _HEAD + length
     tensors = []
@@ -128,5 +129,6 @@ def decode_report(payload: bytes | bytearray | memoryview,
         offset += nbytes
     batch: Any = tensors[0] if container == _TENSOR else (
         tensors if container == _LIST else tuple(tensors))
-    return WorkerReport(Report.BATCH, worker_id, number, batch, totals, build_s, setup_s), outcome
+    report = WorkerReport(Report.BATCH, worker_id, number, batch, totals, build_s, setup_s, finished_at)
+    return report, outcome
 

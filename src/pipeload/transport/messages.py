@@ -203,10 +203,13 @@ class WorkerReport(NamedTuple):
     """Seconds the worker spent fetching and collating the batch, set-up excluded."""
     setup_s: float = 0.0
     """Seconds it spent setting up shared memory for it (a new slab's pages, fresh buffers)."""
+    finished_at: float = 0.0
+    """When the batch was ready to send, on ``time.monotonic()``'s clock (one clock for every
+    process of a machine), 0.0 if not said: economic mode times the pool's builds with it."""
 
     def __reduce__(self) -> Any:
         return (_report, (int(self.report), self.worker_id, self.batch_number, self.payload,
-                          self.totals, self.build_s, self.setup_s))
+                          self.totals, self.build_s, self.setup_s, self.finished_at))
 
     @property
     def failure(self) -> RemoteFailure:
@@ -215,8 +218,9 @@ class WorkerReport(NamedTuple):
 
 
 def _report(report: int, worker_id: int, batch_number: int, payload: Any, totals: Any,
-            build_s: float, setup_s: float) -> WorkerReport:
-    return WorkerReport(_REPORTS[report], worker_id, batch_number, payload, totals, build_s, setup_s)
+            build_s: float, setup_s: float, finished_at: float) -> WorkerReport:
+    return WorkerReport(_REPORTS[report], worker_id, batch_number, payload, totals, build_s, setup_s,
+                        finished_at)
 
 
 @dataclass(frozen=True, slots=True)
