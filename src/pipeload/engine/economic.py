@@ -189,8 +189,10 @@ class EconomicEngine:
         # released (see slab_pool.py); pinned slabs are released by this thread, so there the
         # dropped batch keeps one more. ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
+        # Item worker 0 starts now; the others as their first pieces go out (the first ones
+        # fetch while the rest are forked), the batch workers right after (see start_epoch).
         self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
-                                    config.timeout_s, slab_settings, self._stats)
+                                    config.timeout_s, slab_settings, self._stats, start_first=1)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -219,7 +221,12 @@ class EconomicEngine:
         self._epoch += 1
         self._reset_epoch_state(TaskSupply(tasks), start)
         self._budget.epoch_started()
-        self._top_up()
+        try:
+            self._top_up()
+        finally:
+            # Before anything is received, and before any slab exists (no batch size is known
+            # yet): a worker forked later would inherit the slabs' descriptors.
+            self._workers.start_all()
 
     def next_batch(self) -> Any:
         """The next batch; raises StopIteration when the epoch is over.

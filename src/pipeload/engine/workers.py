@@ -95,8 +95,12 @@ class WorkerGroup:
 
     def __init__(
         self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
-        slab_settings: SlabSettings, stats: Any = None,
+        slab_settings: SlabSettings, stats: Any = None, start_first: int | None = None,
     ) -> None:
+        """``start_first``: process workers of the first slots to start now (None: all); the
+        others start on the first command sent to them, or ``start_all()``. Economic mode forks
+        its item workers one by one as their first pieces go out, so that the first ones fetch
+        while the rest are forked."""
         self.plan = plan
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
         self.labels = plan.labels
@@ -104,6 +108,8 @@ class WorkerGroup:
         self.stop_event: threading.Event | None = None
         self.slabs: SlabPool | None = None
         self.closed = False
+        self._unstarted: list[WorkerLaunch] = []  # process workers of the last slots, in order
+        self._ctx: Any = None
         count = len(self.labels)
         try:
             if worker_type == "thread":
@@ -112,27 +118,46 @@ class WorkerGroup:
                 self.handles = start_threads(plan.thread_launches(self.channels, self.stop_event),
                                              self.stop_event)
             else:
-                self._start_processes(plan, mp_context, count, slab_settings)
+                self._start_processes(plan, mp_context, count, slab_settings, start_first)
         except BaseException:
             plan.close()
             raise
 
     def _start_processes(
-        self, plan: LaunchPlan, mp_context: Any, count: int, settings: SlabSettings
+        self, plan: LaunchPlan, mp_context: Any, count: int, settings: SlabSettings,
+        start_first: int | None,
     ) -> None:
-        ctx = mp_context or multiprocessing.get_context()
+        ctx = self._ctx = mp_context or multiprocessing.get_context()
         if ctx.get_start_method() != "fork":
             check_picklable(plan.picklable_parts(), ctx.get_start_method())
         self.slabs = SlabPool(pin=settings.pin, max_bytes=settings.max_bytes,
                               batches_in_flight=settings.batches_in_flight)
         self.channels = ProcessChannels(ctx, count, self.slabs)
+        self.handles = []
         try:
-            self.handles = start_processes(ctx, plan.process_launches(ctx, self.channels),
-                                           self.channels.forget_worker_ends)
+            self._unstarted = list(plan.process_launches(ctx, self.channels))
+            self._start_up_to(count if start_first is None else max(1, start_first))
         except BaseException:
+            self.channels.forget_worker_ends()
             self.channels.close()
             self.slabs.close()
             raise
+
+    def start_all(self) -> None:
+        """Start the process workers not started yet (see ``start_first``)."""
+        self._start_up_to(len(self.labels))
+
+    def _start_up_to(self, count: int) -> None:
+        """Start the process workers of the slots below ``count`` that have not started, in order
+        (a worker forked earlier inherits the main process's copies of the later ones' ends, as
+        when all start at once). The parent's copies of every worker end go once all started."""
+        launches = self._unstarted[:max(0, count - len(self.handles))]
+        if not launches:
+            return
+        del self._unstarted[:len(launches)]
+        last = not self._unstarted
+        self.handles += start_processes(self._ctx, launches,
+                                        self.channels.forget_worker_ends if last else _nothing)
 
     @property
     def wait_slice_s(self) -> float:
@@ -155,7 +180,10 @@ class WorkerGroup:
     # -- talking to workers ----------------------------------------------------------------
 
     def send(self, slot: int, command: WorkerCommand) -> None:
-        """Send a task; never blocks for good on a worker that stopped reading."""
+        """Send a task (starting its worker if it has not started); never blocks for good on a
+        worker that stopped reading."""
+        if slot >= len(self.handles):
+            self._start_up_to(slot + 1)
         try:
             self.channels.send(slot, command, self._while_pipe_full(slot))
         except (BrokenPipeError, ConnectionResetError, EOFError):
@@ -240,6 +268,8 @@ class WorkerGroup:
         if self.stop_event is not None:
             self.stop_event.set()
         stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
+        self._unstarted = []
+        self.channels.forget_worker_ends()  # the ends of workers that never started
         self.channels.close()
         if self.slabs is not None:
             self.slabs.close()
@@ -255,6 +285,10 @@ class WorkerGroup:
 
 class _PipeFull(Exception):
     """Closing never waits for room in a task pipe."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def _give_up() -> None:
