@@ -321,6 +321,31 @@ def _engine(dataset: Any, engine_choice, in_order: bool = True) -> EconomicEngin
     return EconomicEngine(config)
 
 
+def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_after():
+    # The first item workers fetch while the others are forked (a shorter first batch when
+    # CPUs are contended); by the time the epoch has started every worker runs.
+    engine = _engine(Numbers(40), ECONOMIC)
+    try:
+        assert len(engine.workers) == 1  # item worker 0: any start-up error shows at once
+        engine.start_epoch(iter([[i, i + 1] for i in range(0, 40, 2)]))
+        assert len(engine.workers) == 4 and all(worker.is_alive() for worker in engine.workers)
+        batches = []
+        while True:
+            try:
+                batches.append(engine.next_batch().tolist())
+            except StopIteration:
+                break
+        assert batches == [[i, i + 1] for i in range(0, 40, 2)]
+    finally:
+        engine.close()
+
+
+def test_an_engine_closed_before_its_epoch_leaves_nothing_behind():
+    engine = _engine(Numbers(8), ECONOMIC)  # one worker started, three never will be
+    engine.close()
+    assert not engine.workers[0].is_alive()
+
+
 @pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("engine", BOTH)
 def test_a_failed_item_fails_its_batch_only_and_the_epoch_goes_on(engine, in_order):

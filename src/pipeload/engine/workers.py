@@ -248,6 +248,7 @@ class WorkerGroup:
         reseeds their DataPipe graphs), and wait until all have answered. Reports of the old
         epoch that arrive meanwhile are dropped: a worker's reports come in order, so after its
         answer none of them can follow."""
+        self.start_all()  # an epoch that sent nothing may have left some unstarted
         start = WorkerCommand(Command.START_EPOCH, epoch=epoch, shared_seed=shared_seed)
         for slot in range(len(self.handles)):
             self.send(slot, start)
