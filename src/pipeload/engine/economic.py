@@ -179,10 +179,13 @@ class EconomicEngine:
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
             self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
         # Batches in flight: prefetch_factor at most, fewer when the training loop is slower than
-        # the pool builds batches (engine/budget.py, as in classic mode). The first wave is one
-        # batch, built by every item worker; more go out once the consumer's pace is known.
+        # the pool builds batches (engine/budget.py, as in classic mode). In order, the first
+        # wave is one batch, built by every item worker (a second one would only hold a slab
+        # before the first is out); more go out once the consumer's pace is known. Out of order,
+        # batches in flight are what lets the others overtake a slow one: all of them fly.
         max_bytes = shm_budget_bytes(config.max_shm_bytes)
-        self._budget = InFlightBudget(config.prefetch_factor, 1, max_bytes)
+        first_wave = 1 if config.in_order else config.prefetch_factor
+        self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes)
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
         # batches in flight and the one the consumer holds. The batch a ``for`` loop is dropping
         # needs no slab of its own: the next batch is granted its slab, and written once it is
