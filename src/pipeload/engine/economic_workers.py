@@ -73,17 +73,13 @@ class ItemWorkerLoop(WorkerLoop):
         self._heap_in_use = False
 
     def _next_command(self) -> WorkerCommand | None:
-        if self._heap_in_use and not self._pending:
-            waiting = self._inbox.receive(0)
-            if waiting is None:
-                # Nothing to do right now (the loader is ahead of the training loop): give the
-                # heap that held fetched items back to the system at once, instead of keeping a
-                # piece's worth of items per worker while it waits.
-                self._heap_in_use = False
-                release_free_heap()
-            else:
-                self._pending.append(waiting)  # read like the rest, epoch restarts included
-        return super()._next_command()
+        command = super()._next_command()
+        if command is None and self._heap_in_use:
+            # Idle for a while (the loader is ahead of the training loop): give the heap that
+            # held fetched items back to the system, instead of keeping a few of them per worker.
+            self._heap_in_use = False
+            release_free_heap()
+        return command
 
     def _share(self) -> tuple[int, int]:
         # Items are fetched by global index, so no item worker may hold only a shard: each copy
