@@ -234,3 +234,39 @@ def test_the_pool_knows_when_every_batch_so_far_travelled_inline():
         assert not pool.inline_only
     finally:
         pool.close()
+
+
+def _resident_bytes(address: int) -> int:
+    """Resident bytes of this process's mapping that contains ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+@pytest.mark.parametrize("populate", [True, False])
+def test_a_writer_that_fills_rows_maps_slabs_without_faulting_them_all_in(pool, populate):
+    # Whole-batch producers get every page at map time; an economic item worker, which writes
+    # its own rows of each slab, must not hold every slab in its resident set.
+    writer = SlabWriter(populate=populate)
+    grant = pool.grant(0, 0)
+    _deliver_controls(pool, writer, 0)
+    writer.begin(grant)
+    storage = writer.slab_storage()
+    assert storage is not None
+    resident = _resident_bytes(storage.data_ptr())
+    if populate:
+        assert resident >= storage.nbytes()
+    else:
+        assert resident < storage.nbytes() // 4
+        row = torch.empty((0,), dtype=torch.uint8).set_(storage, 0, (ITEM * 4,))
+        row.fill_(1)  # one item's bytes
+        assert resident < _resident_bytes(storage.data_ptr()) <= resident + ITEM * 4 + (1 << 16)
+    pool.settle(0, GrantOutcome.UNUSED)

@@ -342,6 +342,7 @@ def run_item_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: A
     """Entry point of an item worker process. ``links`` (fork only) is the inherited mesh."""
     if links is not None:
         links.keep_only(deliveries.links)
+    outbox.writer.populate = False  # it writes its own rows of a batch's slab, not the whole slab
     common = setup.worker
     seed = enter_worker_process(common.base_seed, worker_id)
     info = WorkerInfo(worker_id, common.num_workers, seed, common.fetch.dataset, kind=ITEM)
@@ -354,6 +355,7 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
     """Entry point of a batch worker process; its seed comes after the item workers' seeds."""
     if links is not None:
         links.keep_only(inbox.links)
+    outbox.writer.populate = False  # it views the rows item workers wrote; writes only the rest
     inbox.read_slabs_with(outbox)
     common = setup.worker
     seed = enter_worker_process(common.base_seed, common.num_workers + worker_id)

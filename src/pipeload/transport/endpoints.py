@@ -41,9 +41,9 @@ CONTROL_WAIT_S = 5.0  # controls are written before the grant that needs them: t
 class Sender:
     """The producing end. Owned by one thread of the producer process."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, populate: bool = True) -> None:
         self.sock = sock
-        self.writer = SlabWriter()
+        self.writer = SlabWriter(populate)
 
     def fileno(self) -> int:
         return self.sock.fileno()

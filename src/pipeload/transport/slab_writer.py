@@ -40,12 +40,15 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 class _MappedSlab:
     __slots__ = ("slab_id", "size", "mapping", "storage", "baseline_uses")
 
-    def __init__(self, slab_id: int, size: int, fd: int) -> None:
+    def __init__(self, slab_id: int, size: int, fd: int, populate: bool) -> None:
         self.slab_id = slab_id
         self.size = size
-        # Populated at once: the producer writes the whole slab anyway, and one kernel loop is
-        # cheaper than a fault per page.
-        self.mapping = mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        # A producer that writes whole batches gets the slab populated at once: one kernel loop
+        # is cheaper than a fault per page. One that writes a few rows (an economic item worker)
+        # or reads what others wrote (a batch worker) faults in only the pages it touches, or
+        # each of them would hold every slab in its resident set.
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        self.mapping = mapping = mmap.mmap(fd, size, flags=flags)
         self.storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
         self.baseline_uses = _uses(self.storage)
 
@@ -91,7 +94,8 @@ class SlabWriter:
     ``used_bytes`` never exceeds that slab's size.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, populate: bool = True) -> None:
+        self.populate = populate  # map slabs with every page faulted in (whole-batch producers)
         self._slabs: dict[int, _MappedSlab] = {}
         self._board: np.ndarray | None = None
         self.controls_applied = 0
@@ -118,7 +122,8 @@ class SlabWriter:
                 board = mmap.mmap(fds[0], control.size, prot=mmap.PROT_READ)
                 self._board = np.frombuffer(board, dtype=np.uint64)
             elif control.kind is SlabControlKind.MAP:
-                self._slabs[control.slab_id] = _MappedSlab(control.slab_id, control.size, fds[0])
+                self._slabs[control.slab_id] = _MappedSlab(control.slab_id, control.size, fds[0],
+                                                           self.populate)
             elif control.kind is SlabControlKind.FORGET:
                 # Unmapped once no tensor here views it any more (usually at once).
                 self._slabs.pop(control.slab_id, None)
