@@ -10,6 +10,8 @@ torch's order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from typing import Any
 
@@ -19,7 +21,7 @@ from pipeload import _arguments as arguments
 from pipeload import resume
 from pipeload.distributed import check_ranks_can_agree, current_placement
 from pipeload.engine import replica
-from pipeload.engine.auto import AutoEngine, pools_like
+from pipeload.engine.auto import AutoEngine
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.inline import InlineEngine
@@ -87,11 +89,14 @@ def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
 
 def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
     """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
-    may replace mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
+    may resize mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
     re-split mid-stream: it keeps its starting settings."""
     tuner = _auto_tuner(loader)
-    first = _pool_config(loader, spec, base_seed, replica_setup)
-    return AutoEngine(pools_like(first), tuner, first.setup.first_epoch)
+    config = _pool_config(loader, spec, base_seed, replica_setup)
+    # A later epoch of a loader without persistent workers starts where the tuner stands.
+    setup = dataclasses.replace(config.setup, num_workers=tuner.current.num_workers)
+    config = dataclasses.replace(config, setup=setup, prefetch_factor=tuner.current.prefetch_factor)
+    return AutoEngine(PoolEngine(config), tuner)
 
 def _auto_tuner(loader: Any) -> AutoTuner:
     """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""

@@ -5,6 +5,7 @@ One instance serves one epoch, or every epoch of a loader with ``persistent_work
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -58,26 +59,36 @@ class PoolConfig:
 
 
 class ClassicLaunch:
-    """What the pool's workers run: the classic worker loop, one whole batch per task."""
+    """What the pool's workers run: the classic worker loop, one whole batch per task.
+
+    A :class:`~pipeload.engine.workers.GrowingPlan`: under ``num_workers="auto"`` the pool
+    grows and shrinks in place, and workers started later get the setup as it is then.
+    """
 
     def __init__(self, setup: WorkerSetup) -> None:
         self._setup = setup
         self.labels = [WorkerLabel("", worker_id) for worker_id in range(setup.num_workers)]
 
+    def resize(self, count: int, epoch: int | None = None) -> None:
+        first_epoch = self._setup.first_epoch if epoch is None else epoch
+        self._setup = dataclasses.replace(self._setup, num_workers=count, first_epoch=first_epoch)
+        self.labels = [WorkerLabel("", worker_id) for worker_id in range(count)]
+
     def picklable_parts(self) -> dict[str, Any]:
         return picklable_parts(self._setup)
 
-    def process_launches(self, ctx: Any, channels: ProcessChannels) -> list[WorkerLaunch]:
+    def process_launches(self, ctx: Any, channels: ProcessChannels, first: int = 0) -> list[WorkerLaunch]:
         launches = []
-        for worker_id in range(self._setup.num_workers):
+        for worker_id in range(first, self._setup.num_workers):
             inbox, outbox = channels.worker_ends(worker_id)
             launches.append(WorkerLaunch(run_process_worker, (self._setup, worker_id, inbox, outbox),
                                          f"pipeload-worker-{worker_id}", (inbox, outbox)))
         return launches
 
-    def thread_launches(self, channels: ThreadChannels, stop: threading.Event) -> list[WorkerLaunch]:
+    def thread_launches(self, channels: ThreadChannels, stop: threading.Event,
+                        first: int = 0) -> list[WorkerLaunch]:
         launches = []
-        for worker_id in range(self._setup.num_workers):
+        for worker_id in range(first, self._setup.num_workers):
             inbox, outbox = channels.worker_ends(worker_id)
             launches.append(WorkerLaunch(run_thread_worker, (self._setup, worker_id, inbox, outbox, stop),
                                          f"pipeload-worker-{worker_id}"))
@@ -124,6 +135,8 @@ class PoolEngine:
         self._ledger = BatchLedger(num_workers, config.in_order)
         self._supply = TaskSupply()
         self._unsent: tuple[int, WorkerCommand] | None = None
+        self._num_workers = num_workers  # those that take new tasks (see resize)
+        self._prefetch_factor = config.prefetch_factor
 
     @property
     def workers(self) -> list[Any]:
@@ -138,11 +151,39 @@ class PoolEngine:
         """The session's current epoch number (1 for the first)."""
         return self._epoch
 
-    def set_prefetch_factor(self, prefetch_factor: int) -> None:
-        """Keep at most ``prefetch_factor`` batches per worker in flight from now on
-        (``prefetch_factor="auto"``); a lower bound takes effect as the batches in flight are
-        handed out. The in-flight budget may still keep fewer for a slow training loop."""
-        self._budget.set_max_batches(prefetch_factor * self._config.setup.num_workers)
+    def resize(self, num_workers: int, prefetch_factor: int) -> None:
+        """Run ``num_workers`` workers with ``prefetch_factor`` batches each in flight from now
+        on (``num_workers="auto"``), in place: the running workers go on with what they hold.
+
+        Growing starts the new workers beside them and hands them tasks as their turn comes
+        (the first new ones right away). Shrinking stops handing tasks to the workers beyond
+        ``num_workers``; each is stopped once it has handed in what it holds. A lower prefetch
+        bound takes effect as the batches in flight are handed out. The in-flight budget may
+        still keep fewer for a slow training loop. Batches keep their numbers, and so their
+        order and per-batch seeds, whichever worker builds them.
+        """
+        if num_workers > len(self._workers.handles):
+            try:
+                self._workers.grow(num_workers, max(self._epoch, self._config.setup.first_epoch))
+            except BaseException:
+                self.close()  # a worker that could not start (fork failed): as a dead one
+                raise
+        self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
+        self._ledger.resize(num_workers)
+        self._budget.set_max_batches(prefetch_factor * num_workers)
+        if self._stats is not None:
+            self._stats.resized(prefetch_factor * num_workers)
+        self._shrink_when_idle()
+
+    def _shrink_when_idle(self) -> None:
+        """Stop the workers beyond ``_num_workers`` once they hold nothing (see resize)."""
+        count = self._num_workers
+        if count >= len(self._workers.handles) or not self._ledger.idle_from(count):
+            return
+        if self._unsent is not None and self._unsent[0] >= count:
+            return  # it goes out to its worker first, and comes back
+        self._workers.shrink(count)
+        self._ledger.forget_from(count)
 
     def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
                     start: EpochStart = EpochStart()) -> None:
@@ -157,8 +198,10 @@ class PoolEngine:
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order,
+        self._ledger = BatchLedger(len(self._workers.handles), self._config.in_order,
                                    first_batch=start.first_batch, first_worker=start.first_worker)
+        self._ledger.resize(self._num_workers)
+        self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
         self._budget.epoch_started()
         self._top_up()
 
@@ -177,7 +220,7 @@ class PoolEngine:
         self._finalizer()
         # A closed engine can live on for a long time (an exception's traceback holds it): drop
         # the batches it still holds, so their shared memory is freed now, and end the epoch.
-        self._ledger = BatchLedger(self._config.setup.num_workers, self._config.in_order)
+        self._ledger = BatchLedger(self._num_workers, self._config.in_order)
         self._supply = TaskSupply()
         self._unsent = None
 
@@ -214,6 +257,8 @@ class PoolEngine:
         if slabs is not None:
             slabs.handed_out(report.batch_number)
         self._budget.request_served(starved, waited_s)
+        if self._num_workers < len(self._ledger.active):
+            self._shrink_when_idle()
         self._top_up_while_full(handing_out=True)
         self._budget.consumer_resumes()  # after sending: the consumer's time starts now
 

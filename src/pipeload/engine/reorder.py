@@ -19,7 +19,9 @@ class BatchLedger:
         (sent to a worker whose iterable ran dry: it will never come);
       - ``len(building) == sum(in_flight_per_worker)``;
       - ``outstanding`` (sent, not yet yielded or skipped) is what the prefetch budget bounds, so
-        batches that arrive early count against it and memory stays bounded behind a slow worker.
+        batches that arrive early count against it and memory stays bounded behind a slow worker;
+      - only workers below ``taking`` are chosen for new batches (the rest, a pool shrinking in
+        place, only finish what they hold).
     """
 
     def __init__(self, num_workers: int, in_order: bool, least_loaded: bool = False,
@@ -37,7 +39,26 @@ class BatchLedger:
         self.skipped: set[int] = set()
         self.active = [True] * num_workers
         self.in_flight_per_worker = [0] * num_workers
+        self.taking = num_workers
         self._rotation = first_worker % num_workers if num_workers else 0
+
+    def resize(self, num_workers: int) -> None:
+        """From now on only workers ``0 .. num_workers - 1`` take new batches; new ones start
+        active and idle. Workers beyond keep their place until :meth:`forget_from`."""
+        grow = num_workers - len(self.active)
+        if grow > 0:
+            self.active += [True] * grow
+            self.in_flight_per_worker += [0] * grow
+        self.taking = num_workers
+
+    def forget_from(self, first: int) -> None:
+        """Drop workers ``first`` and up, which hold nothing (a shrunk pool stopped them)."""
+        del self.active[first:]
+        del self.in_flight_per_worker[first:]
+
+    def idle_from(self, first: int) -> bool:
+        """Whether workers ``first`` and up hold nothing in flight."""
+        return not any(self.in_flight_per_worker[first:])
 
     @property
     def outstanding(self) -> int:
@@ -49,8 +70,10 @@ class BatchLedger:
     def choose_worker(self) -> int | None:
         """Next active worker: round-robin in order mode (as torch), least loaded otherwise
         (ties go to the next in the rotation)."""
-        count = len(self.active)
-        if not self.least_loaded and self.active[self._rotation]:
+        count = self.taking
+        if self._rotation >= count:  # the pool shrank: the turn goes back to the first
+            self._rotation = 0
+        if not self.least_loaded and count and self.active[self._rotation]:
             chosen = self._rotation  # the usual case, without building the candidate list
         else:
             candidates = [(self._rotation + step) % count for step in range(count)]

@@ -77,6 +77,21 @@ class LaunchPlan(Protocol):
 
     def thread_launches(self, channels: ThreadChannels, stop: threading.Event) -> list[WorkerLaunch]: ...
 
+
+class GrowingPlan(LaunchPlan, Protocol):
+    """A plan whose group can grow and shrink in place (the classic pool's, under "auto")."""
+
+    def resize(self, count: int, epoch: int | None = None) -> None:
+        """From now on the group has ``count`` workers; workers started from now on begin in
+        session epoch ``epoch`` (None: as before). The launches then cover workers ``first``
+        up to ``count``."""
+        ...
+
+    def process_launches(self, ctx: Any, channels: ProcessChannels, first: int = 0) -> list[WorkerLaunch]: ...
+
+    def thread_launches(self, channels: ThreadChannels, stop: threading.Event,
+                        first: int = 0) -> list[WorkerLaunch]: ...
+
     def close(self) -> None:
         """Release what the plan owns besides the group's channels (idempotent)."""
         ...
@@ -259,6 +274,49 @@ class WorkerGroup:
                     waiting -= 1
         if self.slabs is not None:
             self.slabs.cancel_all_grants()  # their tasks were answered or dropped by now
+
+    # -- growing and shrinking in place ----------------------------------------------------
+
+    def grow(self, count: int, epoch: int) -> None:
+        """Start workers until there are ``count``, beside the running ones (which go on
+        working); the new ones begin in session epoch ``epoch``. Needs a :class:`GrowingPlan`.
+        If a start fails, the workers started here are stopped and the group is as it was."""
+        if self.stop_event is None:
+            self.start_all()  # the new ones are numbered after every slot the group has
+        first = len(self.handles)
+        plan: GrowingPlan = self.plan  # type: ignore[assignment]
+        plan.resize(count, epoch)
+        self.channels.add_workers(count - first)
+        try:
+            if self.stop_event is not None:
+                added = start_threads(plan.thread_launches(self.channels, self.stop_event, first),
+                                      self.stop_event)
+            else:
+                added = start_processes(self._ctx, plan.process_launches(self._ctx, self.channels, first),
+                                        lambda: self.channels.forget_worker_ends(first))
+        except BaseException:
+            self.channels.drop_workers(first)
+            plan.resize(first, epoch)
+            raise
+        self.handles = self.handles + added
+        self.labels = plan.labels
+
+    def shrink(self, count: int) -> None:
+        """Stop workers ``count`` and up, which must have nothing in flight, and forget them:
+        the group is as if it had started with ``count`` workers."""
+        gone = self.handles[count:]
+        stop_workers(gone, lambda index: self._ask_to_stop(count + index), force=self.stop_event is None)
+        self.channels.drop_workers(count)
+        for slot in range(count, count + len(gone)):
+            if self.slabs is not None:
+                self.slabs.forget_producer(slot)
+            if self.stats is not None:
+                self.stats.retire(slot)
+        self.handles = self.handles[:count]
+        plan: GrowingPlan = self.plan  # type: ignore[assignment]
+        plan.resize(count)
+        self.labels = plan.labels
+        release_finished(gone)
 
     # -- stopping --------------------------------------------------------------------------
 

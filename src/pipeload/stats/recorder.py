@@ -158,6 +158,7 @@ class SessionStats:
         self._default_kind = "batch" if kinds else ""
         self._lag: dict[int, int] = recorder._lags.setdefault(session, defaultdict(int))
         self._gaps = gaps(SAMPLE_EVERY)
+        self._retired = -1_000_000 * session  # see retire()
         self.skip = 0  # hand-outs until the queue is looked at again: see handing_out
 
     def local_clock(self) -> StageClock:
@@ -183,6 +184,24 @@ class SessionStats:
             self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
             if not self._kinds:
                 lag[report.worker_id] = 0
+
+    def resized(self, capacity: int) -> None:
+        """The pool was resized in place and now holds up to ``capacity`` batches in flight."""
+        self._queue.capacity = capacity
+
+    def retire(self, worker_id: int) -> None:
+        """Classic worker ``worker_id`` has stopped (a pool shrinking in place). Its totals,
+        brought up to the tasks it reported since, are kept apart, so that a worker started
+        later under the same id adds to them rather than replacing them."""
+        entry = self._seen.pop((self._session, "", worker_id), None)
+        lag = self._lag.pop(worker_id, 0)
+        if entry is None:
+            return
+        raw, arrived = entry
+        # Keyed under a session number of its own (negative: no engine session has it), which
+        # _per_worker sums into the worker's line with every other session's totals.
+        self._retired -= 1
+        self._seen[(self._retired, "", worker_id)] = (tuple(_extrapolated(WorkerTotals._make(raw), lag)), arrived)
 
     def handing_out(self, ready: int, in_flight: int) -> None:
         """A batch is being handed out; ``ready`` more are waiting, ``in_flight`` are sent and

@@ -143,28 +143,53 @@ class ProcessChannels:
     """
 
     def __init__(self, ctx: Any, num_workers: int, pool: Any = None) -> None:
-        task_pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
-        for _, writer in task_pipes:
+        self.pool = pool
+        self._ctx = ctx
+        self.task_readers: list[PipeEnd] = []
+        self.task_writers: list[PipeEnd] = []
+        self.result_readers: list[Receiver] = []
+        self.result_writers: list[Sender] = []
+        self._live_readers: list[Receiver] = []
+        self._readers_by_fd: dict[int, Receiver] | None = None  # rebuilt when the readers change
+        self._poller = _Poller()
+        self.add_workers(num_workers)
+
+    def add_workers(self, count: int) -> None:
+        """Channels for ``count`` more workers, numbered on from the existing ones (a pool
+        growing in place); start them, then :meth:`forget_worker_ends` from the first new one."""
+        for _ in range(count):
+            reader, writer = self._ctx.Pipe(duplex=False)
             _enlarge_pipe(writer.fileno())
             os.set_blocking(writer.fileno(), False)
-        result_pairs = [socket.socketpair() for _ in range(num_workers)]
-        self.pool = pool
-        self.task_readers = [PipeEnd(reader) for reader, _ in task_pipes]
-        self.task_writers = [PipeEnd(writer) for _, writer in task_pipes]
-        self.result_readers = [Receiver(reader, pool, worker_id)
-                               for worker_id, (reader, _) in enumerate(result_pairs)]
-        self.result_writers = [Sender(writer) for _, writer in result_pairs]
-        self._live_readers = list(self.result_readers)
-        self._readers_by_fd: dict[int, Receiver] | None = None
-        self._poller = _Poller()
+            result_reader, result_writer = socket.socketpair()
+            self.task_readers.append(PipeEnd(reader))
+            self.task_writers.append(PipeEnd(writer))
+            receiver = Receiver(result_reader, self.pool, len(self.result_readers))
+            self.result_readers.append(receiver)
+            self._live_readers.append(receiver)
+            self.result_writers.append(Sender(result_writer))
+        self._readers_by_fd = None
+
+    def drop_workers(self, first: int) -> None:
+        """Close and forget the channels of workers ``first`` and up, which have stopped."""
+        for end in self.task_writers[first:]:
+            end.close()
+        for reader in self.result_readers[first:]:
+            reader.close()
+        gone = set(map(id, self.result_readers[first:]))
+        self._live_readers = [r for r in self._live_readers if id(r) not in gone]
+        self._readers_by_fd = None
+        for ends in (self.task_readers, self.task_writers, self.result_readers, self.result_writers):
+            del ends[first:]
 
     def worker_ends(self, worker_id: int) -> tuple[PipeEnd, Sender]:
         """(task inbox, result outbox) to hand to worker ``worker_id``."""
         return self.task_readers[worker_id], self.result_writers[worker_id]
 
-    def forget_worker_ends(self) -> None:
-        """Close the main process's copies of the workers' ends once they have started."""
-        for end in self.task_readers + self.result_writers:
+    def forget_worker_ends(self, first: int = 0) -> None:
+        """Close the main process's copies of the ends of workers ``first`` and up once they
+        have started."""
+        for end in self.task_readers[first:] + self.result_writers[first:]:
             end.close()
 
     def send(
@@ -325,10 +350,16 @@ class ThreadChannels:
         self.task_queues = [QueueEnd(queue.SimpleQueue()) for _ in range(num_workers)]
         self.results = QueueEnd(queue.SimpleQueue())
 
+    def add_workers(self, count: int) -> None:
+        self.task_queues += [QueueEnd(queue.SimpleQueue()) for _ in range(count)]
+
+    def drop_workers(self, first: int) -> None:
+        del self.task_queues[first:]
+
     def worker_ends(self, worker_id: int) -> tuple[QueueEnd, QueueEnd]:
         return self.task_queues[worker_id], self.results
 
-    def forget_worker_ends(self) -> None:
+    def forget_worker_ends(self, first: int = 0) -> None:
         pass
 
     def send(

@@ -292,6 +292,15 @@ class SlabPool:
             if slab.granted_producer == producer:
                 self.settle(token, GrantOutcome.UNUSED)
 
+    def forget_producer(self, producer: int) -> None:
+        """``producer`` has stopped (a pool shrinking in place): a later producer that takes its
+        number starts with nothing mapped, so the board and every slab are announced afresh."""
+        self.cancel_grants_of(producer)
+        self._controls.pop(producer, None)
+        self.controls_queued.pop(producer, None)
+        for slab in (*self._slabs.values(), *self._retired_in_use.values()):
+            slab.mapped_by.discard(producer)
+
     def handed_out(self, token: int) -> None:
         """Batch ``token`` was just given to the consumer (feeds the choice of deferred grants)."""
         self._handed_out.append(token)
