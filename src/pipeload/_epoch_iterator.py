@@ -17,6 +17,7 @@ from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
 from pipeload.stats.clock import profiling, span
+from pipeload.stats.recorder import EpochCount
 
 
 class _EpochIterator:
@@ -29,7 +30,7 @@ class _EpochIterator:
     """
 
     def __init__(self, loader: Any, engine: Any, owns_engine: bool,
-                 progress: resume.EpochProgress) -> None:
+                 progress: resume.EpochProgress, count: EpochCount | None = None) -> None:
         self._engine = engine
         self._progress = progress
         self._owns_engine = owns_engine
@@ -41,8 +42,9 @@ class _EpochIterator:
         self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
         self._num_workers = loader.num_workers
         self._dataset = loader.dataset
-        self._yielded = 0
         self._ended = False
+        # Batches handed out, and when the stats time the next (never, with stats off).
+        self._count = count if count is not None else EpochCount()
         self._stats = loader._stats.consumer if loader._stats is not None else None
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
 
@@ -50,12 +52,10 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        stats = self._stats  # times the wait for data; holds no engine, so the frame may keep it
+        count = self._count
         asked = 0.0
-        if stats is not None:  # one batch in several is timed: see stats/recorder.py
-            stats.left -= 1
-            if stats.left <= 0:
-                asked = stats.asking()
+        if count.handed >= count.next_timed:  # one batch in several is timed: stats/recorder.py
+            asked = self._stats.asking()  # times the wait for data (holds no engine)
         try:
             if profiling():  # a span as torch's loader records for its __next__
                 with span("pipeload.DataLoader.__next__"):
@@ -64,14 +64,14 @@ class _EpochIterator:
                 batch = self._engine.next_batch()
         except StopIteration:
             self._progress.ended = True
-            if stats is not None:
-                stats.ended(asked)
+            if self._stats is not None:
+                self._stats.ended(asked)
             self._finish()
             raise
         except Exception as error:
             self._progress.failed(error)
-            if stats is not None:
-                stats.ended(asked)
+            if self._stats is not None:
+                self._stats.ended(asked)
             # The error's traceback keeps this frame: without `self` in it, an uncaught error
             # (one that unwinds the caller's `for` loop) still lets the iterator go, and its
             # workers with it, however long the error itself is kept.
@@ -82,11 +82,11 @@ class _EpochIterator:
             del self
             raise
         if asked:
-            stats.handed(asked)
+            self._stats.handed(asked)
         batch = self._progress.handed_out(batch)
-        self._yielded += 1
-        if self._is_iterable and self._len_reported is not None and self._yielded > self._len_reported:
-            _warn_length_exceeded(self._dataset, self._len_reported, self._yielded, self._num_workers)
+        count.handed += 1
+        if self._is_iterable and self._len_reported is not None and count.handed > self._len_reported:
+            _warn_length_exceeded(self._dataset, self._len_reported, count.handed, self._num_workers)
         return batch
 
     def __len__(self) -> int:

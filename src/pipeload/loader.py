@@ -30,7 +30,7 @@ from pipeload.engine import replica
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
-from pipeload.stats.recorder import LoaderSetup, StatsRecorder, usable_cpus
+from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats.report import LoaderStats
 from pipeload.stats.tuner import AutoTuner
 
@@ -286,11 +286,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
         except BaseException:
             engine.close()
             raise
-        if self._stats is not None:
-            self._stats.epoch_started()
+        count = self._stats.epoch_started() if self._stats is not None else EpochCount()
         progress = resume.progress_from(point)
         self._epoch_notes = (record, progress)
-        iterator = _EpochIterator(self, engine, owned, progress)
+        iterator = _EpochIterator(self, engine, owned, progress, count)
         if not owned:
             self._persistent_epoch = weakref.ref(iterator)
         return iterator

@@ -76,14 +76,7 @@ class MapFetcher:
             # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
             if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
                 return self._timed(clock, index)
-            # Untimed: no closures, no clock reads; only the samples are counted.
-            spec = self._spec
-            if not spec.auto_collation:
-                clock.samples += 1
-                return spec.collate_fn(spec.dataset[index])
-            samples = self.samples(index)
-            clock.samples += len(samples)
-            return spec.collate_fn(samples)
+            # Untimed: no closures, no clock reads, no counting (the clock derives the samples).
         spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
@@ -104,7 +97,7 @@ class MapFetcher:
         finally:
             fetched = now()
             clock.fetch_s += fetched - started
-        clock.samples += len(samples)
+        clock.count_samples(len(samples))
         try:
             return spec.collate_fn(samples if spec.auto_collation else samples[0])
         finally:
@@ -189,8 +182,6 @@ class IterableFetcher:
             if profiling():
                 return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False)
         samples = take()
-        if clock is not None:
-            clock.samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
 
     def _state(self) -> Any:
@@ -241,7 +232,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
         fetched = now()
         if timing:
             clock.fetch_s += fetched - started
-    clock.samples += len(samples)
+    if timing:
+        clock.count_samples(len(samples))
     try:
         if traced:
             with span("pipeload.collate"):

@@ -249,10 +249,8 @@ class PoolEngine:
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         stats = self._stats
-        if stats is not None:
-            stats.skip -= 1
-            if stats.skip <= 0:  # occupancy is sampled: see SessionStats.handing_out
-                stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        if stats is not None and report.batch_number >= stats.next_look:  # sampled: see handing_out
+            stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
         slabs = self._workers.slabs
         if slabs is not None:
             slabs.handed_out(report.batch_number)

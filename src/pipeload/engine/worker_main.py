@@ -151,7 +151,9 @@ class WorkerLoop:
         self._init_failure_reported = False
         if self._init_failure is None:
             self._make_fetcher(shared_seed)
-        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch))
+        # It carries the totals, so the main process need not tell it from a task's report.
+        totals = self._clock.snapshot() if self._clock is not None else None
+        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, totals=totals))
 
     def _serve(self, command: WorkerCommand) -> None:
         if self._exhausted:

@@ -134,17 +134,20 @@ class StageClock:
     the timing): the worker times every task, and :meth:`finished` counts each one. ``every=N``
     (classic workers, the inline engine): the fetcher (``engine/fetch.py``) counts tasks down
     ``left`` and calls :meth:`start_timed` for each of its first ``TIME_ALL_FIRST`` tasks, then
-    for about one task in N, which it then times; the
-    others cost it a subtraction, a comparison and the samples' count. ``timing`` says whether
-    the task in hand is timed: only its tensor bytes are counted and only its report carries
-    the totals (the main process counts the reports that come without, ``stats/recorder.py``).
-    :meth:`snapshot` scales the timed tasks' sums to all tasks; counts are exact.
+    for about one task in N, which it then times and whose samples it counts; the others cost
+    it a subtraction and two comparisons (the countdown, the profiler's flag). ``timing`` says
+    whether the task in hand is timed: only its tensor bytes are counted and only its report
+    carries the totals (the main process counts the reports that come without,
+    ``stats/recorder.py``). :meth:`snapshot` scales the timed tasks' sums to all tasks. Tasks
+    are counted exactly; an untimed task's samples are taken to be as many as the largest timed
+    task had (``full``): exact for a sampler's equal batches, and a short last batch counts as a
+    full one unless it was timed (the loader's first ``TIME_ALL_FIRST`` are all timed).
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "left", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
+                 "left", "full", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
                  "_sched", "_sched_read_at", "count_skipped", "_skipped")
 
     def __init__(self, every: int = 1) -> None:
@@ -152,7 +155,8 @@ class StageClock:
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
         self._skipped = 0
-        self.samples = 0
+        self.samples = 0  # every=N: of the timed tasks only (see snapshot)
+        self.full = 0  # every=N: the most samples a timed task had
         self.fetch_s = 0.0  # these four: sums over the timed tasks only
         self.collate_s = 0.0
         self.send_s = 0.0
@@ -170,6 +174,12 @@ class StageClock:
         """Tasks finished (or failed) so far."""
         return self._counted - self.left + (0 if self._every == 1 else self._gap)
 
+    def count_samples(self, samples: int) -> None:
+        """A timed task had ``samples`` samples."""
+        self.samples += samples
+        if samples > self.full:
+            self.full = samples
+
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
         self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
@@ -186,7 +196,10 @@ class StageClock:
             self._skipped = self.count_skipped()
         tasks = self.tasks
         scale = tasks / self._timed if self._every > 1 and self._timed else 1.0
-        return (tasks, self.samples, self.fetch_s * scale, self.collate_s * scale,
+        samples = self.samples
+        if self._every > 1:
+            samples += max(0, tasks - self._timed) * self.full
+        return (tasks, samples, self.fetch_s * scale, self.collate_s * scale,
                 self.send_s * scale, round(self.bytes_out * scale), self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
                 self._skipped)

@@ -16,6 +16,7 @@ batch behind in places, never torn.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import defaultdict
@@ -26,9 +27,6 @@ from typing import Any
 from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals, gaps, now
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
 from pipeload.transport.messages import Report
-
-
-_EPOCH_STARTED = Report.EPOCH_STARTED  # a module name: one lookup per report, not two
 
 
 def usable_cpus() -> int:
@@ -51,26 +49,40 @@ class _Queue:
     capacity: int = 0
 
 
+class EpochCount:
+    """Batches one epoch's iterator has handed out, and the count at which it times its next.
+
+    The iterator counts every batch here (it would count them anyway, for the length warning),
+    so that an untimed batch costs the stats one comparison: ``handed >= next_timed``. With
+    stats off, ``next_timed`` never comes.
+    """
+
+    __slots__ = ("handed", "next_timed")
+
+    def __init__(self, next_timed: float = math.inf) -> None:
+        self.handed = 0
+        self.next_timed = next_timed
+
+
 class _Consumer:
     """The training loop's side, written by the thread that iterates the loader.
 
-    The loader's epoch iterator counts batches down ``left`` itself and calls :meth:`asking`
-    and :meth:`handed` only for timed batches: an untimed one costs a subtraction and a
-    comparison. Timed are each epoch's first batch (start-up, kept apart), every batch of the
+    Each epoch's iterator counts its batches in the :class:`EpochCount` that
+    :meth:`epoch_started` returns, and calls :meth:`asking` and :meth:`handed` only for timed
+    batches. Timed are each epoch's first batch (start-up, kept apart), every batch of the
     loader's first ``TIME_ALL_FIRST``, then about one pair of batches in ``2 * every`` (all of
-    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows): the first of a pair times the wait for it, the second
-    also the loop's own work since the first was handed out. Batches are counted exactly from
-    the countdown; the timed waits and work are scaled to all steady batches.
+    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows): the
+    first of a pair times the wait for it, the second also the loop's own work since the first
+    was handed out. Batches are counted exactly; the timed waits and work are scaled to all
+    steady batches.
     """
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
-        self.left = 0
         self.epochs = 0
         self.first_wait_s = 0.0
         self.first_batch_s = 0.0
-        self._counted = 0  # batches asked for up to the latest timed one, that one included
-        self._gap = 0
-        self._not_handed = 0  # asked for, and ended in StopIteration or an error instead
+        self._count: EpochCount | None = None
+        self._earlier = 0  # batches of the epochs before the current one
         self._firsts = 0
         self._wait_s = 0.0  # over the timed steady batches
         self._waits = 0
@@ -84,29 +96,36 @@ class _Consumer:
 
     @property
     def batches(self) -> int:
-        return self._counted + self._gap - self.left - self._not_handed
+        count = self._count
+        return self._earlier + (count.handed if count is not None else 0)
 
-    def epoch_started(self) -> None:
+    @property
+    def count(self) -> EpochCount:
+        """The current epoch's count (a fresh one before the first epoch)."""
+        if self._count is None:
+            self._count = EpochCount(0)
+        return self._count
+
+    def epoch_started(self) -> EpochCount:
         self.epochs += 1
-        self._next_timed(0)  # the epoch's first batch
+        self._earlier = self.batches
+        self._count = EpochCount(0)  # the epoch's first batch is timed
         self._second = False
         self._epoch_started_at = now()
-
-    def _next_timed(self, gap: int) -> None:
-        self._counted += self._gap - self.left
-        self._gap = self.left = gap
+        return self._count
 
     def asking(self) -> float:
-        """The countdown reached this batch (``left <= 0``); returns when it was asked for."""
+        """The count reached a timed batch; returns when it was asked for."""
         asked = now()
+        count = self.count
         if self._second:
             self._compute_s += asked - self._last_handed_at
             self._computes += 1
             self._second = False
-            self._next_timed(next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1)
+            count.next_timed = count.handed + (next(self._gaps) if self.batches >= TIME_ALL_FIRST else 1)
         else:
             self._second = True
-            self._next_timed(1)
+            count.next_timed = count.handed + 1
         return asked
 
     def handed(self, asked: float) -> None:
@@ -123,7 +142,6 @@ class _Consumer:
 
     def ended(self, asked: float) -> None:
         """The batch asked for (at ``asked``; 0.0: untimed) ended in StopIteration or an error."""
-        self._not_handed += 1
         self._second = False  # no batch was handed out to time the loop's work from
         if asked:
             self._end_wait_s += now() - asked
@@ -159,7 +177,7 @@ class SessionStats:
         self._lag: dict[int, int] = recorder._lags.setdefault(session, defaultdict(int))
         self._gaps = gaps(SAMPLE_EVERY)
         self._retired = -1_000_000 * session  # see retire()
-        self.skip = 0  # hand-outs until the queue is looked at again: see handing_out
+        self.next_look = 0  # the batch number at which the queue is looked at again: see handing_out
 
     def local_clock(self) -> StageClock:
         """A clock for fetching in the main process (no workers); read at every snapshot."""
@@ -168,22 +186,22 @@ class SessionStats:
         return clock
 
     def record(self, reports: Iterable[Any]) -> None:
-        """Keep the latest totals the reports carry; count, per worker, the tasks reported
-        since without them (a classic worker sends its totals with one task in SAMPLE_EVERY)."""
-        arrived = None
+        """Keep the latest totals the reports carry; count, per worker, the reports since
+        without them (a classic worker sends its totals with one task in SAMPLE_EVERY, and
+        with its EPOCH_STARTED answer, the only report that is no task)."""
         lag = self._lag
         for report in reports:
-            totals = report.totals
-            if totals is None:
-                if report.report is not _EPOCH_STARTED:  # the only report that is no task
-                    lag[report.worker_id] += 1
-                continue
-            arrived = arrived or now()
-            # Hashing an IntEnum member runs Python code: skip it when there is one kind.
-            kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
-            self._seen[(self._session, kind, report.worker_id)] = (totals, arrived)
-            if not self._kinds:
-                lag[report.worker_id] = 0
+            if report.totals is None:  # the usual case, kept to a dict increment
+                lag[report.worker_id] += 1
+            else:
+                self._keep(report)
+
+    def _keep(self, report: Any) -> None:
+        # Hashing an IntEnum member runs Python code: skip it when there is one kind.
+        kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
+        self._seen[(self._session, kind, report.worker_id)] = (report.totals, now())
+        if not self._kinds:
+            self._lag[report.worker_id] = 0
 
     def resized(self, capacity: int) -> None:
         """The pool was resized in place and now holds up to ``capacity`` batches in flight."""
@@ -203,12 +221,13 @@ class SessionStats:
         self._retired -= 1
         self._seen[(self._retired, "", worker_id)] = (tuple(_extrapolated(WorkerTotals._make(raw), lag)), arrived)
 
-    def handing_out(self, ready: int, in_flight: int) -> None:
-        """A batch is being handed out; ``ready`` more are waiting, ``in_flight`` are sent and
-        not yet handed out (this one excluded). The pool calls it when ``skip`` has counted
-        down to 0 (about one hand-out in SAMPLE_EVERY: occupancy is a sampled mean and
-        maximum); economic mode, whose batches cost far more, at every hand-out."""
-        self.skip = next(self._gaps)
+    def handing_out(self, ready: int, in_flight: int, number: int = 0) -> None:
+        """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
+        sent and not yet handed out (this one excluded). The pool calls it when ``number``
+        reaches ``next_look`` (about one hand-out in SAMPLE_EVERY: occupancy is a sampled mean
+        and maximum; the batch number is the countdown, so an untimed hand-out costs one
+        comparison); economic mode, whose batches cost far more, at every hand-out."""
+        self.next_look = number + next(self._gaps)
         queue = self._queue
         queue.samples += 1
         queue.ready_sum += ready
@@ -267,8 +286,9 @@ class StatsRecorder:
         """The training loop's side, which the loader's epoch iterator times directly."""
         return self._consumer
 
-    def epoch_started(self) -> None:
-        self._consumer.epoch_started()
+    def epoch_started(self) -> EpochCount:
+        """A new epoch; its iterator counts its batches in what this returns."""
+        return self._consumer.epoch_started()
 
     def pinned(self, seconds: float) -> None:
         self._pin_s += seconds
