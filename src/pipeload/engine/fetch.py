@@ -62,30 +62,48 @@ class MapFetcher:
         self._seeding = seeding
         getitems = getattr(spec.dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
+        # A numbered clock (the inline engine) is driven by the batch numbers; chosen once here.
+        numbered = clock is not None and clock.count_tasks is not None
+        self._fetch = self._fetch_numbered if numbered else self._fetch_counted
 
     def fetch(self, index: Any, batch_number: int = 0) -> Any:
         if self._seeding is None:
-            return self._fetch(index)
+            return self._fetch(index, batch_number)
         with self._seeding.for_map_batch(batch_number):
-            return self._fetch(index)
+            return self._fetch(index, batch_number)
 
-    def _fetch(self, index: Any) -> Any:
+    def _fetch_counted(self, index: Any, number: int) -> Any:
         clock = self._clock
         if clock is not None:  # count down to the next timed task (stats/clock.py)
             clock.left -= 1
             # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
             if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
-                return self._timed(clock, index)
+                return self._timed(clock, index, number)
             # Untimed: no closures, no clock reads, no counting (the clock derives the samples).
         spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
 
-    def _timed(self, clock: StageClock, index: Any) -> Any:
-        timed = clock.left <= 0
-        if timed:
-            clock.start_timed()
+    def _fetch_numbered(self, index: Any, number: int) -> Any:
+        clock = self._clock
+        # Untimed: one comparison against the batch number, and the profiler's flag.
+        if number >= clock.next_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
+            return self._timed(clock, index, number)  # type: ignore[arg-type]
+        spec = self._spec
+        if not spec.auto_collation:
+            return spec.collate_fn(spec.dataset[index])
+        return spec.collate_fn(self.samples(index))
+
+    def _timed(self, clock: StageClock, index: Any, number: int) -> Any:
+        if clock.count_tasks is not None:
+            timed = number >= clock.next_timed
+            if timed:
+                clock.start_timed_at(number)
+        else:
+            timed = clock.left <= 0
+            if timed:
+                clock.start_timed()
         spec = self._spec
         if _torch_profiler._is_profiler_enabled:
             take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])

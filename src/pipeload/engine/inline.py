@@ -8,7 +8,7 @@ from typing import Any
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
-from pipeload.engine.plan import EpochStart, FetchSpec, ReplicaSetup
+from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
 from pipeload.stats.skips import skip_counter
 
 
@@ -31,7 +31,16 @@ class InlineEngine:
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._tasks: Iterator[Any] = iter(())
         self._next_number = 0
+        self._first_number = 0
+        self._fetched_before = 0  # tasks of the epochs before this one
+        if self._clock is not None and spec.kind is not DatasetKind.ITERABLE:
+            # Map-style: the batch numbers drive the clock (one comparison per untimed batch).
+            self._clock.count_tasks = self._tasks_fetched
         self._closed = False
+
+    def _tasks_fetched(self) -> int:
+        """Tasks fetched (or failed) so far, over every epoch: the clock's task count."""
+        return self._fetched_before + self._next_number - self._first_number
 
     @property
     def workers(self) -> list[Any]:
@@ -45,7 +54,10 @@ class InlineEngine:
                     start: EpochStart = EpochStart()) -> None:
         self._closed = False
         self._tasks = tasks
-        self._next_number = start.first_batch
+        self._fetched_before = self._tasks_fetched()
+        self._next_number = self._first_number = start.first_batch
+        if self._clock is not None:
+            self._clock.next_timed = start.first_batch  # each epoch's first batch is timed
         if shared_seed is not None:
             self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)

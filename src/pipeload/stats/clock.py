@@ -147,7 +147,7 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "left", "full", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
+                 "left", "full", "next_timed", "count_tasks", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
                  "_sched", "_sched_read_at", "count_skipped", "_skipped")
 
     def __init__(self, every: int = 1) -> None:
@@ -164,6 +164,10 @@ class StageClock:
         self._every = every
         self.timing = every == 1
         self.left = 0  # tasks until the next timed one (every > 1): the first task is timed
+        # Numbered instead (the inline engine, whose batch numbers run 0, 1, 2, ... each epoch):
+        # the task numbered ``next_timed`` is timed, and ``count_tasks()`` counts the tasks.
+        self.next_timed = 0
+        self.count_tasks: Any = None
         self._counted = 0  # tasks up to the latest timed one, that one included
         self._gap = 0
         self._timed = 0
@@ -172,6 +176,8 @@ class StageClock:
     @property
     def tasks(self) -> int:
         """Tasks finished (or failed) so far."""
+        if self.count_tasks is not None:
+            return self.count_tasks()
         return self._counted - self.left + (0 if self._every == 1 else self._gap)
 
     def count_samples(self, samples: int) -> None:
@@ -185,6 +191,12 @@ class StageClock:
         self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
         self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
         self._timed += 1
+        self.timing = True
+
+    def start_timed_at(self, number: int) -> None:
+        """A numbered clock: task ``number`` reached ``next_timed``: time it (see start_timed)."""
+        self._timed += 1
+        self.next_timed = number + (next(self._gaps) if self._timed >= TIME_ALL_FIRST else 1)
         self.timing = True
 
     def snapshot(self) -> tuple[Any, ...]:
