@@ -65,11 +65,17 @@ def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
     assert squeezed._step(rate=10.0, waited=0.9) is None  # 4 x 2 batches of 1 KiB would not fit
 
 
-def test_workers_that_compute_never_outnumber_the_usable_cpus() -> None:
+def test_workers_that_compute_are_tried_up_to_twice_the_cpus_and_kept_only_if_they_pay() -> None:
     tuner = _tuner(cpus=2)  # starts at 2 workers: as many as CPUs
-    assert tuner._step(rate=10.0, waited=0.9, share=0.95) is None and tuner.done
-    assert tuner.current == Settings(2, 2)
-    assert "the workers compute: no more of them than the 2 usable CPUs" in tuner._recorder.snapshot().decisions[-1].reason
+    assert tuner._step(rate=10.0, waited=0.9, share=0.95) == Settings(4, 2)  # not 2 / 0.1
+    assert tuner._step(rate=10.2, waited=0.9, share=0.95) == Settings(2, 2)  # no faster: back
+    assert tuner.done
+    crowded = _tuner(cpus=2)  # other jobs share the CPUs: more processes win a bigger share
+    assert crowded._step(rate=10.0, waited=0.9, share=0.95) == Settings(4, 2)
+    assert crowded._step(rate=14.0, waited=0.9, share=0.95) is None and crowded.done
+    assert crowded.current == Settings(4, 2)
+    assert ("the workers compute: no more of them than 2x the 2 usable CPUs"
+            in crowded._recorder.snapshot().decisions[-1].reason)
     waiting = _tuner(cpus=2)  # the same loop, with workers that mostly wait: more of them
     assert waiting._step(rate=10.0, waited=0.9, share=0.1) == Settings(8, 2)  # 2 / 0.1, at most 4x
 

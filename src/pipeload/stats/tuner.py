@@ -13,9 +13,11 @@ watches the training loop through the loader's stats, and climbs one step at a t
 2. The loop waited less than ``STOP_WAITING`` of the time: loading keeps up; stop.
 3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop.
 4. Otherwise grow the pool: to ``n / (1 - waited)`` workers, what would stop the waiting if
-   workers were the only limit, but at least double and at most ``MAX_STEP`` times; up to the
-   usable CPUs when the workers compute (on or queued
-   for a CPU at least ``COMPUTING`` of the time: more would only take turns on the same CPUs),
+   workers were the only limit, but at least double and at most ``MAX_STEP`` times; up to
+   ``COMPUTING_PER_CPU`` per usable CPU when the workers compute (on or queued for a CPU at
+   least ``COMPUTING`` of the time: beyond the CPUs they only take turns on them, which pays
+   only where other jobs share the CPUs, and step 3 keeps them only if it did pay; the pool
+   shrinks back in place when not),
    up to ``MAX_WORKERS_PER_CPU`` per usable CPU when they mostly wait (I/O, remote reads); in
    both cases within the memory budget (batches in flight times their measured size). At the
    cap, double ``prefetch_factor`` (when it is "auto"; up to ``MAX_PREFETCH``) while it pays;
@@ -51,6 +53,7 @@ SETTLE_BATCHES = 4  # batches after a change before measuring, beyond both pools
 STOP_WAITING = 0.05
 MIN_GAIN = 0.05
 MAX_WORKERS_PER_CPU = 32  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
+COMPUTING_PER_CPU = 2  # computing workers: tried up to this many per usable CPU, kept if they pay
 MAX_WORKERS = 64
 MAX_PREFETCH = 8
 MAX_STEP = 4  # the most a pool grows in one step
@@ -147,8 +150,8 @@ class AutoTuner:
                 f"queued for a CPU {share:.0%} of the time")
         bigger = self._next_settings(computing, waited)
         if bigger is None:
-            why = (f"the workers compute: no more of them than the {self.cpus} usable CPUs"
-                   if computing and self.current.num_workers >= self.cpus else
+            why = (f"the workers compute: no more of them than {COMPUTING_PER_CPU}x the {self.cpus} usable CPUs"
+                   if computing and self.current.num_workers >= COMPUTING_PER_CPU * self.cpus else
                    "no further step fits the CPUs and the memory budget")
             return self._finish(None, rate, f"{seen}; {why}")
         return self._change(bigger, rate, seen)
@@ -162,7 +165,7 @@ class AutoTuner:
 
     def _next_settings(self, computing: bool = False, waited: float = 0.0) -> Settings | None:
         workers, prefetch = self.current.num_workers, self.current.prefetch_factor
-        most = min(self._max_workers, self.cpus) if computing else self._max_workers
+        most = min(self._max_workers, COMPUTING_PER_CPU * self.cpus) if computing else self._max_workers
         if self._tune_workers and workers < most:
             wanted = Settings(min(most, self._grown(workers, waited)), prefetch)
             if self._fits(wanted):
