@@ -65,8 +65,10 @@ class ClassicLaunch:
     grows and shrinks in place, and workers started later get the setup as it is then.
     """
 
-    def __init__(self, setup: WorkerSetup) -> None:
+    def __init__(self, setup: WorkerSetup, stats: Any = None) -> None:
         self._setup = setup
+        self._stats = stats  # the pool's SessionStats: thread workers lend it their clocks
+        self.lends_clocks = stats is not None
         self.labels = [WorkerLabel("", worker_id) for worker_id in range(setup.num_workers)]
 
     def resize(self, count: int, epoch: int | None = None) -> None:
@@ -90,7 +92,8 @@ class ClassicLaunch:
         launches = []
         for worker_id in range(first, self._setup.num_workers):
             inbox, outbox = channels.worker_ends(worker_id)
-            launches.append(WorkerLaunch(run_thread_worker, (self._setup, worker_id, inbox, outbox, stop),
+            lend = self._stats.lend_clock(worker_id) if self._stats is not None else None
+            launches.append(WorkerLaunch(run_thread_worker, (self._setup, worker_id, inbox, outbox, stop, lend),
                                          f"pipeload-worker-{worker_id}"))
         return launches
 
@@ -127,7 +130,7 @@ class PoolEngine:
         self._budget = InFlightBudget(max_batches, num_workers, max_bytes)
         self._stats = config.stats.new_session(max_batches) if config.stats else None
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
-        self._workers = WorkerGroup(ClassicLaunch(config.setup), config.worker_type,
+        self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
@@ -136,6 +139,7 @@ class PoolEngine:
         self._supply = TaskSupply()
         self._unsent: tuple[int, WorkerCommand] | None = None
         self._num_workers = num_workers  # those that take new tasks (see resize)
+        self._shrinking = False  # workers beyond them still run, to be stopped once idle
         self._prefetch_factor = config.prefetch_factor
 
     @property
@@ -178,12 +182,14 @@ class PoolEngine:
     def _shrink_when_idle(self) -> None:
         """Stop the workers beyond ``_num_workers`` once they hold nothing (see resize)."""
         count = self._num_workers
-        if count >= len(self._workers.handles) or not self._ledger.idle_from(count):
+        self._shrinking = count < len(self._workers.handles)
+        if not self._shrinking or not self._ledger.idle_from(count):
             return
         if self._unsent is not None and self._unsent[0] >= count:
             return  # it goes out to its worker first, and comes back
         self._workers.shrink(count)
         self._ledger.forget_from(count)
+        self._shrinking = False
 
     def start_epoch(self, tasks: Iterator[Any], shared_seed: int | None = None,
                     start: EpochStart = EpochStart()) -> None:
@@ -255,7 +261,7 @@ class PoolEngine:
         if slabs is not None:
             slabs.handed_out(report.batch_number)
         self._budget.request_served(starved, waited_s)
-        if self._num_workers < len(self._ledger.active):
+        if self._shrinking:
             self._shrink_when_idle()
         self._top_up_while_full(handing_out=True)
         self._budget.consumer_resumes()  # after sending: the consumer's time starts now

@@ -50,6 +50,8 @@ class BatchLedger:
             self.active += [True] * grow
             self.in_flight_per_worker += [0] * grow
         self.taking = num_workers
+        if self._rotation >= num_workers:  # it shrank: the turn goes back to the first
+            self._rotation = 0
 
     def forget_from(self, first: int) -> None:
         """Drop workers ``first`` and up, which hold nothing (a shrunk pool stopped them)."""
@@ -71,9 +73,7 @@ class BatchLedger:
         """Next active worker: round-robin in order mode (as torch), least loaded otherwise
         (ties go to the next in the rotation)."""
         count = self.taking
-        if self._rotation >= count:  # the pool shrank: the turn goes back to the first
-            self._rotation = 0
-        if not self.least_loaded and count and self.active[self._rotation]:
+        if not self.least_loaded and self.active[self._rotation]:
             chosen = self._rotation  # the usual case, without building the candidate list
         else:
             candidates = [(self._rotation + step) % count for step in range(count)]

@@ -65,6 +65,7 @@ class WorkerLoop:
         inbox: Any,
         outbox: Any,
         should_stop: Callable[[], bool],
+        share_clock: Callable[[Any], None] | None = None,
     ) -> None:
         self._setup = setup
         self._id = worker_id
@@ -79,6 +80,12 @@ class WorkerLoop:
         # A classic worker times one task in SAMPLE_EVERY (stats/clock.py); economic mode's
         # workers, whose pieces cost far more than the timing, time them all.
         self._clock = StageClock(SAMPLE_EVERY if self.kind == "" else 1) if setup.stats else None
+        # A thread worker of the classic pool lends its clock to the main process, which reads
+        # it when asked: its reports then carry no totals, and the main process does nothing
+        # per report for the stats.
+        self._lends_clock = self._clock is not None and share_clock is not None
+        if self._lends_clock:
+            share_clock(self._clock)  # type: ignore[misc]
         self._epoch = setup.first_epoch
 
     def run(self) -> None:
@@ -152,7 +159,7 @@ class WorkerLoop:
         if self._init_failure is None:
             self._make_fetcher(shared_seed)
         # It carries the totals, so the main process need not tell it from a task's report.
-        totals = self._clock.snapshot() if self._clock is not None else None
+        totals = self._clock.snapshot() if self._clock is not None and not self._lends_clock else None
         self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, totals=totals))
 
     def _serve(self, command: WorkerCommand) -> None:
@@ -204,6 +211,8 @@ class WorkerLoop:
             return
         started = now()
         totals = clock.finished(payload if report is Report.BATCH else None)
+        if self._lends_clock:
+            totals = None
         self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s,
                                        finished_at))
         clock.sent(started)
@@ -331,16 +340,19 @@ def serve_in_process(info: WorkerInfo, loop: Any, ends: tuple[Any, ...]) -> None
 
 
 def run_thread_worker(
-    setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, stop: threading.Event
+    setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, stop: threading.Event,
+    share_clock: Callable[[Any], None] | None = None,
 ) -> None:
     """Entry point of a worker thread. Global RNGs belong to the main thread: this worker gets
-    its own generators in ``get_worker_info().rng``, seeded as a process worker's would be."""
+    its own generators in ``get_worker_info().rng``, seeded as a process worker's would be.
+    ``share_clock``: where to lend its stats clock (see WorkerLoop)."""
     own_copy = replica.thread_replica(setup.fetch.dataset, setup.fetch.kind)
     setup = dataclasses.replace(setup, fetch=dataclasses.replace(setup.fetch, dataset=own_copy))
     rng = make_thread_rng(setup.base_seed, worker_id)
     seed = setup.base_seed + worker_id
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
-    serve_in_thread(info, WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set))
+    serve_in_thread(info, WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set,
+                                     share_clock=share_clock))
 
 
 def serve_in_thread(info: WorkerInfo, loop: Any) -> None:

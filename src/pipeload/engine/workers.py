@@ -118,6 +118,9 @@ class WorkerGroup:
         while the rest are forked."""
         self.plan = plan
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
+        # ... except by thread workers that lend their clocks to it (a classic pool's): their
+        # reports carry nothing for it.
+        self._record = stats is not None and not (worker_type == "thread" and getattr(plan, "lends_clocks", False))
         self.labels = plan.labels
         self.timeout_s = timeout_s
         self.stop_event: threading.Event | None = None
@@ -238,7 +241,7 @@ class WorkerGroup:
                 reports.clear()  # about to raise: the traceback keeps this frame and its batches
                 self.raise_for_dead_workers()
             if reports:
-                if self.stats is not None:
+                if self._record:
                     self.stats.record(reports)
                 return reports
             if deadline is not None and time.monotonic() >= deadline:

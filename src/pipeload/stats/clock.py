@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -148,9 +149,10 @@ class StageClock:
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
                  "left", "full", "next_timed", "count_tasks", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
-                 "_sched", "_sched_read_at", "count_skipped", "_skipped")
+                 "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
 
     def __init__(self, every: int = 1) -> None:
+        self._owner = threading.get_ident()  # the scheduler counters read are its thread's
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
@@ -202,7 +204,9 @@ class StageClock:
     def snapshot(self) -> tuple[Any, ...]:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
         at = now()
-        if at - self._sched_read_at >= SCHED_READ_EVERY_S:
+        # Another thread may read a lent clock (stats/recorder.py): the counters stay as its
+        # owner last read them.
+        if at - self._sched_read_at >= SCHED_READ_EVERY_S and threading.get_ident() == self._owner:
             self._sched, self._sched_read_at = read_sched(), at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()

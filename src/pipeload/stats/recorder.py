@@ -20,7 +20,7 @@ import math
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +203,15 @@ class SessionStats:
         if not self._kinds:
             self._lag[report.worker_id] = 0
 
+    def lend_clock(self, worker_id: int) -> Callable[[StageClock], None]:
+        """What thread worker ``worker_id`` calls with its clock, which is then read live at
+        every snapshot (as the main process's own clock is): its reports need carry nothing."""
+
+        def lend(clock: StageClock) -> None:
+            self._seen[(self._session, "", worker_id)] = (clock, None)
+
+        return lend
+
     def resized(self, capacity: int) -> None:
         """The pool was resized in place and now holds up to ``capacity`` batches in flight."""
         self._queue.capacity = capacity
@@ -216,6 +225,8 @@ class SessionStats:
         if entry is None:
             return
         raw, arrived = entry
+        if isinstance(raw, StageClock):  # a lent clock: its final totals
+            raw, arrived = raw.snapshot(), now()
         # Keyed under a session number of its own (negative: no engine session has it), which
         # _per_worker sums into the worker's line with every other session's totals.
         self._retired -= 1
