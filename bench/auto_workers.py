@@ -17,8 +17,9 @@ setting's median, with each round's own ratio beside it as the spread. Workloads
 
 On a machine shared with other jobs, more processes than CPUs also win a bigger share of the
 CPUs from the others: a fixed setting above the usable CPUs can look faster on CPU-bound work for
-that reason alone, which "auto" does not chase (it never runs more computing workers than the
-CPUs it may use). The load average is printed for that reason.
+that reason alone. "auto" tries computing workers up to twice the usable CPUs and keeps them only
+where that measured faster (the pool shrinks back in place otherwise). The load average is
+printed at the start and the end for that reason.
 """
 
 from __future__ import annotations
