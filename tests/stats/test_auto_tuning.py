@@ -70,12 +70,20 @@ def test_workers_that_compute_are_tried_up_to_twice_the_cpus_and_kept_only_if_th
     assert tuner._step(rate=10.0, waited=0.9, share=0.95) == Settings(4, 2)  # not 2 / 0.1
     assert tuner._step(rate=10.2, waited=0.9, share=0.95) == Settings(2, 2)  # no faster: back
     assert tuner.done
-    crowded = _tuner(cpus=2)  # other jobs share the CPUs: more processes win a bigger share
-    assert crowded._step(rate=10.0, waited=0.9, share=0.95) == Settings(4, 2)
-    assert crowded._step(rate=14.0, waited=0.9, share=0.95) is None and crowded.done
+    paying = _tuner(cpus=2)
+    assert paying._step(rate=10.0, waited=0.9, share=0.95) == Settings(4, 2)
+    assert paying._step(rate=14.0, waited=0.9, share=0.95) is None and paying.done
+    assert paying.current == Settings(4, 2)
+    reason = paying._recorder.snapshot().decisions[-1].reason
+    assert "the workers compute: no more of them than 2x the 2 usable CPUs" in reason
+    crowded = _tuner(cpus=2)  # queued for a CPU half the time: other jobs share the CPUs
+    assert crowded._step(rate=10.0, waited=0.9, share=0.95, queued=0.5) == Settings(4, 2)
+    assert crowded._step(rate=9.8, waited=0.9, share=0.95, queued=0.5) is None  # kept: not slower
     assert crowded.current == Settings(4, 2)
-    assert ("the workers compute: no more of them than 2x the 2 usable CPUs"
-            in crowded._recorder.snapshot().decisions[-1].reason)
+    slower = _tuner(cpus=2)
+    slower._step(rate=10.0, waited=0.9, share=0.95, queued=0.5)
+    assert slower._step(rate=9.0, waited=0.9, share=0.95, queued=0.5) == Settings(2, 2)
+
     waiting = _tuner(cpus=2)  # the same loop, with workers that mostly wait: more of them
     assert waiting._step(rate=10.0, waited=0.9, share=0.1) == Settings(8, 2)  # 2 / 0.1, at most 4x
 

@@ -78,10 +78,16 @@ def read_sched() -> tuple[float, float]:
 
 def running_s(workers: list[Any]) -> float:
     """Seconds the workers' threads were on a CPU or ready and queued for one (a crowded
-    machine queues computing threads; threads that wait for I/O are in neither), summed.
+    machine queues computing threads; threads that wait for I/O are in neither), summed."""
+    on_cpu, queued = sched_s(workers)
+    return on_cpu + queued
+
+
+def sched_s(workers: list[Any]) -> tuple[float, float]:
+    """(seconds on a CPU, seconds ready and queued for one) of the workers' threads, summed.
     ``workers``: process handles (every thread of the process), or thread handles with a
     ``thread_id``. Workers that are gone count nothing."""
-    total = 0
+    on_cpu = queued = 0
     for handle in workers:
         thread_id = getattr(handle, "thread_id", None)
         paths = ([f"/proc/self/task/{thread_id}/schedstat"] if thread_id is not None else
@@ -89,11 +95,12 @@ def running_s(workers: list[Any]) -> float:
         for path in paths:
             try:
                 with open(path, "rb") as file:
-                    on_cpu, queued, _ = file.read().split()
-                total += int(on_cpu) + int(queued)
+                    ran, waited, _ = file.read().split()
+                on_cpu += int(ran)
+                queued += int(waited)
             except (OSError, ValueError):
                 pass  # ended meanwhile, or no scheduler counters
-    return total / 1e9
+    return on_cpu / 1e9, queued / 1e9
 
 
 def _tasks(pid: int | None) -> list[str]:

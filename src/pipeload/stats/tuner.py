@@ -12,6 +12,10 @@ watches the training loop through the loader's stats, and climbs one step at a t
    one disturbed window (another job's burst on a shared machine) does not decide.
 2. The loop waited less than ``STOP_WAITING`` of the time: loading keeps up; stop.
 3. The last step did not raise throughput by ``MIN_GAIN``: go back to the best settings; stop.
+   (A step that added computing workers beyond the CPUs of a crowded machine, whose workers
+   were queued for a CPU at least ``CROWDED`` of the time, is kept unless it was slower by
+   ``MIN_GAIN``: there more processes win a bigger share of the CPUs from the other jobs, which
+   a 0.3 s window measures poorly.)
 4. Otherwise grow the pool: to ``n / (1 - waited)`` workers, what would stop the waiting if
    workers were the only limit, but at least double and at most ``MAX_STEP`` times; up to
    ``COMPUTING_PER_CPU`` per usable CPU when the workers compute (on or queued for a CPU at
@@ -41,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.stats.clock import now, running_s
+from pipeload.stats.clock import now, sched_s
 from pipeload.stats.report import TuningDecision
 
 LOG = logging.getLogger("pipeload.auto")
@@ -54,6 +58,7 @@ STOP_WAITING = 0.05
 MIN_GAIN = 0.05
 MAX_WORKERS_PER_CPU = 32  # waiting workers (I/O) are cheap in CPU; the memory budget still holds
 COMPUTING_PER_CPU = 2  # computing workers: tried up to this many per usable CPU, kept if they pay
+CROWDED = 0.25  # of the wall time queued for a CPU, per computing worker: other jobs share them
 MAX_WORKERS = 64
 MAX_PREFETCH = 8
 MAX_STEP = 4  # the most a pool grows in one step
@@ -104,9 +109,11 @@ class AutoTuner:
         self._max_workers = min(MAX_WORKERS, MAX_WORKERS_PER_CPU * cpus)
         self._since_change = 0
         self._settle = SETTLE_BATCHES + _in_flight(start)
-        # The window being measured, at its start: (at, batches, wait_s, workers' running_s).
-        self._window: tuple[float, int, float, float] | None = None
-        self._measured: list[tuple[float, float, float]] = []  # (batches/s, waited, CPU share)
+        # The window being measured, at its start: (at, batches, wait_s, workers' sched_s).
+        self._window: tuple[float, int, float, tuple[float, float]] | None = None
+        # (batches/s, waited, share on or queued for a CPU, share queued), per window
+        self._measured: list[tuple[float, float, float, float]] = []
+        self._crowded_step = False  # the last step added computing workers to a crowded machine
         fixed = "" if tune_workers or tune_prefetch else " (kept: only map-style datasets in classic mode are re-tuned)"
         self._decide(start, 0.0, f"start: {cpus} usable CPUs, prefetch_factor={start.prefetch_factor}{fixed}")
 
@@ -121,39 +128,50 @@ class AutoTuner:
         consumer = self._recorder.consumer
         at = now()
         if self._window is None:
-            self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
+            self._window = (at, consumer.batches, consumer.wait_estimate(), sched_s(list(workers)))
             return None
         started, batches, wait_s, running = self._window
         elapsed = at - started
         if elapsed < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
-        window = self._window = (at, consumer.batches, consumer.wait_estimate(), running_s(list(workers)))
+        window = self._window = (at, consumer.batches, consumer.wait_estimate(), sched_s(list(workers)))
+        per_worker_s = elapsed * max(1, len(workers))
+        on_cpu, queued = (window[3][i] - running[i] for i in range(2))
         self._measured.append(((window[1] - batches) / elapsed,
                                min(1.0, max(0.0, window[2] - wait_s) / elapsed),
-                               (window[3] - running) / (elapsed * max(1, len(workers)))))
+                               (on_cpu + queued) / per_worker_s, queued / per_worker_s))
         if len(self._measured) < WINDOWS:
             return None
-        rate, waited, share = (statistics.median(m[i] for m in self._measured) for i in range(3))
+        rate, waited, share, queued_share = (statistics.median(m[i] for m in self._measured) for i in range(4))
         self._measured = []
-        return self._step(rate, waited, share)
+        return self._step(rate, waited, share, queued_share)
 
-    def _step(self, rate: float, waited: float, share: float = 0.0) -> Settings | None:
+    def _step(self, rate: float, waited: float, share: float = 0.0, queued: float = 0.0) -> Settings | None:
         if waited < STOP_WAITING:
             return self._finish(None, rate, f"the training loop waits {waited:.0%} of the time: keeping these")
-        if self.current != self.best and rate < self.best_rate * (1 + MIN_GAIN):
-            return self._finish(self.best, rate, f"{self._describe(self.current)} was no faster "
-                                f"({rate:,.1f} vs {self.best_rate:,.1f} batches/s): back to the best")
-        if rate > self.best_rate:
+        if self.current != self.best:
+            # A step must pay MIN_GAIN to be kept; more computing workers on a crowded machine
+            # are kept unless they were slower by as much (see COMPUTING_PER_CPU).
+            floor = self.best_rate * ((1 - MIN_GAIN) if self._crowded_step else (1 + MIN_GAIN))
+            if rate < floor:
+                return self._finish(self.best, rate, f"{self._describe(self.current)} was no faster "
+                                    f"({rate:,.1f} vs {self.best_rate:,.1f} batches/s): back to the best")
+            self.best, self.best_rate = self.current, max(rate, self.best_rate)
+        elif rate > self.best_rate:
             self.best, self.best_rate = self.current, rate
         computing = share >= COMPUTING
         seen = (f"the training loop waited {waited:.0%} at {rate:,.1f} batches/s, workers on or "
-                f"queued for a CPU {share:.0%} of the time")
+                f"queued for a CPU {share:.0%} of the time (queued {queued:.0%})")
         bigger = self._next_settings(computing, waited)
         if bigger is None:
             why = (f"the workers compute: no more of them than {COMPUTING_PER_CPU}x the {self.cpus} usable CPUs"
                    if computing and self.current.num_workers >= COMPUTING_PER_CPU * self.cpus else
                    "no further step fits the CPUs and the memory budget")
             return self._finish(None, rate, f"{seen}; {why}")
+        # Other jobs share the CPUs when computing workers spend this much of their time queued:
+        # more processes then win a bigger share of them.
+        self._crowded_step = (computing and queued >= CROWDED and bigger.num_workers > self.cpus
+                              and bigger.num_workers > self.current.num_workers)
         return self._change(bigger, rate, seen)
 
     @staticmethod
