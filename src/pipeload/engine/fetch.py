@@ -79,7 +79,9 @@ class MapFetcher:
             # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
             if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
                 return self._timed(clock, index, number)
-            # Untimed: no closures, no clock reads, no counting (the clock derives the samples).
+            # Untimed: no closures, no clock reads; the samples counted, exactly (a short last
+            # batch among many full ones is one every epoch).
+            clock.untimed_samples += len(index) if self._spec.auto_collation else 1
         spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
@@ -92,7 +94,9 @@ class MapFetcher:
             return self._timed(clock, index, number)  # type: ignore[arg-type]
         spec = self._spec
         if not spec.auto_collation:
+            clock.untimed_samples += 1  # type: ignore[union-attr]
             return spec.collate_fn(spec.dataset[index])
+        clock.untimed_samples += len(index)  # type: ignore[union-attr]
         return spec.collate_fn(self.samples(index))
 
     def _timed(self, clock: StageClock, index: Any, number: int) -> Any:
@@ -200,6 +204,8 @@ class IterableFetcher:
             if profiling():
                 return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False)
         samples = take()
+        if clock is not None:
+            clock.untimed_samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
 
     def _state(self) -> Any:
@@ -252,6 +258,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
             clock.fetch_s += fetched - started
     if timing:
         clock.count_samples(len(samples))
+    else:
+        clock.untimed_samples += len(samples)
     try:
         if traced:
             with span("pipeload.collate"):

@@ -147,15 +147,15 @@ class StageClock:
     whether the task in hand is timed: only its tensor bytes are counted and only its report
     carries the totals (the main process counts the reports that come without,
     ``stats/recorder.py``). :meth:`snapshot` scales the timed tasks' sums to all tasks. Tasks
-    are counted exactly; an untimed task's samples are taken to be as many as the largest timed
-    task had (``full``): exact for a sampler's equal batches, and a short last batch counts as a
-    full one unless it was timed (the loader's first ``TIME_ALL_FIRST`` are all timed).
+    and samples are counted exactly: the fetcher adds an untimed task's samples to
+    ``untimed_samples`` (one addition), so a short last batch counts as what it holds in every
+    epoch, however long the run.
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "left", "full", "next_timed", "count_tasks", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
+                 "left", "untimed_samples", "next_timed", "count_tasks", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
                  "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
 
     def __init__(self, every: int = 1) -> None:
@@ -165,7 +165,7 @@ class StageClock:
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
         self._skipped = 0
         self.samples = 0  # every=N: of the timed tasks only (see snapshot)
-        self.full = 0  # every=N: the most samples a timed task had
+        self.untimed_samples = 0  # every=N: of the others, added by the fetcher
         self.fetch_s = 0.0  # these four: sums over the timed tasks only
         self.collate_s = 0.0
         self.send_s = 0.0
@@ -192,8 +192,6 @@ class StageClock:
     def count_samples(self, samples: int) -> None:
         """A timed task had ``samples`` samples."""
         self.samples += samples
-        if samples > self.full:
-            self.full = samples
 
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
@@ -219,9 +217,7 @@ class StageClock:
             self._skipped = self.count_skipped()
         tasks = self.tasks
         scale = tasks / self._timed if self._every > 1 and self._timed else 1.0
-        samples = self.samples
-        if self._every > 1:
-            samples += max(0, tasks - self._timed) * self.full
+        samples = self.samples + self.untimed_samples
         return (tasks, samples, self.fetch_s * scale, self.collate_s * scale,
                 self.send_s * scale, round(self.bytes_out * scale), self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
