@@ -14,19 +14,15 @@ from ``/dev/shm`` on other mounts), so two other readings are taken:
 
 from __future__ import annotations
 
-import os
 import re
 
 import psutil
 
+# The tree's segments are `pipeload bench`'s reading too: kept in the package, read from there.
+from pipeload.cli.measure import tree_pids, tree_shared_memory_bytes
+
 MEMINFO_PATH = "/proc/meminfo"
 _SHMEM_LINE = re.compile(rb"^Shmem:\s+(\d+) kB", re.MULTILINE)
-# A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments.
-_SHARED_MAPPING = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(?:/dev/shm/|/memfd:|/SYSV)",
-    re.MULTILINE,
-)
-_SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
 _PSS_LINE = re.compile(rb"^Pss:\s+(\d+) kB", re.MULTILINE)
 _PSS_SHMEM_LINE = re.compile(rb"^Pss_Shmem:\s+(\d+) kB", re.MULTILINE)
 
@@ -39,47 +35,6 @@ def machine_shmem_bytes() -> int:
     except OSError:
         return 0
     return int(match.group(1)) * 1024 if match else 0
-
-
-def tree_shared_memory_bytes(root: psutil.Process) -> int:
-    """Bytes of distinct shared-memory segments mapped or held open by ``root`` and descendants."""
-    sizes: dict[tuple[int, int], int] = {}
-    for pid in _tree_pids(root):
-        _add_mapped(pid, sizes)
-        _add_held_open(pid, sizes)
-    return sum(sizes.values())
-
-
-def _add_mapped(pid: int, sizes: dict[tuple[int, int], int]) -> None:
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as maps:
-            text = maps.read()
-    except OSError:
-        return  # it exited meanwhile
-    mapped: dict[tuple[int, int], int] = {}
-    for start, end, major, minor, inode in _SHARED_MAPPING.findall(text):
-        key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        mapped[key] = mapped.get(key, 0) + int(end, 16) - int(start, 16)
-    for key, size in mapped.items():
-        sizes[key] = max(sizes.get(key, 0), size)
-
-
-def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return
-    for fd in fds:
-        path = f"{fd_dir}/{fd}"
-        try:
-            if not os.readlink(path).startswith(_SHARED_PATH_PREFIXES):
-                continue
-            status = os.stat(path)
-        except OSError:
-            continue  # closed meanwhile
-        key = (status.st_dev, status.st_ino)
-        sizes[key] = max(sizes.get(key, 0), status.st_size)
 
 
 def tree_pss_bytes(root: psutil.Process) -> int:
@@ -104,7 +59,7 @@ def tree_memory_bytes(root: psutil.Process) -> int:
 def _rollups(root: psutil.Process) -> list[bytes]:
     """``/proc/PID/smaps_rollup`` of ``root`` and each descendant still running."""
     texts = []
-    for pid in _tree_pids(root):
+    for pid in tree_pids(root):
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
                 texts.append(rollup.read())
@@ -116,10 +71,3 @@ def _rollups(root: psutil.Process) -> list[bytes]:
 def _kib(line: re.Pattern[bytes], text: bytes) -> int:
     match = line.search(text)
     return int(match.group(1)) if match else 0
-
-
-def _tree_pids(root: psutil.Process) -> list[int]:
-    try:
-        return [root.pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []

@@ -2,15 +2,19 @@
 
 A background thread samples, every ``SAMPLE_INTERVAL_S``, the resident memory of this process
 and all its descendants (RSS summed over the tree: pages shared between processes count once
-per process, an upper bound that is fair between loaders measured alike) and how much of
-``/dev/shm`` is in use (machine-wide: others writing there show up as noise). The source
-checkout's ``bench/measure.py`` goes further (PSS, memfd segments) on the same readings, which
-it takes from here.
+per process, an upper bound that is fair between loaders measured alike) and, every
+``TREE_SHM_EVERY`` samples, the shared-memory segments the tree maps or holds open, each counted
+once: ``/dev/shm`` files (torch's batches) and memfd segments (pipeload's slabs) alike. The growth
+of ``/dev/shm`` alone would show pipeload's slabs as nothing, and other programs' files as ours.
+The source checkout's ``bench/measure.py`` goes further (PSS, the kernel's ``Shmem`` count) on the
+same readings, which it takes from here.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import threading
 import time
@@ -20,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 SAMPLE_INTERVAL_S = 0.05
+TREE_SHM_EVERY = 2  # reading every process's mappings takes milliseconds: not on every sample
 SHM_PATH = "/dev/shm"
+# A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments.
+_SHARED_MAPPING = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(?:/dev/shm/|/memfd:|/SYSV)",
+    re.MULTILINE,
+)
+_SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,61 @@ def tree_rss_bytes(root: Any) -> int:
     return total
 
 
+def tree_shared_memory_bytes(root: Any) -> int:
+    """Bytes of distinct shared-memory segments mapped or held open by ``root`` (a
+    ``psutil.Process``) and its descendants, each counted once however many processes map it.
+    Blind to a segment that is only in flight between processes (a descriptor on a socket)."""
+    sizes: dict[tuple[int, int], int] = {}
+    for pid in tree_pids(root):
+        _add_mapped(pid, sizes)
+        _add_held_open(pid, sizes)
+    return sum(sizes.values())
+
+
+def _add_mapped(pid: int, sizes: dict[tuple[int, int], int]) -> None:
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            text = maps.read()
+    except OSError:
+        return  # it exited meanwhile
+    mapped: dict[tuple[int, int], int] = {}
+    for start, end, major, minor, inode in _SHARED_MAPPING.findall(text):
+        key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        mapped[key] = mapped.get(key, 0) + int(end, 16) - int(start, 16)
+    for key, size in mapped.items():
+        sizes[key] = max(sizes.get(key, 0), size)
+
+
+def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return
+    for fd in fds:
+        path = f"{fd_dir}/{fd}"
+        try:
+            if not os.readlink(path).startswith(_SHARED_PATH_PREFIXES):
+                continue
+            status = os.stat(path)
+        except OSError:
+            continue  # closed meanwhile
+        key = (status.st_dev, status.st_ino)
+        sizes[key] = max(sizes.get(key, 0), status.st_size)
+
+
+def tree_pids(root: Any) -> list[int]:
+    """``root``'s pid and its live descendants' (none if ``root`` has exited)."""
+    import psutil  # the `bench` extra
+
+    try:
+        return [root.pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
 class PeakSampler:
-    """Keeps the peak RSS of the process tree and the peak growth of /dev/shm while open.
+    """Keeps the peak RSS of the process tree and the peak of its shared memory while open.
 
     Invariant: only the sampling thread writes ``peaks`` until ``close()`` has joined it.
     """
@@ -76,10 +140,8 @@ class PeakSampler:
 
         self.peaks = {"rss": 0, "shm": 0}
         self._stop = threading.Event()
-        baseline = shm_used_bytes()
         self._thread = threading.Thread(target=_sample, name="pipeload-bench-sampler", daemon=True,
-                                        args=(psutil.Process(os.getpid()), baseline, self.peaks,
-                                              self._stop))
+                                        args=(psutil.Process(os.getpid()), self.peaks, self._stop))
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._stop.set)
 
@@ -94,10 +156,11 @@ class PeakSampler:
         self.close()
 
 
-def _sample(root: Any, shm_baseline: int, peaks: dict[str, int], stop: threading.Event) -> None:
-    while True:
+def _sample(root: Any, peaks: dict[str, int], stop: threading.Event) -> None:
+    for sample in itertools.count():
         peaks["rss"] = max(peaks["rss"], tree_rss_bytes(root))
-        peaks["shm"] = max(peaks["shm"], shm_used_bytes() - shm_baseline)
+        if sample % TREE_SHM_EVERY == 0:
+            peaks["shm"] = max(peaks["shm"], tree_shared_memory_bytes(root))
         if stop.wait(SAMPLE_INTERVAL_S):
             return
 
@@ -115,5 +178,4 @@ def time_one_pass(name: str, repeat: int, loader: Iterable[Any], batch_length: C
             samples += batch_length(batch)
             on_batch()
         seconds = time.perf_counter() - started
-    return Run(name, repeat, samples, seconds, first_batch_s, sampler.peaks["rss"],
-               max(0, sampler.peaks["shm"]))
+    return Run(name, repeat, samples, seconds, first_batch_s, sampler.peaks["rss"], sampler.peaks["shm"])

@@ -1,0 +1,57 @@
+"""``pipeload bench``'s memory readings (``pipeload.cli.measure``): its shared-memory column must
+see pipeload's memfd slabs as well as torch's ``/dev/shm`` files, and count a segment once however
+many processes of the tree map it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from pipeload.cli import measure
+
+SEGMENT_BYTES = 4 << 20
+# A child that maps the segment it inherited (fd in argv), says so, and holds it until stdin closes.
+MAPPING_CHILD = (
+    "import mmap, sys\n"
+    "view = mmap.mmap(int(sys.argv[1]), 0)\n"
+    "print('mapped', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.fixture
+def memfd() -> Iterator[int]:
+    """A written memfd segment (as pipeload's slabs are), mapped by this process."""
+    fd = os.memfd_create("pipeload-test-segment")
+    os.ftruncate(fd, SEGMENT_BYTES)
+    view = mmap.mmap(fd, SEGMENT_BYTES)
+    view[:] = b"\1" * SEGMENT_BYTES
+    yield fd
+    view.close()
+    os.close(fd)
+
+
+def test_bench_sees_a_memfd_segment_the_process_holds(memfd: int) -> None:
+    # /dev/shm does not show memfd segments: its growth read 0 MiB for pipeload's slabs
+    run = measure.time_one_pass("classic", 0, [[0]] * 3, len, lambda: None)
+    assert run.peak_shm_bytes >= SEGMENT_BYTES
+
+
+def test_a_segment_mapped_by_two_processes_counts_once(memfd: int) -> None:
+    before = measure.tree_shared_memory_bytes(psutil.Process())
+    child = subprocess.Popen([sys.executable, "-c", MAPPING_CHILD, str(memfd)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, pass_fds=(memfd,))
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        # the parent already counted it (mapped and held open); the child adds a second mapping
+        assert measure.tree_shared_memory_bytes(psutil.Process()) == before
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert child.returncode == 0
