@@ -98,7 +98,7 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
                          help="for a dataset: a number or 'auto' (default: %(default)s)")
     profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode)
     profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type)
-    profile.add_argument("--step-ms", type=float, default=defaults.step_ms,
+    profile.add_argument("--step-ms", type=_milliseconds, default=defaults.step_ms,
                          help="pretend training time per batch, in ms (default: %(default)s)")
     profile.set_defaults(handler=_profile)
 
@@ -128,6 +128,16 @@ def _loader_names(text: str) -> tuple[str, ...]:
 
 def _workers(text: str) -> int | str:
     return "auto" if text == "auto" else _at_least(0)(text)
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also refuses nan, which compares false both ways
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds >= 0, got {text!r}")
+    return value
 
 
 def _at_least(minimum: int):  # noqa: ANN202  (an argparse type)
