@@ -4,6 +4,7 @@ order (``in_order=True``) or in any order (``in_order=False``).
 
 from __future__ import annotations
 
+import multiprocessing
 from collections import Counter
 
 import pytest
@@ -32,6 +33,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
 ]
 
+OVERTAKE_WAIT_S = 30.0  # far beyond any start-up, well within the test's timeout
 FAST = engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD)
 CLASSIC_FAST = engine_params(FORK, THREAD)  # iterable datasets: economic mode refuses them
 
@@ -57,25 +59,27 @@ def test_out_of_order_delivers_every_index_exactly_once(engine):
 
 @pytest.mark.parametrize("engine", FAST)
 def test_out_of_order_does_not_wait_for_a_slow_batch(engine):
-    # Index 0 is far slower than everything else: with in_order=False the others overtake it.
+    # Index 0 is not ready until the training loop has received a batch: with in_order=False the
+    # others must overtake it. (A fixed sleep here lost the race to worker start-up on a loaded box.)
+    loaded_a_batch = multiprocessing.get_context("fork").Event()  # fork and thread workers see it
+
     class SlowFirst(Uneven):
         def __getitem__(self, index: int) -> int:
-            return super().__getitem__(index) if index else _slow_zero()
+            if index == 0:
+                # bounded: if nothing overtakes index 0, the batch holding it comes first and fails
+                loaded_a_batch.wait(OVERTAKE_WAIT_S)
+            return super().__getitem__(index)
 
     # Economic mode: an item worker holds up to two pieces, so with 2 item workers batch 1's
     # index 2 would wait behind index 0; with 4, batch 1 is fetched by the others.
     loader = DataLoader(SlowFirst(24, unit_s=0.0), batch_size=2, num_workers=4 if engine.economic else 2,
                         in_order=False, **loader_kwargs(engine))
-    items = _items(loader)
+    items = []
+    for batch in loader:
+        items += flatten([batch])
+        loaded_a_batch.set()
     assert Counter(items) == Counter(range(24))
     assert items[0] != 0
-
-
-def _slow_zero() -> int:
-    import time
-
-    time.sleep(0.3)  # simulated slow sample
-    return 0
 
 
 @pytest.mark.parametrize("engine", FAST)
