@@ -55,3 +55,18 @@ def test_a_segment_mapped_by_two_processes_counts_once(memfd: int) -> None:
         child.stdin.close()
         child.wait(timeout=30)
     assert child.returncode == 0
+
+
+def test_each_shared_mapping_line_is_read_once() -> None:
+    maps = (
+        b"7f00-7f10 r--p 00000000 08:01 1234     /usr/lib/libc.so.6\n"
+        b"7f10-7f30 rw-s 00000000 00:01 77       /memfd:pipeload-slab (deleted)\n"
+        b"7f30-7f40 rw-s 00000000 00:19 88       /dev/shm/torch_1_2 (deleted)\n"
+        b"7f40-7f50 rw-s 00000000 00:01 99       /memfd:odd/dev/shm/name (deleted)\n"  # two paths' words
+        b"7f50-7f60 rw-p 00000000 00:00 0 \n"
+    )
+    assert list(measure._shared_mappings(maps)) == [
+        (b"7f10", b"7f30", b"00", b"01", b"77"),
+        (b"7f30", b"7f40", b"00", b"19", b"88"),
+        (b"7f40", b"7f50", b"00", b"01", b"99"),
+    ]

@@ -19,18 +19,19 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 SAMPLE_INTERVAL_S = 0.05
 TREE_SHM_EVERY = 2  # reading every process's mappings takes milliseconds: not on every sample
 SHM_PATH = "/dev/shm"
-# A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments.
+# A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments. The
+# paths are found first and only their lines parsed: a process that imported torch maps some 600
+# files, and a regex anchored at every line start took most of a sample's time.
+_SHARED_PATH = re.compile(rb"/dev/shm/|/memfd:|/SYSV")
 _SHARED_MAPPING = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(?:/dev/shm/|/memfd:|/SYSV)",
-    re.MULTILINE,
-)
+    rb"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(?:/dev/shm/|/memfd:|/SYSV)")
 _SHARED_PATH_PREFIXES = ("/dev/shm/", "/memfd:")
 
 
@@ -94,11 +95,19 @@ def _add_mapped(pid: int, sizes: dict[tuple[int, int], int]) -> None:
     except OSError:
         return  # it exited meanwhile
     mapped: dict[tuple[int, int], int] = {}
-    for start, end, major, minor, inode in _SHARED_MAPPING.findall(text):
+    for start, end, major, minor, inode in _shared_mappings(text):
         key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
         mapped[key] = mapped.get(key, 0) + int(end, 16) - int(start, 16)
     for key, size in mapped.items():
         sizes[key] = max(sizes.get(key, 0), size)
+
+
+def _shared_mappings(maps: bytes) -> Iterator[tuple[bytes, ...]]:
+    """(start, end, major, minor, inode) of each line of ``maps`` that maps a shared-memory file."""
+    for path in _SHARED_PATH.finditer(maps):
+        line = _SHARED_MAPPING.match(maps, maps.rfind(b"\n", 0, path.start()) + 1)
+        if line is not None and line.end() == path.end():  # the path itself, not a word in a name
+            yield line.groups()
 
 
 def _add_held_open(pid: int, sizes: dict[tuple[int, int], int]) -> None:
