@@ -18,8 +18,8 @@ from pipeload.transport.channel import QueueEnd
 from pipeload.transport.messages import Command, Report, WorkerCommand
 
 
-def _run_loop(commands: list[WorkerCommand]) -> list:
-    fetch = FetchSpec(Numbers(100), DatasetKind.MAP, True, default_collate, False)
+def _run_loop(commands: list[WorkerCommand], per_batch_seeding: bool = False) -> list:
+    fetch = FetchSpec(Numbers(100), DatasetKind.MAP, True, default_collate, False, per_batch_seeding)
     setup = WorkerSetup(fetch, num_workers=1, base_seed=0, worker_init_fn=None,
                         worker_method="thread")
     inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
@@ -44,14 +44,30 @@ def test_tasks_are_served_in_the_order_they_were_sent():
     ]
 
 
-def test_tasks_left_by_an_abandoned_epoch_are_dropped_not_built():
-    reports = _run_loop([
-        _fetch(0, [0, 1]),  # the abandoned epoch's queued tasks: nobody will read them
-        _fetch(1, [2, 3]),
-        WorkerCommand(Command.START_EPOCH, epoch=2),
-        _fetch(0, [4, 5]),
-        WorkerCommand(Command.STOP),
-    ])
+_ABANDONED_THEN_NEW_EPOCH = [
+    _fetch(0, [0, 1]),  # the abandoned epoch's queued tasks: nobody will read them
+    _fetch(1, [2, 3]),
+    WorkerCommand(Command.START_EPOCH, epoch=2),
+    _fetch(0, [4, 5]),
+    WorkerCommand(Command.STOP),
+]
+
+
+def test_tasks_left_by_an_abandoned_epoch_are_built_under_torchs_seeding():
+    # As torch's workers do: their draws from the worker's generators shape later batches.
+    reports = _run_loop(_ABANDONED_THEN_NEW_EPOCH)
+    assert [(r.report, r.batch_number) for r in reports] == [
+        (Report.BATCH, 0),
+        (Report.BATCH, 1),
+        (Report.EPOCH_STARTED, 2),
+        (Report.BATCH, 0),
+    ]
+    assert reports[-1].payload.tolist() == [4, 5]
+
+
+def test_tasks_left_by_an_abandoned_epoch_are_dropped_under_per_batch_seeding():
+    # Each batch reseeds the generators: building the abandoned ones would change nothing.
+    reports = _run_loop(_ABANDONED_THEN_NEW_EPOCH, per_batch_seeding=True)
     assert [(r.report, r.batch_number) for r in reports] == [
         (Report.EPOCH_STARTED, 2),
         (Report.BATCH, 0),

@@ -199,6 +199,7 @@ class PoolEngine:
         ``start`` continues an epoch cut short (a resumed checkpoint).
         """
         if self._started:
+            self._send_what_torch_sends_ahead()
             self._workers.start_epoch(self._epoch + 1, shared_seed)
         self._started = True
         self._epoch += 1
@@ -210,6 +211,24 @@ class PoolEngine:
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
         self._budget.epoch_started()
         self._top_up()
+
+    def _send_what_torch_sends_ahead(self) -> None:
+        """Before a persistent session's next epoch: if the last one was left early, send the
+        tasks torch would have sent by then (``prefetch_factor * num_workers`` beyond those
+        handed out, round-robin), which the workers build and drop before they start the next
+        epoch (see ``WorkerLoop._next_command``). The budget may have kept fewer in flight, and
+        how many depends on timing; the workers' random values after an epoch left early then
+        depend on it too. Their batches travel in fresh memory: no slab is granted for a batch
+        nobody will read."""
+        if self._config.setup.fetch.per_batch_seeding or not self._config.in_order:
+            return
+        ledger = self._ledger
+        ahead = ledger.next_to_yield + self._prefetch_factor * self._num_workers
+        while ledger.next_to_send < ahead and (self._unsent is not None or self._take_task(grant=False)):
+            worker_id, command = self._unsent  # type: ignore[misc]
+            self._workers.send(worker_id, command)
+            self._unsent = None
+            ledger.record_sent(worker_id)
 
     def next_batch(self) -> Any:
         """The next batch; raises StopIteration when the epoch is over.
@@ -302,8 +321,9 @@ class PoolEngine:
             self._unsent = None
             ledger.record_sent(worker_id)
 
-    def _take_task(self) -> bool:
-        """Take the sampler's next task into ``_unsent``, with its worker and slab grant."""
+    def _take_task(self, grant: bool = True) -> bool:
+        """Take the sampler's next task into ``_unsent``, with its worker and (if ``grant``) a
+        slab grant."""
         worker_id = self._ledger.choose_worker()
         if worker_id is None or self._supply.done:
             return False
@@ -312,6 +332,6 @@ class PoolEngine:
             return False
         number = self._ledger.next_to_send
         slabs = self._workers.slabs
-        grant = slabs.grant(worker_id, number) if slabs is not None else None
-        self._unsent = (worker_id, WorkerCommand(Command.FETCH, number, indices, grant=grant))
+        granted = slabs.grant(worker_id, number) if slabs is not None and grant else None
+        self._unsent = (worker_id, WorkerCommand(Command.FETCH, number, indices, grant=granted))
         return True

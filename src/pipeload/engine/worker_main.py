@@ -87,6 +87,7 @@ class WorkerLoop:
         if self._lends_clock:
             share_clock(self._clock)  # type: ignore[misc]
         self._epoch = setup.first_epoch
+        self._drops_superseded_tasks = self.kind != "" or setup.fetch.per_batch_seeding
 
     def run(self) -> None:
         self._initialise()
@@ -105,8 +106,12 @@ class WorkerLoop:
         """The next command worth doing, after reading everything already waiting.
 
         When a persistent loader's epoch was abandoned, the tasks it left queued here come before
-        the next START_EPOCH; nobody will read their batches, so they are dropped instead of
-        built, and the next epoch starts as soon as the task in hand is done.
+        the next START_EPOCH. Nobody will read their batches, but under torch's seeding they are
+        built all the same, as torch's workers build them: what they draw from the worker's
+        generators decides the random values of every later batch, and whether a task is in hand
+        or still queued when START_EPOCH comes is a matter of timing. Where a batch's draws do
+        not depend on earlier ones (per-batch seeding, economic mode's per-item seeds) they are
+        dropped, and the next epoch starts as soon as the task in hand is done.
         """
         pending, receive = self._pending, self._inbox.receive
         restarts = False
@@ -119,7 +124,7 @@ class WorkerLoop:
         while (waiting := receive(0)) is not None:
             pending.append(waiting)
             restarts = restarts or waiting.command is _START_EPOCH
-        if restarts:
+        if restarts and self._drops_superseded_tasks:
             self._pending = pending = _without_superseded_tasks(pending)
         return pending.popleft()
 
