@@ -111,7 +111,7 @@ class WorkerLoop:
         pending, receive = self._pending, self._inbox.receive
         restarts = False
         if not pending:
-            first = receive(POLL_INTERVAL_S)
+            first = receive(self._idle_wait_s())
             if first is None:
                 return None
             pending.append(first)
@@ -122,6 +122,10 @@ class WorkerLoop:
         if restarts:
             self._pending = pending = _without_superseded_tasks(pending)
         return pending.popleft()
+
+    def _idle_wait_s(self) -> float:
+        """How long to wait for a command before ``_next_command`` returns None."""
+        return POLL_INTERVAL_S
 
     def _initialise(self) -> None:
         self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
