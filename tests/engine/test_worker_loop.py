@@ -3,8 +3,11 @@ worker process sets up for itself before its loop runs."""
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
+import subprocess
+import sys
 
 import pytest
 from faults import ECONOMIC, FORK, Numbers, engine_params, loader_kwargs
@@ -102,3 +105,47 @@ def test_worker_processes_run_as_batch_work_unless_told_not_to(engine, setting, 
     expected = os.SCHED_OTHER if setting == "normal" else os.SCHED_BATCH
     assert policies == {expected}
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the main process keeps its own
+
+
+class _FrozenObjects(Dataset):
+    """Each item is how many objects the collector of the fetching process leaves alone."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return gc.get_freeze_count()
+
+
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_worker_processes_keep_the_collector_off_what_they_inherited(engine):
+    # A full collection would write to every inherited object, copying the main process's heap
+    # into each worker page by page (docs/design/economic.md, "Where the memory goes").
+    gc.unfreeze()  # conftest.py froze the session's objects: a worker's count must be its own
+    try:
+        loader = DataLoader(_FrozenObjects(), batch_size=2, num_workers=2, **loader_kwargs(engine))
+        counts = [int(count) for batch in loader for count in batch]
+    finally:
+        gc.freeze()
+    assert min(counts) > 1000  # torch's import alone leaves hundreds of thousands
+
+
+def test_the_first_fork_comes_after_numpy_random_is_imported():
+    # Every process worker seeds numpy's global generator; imported in each worker, numpy.random
+    # would take pages of its own there, several MiB a worker.
+    script = (
+        "import sys\n"
+        "import pipeload\n"
+        "assert 'numpy.random' not in sys.modules, 'already imported: this test would prove nothing'\n"
+        "loader = pipeload.DataLoader(list(range(4)), batch_size=2, num_workers=1,\n"
+        "                             multiprocessing_context='fork')\n"
+        "assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]\n"
+        "print('numpy.random' in sys.modules)\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=environment, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"

@@ -57,6 +57,11 @@ from pipeload.transport.messages import (
 
 ITEM = "item"
 BATCH = "batch"
+# An item worker that waits this long for its next piece is ahead of the training loop (the main
+# process hands out the next piece within a few milliseconds when the pool is behind), and gives
+# its heap back then. A piece takes tens of milliseconds to fetch, so a worker that is never
+# kept waiting (a fast loop) never pays for the trim and the page faults after it.
+IDLE_TRIM_AFTER_S = 0.02
 
 
 class ItemWorkerLoop(WorkerLoop):
@@ -75,11 +80,15 @@ class ItemWorkerLoop(WorkerLoop):
     def _next_command(self) -> WorkerCommand | None:
         command = super()._next_command()
         if command is None and self._heap_in_use:
-            # Idle for a while (the loader is ahead of the training loop): give the heap that
-            # held fetched items back to the system, instead of keeping a few of them per worker.
+            # Idle (the loader is ahead of the training loop): give the heap that held fetched
+            # items back to the system, instead of keeping a piece's worth or more per worker
+            # until the next batch, when every worker holds its new piece too.
             self._heap_in_use = False
             release_free_heap()
         return command
+
+    def _idle_wait_s(self) -> float:
+        return IDLE_TRIM_AFTER_S if self._heap_in_use else POLL_INTERVAL_S
 
     def _share(self) -> tuple[int, int]:
         # Items are fetched by global index, so no item worker may hold only a shard: each copy

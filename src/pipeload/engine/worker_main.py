@@ -7,6 +7,7 @@ build and it reports what happened, including "my iterable ran dry" and "this ra
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import signal
@@ -116,7 +117,7 @@ class WorkerLoop:
         pending, receive = self._pending, self._inbox.receive
         restarts = False
         if not pending:
-            first = receive(POLL_INTERVAL_S)
+            first = receive(self._idle_wait_s())
             if first is None:
                 return None
             pending.append(first)
@@ -127,6 +128,10 @@ class WorkerLoop:
         if restarts and self._drops_superseded_tasks:
             self._pending = pending = _without_superseded_tasks(pending)
         return pending.popleft()
+
+    def _idle_wait_s(self) -> float:
+        """How long to wait for a command before ``_next_command`` returns None."""
+        return POLL_INTERVAL_S
 
     def _initialise(self) -> None:
         self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
@@ -320,10 +325,15 @@ def run_process_worker(setup: WorkerSetup, worker_id: int, inbox: Any, outbox: A
 
 
 def enter_worker_process(base_seed: int, seed_offset: int) -> int:
-    """A worker process's first steps: leave Ctrl-C to the main process, leave when the parent
-    dies, never preempt the main process when woken (``schedule_as_batch_work``), one torch
-    thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
+    """A worker process's first steps: leave Ctrl-C to the main process, keep the collector off
+    the inherited objects, leave when the parent dies, never preempt the main process when woken
+    (``schedule_as_batch_work``), one torch thread, seeded generators. Returns the seed,
+    ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    # The cyclic collector never again visits what was here at the start (under fork, the main
+    # process's objects): a full collection writes to every object it visits, which would copy
+    # each page of the inherited heap into this worker (about 40 MiB with torch imported).
+    gc.freeze()
     exit_when_parent_dies(os.getppid())
     schedule_as_batch_work()
     torch.set_num_threads(1)
