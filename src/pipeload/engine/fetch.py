@@ -76,6 +76,7 @@ class MapFetcher:
 
     def _fetch_counted(self, index: Any, number: int) -> Any:
         clock = self._clock
+        spec = self._spec
         if clock is not None:  # count down to the next timed task (stats/clock.py)
             clock.left -= 1
             # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
@@ -83,8 +84,11 @@ class MapFetcher:
                 return self._timed(clock, index, number)
             # Untimed: no closures, no clock reads; the samples counted, exactly (a short last
             # batch among many full ones is one every epoch).
-            clock.untimed_samples += len(index) if self._spec.auto_collation else 1
-        spec = self._spec
+            if spec.auto_collation:
+                clock.untimed_samples += len(index)
+                return spec.collate_fn(self.samples(index))
+            clock.untimed_samples += 1
+            return spec.collate_fn(spec.dataset[index])
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
