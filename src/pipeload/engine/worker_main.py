@@ -210,9 +210,11 @@ class WorkerLoop:
                                            finished_at))
             return
         started = now()
-        totals = clock.finished(payload if report is Report.BATCH else None)
-        if self._lends_clock:
+        if self._lends_clock:  # the main process reads the clock itself
+            clock.done(payload if report is Report.BATCH else None)
             totals = None
+        else:
+            totals = clock.finished(payload if report is Report.BATCH else None)
         self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s,
                                        finished_at))
         clock.sent(started)

@@ -239,16 +239,21 @@ class StageClock:
                 self._skipped)
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
-        """The task in hand is done and its report carries the totals (returned): count its
-        tensor bytes (``result``: the batch, if any) when it was timed, and, with ``every=1``,
-        the task itself."""
+        """The task in hand is done and its report carries the totals (returned): see
+        :meth:`done`."""
+        self.done(result)
+        return self.snapshot()
+
+    def done(self, result: Any = None) -> None:
+        """The task in hand is done: count its tensor bytes (``result``: the batch, if any)
+        when it was timed, and, with ``every=1``, the task itself. (A lent clock's report
+        carries no totals: it need not take a snapshot.)"""
         if self.timing and result is not None:
             self.bytes_out += tensor_bytes(result)
         if self._every == 1:
             self._counted += 1
         else:
             self.timing = False
-        return self.snapshot()
 
     def sent(self, started: float) -> None:
         """The report that carried the last totals took from ``started`` until now to send."""
