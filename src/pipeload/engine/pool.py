@@ -262,8 +262,8 @@ class PoolEngine:
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         if report.batch_number >= self._next_look:  # sampled: see SessionStats.handing_out
-            self._next_look = self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding,
-                                                      report.batch_number)
+            self._next_look = self._stats.handing_out(  # type: ignore[union-attr]
+                len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
         slabs = self._workers.slabs
         if slabs is not None:
             slabs.handed_out(report.batch_number)
