@@ -12,9 +12,12 @@ Two measures:
 
 - **Python bytecodes per batch** in the calling thread, on and off (``sys.settrace`` opcode
   events, past the loader's all-timed start): deterministic for the inline engine, whose whole
-  work runs in that thread, nearly so for the main process's side of the worker engines (it
-  polls a little more or less as the workers keep pace). This settles a fraction of a percent
-  where no clock can on a shared machine.
+  work runs in that thread. Beside workers the main process's count also holds its polling
+  while it waits for them, which varies from run to run (and more on a loaded machine): it is
+  taken twice, with a pause before each batch so that the workers are ahead and every report
+  has arrived ("workers ahead": the main side's own work, nearly deterministic), and back to
+  back (the median of runs, with their range). This settles a fraction of a percent where no
+  clock can on a shared machine.
 - **CPU time per batch**: each round takes ``--round-batches`` batches from each loader in
   bursts of ``--burst``, alternating between the three loaders in all six orders in turn, so
   each comes first, second and third, and after each other, equally often. A burst's cost is
@@ -74,6 +77,7 @@ SETTINGS = ("on", "off", "off again")
 ORDERS = list(itertools.permutations(range(len(SETTINGS))))  # all six, in turn
 FEWER = {"economic": 0.1}  # economic mode moves every tiny item on its own: a burst takes 100x longer
 BYTECODE_BATCHES = {"economic": 200}  # its main thread runs little per batch, but slowly traced
+PAUSE_S = {"economic": 0.02}  # before each batch of the "workers ahead" count: time to refill
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
 
@@ -212,10 +216,13 @@ def report(name: str, runs: dict[str, list[float]], groups: list[int]) -> str:
     return said
 
 
-def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers: bool = False) -> float:
-    """Python bytecodes per batch that the calling thread executes, or with ``workers``, that
-    the loader's worker threads execute (thread workers run the same loop as process workers,
-    which no tracer here can reach)."""
+def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers: bool = False,
+                        pause_s: float = 0.0) -> float:
+    """Python bytecodes per batch that the calling thread executes inside ``next()``, or with
+    ``workers``, that the loader's worker threads execute (thread workers run the same loop as
+    process workers, which no tracer here can reach). ``pause_s`` before each ``next()`` lets
+    the workers get ahead, so that the count is the main side's own work, not how often it
+    polled while waiting for them (that varies from run to run with the machine's load)."""
     count = 0
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -232,28 +239,30 @@ def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers:
             next(batches_iter)
     finally:
         threading.settrace(None)
-    if not workers:
-        sys.settrace(tracer)
     before = count
-    try:
-        for _ in range(batches):
+    for _ in range(batches):
+        if pause_s:
+            time.sleep(pause_s)
+        if not workers:
+            sys.settrace(tracer)
+        try:
             next(batches_iter)
-    finally:
-        sys.settrace(None)
+        finally:
+            sys.settrace(None)
     counted = count - before
     del batches_iter  # its workers stop before the next measure starts
     return counted / batches
 
 
-def bytecodes_line(name: str, engine: dict, batches: int, runs: int, workers: bool = False) -> None:
-    """On minus off, ``runs`` times in turn: the main thread's count beside workers varies a
-    little with how many reports each poll finds (more, with fewer, on a loaded machine)."""
-    pairs = [[bytecodes_per_batch(engine, stats, batches, workers) for stats in (True, False)]
+def bytecodes_line(name: str, engine: dict, batches: int, runs: int, workers: bool = False,
+                   pause_s: float = 0.0) -> None:
+    """On minus off, ``runs`` times in turn (the median, and the range when they differ)."""
+    pairs = [[bytecodes_per_batch(engine, stats, batches, workers, pause_s) for stats in (True, False)]
              for _ in range(runs)]
     added = sorted(on - off for on, off in pairs)
     on, off = (float(np.median([pair[i] for pair in pairs])) for i in (0, 1))
     spread = f" (runs: {added[0]:+.1f} .. {added[-1]:+.1f})" if runs > 1 and added[0] != added[-1] else ""
-    print(f"  {name:<18} on {on:8.1f}  off {off:8.1f}  stats add {float(np.median(added)):+6.1f} "
+    print(f"  {name:<30} on {on:8.1f}  off {off:8.1f}  stats add {float(np.median(added)):+6.1f} "
           f"({float(np.median(added)) / off:+.2%}){spread}", flush=True)
 
 
@@ -284,9 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"Python bytecodes per batch (median of {args.bytecode_runs} runs of on and off in turn):")
         for name in engines:
             batches = BYTECODE_BATCHES.get(name, 2000)
-            bytecodes_line(f"{name}", ENGINES[name], batches, args.bytecode_runs)
+            if name == "inline":
+                bytecodes_line(name, ENGINES[name], batches, args.bytecode_runs)
+                continue
+            pause_s = PAUSE_S.get(name, 0.002)
+            bytecodes_line(f"{name} (main, workers ahead)", ENGINES[name], batches, args.bytecode_runs,
+                           pause_s=pause_s)
+            bytecodes_line(f"{name} (main, back to back)", ENGINES[name], batches, args.bytecode_runs)
             if name == "thread":
-                bytecodes_line("thread (workers)", ENGINES[name], batches, args.bytecode_runs, workers=True)
+                bytecodes_line("thread (worker threads)", ENGINES[name], batches, args.bytecode_runs, workers=True)
     print(f"CPU time per batch (us, medians); cost and A/A: median of per-triple ratios "
           f"[{CONFIDENCE:.0%} interval]")
     print(f"{'engine':<9}{'triples':>6}{'on':>9}{'off':>9}{'again':>9}{'cost':>9} {'[interval]':<19}"
