@@ -420,3 +420,17 @@ def test_torch_samplers_inside_our_batch_sampler() -> None:
     expected = list(tud.BatchSampler(
         tud.WeightedRandomSampler([1.0, 0.0, 2.0], 7, generator=generator(1)), 3, False))
     assert list(ours.BatchSampler(inner, 3, drop_last=False)) == expected
+
+
+def test_batch_sizes_are_known_only_where_the_sampler_says_them_exactly() -> None:
+    # What the stats derive an untimed batch's samples from (stats/clock.py: untimed_size).
+    assert ours.batch_sizes(ours.BatchSampler(ours.SequentialSampler(range(10)), 4, False), True) == (4, 2)
+    assert ours.batch_sizes(tud.BatchSampler(tud.RandomSampler(range(10)), 3, True), True) == (3, 2)
+    assert ours.batch_sizes(ours.SequentialSampler(range(10)), False) == (1, None)  # one sample a task
+    assert ours.batch_sizes([[0, 1], [2]], True) is None  # a batch sampler of its own: anything goes
+
+    class Sub(ours.BatchSampler):
+        pass
+
+    assert ours.batch_sizes(Sub(ours.SequentialSampler(range(10)), 4, False), True) is None
+    assert ours.batch_sizes(ours.BatchSampler(range(10), 4, False), True) is None  # not an exact sampler

@@ -29,6 +29,7 @@ from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
+from pipeload.samplers import batch_sizes
 from pipeload.shared import warn_if_copy_on_read
 from pipeload.stats.recorder import usable_cpus
 from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
@@ -57,7 +58,9 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
         check_ranks_can_agree()
     spec = _fetch_spec(loader, point)
     if loader.num_workers == 0:
-        engine: Any = InlineEngine(spec, replica_setup, loader._stats, base_seed, loader._session[1])
+        sampler, collating = loader._index_sampler, loader._auto_collation
+        engine: Any = InlineEngine(spec, replica_setup, loader._stats, base_seed, loader._session[1],
+                                   lambda: batch_sizes(sampler, collating))
     elif any(loader._auto) and loader.mode == "classic":
         engine = _auto_engine(loader, spec, base_seed, replica_setup)
     elif loader.mode == "economic":

@@ -148,6 +148,20 @@ def exact_length(sampler: Any) -> int | None:
     return len(sampler) if kind in _EXACT_SAMPLERS else None
 
 
+def batch_sizes(index_sampler: Any, auto_collation: bool) -> tuple[int, int | None] | None:
+    """What every batch of an epoch holds, when that is known without looking at each:
+    ``(samples in every batch but the last, the last batch's number or None)``. One sample per
+    task without auto-collation; torch's or our ``BatchSampler`` over an exact sampler holds
+    ``batch_size`` in each but the last, which may be shorter. None for other batch samplers
+    (their batches may hold anything)."""
+    if not auto_collation:
+        return 1, None
+    if type(index_sampler) not in (BatchSampler, torch_data.BatchSampler):
+        return None
+    batches = exact_length(index_sampler)
+    return None if batches is None else (index_sampler.batch_size, batches - 1)
+
+
 _EXACT_SAMPLERS = frozenset({
     SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler,
     torch_data.SequentialSampler, torch_data.RandomSampler, torch_data.SubsetRandomSampler,

@@ -165,6 +165,8 @@ def test_a_short_last_batch_is_counted_as_what_it_holds_in_a_long_run(engine: di
     stats = loader.stats()
     assert stats.batches == 3 * epochs
     counted = sum(worker.samples for worker in stats.workers if worker.kind != "batch")
+    if engine.get("mode") != "economic":  # tasks are counted exactly, not scaled
+        assert sum(worker.tasks for worker in stats.workers) == 3 * epochs
     if engine["num_workers"] and engine.get("worker_type") != "thread":
         assert abs(counted - 10 * epochs) < 4 * engine["num_workers"]
     else:
@@ -222,3 +224,59 @@ def test_samples_skipped_by_on_error_pipes_are_counted_in_every_worker(engine: d
     assert sum(len(batch) for batch in loader) == 10
     assert loader.stats().skipped_samples == 10
     assert "skipped samples: 10" in loader.stats().summary()
+
+
+ODD = 402  # 100 batches of 4 and a short one of 2: past the first TIME_ALL_FIRST, timed all
+
+
+@pytest.mark.parametrize("loader_args", [
+    {"batch_sampler": [list(range(i, i + 1 + i % 5)) for i in range(0, 300, 3)]},  # only counting tells
+    {"batch_size": None},  # one sample a task
+    {"batch_size": 4, "shuffle": True},  # a short last batch every epoch, its number known
+], ids=["own-batch-sampler", "no-batching", "batch-sampler"])
+def test_inline_samples_are_exact_however_the_batches_are_made(loader_args: dict) -> None:
+    # Each epoch's engine (and clock) is new: its first TIME_ALL_FIRST batches are all timed, the
+    # rest about one in 32. Their samples are derived from the sampler where it says them, and
+    # counted one by one where it does not (a batch sampler of the user's own).
+    loader = pipeload.DataLoader(list(range(ODD)), **loader_args)
+    epochs, expected = 3, 0
+    for _ in range(epochs):
+        for batch in loader:
+            expected += len(batch) if isinstance(batch, torch.Tensor) else 1
+    (main,) = loader.stats().workers
+    assert main.samples == expected and main.tasks == len(loader) * epochs
+
+
+def test_inline_samples_stay_exact_under_a_profiler() -> None:
+    # A profiler makes the fetcher open spans for untimed batches too: their samples are then
+    # counted, and must not be counted twice over the derived ones.
+    loader = pipeload.DataLoader(list(range(ODD)), batch_size=4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        list(loader)
+    list(loader)
+    (main,) = loader.stats().workers
+    assert main.samples == 2 * ODD and main.tasks == 2 * 101
+
+
+@pytest.mark.timeout(60)
+def test_a_persistent_pool_looks_at_its_queue_in_every_epoch(leak_guard) -> None:
+    # The batch numbers start again each epoch: so does the sampled look at the queue.
+    loader = pipeload.DataLoader(list(range(400)), batch_size=2, num_workers=1, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    list(loader)
+    looked = loader._stats._queue.samples
+    list(loader)
+    assert loader._stats._queue.samples > looked
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_process_workers_tasks_are_exact_long_past_the_timed_start(leak_guard) -> None:
+    # Past its first TIME_ALL_FIRST tasks a worker sends its totals with about one in 32; the
+    # main process counts the reports that come without, per worker, a burst at a time.
+    loader = pipeload.DataLoader(list(range(1000)), batch_size=4, num_workers=2,
+                                 multiprocessing_context="fork")
+    assert len(list(loader)) == 250
+    workers = loader.stats().workers
+    assert sum(worker.tasks for worker in workers) == 250
+    assert sum(worker.samples for worker in workers) == 1000  # equal batches: exact

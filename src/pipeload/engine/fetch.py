@@ -64,7 +64,9 @@ class MapFetcher:
         self._getitems = getitems if getitems else None
         # A numbered clock (the inline engine) is driven by the batch numbers; chosen once here.
         numbered = clock is not None and clock.count_tasks is not None
-        self._fetch = self._fetch_numbered if numbered else self._fetch_counted
+        self._fetch = self._fetch_counted
+        if numbered:
+            self._fetch = self._fetch_numbered if clock.untimed_size is not None else self._fetch_numbered_counting  # type: ignore[union-attr]
 
     def fetch(self, index: Any, batch_number: int = 0) -> Any:
         if self._seeding is None:
@@ -74,6 +76,7 @@ class MapFetcher:
 
     def _fetch_counted(self, index: Any, number: int) -> Any:
         clock = self._clock
+        spec = self._spec
         if clock is not None:  # count down to the next timed task (stats/clock.py)
             clock.left -= 1
             # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
@@ -81,15 +84,29 @@ class MapFetcher:
                 return self._timed(clock, index, number)
             # Untimed: no closures, no clock reads; the samples counted, exactly (a short last
             # batch among many full ones is one every epoch).
-            clock.untimed_samples += len(index) if self._spec.auto_collation else 1
-        spec = self._spec
+            if spec.auto_collation:
+                clock.untimed_samples += len(index)
+                return spec.collate_fn(self.samples(index))
+            clock.untimed_samples += 1
+            return spec.collate_fn(spec.dataset[index])
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
 
     def _fetch_numbered(self, index: Any, number: int) -> Any:
         clock = self._clock
-        # Untimed: one comparison against the batch number, and the profiler's flag.
+        # Untimed: one comparison against the batch number, and the profiler's flag; nothing
+        # to count, the clock knows how many samples an untimed batch holds (untimed_size).
+        if number >= clock.next_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
+            return self._timed(clock, index, number)  # type: ignore[arg-type]
+        spec = self._spec
+        if not spec.auto_collation:
+            return spec.collate_fn(spec.dataset[index])
+        return spec.collate_fn(self.samples(index))
+
+    def _fetch_numbered_counting(self, index: Any, number: int) -> Any:
+        clock = self._clock
+        # A batch sampler that does not tell its batches' sizes: each untimed one is counted.
         if number >= clock.next_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
             return self._timed(clock, index, number)  # type: ignore[arg-type]
         spec = self._spec
@@ -259,7 +276,7 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
     if timing:
         clock.count_samples(len(samples))
     else:
-        clock.untimed_samples += len(samples)
+        clock.count_untimed(len(samples))
     try:
         if traced:
             with span("pipeload.collate"):

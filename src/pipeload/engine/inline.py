@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload.engine import replica
@@ -21,11 +22,16 @@ class InlineEngine:
     """
 
     def __init__(self, spec: FetchSpec, replica_setup: ReplicaSetup = ReplicaSetup(),
-                 stats: Any = None, base_seed: int = 0, epoch: int = 1) -> None:
+                 stats: Any = None, base_seed: int = 0, epoch: int = 1,
+                 batch_sizes: Callable[[], tuple[int, int | None] | None] = lambda: None) -> None:
+        """``batch_sizes``: what each epoch's batches hold, when the sampler tells
+        (``samplers.batch_sizes``), read as each epoch starts: the stats then count an untimed
+        batch's samples without looking at it."""
         self._spec = spec
         self._replica = replica_setup
         self._base_seed = base_seed
         self._epoch = epoch  # seeds per batch name it: a resumed session's epoch, else 1
+        self._batch_sizes = batch_sizes
         # With stats on (the loader's StatsRecorder), the fetching here is timed as a worker's.
         self._clock = stats.new_session(1).local_clock() if stats is not None else None
         self._fetcher: MapFetcher | IterableFetcher | None = None
@@ -36,6 +42,9 @@ class InlineEngine:
         if self._clock is not None and spec.kind is not DatasetKind.ITERABLE:
             # Map-style: the batch numbers drive the clock (one comparison per untimed batch).
             self._clock.count_tasks = self._tasks_fetched
+            sizes = batch_sizes()
+            if sizes is not None:  # the same every epoch (but the last batch's number)
+                self._clock.untimed_size = sizes[0]
         self._closed = False
 
     def _tasks_fetched(self) -> int:
@@ -56,8 +65,13 @@ class InlineEngine:
         self._tasks = tasks
         self._fetched_before = self._tasks_fetched()
         self._next_number = self._first_number = start.first_batch
-        if self._clock is not None:
-            self._clock.next_timed = start.first_batch  # each epoch's first batch is timed
+        clock = self._clock
+        if clock is not None:
+            clock.next_timed = start.first_batch  # each epoch's first batch is timed
+            if clock.untimed_size is not None:  # and its last, which may be short
+                sizes = self._batch_sizes()
+                last = sizes[1] if sizes is not None else None
+                clock.last_timed = math.inf if last is None else last
         if shared_seed is not None:
             self._replica = ReplicaSetup(self._replica.rank, self._replica.world_size, shared_seed)
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)

@@ -6,6 +6,7 @@ One instance serves one epoch, or every epoch of a loader with ``persistent_work
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import weakref
@@ -129,6 +130,10 @@ class PoolEngine:
         max_bytes = shm_budget_bytes(config.max_shm_bytes)
         self._budget = InFlightBudget(max_batches, num_workers, max_bytes)
         self._stats = config.stats.new_session(max_batches) if config.stats else None
+        # The batch number at which the stats look at the queue next (see _hand_over): kept
+        # here, not on the stats, so that an untimed hand-out costs one comparison whether stats
+        # are on or off.
+        self._next_look = 0 if self._stats is not None else math.inf
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats)
@@ -210,6 +215,8 @@ class PoolEngine:
         self._ledger.resize(self._num_workers)
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
         self._budget.epoch_started()
+        if self._stats is not None:
+            self._next_look = start.first_batch  # the numbers start again each epoch
         self._top_up()
 
     def _send_what_torch_sends_ahead(self) -> None:
@@ -273,9 +280,9 @@ class PoolEngine:
             self._top_up()
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
-        stats = self._stats
-        if stats is not None and report.batch_number >= stats.next_look:  # sampled: see handing_out
-            stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
+        if report.batch_number >= self._next_look:  # sampled: see SessionStats.handing_out
+            self._next_look = self._stats.handing_out(  # type: ignore[union-attr]
+                len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
         slabs = self._workers.slabs
         if slabs is not None:
             slabs.handed_out(report.batch_number)

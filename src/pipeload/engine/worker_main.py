@@ -201,12 +201,12 @@ class WorkerLoop:
         if self._init_failure_reported and self._setup.fetch.kind is DatasetKind.ITERABLE:
             self._report_exhausted(number)
             return
-        self._report(Report.FAILED, number, self._init_failure)
+        self._report_with_totals(Report.FAILED, number, self._init_failure)
         self._init_failure_reported = True
 
     def _report_exhausted(self, number: int) -> None:
         self._exhausted = True
-        self._report(Report.EXHAUSTED, number)
+        self._report_with_totals(Report.EXHAUSTED, number)
 
     def _report(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
                 setup_s: float = 0.0, finished_at: float = 0.0) -> None:
@@ -215,14 +215,16 @@ class WorkerLoop:
         ``build_s``, ``setup_s`` and ``finished_at`` feed the pool's in-flight budget (see
         engine/budget.py)."""
         clock = self._clock
-        if clock is None or (not clock.timing and report is Report.BATCH):
+        if clock is None or not clock.timing:  # an untimed batch (a failure is made timed)
             self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s,
                                            finished_at))
             return
         started = now()
-        totals = clock.finished(payload if report is Report.BATCH else None)
-        if self._lends_clock:
+        if self._lends_clock:  # the main process reads the clock itself
+            clock.done(payload if report is Report.BATCH else None)
             totals = None
+        else:
+            totals = clock.finished(payload if report is Report.BATCH else None)
         self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s,
                                        finished_at))
         clock.sent(started)
@@ -240,7 +242,14 @@ class WorkerLoop:
 
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
         failure = describe_failure(self._id, self.kind, stage, indices, exc)
-        self._report(Report.FAILED, number, failure)
+        self._report_with_totals(Report.FAILED, number, failure)
+
+    def _report_with_totals(self, report: Report, number: int, payload: Any = None) -> None:
+        """A report that is no built batch (a failure, a dry replica): it always carries the
+        totals, so that ``_report`` need check nothing but ``timing`` for a batch."""
+        if self._clock is not None:
+            self._clock.timing = True
+        self._report(report, number, payload)
 
 
 def prepare_worker(

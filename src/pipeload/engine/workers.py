@@ -25,6 +25,7 @@ from pipeload.engine.lifecycle import (
     stop_workers,
 )
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
+from pipeload.stats.recorder import carries_totals, count_by_worker, worker_of
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 from pipeload.transport.slab_pool import SlabPool
@@ -121,6 +122,7 @@ class WorkerGroup:
         # ... except by thread workers that lend their clocks to it (a classic pool's): their
         # reports carry nothing for it.
         self._record = stats is not None and not (worker_type == "thread" and getattr(plan, "lends_clocks", False))
+        self._lag = stats.lag if self._record else None  # reports counted per worker: see receive
         self.labels = plan.labels
         self.timeout_s = timeout_s
         self.stop_event: threading.Event | None = None
@@ -241,8 +243,11 @@ class WorkerGroup:
                 reports.clear()  # about to raise: the traceback keeps this frame and its batches
                 self.raise_for_dead_workers()
             if reports:
-                if self._record:
-                    self.stats.record(reports)
+                if self._record:  # one step per burst, in C, unless one carries totals
+                    if any(map(carries_totals, reports)):
+                        self.stats.record(reports)
+                    else:
+                        count_by_worker(self._lag, map(worker_of, reports))
                 return reports
             if deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeoutError(f"DataLoader timed out after {self.timeout_s} seconds")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import random
 import threading
@@ -155,7 +156,7 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "left", "untimed_samples", "next_timed", "count_tasks", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
+                 "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
                  "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
 
     def __init__(self, every: int = 1) -> None:
@@ -177,6 +178,11 @@ class StageClock:
         # the task numbered ``next_timed`` is timed, and ``count_tasks()`` counts the tasks.
         self.next_timed = 0
         self.count_tasks: Any = None
+        # A numbered clock whose batches' sizes the sampler tells (samplers.batch_sizes): an
+        # untimed task holds ``untimed_size`` samples and is not counted one by one; the task
+        # numbered ``last_timed`` (an epoch's last batch, which may be shorter) is always timed.
+        self.untimed_size: int | None = None
+        self.last_timed: float = math.inf
         self._counted = 0  # tasks up to the latest timed one, that one included
         self._gap = 0
         self._timed = 0
@@ -193,6 +199,11 @@ class StageClock:
         """A timed task had ``samples`` samples."""
         self.samples += samples
 
+    def count_untimed(self, samples: int) -> None:
+        """An untimed task had ``samples`` samples (on the fetchers' rare paths: their common
+        one adds to ``untimed_samples`` itself, or counts nothing when ``untimed_size`` says)."""
+        self.untimed_samples += samples - (self.untimed_size or 0)
+
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
         self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
@@ -203,7 +214,9 @@ class StageClock:
     def start_timed_at(self, number: int) -> None:
         """A numbered clock: task ``number`` reached ``next_timed``: time it (see start_timed)."""
         self._timed += 1
-        self.next_timed = number + (next(self._gaps) if self._timed >= TIME_ALL_FIRST else 1)
+        upcoming = number + (next(self._gaps) if self._timed >= TIME_ALL_FIRST else 1)
+        last = self.last_timed
+        self.next_timed = last if number < last < upcoming else upcoming  # type: ignore[assignment]
         self.timing = True
 
     def snapshot(self) -> tuple[Any, ...]:
@@ -218,22 +231,29 @@ class StageClock:
         tasks = self.tasks
         scale = tasks / self._timed if self._every > 1 and self._timed else 1.0
         samples = self.samples + self.untimed_samples
+        if self.untimed_size is not None:  # the untimed tasks, known to be full
+            samples += (tasks - self._timed) * self.untimed_size
         return (tasks, samples, self.fetch_s * scale, self.collate_s * scale,
                 self.send_s * scale, round(self.bytes_out * scale), self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
                 self._skipped)
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
-        """The task in hand is done and its report carries the totals (returned): count its
-        tensor bytes (``result``: the batch, if any) when it was timed, and, with ``every=1``,
-        the task itself."""
+        """The task in hand is done and its report carries the totals (returned): see
+        :meth:`done`."""
+        self.done(result)
+        return self.snapshot()
+
+    def done(self, result: Any = None) -> None:
+        """The task in hand is done: count its tensor bytes (``result``: the batch, if any)
+        when it was timed, and, with ``every=1``, the task itself. (A lent clock's report
+        carries no totals: it need not take a snapshot.)"""
         if self.timing and result is not None:
             self.bytes_out += tensor_bytes(result)
         if self._every == 1:
             self._counted += 1
         else:
             self.timing = False
-        return self.snapshot()
 
     def sent(self, started: float) -> None:
         """The report that carried the last totals took from ``started`` until now to send."""
