@@ -17,7 +17,7 @@ from pipeload.transport import collate_output
 from pipeload.transport.codec import decode, encode
 from pipeload.transport.messages import GrantOutcome, SlabControlKind
 from pipeload.transport.slab_pool import LATE_PAUSE_GRANTS, SlabPool
-from pipeload.transport.slab_writer import RELEASE_WAIT_S, SlabWriter
+from pipeload.transport.slab_writer import POPULATE_FROM_BYTES, RELEASE_WAIT_S, SlabWriter
 
 ITEM = 1 << 16  # floats: 256 KiB per item, 1 MiB per batch of 4
 BATCH_BYTES = 4 * ITEM * 4
@@ -251,10 +251,16 @@ def _resident_bytes(address: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
-@pytest.mark.parametrize("populate", [True, False])
-def test_a_writer_that_fills_rows_maps_slabs_without_faulting_them_all_in(pool, populate):
-    # Whole-batch producers get every page at map time; an economic item worker, which writes
-    # its own rows of each slab, must not hold every slab in its resident set.
+@pytest.mark.parametrize(("populate", "batch_bytes", "faulted_in"), [
+    (True, POPULATE_FROM_BYTES, True),  # whole large batches: every page at map time
+    (True, BATCH_BYTES, False),  # a small slab: its headroom would stay resident for nothing
+    (False, POPULATE_FROM_BYTES, False),  # an economic item worker writes only its own rows
+], ids=["large-whole-batches", "small-whole-batches", "rows"])
+def test_a_writer_that_fills_rows_maps_slabs_without_faulting_them_all_in(pool, populate, batch_bytes,
+                                                                          faulted_in):
+    # An economic item worker, which writes its own rows of each slab, must not hold every slab
+    # in its resident set; nor may a small slab's unused headroom sit in every producer's.
+    pool.observe_batch(batch_bytes)
     writer = SlabWriter(populate=populate)
     grant = pool.grant(0, 0)
     _deliver_controls(pool, writer, 0)
@@ -262,7 +268,7 @@ def test_a_writer_that_fills_rows_maps_slabs_without_faulting_them_all_in(pool, 
     storage = writer.slab_storage()
     assert storage is not None
     resident = _resident_bytes(storage.data_ptr())
-    if populate:
+    if faulted_in:
         assert resident >= storage.nbytes()
     else:
         assert resident < storage.nbytes() // 4

@@ -35,6 +35,7 @@ RELEASE_POLL_S = 0.0002
 ALIGN_BYTES = 64
 PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+POPULATE_FROM_BYTES = 4 << 20  # slabs this large are mapped with every page faulted in at once
 
 
 class _MappedSlab:
@@ -43,10 +44,13 @@ class _MappedSlab:
     def __init__(self, slab_id: int, size: int, fd: int, populate: bool) -> None:
         self.slab_id = slab_id
         self.size = size
-        # A producer that writes whole batches gets the slab populated at once: one kernel loop
-        # is cheaper than a fault per page. One that writes a few rows (an economic item worker)
-        # or reads what others wrote (a batch worker) faults in only the pages it touches, or
-        # each of them would hold every slab in its resident set.
+        # A producer that writes whole large batches gets the slab populated at once: one kernel
+        # loop is cheaper than a fault per page. One that writes a few rows (an economic item
+        # worker) or reads what others wrote (a batch worker) faults in only the pages it
+        # touches, or each of them would hold every slab in its resident set. A small slab is
+        # not populated either: its faults cost little, and populating would make its headroom
+        # (beyond the largest batch so far) resident in every producer for nothing.
+        populate = populate and size >= POPULATE_FROM_BYTES
         flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
         self.mapping = mapping = mmap.mmap(fd, size, flags=flags)
         self.storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
