@@ -153,7 +153,7 @@ def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
 def test_a_short_last_batch_is_counted_as_what_it_holds_in_a_long_run(engine: dict, leak_guard) -> None:
-    # Past the first TIME_ALL_FIRST tasks only one task in ~32 is timed; the samples of the
+    # Past the first TIME_ALL_FIRST tasks only one task in ~64 is timed; the samples of the
     # others are counted all the same, so a short last batch every epoch adds no drift. (Process
     # workers send their totals with timed tasks only: the tasks since are scaled, so the count
     # may be off by part of a batch per worker, never by a batch per epoch.)
@@ -236,7 +236,7 @@ ODD = 402  # 100 batches of 4 and a short one of 2: past the first TIME_ALL_FIRS
 ], ids=["own-batch-sampler", "no-batching", "batch-sampler"])
 def test_inline_samples_are_exact_however_the_batches_are_made(loader_args: dict) -> None:
     # Each epoch's engine (and clock) is new: its first TIME_ALL_FIRST batches are all timed, the
-    # rest about one in 32. Their samples are derived from the sampler where it says them, and
+    # rest about one in 64. Their samples are derived from the sampler where it says them, and
     # counted one by one where it does not (a batch sampler of the user's own).
     loader = pipeload.DataLoader(list(range(ODD)), **loader_args)
     epochs, expected = 3, 0
@@ -272,7 +272,7 @@ def test_a_persistent_pool_looks_at_its_queue_in_every_epoch(leak_guard) -> None
 
 @pytest.mark.timeout(60)
 def test_process_workers_tasks_are_exact_long_past_the_timed_start(leak_guard) -> None:
-    # Past its first TIME_ALL_FIRST tasks a worker sends its totals with about one in 32; the
+    # Past its first TIME_ALL_FIRST tasks a worker sends its totals with about one in 64; the
     # main process counts the reports that come without, per worker, a burst at a time.
     loader = pipeload.DataLoader(list(range(1000)), batch_size=4, num_workers=2,
                                  multiprocessing_context="fork")

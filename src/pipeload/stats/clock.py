@@ -123,7 +123,10 @@ def span(name: str) -> Iterator[None]:
         yield
 
 
-SAMPLE_EVERY = 32  # a worker times one task in this many, on average: see StageClock
+# A worker (or the inline engine) times one task in this many, on average: see StageClock. 64,
+# not 32: an untimed task costs next to nothing, so the timed ones (~250 bytecodes each, spread
+# over the gap) were a quarter of a tiny batch's stats cost in a worker.
+SAMPLE_EVERY = 64
 TIME_ALL_FIRST = 64  # ... after timing all of its first ones: a short run's figures stay exact
 
 
