@@ -8,14 +8,19 @@ from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals
 
 
-def _worker_run(batch_sizes: list[int]) -> tuple[StageClock, int]:
-    """Fetch one batch of each size, as a worker's loop does; returns the clock and how many
-    of the batches it timed."""
+def _worker_run(batch_sizes: list[int], epoch_batches: int = 10**9,
+                untimed_size: int | None = None) -> tuple[StageClock, int]:
+    """Fetch one batch of each size, as a worker's loop does (batch numbers start again every
+    ``epoch_batches``; ``untimed_size``: what the sampler says a batch holds, the last one of an
+    epoch excepted); returns the clock and how many of the batches it timed."""
     spec = FetchSpec(list(range(max(batch_sizes))), DatasetKind.MAP, True, list, False)
     clock = StageClock(SAMPLE_EVERY)
+    if untimed_size is not None:
+        clock.untimed_size, clock.last_timed = untimed_size, epoch_batches - 1
     fetcher = MapFetcher(spec, clock)
     timed = 0
-    for number, size in enumerate(batch_sizes):
+    for task, size in enumerate(batch_sizes):
+        number = task % epoch_batches
         batch = fetcher.fetch(list(range(size)), number)
         if clock.timing:  # the worker's report carries the totals only then
             timed += 1
@@ -37,3 +42,12 @@ def test_untimed_tasks_and_a_short_last_one_are_counted_exactly() -> None:
     clock, _ = _worker_run(sizes)
     totals = WorkerTotals._make(clock.snapshot())
     assert totals.tasks == len(sizes) and totals.samples == sum(sizes)
+
+
+def test_a_worker_told_the_batch_size_derives_untimed_samples_and_times_each_last_batch() -> None:
+    sizes = ([4] * 299 + [3]) * 3
+    clock, timed = _worker_run(sizes, epoch_batches=300, untimed_size=4)
+    totals = WorkerTotals._make(clock.snapshot())
+    assert totals.tasks == len(sizes) and totals.samples == sum(sizes)
+    assert clock.untimed_samples == 0  # nothing counted one by one
+    assert timed <= TIME_ALL_FIRST + 3 + len(sizes) // SAMPLE_EVERY * 2  # sampled all the same

@@ -209,7 +209,8 @@ class StageClock:
 
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
-        self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
+        self._counted += self._gap - self.left  # this task included (left: 0, -1 at first, or
+        # more for an epoch's last batch, timed ahead of its turn)
         self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
         self._timed += 1
         self.timing = True
