@@ -121,14 +121,24 @@ def _worker_setup(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: R
     warn_if_copy_on_read(loader.dataset, loader.worker_type)  # pytorch#13246: points at the fix
     method = "thread" if loader.worker_type == "thread" else "multiprocessing"
     return WorkerSetup(spec, loader.num_workers, base_seed, loader.worker_init_fn, method, replica_setup,
-                       stats=loader._stats is not None, first_epoch=loader._session[1])
+                       stats=loader._stats is not None, first_epoch=loader._session[1],
+                       batch_sizes=_batch_sizes(loader)())
+
+def _batch_sizes(loader: Any) -> Any:
+    """What the loader's batches hold, read afresh each epoch (``samplers.batch_sizes``; always
+    None for iterable datasets and with stats off, where nothing uses it)."""
+    if loader._stats is None or loader._dataset_kind is not DatasetKind.MAP:
+        return lambda: None
+    sampler, collating = loader._index_sampler, loader._auto_collation
+    return lambda: batch_sizes(sampler, collating)
 
 def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
     setup = EconomicSetup(_worker_setup(loader, spec, base_seed, replica_setup), loader.num_batch_workers)  # type: ignore[arg-type]
     return EconomicConfig(setup=setup, **_engine_settings(loader))
 
 def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
-    return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup), **_engine_settings(loader))
+    return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup),
+                      batch_sizes=_batch_sizes(loader), **_engine_settings(loader))
 
 def _engine_settings(loader: Any) -> dict[str, Any]:
     """What both worker engines (classic and economic) take from the loader alike."""

@@ -72,7 +72,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             all workers, so memory does not grow with ``num_workers``. Map-style datasets only.
         num_batch_workers: economic mode's batch workers (default: ``prefetch_factor``).
         stats: count every batch and time a sample of them for :meth:`stats` (on by default:
-            a countdown per batch, the timing about one batch in 32). False turns it off.
+            a countdown per batch, the timing about one batch in 64). False turns it off.
         max_shm_bytes: the most shared memory (bytes) process workers' batches in flight and
             reusable slabs may take; None (the default) allows half of what the memory behind
             them can still take. Batches larger than it still load, one at a time.

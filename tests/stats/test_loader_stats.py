@@ -10,6 +10,7 @@ import torch
 
 import pipeload
 from pipeload.stats import LoaderStats
+from pipeload.stats.clock import StageClock
 
 ITEMS = 96
 BATCH = 8
@@ -153,7 +154,7 @@ def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
 def test_a_short_last_batch_is_counted_as_what_it_holds_in_a_long_run(engine: dict, leak_guard) -> None:
-    # Past the first TIME_ALL_FIRST tasks only one task in ~32 is timed; the samples of the
+    # Past the first TIME_ALL_FIRST tasks only one task in ~64 is timed; the samples of the
     # others are counted all the same, so a short last batch every epoch adds no drift. (Process
     # workers send their totals with timed tasks only: the tasks since are scaled, so the count
     # may be off by part of a batch per worker, never by a batch per epoch.)
@@ -236,7 +237,7 @@ ODD = 402  # 100 batches of 4 and a short one of 2: past the first TIME_ALL_FIRS
 ], ids=["own-batch-sampler", "no-batching", "batch-sampler"])
 def test_inline_samples_are_exact_however_the_batches_are_made(loader_args: dict) -> None:
     # Each epoch's engine (and clock) is new: its first TIME_ALL_FIRST batches are all timed, the
-    # rest about one in 32. Their samples are derived from the sampler where it says them, and
+    # rest about one in 64. Their samples are derived from the sampler where it says them, and
     # counted one by one where it does not (a batch sampler of the user's own).
     loader = pipeload.DataLoader(list(range(ODD)), **loader_args)
     epochs, expected = 3, 0
@@ -272,7 +273,7 @@ def test_a_persistent_pool_looks_at_its_queue_in_every_epoch(leak_guard) -> None
 
 @pytest.mark.timeout(60)
 def test_process_workers_tasks_are_exact_long_past_the_timed_start(leak_guard) -> None:
-    # Past its first TIME_ALL_FIRST tasks a worker sends its totals with about one in 32; the
+    # Past its first TIME_ALL_FIRST tasks a worker sends its totals with about one in 64; the
     # main process counts the reports that come without, per worker, a burst at a time.
     loader = pipeload.DataLoader(list(range(1000)), batch_size=4, num_workers=2,
                                  multiprocessing_context="fork")
@@ -280,3 +281,72 @@ def test_process_workers_tasks_are_exact_long_past_the_timed_start(leak_guard) -
     workers = loader.stats().workers
     assert sum(worker.tasks for worker in workers) == 250
     assert sum(worker.samples for worker in workers) == 1000  # equal batches: exact
+
+
+def _lent_clocks(loader: pipeload.DataLoader) -> list[StageClock]:
+    """The thread workers' clocks, which the main process reads live."""
+    return [raw for raw, _ in loader._stats._seen.values() if isinstance(raw, StageClock)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-epoch"])
+@pytest.mark.parametrize("loader_args", [
+    {"batch_sampler": [list(range(i, i + 1 + i % 5)) for i in range(0, 300, 3)]},  # only counting tells
+    {"batch_size": None},  # one sample a task
+    {"batch_size": 4, "shuffle": True},  # a short last batch every epoch, its number known
+], ids=["own-batch-sampler", "no-batching", "batch-sampler"])
+def test_worker_samples_are_exact_however_the_batches_are_made(loader_args: dict, persistent: bool,
+                                                               leak_guard) -> None:
+    # Thread workers run the process workers' loop, and the main process reads their clocks
+    # live: exact. Where the sampler says what the batches hold, an untimed batch's samples are
+    # derived (each epoch's last batch, which may be short, is timed by whichever worker gets it).
+    loader = pipeload.DataLoader(list(range(ODD)), num_workers=2, worker_type="thread",
+                                 persistent_workers=persistent, **loader_args)
+    epochs, expected = 3, 0
+    for _ in range(epochs):
+        for batch in loader:
+            expected += len(batch) if isinstance(batch, torch.Tensor) else 1
+    workers = loader.stats().workers
+    assert sum(worker.samples for worker in workers) == expected
+    assert sum(worker.tasks for worker in workers) == len(loader) * epochs
+    derived = "batch_sampler" not in loader_args
+    assert all((clock.untimed_size is not None) == derived for clock in _lent_clocks(loader))
+
+
+@pytest.mark.timeout(60)
+def test_process_workers_samples_are_exact_at_each_epoch_start(leak_guard) -> None:
+    # A persistent process worker answers each START_EPOCH with its totals: then they cover
+    # every batch it built, the short last ones (timed, their numbers sent with START_EPOCH)
+    # as what they held, the others derived from the batch size.
+    loader = pipeload.DataLoader(list(range(ODD)), batch_size=4, shuffle=True, num_workers=2,
+                                 persistent_workers=True, multiprocessing_context="fork")
+    epochs = 3
+    for _ in range(epochs):
+        assert sum(len(batch) for batch in loader) == ODD
+    batches = iter(loader)  # the next epoch starts: every worker has answered with its totals
+    workers = loader.stats().workers
+    assert sum(worker.tasks for worker in workers) == 101 * epochs
+    assert sum(worker.samples for worker in workers) == ODD * epochs
+    del batches, loader
+
+
+@pytest.mark.timeout(60)
+def test_workers_grown_in_place_count_a_later_epoch_exactly(leak_guard) -> None:
+    # Workers started mid-epoch (num_workers="auto" growing the pool) get the epoch's batch
+    # sizes as the pool has them then: the second epoch's, one batch longer here.
+    data = list(range(ODD))
+    loader = pipeload.DataLoader(data, batch_size=4, num_workers=2, worker_type="thread",
+                                 persistent_workers=True)
+    assert sum(len(batch) for batch in loader) == ODD
+    data += range(ODD, ODD + 4)  # 101 batches of 4 and a short one of 2: the last is number 101
+    batches = iter(loader)
+    held = sum(len(next(batches)) for _ in range(10))
+    batches._engine.resize(4, 2)
+    held += sum(len(batch) for batch in batches)
+    assert held == ODD + 4
+    workers = loader.stats().workers
+    assert len(workers) == 4
+    assert [(clock.untimed_size, clock.last_timed) for clock in _lent_clocks(loader)] == [(4, 101)] * 4
+    assert sum(worker.samples for worker in workers) == 2 * ODD + 4
+    assert sum(worker.tasks for worker in workers) == 101 + 102
+    del batches, loader

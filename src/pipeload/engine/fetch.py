@@ -65,6 +65,8 @@ class MapFetcher:
         # A numbered clock (the inline engine) is driven by the batch numbers; chosen once here.
         numbered = clock is not None and clock.count_tasks is not None
         self._fetch = self._fetch_counted
+        if clock is not None and not numbered and clock.untimed_size is not None:
+            self._fetch = self._fetch_sized
         if numbered:
             self._fetch = self._fetch_numbered if clock.untimed_size is not None else self._fetch_numbered_counting  # type: ignore[union-attr]
 
@@ -89,6 +91,19 @@ class MapFetcher:
                 return spec.collate_fn(self.samples(index))
             clock.untimed_samples += 1
             return spec.collate_fn(spec.dataset[index])
+        if not spec.auto_collation:
+            return spec.collate_fn(spec.dataset[index])
+        return spec.collate_fn(self.samples(index))
+
+    def _fetch_sized(self, index: Any, number: int) -> Any:
+        clock = self._clock
+        # A worker whose batches' sizes the sampler tells: it counts down to its next timed
+        # task (its own tasks are not numbered in a row) and always times the epoch's last
+        # batch, the one that may be short; an untimed one's samples are derived, not counted.
+        clock.left -= 1  # type: ignore[union-attr]
+        if clock.left <= 0 or number == clock.last_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
+            return self._timed(clock, index, number)  # type: ignore[arg-type]
+        spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])
         return spec.collate_fn(self.samples(index))
@@ -122,7 +137,7 @@ class MapFetcher:
             if timed:
                 clock.start_timed_at(number)
         else:
-            timed = clock.left <= 0
+            timed = clock.left <= 0 or number == clock.last_timed
             if timed:
                 clock.start_timed()
         spec = self._spec

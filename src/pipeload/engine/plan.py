@@ -74,6 +74,11 @@ class WorkerSetup:
         stats: each worker times its stages and reports its totals (``loader.stats()``).
         first_epoch: the number of the session's first epoch (1, or where a resumed persistent
             session was); later epochs count on from it. Seeds derived per batch include it.
+        batch_sizes: what the first epoch's batches hold, where the sampler tells
+            (``samplers.batch_sizes``: samples in every batch but the last, the last's number):
+            a classic worker's stats then count an untimed batch's samples without looking at
+            it, and time the last batch, which may be short. Later epochs' last numbers come
+            with START_EPOCH. None: each untimed batch is counted.
     """
 
     fetch: FetchSpec
@@ -84,6 +89,7 @@ class WorkerSetup:
     replica: ReplicaSetup = ReplicaSetup()
     stats: bool = False
     first_epoch: int = 1
+    batch_sizes: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True)

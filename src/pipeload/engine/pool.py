@@ -10,7 +10,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,8 @@ class PoolConfig:
         numbered: with ``in_order=False``, hand each batch out as a ``NumberedBatch`` (and
             attach its number to a failed batch's error): which batches an out-of-order epoch
             has handed out is then a set, which the loader's checkpoints record.
+        batch_sizes: what each epoch's batches hold (``samplers.batch_sizes``), read as each
+            later epoch of a persistent session starts: see ``WorkerSetup.batch_sizes``.
     """
 
     setup: WorkerSetup
@@ -57,6 +59,7 @@ class PoolConfig:
     max_shm_bytes: int | None = None
     pin_slabs: bool = False
     numbered: bool = False
+    batch_sizes: Callable[[], tuple[int, int | None] | None] = lambda: None
 
 
 class ClassicLaunch:
@@ -76,6 +79,11 @@ class ClassicLaunch:
         first_epoch = self._setup.first_epoch if epoch is None else epoch
         self._setup = dataclasses.replace(self._setup, num_workers=count, first_epoch=first_epoch)
         self.labels = [WorkerLabel("", worker_id) for worker_id in range(count)]
+
+    def epoch_sizes(self, sizes: tuple[int, int | None] | None) -> None:
+        """What the current epoch's batches hold: workers started later (a pool grown in place)
+        begin with it."""
+        self._setup = dataclasses.replace(self._setup, batch_sizes=sizes)
 
     def picklable_parts(self) -> dict[str, Any]:
         return picklable_parts(self._setup)
@@ -205,7 +213,10 @@ class PoolEngine:
         """
         if self._started:
             self._send_what_torch_sends_ahead()
-            self._workers.start_epoch(self._epoch + 1, shared_seed)
+            sizes = self._config.batch_sizes()
+            last = sizes[1] if sizes is not None and sizes[1] is not None else -1
+            self._workers.plan.epoch_sizes(sizes)  # type: ignore[attr-defined]
+            self._workers.start_epoch(self._epoch + 1, shared_seed, last)
         self._started = True
         self._epoch += 1
         self._supply = TaskSupply(tasks)

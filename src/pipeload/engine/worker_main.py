@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import re
 import signal
@@ -81,6 +82,12 @@ class WorkerLoop:
         # A classic worker times one task in SAMPLE_EVERY (stats/clock.py); economic mode's
         # workers, whose pieces cost far more than the timing, time them all.
         self._clock = StageClock(SAMPLE_EVERY if self.kind == "" else 1) if setup.stats else None
+        sizes = setup.batch_sizes if self.kind == "" and setup.fetch.kind is DatasetKind.MAP else None
+        if self._clock is not None and sizes is not None:
+            # The sampler says what the batches hold: an untimed batch's samples are derived,
+            # not counted, and the epoch's last batch (which may be short) is always timed.
+            self._clock.untimed_size = sizes[0]
+            self._last_batch_is(-1 if sizes[1] is None else sizes[1])
         # A thread worker of the classic pool lends its clock to the main process, which reads
         # it when asked: its reports then carry no totals, and the main process does nothing
         # per report for the stats.
@@ -99,6 +106,7 @@ class WorkerLoop:
             if command.command is Command.STOP:
                 return
             if command.command is Command.START_EPOCH:
+                self._last_batch_is(command.batch_number)
                 self._start_epoch(command.epoch, command.shared_seed)
             else:
                 self._serve(command)
@@ -161,6 +169,12 @@ class WorkerLoop:
             return None
         info = get_worker_info()
         return BatchSeeding(self._setup.base_seed, self._epoch, info.rng if info is not None else None)
+
+    def _last_batch_is(self, number: int) -> None:
+        """The epoch's last batch is numbered ``number`` (-1: unknown)."""
+        clock = self._clock
+        if clock is not None and clock.untimed_size is not None:
+            clock.last_timed = math.inf if number < 0 else number
 
     def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
         self._epoch = epoch

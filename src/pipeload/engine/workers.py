@@ -266,13 +266,14 @@ class WorkerGroup:
             raise WorkerDiedError("DataLoader " + "; ".join(_how_thread_ended(label) for label, _ in dead))
         raise WorkerDiedError(worker_died_message([(label.name(), h.pid, h.exitcode) for label, h in dead]))
 
-    def start_epoch(self, epoch: int, shared_seed: int | None = None) -> None:
+    def start_epoch(self, epoch: int, shared_seed: int | None = None, last_batch: int = -1) -> None:
         """Persistent workers: tell every worker that epoch ``epoch`` begins (``shared_seed``
-        reseeds their DataPipe graphs), and wait until all have answered. Reports of the old
+        reseeds their DataPipe graphs; ``last_batch``: the epoch's last batch number, for the
+        classic workers' stats, -1 when unknown), and wait until all have answered. Reports of the old
         epoch that arrive meanwhile are dropped: a worker's reports come in order, so after its
         answer none of them can follow."""
         self.start_all()  # an epoch that sent nothing may have left some unstarted
-        start = WorkerCommand(Command.START_EPOCH, epoch=epoch, shared_seed=shared_seed)
+        start = WorkerCommand(Command.START_EPOCH, last_batch, epoch=epoch, shared_seed=shared_seed)
         for slot in range(len(self.handles)):
             self.send(slot, start)
         waiting = len(self.handles)  # each worker answers exactly once

@@ -123,7 +123,10 @@ def span(name: str) -> Iterator[None]:
         yield
 
 
-SAMPLE_EVERY = 32  # a worker times one task in this many, on average: see StageClock
+# A worker (or the inline engine) times one task in this many, on average: see StageClock. 64,
+# not 32: an untimed task costs next to nothing, so the timed ones (~250 bytecodes each, spread
+# over the gap) were a quarter of a tiny batch's stats cost in a worker.
+SAMPLE_EVERY = 64
 TIME_ALL_FIRST = 64  # ... after timing all of its first ones: a short run's figures stay exact
 
 
@@ -148,9 +151,11 @@ class StageClock:
     whether the task in hand is timed: only its tensor bytes are counted and only its report
     carries the totals (the main process counts the reports that come without,
     ``stats/recorder.py``). :meth:`snapshot` scales the timed tasks' sums to all tasks. Tasks
-    and samples are counted exactly: the fetcher adds an untimed task's samples to
-    ``untimed_samples`` (one addition), so a short last batch counts as what it holds in every
-    epoch, however long the run.
+    and samples are counted exactly: where the sampler tells what the batches hold
+    (``untimed_size``), an untimed task's samples are derived and the epoch's last batch
+    (``last_timed``), which may be short, is always timed; elsewhere the fetcher adds an
+    untimed task's samples to ``untimed_samples`` (one addition). Either way a short last batch
+    counts as what it holds in every epoch, however long the run.
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
@@ -178,9 +183,10 @@ class StageClock:
         # the task numbered ``next_timed`` is timed, and ``count_tasks()`` counts the tasks.
         self.next_timed = 0
         self.count_tasks: Any = None
-        # A numbered clock whose batches' sizes the sampler tells (samplers.batch_sizes): an
-        # untimed task holds ``untimed_size`` samples and is not counted one by one; the task
-        # numbered ``last_timed`` (an epoch's last batch, which may be shorter) is always timed.
+        # A clock whose batches' sizes the sampler tells (samplers.batch_sizes; numbered, or a
+        # classic worker's countdown): an untimed task holds ``untimed_size`` samples and is not
+        # counted one by one; the task numbered ``last_timed`` (an epoch's last batch, which may
+        # be shorter) is always timed.
         self.untimed_size: int | None = None
         self.last_timed: float = math.inf
         self._counted = 0  # tasks up to the latest timed one, that one included
@@ -206,7 +212,8 @@ class StageClock:
 
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
-        self._counted += self._gap - self.left  # this task included (left is 0, or -1 at first)
+        self._counted += self._gap - self.left  # this task included (left: 0, -1 at first, or
+        # more for an epoch's last batch, timed ahead of its turn)
         self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
         self._timed += 1
         self.timing = True

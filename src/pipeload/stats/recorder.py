@@ -39,6 +39,11 @@ carries_totals = operator.attrgetter("totals")  # of a transport.messages.Worker
 worker_of = operator.attrgetter("worker_id")
 count_by_worker = _count_elements
 
+# The main process times the training loop's waits (pairs of batches) and looks at the queue
+# about once in this many batches: more often than the workers time their tasks, as the waits
+# are what the summary's verdict rests on and cost the main process only a few bytecodes.
+LOOK_EVERY = 32
+
 
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity), not the machine's count."""
@@ -88,7 +93,7 @@ class _Consumer:
     steady batches.
     """
 
-    def __init__(self, every: int = SAMPLE_EVERY) -> None:
+    def __init__(self, every: int = LOOK_EVERY) -> None:
         self.epochs = 0
         self.first_wait_s = 0.0
         self.first_batch_s = 0.0
@@ -186,7 +191,7 @@ class SessionStats:
         self._kinds = kinds or {}
         self._default_kind = "batch" if kinds else ""
         self.lag: dict[int, int] = recorder._lags.setdefault(session, defaultdict(int))
-        self._gaps = gaps(SAMPLE_EVERY)
+        self._gaps = gaps(LOOK_EVERY)
         self._retired = -1_000_000 * session  # see retire()
 
     def local_clock(self) -> StageClock:
@@ -251,7 +256,7 @@ class SessionStats:
         """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
         sent and not yet handed out (this one excluded). Returns the batch number at which to
         call again: the pool calls it when its hand-outs reach that number (about one in
-        SAMPLE_EVERY: occupancy is a sampled mean and maximum; the batch number is the
+        LOOK_EVERY: occupancy is a sampled mean and maximum; the batch number is the
         countdown, kept by the pool, so an untimed hand-out costs one comparison); economic
         mode, whose batches cost far more, at every hand-out."""
         look = number + next(self._gaps)
@@ -291,7 +296,7 @@ class StatsRecorder:
         self.setup = setup
         self._seen: dict[tuple[int, str, int], tuple[Any, float | None]] = {}
         self._queue = _Queue()
-        self._consumer = _Consumer(1 if time_every_batch else SAMPLE_EVERY)
+        self._consumer = _Consumer(1 if time_every_batch else LOOK_EVERY)
         self._sessions = 0
         self._lags: dict[int, dict[int, int]] = {}  # per session: tasks reported without totals
         self._pin_s = 0.0

@@ -30,7 +30,9 @@ class Command(enum.IntEnum):
     """Build batch ``batch_number`` from ``indices`` and report it."""
     START_EPOCH = 2
     """A persistent worker begins epoch ``epoch``: reseed its dataset's random pipes with
-    ``shared_seed`` (when given), restart its fetcher and acknowledge."""
+    ``shared_seed`` (when given), restart its fetcher and acknowledge. ``batch_number``: the
+    epoch's last batch number where the sampler tells it (-1 otherwise), which a classic
+    worker's stats time (it may be short: see ``WorkerSetup.batch_sizes``)."""
     STOP = 3
     """Finish now and exit; nothing more will be asked."""
     FETCH_ITEMS = 4
