@@ -207,7 +207,7 @@ class SessionStats:
 
         ``WorkerGroup.receive`` calls it only for a burst that carries totals (about one in
         ten with tiny batches): it counts the others itself, in one step per burst
-        (:func:`count_without_totals`), as the common case must cost next to nothing.
+        (``count_by_worker``), as the common case must cost next to nothing.
         """
         lag = self.lag
         for report in reports:
