@@ -19,7 +19,7 @@ from pipeload.datapipes.iter import SHARDING_PRIORITIES
 pytestmark = pytest.mark.filterwarnings("ignore:Local function is not supported by pickle")
 
 TORCH_CLASSES = [name for name in theirs_iter.__all__
-                 if name not in {"FileLister", "FileOpener", "RoutedDecoder", "StreamReader"}]
+                 if name not in {"FileLister", "FileOpener", "RoutedDecoder"}]
 
 
 def same(build: Callable[[Any], Any], seed: int | None = None) -> list[Any]:
@@ -361,3 +361,12 @@ def test_a_long_chain_matches_torch() -> None:
         return evens.mux(odds).batch(5).collate()
 
     same(chain)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, 10])
+def test_stream_reader_matches_torch(chunk: int | None) -> None:
+    import io
+
+    same(lambda m: m.StreamReader(m.IterableWrapper(
+        [("letters", io.StringIO("abcde")), ("empty", io.BytesIO(b"")), ("bytes", io.BytesIO(b"xyz"))],
+        deepcopy=False), chunk=chunk))

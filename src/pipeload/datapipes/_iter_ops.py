@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
     from pipeload.datapipes.sources._retry import RetryPolicy
     from pipeload.datapipes.sources.decoders import Decoder, ImageOutput
-    from pipeload.datapipes.sources.files import FileLister, FileOpener
+    from pipeload.datapipes.sources.files import FileLister, FileOpener, StreamReader
     from pipeload.datapipes.sources.on_error import OnError
     from pipeload.datapipes.sources.tar import TarArchiveLoader
     from pipeload.datapipes.sources.webdataset import WebDataset
@@ -238,6 +238,12 @@ class IterOperations:
 
         return FileOpener(self, mode, encoding, length, storage_options=storage_options,  # type: ignore[arg-type]
                           retry=retry, on_error=on_error, max_failures=max_failures)
+
+    def read_from_stream(self, chunk: int | None = None) -> StreamReader:
+        """Read each ``(label, stream)`` pair's stream in pieces; see :class:`StreamReader`."""
+        from pipeload.datapipes.sources.files import StreamReader
+
+        return StreamReader(self, chunk)  # type: ignore[arg-type]
 
     def load_from_tar(self, mode: str = "r:*", length: int = -1, *, on_error: OnError = "raise",
                       max_failures: int | None = None) -> TarArchiveLoader:

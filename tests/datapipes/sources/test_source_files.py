@@ -62,6 +62,32 @@ def test_file_opener_text_and_bytes(tree: Path) -> None:
     assert len(paths.open_files()) == 1
 
 
+def test_stream_reader_reads_every_file_in_chunks_and_closes_it(tree: Path) -> None:
+    opened = FileLister(str(tree), recursive=True).open_files(mode="b")
+    pieces = list(opened.read_from_stream(chunk=5))
+    assert all(len(data) <= 5 for _, data in pieces)
+    joined: dict[str, bytes] = {}
+    for path, data in pieces:
+        joined[path] = joined.get(path, b"") + data
+    assert joined == {path: Path(path).read_bytes() for path in FileLister(str(tree), recursive=True)}
+    whole = list(opened.read_from_stream())  # chunk=None: each file in one piece
+    assert [data for _, data in whole] == [Path(path).read_bytes() for path, _ in whole]
+
+
+def test_stream_reader_closes_the_stream_in_hand_when_the_run_is_closed(tree: Path) -> None:
+    stream = open(tree / "a.txt", "rb")  # noqa: SIM115  (the pipe owns it)
+    run = iter(IterableWrapper([("a", stream)], deepcopy=False).read_from_stream(chunk=4))
+    assert next(run) == ("a", b"cont")
+    run.close()
+    assert stream.closed
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_stream_reader_refuses_a_chunk_that_is_not_a_positive_integer(chunk: object) -> None:
+    with pytest.raises(ValueError, match=f"chunk=.*{chunk!r}"):
+        IterableWrapper([]).read_from_stream(chunk=chunk)  # type: ignore[arg-type]
+
+
 def test_file_reader_is_a_map_style_source_the_loader_samples(tree: Path) -> None:
     paths = [str(p) for p in sorted(tree.rglob("*.txt"))]
     reader = FileReader(paths)

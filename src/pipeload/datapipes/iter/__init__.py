@@ -13,7 +13,7 @@ from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilter
 from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
 from pipeload.datapipes.map.converters import MapToIterConverter
 from pipeload.datapipes.sources.decoders import Decoder
-from pipeload.datapipes.sources.files import FileLister, FileOpener
+from pipeload.datapipes.sources.files import FileLister, FileOpener, StreamReader
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.tar import TarArchiveLoader
 from pipeload.datapipes.sources.webdataset import WebDataset
@@ -47,6 +47,7 @@ __all__ = [
     "Sampler",
     "ShardingFilter",
     "Shuffler",
+    "StreamReader",
     "TarArchiveLoader",
     "UnBatcher",
     "WebDataset",

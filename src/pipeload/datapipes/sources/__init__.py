@@ -11,7 +11,7 @@ retries, archive checks and the ``on_error`` policy.
 from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
 from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError
-from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, open_stream
+from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, StreamReader, open_stream
 from pipeload.datapipes.sources.memory import IterableWrapper, SequenceWrapper
 from pipeload.datapipes.sources.on_error import (
     FailureBudgetExceeded,
@@ -38,6 +38,7 @@ __all__ = [
     "RetryPolicy",
     "SampleDecodeError",
     "SequenceWrapper",
+    "StreamReader",
     "SkippedSampleWarning",
     "SourceError",
     "TarArchiveLoader",
