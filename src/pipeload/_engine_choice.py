@@ -39,6 +39,7 @@ from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
 # single-process iterator; none of torch's iterators runs here: tests/test_identity.py).
 TORCH_TIMEOUT_WITHOUT_WORKERS = "_SingleProcess" "DataLoaderIter requires timeout == 0"
 
+
 def build_engine(loader: Any, point: resume.ResumePoint | None = None,
                  session: tuple[int, int] | None = None) -> Any:
     """The engine for ``loader``'s next epoch (a new worker session), with its stages.
@@ -61,9 +62,8 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
         check_ranks_can_agree()
     spec = _fetch_spec(loader, point)
     if loader.num_workers == 0:
-        sampler, collating = loader._index_sampler, loader._auto_collation
         engine: Any = InlineEngine(spec, replica_setup, loader._stats, base_seed, loader._session[1],
-                                   lambda: batch_sizes(sampler, collating))
+                                   _batch_sizes(loader))
     elif any(loader._auto) and loader.mode == "classic":
         engine = _auto_engine(loader, spec, base_seed, replica_setup)
     elif loader.mode == "economic":

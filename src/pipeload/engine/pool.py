@@ -243,10 +243,7 @@ class PoolEngine:
         ledger = self._ledger
         ahead = ledger.next_to_yield + self._prefetch_factor * self._num_workers
         while ledger.next_to_send < ahead and (self._unsent is not None or self._take_task(grant=False)):
-            worker_id, command = self._unsent  # type: ignore[misc]
-            self._workers.send(worker_id, command)
-            self._unsent = None
-            ledger.record_sent(worker_id)
+            self._send_unsent()
 
     def next_batch(self) -> Any:
         """The next batch; raises StopIteration when the epoch is over.
@@ -334,10 +331,15 @@ class PoolEngine:
                     return
                 if not self._take_task():
                     return
-            worker_id, command = self._unsent  # type: ignore[misc]
-            self._workers.send(worker_id, command)
-            self._unsent = None
-            ledger.record_sent(worker_id)
+            self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        """Send the task taken into ``_unsent`` to its worker (it stays there if the send times
+        out, to go first next time)."""
+        worker_id, command = self._unsent  # type: ignore[misc]
+        self._workers.send(worker_id, command)
+        self._unsent = None
+        self._ledger.record_sent(worker_id)
 
     def _take_task(self, grant: bool = True) -> bool:
         """Take the sampler's next task into ``_unsent``, with its worker and (if ``grant``) a
