@@ -43,15 +43,17 @@ rather than fools it. The verdict, against the 1% target:
 - otherwise "met" when the cost's interval ends at or below +1%, "NOT met" when it begins
   above +1%, and "can't tell" when it straddles 1%.
 
-The bytecode count is also taken in the worker threads of the thread engine: they run the same
-worker loop as process workers (fetch, collate, report), whose share of the cost no tracer in
-this process can reach.
+The bytecode count is also taken in the workers of the process and thread engines: worker
+threads are traced from here; each worker process traces itself from its ``worker_init_fn`` on
+and keeps its count in memory it shares with this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import multiprocessing
 import os
 import sys
 import threading
@@ -77,6 +79,7 @@ SETTINGS = ("on", "off", "off again")
 ORDERS = list(itertools.permutations(range(len(SETTINGS))))  # all six, in turn
 FEWER = {"economic": 0.1}  # economic mode moves every tiny item on its own: a burst takes 100x longer
 BYTECODE_BATCHES = {"economic": 200}  # its main thread runs little per batch, but slowly traced
+WORKERS_TRACED = {"process": "worker processes", "thread": "worker threads"}
 PAUSE_S = {"economic": 0.02}  # before each batch of the "workers ahead" count: time to refill
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -219,10 +222,11 @@ def report(name: str, runs: dict[str, list[float]], groups: list[int]) -> str:
 def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers: bool = False,
                         pause_s: float = 0.0) -> float:
     """Python bytecodes per batch that the calling thread executes inside ``next()``, or with
-    ``workers``, that the loader's worker threads execute (thread workers run the same loop as
-    process workers, which no tracer here can reach). ``pause_s`` before each ``next()`` lets
-    the workers get ahead, so that the count is the main side's own work, not how often it
-    polled while waiting for them (that varies from run to run with the machine's load)."""
+    ``workers``, that the loader's workers execute: its worker threads (traced from here), or
+    its worker processes (each traces itself from its ``worker_init_fn`` on and keeps its count
+    in memory shared with this process). ``pause_s`` before each ``next()`` lets the workers
+    get ahead, so that the count is the main side's own work, not how often it polled while
+    waiting for them (that varies from run to run with the machine's load)."""
     count = 0
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -231,7 +235,12 @@ def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers:
         count += event == "opcode"
         return tracer
 
-    if workers:
+    in_processes = workers and engine.get("worker_type", "process") == "process"
+    counts = multiprocessing.get_context("fork").RawArray("q", max(1, engine.get("num_workers", 0)))
+    if in_processes:
+        engine = {**engine, "multiprocessing_context": "fork",
+                  "worker_init_fn": functools.partial(_count_bytecodes_here, counts)}
+    elif workers:
         threading.settrace(tracer)  # the threads started from now on: the loader's workers
     try:
         batches_iter = iter(pipeload.DataLoader(PythonInts(10**9), batch_size=BATCH_SIZE, stats=stats, **engine))
@@ -239,7 +248,7 @@ def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers:
             next(batches_iter)
     finally:
         threading.settrace(None)
-    before = count
+    before = count + sum(counts)
     for _ in range(batches):
         if pause_s:
             time.sleep(pause_s)
@@ -249,9 +258,27 @@ def bytecodes_per_batch(engine: dict, stats: bool, batches: int = 2000, workers:
             next(batches_iter)
         finally:
             sys.settrace(None)
-    counted = count - before
+    # Workers run ahead by the tasks in flight at both reads alike: the difference is the
+    # work of ``batches`` tasks.
+    counted = count + sum(counts) - before
     del batches_iter  # its workers stop before the next measure starts
     return counted / batches
+
+
+def _count_bytecodes_here(counts: Any, worker_id: int) -> None:
+    """A worker process's ``worker_init_fn``: count the bytecodes this thread runs from now
+    on (the loop's frames entered after this), into ``counts[worker_id]``."""
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+            counts[worker_id] = count
+        return tracer
+
+    sys.settrace(tracer)
 
 
 def bytecodes_line(name: str, engine: dict, batches: int, runs: int, workers: bool = False,
@@ -300,8 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             bytecodes_line(f"{name} (main, workers ahead)", ENGINES[name], batches, args.bytecode_runs,
                            pause_s=pause_s)
             bytecodes_line(f"{name} (main, back to back)", ENGINES[name], batches, args.bytecode_runs)
-            if name == "thread":
-                bytecodes_line("thread (worker threads)", ENGINES[name], batches, args.bytecode_runs, workers=True)
+            if name in WORKERS_TRACED:
+                bytecodes_line(f"{name} ({WORKERS_TRACED[name]})", ENGINES[name], batches,
+                               args.bytecode_runs, workers=True)
     print(f"CPU time per batch (us, medians); cost and A/A: median of per-triple ratios "
           f"[{CONFIDENCE:.0%} interval]")
     print(f"{'engine':<9}{'triples':>6}{'on':>9}{'off':>9}{'again':>9}{'cost':>9} {'[interval]':<19}"

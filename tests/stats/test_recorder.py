@@ -3,10 +3,15 @@ each burst of reports, in one step unless one of them carries totals."""
 
 from __future__ import annotations
 
-from pipeload.stats.clock import StageClock
+import queue
+
+from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
+from pipeload.engine.worker_main import WorkerLoop
+from pipeload.stats.clock import SAMPLE_EVERY, SUMS_LENGTH, TIME_ALL_FIRST, StageClock, WorkerTotals
 from pipeload.stats.recorder import (LoaderSetup, StatsRecorder, carries_totals, count_by_worker,
                                      worker_of)
-from pipeload.transport.messages import Report, WorkerReport
+from pipeload.transport.channel import QueueEnd
+from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 
 def _receive(session, bursts) -> None:
@@ -35,3 +40,47 @@ def test_tasks_since_the_latest_totals_are_counted_per_worker_across_bursts() ->
     assert dict(session.lag) == {0: 4, 1: 1}
     tasks = {worker.worker_id: worker.tasks for worker in recorder.snapshot().workers}
     assert tasks == {1: 4}  # 3 in the totals, 1 since; worker 0 has no totals to scale yet
+
+
+def _worker_reports(commands: list[WorkerCommand], num_workers: int, sizes: tuple[int, int]) -> list:
+    """What a classic process worker's loop reports for ``commands`` (run here, in a thread,
+    through real queues; no clock lent: the worker's tasks are counted by the receiver)."""
+    fetch = FetchSpec(list(range(10_000)), DatasetKind.MAP, True, list, False)
+    setup = WorkerSetup(fetch, num_workers, base_seed=0, worker_init_fn=None,
+                        worker_method="fork", stats=True, batch_sizes=sizes)
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for command in [*commands, WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    WorkerLoop(setup, 1, inbox, outbox, should_stop=lambda: False).run()
+    reports = []
+    while (report := outbox.receive(0)) is not None:
+        reports.append(report)
+    return reports
+
+
+def test_a_process_workers_tasks_are_counted_by_the_main_process_and_its_totals_completed() -> None:
+    # Worker 1 of 3 gets every third batch number; each epoch has 1000 batches of 4 and a last
+    # one of 2 (number 1000, which this worker gets: 1000 % 3 == 1). Past its first
+    # TIME_ALL_FIRST tasks it times about one in SAMPLE_EVERY of its own, going by the numbers,
+    # and always the epoch's last; the main process counts the reports that come without totals.
+    epoch = [WorkerCommand(Command.FETCH, n, list(range(4 if n < 1000 else 2))) for n in range(1, 1001, 3)]
+    commands = [*epoch, WorkerCommand(Command.START_EPOCH, 1000, epoch=2), *epoch]
+    reports = _worker_reports(commands, num_workers=3, sizes=(4, 1000))
+    assert [r.report for r in reports].count(Report.BATCH) == 2 * len(epoch)
+    with_totals = [r for r in reports if r.totals is not None]
+    timed = [r.batch_number for r in with_totals if r.report is Report.BATCH]
+    assert 1000 in timed[TIME_ALL_FIRST:]  # the short last batch, both epochs
+    assert timed.count(1000) == 2
+    assert len(timed) < TIME_ALL_FIRST + 2 * (2 * len(epoch) // SAMPLE_EVERY + 2)  # sampled
+    assert all(len(r.totals) == SUMS_LENGTH for r in with_totals)  # the worker counts no tasks
+
+    recorder = StatsRecorder(LoaderSetup("classic", "process", 3, 2, 4, False))
+    session = recorder.new_session(4)
+    _receive(session, [reports[i:i + 3] for i in range(0, len(reports), 3)])
+    worker, = recorder.snapshot().workers
+    last_with_totals = max(i for i, r in enumerate(reports) if r.totals is not None)
+    covered = [r for r in reports[:last_with_totals + 1] if r.report is Report.BATCH]
+    assert session.lag[1] == len(reports) - 1 - last_with_totals
+    assert WorkerTotals._make(recorder._seen[(1, "", 1)][0]).tasks == len(covered)
+    assert WorkerTotals._make(recorder._seen[(1, "", 1)][0]).samples == sum(len(r.payload) for r in covered)
+    assert worker.tasks == 2 * len(epoch)

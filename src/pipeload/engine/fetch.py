@@ -62,8 +62,9 @@ class MapFetcher:
         self._seeding = seeding
         getitems = getattr(spec.dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
-        # A numbered clock (the inline engine) is driven by the batch numbers; chosen once here.
-        numbered = clock is not None and clock.count_tasks is not None
+        # A numbered clock (the inline engine, a process worker) is driven by the batch numbers;
+        # chosen once here.
+        numbered = clock is not None and clock.numbered
         self._fetch = self._fetch_counted
         if clock is not None and not numbered and clock.untimed_size is not None:
             self._fetch = self._fetch_sized
@@ -132,7 +133,7 @@ class MapFetcher:
         return spec.collate_fn(self.samples(index))
 
     def _timed(self, clock: StageClock, index: Any, number: int) -> Any:
-        if clock.count_tasks is not None:
+        if clock.numbered:
             timed = number >= clock.next_timed
             if timed:
                 clock.start_timed_at(number)

@@ -82,16 +82,20 @@ class WorkerLoop:
         # A classic worker times one task in SAMPLE_EVERY (stats/clock.py); economic mode's
         # workers, whose pieces cost far more than the timing, time them all.
         self._clock = StageClock(SAMPLE_EVERY if self.kind == "" else 1) if setup.stats else None
+        # A thread worker of the classic pool lends its clock to the main process, which reads
+        # it when asked: its reports then carry no totals, and the main process does nothing
+        # per report for the stats.
+        self._lends_clock = self._clock is not None and share_clock is not None
         sizes = setup.batch_sizes if self.kind == "" and setup.fetch.kind is DatasetKind.MAP else None
         if self._clock is not None and sizes is not None:
             # The sampler says what the batches hold: an untimed batch's samples are derived,
             # not counted, and the epoch's last batch (which may be short) is always timed.
             self._clock.untimed_size = sizes[0]
             self._last_batch_is(-1 if sizes[1] is None else sizes[1])
-        # A thread worker of the classic pool lends its clock to the main process, which reads
-        # it when asked: its reports then carry no totals, and the main process does nothing
-        # per report for the stats.
-        self._lends_clock = self._clock is not None and share_clock is not None
+            if not self._lends_clock:
+                # The main process counts this worker's reports as they arrive: the clock need
+                # not count its tasks, and goes by batch numbers (one comparison per task).
+                self._clock.counted_by_receiver(setup.num_workers)
         if self._lends_clock:
             share_clock(self._clock)  # type: ignore[misc]
         self._epoch = setup.first_epoch
@@ -171,10 +175,12 @@ class WorkerLoop:
         return BatchSeeding(self._setup.base_seed, self._epoch, info.rng if info is not None else None)
 
     def _last_batch_is(self, number: int) -> None:
-        """The epoch's last batch is numbered ``number`` (-1: unknown)."""
+        """An epoch starts (its batch numbers again from the first) and its last batch is
+        numbered ``number`` (-1: unknown)."""
         clock = self._clock
         if clock is not None and clock.untimed_size is not None:
             clock.last_timed = math.inf if number < 0 else number
+            clock.restart_numbers()
 
     def _start_epoch(self, epoch: int, shared_seed: int | None) -> None:
         self._epoch = epoch

@@ -161,8 +161,9 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed", "_every", "_counted", "_gap", "_timed", "_gaps", "_sched_at_start",
-                 "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
+                 "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
+                 "_stride", "_counted_by_receiver", "_every", "_counted", "_gap", "_timed", "_gaps",
+                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
 
     def __init__(self, every: int = 1) -> None:
         self._owner = threading.get_ident()  # the scheduler counters read are its thread's
@@ -189,10 +190,33 @@ class StageClock:
         # be shorter) is always timed.
         self.untimed_size: int | None = None
         self.last_timed: float = math.inf
+        # Numbered, with the tasks counted by whoever receives the reports (a process worker:
+        # see counted_by_receiver); ``_stride``: about how many batch numbers apart its tasks are.
+        self._stride = 1
+        self._counted_by_receiver = False
         self._counted = 0  # tasks up to the latest timed one, that one included
         self._gap = 0
         self._timed = 0
         self._gaps = gaps(every)
+
+    def counted_by_receiver(self, stride: int) -> None:
+        """Drive this clock by batch numbers, for a worker that gets about one number in
+        ``stride`` (a classic process worker among ``stride``), and leave the counting of its
+        tasks to the process that receives its reports, which counts them anyway: an untimed
+        task then costs one comparison, no countdown. Needs ``untimed_size`` (the untimed tasks'
+        samples are derived). :meth:`snapshot` then returns sums that
+        :func:`complete_totals` turns into totals, given the task count."""
+        self._stride = max(1, stride)
+        self._counted_by_receiver = True
+
+    @property
+    def numbered(self) -> bool:
+        """Whether batch numbers drive this clock (``next_timed``) rather than a countdown."""
+        return self.count_tasks is not None or self._counted_by_receiver
+
+    def restart_numbers(self) -> None:
+        """A new epoch: its batch numbers start again, and its first task is timed."""
+        self.next_timed = 0
 
     @property
     def tasks(self) -> int:
@@ -221,13 +245,14 @@ class StageClock:
     def start_timed_at(self, number: int) -> None:
         """A numbered clock: task ``number`` reached ``next_timed``: time it (see start_timed)."""
         self._timed += 1
-        upcoming = number + (next(self._gaps) if self._timed >= TIME_ALL_FIRST else 1)
+        upcoming = number + (next(self._gaps) * self._stride if self._timed >= TIME_ALL_FIRST else 1)
         last = self.last_timed
         self.next_timed = last if number < last < upcoming else upcoming  # type: ignore[assignment]
         self.timing = True
 
     def snapshot(self) -> tuple[Any, ...]:
-        """The totals as a plain tuple, in :class:`WorkerTotals`' order."""
+        """The totals as a plain tuple, in :class:`WorkerTotals`' order; a clock whose tasks the
+        receiver counts returns the sums :func:`complete_totals` takes instead."""
         at = now()
         # Another thread may read a lent clock (stats/recorder.py): the counters stay as its
         # owner last read them.
@@ -235,15 +260,13 @@ class StageClock:
             self._sched, self._sched_read_at = read_sched(), at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()
-        tasks = self.tasks
-        scale = tasks / self._timed if self._every > 1 and self._timed else 1.0
-        samples = self.samples + self.untimed_samples
-        if self.untimed_size is not None:  # the untimed tasks, known to be full
-            samples += (tasks - self._timed) * self.untimed_size
-        return (tasks, samples, self.fetch_s * scale, self.collate_s * scale,
-                self.send_s * scale, round(self.bytes_out * scale), self.started_at,
+        # every=1 times every task: as many timed as done, nothing to scale or derive.
+        timed = self._timed if self._every > 1 else self.tasks
+        sums = (timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
+                self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._skipped)
+                self._skipped, self.untimed_size or 0)
+        return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """The task in hand is done and its report carries the totals (returned): see
@@ -265,6 +288,19 @@ class StageClock:
     def sent(self, started: float) -> None:
         """The report that carried the last totals took from ``started`` until now to send."""
         self.send_s += now() - started
+
+
+SUMS_LENGTH = len(WorkerTotals._fields) + 1  # what StageClock.snapshot gives before completion
+
+
+def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
+    """A clock's sums over its timed tasks (see :meth:`StageClock.snapshot`), made totals over
+    all ``tasks``: the stage times and bytes scaled up, the untimed tasks' samples derived
+    (each holds ``untimed_size``; a clock without one counted them into ``samples``)."""
+    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, untimed_size = sums
+    scale = tasks / timed if timed else 1.0
+    return (tasks, samples + (tasks - timed) * untimed_size, fetch_s * scale, collate_s * scale,
+            send_s * scale, round(bytes_out * scale), *kept)
 
 
 def tensor_bytes(batch: Any, depth: int = 0) -> int:

@@ -25,7 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals, gaps, now
+from pipeload.stats.clock import (
+    SAMPLE_EVERY,
+    SUMS_LENGTH,
+    TIME_ALL_FIRST,
+    StageClock,
+    WorkerTotals,
+    complete_totals,
+    gaps,
+    now,
+)
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
 from pipeload.transport.messages import Report
 
@@ -219,9 +228,21 @@ class SessionStats:
     def _keep(self, report: Any) -> None:
         # Hashing an IntEnum member runs Python code: skip it when there is one kind.
         kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
-        self._seen[(self._session, kind, report.worker_id)] = (report.totals, now())
+        key = (self._session, kind, report.worker_id)
+        totals = report.totals
+        if len(totals) == SUMS_LENGTH:  # a worker whose tasks are counted here
+            totals = complete_totals(totals, self._tasks_of(key, report))
+        self._seen[key] = (totals, now())
         if not self._kinds:
             self.lag[report.worker_id] = 0
+
+    def _tasks_of(self, key: tuple[int, str, int], report: Any) -> int:
+        """The tasks the worker of ``report`` has reported, that one included if it is a task
+        (all its reports are but the answer to START_EPOCH): those its previous totals covered,
+        and those counted in ``lag`` since."""
+        previous = self._seen.get(key)
+        done = previous[0][0] if previous is not None else 0
+        return done + self.lag[report.worker_id] + (report.report is not Report.EPOCH_STARTED)
 
     def lend_clock(self, worker_id: int) -> Callable[[StageClock], None]:
         """What thread worker ``worker_id`` calls with its clock, which is then read live at
