@@ -155,7 +155,10 @@ class StageClock:
     (``untimed_size``), an untimed task's samples are derived and the epoch's last batch
     (``last_timed``), which may be short, is always timed; elsewhere the fetcher adds an
     untimed task's samples to ``untimed_samples`` (one addition). Either way a short last batch
-    counts as what it holds in every epoch, however long the run.
+    counts as what it holds in every epoch, however long the run. Numbered clocks go by batch
+    numbers instead of a countdown (``next_timed``): the inline engine's, which counts its tasks
+    itself (``count_tasks``), and a process worker's, whose tasks the main process counts
+    (:meth:`counted_by_receiver`).
 
     Invariant: only the thread that owns the worker loop (or the inline engine) calls it.
     """
