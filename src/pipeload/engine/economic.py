@@ -16,6 +16,7 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import weakref
@@ -177,7 +178,8 @@ class EconomicEngine:
         self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
-            self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
+            kinds = {Report.ITEMS_DONE: ITEM, Report.BATCH: BATCH, Report.FAILED: BATCH}
+            self._stats = config.stats.new_session(config.prefetch_factor, kinds)
         # Batches in flight: prefetch_factor at most, fewer when the training loop is slower than
         # the pool builds batches (engine/budget.py, as in classic mode). In order, the first
         # wave is one batch, built by every item worker (a second one would only hold a slab
@@ -255,6 +257,10 @@ class EconomicEngine:
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
         self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
         self._build_clock = PoolBuildClock()
+        # The batch number at which the stats look at the queue next (see _hand_over), as the
+        # classic pool keeps it: an untimed hand-out costs one comparison, stats on or off. The
+        # numbers start again each epoch.
+        self._next_look = start.first_batch if self._stats is not None else math.inf
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -278,8 +284,9 @@ class EconomicEngine:
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         """Book-keeping as batch ``report`` goes to the consumer; then open what the budget allows."""
-        if self._stats is not None:
-            self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        if report.batch_number >= self._next_look:  # sampled: see SessionStats.handing_out
+            self._next_look = self._stats.handing_out(  # type: ignore[union-attr]
+                len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
         if self._workers.slabs is not None:
             self._workers.slabs.handed_out(report.batch_number)
         self._budget.request_served(starved, waited_s)
