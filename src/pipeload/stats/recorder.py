@@ -32,10 +32,10 @@ from pipeload.transport.messages import Report
 
 # What WorkerGroup.receive does with every burst of reports, in C: finds whether any carries
 # totals (then it calls SessionStats.record), else counts them per worker into the session's
-# ``lag``: ``count_by_worker(lag, map(worker_of, reports))`` (the session's ``count_key``), with
-# ``collections``' counting
-# helper (the one ``Counter`` uses). One step per burst (2 to 4 reports with tiny batches),
-# where a Python loop cost a dozen bytecodes per report, 1% of a tiny batch's trip.
+# ``lag``: ``count_by_worker(lag, map(worker_of, reports))`` (the session's ``count_key``),
+# with ``collections``' counting helper (the one ``Counter`` uses). One step per burst (2 to 4
+# reports with tiny batches), where a Python loop cost a dozen bytecodes per report, 1% of a
+# tiny batch's trip.
 carries_totals = operator.attrgetter("totals")  # of a transport.messages.WorkerReport
 worker_of = operator.attrgetter("worker_id")
 count_by_worker = _count_elements
@@ -376,7 +376,7 @@ class StatsRecorder:
             for key, count in lag.copy().items():
                 if kinds is None:
                     lags[(session, "")][key] = count
-                elif key[0] in kinds:  # not an answer to START_EPOCH sent without totals
+                else:  # (report type, worker id)
                     per_worker = lags[(session, kinds[key[0]])]
                     per_worker[key[1]] = per_worker.get(key[1], 0) + count
         return lags
