@@ -91,10 +91,14 @@ class EconomicLaunch:
     """What economic workers run. Channel slots: item workers first, then batch workers.
 
     Owns the item -> batch links (process workers) from the first launch until ``close()``.
+    Thread workers lend their stats clocks to ``stats`` (the engine's session), as a classic
+    pool's do: the main process reads them when asked, and their reports carry no totals.
     """
 
-    def __init__(self, setup: EconomicSetup) -> None:
+    def __init__(self, setup: EconomicSetup, stats: Any = None) -> None:
         self._setup = setup
+        self._stats = stats
+        self.lends_clocks = stats is not None
         self._links: ItemLinks | None = None
         self.num_item_workers = setup.worker.num_workers
         self.labels = [WorkerLabel(ITEM, i) for i in range(self.num_item_workers)]
@@ -130,17 +134,21 @@ class EconomicLaunch:
         launches = []
         for item_id in range(self.num_item_workers):
             inbox, outbox = channels.worker_ends(item_id)
-            args = (self._setup, item_id, inbox, outbox, ThreadItemOutbox(batch_inboxes), stop)
+            args = (self._setup, item_id, inbox, outbox, ThreadItemOutbox(batch_inboxes), stop,
+                    self._lend(ITEM, item_id))
             launches.append(WorkerLaunch(run_item_thread, args, f"pipeload-item-worker-{item_id}"))
         for batch_id, inbox in enumerate(batch_inboxes):
             outbox = channels.worker_ends(first_batch + batch_id)[1]
-            args = (self._setup, batch_id, inbox, outbox, stop)
+            args = (self._setup, batch_id, inbox, outbox, stop, self._lend(BATCH, batch_id))
             launches.append(WorkerLaunch(run_batch_thread, args, f"pipeload-batch-worker-{batch_id}"))
         return launches
 
     def close(self) -> None:
         if self._links is not None:
             self._links.close()
+
+    def _lend(self, kind: str, worker_id: int) -> Any:
+        return self._stats.lend_clock(worker_id, kind) if self._stats is not None else None
 
 
 class EconomicEngine:
@@ -196,7 +204,7 @@ class EconomicEngine:
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), the batch workers right after (see start_epoch).
-        self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
+        self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1

@@ -72,8 +72,9 @@ class ItemWorkerLoop(WorkerLoop):
     kind = ITEM
 
     def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
-                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
-        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None,
+                 share_clock: Callable[[Any], None] | None = None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._deliveries = deliveries
         self._rng = rng
         self._said_item_bytes: tuple[int, ...] | None = None
@@ -101,23 +102,26 @@ class ItemWorkerLoop(WorkerLoop):
         self._heap_in_use = True
         clock = self._clock
         if clock is None:
-            self._fetch_and_hand_over(command)
+            self._fetch_and_hand_over(command, None)
         else:
             # Count down to the next timed piece, as a classic worker's fetcher does
             # (stats/clock.py); the profiler's flag read as an attribute: no call.
             clock.left -= 1
             if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
                 self._serve_timed(command, clock)
-            elif self._fetch_and_hand_over(command):
-                clock.untimed_samples += len(command.indices)
+            else:
+                self._fetch_and_hand_over(command, clock)
         self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices)))
 
-    def _fetch_and_hand_over(self, command: WorkerCommand) -> bool:
-        """Fetch the piece and hand it to its batch worker; False if a failure went instead.
-        The items' memory goes with the message: nothing here holds it once this returns."""
+    def _fetch_and_hand_over(self, command: WorkerCommand, clock: StageClock | None) -> None:
+        """Fetch the piece, count its items (an untimed piece's, into ``clock``), and hand it to
+        its batch worker. Counted first: a lent clock, read live, then has counted every item
+        of a batch by the time the batch is out. The items' memory goes with the message:
+        nothing here holds it once this returns."""
         delivery = self._fetch(command)
+        if clock is not None and delivery.delivery is Delivery.ITEMS:
+            clock.untimed_samples += len(command.indices)
         self._hand_over(command.route.batch_worker, delivery, command)
-        return delivery.delivery is Delivery.ITEMS
 
     def _serve_timed(self, command: WorkerCommand, clock: StageClock) -> None:
         """A piece the clock samples, or any piece while a profiler records (its span opens;
@@ -277,8 +281,9 @@ class BatchWorkerLoop(WorkerLoop):
     kind = BATCH
 
     def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any,
-                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
-        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None,
+                 share_clock: Callable[[Any], None] | None = None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._rng = rng
         self._batches: dict[tuple[int, int], _Gathering] = {}  # (epoch, batch number) -> state
         self._epoch_floor = 0
@@ -310,7 +315,7 @@ class BatchWorkerLoop(WorkerLoop):
         self._batches = {key: g for key, g in self._batches.items() if key[0] >= epoch}
         # With its totals, as every worker's answer, and its kind, which the main process cannot
         # tell from an EPOCH_STARTED (item and batch workers share ids).
-        totals = self._clock.snapshot() if self._clock is not None else None
+        totals = self._clock.snapshot() if self._clock is not None and not self._lends_clock else None
         self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, BATCH, totals))
 
     def _accept(self, delivery: ItemDelivery) -> None:
@@ -417,23 +422,26 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
 
 
 def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
-                    stop: Any) -> None:
-    """Entry point of an item worker thread: its own generators, reseeded for every piece."""
+                    stop: Any, share_clock: Callable[[Any], None] | None = None) -> None:
+    """Entry point of an item worker thread: its own generators, reseeded for every piece.
+    ``share_clock``: where to lend its stats clock (see WorkerLoop)."""
     common = _with_thread_replica(setup.worker)
     rng = make_thread_rng(common.base_seed, worker_id)
     info = WorkerInfo(worker_id, common.num_workers, common.base_seed + worker_id,
                       common.fetch.dataset, rng, "thread", ITEM)
-    serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng))
+    serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng,
+                                         share_clock))
 
 
-def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any) -> None:
-    """Entry point of a batch worker thread."""
+def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any,
+                     share_clock: Callable[[Any], None] | None = None) -> None:
+    """Entry point of a batch worker thread (``share_clock``: as an item worker's)."""
     common = _with_thread_replica(setup.worker)
     offset = common.num_workers + worker_id
     rng = make_thread_rng(common.base_seed, offset)
     info = WorkerInfo(worker_id, setup.num_batch_workers, common.base_seed + offset,
                       common.fetch.dataset, rng, "thread", BATCH)
-    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng))
+    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng, share_clock))
 
 
 def _with_thread_replica(setup: WorkerSetup) -> WorkerSetup:

@@ -223,12 +223,13 @@ class SessionStats:
         self._seen[(self._session, "", report.worker_id)] = (report.totals, now())
         self.lag[report.worker_id] = 0
 
-    def lend_clock(self, worker_id: int) -> Callable[[StageClock], None]:
-        """What thread worker ``worker_id`` calls with its clock, which is then read live at
-        every snapshot (as the main process's own clock is): its reports need carry nothing."""
+    def lend_clock(self, worker_id: int, kind: str = "") -> Callable[[StageClock], None]:
+        """What thread worker ``worker_id`` (of ``kind``) calls with its clock, which is then
+        read live at every snapshot (as the main process's own clock is): its reports need
+        carry nothing."""
 
         def lend(clock: StageClock) -> None:
-            self._seen[(self._session, "", worker_id)] = (clock, None)
+            self._seen[(self._session, kind, worker_id)] = (clock, None)
 
         return lend
 
