@@ -3,7 +3,9 @@ real in-process queues."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
+import threading
 
 from faults import Numbers, RaisesAt
 
@@ -12,6 +14,7 @@ from pipeload.engine.economic_workers import BatchWorkerLoop, ItemWorkerLoop
 from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
 from pipeload.engine.worker_info import make_thread_rng
 from pipeload.errors import RemoteFailure
+from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, WorkerTotals
 from pipeload.transport.channel import QueueEnd
 from pipeload.transport.item_links import ThreadItemOutbox
 from pipeload.transport.messages import (
@@ -106,3 +109,86 @@ def test_an_item_worker_hands_pieces_to_the_named_batch_worker_and_reports_them_
     assert bad.payload.worker_kind == "item" and bad.payload.indices == [6]
     assert [(r.report, r.worker_id, r.batch_number, r.payload) for r in _drain(outbox)] == [
         (Report.ITEMS_DONE, 3, 0, ItemsDone(2)), (Report.ITEMS_DONE, 3, 1, ItemsDone(1))]
+
+
+# -- stats: one piece (or batch) in SAMPLE_EVERY timed, every one counted ----------------------
+
+PIECES = 300  # far past TIME_ALL_FIRST: most of them untimed
+
+
+def _stats_setup(dataset) -> WorkerSetup:
+    return dataclasses.replace(_setup(dataset), stats=True)
+
+
+def _with_totals(reports: list) -> list:
+    return [r for r in reports if r.totals is not None]
+
+
+def test_an_item_worker_times_a_sample_of_its_pieces_and_counts_them_all():
+    # Pieces of 1 to 3 items; those holding index 6 fail (their items are not counted). The
+    # totals that come now and then, and the answer to START_EPOCH, count every piece done
+    # and every item fetched before them, however few pieces were timed.
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    batch_inbox = QueueEnd(queue.SimpleQueue())
+    sizes = [1 + n % 3 for n in range(PIECES)]
+    fetched = [0]  # items fetched after each piece
+    for number, size in enumerate(sizes):
+        indices = [(number + i) % 10 for i in range(size)]
+        inbox.send(_fetch(number, indices, slot=0))
+        fetched.append(fetched[-1] + (0 if 6 in indices else size))
+    loop = ItemWorkerLoop(_stats_setup(RaisesAt(10, bad_index=6)), 1, inbox, outbox,
+                          ThreadItemOutbox([batch_inbox]), lambda: False, make_thread_rng(0, 1))
+    worker = threading.Thread(target=loop.run)
+    worker.start()
+    # START_EPOCH once every piece is answered (queued behind them, it would drop them).
+    reports = [outbox.receive(10.0) for _ in range(PIECES)]
+    inbox.send(WorkerCommand(Command.START_EPOCH, epoch=2))
+    inbox.send(WorkerCommand(Command.STOP))
+    worker.join(10.0)
+    assert not worker.is_alive()
+    reports += _drain(outbox)
+    assert [r.report for r in reports] == [Report.ITEMS_DONE] * PIECES + [Report.EPOCH_STARTED]
+    pieces = [r for r in _with_totals(reports) if r.report is Report.ITEMS_DONE]
+    assert [r.batch_number for r in pieces[:TIME_ALL_FIRST]] == list(range(TIME_ALL_FIRST))
+    assert len(pieces) < TIME_ALL_FIRST + 2 * (PIECES - TIME_ALL_FIRST) // SAMPLE_EVERY + 2
+    for report in pieces:
+        totals = WorkerTotals._make(report.totals)
+        assert (totals.tasks, totals.samples) == (report.batch_number + 1, fetched[report.batch_number + 1])
+    answer = reports[-1]
+    assert answer.payload == "item"  # its kind: the main process cannot tell it from the id
+    assert WorkerTotals._make(answer.totals)[:2] == (PIECES, fetched[-1])
+
+
+def test_a_batch_worker_times_a_sample_of_its_batches_and_counts_them_all():
+    # Batches of 1 to 3 samples; every seventh has a failed piece: it fails with the totals
+    # (counted as a task, its samples not collated).
+    failure = RemoteFailure(KeyError, "bad", "trace", 0, "fetching items", [0], "item")
+    messages, collated = [], [0]
+    for number in range(PIECES):
+        samples = list(range(1 + number % 3))
+        messages.append(WorkerCommand(Command.COLLATE, number, samples, epoch=1))
+        if number % 7 == 3:
+            messages.append(ItemDelivery(Delivery.FAILED, 0, 1, number, 0, len(samples), failure))
+            collated.append(collated[-1])
+        else:
+            messages.append(_items(number, 0, samples))
+            collated.append(collated[-1] + len(samples))
+    messages.append(WorkerCommand(Command.START_EPOCH, epoch=2))
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for message in [*messages, WorkerCommand(Command.STOP)]:
+        inbox.send(message)
+    BatchWorkerLoop(_stats_setup(Numbers(10)), 0, inbox, outbox, lambda: False,
+                    make_thread_rng(0, 1)).run()
+
+    reports = _drain(outbox)
+    assert len(reports) == PIECES + 1
+    failed = [r for r in reports if r.report is Report.FAILED]
+    assert len(failed) == len(range(3, PIECES, 7)) and all(r.totals is not None for r in failed)
+    built = [r for r in _with_totals(reports) if r.report is Report.BATCH]
+    assert len(built) < TIME_ALL_FIRST + 2 * (PIECES - TIME_ALL_FIRST) // SAMPLE_EVERY + 2
+    for report in built + failed:
+        totals = WorkerTotals._make(report.totals)
+        assert (totals.tasks, totals.samples) == (report.batch_number + 1, collated[report.batch_number + 1])
+    answer = reports[-1]
+    assert (answer.report, answer.payload) == (Report.EPOCH_STARTED, "batch")
+    assert WorkerTotals._make(answer.totals)[:2] == (PIECES, collated[-1])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipeload
+from pipeload.engine.item_scheduler import piece_size
 from pipeload.stats import LoaderStats
 from pipeload.stats.clock import StageClock
 
@@ -172,6 +173,37 @@ def test_a_short_last_batch_is_counted_as_what_it_holds_in_a_long_run(engine: di
         assert abs(counted - 10 * epochs) < 4 * engine["num_workers"]
     else:
         assert counted == 10 * epochs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["economic"], ENGINES["economic-thread"]],
+                         ids=["economic", "economic-thread"])
+def test_economic_workers_counts_are_exact_at_each_epoch_start_in_a_long_run(engine: dict,
+                                                                             leak_guard) -> None:
+    # Economic workers time one piece (or batch) in ~64 past their first 64 and send their
+    # totals only then; the main process counts the other reports per kind and worker (item
+    # and batch workers share ids). Each answer to START_EPOCH carries the totals and says its
+    # kind: then every piece and batch counts, as what it held (pieces of 3 and 1 items here,
+    # which no scaling from the timed ones would get right).
+    loader = pipeload.DataLoader(list(range(23)), batch_size=10, persistent_workers=True,
+                                 num_batch_workers=1, **engine)
+    epochs = 60
+    for _ in range(epochs):
+        assert [len(batch) for batch in loader] == [10, 10, 3]
+    # Process workers: every worker has answered the next epoch's start with its totals. Thread
+    # workers' clocks are read live: now, as they would count the next epoch's first pieces.
+    threads = engine.get("worker_type") == "thread"
+    batches = None if threads else iter(loader)
+    workers = {(w.kind, w.worker_id): w for w in loader.stats().workers}
+    assert sorted(workers) == [("batch", 0), ("item", 0), ("item", 1)]
+    pieces = sum(math.ceil(size / piece_size(size, 2, False)) for size in (10, 10, 3))
+    items = [workers[("item", i)] for i in (0, 1)]
+    assert sum(w.tasks for w in items) == pieces * epochs
+    assert sum(w.samples for w in items) == 23 * epochs
+    assert (workers[("batch", 0)].tasks, workers[("batch", 0)].samples) == (3 * epochs, 23 * epochs)
+    # Thread workers lend their clocks, as a classic pool's do: their reports carry nothing.
+    assert len(_lent_clocks(loader)) == (3 if threads else 0)
+    del batches, loader
 
 
 @pytest.mark.timeout(60)

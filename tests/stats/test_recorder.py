@@ -84,3 +84,33 @@ def test_a_process_workers_tasks_are_counted_by_the_main_process_and_its_totals_
     assert WorkerTotals._make(recorder._seen[(1, "", 1)][0]).tasks == len(covered)
     assert WorkerTotals._make(recorder._seen[(1, "", 1)][0]).samples == sum(len(r.payload) for r in covered)
     assert worker.tasks == 2 * len(epoch)
+
+
+def _totals(tasks: int, samples: int) -> tuple:
+    clock = StageClock(1)
+    clock._counted, clock.samples = tasks, samples
+    return clock.snapshot()
+
+
+def test_economic_workers_of_either_kind_are_counted_apart_under_the_same_id() -> None:
+    # Item worker 0 and batch worker 0 share an id: each kind's reports are counted under
+    # (report type, worker id), in one step per burst, and a START_EPOCH answer names its kind.
+    recorder = StatsRecorder(LoaderSetup("economic", "process", 1, 2, 4, False))
+    kinds = {Report.ITEMS_DONE: "item", Report.BATCH: "batch", Report.FAILED: "batch"}
+    session = recorder.new_session(2, kinds)
+    item, batch = (lambda n, **k: WorkerReport(Report.ITEMS_DONE, 0, n, **k),
+                   lambda n, **k: WorkerReport(Report.BATCH, 0, n, **k))
+    bursts = [
+        [item(0, totals=_totals(1, 4)), batch(0, totals=_totals(1, 8))],
+        [item(1), item(2), batch(1)],  # no totals: counted in one step
+        [item(3), WorkerReport(Report.FAILED, 0, 2, totals=_totals(3, 16))],  # its count restarts
+        [batch(3), item(4)],
+        [WorkerReport(Report.EPOCH_STARTED, 0, 2, "item", _totals(5, 20))],  # item 0: 5 pieces
+    ]
+    for burst in bursts:
+        if any(map(carries_totals, burst)):
+            session.record(burst)
+        else:
+            count_by_worker(session.lag, map(session.count_key, burst))
+    workers = {(w.kind, w.worker_id): (w.tasks, w.samples) for w in recorder.snapshot().workers}
+    assert workers == {("item", 0): (5, 20), ("batch", 0): (4, 21)}  # 3 + 1 since, scaled

@@ -16,6 +16,7 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import weakref
@@ -90,10 +91,14 @@ class EconomicLaunch:
     """What economic workers run. Channel slots: item workers first, then batch workers.
 
     Owns the item -> batch links (process workers) from the first launch until ``close()``.
+    Thread workers lend their stats clocks to ``stats`` (the engine's session), as a classic
+    pool's do: the main process reads them when asked, and their reports carry no totals.
     """
 
-    def __init__(self, setup: EconomicSetup) -> None:
+    def __init__(self, setup: EconomicSetup, stats: Any = None) -> None:
         self._setup = setup
+        self._stats = stats
+        self.lends_clocks = stats is not None
         self._links: ItemLinks | None = None
         self.num_item_workers = setup.worker.num_workers
         self.labels = [WorkerLabel(ITEM, i) for i in range(self.num_item_workers)]
@@ -129,17 +134,21 @@ class EconomicLaunch:
         launches = []
         for item_id in range(self.num_item_workers):
             inbox, outbox = channels.worker_ends(item_id)
-            args = (self._setup, item_id, inbox, outbox, ThreadItemOutbox(batch_inboxes), stop)
+            args = (self._setup, item_id, inbox, outbox, ThreadItemOutbox(batch_inboxes), stop,
+                    self._lend(ITEM, item_id))
             launches.append(WorkerLaunch(run_item_thread, args, f"pipeload-item-worker-{item_id}"))
         for batch_id, inbox in enumerate(batch_inboxes):
             outbox = channels.worker_ends(first_batch + batch_id)[1]
-            args = (self._setup, batch_id, inbox, outbox, stop)
+            args = (self._setup, batch_id, inbox, outbox, stop, self._lend(BATCH, batch_id))
             launches.append(WorkerLaunch(run_batch_thread, args, f"pipeload-batch-worker-{batch_id}"))
         return launches
 
     def close(self) -> None:
         if self._links is not None:
             self._links.close()
+
+    def _lend(self, kind: str, worker_id: int) -> Any:
+        return self._stats.lend_clock(worker_id, kind) if self._stats is not None else None
 
 
 class EconomicEngine:
@@ -177,7 +186,8 @@ class EconomicEngine:
         self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
-            self._stats = config.stats.new_session(config.prefetch_factor, {Report.ITEMS_DONE: ITEM})
+            kinds = {Report.ITEMS_DONE: ITEM, Report.BATCH: BATCH, Report.FAILED: BATCH}
+            self._stats = config.stats.new_session(config.prefetch_factor, kinds)
         # Batches in flight: prefetch_factor at most, fewer when the training loop is slower than
         # the pool builds batches (engine/budget.py, as in classic mode). In order, the first
         # wave is one batch, built by every item worker (a second one would only hold a slab
@@ -194,7 +204,7 @@ class EconomicEngine:
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), the batch workers right after (see start_epoch).
-        self._workers = WorkerGroup(EconomicLaunch(setup), config.worker_type, config.mp_context,
+        self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
@@ -255,6 +265,10 @@ class EconomicEngine:
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
         self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
         self._build_clock = PoolBuildClock()
+        # The batch number at which the stats look at the queue next (see _hand_over), as the
+        # classic pool keeps it: an untimed hand-out costs one comparison, stats on or off. The
+        # numbers start again each epoch.
+        self._next_look = start.first_batch if self._stats is not None else math.inf
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -278,8 +292,9 @@ class EconomicEngine:
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         """Book-keeping as batch ``report`` goes to the consumer; then open what the budget allows."""
-        if self._stats is not None:
-            self._stats.handing_out(len(self._ledger.arrived), self._ledger.outstanding)
+        if report.batch_number >= self._next_look:  # sampled: see SessionStats.handing_out
+            self._next_look = self._stats.handing_out(  # type: ignore[union-attr]
+                len(self._ledger.arrived), self._ledger.outstanding, report.batch_number)
         if self._workers.slabs is not None:
             self._workers.slabs.handed_out(report.batch_number)
         self._budget.request_served(starved, waited_s)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.autograd.profiler as _torch_profiler
+
 from pipeload.engine import replica
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
 from pipeload.engine.worker_info import (
@@ -70,8 +72,9 @@ class ItemWorkerLoop(WorkerLoop):
     kind = ITEM
 
     def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
-                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
-        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None,
+                 share_clock: Callable[[Any], None] | None = None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._deliveries = deliveries
         self._rng = rng
         self._said_item_bytes: tuple[int, ...] | None = None
@@ -96,19 +99,54 @@ class ItemWorkerLoop(WorkerLoop):
         return 0, 1
 
     def _serve(self, command: WorkerCommand) -> None:
-        route = command.route
-        clock = self._clock
         self._heap_in_use = True
+        clock = self._clock
         if clock is None:
-            delivery = self._fetch(command)
-            self._hand_over(route.batch_worker, delivery, command)
+            self._fetch_and_hand_over(command, None)
         else:
-            delivery = self._timed_fetch(command, clock)
-            started = now()
-            self._hand_over(route.batch_worker, delivery, command)
-            clock.sent(started)
-        del delivery  # the items' memory goes with the message, not with this worker
+            # Count down to the next timed piece, as a classic worker's fetcher does
+            # (stats/clock.py); the profiler's flag read as an attribute: no call.
+            clock.left -= 1
+            if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
+                self._serve_timed(command, clock)
+            else:
+                self._fetch_and_hand_over(command, clock)
         self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices)))
+
+    def _fetch_and_hand_over(self, command: WorkerCommand, clock: StageClock | None) -> None:
+        """Fetch the piece, count its items (an untimed piece's, into ``clock``), and hand it to
+        its batch worker. Counted first: a lent clock, read live, then has counted every item
+        of a batch by the time the batch is out. The items' memory goes with the message:
+        nothing here holds it once this returns."""
+        delivery = self._fetch(command)
+        if clock is not None and delivery.delivery is Delivery.ITEMS:
+            clock.untimed_samples += len(command.indices)
+        self._hand_over(command.route.batch_worker, delivery, command)
+
+    def _serve_timed(self, command: WorkerCommand, clock: StageClock) -> None:
+        """A piece the clock samples, or any piece while a profiler records (its span opens;
+        only a sampled piece is timed)."""
+        timing = clock.left <= 0
+        if timing:
+            clock.start_timed()
+        started = now()
+        if profiling():
+            with span("pipeload.fetch"):
+                delivery = self._fetch(command)
+        else:
+            delivery = self._fetch(command)
+        fetched = now()
+        if delivery.delivery is Delivery.ITEMS:
+            if timing:
+                clock.samples += len(delivery.payload)
+                clock.bytes_out += tensor_bytes(delivery.payload)
+            else:
+                clock.untimed_samples += len(delivery.payload)
+        sending = now()
+        self._hand_over(command.route.batch_worker, delivery, command)
+        if timing:
+            clock.fetch_s += fetched - started
+            clock.sent(sending)
 
     def _items_done(self, count: int) -> ItemsDone:
         """The report's payload; says the items' sizes when they are new (see ItemPlacement)."""
@@ -118,19 +156,6 @@ class ItemWorkerLoop(WorkerLoop):
             return ItemsDone(count)
         self._said_item_bytes = sizes
         return ItemsDone(count, sizes)
-
-    def _timed_fetch(self, command: WorkerCommand, clock: StageClock) -> ItemDelivery:
-        started = now()
-        if profiling():
-            with span("pipeload.fetch"):
-                delivery = self._fetch(command)
-        else:
-            delivery = self._fetch(command)
-        clock.fetch_s += now() - started
-        if delivery.delivery is Delivery.ITEMS:
-            clock.samples += len(delivery.payload)
-            clock.bytes_out += tensor_bytes(delivery.payload)
-        return delivery
 
     def _fetch(self, command: WorkerCommand) -> ItemDelivery:
         route = command.route
@@ -256,8 +281,9 @@ class BatchWorkerLoop(WorkerLoop):
     kind = BATCH
 
     def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any,
-                 should_stop: Callable[[], bool], rng: WorkerRNG | None) -> None:
-        super().__init__(setup, worker_id, inbox, outbox, should_stop)
+                 should_stop: Callable[[], bool], rng: WorkerRNG | None,
+                 share_clock: Callable[[Any], None] | None = None) -> None:
+        super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._rng = rng
         self._batches: dict[tuple[int, int], _Gathering] = {}  # (epoch, batch number) -> state
         self._epoch_floor = 0
@@ -287,7 +313,10 @@ class BatchWorkerLoop(WorkerLoop):
         # What the abandoned epoch left half-gathered is dropped; its late pieces are too.
         self._epoch_floor = epoch
         self._batches = {key: g for key, g in self._batches.items() if key[0] >= epoch}
-        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch))
+        # With its totals, as every worker's answer, and its kind, which the main process cannot
+        # tell from an EPOCH_STARTED (item and batch workers share ids).
+        totals = self._clock.snapshot() if self._clock is not None and not self._lends_clock else None
+        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, BATCH, totals))
 
     def _accept(self, delivery: ItemDelivery) -> None:
         if delivery.epoch < self._epoch_floor:
@@ -302,10 +331,15 @@ class BatchWorkerLoop(WorkerLoop):
         gathering = self._batches.pop(key)
         epoch, number = key
         indices = gathering.indices
+        clock = self._clock
+        if clock is not None:  # count down to the next timed batch (stats/clock.py)
+            clock.left -= 1
+            if clock.left <= 0:
+                clock.start_timed()
         self._outbox.prepare(gathering.grant)  # collation writes where the batch will travel
         failure = self._init_failure or _first_failure(gathering)
         if failure is not None:
-            self._report(Report.FAILED, number, failure)
+            self._report_with_totals(Report.FAILED, number, failure)
             return
         started = time.perf_counter()
         try:
@@ -326,14 +360,28 @@ class BatchWorkerLoop(WorkerLoop):
         clock = self._clock
         if clock is None:
             return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
-        clock.samples += len(samples)  # a batch worker's samples: those it collated
-        started = now()
-        try:
-            if profiling():
-                with span("pipeload.collate"):
-                    return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        # A batch worker's samples: those it collated. Only a sampled batch is timed.
+        if not clock.timing and not _torch_profiler._is_profiler_enabled:
+            clock.untimed_samples += len(samples)
             return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
-        finally:
+        return _timed_collate(fetch, samples, clock)
+
+
+def _timed_collate(fetch: Any, samples: list[Any], clock: StageClock) -> Any:
+    """``collate_fn`` over ``samples`` for a sampled batch, or for any batch while a profiler
+    records (its span opens; only a sampled batch is timed)."""
+    if not clock.timing:
+        clock.untimed_samples += len(samples)
+    else:
+        clock.samples += len(samples)
+    started = now()
+    try:
+        if profiling():
+            with span("pipeload.collate"):
+                return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+        return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+    finally:
+        if clock.timing:
             clock.collate_s += now() - started
 
 
@@ -374,23 +422,26 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
 
 
 def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
-                    stop: Any) -> None:
-    """Entry point of an item worker thread: its own generators, reseeded for every piece."""
+                    stop: Any, share_clock: Callable[[Any], None] | None = None) -> None:
+    """Entry point of an item worker thread: its own generators, reseeded for every piece.
+    ``share_clock``: where to lend its stats clock (see WorkerLoop)."""
     common = _with_thread_replica(setup.worker)
     rng = make_thread_rng(common.base_seed, worker_id)
     info = WorkerInfo(worker_id, common.num_workers, common.base_seed + worker_id,
                       common.fetch.dataset, rng, "thread", ITEM)
-    serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng))
+    serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng,
+                                         share_clock))
 
 
-def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any) -> None:
-    """Entry point of a batch worker thread."""
+def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any,
+                     share_clock: Callable[[Any], None] | None = None) -> None:
+    """Entry point of a batch worker thread (``share_clock``: as an item worker's)."""
     common = _with_thread_replica(setup.worker)
     offset = common.num_workers + worker_id
     rng = make_thread_rng(common.base_seed, offset)
     info = WorkerInfo(worker_id, setup.num_batch_workers, common.base_seed + offset,
                       common.fetch.dataset, rng, "thread", BATCH)
-    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng))
+    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng, share_clock))
 
 
 def _with_thread_replica(setup: WorkerSetup) -> WorkerSetup:

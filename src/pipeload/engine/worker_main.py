@@ -79,9 +79,8 @@ class WorkerLoop:
         self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
-        # A classic worker times one task in SAMPLE_EVERY (stats/clock.py); economic mode's
-        # workers, whose pieces cost far more than the timing, time them all.
-        self._clock = StageClock(SAMPLE_EVERY if self.kind == "" else 1) if setup.stats else None
+        # Every worker (economic mode's too) times one task in SAMPLE_EVERY (stats/clock.py).
+        self._clock = StageClock(SAMPLE_EVERY) if setup.stats else None
         # A thread worker of the classic pool lends its clock to the main process, which reads
         # it when asked: its reports then carry no totals, and the main process does nothing
         # per report for the stats.
@@ -188,9 +187,10 @@ class WorkerLoop:
         self._init_failure_reported = False
         if self._init_failure is None:
             self._make_fetcher(shared_seed)
-        # It carries the totals, so the main process need not tell it from a task's report.
+        # It carries the totals, so the main process need not tell it from a task's report
+        # (and an economic worker's kind, which its id does not tell).
         totals = self._clock.snapshot() if self._clock is not None and not self._lends_clock else None
-        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, totals=totals))
+        self._outbox.send(WorkerReport(Report.EPOCH_STARTED, self._id, epoch, self.kind or None, totals))
 
     def _serve(self, command: WorkerCommand) -> None:
         if self._exhausted:

@@ -25,7 +25,7 @@ from pipeload.engine.lifecycle import (
     stop_workers,
 )
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
-from pipeload.stats.recorder import carries_totals, count_by_worker, worker_of
+from pipeload.stats.recorder import carries_totals, count_by_worker
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 from pipeload.transport.slab_pool import SlabPool
@@ -123,6 +123,7 @@ class WorkerGroup:
         # reports carry nothing for it.
         self._record = stats is not None and not (worker_type == "thread" and getattr(plan, "lends_clocks", False))
         self._lag = stats.lag if self._record else None  # reports counted per worker: see receive
+        self._count_key = stats.count_key if self._record else None
         self.labels = plan.labels
         self.timeout_s = timeout_s
         self.stop_event: threading.Event | None = None
@@ -247,7 +248,7 @@ class WorkerGroup:
                     if any(map(carries_totals, reports)):
                         self.stats.record(reports)
                     else:
-                        count_by_worker(self._lag, map(worker_of, reports))
+                        count_by_worker(self._lag, map(self._count_key, reports))
                 return reports
             if deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeoutError(f"DataLoader timed out after {self.timeout_s} seconds")

@@ -142,9 +142,10 @@ def gaps(every: int) -> Iterator[int]:
 class StageClock:
     """Running totals of one fetching thread; see the module docstring.
 
-    Two ways to count. ``every=1`` (economic mode's workers, whose pieces cost far more than
-    the timing): the worker times every task, and :meth:`finished` counts each one. ``every=N``
-    (classic workers, the inline engine): the fetcher (``engine/fetch.py``) counts tasks down
+    Two ways to count. ``every=1``: the owner times every task, and :meth:`finished` counts
+    each one. ``every=N`` (every worker, economic ones included, and the inline engine): the
+    fetcher (``engine/fetch.py``; economic workers count their pieces and batches down
+    themselves, ``engine/economic_workers.py``) counts tasks down
     ``left`` and calls :meth:`start_timed` for each of its first ``TIME_ALL_FIRST`` tasks, then
     for about one task in N, which it then times and whose samples it counts; the others cost
     it a subtraction and two comparisons (the countdown, the profiler's flag). ``timing`` says

@@ -41,12 +41,16 @@ from pipeload.transport.messages import Report
 
 # What WorkerGroup.receive does with every burst of reports, in C: finds whether any carries
 # totals (then it calls SessionStats.record), else counts them per worker into the session's
-# ``lag``: ``count_by_worker(lag, map(worker_of, reports))``, with ``collections``' counting
-# helper (the one ``Counter`` uses). One step per burst (2 to 4 reports with tiny batches),
-# where a Python loop cost a dozen bytecodes per report, 1% of a tiny batch's trip.
+# ``lag``: ``count_by_worker(lag, map(worker_of, reports))`` (the session's ``count_key``),
+# with ``collections``' counting helper (the one ``Counter`` uses). One step per burst (2 to 4
+# reports with tiny batches), where a Python loop cost a dozen bytecodes per report, 1% of a
+# tiny batch's trip.
 carries_totals = operator.attrgetter("totals")  # of a transport.messages.WorkerReport
 worker_of = operator.attrgetter("worker_id")
 count_by_worker = _count_elements
+# Economic mode's item and batch workers share ids: its reports are counted per (type, worker
+# id), still in C (a Report hashes as the int it is).
+type_and_worker = operator.attrgetter("report", "worker_id")
 
 # The main process times the training loop's waits (pairs of batches) and looks at the queue
 # about once in this many batches: more often than the workers time their tasks, as the waits
@@ -187,19 +191,18 @@ class _Consumer:
 class SessionStats:
     """What one engine session (one pool, or the inline engine) reports into its recorder.
 
-    ``kinds`` names the kind of worker that sends each type of report (economic mode: item
-    workers send ITEMS_DONE, batch workers the batches); the others are classic workers ("").
+    ``count_key`` is what ``WorkerGroup.receive`` counts a report without totals under in
+    ``lag``: its worker's id (classic workers; see :class:`KindedSessionStats` for economic).
     """
 
-    def __init__(self, recorder: StatsRecorder, session: int, capacity: int,
-                 kinds: dict[Any, str] | None = None) -> None:
+    count_key: Callable[[Any], Any] = worker_of
+
+    def __init__(self, recorder: StatsRecorder, session: int, capacity: int) -> None:
         self._seen = recorder._seen
         self._queue = recorder._queue
         self._queue.capacity = capacity
         self._session = session
-        self._kinds = kinds or {}
-        self._default_kind = "batch" if kinds else ""
-        self.lag: dict[int, int] = recorder._lags.setdefault(session, defaultdict(int))
+        self.lag: dict[Any, int] = recorder._lags.setdefault(session, defaultdict(int))
         self._gaps = gaps(LOOK_EVERY)
         self._retired = -1_000_000 * session  # see retire()
 
@@ -218,23 +221,20 @@ class SessionStats:
         ten with tiny batches): it counts the others itself, in one step per burst
         (``count_by_worker``), as the common case must cost next to nothing.
         """
-        lag = self.lag
+        lag, key = self.lag, self.count_key
         for report in reports:
             if report.totals is None:
-                lag[report.worker_id] += 1
+                lag[key(report)] += 1
             else:
                 self._keep(report)
 
     def _keep(self, report: Any) -> None:
-        # Hashing an IntEnum member runs Python code: skip it when there is one kind.
-        kind = self._kinds.get(report.report, self._default_kind) if self._kinds else ""
-        key = (self._session, kind, report.worker_id)
+        key = (self._session, "", report.worker_id)
         totals = report.totals
         if len(totals) == SUMS_LENGTH:  # a worker whose tasks are counted here
             totals = complete_totals(totals, self._tasks_of(key, report))
         self._seen[key] = (totals, now())
-        if not self._kinds:
-            self.lag[report.worker_id] = 0
+        self.lag[report.worker_id] = 0
 
     def _tasks_of(self, key: tuple[int, str, int], report: Any) -> int:
         """The tasks the worker of ``report`` has reported, that one included if it is a task
@@ -244,12 +244,13 @@ class SessionStats:
         done = previous[0][0] if previous is not None else 0
         return done + self.lag[report.worker_id] + (report.report is not Report.EPOCH_STARTED)
 
-    def lend_clock(self, worker_id: int) -> Callable[[StageClock], None]:
-        """What thread worker ``worker_id`` calls with its clock, which is then read live at
-        every snapshot (as the main process's own clock is): its reports need carry nothing."""
+    def lend_clock(self, worker_id: int, kind: str = "") -> Callable[[StageClock], None]:
+        """What thread worker ``worker_id`` (of ``kind``) calls with its clock, which is then
+        read live at every snapshot (as the main process's own clock is): its reports need
+        carry nothing."""
 
         def lend(clock: StageClock) -> None:
-            self._seen[(self._session, "", worker_id)] = (clock, None)
+            self._seen[(self._session, kind, worker_id)] = (clock, None)
 
         return lend
 
@@ -276,10 +277,9 @@ class SessionStats:
     def handing_out(self, ready: int, in_flight: int, number: int = 0) -> int:
         """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
         sent and not yet handed out (this one excluded). Returns the batch number at which to
-        call again: the pool calls it when its hand-outs reach that number (about one in
+        call again: each engine calls it when its hand-outs reach that number (about one in
         LOOK_EVERY: occupancy is a sampled mean and maximum; the batch number is the
-        countdown, kept by the pool, so an untimed hand-out costs one comparison); economic
-        mode, whose batches cost far more, at every hand-out."""
+        countdown, kept by the engine, so an untimed hand-out costs one comparison)."""
         look = number + next(self._gaps)
         queue = self._queue
         queue.samples += 1
@@ -290,6 +290,32 @@ class SessionStats:
         if in_flight > queue.in_flight_max:
             queue.in_flight_max = in_flight
         return look
+
+
+class KindedSessionStats(SessionStats):
+    """Economic mode's session: item and batch workers, whose ids overlap.
+
+    ``kinds`` maps each type of report to the kind of worker that sends it, the type its
+    untimed tasks report first (item workers: ITEMS_DONE; batch workers: BATCH, then FAILED,
+    which always carries totals). ``lag`` counts per (type, worker id); an EPOCH_STARTED answer
+    names its sender's kind in its payload (``WorkerLoop._start_epoch``).
+    """
+
+    count_key = type_and_worker
+
+    def __init__(self, recorder: StatsRecorder, session: int, capacity: int,
+                 kinds: dict[Any, str]) -> None:
+        super().__init__(recorder, session, capacity)
+        self._kinds = kinds
+        self._counted_as: dict[str, Any] = {}  # kind -> the type its untimed tasks report
+        for report, kind in kinds.items():
+            self._counted_as.setdefault(kind, report)
+        recorder._lag_kinds[session] = kinds
+
+    def _keep(self, report: Any) -> None:
+        kind = report.payload if report.report is Report.EPOCH_STARTED else self._kinds[report.report]
+        self._seen[(self._session, kind, report.worker_id)] = (report.totals, now())
+        self.lag[(self._counted_as[kind], report.worker_id)] = 0
 
 
 @dataclass(frozen=True)
@@ -319,7 +345,8 @@ class StatsRecorder:
         self._queue = _Queue()
         self._consumer = _Consumer(1 if time_every_batch else LOOK_EVERY)
         self._sessions = 0
-        self._lags: dict[int, dict[int, int]] = {}  # per session: tasks reported without totals
+        self._lags: dict[int, dict[Any, int]] = {}  # per session: tasks reported without totals
+        self._lag_kinds: dict[int, dict[Any, str]] = {}  # economic sessions: see KindedSessionStats
         self._pin_s = 0.0
         self._pinned = 0
         self._skipped_samples = 0
@@ -333,7 +360,9 @@ class StatsRecorder:
         :class:`SessionStats`)."""
         with self._lock:
             self._sessions += 1
-            return SessionStats(self, self._sessions, capacity, kinds)
+            if kinds:
+                return KindedSessionStats(self, self._sessions, capacity, kinds)
+            return SessionStats(self, self._sessions, capacity)
 
     @property
     def consumer(self) -> _Consumer:
@@ -361,11 +390,23 @@ class StatsRecorder:
 
     # -- reading -----------------------------------------------------------------------------
 
+    def _lags_by_kind(self) -> dict[tuple[int, str], dict[int, int]]:
+        """Tasks reported without totals, per (session, kind) and worker id."""
+        lags: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
+        for session, lag in self._lags.copy().items():
+            kinds = self._lag_kinds.get(session)
+            for key, count in lag.copy().items():
+                if kinds is None:
+                    lags[(session, "")][key] = count
+                else:  # (report type, worker id)
+                    per_worker = lags[(session, kinds[key[0]])]
+                    per_worker[key[1]] = per_worker.get(key[1], 0) + count
+        return lags
+
     def snapshot(self) -> LoaderStats:
         """Everything so far, as a frozen :class:`LoaderStats`."""
         consumer, queue = self._consumer, self._queue
-        lags = {session: dict(lag) for session, lag in self._lags.copy().items()}
-        workers = _per_worker(self._seen.copy(), now(), lags)
+        workers = _per_worker(self._seen.copy(), now(), self._lags_by_kind())
         samples = queue.samples or 1
         return LoaderStats(
             setup=self.setup,
@@ -386,13 +427,13 @@ class StatsRecorder:
 
 
 def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,
-                lags: dict[int, dict[int, int]]) -> tuple[WorkerStats, ...]:
+                lags: dict[tuple[int, str], dict[int, int]]) -> tuple[WorkerStats, ...]:
     """Sum each worker's totals over the sessions it lived in (a new pool per epoch restarts
     every worker's totals), each brought up to the tasks it reported since its latest totals."""
     merged: dict[tuple[str, int], WorkerStats] = {}
     for (session, kind, worker_id), (raw, arrived) in seen.items():
         totals = WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw)
-        lag = lags.get(session, {}).get(worker_id, 0) if kind == "" else 0
+        lag = lags.get((session, kind), {}).get(worker_id, 0)
         alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
         one = _worker_stats(kind, worker_id, _extrapolated(totals, lag), alive_s)
         previous = merged.get((kind, worker_id))
