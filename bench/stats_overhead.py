@@ -1,7 +1,7 @@
 """What stats cost: the tiny-items workload with ``stats=True`` and ``stats=False``, same run.
 
     python -m bench.stats_overhead [--rounds 300] [--burst 8] [--round-batches 64]
-        [--generations 30] [--engine NAME ...] [--no-bytecodes]
+        [--generations 30] [--engine NAME ...] [--no-bytecodes | --no-cpu]
 
 Tiny items (Python ints, batch 64) make the loader's own per-batch work the whole cost, so any
 overhead of the stats shows there first. For each engine three loaders run side by side, each
@@ -307,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "20 triples each at least)")
     parser.add_argument("--engine", action="append", choices=sorted(ENGINES))
     parser.add_argument("--no-bytecodes", action="store_true", help="skip the bytecode count")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU time measure (the "
+                                                              "bytecode count alone is robust to load)")
     parser.add_argument("--bytecode-runs", type=int, default=5, help="on/off pairs of the bytecode count")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.burst < 1 or args.round_batches < args.burst:
@@ -330,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name in WORKERS_TRACED:
                 bytecodes_line(f"{name} ({WORKERS_TRACED[name]})", ENGINES[name], batches,
                                args.bytecode_runs, workers=True)
+    if args.no_cpu:
+        return 0
     print(f"CPU time per batch (us, medians); cost and A/A: median of per-triple ratios "
           f"[{CONFIDENCE:.0%} interval]")
     print(f"{'engine':<9}{'triples':>6}{'on':>9}{'off':>9}{'again':>9}{'cost':>9} {'[interval]':<19}"
