@@ -15,7 +15,6 @@ which worker happened to do the work, nor when.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 import time
 from collections.abc import Callable
@@ -196,7 +195,9 @@ def release_free_heap() -> None:
     global _libc
     if _libc is None:
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            # The symbols already loaded (libc's among them): ``ctypes.util.find_library`` would
+            # run ``ldconfig`` in a subprocess and leave ~0.8 MiB of imports in every worker.
+            _libc = ctypes.CDLL(None)
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
         except (OSError, AttributeError):
             _libc = False
