@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload.engine import replica
@@ -40,7 +40,7 @@ from pipeload.engine.worker_main import (
     serve_in_thread,
 )
 from pipeload.errors import RemoteFailure
-from pipeload.stats.clock import StageClock, now, profiling, span, tensor_bytes
+from pipeload.stats.clock import now, profiling, span, tensor_bytes
 from pipeload.transport import collate_output
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
@@ -98,59 +98,74 @@ class ItemWorkerLoop(WorkerLoop):
         route = command.route
         clock = self._clock
         self._heap_in_use = True
-        if clock is None:
-            delivery = self._fetch(command)
-            self._hand_over(route.batch_worker, delivery, command)
-        else:
-            delivery = self._timed_fetch(command, clock)
+        sizes: list[int] | None = []
+        for delivery in self._deliveries_of(command):
             started = now()
             self._hand_over(route.batch_worker, delivery, command)
-            clock.sent(started)
-        del delivery  # the items' memory goes with the message, not with this worker
-        self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices)))
+            if clock is not None:
+                clock.sent(started)
+            sizes = self._sizes_sent(sizes)
+            # The item's memory goes with the message, before the next item is fetched: the
+            # next one reuses it, and a worker holds one item of its own, not a whole piece.
+            del delivery
+        self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices), sizes))
 
-    def _items_done(self, count: int) -> ItemsDone:
-        """The report's payload; says the items' sizes when they are new (see ItemPlacement)."""
+    def _sizes_sent(self, sizes: list[int] | None) -> list[int] | None:
+        """``sizes`` with the large storage sizes of the message just sent (None: no writer)."""
         writer = getattr(self._outbox, "writer", None)
-        sizes = None if writer is None else _item_bytes(writer.last_large_sizes, count)
+        return None if writer is None or sizes is None else sizes + writer.last_large_sizes
+
+    def _items_done(self, count: int, sizes: list[int] | None) -> ItemsDone:
+        """The report's payload; says the items' sizes when they are new (see ItemPlacement).
+        ``sizes``: the piece's large storage sizes, in codec order (None: not known)."""
+        sizes = None if sizes is None else _item_bytes(sizes, count)
         if sizes is None or sizes == self._said_item_bytes:
             return ItemsDone(count)
         self._said_item_bytes = sizes
         return ItemsDone(count, sizes)
 
-    def _timed_fetch(self, command: WorkerCommand, clock: StageClock) -> ItemDelivery:
-        started = now()
-        if profiling():
-            with span("pipeload.fetch"):
-                delivery = self._fetch(command)
-        else:
-            delivery = self._fetch(command)
-        clock.fetch_s += now() - started
-        if delivery.delivery is Delivery.ITEMS:
-            clock.samples += len(delivery.payload)
-            clock.bytes_out += tensor_bytes(delivery.payload)
-        return delivery
-
-    def _fetch(self, command: WorkerCommand) -> ItemDelivery:
-        route = command.route
-        delivery = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
-                                route.slot, len(command.indices))
+    def _deliveries_of(self, command: WorkerCommand) -> Iterator[ItemDelivery]:
+        """The piece's items as deliveries, fetched one at a time as the previous one has gone:
+        one item per delivery; a ``__getitems__`` call, or a failure, in one for the rest of the
+        piece (the batch worker fills slots by position, whatever the deliveries' sizes)."""
+        route, indices = command.route, command.indices
+        piece = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
+                             route.slot, len(indices))
         if self._init_failure is not None:
-            return _failed(delivery, self._init_failure)
-        index = None
+            yield _failed(piece, self._init_failure)
+            return
+        if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
+            self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
+            yield self._fetched(piece, indices, lambda: self._fetcher.samples(indices))
+            return
+        dataset = self._setup.fetch.dataset
+        for offset, index in enumerate(indices):
+            self._reseed(command.epoch, route.position + offset)
+            one = dataclasses.replace(piece, slot=route.slot + offset, count=1)
+            delivery = self._fetched(one, self._named([index]), lambda: [dataset[index]])
+            if delivery.delivery is Delivery.FAILED:  # the very item; the rest is not fetched
+                yield dataclasses.replace(delivery, count=len(indices) - offset)
+                return
+            yield delivery
+            del delivery  # before the next fetch: this worker holds one item at a time
+
+    def _fetched(self, delivery: ItemDelivery, failing: Any, fetch: Callable[[], list[Any]]) -> ItemDelivery:
+        """``delivery`` with the samples ``fetch()`` returns (timed when the stats clock runs),
+        or with the failure, naming the indices ``failing``."""
+        clock = self._clock
+        started = now()
         try:
-            if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
-                self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
-                samples = self._fetcher.samples(command.indices)
+            if clock is not None and profiling():
+                with span("pipeload.fetch"):
+                    samples = fetch()
             else:
-                samples = []
-                for offset, index in enumerate(command.indices):
-                    self._reseed(command.epoch, route.position + offset)
-                    samples.append(self._setup.fetch.dataset[index])
+                samples = fetch()
         except Exception as exc:
-            failing = command.indices if index is None else self._named([index])  # the very item
-            failure = describe_failure(self._id, ITEM, "fetching items", failing, exc)
-            return _failed(delivery, failure)
+            return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", failing, exc))
+        if clock is not None:
+            clock.fetch_s += now() - started
+            clock.samples += len(samples)
+            clock.bytes_out += tensor_bytes(samples)
         return dataclasses.replace(delivery, payload=samples)
 
     def _reseed(self, epoch: int, position: int) -> None:
@@ -161,7 +176,8 @@ class ItemWorkerLoop(WorkerLoop):
         return indices if self._setup.fetch.auto_collation else indices[0]
 
     def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> None:
-        indices = command.indices
+        """Send ``delivery``, all or part of ``command``'s piece, to ``batch_worker``."""
+        offset = delivery.slot - command.route.slot  # of its first item, inside the piece
         # Process workers place the items with their result channel's slab writer: the grant (a
         # share of the batch's slab) came on that channel, and its slabs are mapped there.
         writer = getattr(self._outbox, "writer", None)
@@ -169,14 +185,15 @@ class ItemWorkerLoop(WorkerLoop):
             placing = command.grant is not None and delivery.delivery is Delivery.ITEMS
             self._outbox.prepare(command.grant if placing else None)
             if placing:
-                writer.place_items()
+                writer.place_items(first=offset)
         try:
             self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
             return  # that batch worker is gone; the main process sees it exit and says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
-            failure = describe_failure(self._id, ITEM, stage, self._named(indices), exc)
+            sent = command.indices[offset:offset + delivery.count]
+            failure = describe_failure(self._id, ITEM, stage, self._named(sent), exc)
             if writer is not None:
                 self._outbox.prepare(None)
             try:
