@@ -14,13 +14,13 @@ which worker happened to do the work, nor when.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload.engine import replica
+from pipeload.engine.lifecycle import release_free_heap
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -200,26 +200,6 @@ class ItemWorkerLoop(WorkerLoop):
                 self._deliveries.send(batch_worker, _failed(delivery, failure), writer)
             except (BrokenPipeError, ConnectionResetError):
                 return
-
-
-_libc: Any = None
-
-
-def release_free_heap() -> None:
-    """Return the free pages of this process's heap to the system (glibc's ``malloc_trim``;
-    nothing elsewhere). Freed items stay in a glibc heap otherwise: it raises its trimming
-    threshold after large frees, to save page faults when they are allocated again."""
-    global _libc
-    if _libc is None:
-        try:
-            # The symbols already loaded (libc's among them): ``ctypes.util.find_library`` would
-            # run ``ldconfig`` in a subprocess and leave ~0.8 MiB of imports in every worker.
-            _libc = ctypes.CDLL(None)
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
 
 
 def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
