@@ -143,7 +143,9 @@ def _run_item_worker(dataset, commands: list) -> _TakesItemsAway:
     for command in [*commands, WorkerCommand(Command.STOP)]:
         inbox.send(command)
     deliveries = _TakesItemsAway()
-    ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, deliveries, lambda: False, make_thread_rng(0, 0)).run()
+    loop = ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, deliveries, lambda: False,
+                          make_thread_rng(0, 0))
+    loop.run()
     return deliveries
 
 

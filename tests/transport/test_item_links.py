@@ -144,7 +144,8 @@ class _Hop:
 
         self.item.prepare(grant)
         self.item.writer.place_items(first=first)
-        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, grant.items.first_item + first, len(items), items)
+        slot = grant.items.first_item + first
+        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, slot, len(items), items)
         ItemOutbox([self.link_out]).send(0, delivery, self.item.writer)
         return self.link_in.receive()[0].payload
 
@@ -188,7 +189,8 @@ def test_a_piece_handed_over_item_by_item_lands_at_its_rows_as_a_whole_piece_doe
         batch_grant, item_grant = hop.grants(token=0, count=5)
         # One piece of four items from slot 1 on, each item in a message of its own (an item
         # worker sends each as soon as it is fetched), and item 0 in a piece of its own.
-        samples = [sample for j in range(4) for sample in hop.hand_over(item_grant(1), [_item(1.0 + j)], j)]
+        samples = [sample for j in range(4)
+                   for sample in hop.hand_over(item_grant(1), [_item(1.0 + j)], j)]
         samples = hop.hand_over(item_grant(0), [_item(0.0)]) + samples
         hop.batch.prepare(batch_grant)
         batch = default_collate(samples)

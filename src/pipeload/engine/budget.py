@@ -163,7 +163,10 @@ class InFlightBudget:
     def _update(self, per_request: bool = False) -> None:
         if self._model_known():
             ratio = self._build_s / max(self._consume_s, 1e-6)  # type: ignore[operator]
-            wanted = math.ceil(ratio - self._tolerated_wait) if self._large else math.ceil(MARGIN * ratio)
+            if self._large:
+                wanted = math.ceil(ratio - self._tolerated_wait)
+            else:
+                wanted = math.ceil(MARGIN * ratio)
             wanted = max(1, min(self.max_batches, wanted + self._extra))
             if self._large and wanted > self._needed and self._extra == 0:
                 self._asked_more = self._asked_more + 1 if per_request else self._asked_more

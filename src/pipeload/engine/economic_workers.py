@@ -108,7 +108,8 @@ class ItemWorkerLoop(WorkerLoop):
             # The item's memory goes with the message, before the next item is fetched: the
             # next one reuses it, and a worker holds one item of its own, not a whole piece.
             del delivery
-        self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices), sizes))
+        done = self._items_done(len(command.indices), sizes)
+        self._report(Report.ITEMS_DONE, command.batch_number, done)
 
     def _sizes_sent(self, sizes: list[int] | None) -> list[int] | None:
         """``sizes`` with the large storage sizes of the message just sent (None: no writer)."""
@@ -149,7 +150,8 @@ class ItemWorkerLoop(WorkerLoop):
             yield delivery
             del delivery  # before the next fetch: this worker holds one item at a time
 
-    def _fetched(self, delivery: ItemDelivery, failing: Any, fetch: Callable[[], list[Any]]) -> ItemDelivery:
+    def _fetched(self, delivery: ItemDelivery, failing: Any,
+                 fetch: Callable[[], list[Any]]) -> ItemDelivery:
         """``delivery`` with the samples ``fetch()`` returns (timed when the stats clock runs),
         or with the failure, naming the indices ``failing``."""
         clock = self._clock
