@@ -8,6 +8,7 @@ from pipeload.engine.budget import (
     CALM_REQUESTS,
     GROW_AFTER,
     LARGE_BATCH_BYTES,
+    POOL_TOLERATED_WAIT,
     TOLERATED_WAIT,
     InFlightBudget,
     PoolBuildClock,
@@ -176,3 +177,27 @@ def test_the_pool_build_clock_times_batches_one_after_another_and_skips_the_firs
     clock.opened(2, at=12.0)  # opened after the pool went idle (a slow training loop)
     assert clock.arrived(2, at=12.15) == pytest.approx(0.15)
     assert clock.arrived(9, at=13.0) == 0.0  # never opened here (an earlier epoch's)
+
+
+def test_a_pool_that_builds_batches_one_at_a_time_tolerates_half_a_step_before_another_slab():
+    def pool_budget(build_s: float) -> InFlightBudget:
+        clock = Clock()
+        budget = InFlightBudget(max_batches=2, num_workers=1, max_bytes=1 << 40, clock=clock,
+                                tolerated_wait=POOL_TOLERATED_WAIT)
+        budget.allowed(LARGE_BATCH_BYTES)
+        for _ in range(2 + GROW_AFTER):
+            budget.batch_built(build_s)
+            _serve(budget, clock, 0.2)
+        return budget
+
+    # 1.3 steps: a classic worker's budget takes a second slab, the pool's does not.
+    assert _large_batches(build_s=0.26, consume_s=0.2)[0].allowed(LARGE_BATCH_BYTES) == 2
+    assert pool_budget(0.26).allowed(LARGE_BATCH_BYTES) == 1
+    assert pool_budget(0.2 * (1 + POOL_TOLERATED_WAIT) - 0.01).allowed(LARGE_BATCH_BYTES) == 1
+    assert pool_budget(0.2 * (1 + POOL_TOLERATED_WAIT) + 0.01).allowed(LARGE_BATCH_BYTES) == 2
+    # A wait counts as starving only beyond half a step.
+    budget = pool_budget(0.1)
+    budget.request_served(starved=True, waited_s=0.2 * POOL_TOLERATED_WAIT * 0.9)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 1
+    budget.request_served(starved=True, waited_s=0.2 * POOL_TOLERATED_WAIT * 1.1)
+    assert budget.allowed(LARGE_BATCH_BYTES) == 2

@@ -41,6 +41,7 @@ from faults import (
 )
 
 from pipeload import BatchSampler, DataLoader, SequentialSampler, default_collate, get_worker_info
+from pipeload.engine.budget import POOL_TOLERATED_WAIT
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, WorkerSetup
 from pipeload.errors import WorkerDiedError
@@ -253,6 +254,8 @@ def test_a_slow_training_loop_keeps_two_slabs_the_one_it_holds_and_the_next():
                         prefetch_factor=3, mode="economic", multiprocessing_context="fork")
     iterator = iter(loader)
     slabs = iterator._engine._workers.slabs
+    # A pool's budget: another slab only when the loop would wait over half a step (budget.py).
+    assert iterator._engine._budget._tolerated_wait == POOL_TOLERATED_WAIT
     live = []
     for number, batch in enumerate(iterator):
         assert batch[:, 0].tolist() == [float(number * 12 + k) for k in range(12)]

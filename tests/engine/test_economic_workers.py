@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import weakref
+
+import torch
 
 from faults import Numbers, RaisesAt
 
@@ -101,9 +104,9 @@ def test_an_item_worker_hands_pieces_to_the_named_batch_worker_and_reports_them_
                           ThreadItemOutbox(batch_inboxes), lambda: False, make_thread_rng(0, 3))
     loop.run()
 
-    (good,) = _drain(batch_inboxes[1])
-    assert (good.delivery, good.item_worker, good.batch_number, good.slot, good.payload) == (
-        Delivery.ITEMS, 3, 0, 0, [4, 5])
+    assert [(d.delivery, d.item_worker, d.batch_number, d.slot, d.count, d.payload)
+            for d in _drain(batch_inboxes[1])] == [(Delivery.ITEMS, 3, 0, 0, 1, [4]),
+                                                   (Delivery.ITEMS, 3, 0, 1, 1, [5])]
     (bad,) = _drain(batch_inboxes[0])
     assert (bad.delivery, bad.batch_number, bad.slot, bad.count) == (Delivery.FAILED, 1, 2, 1)
     assert bad.payload.worker_kind == "item" and bad.payload.indices == [6]
@@ -125,7 +128,7 @@ def _with_totals(reports: list) -> list:
 
 
 def test_an_item_worker_times_a_sample_of_its_pieces_and_counts_them_all():
-    # Pieces of 1 to 3 items; those holding index 6 fail (their items are not counted). The
+    # Pieces of 1 to 3 items; those holding index 6 fail there (the items before it count). The
     # totals that come now and then, and the answer to START_EPOCH, count every piece done
     # and every item fetched before them, however few pieces were timed.
     inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
@@ -135,7 +138,8 @@ def test_an_item_worker_times_a_sample_of_its_pieces_and_counts_them_all():
     for number, size in enumerate(sizes):
         indices = [(number + i) % 10 for i in range(size)]
         inbox.send(_fetch(number, indices, slot=0))
-        fetched.append(fetched[-1] + (0 if 6 in indices else size))
+        # Items go one at a time: those before a failing one were fetched (and handed over).
+        fetched.append(fetched[-1] + (indices.index(6) if 6 in indices else size))
     loop = ItemWorkerLoop(_stats_setup(RaisesAt(10, bad_index=6)), 1, inbox, outbox,
                           ThreadItemOutbox([batch_inbox]), lambda: False, make_thread_rng(0, 1))
     worker = threading.Thread(target=loop.run)
@@ -192,3 +196,55 @@ def test_a_batch_worker_times_a_sample_of_its_batches_and_counts_them_all():
     answer = reports[-1]
     assert (answer.report, answer.payload) == (Report.EPOCH_STARTED, "batch")
     assert WorkerTotals._make(answer.totals)[:2] == (PIECES, collated[-1])
+
+
+class _TakesItemsAway:
+    """An item outbox that, like a socket, keeps nothing of what it sends (only a summary)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
+        what = (delivery.payload.indices if delivery.delivery is Delivery.FAILED
+                else [int(item[0]) for item in delivery.payload])
+        self.sent.append((delivery.delivery, delivery.slot, delivery.count, what))
+
+
+class _CountsLiveItems(RaisesAt):
+    """Item i is a tensor of i; notes how many items it made are still alive at each fetch."""
+
+    def __init__(self, length: int, bad_index: int = -1) -> None:
+        super().__init__(length, bad_index)
+        self.made: list[weakref.ref] = []
+        self.alive_at_fetch: list[int] = []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.alive_at_fetch.append(sum(ref() is not None for ref in self.made))
+        item = torch.full((4,), float(super().__getitem__(index)))
+        self.made.append(weakref.ref(item))
+        return item
+
+
+def _run_item_worker(dataset, commands: list) -> _TakesItemsAway:
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for command in [*commands, WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    deliveries = _TakesItemsAway()
+    loop = ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, deliveries, lambda: False,
+                          make_thread_rng(0, 0))
+    loop.run()
+    return deliveries
+
+
+def test_an_item_worker_hands_each_item_over_before_it_fetches_the_next():
+    # It holds one item of its own at a time, not a piece's worth (economic mode's memory).
+    dataset = _CountsLiveItems(10)
+    deliveries = _run_item_worker(dataset, [_fetch(0, [4, 5, 6], slot=3)])
+    assert dataset.alive_at_fetch == [0, 0, 0]
+    assert deliveries.sent == [(Delivery.ITEMS, 3, 1, [4]), (Delivery.ITEMS, 4, 1, [5]),
+                               (Delivery.ITEMS, 5, 1, [6])]
+
+
+def test_an_item_that_raises_fails_the_rest_of_its_piece_after_the_items_before_it():
+    deliveries = _run_item_worker(_CountsLiveItems(10, bad_index=5), [_fetch(0, [4, 5, 6], slot=0)])
+    assert deliveries.sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 2, [5])]

@@ -138,12 +138,14 @@ class _Hop:
         return (dataclasses.replace(batch_grant, items=placement),
                 lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
 
-    def hand_over(self, grant, items: list) -> list:
+    def hand_over(self, grant, items: list, first: int = 0) -> list:
+        """Send ``items``, the piece's from its ``first``-th on, as one message."""
         from pipeload.transport.item_links import ItemOutbox
 
         self.item.prepare(grant)
-        self.item.writer.place_items()
-        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, grant.items.first_item, len(items), items)
+        self.item.writer.place_items(first=first)
+        slot = grant.items.first_item + first
+        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, slot, len(items), items)
         ItemOutbox([self.link_out]).send(0, delivery, self.item.writer)
         return self.link_in.receive()[0].payload
 
@@ -175,6 +177,27 @@ def test_items_placed_in_the_batch_slab_are_stacked_without_a_copy():
         assert message["label"].tolist() == [0, 1, 2, 3]
         assert info.outcome is GrantOutcome.USED
         del message
+    finally:
+        hop.close()
+
+
+def test_a_piece_handed_over_item_by_item_lands_at_its_rows_as_a_whole_piece_does():
+    from pipeload.collate import default_collate
+
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=5)
+        # One piece of four items from slot 1 on, each item in a message of its own (an item
+        # worker sends each as soon as it is fetched), and item 0 in a piece of its own.
+        samples = [sample for j in range(4)
+                   for sample in hop.hand_over(item_grant(1), [_item(1.0 + j)], j)]
+        samples = hop.hand_over(item_grant(0), [_item(0.0)]) + samples
+        hop.batch.prepare(batch_grant)
+        batch = default_collate(samples)
+        assert [batch["x"][i].data_ptr() for i in range(5)] == [s["x"].data_ptr() for s in samples]
+        assert batch["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert batch["x"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        del batch, samples
     finally:
         hop.close()
 

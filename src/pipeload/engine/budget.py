@@ -20,8 +20,9 @@ Two refinements keep the start from deciding the peak:
 Large batches (``LARGE_BATCH_BYTES`` and more of shared memory each) are priced differently: each
 batch in flight beyond the first holds a whole slab, so the margin goes. One batch flies while a
 worker builds a batch in at most ``1 + TOLERATED_WAIT`` consumer steps (the consumer then waits at
-most that share of a step), and a wait shorter than that share does not count as starving. With
-the slab of the batch being dropped granted ahead (``transport/slab_pool.py``), that is two slabs
+most that share of a step), and a wait shorter than that share does not count as starving
+(``POOL_TOLERATED_WAIT`` for economic mode's pool, which builds its batches one at a time). With the
+slab of the batch being dropped granted ahead (``transport/slab_pool.py``), that is two slabs
 in all: the one the training loop holds and the one being filled. A new slab costs its pages
 (seconds for hundreds of MB on a loaded machine) and keeps them: for large batches the estimate
 raises the count only once it has asked for more on ``GROW_AFTER`` requests in a row, so one slow
@@ -44,6 +45,13 @@ MARGIN = 1.25  # build time is stretched by this much before dividing
 CALM_REQUESTS = 8  # requests served without waiting before one extra batch is given back
 LARGE_BATCH_BYTES = 8 << 20  # from here on, each batch in flight is a slab's worth of memory
 TOLERATED_WAIT = 0.2  # large batches: a wait under this share of the consumer's step is jitter
+# Economic mode: the pool builds its batches one after another (every item worker fills each), so
+# a second large batch in flight does not halve the build time as a second classic worker does; it
+# only lets idle item workers start on the next batch while the last pieces of one come in. It pays
+# a whole slab for that share of a build, so it is taken only when the consumer would otherwise
+# wait more than half a step (from 1.2 steps, the estimate under a loaded machine crossed the line
+# now and then, and the third slab showed up in the peak).
+POOL_TOLERATED_WAIT = 0.5
 GROW_AFTER = 4  # large batches: requests in a row whose estimate asks for more before it is given
 DEFAULT_SHM_SHARE = 0.5  # of what the backing memory can still take, when max_shm_bytes is None
 UNKNOWN_SHM_BYTES = 1 << 62
@@ -72,10 +80,11 @@ class InFlightBudget:
 
     def __init__(
         self, max_batches: int, num_workers: int, max_bytes: int,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter, tolerated_wait: float = TOLERATED_WAIT,
     ) -> None:
         self.max_batches = max_batches
         self._clock = clock
+        self._tolerated_wait = tolerated_wait  # large batches' (see POOL_TOLERATED_WAIT)
         self._first_wave = max(1, min(max_batches, num_workers))
         self._max_bytes = max_bytes
         self._build_s: float | None = None
@@ -114,7 +123,7 @@ class InFlightBudget:
         batches in flight (not for a one-off set-up), for ``waited_s`` seconds."""
         self._served += 1
         if starved and self._large and self._consume_s is not None:
-            starved = waited_s > TOLERATED_WAIT * self._consume_s
+            starved = waited_s > self._tolerated_wait * self._consume_s
         if starved and self._model_known() and self._needed < self.max_batches:
             self._extra += 1
             self._calm = 0
@@ -154,7 +163,10 @@ class InFlightBudget:
     def _update(self, per_request: bool = False) -> None:
         if self._model_known():
             ratio = self._build_s / max(self._consume_s, 1e-6)  # type: ignore[operator]
-            wanted = math.ceil(ratio - TOLERATED_WAIT) if self._large else math.ceil(MARGIN * ratio)
+            if self._large:
+                wanted = math.ceil(ratio - self._tolerated_wait)
+            else:
+                wanted = math.ceil(MARGIN * ratio)
             wanted = max(1, min(self.max_batches, wanted + self._extra))
             if self._large and wanted > self._needed and self._extra == 0:
                 self._asked_more = self._asked_more + 1 if per_request else self._asked_more

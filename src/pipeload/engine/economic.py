@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload.collate import default_collate
-from pipeload.engine.budget import InFlightBudget, PoolBuildClock, shm_budget_bytes
+from pipeload.engine.budget import POOL_TOLERATED_WAIT, InFlightBudget, PoolBuildClock, shm_budget_bytes
 from pipeload.engine.economic_workers import (
     BATCH,
     ITEM,
@@ -195,7 +195,8 @@ class EconomicEngine:
         # batches in flight are what lets the others overtake a slow one: all of them fly.
         max_bytes = shm_budget_bytes(config.max_shm_bytes)
         first_wave = 1 if config.in_order else config.prefetch_factor
-        self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes)
+        self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes,
+                                      tolerated_wait=POOL_TOLERATED_WAIT)
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
         # batches in flight and the one the consumer holds. The batch a ``for`` loop is dropping
         # needs no slab of its own: the next batch is granted its slab, and written once it is

@@ -14,16 +14,15 @@ which worker happened to do the work, nor when.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.autograd.profiler as _torch_profiler
 
 from pipeload.engine import replica
+from pipeload.engine.lifecycle import release_free_heap
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -43,7 +42,7 @@ from pipeload.engine.worker_main import (
     serve_in_thread,
 )
 from pipeload.errors import RemoteFailure
-from pipeload.stats.clock import StageClock, now, profiling, span, tensor_bytes
+from pipeload.stats.clock import now, profiling, span, tensor_bytes
 from pipeload.transport import collate_output
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
@@ -100,83 +99,93 @@ class ItemWorkerLoop(WorkerLoop):
 
     def _serve(self, command: WorkerCommand) -> None:
         self._heap_in_use = True
+        self._heap_in_use = True
+        route = command.route
         clock = self._clock
-        if clock is None:
-            self._fetch_and_hand_over(command, None)
-        else:
+        timing = False
+        if clock is not None:
             # Count down to the next timed piece, as a classic worker's fetcher does
-            # (stats/clock.py); the profiler's flag read as an attribute: no call.
+            # (stats/clock.py).
             clock.left -= 1
-            if clock.left <= 0 or _torch_profiler._is_profiler_enabled:
-                self._serve_timed(command, clock)
-            else:
-                self._fetch_and_hand_over(command, clock)
-        self._report(Report.ITEMS_DONE, command.batch_number, self._items_done(len(command.indices)))
-
-    def _fetch_and_hand_over(self, command: WorkerCommand, clock: StageClock | None) -> None:
-        """Fetch the piece, count its items (an untimed piece's, into ``clock``), and hand it to
-        its batch worker. Counted first: a lent clock, read live, then has counted every item
-        of a batch by the time the batch is out. The items' memory goes with the message:
-        nothing here holds it once this returns."""
-        delivery = self._fetch(command)
-        if clock is not None and delivery.delivery is Delivery.ITEMS:
-            clock.untimed_samples += len(command.indices)
-        self._hand_over(command.route.batch_worker, delivery, command)
-
-    def _serve_timed(self, command: WorkerCommand, clock: StageClock) -> None:
-        """A piece the clock samples, or any piece while a profiler records (its span opens;
-        only a sampled piece is timed)."""
-        timing = clock.left <= 0
-        if timing:
-            clock.start_timed()
-        started = now()
-        if profiling():
-            with span("pipeload.fetch"):
-                delivery = self._fetch(command)
-        else:
-            delivery = self._fetch(command)
-        fetched = now()
-        if delivery.delivery is Delivery.ITEMS:
+            if clock.left <= 0:
+                clock.start_timed()
+                timing = True
+        sizes: list[int] | None = []
+        for delivery in self._deliveries_of(command, timing):
+            started = now() if timing else 0.0
+            self._hand_over(route.batch_worker, delivery, command)
             if timing:
-                clock.samples += len(delivery.payload)
-                clock.bytes_out += tensor_bytes(delivery.payload)
-            else:
-                clock.untimed_samples += len(delivery.payload)
-        sending = now()
-        self._hand_over(command.route.batch_worker, delivery, command)
-        if timing:
-            clock.fetch_s += fetched - started
-            clock.sent(sending)
+                clock.sent(started)  # type: ignore[union-attr]
+            sizes = self._sizes_sent(sizes)
+            # The item's memory goes with the message, before the next item is fetched: the
+            # next one reuses it, and a worker holds one item of its own, not a whole piece.
+            del delivery
+        done = self._items_done(len(command.indices), sizes)
+        self._report(Report.ITEMS_DONE, command.batch_number, done)
 
-    def _items_done(self, count: int) -> ItemsDone:
-        """The report's payload; says the items' sizes when they are new (see ItemPlacement)."""
+    def _sizes_sent(self, sizes: list[int] | None) -> list[int] | None:
+        """``sizes`` with the large storage sizes of the message just sent (None: no writer)."""
         writer = getattr(self._outbox, "writer", None)
-        sizes = None if writer is None else _item_bytes(writer.last_large_sizes, count)
+        return None if writer is None or sizes is None else sizes + writer.last_large_sizes
+
+    def _items_done(self, count: int, sizes: list[int] | None) -> ItemsDone:
+        """The report's payload; says the items' sizes when they are new (see ItemPlacement).
+        ``sizes``: the piece's large storage sizes, in codec order (None: not known)."""
+        sizes = None if sizes is None else _item_bytes(sizes, count)
         if sizes is None or sizes == self._said_item_bytes:
             return ItemsDone(count)
         self._said_item_bytes = sizes
         return ItemsDone(count, sizes)
 
-    def _fetch(self, command: WorkerCommand) -> ItemDelivery:
-        route = command.route
-        delivery = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
-                                route.slot, len(command.indices))
+    def _deliveries_of(self, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
+        """The piece's items as deliveries, fetched one at a time as the previous one has gone:
+        one item per delivery; a ``__getitems__`` call, or a failure, in one for the rest of the
+        piece (the batch worker fills slots by position, whatever the deliveries' sizes).
+        ``timing``: the stats clock samples this piece."""
+        route, indices = command.route, command.indices
+        piece = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
+                             route.slot, len(indices))
         if self._init_failure is not None:
-            return _failed(delivery, self._init_failure)
-        index = None
+            yield _failed(piece, self._init_failure)
+            return
+        if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
+            self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
+            yield self._fetched(piece, indices, lambda: self._fetcher.samples(indices), timing)
+            return
+        dataset = self._setup.fetch.dataset
+        for offset, index in enumerate(indices):
+            self._reseed(command.epoch, route.position + offset)
+            one = dataclasses.replace(piece, slot=route.slot + offset, count=1)
+            delivery = self._fetched(one, self._named([index]), lambda: [dataset[index]], timing)
+            if delivery.delivery is Delivery.FAILED:  # the very item; the rest is not fetched
+                yield dataclasses.replace(delivery, count=len(indices) - offset)
+                return
+            yield delivery
+            del delivery  # before the next fetch: this worker holds one item at a time
+
+    def _fetched(self, delivery: ItemDelivery, failing: Any, fetch: Callable[[], list[Any]],
+                 timing: bool) -> ItemDelivery:
+        """``delivery`` with the samples ``fetch()`` returns, or with the failure, naming the
+        indices ``failing``. The samples are counted into the stats clock before they are
+        handed over (a lent clock, read live, then has every item of a batch handed out), and
+        timed when ``timing``; under a profiler the fetch opens its span either way."""
+        clock = self._clock
+        started = now() if timing else 0.0
         try:
-            if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
-                self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
-                samples = self._fetcher.samples(command.indices)
+            # The profiler's flag read as an attribute (as stats.clock.profiling does): no call.
+            if clock is not None and _torch_profiler._is_profiler_enabled:
+                with span("pipeload.fetch"):
+                    samples = fetch()
             else:
-                samples = []
-                for offset, index in enumerate(command.indices):
-                    self._reseed(command.epoch, route.position + offset)
-                    samples.append(self._setup.fetch.dataset[index])
+                samples = fetch()
         except Exception as exc:
-            failing = command.indices if index is None else self._named([index])  # the very item
-            failure = describe_failure(self._id, ITEM, "fetching items", failing, exc)
-            return _failed(delivery, failure)
+            return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", failing, exc))
+        if timing:
+            clock.fetch_s += now() - started  # type: ignore[union-attr]
+            clock.samples += len(samples)  # type: ignore[union-attr]
+            clock.bytes_out += tensor_bytes(samples)  # type: ignore[union-attr]
+        elif clock is not None:
+            clock.untimed_samples += len(samples)
         return dataclasses.replace(delivery, payload=samples)
 
     def _reseed(self, epoch: int, position: int) -> None:
@@ -187,7 +196,8 @@ class ItemWorkerLoop(WorkerLoop):
         return indices if self._setup.fetch.auto_collation else indices[0]
 
     def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> None:
-        indices = command.indices
+        """Send ``delivery``, all or part of ``command``'s piece, to ``batch_worker``."""
+        offset = delivery.slot - command.route.slot  # of its first item, inside the piece
         # Process workers place the items with their result channel's slab writer: the grant (a
         # share of the batch's slab) came on that channel, and its slabs are mapped there.
         writer = getattr(self._outbox, "writer", None)
@@ -195,38 +205,21 @@ class ItemWorkerLoop(WorkerLoop):
             placing = command.grant is not None and delivery.delivery is Delivery.ITEMS
             self._outbox.prepare(command.grant if placing else None)
             if placing:
-                writer.place_items()
+                writer.place_items(first=offset)
         try:
             self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
             return  # that batch worker is gone; the main process sees it exit and says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
-            failure = describe_failure(self._id, ITEM, stage, self._named(indices), exc)
+            sent = command.indices[offset:offset + delivery.count]
+            failure = describe_failure(self._id, ITEM, stage, self._named(sent), exc)
             if writer is not None:
                 self._outbox.prepare(None)
             try:
                 self._deliveries.send(batch_worker, _failed(delivery, failure), writer)
             except (BrokenPipeError, ConnectionResetError):
                 return
-
-
-_libc: Any = None
-
-
-def release_free_heap() -> None:
-    """Return the free pages of this process's heap to the system (glibc's ``malloc_trim``;
-    nothing elsewhere). Freed items stay in a glibc heap otherwise: it raises its trimming
-    threshold after large frees, to save page faults when they are allocated again."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
 
 
 def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:

@@ -275,7 +275,8 @@ class Delivery(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class ItemDelivery:
-    """Items of one piece of a batch, on their way from an item worker to a batch worker.
+    """Items of a piece of a batch (one item, or a ``__getitems__`` call's, or the rest of the
+    piece in a failure), on their way from an item worker to a batch worker.
 
     Attributes:
         delivery: whether the items came, or why they did not.

@@ -164,12 +164,13 @@ class SlabWriter:
         if self._placing is not None:
             self._placing.start_item(index)
 
-    def place_items(self) -> None:
-        """This message carries items of a batch (an economic item worker's piece): each large
-        storage goes to its own place in the item area (the grant's ``items``), in codec order."""
+    def place_items(self, first: int = 0) -> None:
+        """This message carries items of a batch (all or part of an economic item worker's
+        piece, from its ``first``-th item on): each large storage goes to its own place in the
+        item area (the grant's ``items``), in codec order."""
         grant = self._grant
         if grant is not None and grant.items is not None:
-            self._placing = _ItemCursor(grant.items)
+            self._placing = _ItemCursor(grant.items, first)
             self.used_bytes = 0
 
     def allocate(self, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
@@ -303,15 +304,17 @@ class SlabWriter:
 
 
 class _ItemCursor:
-    """Where an item worker's next large storage goes. The codec meets a piece's items one by
+    """Where an item worker's next large storage goes. The codec meets a message's items one by
     one (``start_item``, see item_links.py) and each item's storages in order: the k-th one of
-    item i is leaf k, placed at ``leaf_offsets[k] + (first_item + i) * leaf_bytes[k]``. A storage
+    the message's item i is leaf k of the piece's item ``first + i``, placed at
+    ``leaf_offsets[k] + (first_item + first + i) * leaf_bytes[k]``. A storage
     the layout has no room for (a size that differs, one leaf too many) stops placing for the
     rest of the message, whose storages go to fresh memory: an item is only ever written into
     its own places, never over another item's."""
 
-    def __init__(self, items: ItemPlacement) -> None:
+    def __init__(self, items: ItemPlacement, first: int = 0) -> None:
         self._items = items
+        self._first = items.first_item + first  # the batch slot of the message's first item
         self._item: int | None = None
         self._leaf = 0
         self._stopped = False
@@ -326,7 +329,7 @@ class _ItemCursor:
                 or nbytes != items.leaf_bytes[leaf]):
             self._stopped = True
             return None
-        offset = items.leaf_offsets[leaf] + (items.first_item + item) * nbytes
+        offset = items.leaf_offsets[leaf] + (self._first + item) * nbytes
         if offset + nbytes > items.area_bytes:
             self._stopped = True
             return None

@@ -1,0 +1,44 @@
+"""Worker seeding: what a process worker's generators start from, and what seeding leaves behind."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pipeload.engine.worker_info import numpy_seed_words, seed_process_worker
+
+
+@pytest.fixture
+def global_generators():
+    """Put the test process's global generators back as they were."""
+    states = random.getstate(), torch.get_rng_state(), np.random.get_state()
+    yield
+    random.setstate(states[0])
+    torch.set_rng_state(states[1])
+    np.random.set_state(states[2])
+
+
+def test_a_process_worker_seeds_random_torch_and_numpy(global_generators):
+    assert seed_process_worker(100, 3) == 103
+    assert torch.initial_seed() == 103
+    first = (random.random(), torch.rand(1).item(), np.random.random())
+    random.seed(103)
+    torch.manual_seed(103)
+    np.random.seed(numpy_seed_words(100, 3))
+    assert first == (random.random(), torch.rand(1).item(), np.random.random())
+
+
+@pytest.mark.skipif(torch.accelerator.current_accelerator() is not None,
+                    reason="with an accelerator, workers seed it as torch.manual_seed does")
+def test_without_accelerators_a_worker_queues_no_lazy_accelerator_seed(global_generators):
+    # torch.manual_seed queues a seed for CUDA with the stack it came from, whose source files
+    # linecache then holds: about 1.2 MiB of a forked worker's own pages, for no device.
+    tracker = torch.cuda._lazy_seed_tracker
+    before = tracker.manual_seed_all_cb
+    seed_process_worker(7, 0)
+    assert tracker.manual_seed_all_cb is before
+    torch.manual_seed(7)  # the test's own witness: torch's call does queue one
+    assert tracker.manual_seed_all_cb is not before
