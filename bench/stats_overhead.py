@@ -65,6 +65,7 @@ import numpy as np
 import psutil
 
 import pipeload
+from pipeload.stats.clock import TIME_ALL_FIRST
 from bench.workloads import PythonInts
 
 BATCH_SIZE = 64
@@ -116,7 +117,11 @@ class Burst:
         self.loader = pipeload.DataLoader(dataset, batch_size=BATCH_SIZE, stats=stats, **engine)
         self.batches = iter(self.loader)
         self.size = size
-        for _ in range(3 * size):  # warm-up: workers started, first batches through
+        # Warm-up: workers started, and past the stats' start, where every worker times all of
+        # its first TIME_ALL_FIRST tasks (and the loop its first batches): a fixed cost of a
+        # few milliseconds per loader, which the loaders made afresh for every generation would
+        # otherwise pay again and again, and which a training run pays once.
+        for _ in range(3 * size + 2 * TIME_ALL_FIRST * max(1, engine.get("num_workers", 0))):
             next(self.batches)
         self.pids = [child.pid for child in psutil.Process().children(recursive=True)
                      if child.pid not in Burst.known_pids]
