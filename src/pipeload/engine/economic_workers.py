@@ -99,7 +99,6 @@ class ItemWorkerLoop(WorkerLoop):
 
     def _serve(self, command: WorkerCommand) -> None:
         self._heap_in_use = True
-        self._heap_in_use = True
         route = command.route
         clock = self._clock
         timing = False
@@ -116,7 +115,8 @@ class ItemWorkerLoop(WorkerLoop):
             self._hand_over(route.batch_worker, delivery, command)
             if timing:
                 clock.sent(started)  # type: ignore[union-attr]
-            sizes = self._sizes_sent(sizes)
+            # A piece that failed midway lays out no whole item: it says no sizes.
+            sizes = self._sizes_sent(sizes) if delivery.delivery is Delivery.ITEMS else None
             # The item's memory goes with the message, before the next item is fetched: the
             # next one reuses it, and a worker holds one item of its own, not a whole piece.
             del delivery
@@ -179,6 +179,8 @@ class ItemWorkerLoop(WorkerLoop):
             else:
                 samples = fetch()
         except Exception as exc:
+            if timing:  # a call that raised took its time too, as in a classic worker's
+                clock.fetch_s += now() - started  # type: ignore[union-attr]
             return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", failing, exc))
         if timing:
             clock.fetch_s += now() - started  # type: ignore[union-attr]
