@@ -308,3 +308,25 @@ def test_a_piece_that_failed_midway_says_no_item_sizes():
     loop.run()
     assert [what for _, _, _, what in deliveries.sent] == [[4], [5], [1], [2]]  # 5: a failure
     assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
+
+
+class _CannotSend(_WritesItems):
+    """Item 5 cannot be sent (a sample that does not pickle): the worker sends a failure instead."""
+
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
+        if delivery.delivery is Delivery.ITEMS and int(delivery.payload[0][0]) == 5:
+            raise ValueError("cannot pickle item 5")
+        super().send(batch_worker, delivery, writer)
+
+
+def test_a_piece_with_an_item_not_handed_over_says_no_item_sizes():
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), _WritingOutbox()
+    for command in [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0), WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    deliveries = _CannotSend(outbox.writer)
+    loop = ItemWorkerLoop(_setup(_CountsLiveItems(10)), 0, inbox, outbox, deliveries, lambda: False,
+                          make_thread_rng(0, 0))
+    loop.run()
+    assert [(kind, what) for kind, _, _, what in deliveries.sent] == [
+        (Delivery.ITEMS, [4]), (Delivery.FAILED, [5]), (Delivery.ITEMS, [1]), (Delivery.ITEMS, [2])]
+    assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
