@@ -13,6 +13,7 @@ import torch
 from faults import Numbers, RaisesAt
 
 from pipeload.collate import default_collate
+from pipeload.engine import economic_workers
 from pipeload.engine.economic_workers import BatchWorkerLoop, ItemWorkerLoop
 from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
 from pipeload.engine.worker_info import make_thread_rng
@@ -248,3 +249,84 @@ def test_an_item_worker_hands_each_item_over_before_it_fetches_the_next():
 def test_an_item_that_raises_fails_the_rest_of_its_piece_after_the_items_before_it():
     deliveries = _run_item_worker(_CountsLiveItems(10, bad_index=5), [_fetch(0, [4, 5, 6], slot=0)])
     assert deliveries.sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 2, [5])]
+
+
+def test_a_timed_piece_counts_the_time_of_the_item_that_raised(monkeypatch):
+    # As a classic worker's timed task does (engine/fetch.py): a failing fetch took its time too.
+    ticks = iter(range(1_000_000))
+    monkeypatch.setattr(economic_workers, "now", lambda: float(next(ticks)))
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for command in [_fetch(0, [6], slot=0), WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    loop = ItemWorkerLoop(_stats_setup(_CountsLiveItems(10, bad_index=6)), 0, inbox, outbox,
+                          _TakesItemsAway(), lambda: False, make_thread_rng(0, 0))
+    loop.run()
+    (report,) = _drain(outbox)
+    assert WorkerTotals._make(report.totals).fetch_s > 0  # the first piece is timed
+
+
+class _Writer:
+    """A slab writer's record of the large storages of the message it finished last."""
+
+    def __init__(self) -> None:
+        self.last_large_sizes: list[int] = []
+
+
+class _WritingOutbox(QueueEnd):
+    """A process worker's result channel, as far as an item worker looks: it has a writer."""
+
+    def __init__(self) -> None:
+        super().__init__(queue.SimpleQueue())
+        self.writer = _Writer()
+
+    def prepare(self, grant) -> None:
+        pass
+
+
+class _WritesItems(_TakesItemsAway):
+    """Each item is two leaves of 16 bytes in shared memory; a failure, none."""
+
+    def __init__(self, writer: _Writer) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
+        super().send(batch_worker, delivery, writer)
+        items = delivery.payload if delivery.delivery is Delivery.ITEMS else []
+        self.writer.last_large_sizes = [16, 16] * len(items)
+
+
+def test_a_piece_that_failed_midway_says_no_item_sizes():
+    # The items before the failing one are no item's whole layout: [16, 16] from one item of a
+    # piece of two would read as items of one 16-byte leaf, and the main process would lay the
+    # next batches out so (their leaves then go to one-shot buffers).
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), _WritingOutbox()
+    for command in [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0), WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    deliveries = _WritesItems(outbox.writer)
+    loop = ItemWorkerLoop(_setup(_CountsLiveItems(10, bad_index=5)), 0, inbox, outbox, deliveries, lambda: False, make_thread_rng(0, 0))
+    loop.run()
+    assert [what for _, _, _, what in deliveries.sent] == [[4], [5], [1], [2]]  # 5: a failure
+    assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
+
+
+class _CannotSend(_WritesItems):
+    """Item 5 cannot be sent (a sample that does not pickle): the worker sends a failure instead."""
+
+    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
+        if delivery.delivery is Delivery.ITEMS and int(delivery.payload[0][0]) == 5:
+            raise ValueError("cannot pickle item 5")
+        super().send(batch_worker, delivery, writer)
+
+
+def test_a_piece_with_an_item_not_handed_over_says_no_item_sizes():
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), _WritingOutbox()
+    for command in [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0), WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    deliveries = _CannotSend(outbox.writer)
+    loop = ItemWorkerLoop(_setup(_CountsLiveItems(10)), 0, inbox, outbox, deliveries, lambda: False,
+                          make_thread_rng(0, 0))
+    loop.run()
+    assert [(kind, what) for kind, _, _, what in deliveries.sent] == [
+        (Delivery.ITEMS, [4]), (Delivery.FAILED, [5]), (Delivery.ITEMS, [1]), (Delivery.ITEMS, [2])]
+    assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]

@@ -31,8 +31,9 @@ def test_a_process_worker_seeds_random_torch_and_numpy(global_generators):
     assert first == (random.random(), torch.rand(1).item(), np.random.random())
 
 
-@pytest.mark.skipif(torch.accelerator.current_accelerator() is not None,
-                    reason="with an accelerator, workers seed it as torch.manual_seed does")
+@pytest.mark.skipif(getattr(torch, "accelerator", None) is None
+                    or torch.accelerator.current_accelerator() is not None,
+                    reason="with an accelerator (or torch < 2.6), workers call torch.manual_seed")
 def test_without_accelerators_a_worker_queues_no_lazy_accelerator_seed(global_generators):
     # torch.manual_seed queues a seed for CUDA with the stack it came from, whose source files
     # linecache then holds: about 1.2 MiB of a forked worker's own pages, for no device.
@@ -42,3 +43,10 @@ def test_without_accelerators_a_worker_queues_no_lazy_accelerator_seed(global_ge
     assert tracker.manual_seed_all_cb is before
     torch.manual_seed(7)  # the test's own witness: torch's call does queue one
     assert tracker.manual_seed_all_cb is not before
+
+
+def test_a_torch_without_its_accelerator_module_still_seeds_workers(global_generators, monkeypatch):
+    # torch.accelerator came with torch 2.6; the project supports torch 2.4 on.
+    monkeypatch.delattr(torch, "accelerator")
+    assert seed_process_worker(100, 3) == 103
+    assert torch.initial_seed() == 103

@@ -120,6 +120,32 @@ def test_a_failing_batch_is_counted_and_the_epoch_goes_on(leak_guard) -> None:
     assert sum(w.tasks for w in stats.workers) == ITEMS // BATCH  # the failed one too
 
 
+def _fails_in_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        raise RuntimeError("no setup for worker 1")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["process"], ENGINES["thread"]], ids=["process", "thread"])
+def test_a_worker_whose_setup_failed_counts_its_failed_tasks_and_no_samples(engine: dict,
+                                                                           leak_guard) -> None:
+    # It answers each of its tasks with its setup error: tasks (failed ones count), none of
+    # them with a sample, whether its tasks are counted by the main process or by its clock.
+    loader = pipeload.DataLoader(list(range(40)), batch_size=4, worker_init_fn=_fails_in_worker_1,
+                                 **engine)
+    iterator, failed = iter(loader), 0
+    while True:
+        try:
+            next(iterator)
+        except RuntimeError:
+            failed += 1
+        except StopIteration:
+            break
+    workers = {w.worker_id: (w.tasks, w.samples) for w in loader.stats().workers}
+    assert failed == 5 and workers == {0: (5, 20), 1: (5, 0)}
+    del iterator, loader
+
+
 def test_first_batch_time_and_the_loops_own_time() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH)
     for _ in loader:

@@ -99,7 +99,6 @@ class ItemWorkerLoop(WorkerLoop):
 
     def _serve(self, command: WorkerCommand) -> None:
         self._heap_in_use = True
-        self._heap_in_use = True
         route = command.route
         clock = self._clock
         timing = False
@@ -113,10 +112,11 @@ class ItemWorkerLoop(WorkerLoop):
         sizes: list[int] | None = []
         for delivery in self._deliveries_of(command, timing):
             started = now() if timing else 0.0
-            self._hand_over(route.batch_worker, delivery, command)
+            handed = self._hand_over(route.batch_worker, delivery, command)
             if timing:
                 clock.sent(started)  # type: ignore[union-attr]
-            sizes = self._sizes_sent(sizes)
+            # A piece that failed (or was not all handed over) lays out no whole item: no sizes.
+            sizes = self._sizes_sent(sizes) if handed else None
             # The item's memory goes with the message, before the next item is fetched: the
             # next one reuses it, and a worker holds one item of its own, not a whole piece.
             del delivery
@@ -179,6 +179,8 @@ class ItemWorkerLoop(WorkerLoop):
             else:
                 samples = fetch()
         except Exception as exc:
+            if timing:  # a call that raised took its time too, as in a classic worker's
+                clock.fetch_s += now() - started  # type: ignore[union-attr]
             return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", failing, exc))
         if timing:
             clock.fetch_s += now() - started  # type: ignore[union-attr]
@@ -195,8 +197,9 @@ class ItemWorkerLoop(WorkerLoop):
         """How messages name these indices: without batching, the single index, as classic does."""
         return indices if self._setup.fetch.auto_collation else indices[0]
 
-    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> None:
-        """Send ``delivery``, all or part of ``command``'s piece, to ``batch_worker``."""
+    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> bool:
+        """Send ``delivery``, all or part of ``command``'s piece, to ``batch_worker``. Returns
+        whether items went (not a failure, in place of them or of ``delivery``'s own)."""
         offset = delivery.slot - command.route.slot  # of its first item, inside the piece
         # Process workers place the items with their result channel's slab writer: the grant (a
         # share of the batch's slab) came on that channel, and its slabs are mapped there.
@@ -209,7 +212,7 @@ class ItemWorkerLoop(WorkerLoop):
         try:
             self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
-            return  # that batch worker is gone; the main process sees it exit and says so
+            return False  # that batch worker is gone; the main process sees it exit and says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
             sent = command.indices[offset:offset + delivery.count]
@@ -219,7 +222,9 @@ class ItemWorkerLoop(WorkerLoop):
             try:
                 self._deliveries.send(batch_worker, _failed(delivery, failure), writer)
             except (BrokenPipeError, ConnectionResetError):
-                return
+                pass
+            return False
+        return delivery.delivery is Delivery.ITEMS
 
 
 def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:

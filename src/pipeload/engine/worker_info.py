@@ -182,7 +182,8 @@ def seed_process_worker(base_seed: int, worker_id: int) -> int:
     """Seed this process's global ``random``, ``torch`` and numpy RNGs; return the worker seed."""
     seed = base_seed + worker_id
     random.seed(seed)
-    if torch.accelerator.current_accelerator() is None:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None and accelerator.current_accelerator() is None:
         # What torch.manual_seed does here, without queueing a lazy seed for every accelerator
         # module: each one keeps the stack it was queued from, whose source files linecache then
         # reads into about 1.2 MiB of this worker's own pages, for devices this torch has none of.

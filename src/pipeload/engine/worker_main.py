@@ -221,6 +221,13 @@ class WorkerLoop:
         if self._init_failure_reported and self._setup.fetch.kind is DatasetKind.ITERABLE:
             self._report_exhausted(number)
             return
+        clock = self._clock
+        if clock is not None:  # no fetcher counts it down: a task, timed (no samples derived)
+            if clock.numbered:
+                clock.start_timed_at(number)
+            else:
+                clock.left -= 1
+                clock.start_timed()
         self._report_with_totals(Report.FAILED, number, self._init_failure)
         self._init_failure_reported = True
 

@@ -147,12 +147,11 @@ def gaps(every: int) -> Iterator[int]:
 class StageClock:
     """Running totals of one fetching thread; see the module docstring.
 
-    Two ways to count. ``every=1``: the owner times every task, and :meth:`finished` counts
-    each one. ``every=N`` (every worker, economic ones included, and the inline engine): the
-    fetcher (``engine/fetch.py``; economic workers count their pieces and batches down
-    themselves, ``engine/economic_workers.py``) counts tasks down
+    Every owner (every worker, economic ones included, and the inline engine) times about one
+    task in ``every``: the fetcher (``engine/fetch.py``; economic workers count their pieces
+    and batches down themselves, ``engine/economic_workers.py``) counts tasks down
     ``left`` and calls :meth:`start_timed` for each of its first ``TIME_ALL_FIRST`` tasks, then
-    for about one task in N, which it then times and whose samples it counts; the others cost
+    for about one task in ``every``, which it then times and whose samples it counts; the others cost
     it a subtraction and two comparisons (the countdown, the profiler's flag). ``timing`` says
     whether the task in hand is timed: only its tensor bytes are counted and only its report
     carries the totals (the main process counts the reports that come without,
@@ -171,24 +170,23 @@ class StageClock:
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
-                 "_stride", "_counted_by_receiver", "_every", "_counted", "_gap", "_timed", "_gaps",
+                 "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps",
                  "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
 
-    def __init__(self, every: int = 1) -> None:
+    def __init__(self, every: int = SAMPLE_EVERY) -> None:
         self._owner = threading.get_ident()  # the scheduler counters read are its thread's
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
         self._skipped = 0
-        self.samples = 0  # every=N: of the timed tasks only (see snapshot)
-        self.untimed_samples = 0  # every=N: of the others, added by the fetcher
+        self.samples = 0  # of the timed tasks only (see snapshot)
+        self.untimed_samples = 0  # of the others, added by the fetcher
         self.fetch_s = 0.0  # these four: sums over the timed tasks only
         self.collate_s = 0.0
         self.send_s = 0.0
         self.bytes_out = 0
-        self._every = every
-        self.timing = every == 1
-        self.left = 0  # tasks until the next timed one (every > 1): the first task is timed
+        self.timing = False
+        self.left = 0  # tasks until the next timed one: the first task is timed
         # Numbered instead (the inline engine, whose batch numbers run 0, 1, 2, ... each epoch):
         # the task numbered ``next_timed`` is timed, and ``count_tasks()`` counts the tasks.
         self.next_timed = 0
@@ -232,7 +230,7 @@ class StageClock:
         """Tasks finished (or failed) so far."""
         if self.count_tasks is not None:
             return self.count_tasks()
-        return self._counted - self.left + (0 if self._every == 1 else self._gap)
+        return self._counted - self.left + self._gap
 
     def count_samples(self, samples: int) -> None:
         """A timed task had ``samples`` samples."""
@@ -244,7 +242,7 @@ class StageClock:
         self.untimed_samples += samples - (self.untimed_size or 0)
 
     def start_timed(self) -> None:
-        """The fetcher's countdown reached this task: time it (``every`` > 1 only)."""
+        """The fetcher's countdown reached this task: time it."""
         self._counted += self._gap - self.left  # this task included (left: 0, -1 at first, or
         # more for an epoch's last batch, timed ahead of its turn)
         self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
@@ -269,9 +267,7 @@ class StageClock:
             self._sched, self._sched_read_at = read_sched(), at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()
-        # every=1 times every task: as many timed as done, nothing to scale or derive.
-        timed = self._timed if self._every > 1 else self.tasks
-        sums = (timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
+        sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
                 self._skipped, self.untimed_size or 0)
@@ -285,14 +281,11 @@ class StageClock:
 
     def done(self, result: Any = None) -> None:
         """The task in hand is done: count its tensor bytes (``result``: the batch, if any)
-        when it was timed, and, with ``every=1``, the task itself. (A lent clock's report
-        carries no totals: it need not take a snapshot.)"""
+        when it was timed. (A lent clock's report carries no totals: it need not take a
+        snapshot.)"""
         if self.timing and result is not None:
             self.bytes_out += tensor_bytes(result)
-        if self._every == 1:
-            self._counted += 1
-        else:
-            self.timing = False
+        self.timing = False
 
     def sent(self, started: float) -> None:
         """The report that carried the last totals took from ``started`` until now to send."""
