@@ -316,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                               "bytecode count alone is robust to load)")
     parser.add_argument("--bytecode-runs", type=int, default=5, help="on/off pairs of the bytecode count")
     args = parser.parse_args(argv)
+    if args.no_bytecodes and args.no_cpu:
+        parser.error("--no-bytecodes and --no-cpu together leave nothing to measure")
     if args.rounds < 1 or args.burst < 1 or args.round_batches < args.burst:
         parser.error("--rounds and --burst must be positive, --round-batches at least --burst")
     engines = args.engine or list(ENGINES)
