@@ -1,0 +1,236 @@
+"""Where the process engine's stats cost goes: ``bench.stats_overhead``'s CPU measure, with parts
+of the stats turned off in the "on" loader.
+
+    python -m bench.stats_parts [--variant NAME ...] [--triples 3000] [--generations 30] [--by-side]
+    python -m bench.stats_parts --direct
+
+Each variant runs the same method as ``python -m bench.stats_overhead --engine process``
+(loaders "on", "off" and "off again", bursts in rotating order, made afresh in generations, the
+median of per-triple ratios with a bootstrap interval), after patching this process's modules
+(the workers are forked, so they run the patched code too):
+
+    all-off       the "on" loader's stats are off as well: what the method reads for no cost
+    as-is         the code as it is
+    main-only     workers get no clock: only the main process's side of the stats
+    workers-only  the main process neither counts reports nor times the training loop
+    stats-off-path  workers keep a clock but fetch as with stats off, and never time a task
+    rarely-timed  workers time their first task only (the numbered fetch path, no timed tasks)
+    every-256     workers time one task in 256 instead of 64
+
+``--direct`` instead times three pieces on their own, in this process: a worker's task timed
+against untimed (fetch, collate and the report's pickle), the numbered fetch path against the
+stats-off one, and ``SessionStats.record`` per call and per batch in a real 2-worker loader.
+
+``--by-side`` also splits each setting's CPU per batch into the calling thread and the worker
+processes. Variants run in the order given, in separate processes (each patch is for good).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "stats-off-path", "rarely-timed", "every-256")
+
+
+def _all_off() -> None:
+    import bench.stats_overhead as overhead
+
+    made = overhead.Burst.__init__
+
+    def without_stats(self, dataset, engine, stats, size) -> None:  # type: ignore[no-untyped-def]
+        made(self, dataset, engine, False, size)
+
+    overhead.Burst.__init__ = without_stats  # type: ignore[method-assign]
+
+
+def _main_only() -> None:
+    import pipeload.engine.worker_main as worker_main
+
+    worker_main.StageClock = lambda every: None  # type: ignore[assignment,misc]
+
+
+def _workers_only() -> None:
+    import pipeload.engine.workers as workers
+    import pipeload.stats.recorder as recorder
+
+    made = workers.WorkerGroup.__init__
+
+    def not_recording(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        made(self, *args, **kwargs)
+        self._record = False
+
+    workers.WorkerGroup.__init__ = not_recording  # type: ignore[method-assign]
+    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+
+
+def _stats_off_path() -> None:
+    import pipeload.engine.fetch as fetch
+
+    made = fetch.MapFetcher.__init__
+
+    def without_clock(self, spec, clock=None, seeding=None) -> None:  # type: ignore[no-untyped-def]
+        made(self, spec, None, seeding)
+
+    fetch.MapFetcher.__init__ = without_clock  # type: ignore[method-assign]
+
+
+def _rarely_timed() -> None:
+    import pipeload.stats.clock as clock
+
+    clock.TIME_ALL_FIRST = 0
+    clock.gaps = lambda every: itertools.cycle([10**9])  # type: ignore[assignment]
+
+
+def _every_256() -> None:
+    import pipeload.engine.worker_main as worker_main
+
+    worker_main.SAMPLE_EVERY = 256  # type: ignore[misc]
+
+
+PATCHES: dict[str, Callable[[], None]] = {
+    "all-off": _all_off, "as-is": lambda: None, "main-only": _main_only,
+    "workers-only": _workers_only, "stats-off-path": _stats_off_path,
+    "rarely-timed": _rarely_timed, "every-256": _every_256,
+}
+
+
+def run_variant(variant: str, triples: int, generations: int, by_side: bool) -> str:
+    """One variant's line (in this process: the patches stay)."""
+    PATCHES[variant]()
+    import bench.stats_overhead as overhead
+
+    sides: dict[str, list[tuple[list[float], list[float]]]] = {setting: [] for setting in overhead.SETTINGS}
+    per_batch = overhead.Burst.per_batch
+
+    def kept(self) -> list[float]:  # type: ignore[no-untyped-def]
+        totals = per_batch(self)
+        helpers = np.diff(self.helpers_at)
+        setting = overhead.SETTINGS[len(sides_seen) % len(overhead.SETTINGS)]
+        sides_seen.append(setting)
+        sides[setting].append(([m / self.size for m in self.main_s][len(overhead.ORDERS):],
+                               [h / self.size for h in helpers][len(overhead.ORDERS):]))
+        return totals
+
+    sides_seen: list[str] = []
+    overhead.Burst.per_batch = kept  # type: ignore[method-assign]
+    runs, generation_of = overhead.triples_of(overhead.ENGINES["process"], 8, triples, generations)
+    on, off, again = (np.array(runs[setting]) for setting in overhead.SETTINGS)
+    groups = np.array(generation_of)
+    rng = np.random.default_rng(0)
+    cost = overhead.median_interval(on / ((off + again) / 2) - 1, groups, rng)
+    noise = overhead.median_interval(off / again - 1, groups, rng)
+    line = (f"{variant:<15} cost {cost[1]:+.2%} [{cost[0]:+.2%}, {cost[2]:+.2%}]   "
+            f"A/A {noise[1]:+.2%} [{noise[0]:+.2%}, {noise[2]:+.2%}]")
+    if by_side:
+        for side, name in ((0, "calling thread"), (1, "worker processes")):
+            medians = [1e6 * float(np.median([x for one in sides[s] for x in one[side]])) for s in overhead.SETTINGS]
+            line += f"\n    {name}: " + " / ".join(f"{m:.2f}" for m in medians) + " us per batch (on / off / again)"
+    return line
+
+
+def direct() -> str:
+    """The three direct measures of ``--direct`` (medians of repeated runs)."""
+    import pickle
+    import statistics
+    import time
+
+    import pipeload
+    import pipeload.stats.recorder as recorder
+    from bench.workloads import PythonInts
+    from pipeload.collate import default_collate
+    from pipeload.engine.fetch import MapFetcher
+    from pipeload.engine.plan import DatasetKind, FetchSpec
+    from pipeload.stats.clock import StageClock
+    from pipeload.transport.messages import Report, WorkerReport
+
+    indices = list(range(64))
+
+    def clock() -> StageClock:
+        made = StageClock()
+        made.untimed_size = 64
+        made.counted_by_receiver(2)
+        return made
+
+    def tasks_us(every_task_timed: bool, tasks: int = 20_000) -> float:
+        own = clock()
+        fetcher = MapFetcher(FetchSpec(list(range(100)), DatasetKind.MAP, True, default_collate, False), own)
+        started = time.thread_time()
+        for task in range(tasks):
+            if every_task_timed:
+                own.next_timed = 0
+            batch = fetcher.fetch(indices, 2 * task)
+            totals = own.finished(batch) if own.timing else None
+            pickle.dumps(WorkerReport(Report.BATCH, 0, 2 * task, None, totals))
+        return (time.thread_time() - started) / tasks * 1e6
+
+    def fetch_ns(with_clock: bool, tasks: int = 200_000) -> float:
+        own = clock()
+        own.next_timed = 10**12
+        fetcher = MapFetcher(FetchSpec(list(range(100)), DatasetKind.MAP, True, lambda x: x, False),
+                             own if with_clock else None)
+        started = time.perf_counter()
+        for task in range(tasks):
+            fetcher.fetch(indices, task)
+        return (time.perf_counter() - started) / tasks * 1e9
+
+    pairs = [(tasks_us(False), tasks_us(True)) for _ in range(5)]
+    untimed, timed = (statistics.median(pair[i] for pair in pairs) for i in (0, 1))
+    paths = [(fetch_ns(True), fetch_ns(False)) for _ in range(7)]
+    numbered, plain = (statistics.median(pair[i] for pair in paths) for i in (0, 1))
+    spent = [0.0, 0]
+    record = recorder.SessionStats.record
+
+    def timed_record(self, reports) -> None:  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        record(self, reports)
+        spent[0] += time.perf_counter() - started
+        spent[1] += 1
+
+    recorder.SessionStats.record = timed_record  # type: ignore[method-assign]
+    batches = iter(pipeload.DataLoader(PythonInts(10**9), batch_size=64, num_workers=2))
+    for _ in range(300):
+        next(batches)
+    spent[:] = [0.0, 0]
+    count = 20_000
+    for _ in range(count):
+        next(batches)
+    del batches
+    return (f"a worker's task: {untimed:.2f} us untimed, {timed:.2f} us timed ({timed - untimed:+.2f} us)\n"
+            f"fetch path: numbered {numbered:.0f} ns, stats off {plain:.0f} ns ({numbered - plain:+.0f} ns a task)\n"
+            f"SessionStats.record: {spent[1]} calls in {count} batches, {spent[0] / max(1, spent[1]) * 1e6:.1f} us "
+            f"a call, {spent[0] / count * 1e6:.3f} us per batch")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stats_parts", description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", action="append", choices=VARIANTS)
+    parser.add_argument("--triples", type=int, default=3000)
+    parser.add_argument("--generations", type=int, default=30)
+    parser.add_argument("--by-side", action="store_true")
+    parser.add_argument("--direct", action="store_true", help="time three pieces on their own instead")
+    parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's own variant
+    args = parser.parse_args(argv)
+    if args.triples < 20 or args.generations < 1:
+        parser.error("--triples must be at least 20 and --generations positive")
+    if args.direct:
+        print(direct(), flush=True)
+        return 0
+    if args.one:
+        print(run_variant(args.one, args.triples, args.generations, args.by_side), flush=True)
+        return 0
+    for variant in args.variant or ["all-off", "as-is"]:
+        command = [sys.executable, "-m", "bench.stats_parts", "--one", variant, "--triples", str(args.triples),
+                   "--generations", str(args.generations)] + (["--by-side"] if args.by_side else [])
+        subprocess.run(command, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
