@@ -5,7 +5,7 @@ of the stats turned off in the "on" loader.
     python -m bench.stats_parts --direct
 
 Each variant runs the same method as ``python -m bench.stats_overhead --engine process``
-(loaders "on", "off" and "off again", bursts in rotating order, made afresh in generations, the
+(loaders "on", "off" and "off again", bursts in a balanced rotating order, made afresh in generations, the
 median of per-triple ratios with a bootstrap interval), after patching this process's modules
 (the workers are forked, so they run the patched code too):
 
@@ -16,6 +16,14 @@ median of per-triple ratios with a bootstrap interval), after patching this proc
     stats-off-path  workers keep a clock but fetch as with stats off, and never time a task
     rarely-timed  workers time their first task only (the numbered fetch path, no timed tasks)
     every-256     workers time one task in 256 instead of 64
+    main-counts-only  as main-only, and the training loop's waits are not timed either: the main
+                  process only counts reports (and looks at the queue now and then)
+    main-waits-only   as main-only, and reports are not counted: waits and queue looks only
+    nothing-done  stats on, with every part above turned off (no clocks, no counting, no
+                  waits, no queue looks): what a stats-on loader costs for its set-up alone
+    off-but-counting  all three loaders' stats off; the "on" loader's main process counts its
+                  reports per worker all the same (as ``WorkerGroup.receive`` does), and
+                  nothing else
 
 ``--direct`` instead times three pieces on their own, in this process: a worker's task timed
 against untimed (fetch, collate and the report's pickle), the numbered fetch path against the
@@ -36,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "stats-off-path", "rarely-timed", "every-256")
+VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "main-counts-only", "main-waits-only", "nothing-done", "off-but-counting", "stats-off-path", "rarely-timed", "every-256")
 
 
 def _all_off() -> None:
@@ -70,6 +78,67 @@ def _workers_only() -> None:
     recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
 
 
+def _main_counts_only() -> None:
+    import pipeload.stats.recorder as recorder
+
+    _main_only()
+    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+
+
+def _main_waits_only() -> None:
+    import pipeload.engine.workers as workers
+
+    _main_only()
+    made = workers.WorkerGroup.__init__
+
+    def not_recording(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        made(self, *args, **kwargs)
+        self._record = False
+
+    workers.WorkerGroup.__init__ = not_recording  # type: ignore[method-assign]
+
+
+def _nothing_done() -> None:
+    import pipeload.stats.recorder as recorder
+
+    _main_waits_only()
+    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+    recorder.SessionStats.handing_out = lambda self, *args: math.inf  # type: ignore[method-assign]
+
+
+def _off_but_counting() -> None:
+    import collections
+
+    import bench.stats_overhead as overhead
+    import pipeload.engine.workers as workers
+    from pipeload.stats.recorder import count_by_worker, worker_of
+
+    making_on = [False]
+    made_burst = overhead.Burst.__init__
+
+    def burst(self, dataset, engine, stats, size) -> None:  # type: ignore[no-untyped-def]
+        making_on[0] = stats
+        made_burst(self, dataset, engine, False, size)
+        making_on[0] = False
+
+    made_group = workers.WorkerGroup.__init__
+    receive = workers.WorkerGroup.receive
+
+    def group(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        made_group(self, *args, **kwargs)
+        self.counting_alone = collections.defaultdict(int) if making_on[0] else None
+
+    def counting_receive(self, deadline):  # type: ignore[no-untyped-def]
+        reports = receive(self, deadline)
+        if self.counting_alone is not None:
+            count_by_worker(self.counting_alone, map(worker_of, reports))
+        return reports
+
+    overhead.Burst.__init__ = burst  # type: ignore[method-assign]
+    workers.WorkerGroup.__init__ = group  # type: ignore[method-assign]
+    workers.WorkerGroup.receive = counting_receive  # type: ignore[method-assign]
+
+
 def _stats_off_path() -> None:
     import pipeload.engine.fetch as fetch
 
@@ -96,7 +165,9 @@ def _every_256() -> None:
 
 PATCHES: dict[str, Callable[[], None]] = {
     "all-off": _all_off, "as-is": lambda: None, "main-only": _main_only,
-    "workers-only": _workers_only, "stats-off-path": _stats_off_path,
+    "workers-only": _workers_only, "main-counts-only": _main_counts_only,
+    "main-waits-only": _main_waits_only, "nothing-done": _nothing_done,
+    "off-but-counting": _off_but_counting, "stats-off-path": _stats_off_path,
     "rarely-timed": _rarely_timed, "every-256": _every_256,
 }
 
