@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of, no_length
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
@@ -295,6 +296,7 @@ class Demultiplexer(IterDataPipe[Any]):
         buffer_size: int = 1000,
     ) -> Any:
         _check_instances(num_instances)
+        check_function(classifier_fn, "classifier_fn")
         source = _DemuxSource(datapipe, num_instances, classifier_fn, drop_none, buffer_size)
         return [_Branch(source, i) for i in range(num_instances)]
 
