@@ -223,12 +223,13 @@ class IterOperations:
     # -- files, archives, samples (pipeload.datapipes.sources) -------------------------------
 
     def list_files(self, masks: str | list[str] = "", *, recursive: bool = False, abspath: bool = False,
-                   length: int = -1, storage_options: dict[str, Any] | None = None) -> FileLister:
+                   non_deterministic: bool = False, length: int = -1,
+                   storage_options: dict[str, Any] | None = None) -> FileLister:
         """List the files under each root this pipe yields; see :class:`FileLister`."""
         from pipeload.datapipes.sources.files import FileLister
 
-        return FileLister(self, masks, recursive=recursive, abspath=abspath, length=length,  # type: ignore[arg-type]
-                          storage_options=storage_options)
+        return FileLister(self, masks, recursive=recursive, abspath=abspath,  # type: ignore[arg-type]
+                          non_deterministic=non_deterministic, length=length, storage_options=storage_options)
 
     def open_files(self, mode: str = "r", encoding: str | None = None, length: int = -1, *,
                    storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None,
