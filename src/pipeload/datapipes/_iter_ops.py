@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeload.datapipes.base import IterDataPipe
     from pipeload.datapipes.boundary.pipes import Prefetcher, QueueBoundary
     from pipeload.datapipes.iter.callable import Collator, FlatMapper, Mapper
-    from pipeload.datapipes.iter.combinatorics import Shuffler
+    from pipeload.datapipes.iter.combinatorics import InBatchShuffler, Shuffler
     from pipeload.datapipes.iter.combining import Concater, GreedyJoiner, Multiplexer, Zipper
     from pipeload.datapipes.iter.grouping import Batcher, Grouper, UnBatcher
     from pipeload.datapipes.iter.padding import BucketBatcher, PaddedBatcher
@@ -132,6 +132,12 @@ class IterOperations:
         from pipeload.datapipes.iter.combinatorics import Shuffler
 
         return Shuffler(self, buffer_size=buffer_size, unbatch_level=unbatch_level)  # type: ignore[arg-type]
+
+    def in_batch_shuffle(self) -> InBatchShuffler:
+        """Shuffle the items inside each batch (torchdata's); see :class:`InBatchShuffler`."""
+        from pipeload.datapipes.iter.combinatorics import InBatchShuffler
+
+        return InBatchShuffler(self)  # type: ignore[arg-type]
 
     def sharding_filter(self, sharding_group_filter: Any = None) -> ShardingFilter:
         """Mark where the graph splits across workers and ranks; see :class:`ShardingFilter`."""
