@@ -325,6 +325,8 @@ def test_demux() -> None:
     same(lambda m: m.Zipper(*source(m).demux(2, parity)))
     same(lambda m: source(m).demux(2, lambda x: None if x == 4 else x % 2, drop_none=True)[0])
     same_length(lambda m: source(m).demux(2, parity)[0])
+    with pytest.raises(TypeError, match="demux branch 1 has no length"):
+        len(source(ours_iter).demux(2, parity)[1])
 
 
 def test_demux_errors() -> None:

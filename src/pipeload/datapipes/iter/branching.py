@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import length_of, no_length
+from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
 
 _JOIN_LOCK = threading.Lock()  # joining runs is rare; one lock for every fork keeps pipes picklable
@@ -316,7 +316,9 @@ class _DemuxSource(_SharedSource):
         return _DemuxRun(self)
 
     def length_for(self, instance_id: int) -> int:
-        raise no_length(self)
+        # torch raises an empty TypeError here; ours says why.
+        raise TypeError(f"demux branch {instance_id} has no length: how many items each branch "
+                        "gets is known only by classifying the whole source")
 
 
 class _DemuxRun(_Run):
