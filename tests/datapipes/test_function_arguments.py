@@ -88,3 +88,19 @@ def test_the_warning_points_at_the_users_line() -> None:
     with pytest.warns(UserWarning) as caught:
         ours_iter.IterableWrapper(range(3)).map(lambda x: x)
     assert caught[0].filename == __file__
+
+
+def test_a_pipe_with_a_lambda_fails_to_pickle_as_torchs_does_and_a_named_one_round_trips() -> None:
+    import pickle
+
+    errors = []
+    for iter_module, _ in MODULES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = iter_module.IterableWrapper(range(3)).map(MODULE_LAMBDA)
+        with pytest.raises(Exception) as caught:
+            pickle.dumps(pipe)
+        errors.append(type(caught.value))
+        named = iter_module.IterableWrapper(range(3)).map(add_one).filter(is_even)
+        assert list(pickle.loads(pickle.dumps(named))) == [2]
+    assert errors[1] is errors[0] is pickle.PicklingError
