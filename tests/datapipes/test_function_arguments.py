@@ -1,5 +1,5 @@
 """The functions pipes are given (map's fn, filter's filter_fn, groupby's group_key_fn, demux's
-classifier_fn, collate's collate_fn, map-style map's fn), checked when the pipe is built as torch
+classifier_fn, collate's collate_fn, map-style map's fn; flatmap's, as torchdata checks it), checked when the pipe is built as torch
 checks them: something that is not callable fails at once, and a lambda or a local function
 warns that it will not pickle (a spawned worker could not receive it)."""
 
@@ -104,3 +104,11 @@ def test_a_pipe_with_a_lambda_fails_to_pickle_as_torchs_does_and_a_named_one_rou
         named = iter_module.IterableWrapper(range(3)).map(add_one).filter(is_even)
         assert list(pickle.loads(pickle.dumps(named))) == [2]
     assert errors[1] is errors[0] is pickle.PicklingError
+
+
+def test_flatmap_checks_its_function_as_torchdata_does() -> None:
+    with pytest.raises(TypeError, match=r"^A callable function is expected, but <class 'int'> is provided\. \(got fn=5\)"):
+        ours_iter.IterableWrapper([[1]]).flatmap(5)
+    with pytest.warns(UserWarning, match="^Lambda function is not supported by pickle"):
+        ours_iter.IterableWrapper([[1]]).flatmap(MODULE_LAMBDA)
+    assert list(ours_iter.IterableWrapper([[1, 2], [3]]).flatmap()) == [1, 2, 3]  # None: flatten

@@ -142,6 +142,7 @@ class FlatMapper(IterDataPipe[T_co]):
         self.datapipe = datapipe
         if fn is None:
             fn = _identity
+        check_function(fn, "fn")
         self.fn = fn
         self.input_col = input_col
         check_fn_fits_columns(fn, input_col)
