@@ -1,7 +1,8 @@
 """The functions pipes are given (map's fn, filter's filter_fn, groupby's group_key_fn, demux's
-classifier_fn, collate's collate_fn, map-style map's fn; flatmap's, as torchdata checks it), checked when the pipe is built as torch
-checks them: something that is not callable fails at once, and a lambda or a local function
-warns that it will not pickle (a spawned worker could not receive it)."""
+classifier_fn, collate's collate_fn, map-style map's fn, and flatmap's as torchdata checks it),
+checked when the pipe is built as torch checks them: something that is not callable fails at
+once, and a lambda or a local function warns that it will not pickle (a spawned worker could not
+receive it)."""
 
 from __future__ import annotations
 
