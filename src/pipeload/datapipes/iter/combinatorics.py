@@ -131,7 +131,7 @@ class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
         self._source_done = False
 
     def nonblocking_next(self) -> Any:
-        buffer, rng = self._buffer, self._generator()
+        buffer, rng = self._buffer, self._rng or self._generator()  # no call per item once made
         while not self._source_done:
             try:
                 item = self._source.nonblocking_next()
@@ -195,7 +195,7 @@ class _InBatchShufflerIterator(_SeededRun, PipeIterator[DataChunk]):
         self._pipe = pipe
 
     def nonblocking_next(self) -> DataChunk:
-        rng = self._generator()
+        rng = self._rng or self._generator()
         batch = self._source.nonblocking_next()
         return DataChunk(rng.sample(batch, len(batch)))
 
