@@ -244,6 +244,29 @@ def test_sharding_groups_combine_as_torchs() -> None:
     same_length(build)
 
 
+@pytest.mark.parametrize("workers, ranks", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_every_worker_and_rank_shard_of_a_seeded_shuffle_is_torchs_and_each_item_is_read_once(
+    workers: int, ranks: int
+) -> None:
+    from torch.utils.data import graph_settings as theirs_settings
+
+    from pipeload.datapipes import graph as our_settings
+
+    def shard(module: Any, worker: int, rank: int) -> Any:
+        settings = theirs_settings if module is theirs_iter else our_settings
+        pipe = source(module, range(23)).shuffle(buffer_size=7).sharding_filter().map(double)
+        settings.apply_random_seed(pipe, torch.Generator().manual_seed(5))  # as every worker does
+        settings.apply_sharding(pipe, workers, worker, SHARDING_PRIORITIES.MULTIPROCESSING)
+        settings.apply_sharding(pipe, ranks, rank, SHARDING_PRIORITIES.DISTRIBUTED)
+        return pipe
+
+    everything = []
+    for rank in range(ranks):
+        for worker in range(workers):
+            everything += same(lambda m: shard(m, worker, rank))  # noqa: B023  (used at once)
+    assert sorted(everything) == [double(i) for i in range(23)]
+
+
 def test_sharding_errors() -> None:
     def too_far(module: Any) -> Any:
         return source(module).sharding_filter().apply_sharding(2, 2) or []
@@ -325,6 +348,8 @@ def test_demux() -> None:
     same(lambda m: m.Zipper(*source(m).demux(2, parity)))
     same(lambda m: source(m).demux(2, lambda x: None if x == 4 else x % 2, drop_none=True)[0])
     same_length(lambda m: source(m).demux(2, parity)[0])
+    with pytest.raises(TypeError, match="demux branch 1 has no length"):
+        len(source(ours_iter).demux(2, parity)[1])
 
 
 def test_demux_errors() -> None:

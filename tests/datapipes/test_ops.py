@@ -1,15 +1,17 @@
-"""Operations torch never had (flatmap, padded_batch, bucketbatch, cycle, header, enumerate,
-in_memory_cache) and the checkpoint hooks of stateful runs."""
+"""Operations torch never had (flatmap, padded_batch, bucketbatch, in_batch_shuffle, cycle, header,
+enumerate, in_memory_cache) and the checkpoint hooks of stateful runs."""
 
 from __future__ import annotations
 
 import collections
+import random
 from typing import Any
 
 import pytest
 import torch
 from pipes_for_tests import Counting, add_one, double
 
+from pipeload.datapipes import DataChunk, graph
 from pipeload.datapipes.iter import IterableWrapper
 
 
@@ -80,6 +82,33 @@ def test_bucketbatch_options() -> None:
         IterableWrapper([]).bucketbatch(3, bucket_num=0)
 
 
+def test_in_batch_shuffle_draws_torchdatas_stream() -> None:
+    batches = [list(range(i, i + 4)) for i in range(0, 20, 4)] + [[20, 21]]
+    pipe = IterableWrapper(batches).in_batch_shuffle()
+    rng = random.Random(7)  # torchdata: one random.Random per run, seeded, sample() per batch
+    expected = [rng.sample(batch, len(batch)) for batch in batches]
+    shuffled = list(pipe.set_seed(7))
+    assert shuffled == expected and all(type(batch) is DataChunk for batch in shuffled)
+    assert list(pipe) != expected  # the seed served one run; the next draws its own
+    assert len(pipe) == len(batches)
+    assert list(pipe.set_shuffle(False)) == batches
+
+
+def test_in_batch_shuffle_is_seeded_by_the_graph_and_the_global_generator() -> None:
+    def run(seed: int) -> list[Any]:
+        pipe = IterableWrapper(range(30)).batch(5).in_batch_shuffle()
+        return list(graph.apply_random_seed(pipe, torch.Generator().manual_seed(seed)))
+
+    assert run(1) == run(1) != run(2)
+    assert all(sorted(batch) == list(range(i, i + 5)) for i, batch in zip(range(0, 30, 5), run(3)))
+    pipe = IterableWrapper(range(30)).batch(5).in_batch_shuffle()
+    epochs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        epochs.append(list(pipe))
+    assert epochs[0] == epochs[1]
+
+
 def test_cycle() -> None:
     assert list(IterableWrapper(range(2)).cycle(3)) == [0, 1, 0, 1, 0, 1]
     assert list(IterableWrapper(range(2)).cycle(0)) == []
@@ -142,6 +171,7 @@ def not_multiple_of_three(x: int) -> bool:
     lambda: IterableWrapper(range(6)).cycle(3),
     lambda: IterableWrapper(range(3)).concat(IterableWrapper(range(3, 6)), IterableWrapper([6])),
     lambda: IterableWrapper(range(20)).shuffle(buffer_size=5).set_seed(4),
+    lambda: IterableWrapper(range(20)).batch(3).in_batch_shuffle().set_seed(4),
 ])
 @pytest.mark.parametrize("taken", [0, 1, 4])
 def test_stateful_runs_resume_from_a_state_dict(build: Any, taken: int) -> None:

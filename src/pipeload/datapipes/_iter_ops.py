@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeload.datapipes.base import IterDataPipe
     from pipeload.datapipes.boundary.pipes import Prefetcher, QueueBoundary
     from pipeload.datapipes.iter.callable import Collator, FlatMapper, Mapper
-    from pipeload.datapipes.iter.combinatorics import Shuffler
+    from pipeload.datapipes.iter.combinatorics import InBatchShuffler, Shuffler
     from pipeload.datapipes.iter.combining import Concater, GreedyJoiner, Multiplexer, Zipper
     from pipeload.datapipes.iter.grouping import Batcher, Grouper, UnBatcher
     from pipeload.datapipes.iter.padding import BucketBatcher, PaddedBatcher
@@ -133,6 +133,12 @@ class IterOperations:
 
         return Shuffler(self, buffer_size=buffer_size, unbatch_level=unbatch_level)  # type: ignore[arg-type]
 
+    def in_batch_shuffle(self) -> InBatchShuffler:
+        """Shuffle the items inside each batch (torchdata's); see :class:`InBatchShuffler`."""
+        from pipeload.datapipes.iter.combinatorics import InBatchShuffler
+
+        return InBatchShuffler(self)  # type: ignore[arg-type]
+
     def sharding_filter(self, sharding_group_filter: Any = None) -> ShardingFilter:
         """Mark where the graph splits across workers and ranks; see :class:`ShardingFilter`."""
         from pipeload.datapipes.iter.sharding import ShardingFilter
@@ -223,12 +229,13 @@ class IterOperations:
     # -- files, archives, samples (pipeload.datapipes.sources) -------------------------------
 
     def list_files(self, masks: str | list[str] = "", *, recursive: bool = False, abspath: bool = False,
-                   length: int = -1, storage_options: dict[str, Any] | None = None) -> FileLister:
+                   non_deterministic: bool = False, length: int = -1,
+                   storage_options: dict[str, Any] | None = None) -> FileLister:
         """List the files under each root this pipe yields; see :class:`FileLister`."""
         from pipeload.datapipes.sources.files import FileLister
 
-        return FileLister(self, masks, recursive=recursive, abspath=abspath, length=length,  # type: ignore[arg-type]
-                          storage_options=storage_options)
+        return FileLister(self, masks, recursive=recursive, abspath=abspath,  # type: ignore[arg-type]
+                          non_deterministic=non_deterministic, length=length, storage_options=storage_options)
 
     def open_files(self, mode: str = "r", encoding: str | None = None, length: int = -1, *,
                    storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None,

@@ -9,7 +9,6 @@ list) may behave in ways a read-only copy would not.
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from itertools import islice
 from types import ModuleType
 from typing import Any
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.shared._mapping import SharedMapping
 from pipeload.shared._sequence import SharedSequence
 
@@ -191,7 +191,7 @@ def warn_if_copy_on_read(dataset: Any, worker_type: str) -> None:
     heavy = [(item, n) for item in found if (n := estimated_objects(item.container)) > WARN_MIN_OBJECTS]
     if not heavy or not _warned.first_time(dataset):
         return
-    warnings.warn(_message(heavy), CopyOnReadWarning, stacklevel=_first_frame_outside_pipeload())
+    warnings.warn(_message(heavy), CopyOnReadWarning, stacklevel=first_frame_outside_pipeload())
 
 
 def _message(heavy: list[tuple[_Found, int]]) -> str:
@@ -213,9 +213,3 @@ def _message(heavy: list[tuple[_Found, int]]) -> str:
     )
 
 
-def _first_frame_outside_pipeload() -> int:
-    """The stacklevel that points a warning at the user's code, however deep pipeload's calls go."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "pipeload":
-        frame, level = frame.f_back, level + 1
-    return level

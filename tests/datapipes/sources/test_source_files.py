@@ -4,13 +4,18 @@ without the remote extra."""
 
 from __future__ import annotations
 
+import inspect
+import io
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch.utils.data.datapipes.iter as theirs_iter
 from sources_for_tests import write_shards
 
 import pipeload
+import pipeload.datapipes.iter as ours_iter
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.map import FileReader
 from pipeload.datapipes.sources import expand_urls, open_stream
@@ -47,6 +52,46 @@ def test_file_lister_missing_root_is_named(tmp_path: Path) -> None:
         list(FileLister(str(tmp_path / "nowhere")))
 
 
+def _signature(cls: type) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(cls.__init__).parameters.values()]
+
+
+@pytest.mark.parametrize("name", ["FileLister", "FileOpener", "StreamReader"])
+def test_torchs_arguments_come_first_and_ours_are_keyword_only(name: str) -> None:
+    theirs, ours = _signature(getattr(theirs_iter, name)), _signature(getattr(ours_iter, name))
+    assert ours[:len(theirs)] == theirs
+    assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, kind, _ in ours[len(theirs):])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"recursive": True}, {"masks": "*.txt", "recursive": True}, {"masks": ["*.tar", "c.*"]},
+    {"non_deterministic": True, "recursive": True}, {"length": 3},
+])
+def test_file_lister_lists_what_torchs_lists(tree: Path, kwargs: dict[str, Any]) -> None:
+    listed = [list(module.FileLister(str(tree), **kwargs)) for module in (theirs_iter, ours_iter)]
+    if kwargs.get("non_deterministic"):
+        listed = [sorted(paths) for paths in listed]  # torch's order is then the file system's
+    assert listed[1] == listed[0]
+
+
+@pytest.mark.parametrize("build", [
+    lambda m, root: m.FileLister(root),
+    lambda m, root: m.IterableWrapper([root]).open_files(),  # the source has a length
+    lambda m, root: m.FileLister(root).open_files(mode="b"),
+    lambda m, root: m.IterableWrapper([(root, io.BytesIO(b"x"))]).read_from_stream(),
+    lambda m, root: m.FileLister(root, length=2),
+    lambda m, root: m.FileLister(root).open_files(length=5),
+])
+def test_lengths_as_torchs(tree: Path, build: Any) -> None:
+    lengths = []
+    for module in (theirs_iter, ours_iter):
+        try:
+            lengths.append(len(build(module, str(tree))))
+        except TypeError:
+            lengths.append("TypeError")
+    assert lengths[1] == lengths[0]
+
+
 def test_file_opener_text_and_bytes(tree: Path) -> None:
     paths = IterableWrapper([str(tree / "a.txt")])
     ((path, stream),) = list(paths.open_files())
@@ -59,7 +104,7 @@ def test_file_opener_text_and_bytes(tree: Path) -> None:
         paths.open_files(mode="w")
     with pytest.raises(ValueError, match="encoding"):
         paths.open_files(mode="b", encoding="utf-8")
-    assert len(paths.open_files()) == 1
+    assert len(paths.open_files(length=1)) == 1
 
 
 def test_stream_reader_reads_every_file_in_chunks_and_closes_it(tree: Path) -> None:

@@ -4,7 +4,7 @@ torchdata's names for the operations torch never had)."""
 from pipeload.datapipes.boundary.pipes import Prefetcher, QueueBoundary
 from pipeload.datapipes.iter.branching import Demultiplexer, Forker
 from pipeload.datapipes.iter.callable import Collator, FlatMapper, Mapper
-from pipeload.datapipes.iter.combinatorics import Sampler, Shuffler
+from pipeload.datapipes.iter.combinatorics import InBatchShuffler, Sampler, Shuffler
 from pipeload.datapipes.iter.combining import Concater, GreedyJoiner, Multiplexer, Zipper
 from pipeload.datapipes.iter.grouping import Batcher, Grouper, UnBatcher
 from pipeload.datapipes.iter.padding import BucketBatcher, PaddedBatcher
@@ -36,6 +36,7 @@ __all__ = [
     "GreedyJoiner",
     "Grouper",
     "Header",
+    "InBatchShuffler",
     "InMemoryCacheHolder",
     "IterableWrapper",
     "MapToIterConverter",

@@ -19,8 +19,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import length_of, no_length
+from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
 
 _JOIN_LOCK = threading.Lock()  # joining runs is rare; one lock for every fork keeps pipes picklable
@@ -295,6 +296,7 @@ class Demultiplexer(IterDataPipe[Any]):
         buffer_size: int = 1000,
     ) -> Any:
         _check_instances(num_instances)
+        check_function(classifier_fn, "classifier_fn")
         source = _DemuxSource(datapipe, num_instances, classifier_fn, drop_none, buffer_size)
         return [_Branch(source, i) for i in range(num_instances)]
 
@@ -314,7 +316,9 @@ class _DemuxSource(_SharedSource):
         return _DemuxRun(self)
 
     def length_for(self, instance_id: int) -> int:
-        raise no_length(self)
+        # torch raises an empty TypeError here; ours says why.
+        raise TypeError(f"demux branch {instance_id} has no length: how many items each branch "
+                        "gets is known only by classifying the whole source")
 
 
 class _DemuxRun(_Run):

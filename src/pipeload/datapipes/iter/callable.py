@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pipeload.collate import default_collate
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import (
     apply_to_columns,
@@ -37,6 +38,7 @@ class Mapper(IterDataPipe[T_co]):
     """
 
     _parent_fields = ("datapipe",)
+    _function_argument = "fn"  # the name messages give the function (collate's differ)
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class Mapper(IterDataPipe[T_co]):
         input_col: Any = None,
         output_col: Any = None,
     ) -> None:
+        check_function(fn, self._function_argument)
         self.datapipe = datapipe
         self.fn = fn
         self.input_col = input_col
@@ -114,6 +117,9 @@ class Collator(Mapper[T_co]):
                     "pass a function instead"
                 )
             collate_fn = conversion
+            self._function_argument = "conversion"
+        else:
+            self._function_argument = "collate_fn"
         super().__init__(datapipe, fn=collate_fn)
 
 
@@ -136,6 +142,7 @@ class FlatMapper(IterDataPipe[T_co]):
         self.datapipe = datapipe
         if fn is None:
             fn = _identity
+        check_function(fn, "fn")
         self.fn = fn
         self.input_col = input_col
         check_fn_fits_columns(fn, input_col)

@@ -1,4 +1,5 @@
-"""Randomness: the buffered shuffle (seeded by the loader) and the sampler pipe."""
+"""Randomness: the buffered shuffle and torchdata's in-batch shuffle (both seeded by the loader),
+and the sampler pipe."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload import samplers
@@ -99,9 +101,26 @@ class PassThrough(PipeIterator[Any]):
         return self._source.nonblocking_next()
 
 
-class _ShufflerIterator(PipeIterator[Any]):
-    """The buffer and the random generator of one run. The seed is taken at the first item, as
-    torch's pipe takes it, so draws from the global generator happen in the same order."""
+class _SeededRun:
+    """The random generator of one run of a :class:`SeededPipe`. It is made from the pipe's seed
+    at the first item, as torch's pipes take theirs, so draws from the global generator happen in
+    the same order; checkpoints carry its state."""
+
+    _pipe: SeededPipe
+    _rng: random.Random | None = None
+
+    def _generator(self) -> random.Random:
+        if self._rng is None:  # also when a checkpoint comes first: it fixes the run's seed now
+            self._rng = random.Random(self._pipe._take_seed())
+        return self._rng
+
+    def _restore_generator(self, state: Any) -> None:
+        self._rng = random.Random()
+        self._rng.setstate(_as_rng_state(state))
+
+
+class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
+    """The buffer and the random generator of one run."""
 
     def __init__(self, pipe: Shuffler[Any], source: Any) -> None:
         super().__init__(source)
@@ -109,13 +128,10 @@ class _ShufflerIterator(PipeIterator[Any]):
         self._pipe = pipe
         self._capacity = pipe.buffer_size
         self._buffer: list[Any] = []
-        self._rng: random.Random | None = None
         self._source_done = False
 
     def nonblocking_next(self) -> Any:
-        if self._rng is None:
-            self._rng = random.Random(self._pipe._take_seed())
-        buffer, rng = self._buffer, self._rng
+        buffer, rng = self._buffer, self._rng or self._generator()  # no call per item once made
         while not self._source_done:
             try:
                 item = self._source.nonblocking_next()
@@ -132,15 +148,62 @@ class _ShufflerIterator(PipeIterator[Any]):
         return buffer.pop(rng.randint(0, len(buffer) - 1))
 
     def _own_state(self) -> Any:
-        if self._rng is None:  # a checkpoint before the first item fixes the run's seed now
-            self._rng = random.Random(self._pipe._take_seed())
-        return {"buffer": list(self._buffer), "rng": self._rng.getstate(), "source_done": self._source_done}
+        return {"buffer": list(self._buffer), "rng": self._generator().getstate(), "source_done": self._source_done}
 
     def _load_own_state(self, state: Any) -> None:
         self._buffer = list(state["buffer"])
         self._source_done = state["source_done"]
-        self._rng = random.Random()
-        self._rng.setstate(_as_rng_state(state["rng"]))
+        self._restore_generator(state["rng"])
+
+
+class InBatchShuffler(SeededPipe, IterDataPipe[DataChunk]):
+    """Shuffle the items inside each batch; the batches keep their order (functional name:
+    ``in_batch_shuffle``, torchdata's).
+
+    Seeded like :class:`Shuffler` (by the loader each epoch, by :meth:`set_seed` for the next
+    run, else from torch's global generator), with torchdata's random stream: the same seed
+    gives torchdata's order. ``set_shuffle(False)`` passes the batches through unchanged.
+
+    Args:
+        datapipe: a pipe of batches (lists, tuples or DataChunks).
+
+    Example:
+        >>> list(IterableWrapper(range(6)).batch(3).in_batch_shuffle().set_seed(0))
+        [[1, 2, 0], [4, 5, 3]]
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(self, datapipe: IterDataPipe) -> None:
+        self.datapipe = datapipe
+        self._enabled = True
+        self._seed: int | None = None
+
+    def __iter__(self) -> Iterator[DataChunk]:
+        if not self._enabled:
+            return PassThrough(self.datapipe)
+        return _InBatchShufflerIterator(self, self.datapipe)
+
+    def __len__(self) -> int:
+        return length_of(self.datapipe, self)
+
+
+class _InBatchShufflerIterator(_SeededRun, PipeIterator[DataChunk]):
+    def __init__(self, pipe: InBatchShuffler, source: Any) -> None:
+        super().__init__(source)
+        (self._source,) = self.upstream
+        self._pipe = pipe
+
+    def nonblocking_next(self) -> DataChunk:
+        rng = self._rng or self._generator()
+        batch = self._source.nonblocking_next()
+        return DataChunk(rng.sample(batch, len(batch)))
+
+    def _own_state(self) -> Any:
+        return {"rng": self._generator().getstate()}
+
+    def _load_own_state(self, state: Any) -> None:
+        self._restore_generator(state["rng"])
 
 
 def _as_rng_state(state: Any) -> tuple[Any, ...]:

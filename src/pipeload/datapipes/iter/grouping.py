@@ -6,6 +6,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of, no_length
@@ -171,6 +172,7 @@ class Grouper(IterDataPipe[DataChunk]):
         guaranteed_group_size: int | None = None,
         drop_remaining: bool = False,
     ) -> None:
+        check_function(group_key_fn, "group_key_fn")
         self.datapipe = datapipe
         self.group_key_fn = group_key_fn
         self.keep_key = keep_key

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import apply_to_columns, check_fn_fits_columns
 from pipeload.datapipes.protocol import PipeIterator
@@ -28,6 +29,7 @@ class Filter(IterDataPipe[T_co]):
     _parent_fields = ("datapipe",)
 
     def __init__(self, datapipe: IterDataPipe, filter_fn: Callable[..., bool], input_col: Any = None) -> None:
+        check_function(filter_fn, "filter_fn")
         self.datapipe = datapipe
         self.filter_fn = filter_fn
         self.input_col = input_col

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pipeload.datapipes._functions import check_function
 from pipeload.datapipes._map_ops import default_fn
 from pipeload.datapipes.base import MapDataPipe
 
@@ -22,6 +23,7 @@ class Mapper(MapDataPipe[T_co]):
     _parent_fields = ("datapipe",)
 
     def __init__(self, datapipe: MapDataPipe, fn: Callable[[Any], Any] = default_fn) -> None:
+        check_function(fn, "fn")
         self.datapipe = datapipe
         self.fn = fn
 

@@ -73,6 +73,9 @@ class FileLister(IterDataPipe[str]):
             matches everything.
         recursive: go into subdirectories.
         abspath: yield absolute paths (local roots only).
+        non_deterministic: torch's permission to skip sorting; each root's listing is sorted
+            either way (the sort costs little next to the listing, and workers and ranks that
+            list alike can shard one order).
         length: what ``len()`` reports (-1: no length).
         storage_options: passed to fsspec for remote roots (credentials, endpoints).
 
@@ -84,13 +87,14 @@ class FileLister(IterDataPipe[str]):
     _parent_fields = ("datapipe",)
 
     def __init__(self, root: str | Sequence[str] | IterDataPipe = ".", masks: str | list[str] = "",
-                 *, recursive: bool = False, abspath: bool = False, length: int = -1,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 *, recursive: bool = False, abspath: bool = False, non_deterministic: bool = False,
+                 length: int = -1, storage_options: Mapping[str, Any] | None = None) -> None:
         self.datapipe = root if is_iter_datapipe(root) else None
         self.roots = None if self.datapipe is not None else ([root] if isinstance(root, str) else list(root))
         self.masks = [masks] if isinstance(masks, str) else list(masks)
         self.recursive = recursive
         self.abspath = abspath
+        self.non_deterministic = non_deterministic
         self.length = length
         self.storage_options = dict(storage_options) if storage_options else None
 
@@ -162,7 +166,7 @@ class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
         datapipe: yields paths or URLs (``file://``, ``http(s)://``, ``s3://``, any fsspec URL).
         mode: ``"r"``/``"t"`` text (torchdata's default) or ``"b"`` bytes.
         encoding: the text encoding (text mode only).
-        length: what ``len()`` reports (-1: the source's length).
+        length: what ``len()`` reports (-1: no length, as in torch).
         storage_options: passed to fsspec (credentials, endpoints); environment variables such
             as ``AWS_ENDPOINT_URL`` work without it.
         retry: how transient failures are retried (default: 4 attempts, from 0.2 s doubling).
@@ -201,12 +205,11 @@ class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
         return open_stream(url, self.mode, self.encoding, self.storage_options, self.retry)
 
     def __len__(self) -> int:
-        if self.length != -1:
-            return self.length
-        try:
-            return len(self.datapipe)  # type: ignore[arg-type]
-        except TypeError:
-            raise no_length(self) from None
+        # As torch's: no length unless told, even over a source with one (a file skipped under
+        # on_error would make the source's length a promise the run breaks).
+        if self.length == -1:
+            raise no_length(self)
+        return self.length
 
 
 class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
