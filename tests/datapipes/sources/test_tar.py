@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from sources_for_tests import compress, sample_files, tar_bytes, write_shards
 
+import pipeload
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.sources import (
     ArchiveError,
@@ -108,6 +109,19 @@ def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, ca
     if readable is not None:
         assert [m.name for m in got] == [name for name, _ in MEMBERS[:readable]]
     assert failure_counts(pipe) == FailureCounts(skipped=0, raised=1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_broken_archive_in_a_worker_is_still_an_archive_error(tmp_path: Path, worker_type: str) -> None:
+    # a worker's failure is rebuilt in the main process from its type and message alone
+    paths = write_shards(tmp_path, 2, 3)
+    paths[1].write_bytes(paths[1].read_bytes()[:1500])
+    pipe = IterableWrapper([str(p) for p in paths]).sharding_filter().open_files(mode="b").load_from_tar()
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type)
+    with pytest.raises(ArchiveError, match="shard-0001.tar' in member 's01_000.jpg'"):
+        list(loader)
 
 
 def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Path) -> None:
