@@ -11,6 +11,7 @@ reuses the main process's connections.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 from collections.abc import Mapping
@@ -105,15 +106,23 @@ def expand(root: str, masks: list[str], recursive: bool,
         found = [path]
     else:
         found = fs.find(path, maxdepth=None if recursive else 1)
+    # An object store lists a missing prefix (or bucket) as an empty one: ask, as a local root
+    # that is not there is an error, not an empty epoch. Only an empty listing pays the request.
+    if not found and not fs.exists(path):
+        raise missing_root(root)
     protocol = root.split("://", 1)[0]
     return sorted(_with_protocol(f, protocol) for f in found if _matches(f, masks))
+
+
+def missing_root(root: str) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, "FileLister: root is neither a file nor a directory", root)
 
 
 def _expand_local(root: str, masks: list[str], recursive: bool) -> list[str]:
     if os.path.isfile(root):
         return [root] if _matches(root, masks) else []
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"FileLister: root {root!r} is neither a file nor a directory")
+        raise missing_root(root)
     found = []
     for directory, subdirectories, names in os.walk(root):
         found.extend(os.path.join(directory, name) for name in names)

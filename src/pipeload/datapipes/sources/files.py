@@ -4,6 +4,7 @@ paths need nothing; URLs go through fsspec."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
+_ERRNOS = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, IsADirectoryError: errno.EISDIR}
 _MODES = {"r": "r", "t": "r", "rt": "r", "b": "rb", "rb": "rb"}
 
 
@@ -31,7 +33,7 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     Remote files reconnect and resume on transient errors (see :class:`RetryPolicy`).
 
     Raises:
-        FileNotFoundError, PermissionError: as raised for the file (they name it).
+        FileNotFoundError, PermissionError: as raised for the file, naming ``url``.
         SourceError: anything else that stopped the open, after the retries; names ``url``.
         ImportError: a remote URL without the ``remote`` extra installed.
     """
@@ -43,7 +45,11 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
             return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
         reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
                                 retry or RetryPolicy())
-    except (FileNotFoundError, PermissionError, IsADirectoryError, ImportError):
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
+        if url in str(error):
+            raise
+        raise _naming(error, url) from error
+    except ImportError:
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
@@ -51,6 +57,13 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     if binary == "r":
         stream = io.TextIOWrapper(stream, encoding=encoding)
     return stream
+
+
+def _naming(error: OSError, url: str) -> OSError:
+    """The same kind of error as ``error``, naming ``url`` (s3fs names an object by its path in
+    the store, without ``s3://``: not something the user could open or grep for)."""
+    code = error.errno or _ERRNOS.get(type(error), errno.EIO)
+    return type(error)(code, error.strerror if error.errno else os.strerror(code), url)
 
 
 def read_all(stream: IO[Any], url: str) -> Any:
