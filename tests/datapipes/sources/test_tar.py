@@ -40,6 +40,16 @@ def test_every_member_in_archive_order_whatever_the_compression(tmp_path: Path, 
     assert all(isinstance(m, ArchiveMember) and m.archive == str(path) for m in got)
 
 
+def test_a_member_larger_than_one_read_comes_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeload.datapipes.sources import _tar_stream
+
+    monkeypatch.setattr(_tar_stream, "_MAX_READ_BYTES", 100)  # reads are bounded; members are not
+    big = bytes(range(256)) * 20
+    path = tmp_path / "big.tar.gz"
+    path.write_bytes(compress(tar_bytes([("big.bin", big), *MEMBERS[:2]]), "gz"))
+    assert [(m.name, m[1]) for m in members_of(path)] == [("big.bin", big), *MEMBERS[:2]]
+
+
 def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -> None:
     import io
     import pickle
@@ -85,6 +95,9 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
         "corrupt header": (whole[:second_header] + b"\x07" * 512 + whole[second_header + 512:], 1, "corrupt"),
         "garbage": (b"not a tar archive at all" * 50, 0, "at its first header"),
         "truncated gzip": (compress(whole, "gz")[: len(compress(whole, "gz")) // 2], None, "cannot read tar archive"),
+        # a shard cut off while a 1 TiB member was written: its header promises more than exists
+        "huge member cut off": (whole[: sum(sizes[:3])] + _header("huge.bin", 1 << 40) + bytes(1000), 3,
+                                "in member 'huge.bin'"),
     }
     written = {}
     for name, (data, readable, says) in cases.items():
@@ -94,8 +107,14 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
     return written
 
 
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(format=tarfile.GNU_FORMAT)  # GNU: sizes past 8 GiB in base-256
+
+
 @pytest.mark.parametrize("case", ["in a member", "at a member boundary", "in a header", "corrupt header",
-                                  "garbage", "truncated gzip"])
+                                  "garbage", "truncated gzip", "huge member cut off"])
 def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, case: str) -> None:
     path, readable, says = _broken_archives(tmp_path)[case]
     pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar()

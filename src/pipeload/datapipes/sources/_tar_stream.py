@@ -78,6 +78,7 @@ def _zstd_reader(source: Any) -> Any:
 
 
 _SKIP_CHUNK_BYTES = 1 << 20
+_MAX_READ_BYTES = 1 << 26
 
 
 class TarFormatError(tarfile.ReadError):
@@ -149,12 +150,11 @@ class TarReader:
         self.members_read = members_read
 
     def _read_exactly(self, size: int) -> bytes:
-        data = self._stream.read(size)
-        while len(data) < size:
-            more = self._stream.read(size - len(data))
-            if not more:
-                break
-            data += more
+        # Bounded reads: a file object's read(n) reserves n bytes first, and the size comes from
+        # a header, which a cut-off shard may promise far past its end.
+        data = self._stream.read(min(size, _MAX_READ_BYTES))
+        if len(data) < size:
+            data = self._read_rest(data, size)
         self.offset += len(data)
         if len(data) < size:
             if self.in_member:
@@ -163,6 +163,17 @@ class TarReader:
                 raise TarFormatError("truncated: the data ends without an end-of-archive marker")
             raise TarFormatError(f"truncated: the data ends {len(data)} bytes into a header")
         return data
+
+    def _read_rest(self, start: bytes, size: int) -> bytes:
+        """``start`` and what follows it, up to ``size`` bytes or the end of the data."""
+        pieces, got = [start], len(start)
+        while got < size:
+            piece = self._stream.read(min(size - got, _MAX_READ_BYTES))
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
 
     def _read_data(self, size: int) -> bytes:
         data = self._read_exactly(size)
