@@ -20,6 +20,9 @@ from typing import IO, Any
 REMOTE_EXTRA_HINT = "pip install 'pipeload[remote]' (fsspec, plus s3fs for s3://)"
 LOCAL_PREFIX = "file://"
 _SIZE_NOT_NEEDED = -1
+# A remote read that brings no byte for this long has stalled: a transient failure (retried).
+HTTP_STALL_S = 60.0
+HTTP_CONNECT_S = 30.0  # aiohttp's own default for connecting
 
 
 def is_local(url: str) -> bool:
@@ -50,11 +53,31 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
         ImportError: fsspec, or the protocol's own package (s3fs for ``s3://``), is missing.
     """
     fsspec = fsspec_module(url)
+    options = dict(storage_options or {})
     try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        if url.startswith(("http://", "https://")):
+            options = _with_stall_timeout(options)  # imports aiohttp: inside, for the hint
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as error:
         raise ImportError(f"reading {url!r} needs a package that is not installed ({error}): "
                           f"{REMOTE_EXTRA_HINT}") from error
+
+
+def _with_stall_timeout(options: dict[str, Any]) -> dict[str, Any]:
+    """HTTP options whose session gives up on a read that brings nothing for ``HTTP_STALL_S``.
+
+    aiohttp's default instead bounds the whole response at 300 s: a stalled server holds a read
+    for five minutes per attempt, and a shard that takes longer than that to stream can never be
+    read (each reconnect must read past the bytes already handed out, within the same 300 s).
+    A ``timeout`` the user put in ``client_kwargs`` is kept.
+    """
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if "timeout" in client_kwargs:
+        return options
+    import aiohttp
+
+    client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_S, sock_read=HTTP_STALL_S)
+    return {**options, "client_kwargs": client_kwargs}
 
 
 def load_implementations(urls: list[str]) -> None:
