@@ -4,6 +4,7 @@ archive and member, raised or skipped by the on_error policy."""
 
 from __future__ import annotations
 
+import gzip
 import sys
 import tarfile
 import warnings
@@ -141,6 +142,31 @@ def test_a_broken_archive_in_a_worker_is_still_an_archive_error(tmp_path: Path, 
     loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type)
     with pytest.raises(ArchiveError, match="shard-0001.tar' in member 's01_000.jpg'"):
         list(loader)
+
+
+def test_a_compressed_archive_is_checked_to_its_checksum(tmp_path: Path) -> None:
+    # gzip's stored (level 0) blocks carry bytes as they are: a flipped byte decompresses fine and
+    # only the CRC-32 at the very end, past the tar's end-of-archive marker, tells
+    whole = tar_bytes(MEMBERS)
+    flipped = bytearray(gzip.compress(whole, compresslevel=0))
+    flipped[flipped.index(MEMBERS[3][1][100:140]) + 10] ^= 0xFF
+    path = tmp_path / "flipped.tar.gz"
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ArchiveError, match=r"flipped.tar.gz' after member .* CRC check failed"):
+        members_of(path)
+    cut = tmp_path / "cut-in-its-trailer.tar.gz"
+    cut.write_bytes(gzip.compress(whole)[:-4])
+    with pytest.raises(ArchiveError, match="cut-in-its-trailer.tar.gz' after member"):
+        members_of(cut)
+
+
+def test_bad_compressed_data_is_an_archive_error(tmp_path: Path) -> None:
+    broken = bytearray(compress(tar_bytes(MEMBERS), "bz2"))
+    broken[5] ^= 0xFF  # bzip2's block magic: "Invalid data stream", an OSError
+    path = tmp_path / "broken.tar.bz2"
+    path.write_bytes(bytes(broken))
+    with pytest.raises(ArchiveError, match="broken.tar.bz2' at its first header"):
+        members_of(path)
 
 
 def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Path) -> None:

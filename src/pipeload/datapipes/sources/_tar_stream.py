@@ -111,6 +111,7 @@ class TarReader:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
             if block == _ZERO_BLOCK:
+                self._check_compressed_to_its_end()
                 return None
             self._check_header(block, header_at)
             kind = block[156:157]
@@ -132,6 +133,16 @@ class TarReader:
                 long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
                 self.last_member = name  # a directory, a link, a device: nothing to yield
+
+    def _check_compressed_to_its_end(self) -> None:
+        """Read a compressed archive on past its end-of-archive marker, to the end of the
+        compressed data: only there does the decompressor check its checksum (gzip's CRC-32 and
+        length, bzip2's stream CRC), and a flipped bit that still decompresses, or a cut-off
+        trailer, is otherwise delivered without a word. Costs the archive's zero padding."""
+        if isinstance(self._stream, _Prefixed):  # not compressed: nothing to check
+            return
+        while self._stream.read(_SKIP_CHUNK_BYTES):
+            pass
 
     def move_to(self, offset: int, members_read: int) -> None:
         """Continue from ``offset`` bytes into the archive (a member boundary, as a checkpoint
