@@ -24,6 +24,9 @@ from pipeload.datapipes.sources import (
     failure_counts,
 )
 
+# every stream opened is closed when its archive ends, fails or is dropped
+pytestmark = pytest.mark.usefixtures("leak_guard")
+
 MEMBERS = [m for index in range(4) for m in sample_files(0, index)]
 
 
@@ -132,7 +135,6 @@ def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, ca
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("leak_guard")
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_a_broken_archive_in_a_worker_is_still_an_archive_error(tmp_path: Path, worker_type: str) -> None:
     # a worker's failure is rebuilt in the main process from its type and message alone
