@@ -74,6 +74,14 @@ def test_a_connection_that_keeps_failing_ends_in_an_error_naming_the_url(server:
     assert "gave up after 3 attempts" in " ".join(getattr(raised.value.__cause__, "__notes__", []))
 
 
+@pytest.mark.parametrize("chunk", [None, 4096])
+def test_a_stream_read_that_keeps_failing_names_the_url(server: ShardServer, chunk: int | None) -> None:
+    server.drop("shard-0001.tar", times=100)
+    url = server.url("shard-0001.tar")
+    with pytest.raises(SourceError, match=url):
+        list(IterableWrapper([url]).open_files(mode="b", retry=FAST_RETRY).read_from_stream(chunk=chunk))
+
+
 def test_the_skip_policy_leaves_out_the_failing_shard_and_counts_it(server: ShardServer) -> None:
     server.drop("shard-0002.tar", times=100)
     pipe = webdataset_pipeline(shard_urls(server), shuffle_shards=False, shuffle_buffer=0,

@@ -66,11 +66,12 @@ def _naming(error: OSError, url: str) -> OSError:
     return type(error)(code, error.strerror if error.errno else os.strerror(code), url)
 
 
-def read_all(stream: IO[Any], url: str) -> Any:
-    """The rest of ``stream``; a failure (after the stream's own retries) names ``url``."""
+def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
+    """The rest of ``stream`` (at most ``size`` of it, when given); a failure (after the
+    stream's own retries) names ``url``."""
     try:
-        return stream.read()
-    except (UnicodeDecodeError, MemoryError):
+        return stream.read() if size is None else stream.read(size)
+    except (ValueError, TypeError, MemoryError):  # the data or the caller, not the source
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
@@ -278,7 +279,7 @@ class _StreamReadingIterator(SkipToResume, PipeIterator[tuple[str, Any]]):
             if self._current is None:
                 self._current = self._streams.nonblocking_next()
             label, stream = self._current
-            data = stream.read() if self._chunk is None else stream.read(self._chunk)
+            data = read_naming(stream, label, self._chunk)
             if data:
                 return label, data
             self._current = None
@@ -324,7 +325,7 @@ class FileReader(MapDataPipe[tuple[str, Any]]):
     def __getitem__(self, index: int) -> tuple[str, Any]:
         url = self.paths[index]
         with open_stream(url, self.mode, self.encoding, self.storage_options, self.retry) as stream:
-            return url, read_all(stream, url)
+            return url, read_naming(stream, url)
 
     def __len__(self) -> int:
         return len(self.paths)
