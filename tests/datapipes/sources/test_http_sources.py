@@ -14,7 +14,7 @@ from sources_for_tests import ShardServer, all_keys, refused_url, sample_key, wr
 
 import pipeload
 from pipeload.datapipes import webdataset_pipeline
-from pipeload.datapipes.iter import IterableWrapper
+from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SkippedSampleWarning, SourceError, _storage
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
@@ -109,6 +109,8 @@ def test_a_missing_shard_is_a_file_not_found_naming_the_url(server: ShardServer)
     with pytest.raises(FileNotFoundError, match="no-such-shard.tar"):
         list(IterableWrapper([url]).open_files(mode="b"))
     assert server.requests["no-such-shard.tar"] == 1  # a 404 is not retried
+    with pytest.raises(FileNotFoundError, match=server.url("no-such-folder")):
+        list(FileLister(server.url("no-such-folder"), "*.tar"))
 
 
 @pytest.mark.timeout(30)
