@@ -14,8 +14,8 @@ from sources_for_tests import ShardServer, all_keys, refused_url, sample_key, wr
 
 import pipeload
 from pipeload.datapipes import webdataset_pipeline
-from pipeload.datapipes.iter import IterableWrapper
-from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SkippedSampleWarning, SourceError
+from pipeload.datapipes.iter import FileLister, IterableWrapper
+from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SkippedSampleWarning, SourceError, _storage
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
 
@@ -74,6 +74,14 @@ def test_a_connection_that_keeps_failing_ends_in_an_error_naming_the_url(server:
     assert "gave up after 3 attempts" in " ".join(getattr(raised.value.__cause__, "__notes__", []))
 
 
+@pytest.mark.parametrize("chunk", [None, 4096])
+def test_a_stream_read_that_keeps_failing_names_the_url(server: ShardServer, chunk: int | None) -> None:
+    server.drop("shard-0001.tar", times=100)
+    url = server.url("shard-0001.tar")
+    with pytest.raises(SourceError, match=url):
+        list(IterableWrapper([url]).open_files(mode="b", retry=FAST_RETRY).read_from_stream(chunk=chunk))
+
+
 def test_the_skip_policy_leaves_out_the_failing_shard_and_counts_it(server: ShardServer) -> None:
     server.drop("shard-0002.tar", times=100)
     pipe = webdataset_pipeline(shard_urls(server), shuffle_shards=False, shuffle_buffer=0,
@@ -101,6 +109,23 @@ def test_a_missing_shard_is_a_file_not_found_naming_the_url(server: ShardServer)
     with pytest.raises(FileNotFoundError, match="no-such-shard.tar"):
         list(IterableWrapper([url]).open_files(mode="b"))
     assert server.requests["no-such-shard.tar"] == 1  # a 404 is not retried
+    with pytest.raises(FileNotFoundError, match=server.url("no-such-folder")):
+        list(FileLister(server.url("no-such-folder"), "*.tar"))
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_response_is_a_transient_error_not_a_five_minute_wait(
+    server: ShardServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aiohttp's own default waits 300 s for a whole response, bytes or none, and caps a long
+    # shard at 300 s too; a read that brings nothing for HTTP_STALL_S is what fails
+    monkeypatch.setattr(_storage, "HTTP_STALL_S", 0.3)
+    server.stall("shard-0001.tar")
+    urls = shard_urls(server, 2)
+    pipe = IterableWrapper(urls).open_files(mode="b", retry=FAST_RETRY).load_from_tar()
+    with pytest.raises(SourceError, match=urls[1]) as raised:
+        list(pipe)
+    assert "Timeout" in str(raised.value) and server.requests["shard-0001.tar"] >= FAST_RETRY.attempts
 
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])

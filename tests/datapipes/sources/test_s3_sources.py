@@ -4,6 +4,7 @@ from the standard AWS_* environment variables or from storage_options."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from sources_for_tests import all_keys, free_port, sample_key, write_shards
 import pipeload
 from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import FileLister, IterableWrapper
+from pipeload.datapipes.sources import FileReader
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -95,7 +97,18 @@ def test_file_lister_finds_the_shards_by_mask(fresh_s3_clients: str) -> None:
     assert f"s3://{BUCKET}/train/README.txt" in everything and len(everything) == SHARDS + 1
 
 
-def test_a_missing_object_is_named(fresh_s3_clients: str) -> None:
+def test_a_missing_object_is_named_by_its_whole_url(fresh_s3_clients: str) -> None:
     url = f"s3://{BUCKET}/train/no-such-shard.tar"
-    with pytest.raises(FileNotFoundError, match="no-such-shard.tar"):
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(url))):
         list(IterableWrapper([url]).open_files(mode="b"))
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(url))):
+        FileReader([url])[0]
+
+
+@pytest.mark.parametrize("root", [f"s3://{BUCKET}/no-such-prefix", "s3://no-such-bucket/train"])
+def test_a_missing_prefix_or_bucket_is_named_as_a_missing_local_directory_is(
+    fresh_s3_clients: str, root: str
+) -> None:
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(root))):
+        list(FileLister(root, "*.tar"))
+    assert list(FileLister(f"s3://{BUCKET}/train", "*.zip")) == []  # there, but nothing matches

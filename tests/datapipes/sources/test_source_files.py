@@ -156,6 +156,13 @@ def test_shard_urls_from_lists_brace_ranges_and_globs(tmp_path: Path) -> None:
         expand_urls(f"{tmp_path}/nothing-*.tar")
 
 
+def test_brace_lists_expand_as_webdatasets_urls_do() -> None:
+    assert expand_urls("s3://b/{train,val}-{0..1}.tar") == [
+        "s3://b/train-0.tar", "s3://b/train-1.tar", "s3://b/val-0.tar", "s3://b/val-1.tar"]
+    assert expand_urls("http://h/{a}/x-{08..10}.tar") == [
+        "http://h/{a}/x-08.tar", "http://h/{a}/x-09.tar", "http://h/{a}/x-10.tar"]  # {a}: no choice, kept
+
+
 def test_a_remote_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"pipeload\[remote\]") as raised:

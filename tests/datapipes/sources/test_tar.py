@@ -4,6 +4,7 @@ archive and member, raised or skipped by the on_error policy."""
 
 from __future__ import annotations
 
+import gzip
 import sys
 import tarfile
 import warnings
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from sources_for_tests import compress, sample_files, tar_bytes, write_shards
 
+import pipeload
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.sources import (
     ArchiveError,
@@ -21,6 +23,9 @@ from pipeload.datapipes.sources import (
     SkippedSampleWarning,
     failure_counts,
 )
+
+# every stream opened is closed when its archive ends, fails or is dropped
+pytestmark = pytest.mark.usefixtures("leak_guard")
 
 MEMBERS = [m for index in range(4) for m in sample_files(0, index)]
 
@@ -37,6 +42,16 @@ def test_every_member_in_archive_order_whatever_the_compression(tmp_path: Path, 
     got = members_of(path)
     assert [(p, data) for p, data in got] == [(f"{path}/{name}", data) for name, data in MEMBERS]
     assert all(isinstance(m, ArchiveMember) and m.archive == str(path) for m in got)
+
+
+def test_a_member_larger_than_one_read_comes_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeload.datapipes.sources import _tar_stream
+
+    monkeypatch.setattr(_tar_stream, "_MAX_READ_BYTES", 100)  # reads are bounded; members are not
+    big = bytes(range(256)) * 20
+    path = tmp_path / "big.tar.gz"
+    path.write_bytes(compress(tar_bytes([("big.bin", big), *MEMBERS[:2]]), "gz"))
+    assert [(m.name, m[1]) for m in members_of(path)] == [("big.bin", big), *MEMBERS[:2]]
 
 
 def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -> None:
@@ -84,6 +99,9 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
         "corrupt header": (whole[:second_header] + b"\x07" * 512 + whole[second_header + 512:], 1, "corrupt"),
         "garbage": (b"not a tar archive at all" * 50, 0, "at its first header"),
         "truncated gzip": (compress(whole, "gz")[: len(compress(whole, "gz")) // 2], None, "cannot read tar archive"),
+        # a shard cut off while a 1 TiB member was written: its header promises more than exists
+        "huge member cut off": (whole[: sum(sizes[:3])] + _header("huge.bin", 1 << 40) + bytes(1000), 3,
+                                "in member 'huge.bin'"),
     }
     written = {}
     for name, (data, readable, says) in cases.items():
@@ -93,8 +111,14 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
     return written
 
 
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(format=tarfile.GNU_FORMAT)  # GNU: sizes past 8 GiB in base-256
+
+
 @pytest.mark.parametrize("case", ["in a member", "at a member boundary", "in a header", "corrupt header",
-                                  "garbage", "truncated gzip"])
+                                  "garbage", "truncated gzip", "huge member cut off"])
 def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, case: str) -> None:
     path, readable, says = _broken_archives(tmp_path)[case]
     pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar()
@@ -108,6 +132,43 @@ def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, ca
     if readable is not None:
         assert [m.name for m in got] == [name for name, _ in MEMBERS[:readable]]
     assert failure_counts(pipe) == FailureCounts(skipped=0, raised=1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_broken_archive_in_a_worker_is_still_an_archive_error(tmp_path: Path, worker_type: str) -> None:
+    # a worker's failure is rebuilt in the main process from its type and message alone
+    paths = write_shards(tmp_path, 2, 3)
+    paths[1].write_bytes(paths[1].read_bytes()[:1500])
+    pipe = IterableWrapper([str(p) for p in paths]).sharding_filter().open_files(mode="b").load_from_tar()
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type)
+    with pytest.raises(ArchiveError, match="shard-0001.tar' in member 's01_000.jpg'"):
+        list(loader)
+
+
+def test_a_compressed_archive_is_checked_to_its_checksum(tmp_path: Path) -> None:
+    # gzip's stored (level 0) blocks carry bytes as they are: a flipped byte decompresses fine and
+    # only the CRC-32 at the very end, past the tar's end-of-archive marker, tells
+    whole = tar_bytes(MEMBERS)
+    flipped = bytearray(gzip.compress(whole, compresslevel=0))
+    flipped[flipped.index(MEMBERS[3][1][100:140]) + 10] ^= 0xFF
+    path = tmp_path / "flipped.tar.gz"
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ArchiveError, match=r"flipped.tar.gz' after member .* CRC check failed"):
+        members_of(path)
+    cut = tmp_path / "cut-in-its-trailer.tar.gz"
+    cut.write_bytes(gzip.compress(whole)[:-4])
+    with pytest.raises(ArchiveError, match="cut-in-its-trailer.tar.gz' after member"):
+        members_of(cut)
+
+
+def test_bad_compressed_data_is_an_archive_error(tmp_path: Path) -> None:
+    broken = bytearray(compress(tar_bytes(MEMBERS), "bz2"))
+    broken[5] ^= 0xFF  # bzip2's block magic: "Invalid data stream", an OSError
+    path = tmp_path / "broken.tar.bz2"
+    path.write_bytes(bytes(broken))
+    with pytest.raises(ArchiveError, match="broken.tar.bz2' at its first header"):
+        members_of(path)
 
 
 def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Path) -> None:

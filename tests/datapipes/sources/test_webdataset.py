@@ -13,6 +13,9 @@ from pipeload.datapipes.iter import IterableWrapper
 from pipeload.datapipes.sources import ArchiveMember, FailureCounts, SkippedSampleWarning, split_key
 
 
+# every stream opened is closed when its archive ends, fails or is dropped
+pytestmark = pytest.mark.usefixtures("leak_guard")
+
 def test_keys_and_extensions_follow_webdatasets_convention() -> None:
     assert split_key("a/b/000123.seg.png") == ("a/b/000123", "seg.png")
     assert split_key("x.y/abc.JPG") == ("x.y/abc", "JPG")

@@ -11,6 +11,7 @@ reuses the main process's connections.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 from collections.abc import Mapping
@@ -19,6 +20,9 @@ from typing import IO, Any
 REMOTE_EXTRA_HINT = "pip install 'pipeload[remote]' (fsspec, plus s3fs for s3://)"
 LOCAL_PREFIX = "file://"
 _SIZE_NOT_NEEDED = -1
+# A remote read that brings no byte for this long has stalled: a transient failure (retried).
+HTTP_STALL_S = 60.0
+HTTP_CONNECT_S = 30.0  # aiohttp's own default for connecting
 
 
 def is_local(url: str) -> bool:
@@ -49,11 +53,31 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
         ImportError: fsspec, or the protocol's own package (s3fs for ``s3://``), is missing.
     """
     fsspec = fsspec_module(url)
+    options = dict(storage_options or {})
     try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        if url.startswith(("http://", "https://")):
+            options = _with_stall_timeout(options)  # imports aiohttp: inside, for the hint
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as error:
         raise ImportError(f"reading {url!r} needs a package that is not installed ({error}): "
                           f"{REMOTE_EXTRA_HINT}") from error
+
+
+def _with_stall_timeout(options: dict[str, Any]) -> dict[str, Any]:
+    """HTTP options whose session gives up on a read that brings nothing for ``HTTP_STALL_S``.
+
+    aiohttp's default instead bounds the whole response at 300 s: a stalled server holds a read
+    for five minutes per attempt, and a shard that takes longer than that to stream can never be
+    read (each reconnect must read past the bytes already handed out, within the same 300 s).
+    A ``timeout`` the user put in ``client_kwargs`` is kept.
+    """
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if "timeout" in client_kwargs:
+        return options
+    import aiohttp
+
+    client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_S, sock_read=HTTP_STALL_S)
+    return {**options, "client_kwargs": client_kwargs}
 
 
 def load_implementations(urls: list[str]) -> None:
@@ -105,15 +129,23 @@ def expand(root: str, masks: list[str], recursive: bool,
         found = [path]
     else:
         found = fs.find(path, maxdepth=None if recursive else 1)
+    # An object store lists a missing prefix (or bucket) as an empty one: ask, as a local root
+    # that is not there is an error, not an empty epoch. Only an empty listing pays the request.
+    if not found and not fs.exists(path):
+        raise missing_root(root)
     protocol = root.split("://", 1)[0]
     return sorted(_with_protocol(f, protocol) for f in found if _matches(f, masks))
+
+
+def missing_root(root: str) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, "FileLister: root is neither a file nor a directory", root)
 
 
 def _expand_local(root: str, masks: list[str], recursive: bool) -> list[str]:
     if os.path.isfile(root):
         return [root] if _matches(root, masks) else []
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"FileLister: root {root!r} is neither a file nor a directory")
+        raise missing_root(root)
     found = []
     for directory, subdirectories, names in os.walk(root):
         found.extend(os.path.join(directory, name) for name in names)

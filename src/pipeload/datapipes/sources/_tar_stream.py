@@ -78,6 +78,7 @@ def _zstd_reader(source: Any) -> Any:
 
 
 _SKIP_CHUNK_BYTES = 1 << 20
+_MAX_READ_BYTES = 1 << 26
 
 
 class TarFormatError(tarfile.ReadError):
@@ -110,6 +111,7 @@ class TarReader:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
             if block == _ZERO_BLOCK:
+                self._check_compressed_to_its_end()
                 return None
             self._check_header(block, header_at)
             kind = block[156:157]
@@ -132,6 +134,16 @@ class TarReader:
             elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
                 self.last_member = name  # a directory, a link, a device: nothing to yield
 
+    def _check_compressed_to_its_end(self) -> None:
+        """Read a compressed archive on past its end-of-archive marker, to the end of the
+        compressed data: only there does the decompressor check its checksum (gzip's CRC-32 and
+        length, bzip2's stream CRC), and a flipped bit that still decompresses, or a cut-off
+        trailer, is otherwise delivered without a word. Costs the archive's zero padding."""
+        if isinstance(self._stream, _Prefixed):  # not compressed: nothing to check
+            return
+        while self._stream.read(_SKIP_CHUNK_BYTES):
+            pass
+
     def move_to(self, offset: int, members_read: int) -> None:
         """Continue from ``offset`` bytes into the archive (a member boundary, as a checkpoint
         recorded it), having read ``members_read`` files: by seeking, when the archive is not
@@ -149,12 +161,11 @@ class TarReader:
         self.members_read = members_read
 
     def _read_exactly(self, size: int) -> bytes:
-        data = self._stream.read(size)
-        while len(data) < size:
-            more = self._stream.read(size - len(data))
-            if not more:
-                break
-            data += more
+        # Bounded reads: a file object's read(n) reserves n bytes first, and the size comes from
+        # a header, which a cut-off shard may promise far past its end.
+        data = self._stream.read(min(size, _MAX_READ_BYTES))
+        if len(data) < size:
+            data = self._read_rest(data, size)
         self.offset += len(data)
         if len(data) < size:
             if self.in_member:
@@ -163,6 +174,17 @@ class TarReader:
                 raise TarFormatError("truncated: the data ends without an end-of-archive marker")
             raise TarFormatError(f"truncated: the data ends {len(data)} bytes into a header")
         return data
+
+    def _read_rest(self, start: bytes, size: int) -> bytes:
+        """``start`` and what follows it, up to ``size`` bytes or the end of the data."""
+        pieces, got = [start], len(start)
+        while got < size:
+            piece = self._stream.read(min(size - got, _MAX_READ_BYTES))
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
 
     def _read_data(self, size: int) -> bytes:
         data = self._read_exactly(size)

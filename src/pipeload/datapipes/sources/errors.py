@@ -7,13 +7,14 @@ class SourceError(OSError):
     """A file or URL could not be opened or read (after any retries).
 
     Attributes:
-        url: the file or URL.
+        url: the file or URL (None in an error a worker raised: the loader rebuilds a worker's
+            error in the main process from its type and message alone, and the message names it).
         member: the archive member being read, when there was one.
 
     The underlying error is the ``__cause__``.
     """
 
-    def __init__(self, message: str, url: str, member: str | None = None) -> None:
+    def __init__(self, message: str, url: str | None = None, member: str | None = None) -> None:
         super().__init__(message)
         self.url = url
         self.member = member

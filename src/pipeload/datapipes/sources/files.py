@@ -4,6 +4,7 @@ paths need nothing; URLs go through fsspec."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
+_ERRNOS = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, IsADirectoryError: errno.EISDIR}
 _MODES = {"r": "r", "t": "r", "rt": "r", "b": "rb", "rb": "rb"}
 
 
@@ -31,7 +33,7 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     Remote files reconnect and resume on transient errors (see :class:`RetryPolicy`).
 
     Raises:
-        FileNotFoundError, PermissionError: as raised for the file (they name it).
+        FileNotFoundError, PermissionError: as raised for the file, naming ``url``.
         SourceError: anything else that stopped the open, after the retries; names ``url``.
         ImportError: a remote URL without the ``remote`` extra installed.
     """
@@ -43,7 +45,11 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
             return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
         reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
                                 retry or RetryPolicy())
-    except (FileNotFoundError, PermissionError, IsADirectoryError, ImportError):
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
+        if url in str(error):
+            raise
+        raise _naming(error, url) from error
+    except ImportError:
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
@@ -53,11 +59,19 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     return stream
 
 
-def read_all(stream: IO[Any], url: str) -> Any:
-    """The rest of ``stream``; a failure (after the stream's own retries) names ``url``."""
+def _naming(error: OSError, url: str) -> OSError:
+    """The same kind of error as ``error``, naming ``url`` (s3fs names an object by its path in
+    the store, without ``s3://``: not something the user could open or grep for)."""
+    code = error.errno or _ERRNOS.get(type(error), errno.EIO)
+    return type(error)(code, error.strerror if error.errno else os.strerror(code), url)
+
+
+def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
+    """The rest of ``stream`` (at most ``size`` of it, when given); a failure (after the
+    stream's own retries) names ``url``."""
     try:
-        return stream.read()
-    except (UnicodeDecodeError, MemoryError):
+        return stream.read() if size is None else stream.read(size)
+    except (ValueError, TypeError, MemoryError):  # the data or the caller, not the source
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
@@ -268,7 +282,7 @@ class _StreamReadingIterator(SkipToResume, PipeIterator[tuple[str, Any]]):
             if self._current is None:
                 self._current = self._streams.nonblocking_next()
             label, stream = self._current
-            data = stream.read() if self._chunk is None else stream.read(self._chunk)
+            data = read_naming(stream, label, self._chunk)
             if data:
                 return label, data
             self._current = None
@@ -314,7 +328,7 @@ class FileReader(MapDataPipe[tuple[str, Any]]):
     def __getitem__(self, index: int) -> tuple[str, Any]:
         url = self.paths[index]
         with open_stream(url, self.mode, self.encoding, self.storage_options, self.retry) as stream:
-            return url, read_all(stream, url)
+            return url, read_naming(stream, url)
 
     def __len__(self) -> int:
         return len(self.paths)

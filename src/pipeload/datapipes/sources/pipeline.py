@@ -14,12 +14,14 @@ from pipeload.datapipes.sources.decoders import ImageOutput
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.on_error import OnError
 
-_BRACE_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+_BRACE_RANGE = re.compile(r"(\d+)\.\.(\d+)")
 _GLOB_CHARACTERS = frozenset("*?[")
 
 
 def expand_urls(urls: str | Sequence[str], storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Shard URLs from a list, a brace range (``shard-{0000..0099}.tar``) or a glob (``*.tar``).
+    """Shard URLs from a list, brace ranges and lists (``{train,val}-{0000..0099}.tar``) or a glob
+    (``*.tar``).
 
     Globs are matched now, locally or through fsspec, and sorted.
 
@@ -41,16 +43,24 @@ def expand_urls(urls: str | Sequence[str], storage_options: Mapping[str, Any] | 
 
 
 def _expand_braces(pattern: str) -> list[str]:
-    match = _BRACE_RANGE.search(pattern)
-    if match is None:
-        return [pattern]
-    first, last = match.group(1), match.group(2)
-    width = len(first) if first.startswith("0") else 0
-    head, tail = pattern[:match.start()], pattern[match.end():]
-    expanded = []
-    for number in range(int(first), int(last) + 1):
-        expanded.extend(_expand_braces(f"{head}{number:0{width}d}{tail}"))
-    return expanded
+    """Every URL the first brace group with choices stands for, each expanded again; a group
+    without choices (``{a}``) is kept as written, as braceexpand keeps it."""
+    for match in _BRACES.finditer(pattern):
+        choices = _brace_choices(match.group(1))
+        if choices is not None:
+            head, tail = pattern[:match.start()], pattern[match.end():]
+            return [url for choice in choices for url in _expand_braces(f"{head}{choice}{tail}")]
+    return [pattern]
+
+
+def _brace_choices(inside: str) -> list[str] | None:
+    """``"0..3"`` -> a range (zero-padded like its first number), ``"a,b"`` -> a list, else None."""
+    numbers = _BRACE_RANGE.fullmatch(inside)
+    if numbers is not None:
+        first, last = numbers.group(1), numbers.group(2)
+        width = len(first) if first.startswith("0") else 0
+        return [f"{number:0{width}d}" for number in range(int(first), int(last) + 1)]
+    return inside.split(",") if "," in inside else None
 
 
 def _expand_glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:

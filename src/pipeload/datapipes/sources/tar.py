@@ -15,6 +15,7 @@ from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler
 
 # Errors that mean "these bytes are not a good archive", as opposed to "the bytes did not come".
 _DATA_ERROR_NAMES = frozenset({"ZstdError", "BadGzipFile", "error", "LZMAError"})
+_BZIP2_BAD_DATA = "Invalid data stream"  # bzip2 says so with a plain OSError
 
 
 class ArchiveMember(tuple):
@@ -218,9 +219,14 @@ def _named(error: Exception, url: str, where: str, member: str | None = None) ->
     """The error as an ArchiveError/SourceError naming the archive and where in it it broke."""
     if isinstance(error, SourceError):
         return error
-    is_data = isinstance(error, (tarfile.TarError, EOFError)) or type(error).__name__ in _DATA_ERROR_NAMES
-    kind = ArchiveError if is_data else SourceError
+    kind = ArchiveError if _is_bad_data(error) else SourceError
     message = f"cannot read tar archive {url!r} {where}: {describe_failure(error)}"
     named = kind(message, url, member)
     named.__cause__ = error
     return named
+
+
+def _is_bad_data(error: Exception) -> bool:
+    if isinstance(error, (tarfile.TarError, EOFError)) or type(error).__name__ in _DATA_ERROR_NAMES:
+        return True
+    return type(error) is OSError and str(error) == _BZIP2_BAD_DATA
