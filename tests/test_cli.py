@@ -87,7 +87,7 @@ def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> None:
     args = ["bench", "--size", "32", "--batch-size", "16", "--workers", "0", "--repeats", "2",
-            "--loaders", "classic,threads", "--chart", str(tmp_path / "c.png")]
+            "--loaders", "classic,threads", "--chart", str(tmp_path / "chart")]
     first = pipeload_command(args, tmp_path)
     second = pipeload_command(args, tmp_path)
     assert first.returncode == second.returncode == 0, second.stderr
@@ -95,6 +95,9 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
     loaders = [line.split()[0] for line in second.stdout.splitlines()[1:3]]
     assert loaders == ["classic", "threads"]
     assert second.stderr.count("classic   ") == 2 + 1  # two repeats, and the loader's description
+    # A name without ".png" is still the file written (matplotlib would add the suffix).
+    assert f"chart: {tmp_path / 'chart'}" in second.stdout
+    assert (tmp_path / "chart").read_bytes().startswith(PNG_MAGIC)
 
 
 @pytest.mark.timeout(120)
@@ -106,6 +109,11 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, status, words", [
     (["bench", "--size", "0"], 2, "expected an integer >= 1, got '0'"),
     (["bench", "--loaders", "economic", "--workers", "0", "--size", "16"], 2, "economic mode needs workers"),
+    (["bench", "--loaders", "torch,,classic"], 2, "empty loader name in 'torch,,classic'"),
+    (["bench", "--loaders", "classic,"], 2, "empty loader name in 'classic,'"),
+    (["bench", "--loaders", "classic,threads,classic"], 2, "loader 'classic' named twice"),
+    (["bench", "--chart", "."], 2, "--chart . is a directory"),
+    (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png"),
     (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
     (["profile", "factories:slow_dataset", "--step-ms", "-5"], 2, "expected a number of milliseconds >= 0, got '-5'"),
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
@@ -115,6 +123,9 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
     (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
     (["profile", "factories:not_a_dataset"], 1, "returned int, expected a dataset or a DataLoader"),
+    (["profile", "factories:the_class"], 1, "returned the class Slow, expected a dataset"),
+    (["profile", "factories:exits"], 1, "factories:exits raised SystemExit: 3"),
+    (["profile", "factories:broken_len"], 1, "loading failed after 0 batches: RuntimeError: no length"),
     (["profile", "factories:fails_to_load"], 1, "loading failed after 0 batches: KeyError"),
 ])
 @pytest.mark.timeout(60)
@@ -202,6 +213,19 @@ def not_a_dataset():
 
 def fails_to_load():
     return {"a": 1}
+
+def the_class():
+    return Slow
+
+def exits():
+    raise SystemExit(3)
+
+class BrokenLen(Slow):
+    def __len__(self):
+        raise RuntimeError("no length")
+
+def broken_len():
+    return BrokenLen()
 '''
 
 
