@@ -166,6 +166,25 @@ def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, facto
     assert "suggested settings: " in out
 
 
+@pytest.mark.timeout(120)
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    # `pipeload profile ... | head -1`: the output pipe is closed before anything is written.
+    _write_factories(tmp_path)
+    marker = uuid.uuid4().hex
+    env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(REPO_ROOT / "src")}
+    shm_before = _shm_entries()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeload", "profile", "factories:slow_dataset", "--batches", "4",
+         "--batch-size", "4", "--num-workers", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    _assert_nothing_left(marker, shm_before)
+    assert process.returncode == 128 + 13, stderr  # as if SIGPIPE had ended it, as for other tools
+    assert stderr == ""
+
+
 @pytest.mark.slow
 def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex

@@ -13,6 +13,8 @@ imported or raises, a missing optional package: one line on stderr and a non-zer
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pipeload {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early (`| head`): not worth a traceback
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout once more at exit, which would fail on the closed pipe again and print
+    # "Exception ignored"; pointing the descriptor at /dev/null lets that flush succeed.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:
