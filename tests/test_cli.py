@@ -123,6 +123,7 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
     (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
     (["profile", "factories:not_a_dataset"], 1, "returned int, expected a dataset or a DataLoader"),
+    (["profile", "factories:stats_off"], 1, "returned a DataLoader built with stats=False"),
     (["profile", "factories:the_class"], 1, "returned the class Slow, expected a dataset"),
     (["profile", "factories:exits"], 1, "factories:exits raised SystemExit: 3"),
     (["profile", "factories:broken_len"], 1, "loading failed after 0 batches: RuntimeError: no length"),
@@ -164,6 +165,25 @@ def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, facto
     assert f"profiled 12 batches from factories:{factory}" in out
     assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
     assert "suggested settings: " in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cache, words", [
+    ("a_file", "the cache {cache} is not a directory; set PIPELOAD_CACHE"),
+    ("a_file/below", "cannot write the dataset under {cache}: Not a directory; set PIPELOAD_CACHE"),
+])
+def test_bench_with_an_unusable_cache_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    cache: str, words: str,
+) -> None:
+    from pipeload import cli
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("PIPELOAD_CACHE", str(tmp_path / cache))
+    returned = cli.main(["bench", "--size", "8", "--loaders", "threads", "--workers", "0", "--repeats", "1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert returned == 1 and len(lines) == 1, lines
+    assert words.format(cache=tmp_path / cache) in lines[0], lines[0]
 
 
 @pytest.mark.timeout(120)
@@ -232,6 +252,9 @@ def not_a_dataset():
 
 def fails_to_load():
     return {"a": 1}
+
+def stats_off():
+    return pipeload.DataLoader(Slow(), batch_size=4, stats=False)
 
 def the_class():
     return Slow

@@ -137,9 +137,17 @@ def _dataset(size: int) -> Path:
 
     if (dataset_dir(size) / "index.json").is_file():
         return dataset_dir(size)
-    _say(f"first run: writing {size} synthetic JPEG images in tar shards under {cache_dir()}")
-    with _bar(size, "writing images", "img") as bar:
-        return ensure_images(size, bar)
+    if cache_dir().exists() and not cache_dir().is_dir():  # mkdir would say only "File exists"
+        raise CommandError(f"the cache {cache_dir()} is not a directory; set PIPELOAD_CACHE to a "
+                           "writable directory", status=1)
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)  # an unusable cache is the only line said
+        _say(f"first run: writing {size} synthetic JPEG images in tar shards under {cache_dir()}")
+        with _bar(size, "writing images", "img") as bar:
+            return ensure_images(size, bar)
+    except OSError as error:
+        raise CommandError(f"cannot write the dataset under {cache_dir()}: {error.strerror or error}; "
+                           "set PIPELOAD_CACHE to a writable directory", status=1) from None
 
 
 def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -> Run:

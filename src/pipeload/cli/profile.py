@@ -83,6 +83,12 @@ def call_factory(target: str) -> Any:
 def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
     """The pipeload DataLoader to profile, from what the factory returned."""
     if isinstance(made, pipeload.DataLoader):
+        try:
+            made.stats()
+        except RuntimeError:  # built with stats=False: the summary is all this command prints
+            raise CommandError(f"{options.target} returned a DataLoader built with stats=False: "
+                               "nothing to profile; return one with stats on (the default)",
+                               status=1) from None
         return made
     if isinstance(made, type):  # a class has __getitem__ and __len__ too: the instance was meant
         raise CommandError(f"{options.target} returned the class {made.__name__}, expected a dataset "
