@@ -4,9 +4,8 @@
 returns a dataset (map-style or iterable) or a DataLoader. A dataset gets a pipeload DataLoader
 with the command's options; a pipeload DataLoader is used as it is; torch's DataLoader is rebuilt
 as pipeload's with its dataset, sampler or batch sampler, batch size, drop_last, collate_fn and
-workers. After ``--batches`` batches
-(``--step-ms`` of pretend training between them), the loader's stats summary is printed, with
-the settings worth trying.
+workers. After ``--batches`` batches (``--step-ms`` of pretend training between them), the
+loader's stats summary is printed, with the settings worth trying.
 """
 
 from __future__ import annotations
