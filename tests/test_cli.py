@@ -87,7 +87,7 @@ def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> None:
     args = ["bench", "--size", "32", "--batch-size", "16", "--workers", "0", "--repeats", "2",
-            "--loaders", "classic,threads", "--chart", str(tmp_path / "c.png")]
+            "--loaders", "classic,threads", "--chart", str(tmp_path / "chart")]
     first = pipeload_command(args, tmp_path)
     second = pipeload_command(args, tmp_path)
     assert first.returncode == second.returncode == 0, second.stderr
@@ -95,6 +95,9 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
     loaders = [line.split()[0] for line in second.stdout.splitlines()[1:3]]
     assert loaders == ["classic", "threads"]
     assert second.stderr.count("classic   ") == 2 + 1  # two repeats, and the loader's description
+    # A name without ".png" is still the file written (matplotlib would add the suffix).
+    assert f"chart: {tmp_path / 'chart'}" in second.stdout
+    assert (tmp_path / "chart").read_bytes().startswith(PNG_MAGIC)
 
 
 @pytest.mark.timeout(120)
@@ -106,6 +109,11 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, status, words", [
     (["bench", "--size", "0"], 2, "expected an integer >= 1, got '0'"),
     (["bench", "--loaders", "economic", "--workers", "0", "--size", "16"], 2, "economic mode needs workers"),
+    (["bench", "--loaders", "torch,,classic"], 2, "empty loader name in 'torch,,classic'"),
+    (["bench", "--loaders", "classic,"], 2, "empty loader name in 'classic,'"),
+    (["bench", "--loaders", "classic,threads,classic"], 2, "loader 'classic' named twice"),
+    (["bench", "--chart", "."], 2, "--chart . is a directory"),
+    (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png"),
     (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
     (["profile", "factories:slow_dataset", "--step-ms", "-5"], 2, "expected a number of milliseconds >= 0, got '-5'"),
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
@@ -115,6 +123,10 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
     (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
     (["profile", "factories:not_a_dataset"], 1, "returned int, expected a dataset or a DataLoader"),
+    (["profile", "factories:stats_off"], 1, "returned a DataLoader built with stats=False"),
+    (["profile", "factories:the_class"], 1, "returned the class Slow, expected a dataset"),
+    (["profile", "factories:exits"], 1, "factories:exits raised SystemExit: 3"),
+    (["profile", "factories:broken_len"], 1, "loading failed after 0 batches: RuntimeError: no length"),
     (["profile", "factories:fails_to_load"], 1, "loading failed after 0 batches: KeyError"),
 ])
 @pytest.mark.timeout(60)
@@ -153,6 +165,44 @@ def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, facto
     assert f"profiled 12 batches from factories:{factory}" in out
     assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
     assert "suggested settings: " in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cache, words", [
+    ("a_file", "the cache {cache} is not a directory; set PIPELOAD_CACHE"),
+    ("a_file/below", "cannot write the dataset under {cache}: Not a directory; set PIPELOAD_CACHE"),
+])
+def test_bench_with_an_unusable_cache_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    cache: str, words: str,
+) -> None:
+    from pipeload import cli
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("PIPELOAD_CACHE", str(tmp_path / cache))
+    returned = cli.main(["bench", "--size", "8", "--loaders", "threads", "--workers", "0", "--repeats", "1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert returned == 1 and len(lines) == 1, lines
+    assert words.format(cache=tmp_path / cache) in lines[0], lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    # `pipeload profile ... | head -1`: the output pipe is closed before anything is written.
+    _write_factories(tmp_path)
+    marker = uuid.uuid4().hex
+    env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(REPO_ROOT / "src")}
+    shm_before = _shm_entries()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeload", "profile", "factories:slow_dataset", "--batches", "4",
+         "--batch-size", "4", "--num-workers", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    _assert_nothing_left(marker, shm_before)
+    assert process.returncode == 128 + 13, stderr  # as if SIGPIPE had ended it, as for other tools
+    assert stderr == ""
 
 
 @pytest.mark.slow
@@ -202,6 +252,22 @@ def not_a_dataset():
 
 def fails_to_load():
     return {"a": 1}
+
+def stats_off():
+    return pipeload.DataLoader(Slow(), batch_size=4, stats=False)
+
+def the_class():
+    return Slow
+
+def exits():
+    raise SystemExit(3)
+
+class BrokenLen(Slow):
+    def __len__(self):
+        raise RuntimeError("no length")
+
+def broken_len():
+    return BrokenLen()
 '''
 
 

@@ -1,7 +1,8 @@
 """``pipeload`` on the command line (also ``python -m pipeload``).
 
-    pipeload bench [--size N] [--workers N] [--repeats N] [--loaders a,b,...] [--chart PATH]
-    pipeload profile MODULE:FACTORY [--batches N] [--batch-size B] [--num-workers N] [--step-ms T]
+    pipeload bench [--size N] [--workers N] [--repeats N] [--batch-size B] [--loaders a,b,...] [--chart PATH]
+    pipeload profile MODULE:FACTORY [--batches N] [--batch-size B] [--num-workers N] [--mode M]
+                     [--worker-type T] [--step-ms T]
 
 ``bench`` (bench.py) compares torch's DataLoader with pipeload's modes on a JPEG dataset it
 makes on first run; ``profile`` (profile.py) loads a few batches of your own data and prints the
@@ -12,6 +13,8 @@ imported or raises, a missing optional package: one line on stderr and a non-zer
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pipeload {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early (`| head`): not worth a traceback
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout once more at exit, which would fail on the closed pipe again and print
+    # "Exception ignored"; pointing the descriptor at /dev/null lets that flush succeed.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,16 +85,19 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                                 description="Load synthetic JPEGs in tar shards (made on first run, "
                                 "under $PIPELOAD_CACHE or ~/.cache/pipeload) with each loader, "
                                 "interleaving repeats; print a table and write a PNG chart.")
-    bench.add_argument("--size", type=_at_least(1), default=defaults.size, help="images (default: %(default)s)")
+    bench.add_argument("--size", type=_at_least(1), default=defaults.size,
+                       help="images in the dataset (default: %(default)s)")
     bench.add_argument("--workers", type=_at_least(0), default=defaults.workers,
                        help="num_workers of every loader (default: %(default)s)")
     bench.add_argument("--repeats", type=_at_least(1), default=defaults.repeats,
                        help="runs per loader, interleaved (default: %(default)s)")
     bench.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
-                       help="default: %(default)s")
+                       help="images per batch (default: %(default)s)")
     bench.add_argument("--loaders", type=_loader_names, default=defaults.loaders,
                        help=f"comma-separated, from {', '.join(LOADERS)} (default: all)")
-    bench.add_argument("--chart", type=Path, default=None, help="where to write the PNG chart")
+    bench.add_argument("--chart", type=Path, default=None,
+                       help="where to write the PNG chart (default: a timestamped file under the "
+                       "cache directory's bench/)")
     bench.set_defaults(handler=_bench)
 
 
@@ -90,14 +107,18 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
                                   description="Import MODULE, call FACTORY() for a dataset or a "
                                   "DataLoader, load some batches, print the stats summary and "
                                   "suggested settings.")
-    profile.add_argument("target", metavar="MODULE:FACTORY")
-    profile.add_argument("--batches", type=_at_least(1), default=defaults.batches, help="default: %(default)s")
+    profile.add_argument("target", metavar="MODULE:FACTORY",
+                         help="e.g. mypackage.data:make_dataset; the current directory is importable")
+    profile.add_argument("--batches", type=_at_least(1), default=defaults.batches,
+                         help="batches to load (default: %(default)s)")
     profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
                          help="for a dataset (default: %(default)s)")
     profile.add_argument("--num-workers", type=_workers, default=defaults.num_workers,
                          help="for a dataset: a number or 'auto' (default: %(default)s)")
-    profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode)
-    profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type)
+    profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode,
+                         help="for a dataset (default: %(default)s)")
+    profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type,
+                         help="for a dataset (default: %(default)s)")
     profile.add_argument("--step-ms", type=_milliseconds, default=defaults.step_ms,
                          help="pretend training time per batch, in ms (default: %(default)s)")
     profile.set_defaults(handler=_profile)
@@ -118,11 +139,19 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _loader_names(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    # An empty or repeated name is a typo, not a request: refused rather than quietly dropped
+    # (an empty one) or run twice into two identical rows (a repeated one).
+    names = tuple(name.strip() for name in text.split(","))
+    choices = ", ".join(LOADERS)
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"empty loader name in {text!r}; give names separated by "
+                                         f"single commas, from {choices}")
     unknown = [name for name in names if name not in LOADERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown loader {unknown[0] if unknown else text!r}; choose from {', '.join(LOADERS)}")
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown loader {unknown[0]!r}; choose from {choices}")
+    repeated = [name for index, name in enumerate(names) if name in names[:index]]
+    if repeated:
+        raise argparse.ArgumentTypeError(f"loader {repeated[0]!r} named twice in {text!r}")
     return names
 
 

@@ -25,6 +25,7 @@ import torch
 import pipeload
 from pipeload.cli.images import TarImages, cache_dir, ensure_images, shard_pipe
 from pipeload.cli.measure import Run, time_one_pass
+from pipeload.cli.profile import CommandError
 
 SEED = 0
 BASELINE_PATH = Path(__file__).resolve().parents[3] / "bench" / "baseline.py"
@@ -109,6 +110,8 @@ def run(options: BenchOptions) -> int:
     if "economic" in options.loaders and options.workers == 0:
         raise LookupError("economic mode needs workers (--workers 0 was given); leave it out "
                           "with --loaders, or give --workers 1 or more")
+    if options.chart is not None:
+        _check_chart_path(options.chart)
     names = available(options.loaders)
     images = TarImages(_dataset(options.size))
     _say(f"{len(images)} JPEG images ({images.directory}), batch {options.batch_size}, "
@@ -134,9 +137,17 @@ def _dataset(size: int) -> Path:
 
     if (dataset_dir(size) / "index.json").is_file():
         return dataset_dir(size)
-    _say(f"first run: writing {size} synthetic JPEG images in tar shards under {cache_dir()}")
-    with _bar(size, "writing images", "img") as bar:
-        return ensure_images(size, bar)
+    if cache_dir().exists() and not cache_dir().is_dir():  # mkdir would say only "File exists"
+        raise CommandError(f"the cache {cache_dir()} is not a directory; set PIPELOAD_CACHE to a "
+                           "writable directory", status=1)
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)  # an unusable cache is the only line said
+        _say(f"first run: writing {size} synthetic JPEG images in tar shards under {cache_dir()}")
+        with _bar(size, "writing images", "img") as bar:
+            return ensure_images(size, bar)
+    except OSError as error:
+        raise CommandError(f"cannot write the dataset under {cache_dir()}: {error.strerror or error}; "
+                           "set PIPELOAD_CACHE to a writable directory", status=1) from None
 
 
 def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -> Run:
@@ -201,6 +212,21 @@ def _machine_line(options: BenchOptions) -> str:
             "or busy machine the spread shows how much is noise")
 
 
+def _check_chart_path(path: Path) -> None:
+    # Refused before the runs, not after minutes of them.
+    if path.is_dir():
+        raise CommandError(f"--chart {path} is a directory; give a file name such as {path / 'bench.png'}")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):  # a trial open: the only sure test of "can write here" (root included)
+            pass
+    except OSError as error:
+        raise CommandError(f"cannot write the chart to {path}: {error.strerror or error}") from None
+    if not existed:
+        path.unlink()
+
+
 def write_chart(rows: Sequence[Row], options: BenchOptions) -> Path | None:
     """A PNG bar chart of samples/s with the spread as error bars; None without matplotlib."""
     try:
@@ -211,7 +237,6 @@ def write_chart(rows: Sequence[Row], options: BenchOptions) -> Path | None:
         _say("pipeload bench: matplotlib is not installed: no chart (pip install 'pipeload[bench]')")
         return None
     path = options.chart or cache_dir() / "bench" / f"pipeload-bench-{time.strftime('%Y%m%d-%H%M%S')}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
     figure, axis = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.4))
     medians = [r.median_samples_per_s for r in rows]
     errors = [[m - r.lowest for m, r in zip(medians, rows)], [r.highest - m for m, r in zip(medians, rows)]]
@@ -222,8 +247,15 @@ def write_chart(rows: Sequence[Row], options: BenchOptions) -> Path | None:
     axis.set_title(f"pipeload bench: {options.size} JPEGs, batch {options.batch_size}, "
                    f"{options.workers} workers")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # format= given: without it matplotlib appends ".png" to a name without that suffix, and
+        # the path printed would not be the file written.
+        figure.savefig(path, dpi=110, format="png")
+    except OSError as error:
+        raise CommandError(f"cannot write the chart to {path}: {error.strerror or error}", status=1) from None
+    finally:
+        plt.close(figure)
     return path
 
 

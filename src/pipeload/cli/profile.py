@@ -3,9 +3,9 @@
 ``FACTORY`` is a callable in an importable module (the current directory is on the path) that
 returns a dataset (map-style or iterable) or a DataLoader. A dataset gets a pipeload DataLoader
 with the command's options; a pipeload DataLoader is used as it is; torch's DataLoader is rebuilt
-as pipeload's with its dataset, batch size, collate_fn and workers. After ``--batches`` batches
-(``--step-ms`` of pretend training between them), the loader's stats summary is printed, with
-the settings worth trying.
+as pipeload's with its dataset, sampler or batch sampler, batch size, drop_last, collate_fn and
+workers. After ``--batches`` batches (``--step-ms`` of pretend training between them), the
+loader's stats summary is printed, with the settings worth trying.
 """
 
 from __future__ import annotations
@@ -75,17 +75,25 @@ def call_factory(target: str) -> Any:
         raise CommandError(f"module {module_name!r} {what} {attribute!r}")
     try:
         return factory()
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit() in a factory: said, not a silent exit
         raise CommandError(f"{target} raised {type(error).__name__}: {error}", status=1) from None
 
 
 def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
     """The pipeload DataLoader to profile, from what the factory returned."""
     if isinstance(made, pipeload.DataLoader):
+        try:
+            made.stats()
+        except RuntimeError:  # built with stats=False: the summary is all this command prints
+            raise CommandError(f"{options.target} returned a DataLoader built with stats=False: "
+                               "nothing to profile; return one with stats on (the default)",
+                               status=1) from None
         return made
+    if isinstance(made, type):  # a class has __getitem__ and __len__ too: the instance was meant
+        raise CommandError(f"{options.target} returned the class {made.__name__}, expected a dataset "
+                           "or a DataLoader (an instance: call the class)", status=1)
     if isinstance(made, torch_data.DataLoader):
-        return pipeload.DataLoader(made.dataset, batch_size=made.batch_size, collate_fn=made.collate_fn,
-                                   num_workers=made.num_workers)
+        return _rebuilt(made)
     if not isinstance(made, (torch_data.Dataset, torch_data.IterableDataset)) and not (
             hasattr(made, "__getitem__") and hasattr(made, "__len__")):
         raise CommandError(f"{options.target} returned {type(made).__name__}, expected a dataset "
@@ -93,15 +101,29 @@ def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
     try:
         return pipeload.DataLoader(made, batch_size=options.batch_size, num_workers=options.num_workers,
                                    mode=options.mode, worker_type=options.worker_type)
-    except (TypeError, ValueError) as error:
-        raise CommandError(f"cannot load {options.target}'s dataset: {error}", status=1) from None
+    except Exception as error:  # the dataset's own code may run here too
+        raise CommandError(f"cannot load {options.target}'s dataset: {type(error).__name__}: {error}",
+                           status=1) from None
+
+
+def _rebuilt(loader: torch_data.DataLoader) -> pipeload.DataLoader:
+    """torch's loader as pipeload's, batching and ordering its samples the same way."""
+    kept = {"collate_fn": loader.collate_fn, "num_workers": loader.num_workers}
+    if isinstance(loader.dataset, torch_data.IterableDataset):  # no sampler allowed
+        return pipeload.DataLoader(loader.dataset, batch_size=loader.batch_size,
+                                   drop_last=loader.drop_last, **kept)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # the user's batch_sampler
+        return pipeload.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kept)
+    return pipeload.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                               drop_last=loader.drop_last, **kept)
 
 
 def _load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
     step_s = options.step_ms / 1000
-    iterator = iter(loader)
+    iterator = None
     batches = 0
     try:
+        iterator = iter(loader)  # starting an epoch runs the dataset's code too (len, __iter__)
         for _ in iterator:
             batches += 1
             if step_s:
