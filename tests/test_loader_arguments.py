@@ -105,6 +105,9 @@ BAD_CALLS: dict[str, BadCall] = {
         # torch takes it when the loader is built and fails in range() when the epoch starts.
         lambda m: iterate(m.DataLoader(numbers(m), num_workers=0.5)), lambda m: ["num_workers=0.5"]
     ),
+    "prefetch-factor-negative-float": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=1, prefetch_factor=-1.5), lambda m: ["prefetch_factor=-1.5"]
+    ),
     "prefetch-factor-whole-float": BadCall(
         lambda m: iterate(m.DataLoader(numbers(m), num_workers=1, prefetch_factor=2.0)),
         lambda m: ["prefetch_factor=2.0"],

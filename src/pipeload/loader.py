@@ -140,9 +140,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
             num_workers = usable_cpus()
         if auto[1]:
             prefetch_factor = None  # the usual default to start from
-        arguments.check_num_workers(num_workers)
+        num_workers = arguments.resolve_num_workers(num_workers)
         arguments.check_max_shm_bytes(max_shm_bytes)
-        arguments.check_timeout(timeout)
+        timeout = arguments.resolve_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         arguments.check_equal_batches(equal_batches)
