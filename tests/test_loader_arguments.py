@@ -247,6 +247,7 @@ NUMBERS_TORCH_TAKES: dict[str, dict[str, Any]] = {
     "num-workers-true": {"num_workers": True},
     "num-workers-false": {"num_workers": False},
     "num-workers-whole-float-zero": {"num_workers": 0.0},
+    "num-workers-tensor": {"num_workers": torch.tensor(2)},
     "timeout-true": {"num_workers": 1, "timeout": True},
     "timeout-false": {"timeout": False},
     "timeout-numpy-int": {"num_workers": 1, "timeout": np.int64(30)},
