@@ -101,9 +101,12 @@ def test_a_loader_with_running_persistent_workers_copies_without_them() -> None:
     duplicate = None
     try:
         first = batches(original)
+        running = iter(original)  # the second epoch, on the same workers
+        assert next(running).tolist() == first[0]
         duplicate = copy.deepcopy(original)
-        assert duplicate._iterator is None and original._iterator is not None
-        assert batches(duplicate) == batches(original) == first
+        assert duplicate._iterator is None and original._iterator is running
+        assert batches(duplicate) == first
+        assert [batch.tolist() for batch in running] == first[1:]
     finally:
         original._iterator = None  # stops the workers
         if duplicate is not None:
