@@ -58,6 +58,25 @@ def test_instances_answer_isinstance_as_torchs_do() -> None:
     assert isinstance(pipeload.DistributedSampler(data, num_replicas=2, rank=0), tud.DistributedSampler)
 
 
+def test_every_public_name_of_torchs_is_ours_too_but_the_datapipe_helpers() -> None:
+    # Left out on purpose (README, "Compatibility"): DataFrame pipes and the typing and
+    # determinism helpers of torch's datapipes.
+    left_out = {"DFIterDataPipe", "argument_validation", "guaranteed_datapipes_determinism",
+                "non_deterministic", "runtime_validation", "runtime_validation_disabled"}
+    assert sorted(set(tud.__all__) - left_out - set(dir(pipeload))) == []
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_the_loaders_dataset_kind_reads_as_torchs(iterable: bool) -> None:
+    # ``_DatasetKind`` is in torch's __all__; DataLoader subclasses compare the loader's kind with it.
+    dataset = pipeload.ChainDataset([]) if iterable else pipeload.TensorDataset(torch.arange(3))
+    ours, theirs = pipeload.DataLoader(dataset), tud.DataLoader(dataset)
+    assert ours._dataset_kind == theirs._dataset_kind
+    assert ours._dataset_kind == (tud._DatasetKind.Iterable if iterable else tud._DatasetKind.Map)
+    assert ours._dataset_kind == (pipeload._DatasetKind.Iterable if iterable else pipeload._DatasetKind.Map)
+    assert (pipeload._DatasetKind.Map, pipeload._DatasetKind.Iterable) == (tud._DatasetKind.Map, tud._DatasetKind.Iterable)
+
+
 def test_adding_datasets_still_gives_ours() -> None:
     data = pipeload.TensorDataset(torch.arange(3))
     assert type(data + data) is pipeload.ConcatDataset
