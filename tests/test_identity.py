@@ -27,6 +27,7 @@ _CLASS_BOOKKEEPING = {
     "__dict__", "__weakref__", "__module__", "__doc__", "__annotations__", "__orig_bases__",
     "__parameters__", "__abstractmethods__", "_abc_impl", "__firstlineno__",
     "__static_attributes__", "_DataLoader__initialized",
+    "__slotnames__",  # copyreg's cache, left on a class once one of its instances was copied
 }
 
 
