@@ -78,6 +78,20 @@ def test_the_loaders_dataset_kind_reads_as_torchs(iterable: bool) -> None:
     assert (pipeload._DatasetKind.Map, pipeload._DatasetKind.Iterable) == (tud._DatasetKind.Map, tud._DatasetKind.Iterable)
 
 
+def test_the_length_an_iterable_loader_reported_reads_as_torchs() -> None:
+    class Sized(pipeload.IterableDataset):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(5))
+
+        def __len__(self) -> int:
+            return 5
+
+    ours, theirs = pipeload.DataLoader(Sized(), batch_size=2), tud.DataLoader(Sized(), batch_size=2)
+    assert ours._IterableDataset_len_called == theirs._IterableDataset_len_called  # None: not asked yet
+    assert len(ours) == len(theirs) == 3
+    assert ours._IterableDataset_len_called == theirs._IterableDataset_len_called == 5
+
+
 def test_adding_datasets_still_gives_ours() -> None:
     data = pipeload.TensorDataset(torch.arange(3))
     assert type(data + data) is pipeload.ConcatDataset
