@@ -230,6 +230,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
     def _index_sampler(self) -> Any:
         return self.batch_sampler if self._auto_collation else self.sampler
 
+    @property
+    def _IterableDataset_len_called(self) -> int | None:  # noqa: N802 - torch's name
+        """The length an iterable dataset reported to ``len(loader)`` (None before), by torch's name."""
+        return self._len_reported
+
     def __len__(self) -> int:
         if self._dataset_kind is DatasetKind.ITERABLE:
             length = len(self.dataset)  # type: ignore[arg-type]
