@@ -27,6 +27,7 @@ _CLASS_BOOKKEEPING = {
     "__dict__", "__weakref__", "__module__", "__doc__", "__annotations__", "__orig_bases__",
     "__parameters__", "__abstractmethods__", "_abc_impl", "__firstlineno__",
     "__static_attributes__", "_DataLoader__initialized",
+    "__slotnames__",  # copyreg's cache, left on a class once one of its instances was copied
 }
 
 
@@ -56,6 +57,39 @@ def test_instances_answer_isinstance_as_torchs_do() -> None:
     assert isinstance(data, tud.Dataset) and not isinstance(data, tud.IterableDataset)
     assert isinstance(pipeload.ChainDataset([]), tud.IterableDataset)
     assert isinstance(pipeload.DistributedSampler(data, num_replicas=2, rank=0), tud.DistributedSampler)
+
+
+def test_every_public_name_of_torchs_is_ours_too_but_the_datapipe_helpers() -> None:
+    # Left out on purpose (README, "Compatibility"): DataFrame pipes and the typing and
+    # determinism helpers of torch's datapipes.
+    left_out = {"DFIterDataPipe", "argument_validation", "guaranteed_datapipes_determinism",
+                "non_deterministic", "runtime_validation", "runtime_validation_disabled"}
+    assert sorted(set(tud.__all__) - left_out - set(dir(pipeload))) == []
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_the_loaders_dataset_kind_reads_as_torchs(iterable: bool) -> None:
+    # ``_DatasetKind`` is in torch's __all__; DataLoader subclasses compare the loader's kind with it.
+    dataset = pipeload.ChainDataset([]) if iterable else pipeload.TensorDataset(torch.arange(3))
+    ours, theirs = pipeload.DataLoader(dataset), tud.DataLoader(dataset)
+    assert ours._dataset_kind == theirs._dataset_kind
+    assert ours._dataset_kind == (tud._DatasetKind.Iterable if iterable else tud._DatasetKind.Map)
+    assert ours._dataset_kind == (pipeload._DatasetKind.Iterable if iterable else pipeload._DatasetKind.Map)
+    assert (pipeload._DatasetKind.Map, pipeload._DatasetKind.Iterable) == (tud._DatasetKind.Map, tud._DatasetKind.Iterable)
+
+
+def test_the_length_an_iterable_loader_reported_reads_as_torchs() -> None:
+    class Sized(pipeload.IterableDataset):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(5))
+
+        def __len__(self) -> int:
+            return 5
+
+    ours, theirs = pipeload.DataLoader(Sized(), batch_size=2), tud.DataLoader(Sized(), batch_size=2)
+    assert ours._IterableDataset_len_called == theirs._IterableDataset_len_called  # None: not asked yet
+    assert len(ours) == len(theirs) == 3
+    assert ours._IterableDataset_len_called == theirs._IterableDataset_len_called == 5
 
 
 def test_adding_datasets_still_gives_ours() -> None:

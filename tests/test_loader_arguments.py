@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -97,6 +98,23 @@ BAD_CALLS: dict[str, BadCall] = {
     ),
     "num-workers-negative": BadCall(lambda m: m.DataLoader(numbers(m), num_workers=-1), lambda m: ["num_workers=-1"]),
     "num-workers-string": BadCall(lambda m: m.DataLoader(numbers(m), num_workers="2"), lambda m: ["num_workers='2'"]),
+    "num-workers-negative-float": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=-0.5), lambda m: ["num_workers=-0.5"]
+    ),
+    "num-workers-fraction": BadCall(
+        # torch takes it when the loader is built and fails in range() when the epoch starts.
+        lambda m: iterate(m.DataLoader(numbers(m), num_workers=0.5)), lambda m: ["num_workers=0.5"]
+    ),
+    "prefetch-factor-negative-float": BadCall(
+        lambda m: m.DataLoader(numbers(m), num_workers=1, prefetch_factor=-1.5), lambda m: ["prefetch_factor=-1.5"]
+    ),
+    "prefetch-factor-whole-float": BadCall(
+        lambda m: iterate(m.DataLoader(numbers(m), num_workers=1, prefetch_factor=2.0)),
+        lambda m: ["prefetch_factor=2.0"],
+    ),
+    "timeout-true-without-workers": BadCall(
+        lambda m: iterate(m.DataLoader(numbers(m), timeout=True)), lambda m: ["timeout="]
+    ),
     "timeout-negative": BadCall(lambda m: m.DataLoader(numbers(m), timeout=-1), lambda m: ["timeout=-1"]),
     "timeout-negative-float": BadCall(
         lambda m: m.DataLoader(numbers(m), num_workers=1, timeout=-0.5), lambda m: ["timeout=-0.5"]
@@ -219,6 +237,36 @@ def test_arguments_torch_accepts_are_accepted(name: str) -> None:
     assert type(mine.multiprocessing_context) is type(theirs.multiprocessing_context)
     if mine.multiprocessing_context is not None:
         assert mine.multiprocessing_context.get_start_method() == theirs.multiprocessing_context.get_start_method()
+
+
+# torch compares num_workers, timeout and prefetch_factor with numbers and never checks their type:
+# numpy integers, bools and whole floats it can use, it uses. Each call here runs with torch.
+NUMBERS_TORCH_TAKES: dict[str, dict[str, Any]] = {
+    "num-workers-numpy": {"num_workers": np.int64(2)},
+    "num-workers-numpy-zero": {"num_workers": np.int32(0)},
+    "num-workers-true": {"num_workers": True},
+    "num-workers-false": {"num_workers": False},
+    "num-workers-whole-float-zero": {"num_workers": 0.0},
+    "num-workers-tensor": {"num_workers": torch.tensor(2)},
+    "timeout-true": {"num_workers": 1, "timeout": True},
+    "timeout-false": {"timeout": False},
+    "timeout-numpy-int": {"num_workers": 1, "timeout": np.int64(30)},
+    "timeout-tensor": {"num_workers": 1, "timeout": torch.tensor(30.0)},
+    "prefetch-factor-numpy": {"num_workers": 1, "prefetch_factor": np.int64(3)},
+    "prefetch-factor-true": {"num_workers": 1, "prefetch_factor": True},
+}
+
+
+@pytest.mark.parametrize("name", list(NUMBERS_TORCH_TAKES))
+def test_numbers_of_other_types_torch_takes_are_taken(name: str) -> None:
+    kwargs = NUMBERS_TORCH_TAKES[name]
+    if kwargs.get("num_workers"):
+        kwargs = {**kwargs, "multiprocessing_context": "fork"}
+    theirs = tud.DataLoader(numbers(tud), batch_size=4, **kwargs)
+    mine = pipeload.DataLoader(numbers(pipeload), batch_size=4, **kwargs)
+    for option in ("num_workers", "timeout", "prefetch_factor"):
+        assert getattr(mine, option) == getattr(theirs, option), option
+    assert [b[0].tolist() for b in mine] == [b[0].tolist() for b in theirs] == [[0, 1, 2, 3], [4, 5]]
 
 
 # ------------------------------------------------------------------ attributes after init

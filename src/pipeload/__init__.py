@@ -18,6 +18,7 @@ from pipeload.datasets import (
     TensorDataset,
     random_split,
 )
+from pipeload.engine.plan import DatasetKind as _DatasetKind
 from pipeload.engine.worker_info import WorkerInfo, get_worker_info
 from pipeload.errors import IncompatibleStateError, WorkerError
 from pipeload.loader import DataLoader
@@ -59,6 +60,7 @@ __all__ = [
     "WeightedRandomSampler",
     "WorkerError",
     "WorkerInfo",
+    "_DatasetKind",
     "collate",
     "default_collate",
     "default_convert",

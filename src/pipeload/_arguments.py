@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.context
+import operator
 import os
 import warnings
 from typing import Any
@@ -49,14 +50,35 @@ def auto_options(num_workers: Any, prefetch_factor: Any, stats: bool) -> tuple[b
     return auto
 
 
-def check_num_workers(num_workers: Any) -> None:
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
-        raise TypeError(f"num_workers should be an int (or 'auto'), but got num_workers={num_workers!r}")
-    if num_workers < 0:
+def plain_number(value: Any) -> int | float | None:
+    """``value`` as a Python int (anything with ``__index__``: numpy integers, bools, integer
+    tensors) or float (anything ``float()`` takes by ``__float__``: numpy floats, one-element
+    tensors), else None. torch never checks the types of num_workers, timeout and
+    prefetch_factor, only compares and counts with them: whatever does both like a number, it
+    takes, so we take it too, and hand the engine a plain number."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if not hasattr(type(value), "__float__"):  # str and bytes parse in float(); torch refuses them
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # a tensor of several elements, say
+        return None
+
+
+def resolve_num_workers(num_workers: Any) -> int:
+    """num_workers as an int; a whole float (0.0) counts as the int it equals, as in torch."""
+    count = plain_number(num_workers)
+    if count is not None and count < 0:  # before the type: torch says this of -0.5 too
         raise ValueError(
             "num_workers option should be non-negative; use num_workers=0 to disable "
             f"multiprocessing. (pipeload: got num_workers={num_workers!r})"
         )
+    if count is None or not float(count).is_integer():
+        raise TypeError(f"num_workers should be an int (or 'auto'), but got num_workers={num_workers!r}")
+    return int(count)
 
 
 def check_worker_options(
@@ -153,11 +175,14 @@ def check_worker_seeding(worker_seeding: Any) -> None:
         )
 
 
-def check_timeout(timeout: Any) -> None:
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+def resolve_timeout(timeout: Any) -> float:
+    """timeout as a plain int or float (an int stays one: torch prints "after 1 seconds")."""
+    seconds = plain_number(timeout)
+    if seconds is None:
         raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")
-    if timeout < 0 or math.isnan(timeout):
+    if seconds < 0 or math.isnan(seconds):
         raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
+    return seconds
 
 
 def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | None:
@@ -171,19 +196,20 @@ def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | Non
         return None
     if prefetch_factor is None:
         return 2
-    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool):
-        raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
-    if prefetch_factor < 0:
+    count = plain_number(prefetch_factor)
+    if count is not None and count < 0:  # before the type: torch says this of -1.5 too
         raise ArgumentAssertionError(
             "prefetch_factor option should be non-negative (pipeload: it should be a positive "
             f"integer, but got prefetch_factor={prefetch_factor!r})"
         )
-    if prefetch_factor == 0:
+    if not isinstance(count, int):  # torch fails on any float, 2.0 included, in range()
+        raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
+    if count == 0:
         raise ArgumentAssertionError(
             "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter (pipeload: "
-            "got prefetch_factor=0; each worker needs at least one batch in flight)"
+            f"got prefetch_factor={prefetch_factor!r}; each worker needs at least one batch in flight)"
         )
-    return prefetch_factor
+    return count
 
 
 def check_iterable_options(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:

@@ -93,6 +93,11 @@ class _EpochIterator:
         return len(self._index_sampler)
 
     @property
+    def _num_yielded(self) -> int:
+        """Batches handed out this epoch (torch's attribute; checkpointing helpers read it)."""
+        return self._count.handed
+
+    @property
     def _workers(self) -> list[Any]:
         return self._engine.workers
 

@@ -240,8 +240,9 @@ class ConcatDataset(Dataset[T_co], torch_data.ConcatDataset):
             idx += total
         part = bisect.bisect_right(self.cumulative_sizes, idx)
         if part >= len(self.datasets):
+            # torch's words are those of its list of parts, the one it indexes past the end.
             raise IndexError(
-                f"index out of range: got idx={idx} for a ConcatDataset of length {total}"
+                f"list index out of range (pipeload: got idx={idx} for a ConcatDataset of length {total})"
             )
         offset = self.cumulative_sizes[part - 1] if part > 0 else 0
         return self.datasets[part][idx - offset]

@@ -140,9 +140,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
             num_workers = usable_cpus()
         if auto[1]:
             prefetch_factor = None  # the usual default to start from
-        arguments.check_num_workers(num_workers)
+        num_workers = arguments.resolve_num_workers(num_workers)
         arguments.check_max_shm_bytes(max_shm_bytes)
-        arguments.check_timeout(timeout)
+        timeout = arguments.resolve_timeout(timeout)
         prefetch_factor = arguments.resolve_prefetch_factor(prefetch_factor, num_workers)
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         arguments.check_equal_batches(equal_batches)
@@ -195,9 +195,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
         self._checked_graph_sharding = False
-        # "auto" judges each window of batches by the loop's waits: it times every one.
-        self._stats = StatsRecorder(self._stats_setup(), time_every_batch=any(auto)) if stats else None
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
+        self._stats = self._new_stats() if stats else None
         self._tuner: AutoTuner | None = None
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
@@ -231,6 +230,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
     def _index_sampler(self) -> Any:
         return self.batch_sampler if self._auto_collation else self.sampler
 
+    @property
+    def _IterableDataset_len_called(self) -> int | None:  # noqa: N802 - torch's name
+        """The length an iterable dataset reported to ``len(loader)`` (None before), by torch's name."""
+        return self._len_reported
+
     def __len__(self) -> int:
         if self._dataset_kind is DatasetKind.ITERABLE:
             length = len(self.dataset)  # type: ignore[arg-type]
@@ -258,9 +262,29 @@ class DataLoader(torch_data.DataLoader[T_co]):
             raise RuntimeError("stats are off for this loader: build it with stats=True (the default)")
         return self._stats.snapshot()
 
+    def _new_stats(self) -> StatsRecorder:
+        # "auto" judges each window of batches by the loop's waits: it times every one.
+        return StatsRecorder(self._stats_setup(), time_every_batch=any(self._auto))
+
     def _stats_setup(self) -> LoaderSetup:
         return LoaderSetup(self.mode, self.worker_type, self.num_workers, self.prefetch_factor,
                            self.batch_size, self.pin_memory)
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the configuration, as torch's loader
+        keeps its. What runs belongs to this loader alone: its persistent workers, its stats
+        and tuner; a copy starts with none of them (torch cannot copy a loader whose
+        persistent workers run at all)."""
+        state = dict(self.__dict__)
+        state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None,
+                     _stats=self._stats is not None)  # a flag: the copy makes its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # not through __setattr__: the frozen ones are restored
+        self._stats = self._new_stats() if state["_stats"] else None
 
     # -- running an epoch ------------------------------------------------------------------
 

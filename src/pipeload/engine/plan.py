@@ -8,11 +8,23 @@ from dataclasses import dataclass
 from typing import Any
 
 
-class DatasetKind(enum.Enum):
-    """Map-style datasets are indexed; iterable-style ones are iterated."""
+class DatasetKind(enum.IntEnum):
+    """Map-style datasets are indexed; iterable-style ones are iterated.
 
-    MAP = "map"
-    ITERABLE = "iterable"
+    The numbers are torch's (``torch.utils.data._DatasetKind``, in its ``__all__``), so that a
+    loader's ``_dataset_kind`` compares equal to torch's; ``Map`` and ``Iterable`` are torch's
+    names for them.
+    """
+
+    MAP = 0
+    ITERABLE = 1
+    Map = 0
+    Iterable = 1
+
+    @property
+    def label(self) -> str:
+        """"map" or "iterable": how checkpoints write the kind."""
+        return self.name.lower()
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
     """
     generator = loader.generator
     sampler_state = None
-    if loader._dataset_kind.value == "map":
+    if loader._dataset_kind.label == "map":
         sampler_state = fresh_sampler_state(loader._index_sampler)
     return EpochRecord(
         global_rng=resumed.global_rng if resumed is not None else torch.get_rng_state(),

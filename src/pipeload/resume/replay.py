@@ -43,7 +43,7 @@ def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None)
     """Where an epoch begins: a resumed map-style epoch skips the keys already handed out, an
     iterable one goes on with the worker whose turn it was. With ``equal_batches``, a sampler
     whose length is exact says how many batches the epoch has, so the ranks agree once."""
-    if loader._dataset_kind.value == "iterable":
+    if loader._dataset_kind.label == "iterable":
         return tasks, stream_start(point, loader.num_workers)
     keys_of = len if loader._auto_collation else (lambda _task: 1)
     tasks, start = skip_handed_out(tasks, point, keys_of)

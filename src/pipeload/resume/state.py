@@ -77,14 +77,14 @@ def config_of(loader: Any) -> dict[str, Any]:
     except TypeError:
         length = None
     config = {
-        "dataset_kind": loader._dataset_kind.value,
+        "dataset_kind": loader._dataset_kind.label,
         "dataset_length": length,
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
         "world_size": placement.world_size,
         "rank": placement.rank,
     }
-    if loader._dataset_kind.value == "iterable":
+    if loader._dataset_kind.label == "iterable":
         config["num_workers"] = loader.num_workers  # each replica's position is its own shard's
     return config
 
@@ -104,7 +104,7 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
     generator = loader.generator
     state["next"] = {
         "generator": encode_state(generator.get_state()) if generator is not None else None,
-        "sampler": fresh_sampler_state(loader._index_sampler) if loader._dataset_kind.value == "map" else None,
+        "sampler": fresh_sampler_state(loader._index_sampler) if loader._dataset_kind.label == "map" else None,
         "session": list(session) if session is not None else None,
     }
     return state
@@ -234,7 +234,7 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
 
 
 def _load_sampler(loader: Any, sampler_state: dict[str, Any] | None) -> None:
-    if loader._dataset_kind.value == "map":
+    if loader._dataset_kind.label == "map":
         _warn_if_sampler_cannot_resume(loader)
     if sampler_state is None:
         return
