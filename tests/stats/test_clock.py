@@ -3,7 +3,11 @@ it: which tasks are timed, and that tasks and samples are counted exactly all th
 
 from __future__ import annotations
 
-from pipeload.engine.fetch import MapFetcher
+from typing import Any
+
+import pytest
+
+from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher
 from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals
 
@@ -51,3 +55,53 @@ def test_a_worker_told_the_batch_size_derives_untimed_samples_and_times_each_las
     assert totals.tasks == len(sizes) and totals.samples == sum(sizes)
     assert clock.untimed_samples == 0  # nothing counted one by one
     assert timed <= TIME_ALL_FIRST + 3 + len(sizes) // SAMPLE_EVERY * 2  # sampled all the same
+
+
+def _stream_run(samples: int, batch_size: int | None, drop_last: bool,
+                clears_timing: bool) -> tuple[StageClock, list[Any], int, bool]:
+    """Fetch from an iterable replica of ``samples`` ints until it runs dry, as a worker's loop
+    does (``clears_timing``; the inline engine leaves ``timing`` set), then report as a worker
+    does (a dry replica's report carries the totals). Returns the clock, the batches, how many
+    of them were timed, and whether the task that found the replica dry was timed."""
+    spec = FetchSpec(range(samples), DatasetKind.ITERABLE, batch_size is not None,
+                     list if batch_size is not None else _as_list, drop_last)
+    clock = StageClock(SAMPLE_EVERY)
+    fetcher = IterableFetcher(spec, clock)
+    batches: list[Any] = []
+    timed_batches = 0
+    while True:
+        timed = clock.left <= 1  # the countdown reaches this task
+        try:
+            batch = fetcher.fetch([None] * (batch_size or 1))
+        except DatasetExhausted:
+            break
+        batches.append(batch)
+        timed_batches += timed
+        if clears_timing:
+            clock.finished(batch) if clock.timing else clock.done(batch)
+    clock.timing = True  # what WorkerLoop._report_with_totals does
+    return clock, batches, timed_batches, timed
+
+
+def _as_list(sample: int) -> list[int]:
+    return [sample]
+
+
+@pytest.mark.parametrize("clears_timing", [True, False], ids=["worker", "inline"])
+@pytest.mark.parametrize("batch_size, drop_last, remainder", [
+    (4, False, 0), (4, True, 0), (4, True, 3), (4, False, 3), (None, False, 0),
+], ids=["full", "full-drop-last", "short-dropped", "short-kept", "unbatched"])
+def test_the_task_that_finds_an_iterable_replica_dry_is_no_task(batch_size: int | None, drop_last: bool,
+                                                                remainder: int, clears_timing: bool) -> None:
+    # Streams ending on every task of a whole cycle of the gaps past the first TIME_ALL_FIRST
+    # tasks: the task that finds the replica dry is timed in some, untimed in the others.
+    found_dry = set()
+    for tasks in range(1, TIME_ALL_FIRST + 2 * SAMPLE_EVERY):
+        clock, batches, timed, dry_timed = _stream_run(tasks * (batch_size or 1) + remainder, batch_size,
+                                                       drop_last, clears_timing)
+        totals = WorkerTotals._make(clock.finished())
+        assert (totals.tasks, totals.samples) == (len(batches), sum(map(len, batches))), tasks
+        assert clock._timed == timed, tasks  # the times are scaled by tasks / timed
+        found_dry.add(dry_timed)
+    # A short batch kept ends its replica: the next task finds it dry before its clock is told.
+    assert found_dry == {True, False} or (remainder and not drop_last)

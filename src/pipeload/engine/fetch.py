@@ -226,7 +226,7 @@ class IterableFetcher:
             def take() -> list[Any]:
                 samples = self._take(len(index))
                 if not samples or (spec.drop_last and len(samples) < len(index)):
-                    raise DatasetExhausted
+                    raise self._found_dry()
                 return samples
         clock = self._clock
         if clock is not None:  # count down to the next timed task (stats/clock.py)
@@ -260,7 +260,14 @@ class IterableFetcher:
             return [next(self._samples)]
         except StopIteration:
             self._ended = True
-            raise DatasetExhausted from None
+            raise self._found_dry() from None
+
+    def _found_dry(self) -> DatasetExhausted:
+        """What the task in hand raises on finding the replica dry. It built no batch, so it is
+        no task in the stats: its clock, told of it before the samples were taken, forgets it."""
+        if self._clock is not None:
+            self._clock.uncount()
+        return DatasetExhausted()
 
     def _take(self, count: int) -> list[Any]:
         samples = []

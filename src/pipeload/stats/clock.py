@@ -249,6 +249,19 @@ class StageClock:
         self._timed += 1
         self.timing = True
 
+    def uncount(self) -> None:
+        """The task in hand, counted down already, built nothing (an iterable replica found
+        dry): it is no task. Undone on this rare path, so the common one stays a subtraction.
+        Its timing too, if it was timed (the seconds spent finding out stay in the sums).
+        Countdown clocks only (iterable datasets' all are)."""
+        # Timed: start_timed has just set ``left`` to the new gap; an untimed task has counted
+        # it down since. (``timing`` cannot tell: the inline engine never clears it.)
+        if self.left == self._gap:
+            self._counted -= 1
+            self._timed -= 1
+        else:
+            self.left += 1
+
     def start_timed_at(self, number: int) -> None:
         """A numbered clock: task ``number`` reached ``next_timed``: time it (see start_timed)."""
         self._timed += 1

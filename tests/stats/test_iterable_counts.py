@@ -1,0 +1,106 @@
+"""loader.stats() over iterable datasets: the tasks and samples of every worker are the batches
+and samples it handed out, on every engine. The task that finds its replica dry builds no
+batch, and is no task (before, each replica's last task was counted, whatever the engine)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import pipeload
+
+BATCH = 4
+EPOCHS = 2
+ENGINES = {
+    "inline": {"num_workers": 0},
+    "process": {"num_workers": 2, "multiprocessing_context": "fork"},
+    "thread": {"num_workers": 2, "worker_type": "thread"},
+    "process-persistent": {"num_workers": 2, "multiprocessing_context": "fork", "persistent_workers": True},
+    "thread-persistent": {"num_workers": 2, "worker_type": "thread", "persistent_workers": True},
+}
+# Samples per replica: full batches only (the dry replica is found by a task that takes nothing),
+# a short last batch (kept, or dropped: then the task that took it finds the replica dry), and a
+# long stream, whose last task comes past the first TIME_ALL_FIRST tasks (all timed).
+PER_REPLICA = {"full": 16, "short": 14, "long": 403}
+
+
+class Stream(pipeload.IterableDataset):
+    """Each replica (one per worker) yields ``per_replica`` ints, ``i * replicas + replica``:
+    a sample's remainder names the worker that yielded it."""
+
+    def __init__(self, per_replica: int) -> None:
+        self.per_replica = per_replica
+
+    def __iter__(self) -> Any:
+        info = pipeload.get_worker_info()
+        replica, replicas = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(replica, self.per_replica * replicas, replicas))
+
+
+def _pipe(per_replica: int, replicas: int) -> Any:
+    """A DataPipe graph sharded round robin: the same samples as ``Stream``, per worker."""
+    from pipeload.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(range(per_replica * replicas)).sharding_filter()
+
+
+def _handed_out(loader: pipeload.DataLoader, replicas: int) -> tuple[Counter, Counter]:
+    """(batches, samples) per worker id that the loader handed out over EPOCHS epochs."""
+    batches: Counter = Counter()
+    samples: Counter = Counter()
+    for _ in range(EPOCHS):
+        for batch in loader:
+            worker = int(batch[0]) % replicas
+            batches[worker] += 1
+            samples[worker] += len(batch)
+    return batches, samples
+
+
+def _check_counts(loader: pipeload.DataLoader, replicas: int) -> None:
+    batches, samples = _handed_out(loader, replicas)
+    stats = loader.stats()
+    workers = {worker.worker_id: worker for worker in stats.workers}
+    assert {w: workers[w].tasks for w in workers} == dict(batches)
+    assert {w: workers[w].samples for w in workers} == dict(samples)
+    assert stats.batches == stats.stages["collate"].count == sum(batches.values())
+    assert stats.stages["fetch"].count == sum(samples.values())
+    assert stats.samples_per_batch == pytest.approx(sum(samples.values()) / sum(batches.values()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+@pytest.mark.parametrize("per_replica", PER_REPLICA.values(), ids=PER_REPLICA.keys())
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_an_iterable_datasets_tasks_and_samples_are_the_batches_handed_out(
+        engine: dict, per_replica: int, drop_last: bool, leak_guard) -> None:
+    loader = pipeload.DataLoader(Stream(per_replica), batch_size=BATCH, drop_last=drop_last, **engine)
+    _check_counts(loader, max(1, engine["num_workers"]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+@pytest.mark.parametrize("engine", [ENGINES["inline"], ENGINES["process"], ENGINES["thread-persistent"]],
+                         ids=["inline", "process", "thread-persistent"])
+def test_a_datapipe_graphs_tasks_and_samples_are_the_batches_handed_out(
+        engine: dict, drop_last: bool, leak_guard) -> None:
+    replicas = max(1, engine["num_workers"])
+    loader = pipeload.DataLoader(_pipe(PER_REPLICA["short"], replicas), batch_size=BATCH,
+                                 drop_last=drop_last, **engine)
+    _check_counts(loader, replicas)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["inline"], ENGINES["process"], ENGINES["thread"]],
+                         ids=["inline", "process", "thread"])
+def test_unbatched_samples_of_an_iterable_dataset_are_one_task_each(engine: dict, leak_guard) -> None:
+    replicas = max(1, engine["num_workers"])
+    loader = pipeload.DataLoader(Stream(PER_REPLICA["short"]), batch_size=None,
+                                 collate_fn=_as_list, **engine)
+    _check_counts(loader, replicas)
+
+
+def _as_list(sample: int) -> list[int]:
+    return [sample]
+
