@@ -419,3 +419,90 @@ def test_a_sampler_without_state_is_replayed_with_a_warning() -> None:
                                        worker_seeding="per_batch")
     run = assert_same(make, taken=2)
     assert len(run.warnings) == 1 and "OwnOrder has no state_dict()" in run.warnings[0]
+
+
+# -- checkpoints taken around a resume ----------------------------------------------------------
+
+
+def relayed(make: Callable[[], pipeload.DataLoader], taken: int | None,
+            hop: Callable[[], pipeload.DataLoader], hop_taken: int | None) -> Run:
+    """Checkpoint after ``taken`` batches of the checkpoint epoch (None: after it), load that into
+    ``hop``, take ``hop_taken`` batches there (None: call no iter() at all, as a framework saving
+    right after restoring does) and checkpoint again; finish in a third loader."""
+    seed_everything(0)
+    loader = make()
+    run = Run([epoch_of(loader, epoch)[0] for epoch in range(CHECKPOINT_EPOCH)])
+    head, iterator = epoch_of(loader, CHECKPOINT_EPOCH, taken)
+    state, saved = json.loads(json.dumps(loader.state_dict())), user_generators()
+    del iterator, loader
+    seed_everything(7)
+    relay = hop()
+    restore_user_generators(saved)
+    relay.load_state_dict(state)
+    if hop_taken is not None:
+        more, iterator = epoch_of(relay, CHECKPOINT_EPOCH, hop_taken)
+        head += more
+    state, saved = json.loads(json.dumps(relay.state_dict())), user_generators()
+    del relay
+    seed_everything(8)
+    resumed = make()
+    restore_user_generators(saved)
+    resumed.load_state_dict(state)
+    if taken is None:
+        run.epochs.append(head)
+    else:
+        run.epochs.append(head + epoch_of(resumed, CHECKPOINT_EPOCH)[0])
+    run.epochs += [epoch_of(resumed, epoch)[0] for epoch in range(CHECKPOINT_EPOCH + 1, EPOCHS)]
+    return run
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("make", "taken"), [
+    (lambda: map_loader("shuffle"), 3),
+    (lambda: map_loader("shuffle", num_workers=2), 3),
+    (lambda: map_loader("shuffle", **ENGINES["persistent"]), None),
+    (lambda: pipe_loader(num_workers=2), 3),
+], ids=["inline", "processes", "persistent-between-epochs", "pipe"])
+def test_a_checkpoint_taken_right_after_loading_one_is_that_one(make: Callable[[], pipeload.DataLoader],
+                                                               taken: int | None, leak_guard: LeakGuard) -> None:
+    got = relayed(make, taken, hop=make, hop_taken=None)
+    assert got.epochs == uninterrupted(make).epochs
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_before_the_first_batch_of_a_resumed_epoch_without_workers(leak_guard: LeakGuard) -> None:
+    # The interrupted epoch ran on workers, which had asked the sampler for keys already (it drew
+    # from the global generator): the epoch resumed without workers must say so in its own state.
+    make = lambda: map_loader("shuffle", num_workers=2)  # noqa: E731
+    got = relayed(make, 0, hop=lambda: map_loader("shuffle"), hop_taken=0)
+    assert got.epochs == uninterrupted(make).epochs
+
+
+class OwnGenerator(pipeload.Sampler[int]):
+    """A user's sampler with a generator of its own and a state_dict() of its own."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(5)
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(LENGTH, generator=self.generator).tolist())
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "processes"])
+@pytest.mark.parametrize("taken", [2, None])
+def test_a_users_sampler_with_a_state_resumes_through_it_inside_the_batch_sampler(
+        engine: str, taken: int | None, leak_guard: LeakGuard) -> None:
+    make = lambda: pipeload.DataLoader(RandomAugment(), batch_size=BATCH, sampler=OwnGenerator(),  # noqa: E731
+                                       worker_seeding="per_batch", **ENGINES[engine])
+    run = assert_same(make, taken=taken)
+    assert run.warnings == []
