@@ -11,6 +11,7 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 import weakref
@@ -201,6 +202,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
         self._resume_point: resume.ResumePoint | None = None
+        self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers)
 
@@ -297,7 +299,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
-        point, self._resume_point = self._resume_point, None
+        point, self._resume_point, self._loaded_state = self._resume_point, None, None
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
         record = resume.begin_epoch(self, point.record if point is not None else None)  # before any draw
@@ -347,13 +349,18 @@ class DataLoader(torch_data.DataLoader[T_co]):
         Taken after any batch, and loaded into a new DataLoader over the same dataset (in a new
         process, say), the new loader yields exactly the remaining batches of the epoch, then
         the following epochs, as this one would have. What is guaranteed about random values
-        drawn while building batches is in docs/design/resume.md (``worker_seeding``).
+        drawn while building batches is in docs/design/resume.md (``worker_seeding``). Between
+        ``load_state_dict()`` and the next ``iter()``, it is the state loaded.
 
         Raises:
             ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across
                 ranks (see ``resume.check_can_checkpoint``).
         """
         resume.check_can_checkpoint(self)
+        if self._loaded_state is not None:
+            # Loaded and not yet resumed: the position is still the loaded one (what the notes
+            # hold is an epoch the load replaced).
+            return copy.deepcopy(self._loaded_state)
         record, progress = self._epoch_notes if self._epoch_notes is not None else (None, None)
         session = None
         if self._persistent_engine is not None and not self._persistent_engine.closed:
@@ -376,6 +383,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             self._iterator = None  # type: ignore[assignment]
         self._epoch_notes = None
         self._resume_point = point
+        self._loaded_state = copy.deepcopy(state)
 
     def _warn_if_every_rank_loads_all(self) -> None:
         if self._warned_every_rank_loads_all or self._dataset_kind is not DatasetKind.MAP:
