@@ -85,6 +85,8 @@ class EpochProgress:
             handed out its last good batch again.
         repeat_from: where the epoch stood before its latest good batch (None before the first).
         ended: the epoch reached its end (StopIteration).
+        sampler_started: the sampler was asked for its first task before this epoch's engine
+            began (a resumed epoch that replayed that draw), whatever the engine does now.
     """
 
     consumed: int = 0
@@ -94,6 +96,7 @@ class EpochProgress:
     repeat_from: RepeatFrom | None = None
     handed_out_above: set[int] = field(default_factory=set)
     ended: bool = False
+    sampler_started: bool = False
 
     def handed_out(self, batch: Any) -> Any:
         """Note a batch handed out; returns it without its position and padding marks."""

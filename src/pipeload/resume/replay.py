@@ -92,7 +92,8 @@ def progress_from(point: ResumePoint | None) -> EpochProgress:
     if point is None or point.record is None:
         return EpochProgress()
     return EpochProgress(point.consumed, dict(point.streams or {}), point.last_worker, point.padded,
-                         point.repeat_from, set(point.handed_out_above))
+                         point.repeat_from, set(point.handed_out_above),
+                         sampler_started=point.sampler_started)
 
 
 def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:

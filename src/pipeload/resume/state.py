@@ -99,7 +99,9 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
         # Engines with workers ask the sampler for tasks as the epoch starts; without workers
         # the first task is asked for with the first batch. A sampler drawing from the global
         # generator has drawn already, or will draw after the checkpoint: the replay must agree.
-        state["epoch"]["sampler_started"] = progress.consumed > 0 or progress.padded > 0 or loader.num_workers > 0
+        # A resumed epoch that replayed the draw has made it, whatever its engine.
+        state["epoch"]["sampler_started"] = (progress.sampler_started or progress.consumed > 0
+                                             or progress.padded > 0 or loader.num_workers > 0)
         return state
     generator = loader.generator
     state["next"] = {
