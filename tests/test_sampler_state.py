@@ -18,6 +18,25 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+class OwnState(pipeload.Sampler[int]):
+    """A user's sampler with a generator and a state_dict() of its own (no pipeload base)."""
+
+    def __init__(self) -> None:
+        self.generator = seeded(9)
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(11, generator=self.generator).tolist())
+
+    def __len__(self) -> int:
+        return 11
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
 SAMPLERS: dict[str, Callable[[], Any]] = {
     "sequential": lambda: pipeload.SequentialSampler(range(11)),
     "random-own-generator": lambda: pipeload.RandomSampler(range(11), generator=seeded(3)),
@@ -30,6 +49,7 @@ SAMPLERS: dict[str, Callable[[], Any]] = {
     "weighted-global": lambda: pipeload.WeightedRandomSampler([1.0, 2.0, 3.0, 0.5], 3, replacement=False),
     "distributed": lambda: pipeload.DistributedSampler(range(11), num_replicas=3, rank=1, seed=5),
     "batch-of-random": lambda: pipeload.BatchSampler(pipeload.RandomSampler(range(11)), 3, False),
+    "batch-of-users-own-state": lambda: pipeload.BatchSampler(OwnState(), 3, False),
     "batch-drop-last": lambda: pipeload.BatchSampler(
         pipeload.RandomSampler(range(11), generator=seeded(2)), 4, True),
 }

@@ -17,6 +17,7 @@ torch's runs.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
@@ -79,6 +80,8 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         [[0, 1], [2, 3], [4]]
     """
 
+    _user_inner_start: Any = None  # a user's stateful sampler inside: its state as the latest iteration began
+
     def __init__(
         self,
         sampler: Sampler[int] | Iterable[int],
@@ -101,6 +104,10 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
 
     def _keys(self) -> Iterator[list[int]]:
         inner = self.sampler
+        if not isinstance(inner, StatefulSampler) and callable(getattr(inner, "state_dict", None)):
+            # A user's sampler with a state of its own: where it stood as this iteration began
+            # is what a checkpoint of the iteration replays it from.
+            self._user_inner_start = copy.deepcopy(inner.state_dict())
         keys = inner._uncounted_iter() if isinstance(inner, StatefulSampler) else iter(inner)
         while batch := list(itertools.islice(keys, self.batch_size)):
             if self.drop_last and len(batch) < self.batch_size:
@@ -114,16 +121,19 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         # Mid-iteration, the keys inside are replayed from their start and regrouped; the sampler
         # inside has often finished already (batches are taken ahead), so ask for its start.
         inner = self.sampler
-        if not isinstance(inner, StatefulSampler):
-            return {"sampler": None}
         latest = self._latest
         in_progress = latest is not None and not latest.finished
-        return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
+        if isinstance(inner, StatefulSampler):
+            return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
+        if callable(getattr(inner, "state_dict", None)):
+            return {"sampler": self._user_inner_start if in_progress else inner.state_dict()}
+        return {"sampler": None}
 
     def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
         inner_state = state.get("sampler")
-        if inner_state is not None and isinstance(self.sampler, StatefulSampler):
-            self.sampler.load_state_dict(inner_state)
+        load = getattr(self.sampler, "load_state_dict", None)
+        if inner_state is not None and callable(load):
+            load(inner_state)
 
     def __len__(self) -> int:
         count = len(self.sampler)  # type: ignore[arg-type]
