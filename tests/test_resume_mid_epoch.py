@@ -506,3 +506,45 @@ def test_a_users_sampler_with_a_state_resumes_through_it_inside_the_batch_sample
                                        worker_seeding="per_batch", **ENGINES[engine])
     run = assert_same(make, taken=taken)
     assert run.warnings == []
+
+
+class PositionOnly(pipeload.Sampler[int]):
+    """A sampler whose state is how far its latest iteration got (as torchdata's samplers keep
+    theirs), not where its epoch began: loading it makes the next iteration skip that many."""
+
+    def __init__(self) -> None:
+        self.yielded, self.skip, self.epoch = 0, 0, 0
+
+    def __iter__(self) -> Any:
+        self.yielded, self.skip = self.skip, 0
+        order = torch.randperm(LENGTH, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        self.epoch += 1
+        for key in order[self.yielded:]:
+            self.yielded += 1
+            yield key
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skip, self.epoch = state["yielded"], state["epoch"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "processes"])
+def test_a_replayed_sampler_that_runs_out_before_the_checkpoint_is_an_error_not_a_loss(
+        engine: str, leak_guard: LeakGuard) -> None:
+    make = lambda: pipeload.DataLoader(RandomAugment(), batch_size=BATCH, sampler=PositionOnly(),  # noqa: E731
+                                       worker_seeding="per_batch", **ENGINES[engine])
+    loader = make()
+    epoch_of(loader, 0)
+    _, iterator = epoch_of(loader, 1, 3)
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.raises(IncompatibleStateError, match=r"3 batches .* PositionOnly gave 0 when"):
+        iter(resumed)
