@@ -306,7 +306,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
         with resume.epoch_start_draws(point):
             tasks = iter(self._index_sampler)
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
-            tasks, start = resume.position_tasks(self, tasks, point)
+            try:
+                tasks, start = resume.position_tasks(self, tasks, point)
+            except BaseException:
+                engine.close()  # a state that cannot be resumed: no workers left behind
+                raise
         try:
             engine.start_epoch(tasks, start=start, **epoch_seed)
         except BaseException:

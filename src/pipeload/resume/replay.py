@@ -24,6 +24,7 @@ from typing import Any
 from pipeload._rng_state import borrowed_global_rng
 from pipeload.engine.fetch import StreamPosition
 from pipeload.engine.plan import EpochStart
+from pipeload.errors import IncompatibleStateError
 from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
 from pipeload.samplers import exact_length
@@ -46,28 +47,31 @@ def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None)
     if loader._dataset_kind.label == "iterable":
         return tasks, stream_start(point, loader.num_workers)
     keys_of = len if loader._auto_collation else (lambda _task: 1)
-    tasks, start = skip_handed_out(tasks, point, keys_of)
+    tasks, start = skip_handed_out(tasks, point, keys_of, _sampler_name(loader))
     if loader.equal_batches is not None:
         start = dataclasses.replace(start, epoch_batches=exact_length(loader._index_sampler))
     return tasks, start
 
 
-def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None,
-                    keys_of: Callable[[Any], int]) -> tuple[Iterator[Any], EpochStart]:
+def skip_handed_out(tasks: Iterator[Any], point: ResumePoint | None, keys_of: Callable[[Any], int],
+                    sampler_name: str = "the sampler") -> tuple[Iterator[Any], EpochStart]:
     """Map-style: drop the tasks of the batches handed out before the checkpoint.
 
     The first remaining task is taken here too if the interrupted epoch had taken it: samplers
     draw from the global generator when their first key is asked for, which must then happen
     while it is borrowed (and otherwise after, from the user's generator, as it would have).
+
+    Raises:
+        IncompatibleStateError: the sampler, begun again, gave fewer tasks than were handed out.
     """
     if point is None or point.record is None:
         return tasks, EpochStart()
     skip, _, _, remake = point.engine_view()
     skipped_keys = 0
-    for _ in range(skip):
+    for skipped in range(skip):
         task = next(tasks, _END)
         if task is _END:
-            break
+            raise _ran_out(skip, skipped, sampler_name)
         skipped_keys += keys_of(task)
     handed_out = point.handed_out_above
     steps_done = point.consumed + len(handed_out) + point.padded
@@ -103,3 +107,20 @@ def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:
     _, _, last_worker, remake = point.engine_view()
     first = 0 if last_worker is None else last_worker + 1
     return EpochStart(first_worker=first % max(num_workers, 1), remake=remake)
+
+
+def _sampler_name(loader: Any) -> str:
+    sampler = loader._index_sampler
+    name = type(sampler).__name__
+    inner = getattr(sampler, "sampler", None)
+    return f"{name} over {type(inner).__name__}" if loader.batch_sampler is not None and inner is not None else name
+
+
+def _ran_out(handed_out: int, given: int, sampler_name: str) -> IncompatibleStateError:
+    # Skipping on would resume past the end: the rest of the epoch would be lost, silently.
+    return IncompatibleStateError(
+        f"cannot resume this epoch: the state says {handed_out} batches of it were handed out, but "
+        f"{sampler_name} gave {given} when the epoch was begun again from the state. A sampler's "
+        "load_state_dict() must make its next iteration the one its state_dict() was taken "
+        "before (pipeload skips what was handed out itself); a state that is how far an "
+        "iteration got (as torchdata's samplers keep) cannot be resumed this way")
