@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -290,6 +291,23 @@ def test_a_state_from_another_configuration_is_refused(change: dict[str, Any], n
     state = pipeload.DataLoader(RandomAugment(), batch_size=BATCH).state_dict()
     with pytest.raises(IncompatibleStateError, match=named.replace("(", r"\(").replace(")", r"\)")):
         pipeload.DataLoader(**options).load_state_dict(state)
+
+
+@pytest.mark.parametrize(("before", "after", "named"), [
+    ("loader-generator", "shuffle", "generator differs (state: 'a torch.Generator', here: None)"),
+    ("shuffle", "loader-generator", "generator differs (state: None, here: 'a torch.Generator')"),
+])
+@pytest.mark.parametrize("taken", [2, None])
+def test_a_state_from_a_loader_with_or_without_a_generator_is_refused(before: str, after: str, named: str,
+                                                                       taken: int | None) -> None:
+    # The order and the workers' base seed are drawn from the loader's generator, or from torch's
+    # global one: resumed from the other, the epoch would go on in another order, silently.
+    loader = map_loader(before, num_workers=2)
+    head, iterator = epoch_of(loader, 0, taken)
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    with pytest.raises(IncompatibleStateError, match=re.escape(named)):
+        map_loader(after, num_workers=2).load_state_dict(state)
 
 
 def test_another_world_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
