@@ -110,10 +110,12 @@ def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:
 
 
 def _sampler_name(loader: Any) -> str:
-    sampler = loader._index_sampler
-    name = type(sampler).__name__
-    inner = getattr(sampler, "sampler", None)
-    return f"{name} over {type(inner).__name__}" if loader.batch_sampler is not None and inner is not None else name
+    """The index sampler's class, and the sampler's inside a batch sampler (the user's, often)."""
+    name = type(loader._index_sampler).__name__
+    inner = getattr(loader._index_sampler, "sampler", None)
+    if loader.batch_sampler is None or inner is None:
+        return name
+    return f"{name} over {type(inner).__name__}"
 
 
 def _ran_out(handed_out: int, given: int, sampler_name: str) -> IncompatibleStateError:

@@ -184,9 +184,19 @@ def read_state(loader: Any, state: dict[str, Any]) -> ResumePoint:
                    if saved.get(k) != here.get(k)}
     if differences:
         raise state_mismatch("this DataLoader", dict(sorted(differences.items())))
+    _check_generator(loader, (state["epoch"] if "epoch" in state else state["next"])["generator"])
     if "epoch" in state:
         return _mid_epoch(loader, state["epoch"])
     return _next_epoch(loader, state["next"])
+
+
+def _check_generator(loader: Any, saved: str | None) -> None:
+    """The order and base seeds come from the loader's generator, or else from torch's global
+    one: a state drawn from the one cannot go on from the other."""
+    named = {True: "a torch.Generator", False: None}
+    if (saved is not None) != (loader.generator is not None):
+        raise state_mismatch("this DataLoader", {"generator": (named[saved is not None],
+                                                               named[loader.generator is not None])})
 
 
 def _next_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
