@@ -4,6 +4,7 @@ yields exactly what the original went on to yield, then the same following itera
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,18 @@ def test_a_state_from_another_configuration_is_refused(make_other: Callable[[], 
               if "num_replicas" in named else pipeload.RandomSampler(range(11)))
     with pytest.raises(IncompatibleStateError, match=named.replace("(", r"\(").replace(")", r"\)")):
         make_other().load_state_dict(source.state_dict())
+
+
+@pytest.mark.parametrize("own_before", [True, False])
+def test_a_state_drawn_from_another_generator_is_refused(own_before: bool) -> None:
+    # Replayed from the other generator, the iteration would go on in another order, silently.
+    make = lambda own: pipeload.RandomSampler(range(11), generator=seeded(4) if own else None)  # noqa: E731
+    original = make(own_before)
+    next(iter(original))
+    named = {True: "its own", False: "torch's global"}
+    with pytest.raises(IncompatibleStateError, match=re.escape(
+            f"generator differs (state: {named[own_before]!r}, here: {named[not own_before]!r})")):
+        make(not own_before).load_state_dict(original.state_dict())
 
 
 def test_batch_size_and_version_are_checked() -> None:
