@@ -126,6 +126,12 @@ class StatefulSampler:
         here = self._config()
         saved = state.get("config", {})
         differences = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        draws, generator = self._draws_from()
+        own_before = state.get("generator") is not None
+        if draws and own_before != (generator is not None):
+            # A replay from the other generator would draw another order.
+            named = {True: "its own", False: "torch's global"}
+            differences["generator"] = (named[own_before], named[generator is not None])
         if differences:
             raise state_mismatch(f"this {name}", differences)
 
