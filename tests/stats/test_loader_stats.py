@@ -285,6 +285,26 @@ def test_samples_skipped_by_on_error_pipes_are_counted_in_every_worker(engine: d
     assert "skipped samples: 10" in loader.stats().summary()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("engine", [ENGINES["inline"], ENGINES["process"], ENGINES["thread"]],
+                         ids=["inline", "process", "thread"])
+def test_skipped_samples_are_counted_once_over_epochs_and_loaders(engine: dict, leak_guard) -> None:
+    # A pipe's tally lives as long as the pipe: the main process's copy (inline) runs every
+    # epoch, and of every loader built over it, so each epoch's clock counts from where the
+    # tally stood when it started (each epoch's skips were counted by every later epoch's clock
+    # again: 2 epochs of 10 skips read 40).
+    from pipeload.datapipes.iter import IterableWrapper
+
+    pipe = (IterableWrapper([GOOD_SAMPLE, BROKEN_SAMPLE] * 10).sharding_filter()
+            .decode(on_error="skip"))
+    list(pipeload.DataLoader(pipe, batch_size=2, collate_fn=_keys))  # an earlier loader's skips
+    loader = pipeload.DataLoader(pipe, batch_size=2, collate_fn=_keys, **engine)
+    for _ in range(2):
+        assert sum(len(batch) for batch in loader) == 10
+    assert loader.stats().skipped_samples == 20
+
+
 ODD = 402  # 100 batches of 4 and a short one of 2: past the first TIME_ALL_FIRST, timed all
 
 

@@ -286,6 +286,19 @@ class StageClock:
                 self._skipped, self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
+    @property
+    def skipped(self) -> int:
+        """Samples its dataset's on_error pipes skipped, as last read."""
+        return self._skipped
+
+    def stop_counting_skips(self) -> None:
+        """Its owner is done with the dataset (the inline engine's epoch ended): keep what the
+        on_error pipes skipped so far. The main process's dataset goes on counting for later
+        epochs' clocks, which this one, still read live, must not count too."""
+        if self.count_skipped is not None:
+            self._skipped = self.count_skipped()
+            self.count_skipped = None
+
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """The task in hand is done and its report carries the totals (returned): see
         :meth:`done`."""
