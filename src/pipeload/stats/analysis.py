@@ -95,8 +95,9 @@ def _mostly_waiting(workers: list[WorkerStats]) -> bool:
 
 
 def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
-    setup = stats.setup
     words = f"{STAGE_WORDS[stage]} is the bottleneck"
+    if stats.setup.mode == "economic" and stage == "collate":  # the batch workers' stage
+        return _more_batch_workers(stats, words, [w for w in stats.workers if w.kind == "batch"])
     workers = [w for w in stats.workers if w.kind in ("", "item")]
     if _mostly_waiting(workers):
         target = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
@@ -104,15 +105,28 @@ def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
                          f"sleep, locks) rather than compute: more workers than CPUs help; try "
                          f"num_workers={target} (or 'auto')", {"num_workers": target})
     target = _workers_for(stats, count)
-    if setup.mode == "economic" and stage == "collate":
-        batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
-        more = max(batch_workers + 1, math.ceil(batch_workers / max(1e-9, 1 - stats.wait_fraction)))
-        return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_batch_workers={more}",
-                         {"num_batch_workers": more})
     if target <= count:
-        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {setup.cpus} usable CPUs are all "
-                         f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
+        return _cpus_in_use(stats, stage, words)
     return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _cpus_in_use(stats: LoaderStats, stage: str, words: str) -> Diagnosis:
+    return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {stats.setup.cpus} usable CPUs are all "
+                     f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
+
+
+def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[WorkerStats]) -> Diagnosis:
+    """Economic mode's ``collate_fn`` limits: more batch workers, bounded as classic workers are
+    (a loop that waited all the time would otherwise ask for thousands)."""
+    count = len(batch_workers)
+    if _mostly_waiting(batch_workers):
+        more = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
+    else:
+        more = _workers_for(stats, count)
+    if more <= count:
+        return _cpus_in_use(stats, "collate", words)
+    return Diagnosis(STAGE_WORDS["collate"], f"{words}; try num_batch_workers={more}",
+                     {"num_batch_workers": more})
 
 
 def _wanted(stats: LoaderStats, count: int) -> int:

@@ -1,0 +1,37 @@
+"""The summary's verdicts (stats/analysis.py) on stats made to order: no timing involved."""
+
+from __future__ import annotations
+
+from pipeload.stats.recorder import LoaderSetup
+from pipeload.stats.report import LoaderStats, QueueStats, WorkerStats
+
+CPUS = 2
+
+
+def _worker(kind: str, worker_id: int, *, fetch_s: float = 0.0, collate_s: float = 0.0,
+            cpu_s: float = 0.0) -> WorkerStats:
+    return WorkerStats(kind, worker_id, tasks=32, samples=256, fetch_s=fetch_s, collate_s=collate_s,
+                       transfer_s=0.01, bytes_out=1024, alive_s=1.0, cpu_s=cpu_s)
+
+
+def _stats(mode: str, workers: tuple[WorkerStats, ...], wait_s: float, compute_s: float) -> LoaderStats:
+    setup = LoaderSetup(mode, "process", 2, 2, 8, False, CPUS)
+    return LoaderStats(setup=setup, batches=32, epochs=1, wait_s=wait_s, compute_s=compute_s,
+                       first_batch_s=0.01, pin_s=0.0, pinned=0, workers=workers,
+                       queue=QueueStats(0.0, 0, 1.0, 2, 2))
+
+
+def test_economic_collate_asks_a_bounded_number_of_batch_workers() -> None:
+    # The loop waited all the time (it does nothing between batches): n / (1 - wait) workers
+    # is unbounded, and it asked for num_batch_workers=1116 in a real run of a sleeping collate.
+    # (Item workers that wait on I/O in their little fetching must not turn it into a call for
+    # more item workers.)
+    items = tuple(_worker("item", i, fetch_s=0.1, cpu_s=0.01) for i in range(2))
+    waiting = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.01) for i in range(2))
+    stats = _stats("economic", items + waiting, wait_s=1.0, compute_s=0.0)
+    wanted = stats.suggested_settings()["num_batch_workers"]
+    assert 3 <= wanted <= 8, stats.summary()
+    assert f"num_batch_workers={wanted}" in stats.summary()
+    computing = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.9) for i in range(2))
+    stats = _stats("economic", items + computing, wait_s=1.0, compute_s=0.0)
+    assert stats.suggested_settings().get("num_batch_workers", CPUS) <= CPUS, stats.summary()
