@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pipeload.stats.recorder import LoaderSetup
 from pipeload.stats.report import LoaderStats, QueueStats, WorkerStats
 
@@ -35,3 +37,27 @@ def test_economic_collate_asks_a_bounded_number_of_batch_workers() -> None:
     computing = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.9) for i in range(2))
     stats = _stats("economic", items + computing, wait_s=1.0, compute_s=0.0)
     assert stats.suggested_settings().get("num_batch_workers", CPUS) <= CPUS, stats.summary()
+
+
+def test_bytes_moved_are_written_in_a_unit_that_shows_them() -> None:
+    # 1 KiB per worker read "moved 0.0 MiB": nothing, to a reader.
+    stats = _stats("classic", (_worker("", 0, fetch_s=0.9), _worker("", 1, fetch_s=0.9)), 1.0, 0.1)
+    assert stats.bytes_moved == 2048
+    assert "moved 2.0 KiB of tensors" in stats.summary()
+    big = dataclasses.replace(stats, workers=(dataclasses.replace(_worker("", 0), bytes_out=3 * 2**20),))
+    assert "moved 3.0 MiB of tensors" in big.summary()
+
+
+def test_without_workers_nothing_is_said_to_be_moved() -> None:
+    stats = _stats("classic", (_worker("main", 0, fetch_s=0.9),), 1.0, 0.1)
+    assert "moved" not in stats.summary()
+    assert "skipped samples: 0" in stats.summary()
+
+
+def test_a_loop_that_keeps_workers_waiting_says_they_idle() -> None:
+    idle = tuple(_worker("", i, fetch_s=0.05) for i in range(2))
+    stats = _stats("classic", idle, wait_s=0.01, compute_s=1.0)
+    text = stats.summary()
+    assert "bottleneck: the training loop" in text
+    assert "workers idle 94% of the time" in text, text
+    assert "num_workers" not in stats.suggested_settings() or stats.suggested_settings()["num_workers"] < 2

@@ -27,6 +27,7 @@ SATURATED = 0.60
 WAITING = 0.5
 MAX_SUGGESTED_WORKERS = 64
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
+KIB = 1024
 MIB = 1024 * 1024
 
 STAGE_WORDS = {
@@ -74,6 +75,8 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
 
 def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     words = f"the training loop waited only {stats.wait_fraction:.0%} of the time: loading keeps up"
+    if workers:
+        words += f" (workers idle {1 - _mean_busy(workers):.0%} of the time)"
     count = stats.setup.num_workers
     if count > 1 and workers:
         needed = max(1, math.ceil(count * _mean_busy(workers) / HEADROOM))
@@ -172,10 +175,11 @@ def summarise(stats: LoaderStats) -> str:
         f"{stats.first_wait_s:.2f} s for the first batches",
         _stage_line(stats),
     ]
-    if any(w.kind != "main" for w in stats.workers):
+    has_workers = any(w.kind != "main" for w in stats.workers)
+    if has_workers:
         lines.append(_worker_line(stats))
-    lines.append(f"moved {stats.bytes_moved / MIB:,.1f} MiB of tensors to the main process; "
-                 f"skipped samples: {stats.skipped_samples}")
+    moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
+    lines.append(f"{moved}skipped samples: {stats.skipped_samples}")
     for decision in stats.decisions:
         lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
                      f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
@@ -185,6 +189,13 @@ def summarise(stats: LoaderStats) -> str:
     else:
         lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
     return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    """Bytes in the largest unit that still shows them (1 KiB read "0.0 MiB")."""
+    if count < KIB:
+        return f"{count:,} bytes"
+    return f"{count / KIB:,.1f} KiB" if count < MIB else f"{count / MIB:,.1f} MiB"
 
 
 def _stage_line(stats: LoaderStats) -> str:
