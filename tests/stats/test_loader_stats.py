@@ -157,6 +157,27 @@ def test_first_batch_time_and_the_loops_own_time() -> None:
     assert 0 < stats.first_batch_s < stats.elapsed_s
 
 
+def test_the_loop_waits_for_the_epochs_end_and_its_workers_stopping(monkeypatch) -> None:
+    # The call that ends an epoch stops workers that are not persistent: the loop waits for
+    # that too, timed or not (it was counted only when that call fell on a timed one).
+    from pipeload.engine.inline import InlineEngine
+
+    closing_s = 0.05
+    close = InlineEngine.close
+
+    def slow_close(engine: InlineEngine) -> None:
+        time.sleep(closing_s)  # the stand-in for joining worker processes
+        close(engine)
+
+    monkeypatch.setattr(InlineEngine, "close", slow_close)
+    loader = pipeload.DataLoader(list(range(200)), batch_size=2)  # past the first timed batches
+    for _ in range(2):
+        assert len(list(loader)) == 100
+    stats = loader.stats()
+    assert stats.end_wait_s >= 2 * closing_s
+    assert stats.stages["wait"].seconds >= stats.end_wait_s + stats.first_wait_s + stats.wait_s - 1e-9
+
+
 def test_stats_off() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
                                  stats=False)

@@ -172,7 +172,7 @@ def summarise(stats: LoaderStats) -> str:
         f"{setup.cpus} usable CPUs",
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
         f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
-        f"{stats.first_wait_s:.2f} s for the first batches",
+        f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
         _stage_line(stats),
     ]
     has_workers = any(w.kind != "main" for w in stats.workers)
