@@ -61,3 +61,26 @@ def test_a_loop_that_keeps_workers_waiting_says_they_idle() -> None:
     assert "bottleneck: the training loop" in text
     assert "workers idle 94% of the time" in text, text
     assert "num_workers" not in stats.suggested_settings() or stats.suggested_settings()["num_workers"] < 2
+
+
+def _pinning(stats: LoaderStats, pin_s: float) -> LoaderStats:
+    return dataclasses.replace(stats, setup=dataclasses.replace(stats.setup, pin_memory=True),
+                               pin_s=pin_s, pinned=stats.batches)
+
+
+def test_pinning_that_takes_most_of_the_time_is_named() -> None:
+    # Inline, pinning 50 times longer than collating read "`collate_fn` takes most of it".
+    inline = _stats("classic", (_worker("main", 0, fetch_s=0.002, collate_s=0.004),), 1.0, 0.1)
+    for stats in (_pinning(inline, 0.2), _pinning(_stats("classic", (_worker("", 0, fetch_s=0.01),), 1.0, 0.1), 0.8)):
+        text = stats.summary()
+        assert "bottleneck: pinning" in text, text
+        assert stats.suggested_settings() == {"pin_memory": False}
+    assert "bottleneck: pinning" not in _pinning(inline, 0.001).summary()
+
+
+def test_pin_memory_without_anything_pinned_says_so() -> None:
+    stats = dataclasses.replace(_stats("classic", (_worker("", 0, fetch_s=0.9),), 1.0, 0.1),
+                                )
+    stats = dataclasses.replace(stats, setup=dataclasses.replace(stats.setup, pin_memory=True))
+    assert "pin_memory=True (nothing pinned: no accelerator)" in stats.summary()
+    assert "pin_memory=True," in _pinning(stats, 0.1).summary()

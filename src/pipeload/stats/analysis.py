@@ -4,13 +4,14 @@ The rules, in order (docs/design/stats.md explains them):
 
 1. The training loop waited less than ``KEEPS_UP`` of the time: loading keeps up. If the
    workers are mostly idle, fewer of them would do (less memory).
-2. No workers: the main process fetches and collates itself; workers would take that off it.
-3. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
+2. Pinning takes longer than the busiest loading stage: name it (try ``pin_memory=False``).
+3. No workers: the main process fetches and collates itself; workers would take that off it.
+4. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
    where they spend most (dataset, collate_fn, handing over) is named. A loop that waited a
    fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the usable CPUs when
    the workers compute, beyond them when they mostly wait (their time on a CPU, or ready and
    queued for one, is under ``WAITING`` of their busy time: I/O, remote reads, sleeps).
-4. Otherwise the workers idle while the loop waits: the main process's per-batch work
+5. Otherwise the workers idle while the loop waits: the main process's per-batch work
    (receiving, unpickling, reordering, pinning) is what limits.
 """
 
@@ -56,6 +57,10 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     if wait < KEEPS_UP:
         return _keeps_up(stats, workers)
     stage = _busiest_stage(stats)
+    if stats.pin_s > stats.stages[stage].seconds:
+        return Diagnosis("pinning", "pinning is the bottleneck (pin_memory=True): it takes longer than "
+                         f"{STAGE_WORDS[stage]}; try pin_memory=False, unless copies to the "
+                         "accelerator need pinned memory", {"pin_memory": False})
     if not workers:
         target = _workers_for(stats, 1)
         return Diagnosis(
@@ -169,7 +174,7 @@ def summarise(stats: LoaderStats) -> str:
         f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
         f"setup: mode={setup.mode}, num_workers={workers}, worker_type={setup.worker_type}, "
         f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
-        f"{setup.cpus} usable CPUs",
+        f"pin_memory={setup.pin_memory}{_unpinned(stats)}, {setup.cpus} usable CPUs",
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
         f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
         f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
@@ -189,6 +194,12 @@ def summarise(stats: LoaderStats) -> str:
     else:
         lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
     return "\n".join(lines)
+
+
+def _unpinned(stats: LoaderStats) -> str:
+    """Words for pin_memory=True that pinned nothing (no accelerator: batches stay in ordinary
+    memory, and a warning said so once)."""
+    return " (nothing pinned: no accelerator)" if stats.setup.pin_memory and stats.batches and not stats.pinned else ""
 
 
 def _size(count: int) -> str:
