@@ -68,7 +68,7 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
             f"the main process loads every batch itself, and {STAGE_WORDS[stage]} takes most of "
             f"it; try num_workers={target}", {"num_workers": target})
     busy = _busiest_kind(workers)
-    if busy >= SATURATED:
+    if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
         return _saturated(stats, stage, _current_workers(stats))
     return Diagnosis(
         "the main process",
@@ -127,14 +127,29 @@ def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[Work
     """Economic mode's ``collate_fn`` limits: more batch workers, bounded as classic workers are
     (a loop that waited all the time would otherwise ask for thousands)."""
     count = len(batch_workers)
+    capacity = stats.queue.capacity
+    if _batch_workers_held_back(stats):
+        return Diagnosis(STAGE_WORDS["collate"], f"{words}, and only prefetch_factor={capacity} "
+                         f"batches are collated at once: try prefetch_factor={count} (as many "
+                         "batches in memory)", {"prefetch_factor": count})
     if _mostly_waiting(batch_workers):
         more = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
     else:
         more = _workers_for(stats, count)
     if more <= count:
         return _cpus_in_use(stats, "collate", words)
-    return Diagnosis(STAGE_WORDS["collate"], f"{words}; try num_batch_workers={more}",
-                     {"num_batch_workers": more})
+    settings = {"num_batch_workers": more}
+    if more > capacity:  # economic mode collates at most prefetch_factor batches at once
+        settings["prefetch_factor"] = more
+    return Diagnosis(STAGE_WORDS["collate"], f"{words}; try " + ", ".join(
+        f"{name}={value}" for name, value in settings.items()), settings)
+
+
+def _batch_workers_held_back(stats: LoaderStats) -> bool:
+    """Economic mode has more batch workers than batches it may collate at once
+    (``prefetch_factor``): the extra ones can only idle."""
+    batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
+    return stats.setup.mode == "economic" and 0 < stats.queue.capacity < batch_workers
 
 
 def _wanted(stats: LoaderStats, count: int) -> int:
