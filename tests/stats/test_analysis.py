@@ -98,3 +98,12 @@ def test_economic_collate_held_back_by_prefetch_factor_asks_for_it() -> None:
     stats = _stats("economic", items + held_back, 1.0, 0.0)
     assert stats.suggested_settings() == {"prefetch_factor": 4}, stats.summary()
     assert "bottleneck: `collate_fn`" in stats.summary()
+
+
+def test_economic_workers_busy_is_given_per_kind() -> None:
+    # One mean over item and batch workers ("workers busy 46%" with item workers at 90% and
+    # batch workers at 2%) described neither kind.
+    items = tuple(_worker("item", i, fetch_s=0.9) for i in range(2))
+    batches = tuple(_worker("batch", i, collate_s=0.02) for i in range(2))
+    text = _stats("economic", items + batches, 1.0, 0.0).summary()
+    assert "item workers busy 91%, batch workers busy 3% of the time" in text, text

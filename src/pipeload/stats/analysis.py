@@ -241,7 +241,17 @@ def _worker_line(stats: LoaderStats) -> str:
     more = f", and {len(workers) - 8} more" if len(workers) > 8 else ""
     queue = stats.queue
     cpu = sum(w.cpu_fraction for w in workers) / len(workers)
-    return (f"workers busy {_mean_busy(workers):.0%} of the time, on a CPU {cpu:.0%} "
+    return (f"{_busy_words(workers)} of the time, on a CPU {cpu:.0%} "
             f"({each}{more}); when a batch "
             f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
             f"{queue.mean_in_flight:.1f} in flight (at most {queue.capacity})")
+
+
+def _busy_words(workers: list[WorkerStats]) -> str:
+    """How busy the workers were: per kind in economic mode (item workers and batch workers do
+    different work, and one mean over both described neither)."""
+    kinds = [kind for kind in ("item", "batch") if any(w.kind == kind for w in workers)]
+    if not kinds:
+        return f"workers busy {_mean_busy(workers):.0%}"
+    return ", ".join(f"{kind} workers busy {_mean_busy([w for w in workers if w.kind == kind]):.0%}"
+                     for kind in kinds)
