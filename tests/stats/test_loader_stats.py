@@ -178,6 +178,18 @@ def test_the_loop_waits_for_the_epochs_end_and_its_workers_stopping(monkeypatch)
     assert stats.stages["wait"].seconds >= stats.end_wait_s + stats.first_wait_s + stats.wait_s - 1e-9
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["thread"], ENGINES["economic-thread"]], ids=["thread", "economic-thread"])
+def test_thread_workers_time_on_a_cpu_is_read(engine: dict) -> None:
+    # A thread worker's clock is read by the main thread, which refreshed the scheduler
+    # counters only for its own thread: thread workers read 0 s on a CPU, and computing ones
+    # were told they "mostly wait in it (I/O, sleep, locks)".
+    loader = pipeload.DataLoader(Slow(96, 0.005), batch_size=4, **engine)
+    assert len(list(loader)) == 24
+    fetching = [w for w in loader.stats().workers if w.kind in ("", "item")]
+    assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.1 * sum(w.fetch_s for w in fetching)
+
+
 def test_stats_off() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
                                  stats=False)
