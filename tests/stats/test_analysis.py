@@ -16,8 +16,9 @@ def _worker(kind: str, worker_id: int, *, fetch_s: float = 0.0, collate_s: float
                        transfer_s=0.01, bytes_out=1024, alive_s=1.0, cpu_s=cpu_s)
 
 
-def _stats(mode: str, workers: tuple[WorkerStats, ...], wait_s: float, compute_s: float) -> LoaderStats:
-    setup = LoaderSetup(mode, "process", 2, 2, 8, False, CPUS)
+def _stats(mode: str, workers: tuple[WorkerStats, ...], wait_s: float, compute_s: float,
+           worker_type: str = "process") -> LoaderStats:
+    setup = LoaderSetup(mode, worker_type, 2, 2, 8, False, CPUS)
     return LoaderStats(setup=setup, batches=32, epochs=1, wait_s=wait_s, compute_s=compute_s,
                        first_batch_s=0.01, pin_s=0.0, pinned=0, workers=workers,
                        queue=QueueStats(0.0, 0, 1.0, 2, 2))
@@ -107,3 +108,16 @@ def test_economic_workers_busy_is_given_per_kind() -> None:
     batches = tuple(_worker("batch", i, collate_s=0.02) for i in range(2))
     text = _stats("economic", items + batches, 1.0, 0.0).summary()
     assert "item workers busy 91%, batch workers busy 3% of the time" in text, text
+
+
+def test_thread_workers_taking_turns_on_the_gil_are_told_to_use_processes() -> None:
+    # Two thread workers running Python code ran one CPU's worth between them (0.13 s each of
+    # 0.25 s busy in a real run): the GIL lets one run at a time. More threads cannot help.
+    turns = tuple(_worker("", i, fetch_s=0.9, cpu_s=0.45) for i in range(2))
+    stats = _stats("classic", turns, 1.0, 0.1, worker_type="thread")
+    assert "bottleneck: `__getitem__`" in stats.summary()
+    assert "GIL" in stats.summary()
+    assert stats.suggested_settings() == {"worker_type": "process"}
+    sleeping = tuple(_worker("", i, fetch_s=0.9, cpu_s=0.01) for i in range(2))
+    assert stats.suggested_settings() != _stats("classic", sleeping, 1.0, 0.1, "thread").suggested_settings()
+    assert "GIL" not in _stats("classic", turns, 1.0, 0.1).summary()  # processes have none

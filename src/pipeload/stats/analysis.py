@@ -27,6 +27,7 @@ KEEPS_UP = 0.10
 SATURATED = 0.60
 WAITING = 0.5
 MAX_SUGGESTED_WORKERS = 64
+GIL_SHARE = 0.5  # thread workers running 0.5 to 1.5 CPUs between them take turns on the GIL
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
 KIB = 1024
 MIB = 1024 * 1024
@@ -107,6 +108,10 @@ def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
     if stats.setup.mode == "economic" and stage == "collate":  # the batch workers' stage
         return _more_batch_workers(stats, words, [w for w in stats.workers if w.kind == "batch"])
     workers = [w for w in stats.workers if w.kind in ("", "item")]
+    if _taking_turns_on_the_gil(stats, workers):
+        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the thread workers ran one CPU's worth "
+                         "between them: Python code holds the GIL, one thread at a time; try "
+                         "worker_type='process'", {"worker_type": "process"})
     if _mostly_waiting(workers):
         target = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
         return Diagnosis(STAGE_WORDS[stage], f"{words}, and the workers mostly wait in it (I/O, "
@@ -116,6 +121,16 @@ def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
     if target <= count:
         return _cpus_in_use(stats, stage, words)
     return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _taking_turns_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> bool:
+    """Thread workers that together ran about one CPU (half of it at least, little more), where
+    their number and the CPUs allowed more: they compute in Python, which the GIL serialises."""
+    if stats.setup.worker_type != "thread" or len(workers) < 2 or stats.setup.cpus < 2:
+        return False
+    alive = max(w.alive_s for w in workers)
+    running = sum(w.cpu_s + w.queued_s for w in workers)
+    return alive > 0 and GIL_SHARE * alive <= running <= (2 - GIL_SHARE) * alive
 
 
 def _cpus_in_use(stats: LoaderStats, stage: str, words: str) -> Diagnosis:
