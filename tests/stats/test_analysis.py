@@ -121,3 +121,11 @@ def test_thread_workers_taking_turns_on_the_gil_are_told_to_use_processes() -> N
     sleeping = tuple(_worker("", i, fetch_s=0.9, cpu_s=0.01) for i in range(2))
     assert stats.suggested_settings() != _stats("classic", sleeping, 1.0, 0.1, "thread").suggested_settings()
     assert "GIL" not in _stats("classic", turns, 1.0, 0.1).summary()  # processes have none
+
+
+def test_the_queue_line_says_its_capacity_as_such() -> None:
+    # "(at most 2)" gave the capacity where QueueStats.max_in_flight said 1: a reader took it
+    # for the most seen in flight.
+    stats = _stats("classic", (_worker("", 0, fetch_s=0.9),), 1.0, 0.1)
+    text = stats.summary()
+    assert "1.0 in flight (room for 2)" in text and "at most" not in text, text

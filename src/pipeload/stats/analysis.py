@@ -259,7 +259,7 @@ def _worker_line(stats: LoaderStats) -> str:
     return (f"{_busy_words(workers)} of the time, on a CPU {cpu:.0%} "
             f"({each}{more}); when a batch "
             f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
-            f"{queue.mean_in_flight:.1f} in flight (at most {queue.capacity})")
+            f"{queue.mean_in_flight:.1f} in flight (room for {queue.capacity})")
 
 
 def _busy_words(workers: list[WorkerStats]) -> str:
