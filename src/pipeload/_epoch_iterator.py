@@ -16,7 +16,7 @@ from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
-from pipeload.stats.clock import profiling, span
+from pipeload.stats.clock import now, profiling, span
 from pipeload.stats.recorder import EpochCount
 
 
@@ -64,9 +64,12 @@ class _EpochIterator:
                 batch = self._engine.next_batch()
         except StopIteration:
             self._progress.ended = True
-            if self._stats is not None:
-                self._stats.ended(asked)
+            # The loop also waits for the workers to stop (not persistent ones): timed always,
+            # from the ask when it was timed, else from here (once an epoch: no batch pays).
+            closing = now() if self._stats is not None else 0.0
             self._finish()
+            if self._stats is not None:
+                self._stats.ended(asked or closing)
             raise
         except Exception as error:
             self._progress.failed(error)

@@ -157,6 +157,39 @@ def test_first_batch_time_and_the_loops_own_time() -> None:
     assert 0 < stats.first_batch_s < stats.elapsed_s
 
 
+def test_the_loop_waits_for_the_epochs_end_and_its_workers_stopping(monkeypatch) -> None:
+    # The call that ends an epoch stops workers that are not persistent: the loop waits for
+    # that too, timed or not (it was counted only when that call fell on a timed one).
+    from pipeload.engine.inline import InlineEngine
+
+    closing_s = 0.05
+    close = InlineEngine.close
+
+    def slow_close(engine: InlineEngine) -> None:
+        time.sleep(closing_s)  # the stand-in for joining worker processes
+        close(engine)
+
+    monkeypatch.setattr(InlineEngine, "close", slow_close)
+    loader = pipeload.DataLoader(list(range(200)), batch_size=2)  # past the first timed batches
+    for _ in range(2):
+        assert len(list(loader)) == 100
+    stats = loader.stats()
+    assert stats.end_wait_s >= 2 * closing_s
+    assert stats.stages["wait"].seconds >= stats.end_wait_s + stats.first_wait_s + stats.wait_s - 1e-9
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["thread"], ENGINES["economic-thread"]], ids=["thread", "economic-thread"])
+def test_thread_workers_time_on_a_cpu_is_read(engine: dict) -> None:
+    # A thread worker's clock is read by the main thread, which refreshed the scheduler
+    # counters only for its own thread: thread workers read 0 s on a CPU, and computing ones
+    # were told they "mostly wait in it (I/O, sleep, locks)".
+    loader = pipeload.DataLoader(Slow(96, 0.005), batch_size=4, **engine)
+    assert len(list(loader)) == 24
+    fetching = [w for w in loader.stats().workers if w.kind in ("", "item")]
+    assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.1 * sum(w.fetch_s for w in fetching)
+
+
 def test_stats_off() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
                                  stats=False)
@@ -283,6 +316,26 @@ def test_samples_skipped_by_on_error_pipes_are_counted_in_every_worker(engine: d
     assert sum(len(batch) for batch in loader) == 10
     assert loader.stats().skipped_samples == 10
     assert "skipped samples: 10" in loader.stats().summary()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("engine", [ENGINES["inline"], ENGINES["process"], ENGINES["thread"]],
+                         ids=["inline", "process", "thread"])
+def test_skipped_samples_are_counted_once_over_epochs_and_loaders(engine: dict, leak_guard) -> None:
+    # A pipe's tally lives as long as the pipe: the main process's copy (inline) runs every
+    # epoch, and of every loader built over it, so each epoch's clock counts from where the
+    # tally stood when it started (each epoch's skips were counted by every later epoch's clock
+    # again: 2 epochs of 10 skips read 40).
+    from pipeload.datapipes.iter import IterableWrapper
+
+    pipe = (IterableWrapper([GOOD_SAMPLE, BROKEN_SAMPLE] * 10).sharding_filter()
+            .decode(on_error="skip"))
+    list(pipeload.DataLoader(pipe, batch_size=2, collate_fn=_keys))  # an earlier loader's skips
+    loader = pipeload.DataLoader(pipe, batch_size=2, collate_fn=_keys, **engine)
+    for _ in range(2):
+        assert sum(len(batch) for batch in loader) == 10
+    assert loader.stats().skipped_samples == 20
 
 
 ODD = 402  # 100 batches of 4 and a short one of 2: past the first TIME_ALL_FIRST, timed all

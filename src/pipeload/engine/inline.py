@@ -79,7 +79,7 @@ class InlineEngine:
         resume_from = (self._spec.resume_streams or {}).get(0)
         self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
         if self._clock is not None and self._clock.count_skipped is None:
-            self._clock.count_skipped = skip_counter(self._spec.dataset)
+            self._clock.count_skipped = skip_counter(self._spec.dataset, self._clock.skipped)
 
     def next_batch(self) -> Any:
         """The next batch. The dataset's or collate_fn's error for it propagates, and the next
@@ -97,3 +97,5 @@ class InlineEngine:
 
     def close(self) -> None:
         self._closed = True
+        if self._clock is not None:
+            self._clock.stop_counting_skips()

@@ -100,6 +100,11 @@ class WorkerLoop:
         self._epoch = setup.first_epoch
         self._drops_superseded_tasks = self.kind != "" or setup.fetch.per_batch_seeding
 
+    def thread_ends(self) -> None:
+        """Its thread is about to end: a lent clock takes its last CPU reading now."""
+        if self._lends_clock:
+            self._clock.read_sched_now()  # type: ignore[union-attr]
+
     def run(self) -> None:
         self._initialise()
         while not self._should_stop():
@@ -413,3 +418,4 @@ def serve_in_thread(info: WorkerInfo, loop: Any) -> None:
         loop.run()
     finally:
         set_worker_info(None)
+        loop.thread_ends()

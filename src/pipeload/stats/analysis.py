@@ -4,13 +4,14 @@ The rules, in order (docs/design/stats.md explains them):
 
 1. The training loop waited less than ``KEEPS_UP`` of the time: loading keeps up. If the
    workers are mostly idle, fewer of them would do (less memory).
-2. No workers: the main process fetches and collates itself; workers would take that off it.
-3. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
+2. Pinning takes longer than the busiest loading stage: name it (try ``pin_memory=False``).
+3. No workers: the main process fetches and collates itself; workers would take that off it.
+4. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
    where they spend most (dataset, collate_fn, handing over) is named. A loop that waited a
    fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the usable CPUs when
    the workers compute, beyond them when they mostly wait (their time on a CPU, or ready and
    queued for one, is under ``WAITING`` of their busy time: I/O, remote reads, sleeps).
-4. Otherwise the workers idle while the loop waits: the main process's per-batch work
+5. Otherwise the workers idle while the loop waits: the main process's per-batch work
    (receiving, unpickling, reordering, pinning) is what limits.
 """
 
@@ -26,7 +27,9 @@ KEEPS_UP = 0.10
 SATURATED = 0.60
 WAITING = 0.5
 MAX_SUGGESTED_WORKERS = 64
+GIL_SHARE = 0.5  # thread workers running 0.5 to 1.5 CPUs between them take turns on the GIL
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
+KIB = 1024
 MIB = 1024 * 1024
 
 STAGE_WORDS = {
@@ -55,6 +58,10 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     if wait < KEEPS_UP:
         return _keeps_up(stats, workers)
     stage = _busiest_stage(stats)
+    if stats.pin_s > stats.stages[stage].seconds:
+        return Diagnosis("pinning", "pinning is the bottleneck (pin_memory=True): it takes longer than "
+                         f"{STAGE_WORDS[stage]}; try pin_memory=False, unless copies to the "
+                         "accelerator need pinned memory", {"pin_memory": False})
     if not workers:
         target = _workers_for(stats, 1)
         return Diagnosis(
@@ -62,7 +69,7 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
             f"the main process loads every batch itself, and {STAGE_WORDS[stage]} takes most of "
             f"it; try num_workers={target}", {"num_workers": target})
     busy = _busiest_kind(workers)
-    if busy >= SATURATED:
+    if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
         return _saturated(stats, stage, _current_workers(stats))
     return Diagnosis(
         "the main process",
@@ -74,6 +81,8 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
 
 def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     words = f"the training loop waited only {stats.wait_fraction:.0%} of the time: loading keeps up"
+    if workers:
+        words += f" (workers idle {1 - _mean_busy(workers):.0%} of the time)"
     count = stats.setup.num_workers
     if count > 1 and workers:
         needed = max(1, math.ceil(count * _mean_busy(workers) / HEADROOM))
@@ -95,24 +104,67 @@ def _mostly_waiting(workers: list[WorkerStats]) -> bool:
 
 
 def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
-    setup = stats.setup
     words = f"{STAGE_WORDS[stage]} is the bottleneck"
+    if stats.setup.mode == "economic" and stage == "collate":  # the batch workers' stage
+        return _more_batch_workers(stats, words, [w for w in stats.workers if w.kind == "batch"])
     workers = [w for w in stats.workers if w.kind in ("", "item")]
+    if _taking_turns_on_the_gil(stats, workers):
+        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the thread workers ran one CPU's worth "
+                         "between them: Python code holds the GIL, one thread at a time; try "
+                         "worker_type='process'", {"worker_type": "process"})
     if _mostly_waiting(workers):
         target = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
         return Diagnosis(STAGE_WORDS[stage], f"{words}, and the workers mostly wait in it (I/O, "
                          f"sleep, locks) rather than compute: more workers than CPUs help; try "
                          f"num_workers={target} (or 'auto')", {"num_workers": target})
     target = _workers_for(stats, count)
-    if setup.mode == "economic" and stage == "collate":
-        batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
-        more = max(batch_workers + 1, math.ceil(batch_workers / max(1e-9, 1 - stats.wait_fraction)))
-        return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_batch_workers={more}",
-                         {"num_batch_workers": more})
     if target <= count:
-        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {setup.cpus} usable CPUs are all "
-                         f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
+        return _cpus_in_use(stats, stage, words)
     return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _taking_turns_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> bool:
+    """Thread workers that together ran about one CPU (half of it at least, little more), where
+    their number and the CPUs allowed more: they compute in Python, which the GIL serialises."""
+    if stats.setup.worker_type != "thread" or len(workers) < 2 or stats.setup.cpus < 2:
+        return False
+    alive = max(w.alive_s for w in workers)
+    running = sum(w.cpu_s + w.queued_s for w in workers)
+    return alive > 0 and GIL_SHARE * alive <= running <= (2 - GIL_SHARE) * alive
+
+
+def _cpus_in_use(stats: LoaderStats, stage: str, words: str) -> Diagnosis:
+    return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {stats.setup.cpus} usable CPUs are all "
+                     f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
+
+
+def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[WorkerStats]) -> Diagnosis:
+    """Economic mode's ``collate_fn`` limits: more batch workers, bounded as classic workers are
+    (a loop that waited all the time would otherwise ask for thousands)."""
+    count = len(batch_workers)
+    capacity = stats.queue.capacity
+    if _batch_workers_held_back(stats):
+        return Diagnosis(STAGE_WORDS["collate"], f"{words}, and only prefetch_factor={capacity} "
+                         f"batches are collated at once: try prefetch_factor={count} (as many "
+                         "batches in memory)", {"prefetch_factor": count})
+    if _mostly_waiting(batch_workers):
+        more = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
+    else:
+        more = _workers_for(stats, count)
+    if more <= count:
+        return _cpus_in_use(stats, "collate", words)
+    settings = {"num_batch_workers": more}
+    if more > capacity:  # economic mode collates at most prefetch_factor batches at once
+        settings["prefetch_factor"] = more
+    return Diagnosis(STAGE_WORDS["collate"], f"{words}; try " + ", ".join(
+        f"{name}={value}" for name, value in settings.items()), settings)
+
+
+def _batch_workers_held_back(stats: LoaderStats) -> bool:
+    """Economic mode has more batch workers than batches it may collate at once
+    (``prefetch_factor``): the extra ones can only idle."""
+    batch_workers = sum(1 for w in stats.workers if w.kind == "batch")
+    return stats.setup.mode == "economic" and 0 < stats.queue.capacity < batch_workers
 
 
 def _wanted(stats: LoaderStats, count: int) -> int:
@@ -152,16 +204,17 @@ def summarise(stats: LoaderStats) -> str:
         f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
         f"setup: mode={setup.mode}, num_workers={workers}, worker_type={setup.worker_type}, "
         f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
-        f"{setup.cpus} usable CPUs",
+        f"pin_memory={setup.pin_memory}{_unpinned(stats)}, {setup.cpus} usable CPUs",
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
         f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
-        f"{stats.first_wait_s:.2f} s for the first batches",
+        f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
         _stage_line(stats),
     ]
-    if any(w.kind != "main" for w in stats.workers):
+    has_workers = any(w.kind != "main" for w in stats.workers)
+    if has_workers:
         lines.append(_worker_line(stats))
-    lines.append(f"moved {stats.bytes_moved / MIB:,.1f} MiB of tensors to the main process; "
-                 f"skipped samples: {stats.skipped_samples}")
+    moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
+    lines.append(f"{moved}skipped samples: {stats.skipped_samples}")
     for decision in stats.decisions:
         lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
                      f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
@@ -171,6 +224,19 @@ def summarise(stats: LoaderStats) -> str:
     else:
         lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
     return "\n".join(lines)
+
+
+def _unpinned(stats: LoaderStats) -> str:
+    """Words for pin_memory=True that pinned nothing (no accelerator: batches stay in ordinary
+    memory, and a warning said so once)."""
+    return " (nothing pinned: no accelerator)" if stats.setup.pin_memory and stats.batches and not stats.pinned else ""
+
+
+def _size(count: int) -> str:
+    """Bytes in the largest unit that still shows them (1 KiB read "0.0 MiB")."""
+    if count < KIB:
+        return f"{count:,} bytes"
+    return f"{count / KIB:,.1f} KiB" if count < MIB else f"{count / MIB:,.1f} MiB"
 
 
 def _stage_line(stats: LoaderStats) -> str:
@@ -190,7 +256,17 @@ def _worker_line(stats: LoaderStats) -> str:
     more = f", and {len(workers) - 8} more" if len(workers) > 8 else ""
     queue = stats.queue
     cpu = sum(w.cpu_fraction for w in workers) / len(workers)
-    return (f"workers busy {_mean_busy(workers):.0%} of the time, on a CPU {cpu:.0%} "
+    return (f"{_busy_words(workers)} of the time, on a CPU {cpu:.0%} "
             f"({each}{more}); when a batch "
             f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
-            f"{queue.mean_in_flight:.1f} in flight (at most {queue.capacity})")
+            f"{queue.mean_in_flight:.1f} in flight (room for {queue.capacity})")
+
+
+def _busy_words(workers: list[WorkerStats]) -> str:
+    """How busy the workers were: per kind in economic mode (item workers and batch workers do
+    different work, and one mean over both described neither)."""
+    kinds = [kind for kind in ("item", "batch") if any(w.kind == kind for w in workers)]
+    if not kinds:
+        return f"workers busy {_mean_busy(workers):.0%}"
+    return ", ".join(f"{kind} workers busy {_mean_busy([w for w in workers if w.kind == kind]):.0%}"
+                     for kind in kinds)

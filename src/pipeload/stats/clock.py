@@ -69,12 +69,19 @@ SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns waiting for one, ti
 
 def read_sched() -> tuple[float, float]:
     """(seconds on a CPU, seconds waiting for one) of the calling thread."""
+    read = _schedstat(SCHEDSTAT)
+    return read if read is not None else (time.thread_time(), 0.0)  # no counters: CPU time alone
+
+
+def _schedstat(path: str) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds waiting for one) from a schedstat file; None if unreadable
+    (a thread that ended, or no scheduler counters)."""
     try:
-        with open(SCHEDSTAT, "rb") as file:
+        with open(path, "rb") as file:
             on_cpu, queued, _ = file.read().split()
         return int(on_cpu) / 1e9, int(queued) / 1e9
     except (OSError, ValueError):
-        return time.thread_time(), 0.0  # no scheduler counters: CPU time alone
+        return None
 
 
 def running_s(workers: list[Any]) -> float:
@@ -171,10 +178,12 @@ class StageClock:
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps",
-                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner")
+                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner",
+                 "_owner_schedstat")
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
         self._owner = threading.get_ident()  # the scheduler counters read are its thread's
+        self._owner_schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
         self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
@@ -274,10 +283,13 @@ class StageClock:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order; a clock whose tasks the
         receiver counts returns the sums :func:`complete_totals` takes instead."""
         at = now()
-        # Another thread may read a lent clock (stats/recorder.py): the counters stay as its
-        # owner last read them.
-        if at - self._sched_read_at >= SCHED_READ_EVERY_S and threading.get_ident() == self._owner:
-            self._sched, self._sched_read_at = read_sched(), at
+        # Another thread reads a lent clock (stats/recorder.py), whose owner never takes a
+        # snapshot: it reads the owner's counters by its thread id (kept as they were once the
+        # thread has ended).
+        if at - self._sched_read_at >= SCHED_READ_EVERY_S:
+            read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
+            if read is not None:
+                self._sched, self._sched_read_at = read, at
         if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
             self._skipped = self.count_skipped()
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
@@ -285,6 +297,24 @@ class StageClock:
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
                 self._skipped, self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
+
+    def read_sched_now(self) -> None:
+        """The owning thread is about to end: read its scheduler counters while they exist (a
+        lent clock is read by another thread, through the thread's file, gone once it ended)."""
+        self._sched, self._sched_read_at = read_sched(), now()
+
+    @property
+    def skipped(self) -> int:
+        """Samples its dataset's on_error pipes skipped, as last read."""
+        return self._skipped
+
+    def stop_counting_skips(self) -> None:
+        """Its owner is done with the dataset (the inline engine's epoch ended): keep what the
+        on_error pipes skipped so far. The main process's dataset goes on counting for later
+        epochs' clocks, which this one, still read live, must not count too."""
+        if self.count_skipped is not None:
+            self._skipped = self.count_skipped()
+            self.count_skipped = None
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """The task in hand is done and its report carries the totals (returned): see

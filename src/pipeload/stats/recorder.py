@@ -117,7 +117,7 @@ class _Consumer:
         self._waits = 0
         self._compute_s = 0.0  # over the second batches of the timed pairs
         self._computes = 0
-        self._end_wait_s = 0.0
+        self.end_wait_s = 0.0  # for calls that handed out no batch: an epoch's end, an error
         self._second = False  # the next timed batch is a pair's second
         self._epoch_started_at: float | None = None
         self._last_handed_at = 0.0
@@ -170,18 +170,20 @@ class _Consumer:
             self._firsts += 1
 
     def ended(self, asked: float) -> None:
-        """The batch asked for (at ``asked``; 0.0: untimed) ended in StopIteration or an error."""
+        """The batch asked for (at ``asked``; 0.0: untimed) ended in StopIteration or an error
+        (an epoch's end passes when its workers began to stop, if the ask was untimed)."""
         self._second = False  # no batch was handed out to time the loop's work from
         if asked:
-            self._end_wait_s += now() - asked
+            self.end_wait_s += now() - asked
 
     def _steady(self) -> int:
         return max(0, self.batches - self._firsts)
 
     def wait_estimate(self) -> float:
-        """Seconds the loop waited for its steady batches (scaled from the timed ones)."""
-        scaled = self._wait_s * self._steady() / self._waits if self._waits else 0.0
-        return scaled + self._end_wait_s
+        """Seconds the loop waited for its steady batches (scaled from the timed ones). Not the
+        calls that ended an epoch: stopping workers that are not persistent is no steady wait,
+        and would turn a loop that keeps up into one that waits (``end_wait_s``)."""
+        return self._wait_s * self._steady() / self._waits if self._waits else 0.0
 
     def compute_estimate(self) -> float:
         """Seconds the loop spent on its own work before its steady batches (scaled likewise)."""
@@ -415,6 +417,7 @@ class StatsRecorder:
             wait_s=consumer.wait_estimate(),
             compute_s=consumer.compute_estimate(),
             first_wait_s=consumer.first_wait_s,
+            end_wait_s=consumer.end_wait_s,
             first_batch_s=consumer.first_batch_s,
             pin_s=self._pin_s,
             pinned=self._pinned,

@@ -127,6 +127,8 @@ class LoaderStats:
             excepted (that is start-up: ``first_wait_s``).
         compute_s: seconds it spent between two ``next()`` calls (its own work).
         first_wait_s: seconds it waited for the first batch of each epoch, summed.
+        end_wait_s: seconds it waited in the calls that handed out no batch: each epoch's end
+            (with workers that are not persistent, their stopping) and errors.
         first_batch_s: time from ``iter(loader)`` to the first batch, in the latest epoch.
         pin_s, pinned: time spent pinning batches, and how many were pinned.
         workers: per-worker totals.
@@ -149,11 +151,13 @@ class LoaderStats:
     skipped_samples: int = 0
     decisions: tuple[TuningDecision, ...] = ()
     first_wait_s: float = 0.0
+    end_wait_s: float = 0.0
 
     @property
     def elapsed_s(self) -> float:
-        """Seconds the training loop spent in epochs: waiting (start-up included) plus its own work."""
-        return self.first_wait_s + self.wait_s + self.compute_s
+        """Seconds the training loop spent in epochs: waiting (start-up and ends included) plus
+        its own work."""
+        return self.first_wait_s + self.wait_s + self.end_wait_s + self.compute_s
 
     @property
     def wait_fraction(self) -> float:
@@ -195,7 +199,7 @@ class LoaderStats:
             "collate": StageStats(built, total("collate_s", BATCH_KINDS)),
             "transfer": StageStats(handed, total("transfer_s", HANDING_OVER_KINDS + ("item",))),
             "pin": StageStats(self.pinned, self.pin_s),
-            "wait": StageStats(self.batches, self.first_wait_s + self.wait_s),
+            "wait": StageStats(self.batches, self.first_wait_s + self.wait_s + self.end_wait_s),
         }
 
     def summary(self) -> str:

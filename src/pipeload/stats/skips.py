@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 
-def skip_counter(dataset: Any) -> Callable[[], int] | None:
-    """A function returning how many samples ``dataset``'s on_error pipes skipped in this
-    process, or None when it has none (only pipeload's own DataPipe graphs are looked at)."""
+def skip_counter(dataset: Any, before: int = 0) -> Callable[[], int] | None:
+    """A function returning how many samples ``dataset``'s on_error pipes have skipped in this
+    process since this call (plus ``before``, counted earlier), or None when it has none (only
+    pipeload's own DataPipe graphs are looked at)."""
     try:  # the family that plugs into the loader may be a stand-in without on_error pipes
         from pipeload.datapipes.base import IterDataPipe, MapDataPipe
         from pipeload.datapipes.graph import list_dps
@@ -29,4 +30,12 @@ def skip_counter(dataset: Any) -> Callable[[], int] | None:
         return None  # a graph that cannot be walked still loads; it only goes uncounted
     if not pipes:
         return None
-    return lambda: sum(pipe.failure_counts().skipped for pipe in pipes)
+
+    def skipped() -> int:
+        return sum(pipe.failure_counts().skipped for pipe in pipes)
+
+    # A pipe's tally lives as long as the pipe: the main process's copy counts every epoch and
+    # every loader run over it, and a forked worker inherits what the parent's copy had counted.
+    # Count from where it stands now.
+    already = skipped() - before
+    return lambda: skipped() - already
