@@ -106,6 +106,17 @@ def test_sequence_methods() -> None:
         hash(shared)
 
 
+def test_index_of_a_missing_value_says_so_as_a_list_does() -> None:
+    values = ["a", "b", "a"]
+    shared = SharedSequence(values)
+    with pytest.raises(ValueError, match=r"^'z' is not in SharedSequence$"):
+        shared.index("z")
+    with pytest.raises(ValueError, match=r"^'b' is not in SharedSequence$"):
+        shared.index("b", 2)  # present, but before start
+    for args in [("a",), ("a", 1), ("a", -1), ("b", -3, -1), ("a", -100, 100)]:
+        assert shared.index(*args) == values.index(*args), args
+
+
 def test_repr_shows_the_first_items_and_the_length() -> None:
     assert repr(SharedSequence(["a", "b"])) == "SharedSequence(['a', 'b'])"
     long = repr(SharedSequence(range(100)))
