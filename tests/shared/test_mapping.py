@@ -61,6 +61,17 @@ def test_keys_that_are_not_stored_types() -> None:
         SharedMapping({"a": 1, frozenset({1}): 2})
 
 
+def test_a_value_that_cannot_be_stored_is_named_by_its_key_and_type() -> None:
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"^SharedMapping: the value of key 'b' \(<unlocked _thread.lock.*\) "
+                                        r"cannot be stored in shared memory because this lock cannot be pickled"):
+        SharedMapping({"a": 1, "b": lock})
+    with pytest.raises(TypeError, match=r"^SharedMapping \(tuple field 1\): the value of key 'b' .*this lock"):
+        SharedMapping({"a": ("x", 1), "b": ("y", lock)})
+
+
 def test_iteration_views_and_order_follow_the_dict() -> None:
     shared = SharedMapping(SOURCE)
     assert list(shared) == list(SOURCE)
