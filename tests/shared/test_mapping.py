@@ -52,6 +52,20 @@ def test_equal_keys_of_other_types_find_the_entry_as_in_a_dict() -> None:
     assert "1" not in shared and b"1" not in shared
 
 
+def test_lookups_with_other_number_types_answer_as_the_dict_does() -> None:
+    import numpy as np
+    import torch
+    from fractions import Fraction
+
+    plain = {0.5: "half", 0.1: "tenth", 3: "three"}
+    shared = SharedMapping(plain)
+    probes = [np.float32(0.5), np.float16(0.1), Fraction(1, 2), Fraction(1, 3), Fraction(3), np.float32(3.0),
+              Fraction(10**400, 3), np.float32("nan"), torch.tensor(1.5), torch.tensor([1.5, 2.5])[0]]
+    for key in probes:
+        assert (key in shared, shared.get(key)) == (key in plain, plain.get(key)), key
+    assert shared[np.float32(0.5)] == shared[Fraction(1, 2)] == "half"
+
+
 def test_keys_that_are_not_stored_types() -> None:
     shared = SharedMapping({"a": 1})
     assert frozenset() not in shared and shared.get(object()) is None
