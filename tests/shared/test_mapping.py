@@ -140,6 +140,16 @@ def test_copies_pickles_and_closing() -> None:
         list(shared.values())
 
 
+def test_iterators_made_before_closing_then_fail_clearly() -> None:
+    shared = SharedMapping({"a": 1, "b": 2})
+    iterators = [iter(shared), iter(shared.values()), iter(shared.items())]
+    assert [next(iterator) for iterator in iterators] == ["a", 1, ("a", 1)]
+    shared.close()
+    for iterator in iterators:
+        with pytest.raises(ValueError, match="closed SharedMapping"):
+            next(iterator)
+
+
 _OTHER_SEED = """
 import pickle, sys
 mapping = pickle.load(sys.stdin.buffer)

@@ -170,6 +170,18 @@ def test_close_releases_the_mapping_and_reading_then_fails_clearly() -> None:
     assert repr(shared) == "<closed SharedSequence of 2 items>"
 
 
+@pytest.mark.parametrize("values", [["a", "b"], [1, 2], [("a", 1), ("b", 2)], [[1], [2]]],
+                         ids=["str", "int", "record", "pickle"])
+def test_an_iterator_made_before_closing_then_fails_clearly(values: list) -> None:
+    shared = SharedSequence(values)
+    forward, backward = iter(shared), reversed(shared)
+    assert next(forward) == values[0] and next(backward) == values[-1]
+    shared.close()
+    for iterator in (forward, backward):
+        with pytest.raises(ValueError, match="closed SharedSequence"):
+            next(iterator)
+
+
 @pytest.mark.usefixtures("no_gc")
 def test_dropping_the_last_reference_frees_it_without_the_garbage_collector() -> None:
     shared = SharedSequence(["a", "b"])

@@ -128,7 +128,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         self._check_open()
-        return map(self._read_key, range(len(self)))
+        return self._reading(map(self._read_key, range(len(self))))
 
     def values(self) -> ValuesView[V]:
         return _Values(self)
@@ -138,7 +138,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
 
     def _iter_values(self) -> Iterator[V]:
         self._check_open()
-        return map(self._read_value, range(len(self)))
+        return self._reading(map(self._read_value, range(len(self))))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):

@@ -110,11 +110,11 @@ class SharedSequence(SegmentBacked, Sequence[T]):
 
     def __iter__(self) -> Iterator[T]:
         self._check_open()
-        return map(self._read, self._positions)
+        return self._reading(map(self._read, self._positions))
 
     def __reversed__(self) -> Iterator[T]:
         self._check_open()
-        return map(self._read, reversed(self._positions))
+        return self._reading(map(self._read, reversed(self._positions)))
 
     def index(self, value: Any, start: int = 0, stop: int = sys.maxsize) -> int:
         """The first position of ``value`` in ``self[start:stop]``, as ``list.index`` finds it."""
