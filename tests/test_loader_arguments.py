@@ -392,6 +392,15 @@ def test_bad_economic_counts_are_refused_by_name(kwargs: dict, error: type, ment
     assert mentions in str(caught.value)
 
 
+@pytest.mark.parametrize("count", [np.int64(3), torch.tensor(3)], ids=["numpy", "tensor"])
+def test_num_batch_workers_takes_whole_numbers_as_num_workers_does(count: Any) -> None:
+    # A config that yields numpy ints (or tensors) for every count: num_workers takes them.
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=np.int64(2), mode="economic",
+                                 num_batch_workers=count, worker_type="thread")
+    assert type(loader.num_batch_workers) is int and loader.num_batch_workers == 3
+    assert [x for batch in loader for x in batch[0].tolist()] == list(range(6))
+
+
 def test_num_batch_workers_without_economic_mode_is_refused() -> None:
     with pytest.raises(ValueError) as caught:
         pipeload.DataLoader(numbers(pipeload), num_workers=2, num_batch_workers=2)

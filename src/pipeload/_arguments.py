@@ -129,16 +129,19 @@ def resolve_mode(
 def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | None) -> int:
     if num_batch_workers is None:
         return prefetch_factor or 2  # one batch worker per batch in flight
-    if not isinstance(num_batch_workers, int) or isinstance(num_batch_workers, bool):
+    # Integers as num_workers takes them (numpy ints, integer tensors); a bool or a float is a
+    # mistake here, where torch has no argument to agree with.
+    count = None if isinstance(num_batch_workers, bool) else plain_number(num_batch_workers)
+    if type(count) is not int:
         raise TypeError(
             f"num_batch_workers should be an int, but got num_batch_workers={num_batch_workers!r}"
         )
-    if num_batch_workers <= 0:
+    if count <= 0:
         raise ValueError(
             "num_batch_workers should be a positive integer (the number of workers that collate "
             f"batches in mode='economic'), but got num_batch_workers={num_batch_workers!r}"
         )
-    return num_batch_workers
+    return count
 
 
 def check_max_shm_bytes(max_shm_bytes: Any) -> None:

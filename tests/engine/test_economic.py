@@ -185,6 +185,28 @@ def test_getitems_is_called_on_sub_batches(engine):
     assert {size for b in batches for size in b[1].tolist()} == {4}  # 8 items over 2 item workers
 
 
+class _DropsOneOfEachCall(Numbers):
+    """A ``__getitems__`` that returns one sample fewer than asked for (a bug in a dataset)."""
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        return list(indices)[:-1]
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_getitems_returning_the_wrong_number_of_samples_fails_its_batch_by_name(engine):
+    # Sub-batches would otherwise be glued into a batch with holes: [0, 2] for indices 0-3.
+    loader = DataLoader(_DropsOneOfEachCall(8), batch_size=4, num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    for first in (0, 4):
+        with pytest.raises(ValueError) as caught:
+            next(iterator)
+        text = str(caught.value)
+        assert "_DropsOneOfEachCall.__getitems__ returned 1 samples for 2 indices" in text, text
+        assert f"sample indices [{first}, {first + 1}]" in text or f"sample indices [{first + 2}, {first + 3}]" in text
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
 # -- memory bound ---------------------------------------------------------------------------
 
 

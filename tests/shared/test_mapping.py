@@ -52,6 +52,20 @@ def test_equal_keys_of_other_types_find_the_entry_as_in_a_dict() -> None:
     assert "1" not in shared and b"1" not in shared
 
 
+def test_lookups_with_other_number_types_answer_as_the_dict_does() -> None:
+    import numpy as np
+    import torch
+    from fractions import Fraction
+
+    plain = {0.5: "half", 0.1: "tenth", 3: "three"}
+    shared = SharedMapping(plain)
+    probes = [np.float32(0.5), np.float16(0.1), Fraction(1, 2), Fraction(1, 3), Fraction(3), np.float32(3.0),
+              Fraction(10**400, 3), np.float32("nan"), torch.tensor(1.5), torch.tensor([1.5, 2.5])[0]]
+    for key in probes:
+        assert (key in shared, shared.get(key)) == (key in plain, plain.get(key)), key
+    assert shared[np.float32(0.5)] == shared[Fraction(1, 2)] == "half"
+
+
 def test_keys_that_are_not_stored_types() -> None:
     shared = SharedMapping({"a": 1})
     assert frozenset() not in shared and shared.get(object()) is None
@@ -59,6 +73,17 @@ def test_keys_that_are_not_stored_types() -> None:
         shared[["a"]]
     with pytest.raises(TypeError, match=r"keys must be str, bytes, int.*got key frozenset\(\{1\}\).*key number 1"):
         SharedMapping({"a": 1, frozenset({1}): 2})
+
+
+def test_a_value_that_cannot_be_stored_is_named_by_its_key_and_type() -> None:
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"^SharedMapping: the value of key 'b' \(<unlocked _thread.lock.*\) "
+                                        r"cannot be stored in shared memory because this lock cannot be pickled"):
+        SharedMapping({"a": 1, "b": lock})
+    with pytest.raises(TypeError, match=r"^SharedMapping \(tuple field 1\): the value of key 'b' .*this lock"):
+        SharedMapping({"a": ("x", 1), "b": ("y", lock)})
 
 
 def test_iteration_views_and_order_follow_the_dict() -> None:
@@ -113,6 +138,16 @@ def test_copies_pickles_and_closing() -> None:
         shared["a"]
     with pytest.raises(ValueError, match="closed SharedMapping"):
         list(shared.values())
+
+
+def test_iterators_made_before_closing_then_fail_clearly() -> None:
+    shared = SharedMapping({"a": 1, "b": 2})
+    iterators = [iter(shared), iter(shared.values()), iter(shared.items())]
+    assert [next(iterator) for iterator in iterators] == ["a", 1, ("a", 1)]
+    shared.close()
+    for iterator in iterators:
+        with pytest.raises(ValueError, match="closed SharedMapping"):
+            next(iterator)
 
 
 _OTHER_SEED = """

@@ -106,6 +106,17 @@ def test_sequence_methods() -> None:
         hash(shared)
 
 
+def test_index_of_a_missing_value_says_so_as_a_list_does() -> None:
+    values = ["a", "b", "a"]
+    shared = SharedSequence(values)
+    with pytest.raises(ValueError, match=r"^'z' is not in SharedSequence$"):
+        shared.index("z")
+    with pytest.raises(ValueError, match=r"^'b' is not in SharedSequence$"):
+        shared.index("b", 2)  # present, but before start
+    for args in [("a",), ("a", 1), ("a", -1), ("b", -3, -1), ("a", -100, 100)]:
+        assert shared.index(*args) == values.index(*args), args
+
+
 def test_repr_shows_the_first_items_and_the_length() -> None:
     assert repr(SharedSequence(["a", "b"])) == "SharedSequence(['a', 'b'])"
     long = repr(SharedSequence(range(100)))
@@ -128,7 +139,7 @@ def test_is_read_only() -> None:
 
 
 def test_unpicklable_item_is_named_by_its_index() -> None:
-    with pytest.raises(TypeError, match=r"SharedSequence: item 2 \(<function .*<lambda>.*cannot be pickled"):
+    with pytest.raises(TypeError, match=r"SharedSequence: item 2 \(<function .*<lambda>.*this function cannot be "):
         SharedSequence([1, "x", lambda: 0])
 
 
@@ -157,6 +168,18 @@ def test_close_releases_the_mapping_and_reading_then_fails_clearly() -> None:
     with pytest.raises(ValueError, match="closed SharedSequence"):
         list(view)
     assert repr(shared) == "<closed SharedSequence of 2 items>"
+
+
+@pytest.mark.parametrize("values", [["a", "b"], [1, 2], [("a", 1), ("b", 2)], [[1], [2]]],
+                         ids=["str", "int", "record", "pickle"])
+def test_an_iterator_made_before_closing_then_fails_clearly(values: list) -> None:
+    shared = SharedSequence(values)
+    forward, backward = iter(shared), reversed(shared)
+    assert next(forward) == values[0] and next(backward) == values[-1]
+    shared.close()
+    for iterator in (forward, backward):
+        with pytest.raises(ValueError, match="closed SharedSequence"):
+            next(iterator)
 
 
 @pytest.mark.usefixtures("no_gc")

@@ -150,7 +150,7 @@ class ItemWorkerLoop(WorkerLoop):
             return
         if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
             self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
-            yield self._fetched(piece, indices, lambda: self._fetcher.samples(indices), timing)
+            yield self._fetched(piece, indices, lambda: self._sub_batch(indices), timing)
             return
         dataset = self._setup.fetch.dataset
         for offset, index in enumerate(indices):
@@ -162,6 +162,15 @@ class ItemWorkerLoop(WorkerLoop):
                 return
             yield delivery
             del delivery  # before the next fetch: this worker holds one item at a time
+
+    def _sub_batch(self, indices: list[Any]) -> list[Any]:
+        """One ``__getitems__`` call; a wrong count raises, as the batch worker fills slots by
+        position and would otherwise collate a batch with holes (torch collates what it got)."""
+        samples = self._fetcher.samples(indices)
+        if hasattr(samples, "__len__") and len(samples) != len(indices):
+            name = type(self._setup.fetch.dataset).__name__
+            raise ValueError(f"{name}.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
+        return samples
 
     def _fetched(self, delivery: ItemDelivery, failing: Any, fetch: Callable[[], list[Any]],
                  timing: bool) -> ItemDelivery:

@@ -69,13 +69,18 @@ class ColumnLayout:
     fields: tuple[ColumnLayout, ...] = ()
 
 
-def write_column(writer: SegmentWriter, values: Sequence[Any], what: str) -> ColumnLayout:
-    """Append ``values`` to the segment being written; ``what`` names them in errors."""
+def write_column(
+    writer: SegmentWriter, values: Sequence[Any], what: str, name: Callable[[int], str] = "item {}".format
+) -> ColumnLayout:
+    """Append ``values`` to the segment being written.
+
+    In errors, ``what`` names the container and ``name(n)`` value ``n`` (a mapping names its key).
+    """
     kind = _choose_kind(values)
     if kind is Kind.RECORD:
         width = len(values[0])
         fields = tuple(
-            write_column(writer, list(map(itemgetter(field), values)), f"{what} (tuple field {field})")
+            write_column(writer, list(map(itemgetter(field), values)), f"{what} (tuple field {field})", name)
             for field in range(width)
         )
         return ColumnLayout(kind, len(values), fields=fields)
@@ -83,7 +88,7 @@ def write_column(writer: SegmentWriter, values: Sequence[Any], what: str) -> Col
         packed = array("q" if kind is Kind.INT else "d", values)
         writer.align()
         return ColumnLayout(kind, len(values), writer.write(packed))
-    start, escaped = _write_variable(writer, values, kind, what)
+    start, escaped = _write_variable(writer, values, kind, _encoder(kind, what, name))
     return ColumnLayout(Kind.STR_ESCAPED if escaped else kind, len(values), start)
 
 
@@ -115,12 +120,13 @@ def _fits_int64(values: Sequence[int]) -> bool:
     return True
 
 
-def _write_variable(writer: SegmentWriter, values: Sequence[Any], kind: Kind, what: str) -> tuple[int, bool]:
+def _write_variable(
+    writer: SegmentWriter, values: Sequence[Any], kind: Kind, encode: Callable[[Sequence[Any], int], list[bytes]]
+) -> tuple[int, bool]:
     """Write the values' bytes back to back, then their offsets.
 
     Returns where the offsets are, and whether some string needed ``surrogatepass``.
     """
-    encode = _encoder(kind, what)
     offsets = array("q", [writer.position])
     escaped = False
     for chunk_start in range(0, len(values), CHUNK_ITEMS):
@@ -135,7 +141,7 @@ def _write_variable(writer: SegmentWriter, values: Sequence[Any], kind: Kind, wh
     return writer.write(offsets), escaped
 
 
-def _encoder(kind: Kind, what: str) -> Callable[[Sequence[Any], int], list[bytes]]:
+def _encoder(kind: Kind, what: str, name: Callable[[int], str]) -> Callable[[Sequence[Any], int], list[bytes]]:
     if kind is Kind.STR:
         return lambda chunk, _: [value.encode() for value in chunk]
     if kind is Kind.BYTES:
@@ -148,8 +154,8 @@ def _encoder(kind: Kind, what: str) -> Callable[[Sequence[Any], int], list[bytes
                 pieces.append(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
             except Exception as exc:
                 raise TypeError(
-                    f"{what}: item {number} ({_short(value)}) cannot be stored in shared memory "
-                    f"because it cannot be pickled: {exc}"
+                    f"{what}: {name(number)} ({_short(value)}) cannot be stored in shared memory "
+                    f"because this {type(value).__qualname__} cannot be pickled: {exc}"
                 ) from exc
         return pieces
 

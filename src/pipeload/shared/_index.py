@@ -14,6 +14,8 @@ numpy, a round of vectorized placements per probe step.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 import struct
 import zlib
@@ -60,7 +62,17 @@ def stable_hash(key: Any) -> int:
     if isinstance(key, tuple):
         return zlib.crc32(b"t" + b"".join(stable_hash(part).to_bytes(4, "little") for part in key))
     if hasattr(type(key), "__index__"):  # numpy integers look up as the ints they equal
-        return _int_hash(operator.index(key))
+        try:
+            return _int_hash(operator.index(key))
+        except TypeError:
+            pass  # a float tensor, say: no stored key equals it (a dict hashes it by identity)
+    if isinstance(key, numbers.Real):  # numpy floats, Fraction: as the float they equal, if any
+        try:
+            as_float = float(key)
+        except OverflowError:
+            as_float = math.nan  # beyond any float: left unsupported
+        if as_float == key:
+            return stable_hash(as_float)
     raise UnsupportedKey(f"key {key!r} of type {type(key).__name__}")
 
 

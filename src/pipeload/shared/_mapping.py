@@ -42,7 +42,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
         mapping: the entries, as a mapping or an iterable of ``(key, value)`` pairs.
 
     Raises:
-        TypeError: a key of another type, or a value that cannot be pickled.
+        TypeError: a key of another type, or a value that cannot be pickled (the message names its key).
 
     Example:
         >>> labels = SharedMapping({"cat.jpg": 3, "dog.jpg": 5})
@@ -62,8 +62,9 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
         writer = SegmentWriter()
         try:
             index = write_index(writer, keys)
-            key_layout = write_column(writer, keys, "SharedMapping keys")
-            value_layout = write_column(writer, values, "SharedMapping values")
+            key_layout = write_column(writer, keys, "SharedMapping", "key number {}".format)
+            value_layout = write_column(writer, values, "SharedMapping",
+                                        lambda n: f"the value of key {_SHORT.repr(keys[n])}")
         except BaseException:
             writer.abandon()
             raise
@@ -127,7 +128,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         self._check_open()
-        return map(self._read_key, range(len(self)))
+        return self._reading(map(self._read_key, range(len(self))))
 
     def values(self) -> ValuesView[V]:
         return _Values(self)
@@ -137,7 +138,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
 
     def _iter_values(self) -> Iterator[V]:
         self._check_open()
-        return map(self._read_value, range(len(self)))
+        return self._reading(map(self._read_value, range(len(self))))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):

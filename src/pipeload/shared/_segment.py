@@ -21,6 +21,7 @@ import weakref
 from itertools import count
 from multiprocessing import reduction
 from multiprocessing.context import get_spawning_popen
+from collections.abc import Iterator
 from typing import Any
 
 MAGIC = b"PLSHARE1"  # also keeps every segment non-empty: mmap refuses an empty file
@@ -180,6 +181,16 @@ class SegmentBacked:
     def _check_open(self) -> None:
         if self._segment.closed:
             raise ValueError(f"I/O operation on a closed {type(self).__name__}")
+
+    def _reading(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, read from the segment; closed meanwhile, the next read says so."""
+        try:
+            yield from items
+            return
+        except ValueError:
+            if not self._segment.closed:
+                raise  # an item's own unpickling
+        self._check_open()  # outside the handler: the views' "released memoryview" says nothing
 
 
 def _release(data: mmap.mmap, fd: int, arrays: dict[tuple[int, int, str], memoryview]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import reprlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
@@ -109,11 +110,21 @@ class SharedSequence(SegmentBacked, Sequence[T]):
 
     def __iter__(self) -> Iterator[T]:
         self._check_open()
-        return map(self._read, self._positions)
+        return self._reading(map(self._read, self._positions))
 
     def __reversed__(self) -> Iterator[T]:
         self._check_open()
-        return map(self._read, reversed(self._positions))
+        return self._reading(map(self._read, reversed(self._positions)))
+
+    def index(self, value: Any, start: int = 0, stop: int = sys.maxsize) -> int:
+        """The first position of ``value`` in ``self[start:stop]``, as ``list.index`` finds it."""
+        self._check_open()
+        for number in range(len(self))[start:stop]:  # a slice clamps start and stop as a list does
+            item = self._read(self._positions[number])
+            if item is value or item == value:
+                return number
+        # collections.abc.Sequence.index raises a bare ValueError; a list names the value.
+        raise ValueError(f"{value!r} is not in SharedSequence")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, (SharedSequence, list, tuple)):
