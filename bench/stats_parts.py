@@ -16,6 +16,8 @@ median of per-triple ratios with a bootstrap interval), after patching this proc
     stats-off-path  workers keep a clock but fetch as with stats off, and never time a task
     rarely-timed  workers time their first task only (the numbered fetch path, no timed tasks)
     every-256     workers time one task in 256 instead of 64
+    sparse        as every-256, and the main process times the loop's waits and looks at the
+                  queue about once in 128 batches instead of 32
     main-counts-only  as main-only, and the training loop's waits are not timed either: the main
                   process only counts reports (and looks at the queue now and then)
     main-waits-only   as main-only, and reports are not counted: waits and queue looks only
@@ -44,7 +46,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "main-counts-only", "main-waits-only", "nothing-done", "off-but-counting", "stats-off-path", "rarely-timed", "every-256")
+VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "main-counts-only", "main-waits-only", "nothing-done", "off-but-counting", "stats-off-path", "rarely-timed", "every-256", "sparse")
 
 
 def _all_off() -> None:
@@ -163,12 +165,19 @@ def _every_256() -> None:
     worker_main.SAMPLE_EVERY = 256  # type: ignore[misc]
 
 
+def _sparse() -> None:
+    import pipeload.stats.recorder as recorder
+
+    _every_256()
+    recorder.LOOK_EVERY = 128  # type: ignore[misc]
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "all-off": _all_off, "as-is": lambda: None, "main-only": _main_only,
     "workers-only": _workers_only, "main-counts-only": _main_counts_only,
     "main-waits-only": _main_waits_only, "nothing-done": _nothing_done,
     "off-but-counting": _off_but_counting, "stats-off-path": _stats_off_path,
-    "rarely-timed": _rarely_timed, "every-256": _every_256,
+    "rarely-timed": _rarely_timed, "every-256": _every_256, "sparse": _sparse,
 }
 
 
