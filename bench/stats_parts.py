@@ -18,6 +18,9 @@ median of per-triple ratios with a bootstrap interval), after patching this proc
     every-256     workers time one task in 256 instead of 64
     sparse        as every-256, and the main process times the loop's waits and looks at the
                   queue about once in 128 batches instead of 32
+    main-sparse   the main process times the loop's waits and looks at the queue about once in
+                  128 batches instead of 32; workers as they are
+    sparsest      workers time one task in 1024, the main process once in 512 batches
     main-counts-only  as main-only, and the training loop's waits are not timed either: the main
                   process only counts reports (and looks at the queue now and then)
     main-waits-only   as main-only, and reports are not counted: waits and queue looks only
@@ -46,7 +49,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "main-counts-only", "main-waits-only", "nothing-done", "off-but-counting", "stats-off-path", "rarely-timed", "every-256", "sparse")
+VARIANTS = ("all-off", "as-is", "main-only", "workers-only", "main-counts-only", "main-waits-only", "nothing-done", "off-but-counting", "stats-off-path", "rarely-timed", "every-256", "sparse", "main-sparse", "sparsest")
 
 
 def _all_off() -> None:
@@ -172,12 +175,27 @@ def _sparse() -> None:
     recorder.LOOK_EVERY = 128  # type: ignore[misc]
 
 
+def _main_sparse() -> None:
+    import pipeload.stats.recorder as recorder
+
+    recorder.LOOK_EVERY = 128  # type: ignore[misc]
+
+
+def _sparsest() -> None:
+    import pipeload.engine.worker_main as worker_main
+    import pipeload.stats.recorder as recorder
+
+    worker_main.SAMPLE_EVERY = 1024  # type: ignore[misc]
+    recorder.LOOK_EVERY = 512  # type: ignore[misc]
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "all-off": _all_off, "as-is": lambda: None, "main-only": _main_only,
     "workers-only": _workers_only, "main-counts-only": _main_counts_only,
     "main-waits-only": _main_waits_only, "nothing-done": _nothing_done,
     "off-but-counting": _off_but_counting, "stats-off-path": _stats_off_path,
     "rarely-timed": _rarely_timed, "every-256": _every_256, "sparse": _sparse,
+    "main-sparse": _main_sparse, "sparsest": _sparsest,
 }
 
 

@@ -30,7 +30,7 @@ def _send(ledger: BatchLedger, count: int) -> list[tuple[int, int]]:
 
 def _check_invariants(ledger: BatchLedger) -> None:
     assert ledger.next_to_yield <= ledger.next_to_send
-    assert len(ledger.building) == sum(ledger.in_flight_per_worker)
+    assert len(ledger.building) == sum(map(ledger.in_flight, range(len(ledger.active))))
     assert ledger.outstanding == len(ledger.building) + len(ledger.arrived)
     if ledger.in_order:
         pending = range(ledger.next_to_yield, ledger.next_to_send)
@@ -40,7 +40,7 @@ def _check_invariants(ledger: BatchLedger) -> None:
         assert all(count == 1 for count in places), "every pending batch is in exactly one place"
     for worker_id, active in enumerate(ledger.active):
         if not active:
-            assert ledger.in_flight_per_worker[worker_id] == 0
+            assert ledger.in_flight(worker_id) == 0
             assert worker_id not in ledger.building.values()
 
 
@@ -111,7 +111,8 @@ def test_dry_worker_is_retired_and_what_it_owes_is_skipped():
     ledger.record_report(_batch(0, 0))
     ledger.record_report(_dry(2, 0))  # worker 0 ran dry at batch 2; it will never send 4
     assert ledger.active == [False, True]
-    assert ledger.in_flight_per_worker == [0, 3]
+    assert [ledger.in_flight(0), ledger.in_flight(1)] == [0, 3]
+    assert ledger.answered_per_worker == [2, 0]  # the batch and the dry report; 4 was skipped
     _check_invariants(ledger)
     assert ledger.choose_worker() == 1  # only worker 1 gets work now
 
@@ -151,7 +152,7 @@ def test_out_of_order_dry_worker():
     ledger.record_report(_batch(1, 1))
     assert ledger.pop_ready().batch_number == 1
     assert not ledger.skipped  # out of order nothing waits on a number, so nothing is skipped
-    assert ledger.outstanding == len(ledger.building) == sum(ledger.in_flight_per_worker)
+    assert ledger.outstanding == len(ledger.building) == sum(map(ledger.in_flight, range(len(ledger.active))))
 
 
 @pytest.mark.parametrize("in_order", [True, False])

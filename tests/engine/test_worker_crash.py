@@ -90,6 +90,29 @@ def _exit3(worker_id: int) -> None:
     die("exit3")
 
 
+class _FirstBatchAfterWorkersDied:
+    """A batch sampler whose first batch comes only once every worker of this process has
+    exited: the loader's first task then goes to a dead worker."""
+
+    def __iter__(self):
+        import multiprocessing
+
+        assert wait_until(lambda: not multiprocessing.active_children(), deadline_s=30)
+        yield from ([0, 1], [2, 3])
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_a_worker_dead_before_its_first_task_is_reported_by_next_not_iter(leak_guard):
+    # As torch's: iter() starts the epoch, the first next() says which worker died and how.
+    loader = DataLoader(Numbers(8), batch_sampler=_FirstBatchAfterWorkersDied(), num_workers=2,
+                        multiprocessing_context="fork", worker_init_fn=_exit3)
+    iterator = iter(loader)
+    with pytest.raises(WorkerDiedError, match="exit code 3"):
+        next(iterator)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_idle_worker_killed_from_outside(signum, leak_guard):
     # Batches 0..3 are prefetched; kill worker 1 once it is dead and unreaped (a zombie), then

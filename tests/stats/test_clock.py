@@ -9,7 +9,9 @@ import pytest
 
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher
 from pipeload.engine.plan import DatasetKind, FetchSpec
-from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, StageClock, WorkerTotals
+import pipeload.stats.clock as clock_module
+from pipeload.stats.clock import (MAX_STRETCH, SAMPLE_EVERY, SPACING_S, TIME_ALL_FIRST, RecentTimes, StageClock,
+                                  WorkerTotals, stretch)
 
 
 def _worker_run(batch_sizes: list[int], epoch_batches: int = 10**9,
@@ -34,11 +36,39 @@ def _worker_run(batch_sizes: list[int], epoch_batches: int = 10**9,
     return clock, timed
 
 
-def test_a_worker_times_all_its_first_tasks_then_about_one_in_sample_every() -> None:
+def test_a_worker_times_all_its_first_tasks_then_about_one_in_sample_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(clock_module, "SPACING_S", 0.0)  # as tasks long enough not to be stretched
     steady = 2 * SAMPLE_EVERY - 1  # one whole cycle of the shuffled gaps, which average SAMPLE_EVERY
     clock, timed = _worker_run([4] * (TIME_ALL_FIRST + steady * SAMPLE_EVERY))
     assert SAMPLE_EVERY == 64  # the rate the per-batch cost was measured at (bench/RESULTS.md)
     assert abs(timed - (TIME_ALL_FIRST + steady)) <= 1
+
+
+def test_tasks_far_shorter_than_the_spacing_are_timed_up_to_max_stretch_times_less_often() -> None:
+    # Tasks of 4 ints take microseconds: timed one in SAMPLE_EVERY * MAX_STRETCH, on average.
+    tasks = TIME_ALL_FIRST + (2 * SAMPLE_EVERY - 1) * SAMPLE_EVERY * MAX_STRETCH
+    clock, timed = _worker_run([4] * tasks)
+    assert TIME_ALL_FIRST + 2 * SAMPLE_EVERY - 1 - 3 <= timed <= TIME_ALL_FIRST + 2 * (2 * SAMPLE_EVERY - 1)
+    totals = WorkerTotals._make(clock.snapshot())
+    assert totals.tasks == tasks and totals.samples == 4 * tasks  # counted exactly all the same
+
+
+def test_the_stretch_follows_the_time_a_task_takes() -> None:
+    assert stretch(SAMPLE_EVERY, SPACING_S / SAMPLE_EVERY) == 1  # as long as the spacing: never stretched
+    assert stretch(SAMPLE_EVERY, 10.0) == 1
+    assert stretch(SAMPLE_EVERY, SPACING_S / SAMPLE_EVERY / 4) == 4
+    assert stretch(SAMPLE_EVERY, 1e-6) == MAX_STRETCH
+    assert stretch(1, 1e-6) == 1  # every task timed (num_workers="auto" times every batch)
+    assert stretch(SAMPLE_EVERY, 0.0) == 1  # nothing measured yet
+
+
+def test_recent_times_forget_a_cold_first_task() -> None:
+    recent = RecentTimes()
+    assert recent.median() == 0.0
+    recent.add(5.0)  # imports, first allocations
+    for _ in range(15):
+        recent.add(0.001)
+    assert recent.median() == 0.001
 
 
 def test_untimed_tasks_and_a_short_last_one_are_counted_exactly() -> None:

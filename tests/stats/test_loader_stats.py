@@ -461,3 +461,64 @@ def test_workers_grown_in_place_count_a_later_epoch_exactly(leak_guard) -> None:
     assert sum(worker.samples for worker in workers) == 2 * ODD + 4
     assert sum(worker.tasks for worker in workers) == 101 + 102
     del batches, loader
+
+
+class _CountsTasksPerWorker(pipeload.Dataset):
+    """Numbers; every batch fetched counts one task for the worker that fetched it, in memory
+    shared with the test (fork)."""
+
+    def __init__(self, count: int, workers: int) -> None:
+        import multiprocessing
+
+        self._count = count
+        self.tasks = multiprocessing.Array("i", workers)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        worker = pipeload.get_worker_info()
+        with self.tasks.get_lock():
+            self.tasks[worker.id] += 1
+        return list(indices)
+
+
+@pytest.mark.timeout(60)
+def test_process_workers_tasks_are_exact_per_worker_after_an_abandoned_epoch(leak_guard) -> None:
+    # The pool's ledger counts each worker's answers; an epoch left early leaves tasks that the
+    # workers build and answer before the next epoch starts, outside any epoch's ledger: each
+    # still counts, for the worker that built it.
+    dataset = _CountsTasksPerWorker(1000, 2)
+    loader = pipeload.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    assert len(list(loader)) == 250
+    batches = iter(loader)
+    for _ in range(30):
+        next(batches)
+    del batches  # abandoned: the tasks sent ahead are built all the same
+    assert len(list(loader)) == 250
+    workers = loader.stats().workers
+    assert [worker.tasks for worker in workers] == list(dataset.tasks)
+    assert sum(worker.samples for worker in workers) == 4 * sum(dataset.tasks)
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_process_workers_grown_and_shrunk_in_place_count_exactly_per_worker(leak_guard) -> None:
+    dataset = _CountsTasksPerWorker(2000, 4)
+    loader = pipeload.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    batches = iter(loader)
+    handed = sum(1 for _ in zip(range(100), batches))
+    batches._engine.resize(4, 2)
+    handed += sum(1 for _ in zip(range(200), batches))
+    batches._engine.resize(2, 2)  # workers 2 and 3 stop once idle: their counts are kept
+    handed += sum(1 for _ in batches)
+    assert handed == 500
+    workers = loader.stats().workers
+    assert sum(worker.tasks for worker in workers) == 500
+    assert [worker.tasks for worker in workers] == list(dataset.tasks)
+    del batches, loader

@@ -21,7 +21,7 @@ from pipeload.engine.plan import EpochStart, WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
-from pipeload.errors import LoaderTimeoutError
+from pipeload.errors import LoaderTimeoutError, WorkerDiedError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
@@ -143,12 +143,17 @@ class PoolEngine:
         # are on or off.
         self._next_look = 0 if self._stats is not None else math.inf
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
+        # Process workers' tasks are counted by the ledger, which counts each worker's answers
+        # anyway (thread workers lend their clocks: nothing to count).
+        self._ledger_counts = self._stats is not None and config.worker_type != "thread"
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
-                                    config.mp_context, config.timeout_s, slabs, self._stats)
+                                    config.mp_context, config.timeout_s, slabs, self._stats,
+                                    counted_by_engine=self._ledger_counts)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
         self._ledger = BatchLedger(num_workers, config.in_order)
+        self._count_answers()
         self._supply = TaskSupply()
         self._unsent: tuple[int, WorkerCommand] | None = None
         self._num_workers = num_workers  # those that take new tasks (see resize)
@@ -224,11 +229,15 @@ class PoolEngine:
         self._ledger = BatchLedger(len(self._workers.handles), self._config.in_order,
                                    first_batch=start.first_batch, first_worker=start.first_worker)
         self._ledger.resize(self._num_workers)
+        self._count_answers()
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
         self._budget.epoch_started()
         if self._stats is not None:
             self._next_look = start.first_batch  # the numbers start again each epoch
-        self._top_up()
+        try:
+            self._top_up()
+        except WorkerDiedError:
+            pass  # said by the first next(), as torch's loader says it: the task waits unsent
 
     def _send_what_torch_sends_ahead(self) -> None:
         """Before a persistent session's next epoch: if the last one was left early, send the
@@ -261,8 +270,14 @@ class PoolEngine:
         # A closed engine can live on for a long time (an exception's traceback holds it): drop
         # the batches it still holds, so their shared memory is freed now, and end the epoch.
         self._ledger = BatchLedger(self._num_workers, self._config.in_order)
+        self._count_answers()
         self._supply = TaskSupply()
         self._unsent = None
+
+    def _count_answers(self) -> None:
+        """A new ledger: the stats count the workers' tasks from its answers (SessionStats)."""
+        if self._ledger_counts:
+            self._stats.count_answers(self._ledger.answered_per_worker)  # type: ignore[union-attr]
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -285,6 +300,12 @@ class PoolEngine:
                 if report.report is not Report.EPOCH_STARTED:
                     self._budget.batch_built(report.build_s)
                     self._ledger.record_report(report)
+                # With stats on, a timed task's report (about one in SAMPLE_EVERY, fewer for
+                # tiny tasks), a failure's or a new worker's first; never with stats off, and
+                # never from thread workers, which lend their clocks. The one per-report check the
+                # stats add, and stats off runs it too: the ledger has counted the task already.
+                if report.totals is not None:
+                    self._stats.record_answered(report)  # type: ignore[union-attr]
             self._top_up()
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:

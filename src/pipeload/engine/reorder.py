@@ -17,7 +17,10 @@ class BatchLedger:
       - every batch number in ``[next_to_yield, next_to_send)`` is in exactly one of
         ``building`` (sent, awaited), ``arrived`` (received, not yet yielded) or ``skipped``
         (sent to a worker whose iterable ran dry: it will never come);
-      - ``len(building) == sum(in_flight_per_worker)``;
+      - ``len(building) == sum(in_flight(w) for each worker w)``: a worker's batches in flight
+        are those sent to it less those it answered and those skipped when it ran dry
+        (``sent_per_worker``, ``answered_per_worker``: counted up, never down, so that the
+        answers per worker are there to read: the stats count a worker's tasks from them);
       - ``outstanding`` (sent, not yet yielded or skipped) is what the prefetch budget bounds, so
         batches that arrive early count against it and memory stays bounded behind a slow worker;
       - only workers below ``taking`` are chosen for new batches (the rest, a pool shrinking in
@@ -38,7 +41,9 @@ class BatchLedger:
         self.arrived: dict[int, WorkerReport] = {}
         self.skipped: set[int] = set()
         self.active = [True] * num_workers
-        self.in_flight_per_worker = [0] * num_workers
+        self.sent_per_worker = [0] * num_workers
+        self.answered_per_worker = [0] * num_workers
+        self._skipped_per_worker = [0] * num_workers
         self.taking = num_workers
         self._rotation = first_worker % num_workers if num_workers else 0
 
@@ -48,19 +53,25 @@ class BatchLedger:
         grow = num_workers - len(self.active)
         if grow > 0:
             self.active += [True] * grow
-            self.in_flight_per_worker += [0] * grow
+        for counts in (self.sent_per_worker, self.answered_per_worker, self._skipped_per_worker):
+            counts += [0] * (num_workers - len(counts))
         self.taking = num_workers
         if self._rotation >= num_workers:  # it shrank: the turn goes back to the first
             self._rotation = 0
 
     def forget_from(self, first: int) -> None:
-        """Drop workers ``first`` and up, which hold nothing (a shrunk pool stopped them)."""
+        """Drop workers ``first`` and up, which hold nothing (a shrunk pool stopped them). Their
+        counts stay: a worker started later in the same slot counts on from them."""
         del self.active[first:]
-        del self.in_flight_per_worker[first:]
 
     def idle_from(self, first: int) -> bool:
         """Whether workers ``first`` and up hold nothing in flight."""
-        return not any(self.in_flight_per_worker[first:])
+        return not any(self.in_flight(worker_id) for worker_id in range(first, len(self.sent_per_worker)))
+
+    def in_flight(self, worker_id: int) -> int:
+        """Batches sent to ``worker_id`` and neither answered nor skipped."""
+        return (self.sent_per_worker[worker_id] - self.answered_per_worker[worker_id]
+                - self._skipped_per_worker[worker_id])
 
     @property
     def outstanding(self) -> int:
@@ -82,7 +93,7 @@ class BatchLedger:
                 return None
             chosen = candidates[0]
             if self.least_loaded:
-                chosen = min(candidates, key=lambda w: self.in_flight_per_worker[w])
+                chosen = min(candidates, key=self.in_flight)
         self._rotation = (chosen + 1) % count
         return chosen
 
@@ -90,7 +101,7 @@ class BatchLedger:
         """Note that the next batch went to ``worker_id``; returns its batch number."""
         number = self.next_to_send
         self.building[number] = worker_id
-        self.in_flight_per_worker[worker_id] += 1
+        self.sent_per_worker[worker_id] += 1
         self.next_to_send += 1
         return number
 
@@ -99,7 +110,7 @@ class BatchLedger:
         worker_id = self.building.pop(number, None)
         if worker_id is None:
             return  # a task of a worker already marked dry
-        self.in_flight_per_worker[worker_id] -= 1
+        self.answered_per_worker[worker_id] += 1
         if report.report is Report.EXHAUSTED:
             self._skip(number)
             self._retire(worker_id)
@@ -113,7 +124,7 @@ class BatchLedger:
         for number in owed:
             del self.building[number]
             self._skip(number)
-        self.in_flight_per_worker[worker_id] = 0
+        self._skipped_per_worker[worker_id] += len(owed)
 
     def _skip(self, number: int) -> None:
         if self.in_order:  # out of order, nothing waits for a number, so nothing need skip it

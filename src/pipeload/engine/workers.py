@@ -112,16 +112,21 @@ class WorkerGroup:
     def __init__(
         self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
         slab_settings: SlabSettings, stats: Any = None, start_first: int | None = None,
+        counted_by_engine: bool = False,
     ) -> None:
         """``start_first``: process workers of the first slots to start now (None: all); the
         others start on the first command sent to them, or ``start_all()``. Economic mode forks
         its item workers one by one as their first pieces go out, so that the first ones fetch
-        while the rest are forked."""
+        while the rest are forked. ``counted_by_engine``: the engine counts each worker's
+        answers itself and records the reports with totals (a classic pool's ledger); the group
+        records only those it reads itself, between epochs."""
         self.plan = plan
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
         # ... except by thread workers that lend their clocks to it (a classic pool's): their
         # reports carry nothing for it.
-        self._record = stats is not None and not (worker_type == "thread" and getattr(plan, "lends_clocks", False))
+        self._record = (stats is not None and not counted_by_engine
+                        and not (worker_type == "thread" and getattr(plan, "lends_clocks", False)))
+        self._records_between_epochs = stats is not None and counted_by_engine
         self._lag = stats.lag if self._record else None  # reports counted per worker: see receive
         self._count_key = stats.count_key if self._record else None
         self.labels = plan.labels
@@ -279,7 +284,10 @@ class WorkerGroup:
             self.send(slot, start)
         waiting = len(self.handles)  # each worker answers exactly once
         while waiting:
-            for report in self.receive(self.deadline()):
+            reports = self.receive(self.deadline())
+            if self._records_between_epochs:  # the old epoch's last answers, and the new one's
+                self.stats.record(reports)
+            for report in reports:
                 if report.report is Report.EPOCH_STARTED and report.batch_number == epoch:
                     waiting -= 1
         if self.slabs is not None:

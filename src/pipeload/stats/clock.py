@@ -142,6 +142,52 @@ SAMPLE_EVERY = 64
 TIME_ALL_FIRST = 16
 
 
+# ... but no more often than about once per SPACING_S of the owner's own time on its tasks: a
+# task of 64 Python ints takes a worker ~40 us, so one in 64 would be timed every ~3 ms, and
+# timed tasks that often read ~1% of the tree's CPU per tiny batch, far beyond their direct
+# cost (a few microseconds each, bench/RESULTS.md, stop 22: 1 in 1024 read ~0%). Tasks shorter
+# than SPACING_S / every (~1.6 ms) are timed up to MAX_STRETCH times less often: a worker of
+# tiny batches still times several tasks a second. The owner's time per task is a moving
+# median over its latest timed tasks (a cold first task cannot hold the rate down).
+SPACING_S = 0.1
+MAX_STRETCH = 16
+
+
+def stretch(every: int, per_task_s: float) -> int:
+    """How many times longer than ``every`` the gaps between timed tasks run, for tasks that
+    take ``per_task_s`` each: so that timed ones come about once per SPACING_S (1 to
+    MAX_STRETCH; always 1 when every task is timed, ``every`` 1, or nothing was measured)."""
+    if every <= 1 or per_task_s <= 0.0:
+        return 1
+    return max(1, min(MAX_STRETCH, int(SPACING_S / (every * per_task_s))))
+
+
+class RecentTimes:
+    """The median of the latest ``RECENT`` timed tasks' times (what ``stretch`` goes by): a
+    cold first task (imports, first allocations) or an odd slow one cannot hold the rate down.
+    Written only by its owner's thread, at timed tasks."""
+
+    __slots__ = ("_times", "_next")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._next = 0
+
+    def add(self, seconds: float) -> None:
+        if len(self._times) < RECENT:
+            self._times.append(seconds)
+        else:
+            self._times[self._next] = seconds
+            self._next = (self._next + 1) % RECENT
+
+    def median(self) -> float:
+        """0.0 before anything was added."""
+        return sorted(self._times)[len(self._times) // 2] if self._times else 0.0
+
+
+RECENT = 9
+
+
 def gaps(every: int) -> Iterator[int]:
     """Tasks from one timed task to the next: 1 to ``2 * every - 1`` in a shuffled, repeating
     order, so they average ``every`` and no periodic pattern of the work (round robin over
@@ -177,7 +223,8 @@ class StageClock:
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
-                 "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps",
+                 "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
+                 "_busy_seen", "_timed_seen", "_recent",
                  "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner",
                  "_owner_schedstat")
 
@@ -214,6 +261,10 @@ class StageClock:
         self._gap = 0
         self._timed = 0
         self._gaps = gaps(every)
+        self._every = every
+        self._busy_seen = 0.0  # fetch, collate and send seconds as of the latest _next_gap
+        self._timed_seen = 0  # timed tasks finished by then
+        self._recent = RecentTimes()  # the timed tasks' own times: see SPACING_S
 
     def counted_by_receiver(self, stride: int) -> None:
         """Drive this clock by batch numbers, for a worker that gets about one number in
@@ -254,7 +305,7 @@ class StageClock:
         """The fetcher's countdown reached this task: time it."""
         self._counted += self._gap - self.left  # this task included (left: 0, -1 at first, or
         # more for an epoch's last batch, timed ahead of its turn)
-        self._gap = self.left = next(self._gaps) if self._counted >= TIME_ALL_FIRST else 1
+        self._gap = self.left = self._next_gap(self._timed, self._counted < TIME_ALL_FIRST)
         self._timed += 1
         self.timing = True
 
@@ -274,10 +325,25 @@ class StageClock:
     def start_timed_at(self, number: int) -> None:
         """A numbered clock: task ``number`` reached ``next_timed``: time it (see start_timed)."""
         self._timed += 1
-        upcoming = number + (next(self._gaps) * self._stride if self._timed >= TIME_ALL_FIRST else 1)
+        starting = self._timed < TIME_ALL_FIRST
+        gap = self._next_gap(self._timed - 1, starting)
+        upcoming = number + (1 if starting else gap * self._stride)
         last = self.last_timed
         self.next_timed = last if number < last < upcoming else upcoming  # type: ignore[assignment]
         self.timing = True
+
+    def _next_gap(self, finished: int, starting: bool) -> int:
+        """Tasks to the next timed one: 1 while ``starting`` (all of the first TIME_ALL_FIRST
+        are timed), then from ``gaps``, stretched for short tasks (``SPACING_S``). ``finished``
+        timed tasks have added their fetch, collate and (a report behind) send seconds to the
+        sums."""
+        busy = self.fetch_s + self.collate_s + self.send_s
+        if finished > self._timed_seen:
+            self._recent.add((busy - self._busy_seen) / (finished - self._timed_seen))
+            self._busy_seen, self._timed_seen = busy, finished
+        if starting:
+            return 1
+        return next(self._gaps) * stretch(self._every, self._recent.median())
 
     def snapshot(self) -> tuple[Any, ...]:
         """The totals as a plain tuple, in :class:`WorkerTotals`' order; a clock whose tasks the

@@ -33,7 +33,9 @@ from pipeload.stats.clock import (
     WorkerTotals,
     complete_totals,
     gaps,
+    RecentTimes,
     now,
+    stretch,
 )
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
 from pipeload.transport.messages import Report
@@ -122,6 +124,12 @@ class _Consumer:
         self._epoch_started_at: float | None = None
         self._last_handed_at = 0.0
         self._gaps = gaps(2 * every - 1)  # every=1: every batch is timed
+        self._every = 2 * every - 1
+        self._last_wait_s = 0.0  # the latest timed batch's wait
+        self._recent = RecentTimes()  # the timed pairs' wait and work, per batch
+        # How many times longer the gaps between timed pairs (and queue looks) run: batches that
+        # come faster than about SPACING_S / every are timed less often (stats/clock.py).
+        self.stretch = 1
 
     @property
     def batches(self) -> int:
@@ -148,10 +156,13 @@ class _Consumer:
         asked = now()
         count = self.count
         if self._second:
-            self._compute_s += asked - self._last_handed_at
+            work = asked - self._last_handed_at
+            self._compute_s += work
             self._computes += 1
             self._second = False
-            count.next_timed = count.handed + (next(self._gaps) if self.batches >= TIME_ALL_FIRST else 1)
+            self._recent.add(work + self._last_wait_s)
+            self.stretch = stretch(self._every, self._recent.median())
+            count.next_timed = count.handed + (next(self._gaps) * self.stretch if self.batches >= TIME_ALL_FIRST else 1)
         else:
             self._second = True
             count.next_timed = count.handed + 1
@@ -161,7 +172,8 @@ class _Consumer:
         """The timed batch asked for at ``asked`` is handed over now."""
         handed = self._last_handed_at = now()
         if self._epoch_started_at is None:
-            self._wait_s += handed - asked
+            self._last_wait_s = handed - asked
+            self._wait_s += self._last_wait_s
             self._waits += 1
         else:  # an epoch's first batch: start-up, kept apart from the steady waiting
             self.first_wait_s += handed - asked
@@ -205,7 +217,13 @@ class SessionStats:
         self._queue.capacity = capacity
         self._session = session
         self.lag: dict[Any, int] = recorder._lags.setdefault(session, defaultdict(int))
+        # A classic pool's ledger counts each worker's answers (count_answers): a worker's tasks
+        # since its latest totals are then ``lag`` plus its answers since (``_covered``).
+        self._answers: list[int] = []
+        self._covered: dict[int, int] = {}
+        self._answering = recorder._answering
         self._gaps = gaps(LOOK_EVERY)
+        self._consumer = recorder._consumer  # its stretch spaces the queue looks too
         self._retired = -1_000_000 * session  # see retire()
 
     def local_clock(self) -> StageClock:
@@ -230,21 +248,56 @@ class SessionStats:
             else:
                 self._keep(report)
 
-    def _keep(self, report: Any) -> None:
+    def count_answers(self, answered: list[int]) -> None:
+        """From now on the engine's ledger counts each worker's answered tasks in ``answered``
+        (a classic pool's, a new list each epoch), so ``WorkerGroup.receive`` counts nothing and
+        the engine hands the reports with totals to :meth:`record_answered`. What the previous
+        list counted since each worker's latest totals moves to ``lag``."""
+        for worker_id, count in enumerate(self._answers):
+            self.lag[worker_id] += count - self._covered.get(worker_id, 0)
+        self._answers, self._covered = answered, {}
+        self._answering[self._session] = self
+
+    def record_answered(self, report: Any) -> None:
+        """Keep the totals ``report`` carries; if it answers a task, the ledger has counted it."""
+        self._keep(report, counted=True)
+
+    def lags(self) -> dict[Any, int]:
+        """Per worker, the tasks since its latest totals (read by a snapshot, from any thread)."""
+        lags = dict(self.lag)
+        for worker_id, count in enumerate(list(self._answers)):
+            lags[worker_id] = lags.get(worker_id, 0) + count - self._covered.get(worker_id, 0)
+        return lags
+
+    def _keep(self, report: Any, counted: bool = False) -> None:
         key = (self._session, "", report.worker_id)
         totals = report.totals
         if len(totals) == SUMS_LENGTH:  # a worker whose tasks are counted here
-            totals = complete_totals(totals, self._tasks_of(key, report))
+            totals = complete_totals(totals, self._tasks_of(key, report, counted))
         self._seen[key] = (totals, now())
-        self.lag[report.worker_id] = 0
+        self._settle(report.worker_id)
 
-    def _tasks_of(self, key: tuple[int, str, int], report: Any) -> int:
+    def _tasks_of(self, key: tuple[int, str, int], report: Any, counted: bool) -> int:
         """The tasks the worker of ``report`` has reported, that one included if it is a task
         (all its reports are but the answer to START_EPOCH): those its previous totals covered,
-        and those counted in ``lag`` since."""
+        and those counted since (in ``lag``, and by the ledger: ``counted`` says whether it
+        counted this one)."""
         previous = self._seen.get(key)
         done = previous[0][0] if previous is not None else 0
-        return done + self.lag[report.worker_id] + (report.report is not Report.EPOCH_STARTED)
+        this = not counted and report.report is not Report.EPOCH_STARTED
+        return done + self._unreported(report.worker_id) + this
+
+    def _unreported(self, worker_id: int) -> int:
+        """Tasks of ``worker_id`` its latest totals do not cover."""
+        answers = self._answers
+        since = answers[worker_id] - self._covered.get(worker_id, 0) if worker_id < len(answers) else 0
+        return self.lag[worker_id] + since
+
+    def _settle(self, worker_id: int) -> None:
+        """``worker_id``'s latest totals cover every task counted so far."""
+        self.lag[worker_id] = 0
+        if worker_id < len(self._answers):
+            self._covered[worker_id] = self._answers[worker_id]
 
     def lend_clock(self, worker_id: int, kind: str = "") -> Callable[[StageClock], None]:
         """What thread worker ``worker_id`` (of ``kind``) calls with its clock, which is then
@@ -265,7 +318,8 @@ class SessionStats:
         brought up to the tasks it reported since, are kept apart, so that a worker started
         later under the same id adds to them rather than replacing them."""
         entry = self._seen.pop((self._session, "", worker_id), None)
-        lag = self.lag.pop(worker_id, 0)
+        lag = self._unreported(worker_id)
+        self._settle(worker_id)
         if entry is None:
             return
         raw, arrived = entry
@@ -282,7 +336,7 @@ class SessionStats:
         call again: each engine calls it when its hand-outs reach that number (about one in
         LOOK_EVERY: occupancy is a sampled mean and maximum; the batch number is the
         countdown, kept by the engine, so an untimed hand-out costs one comparison)."""
-        look = number + next(self._gaps)
+        look = number + next(self._gaps) * self._consumer.stretch
         queue = self._queue
         queue.samples += 1
         queue.ready_sum += ready
@@ -314,7 +368,7 @@ class KindedSessionStats(SessionStats):
             self._counted_as.setdefault(kind, report)
         recorder._lag_kinds[session] = kinds
 
-    def _keep(self, report: Any) -> None:
+    def _keep(self, report: Any, counted: bool = False) -> None:
         kind = report.payload if report.report is Report.EPOCH_STARTED else self._kinds[report.report]
         self._seen[(self._session, kind, report.worker_id)] = (report.totals, now())
         self.lag[(self._counted_as[kind], report.worker_id)] = 0
@@ -349,6 +403,7 @@ class StatsRecorder:
         self._sessions = 0
         self._lags: dict[int, dict[Any, int]] = {}  # per session: tasks reported without totals
         self._lag_kinds: dict[int, dict[Any, str]] = {}  # economic sessions: see KindedSessionStats
+        self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
         self._skipped_samples = 0
@@ -395,7 +450,10 @@ class StatsRecorder:
     def _lags_by_kind(self) -> dict[tuple[int, str], dict[int, int]]:
         """Tasks reported without totals, per (session, kind) and worker id."""
         lags: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
+        answering = self._answering.copy()
         for session, lag in self._lags.copy().items():
+            if session in answering:
+                lag = answering[session].lags()
             kinds = self._lag_kinds.get(session)
             for key, count in lag.copy().items():
                 if kinds is None:
