@@ -486,14 +486,17 @@ class _CountsTasksPerWorker(pipeload.Dataset):
         return list(indices)
 
 
+POOLED = {"process": ENGINES["process"], "thread": ENGINES["thread"]}
+
+
 @pytest.mark.timeout(60)
-def test_process_workers_tasks_are_exact_per_worker_after_an_abandoned_epoch(leak_guard) -> None:
+@pytest.mark.parametrize("engine", POOLED.values(), ids=POOLED.keys())
+def test_workers_tasks_are_exact_per_worker_after_an_abandoned_epoch(engine: dict, leak_guard) -> None:
     # The pool's ledger counts each worker's answers; an epoch left early leaves tasks that the
     # workers build and answer before the next epoch starts, outside any epoch's ledger: each
     # still counts, for the worker that built it.
     dataset = _CountsTasksPerWorker(1000, 2)
-    loader = pipeload.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
-                                 multiprocessing_context="fork")
+    loader = pipeload.DataLoader(dataset, batch_size=4, persistent_workers=True, **engine)
     assert len(list(loader)) == 250
     batches = iter(loader)
     for _ in range(30):
@@ -507,10 +510,10 @@ def test_process_workers_tasks_are_exact_per_worker_after_an_abandoned_epoch(lea
 
 
 @pytest.mark.timeout(60)
-def test_process_workers_grown_and_shrunk_in_place_count_exactly_per_worker(leak_guard) -> None:
+@pytest.mark.parametrize("engine", POOLED.values(), ids=POOLED.keys())
+def test_workers_grown_and_shrunk_in_place_count_exactly_per_worker(engine: dict, leak_guard) -> None:
     dataset = _CountsTasksPerWorker(2000, 4)
-    loader = pipeload.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
-                                 multiprocessing_context="fork")
+    loader = pipeload.DataLoader(dataset, batch_size=4, persistent_workers=True, **engine)
     batches = iter(loader)
     handed = sum(1 for _ in zip(range(100), batches))
     batches._engine.resize(4, 2)

@@ -143,9 +143,8 @@ class PoolEngine:
         # are on or off.
         self._next_look = 0 if self._stats is not None else math.inf
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
-        # Process workers' tasks are counted by the ledger, which counts each worker's answers
-        # anyway (thread workers lend their clocks: nothing to count).
-        self._ledger_counts = self._stats is not None and config.worker_type != "thread"
+        # Workers' tasks are counted by the ledger, which counts each worker's answers anyway.
+        self._ledger_counts = self._stats is not None
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
                                     counted_by_engine=self._ledger_counts)

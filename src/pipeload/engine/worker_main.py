@@ -82,8 +82,7 @@ class WorkerLoop:
         # Every worker (economic mode's too) times one task in SAMPLE_EVERY (stats/clock.py).
         self._clock = StageClock(SAMPLE_EVERY) if setup.stats else None
         # A thread worker of the classic pool lends its clock to the main process, which reads
-        # it when asked: its reports then carry no totals, and the main process does nothing
-        # per report for the stats.
+        # it when asked: its reports then carry no totals.
         self._lends_clock = self._clock is not None and share_clock is not None
         sizes = setup.batch_sizes if self.kind == "" and setup.fetch.kind is DatasetKind.MAP else None
         if self._clock is not None and sizes is not None:
@@ -91,10 +90,10 @@ class WorkerLoop:
             # not counted, and the epoch's last batch (which may be short) is always timed.
             self._clock.untimed_size = sizes[0]
             self._last_batch_is(-1 if sizes[1] is None else sizes[1])
-            if not self._lends_clock:
-                # The main process counts this worker's reports as they arrive: the clock need
-                # not count its tasks, and goes by batch numbers (one comparison per task).
-                self._clock.counted_by_receiver(setup.num_workers)
+            # The pool's ledger counts this worker's answers: the clock need not count its
+            # tasks, and goes by batch numbers (one comparison per task). A lent clock is
+            # completed with that count when the main process reads it.
+            self._clock.counted_by_receiver(setup.num_workers)
         if self._lends_clock:
             share_clock(self._clock)  # type: ignore[misc]
         self._epoch = setup.first_epoch

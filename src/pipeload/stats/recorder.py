@@ -243,10 +243,10 @@ class SessionStats:
         """
         lag, key = self.lag, self.count_key
         for report in reports:
-            if report.totals is None:
-                lag[key(report)] += 1
-            else:
+            if report.totals is not None:
                 self._keep(report)
+            elif report.report is not Report.EPOCH_STARTED:  # a lent clock's answer: no task
+                lag[key(report)] += 1
 
     def count_answers(self, answered: list[int]) -> None:
         """From now on the engine's ledger counts each worker's answered tasks in ``answered``
@@ -324,11 +324,12 @@ class SessionStats:
             return
         raw, arrived = entry
         if isinstance(raw, StageClock):  # a lent clock: its final totals
-            raw, arrived = raw.snapshot(), now()
+            arrived = now()
+        totals, lag = _read(raw, lag)
         # Keyed under a session number of its own (negative: no engine session has it), which
         # _per_worker sums into the worker's line with every other session's totals.
         self._retired -= 1
-        self._seen[(self._retired, "", worker_id)] = (tuple(_extrapolated(WorkerTotals._make(raw), lag)), arrived)
+        self._seen[(self._retired, "", worker_id)] = (tuple(_extrapolated(totals, lag)), arrived)
 
     def handing_out(self, ready: int, in_flight: int, number: int = 0) -> int:
         """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
@@ -493,8 +494,7 @@ def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: 
     every worker's totals), each brought up to the tasks it reported since its latest totals."""
     merged: dict[tuple[str, int], WorkerStats] = {}
     for (session, kind, worker_id), (raw, arrived) in seen.items():
-        totals = WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw)
-        lag = lags.get((session, kind), {}).get(worker_id, 0)
+        totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
         alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
         one = _worker_stats(kind, worker_id, _extrapolated(totals, lag), alive_s)
         previous = merged.get((kind, worker_id))
@@ -514,8 +514,21 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
 
 def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> int:
     """What the workers' (and the main process's) on_error pipes skipped, per their totals."""
-    return sum(WorkerTotals._make(raw.snapshot() if isinstance(raw, StageClock) else raw).skipped
-               for raw, _ in seen.values())
+    return sum(_read(raw, 0)[0].skipped for raw, _ in seen.values())
+
+
+def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
+    """A worker's totals as kept (a tuple, or a lent clock, read now), and the tasks still to
+    add to them by extrapolation (``lag``: counted since they were taken). A lent clock is read
+    live: one that counts its own tasks needs nothing added, one whose tasks the engine's ledger
+    counts (a classic thread worker that goes by batch numbers) is completed with ``lag``, all
+    of its tasks."""
+    if not isinstance(raw, StageClock):
+        return WorkerTotals._make(raw), lag
+    sums = raw.snapshot()
+    if len(sums) == SUMS_LENGTH:
+        return WorkerTotals._make(complete_totals(sums, lag)), 0
+    return WorkerTotals._make(sums), 0
 
 
 def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:
