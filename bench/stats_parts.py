@@ -7,7 +7,11 @@ of the stats turned off in the "on" loader.
 Each variant runs the same method as ``python -m bench.stats_overhead --engine process``
 (loaders "on", "off" and "off again", bursts in a balanced rotating order, made afresh in generations, the
 median of per-triple ratios with a bootstrap interval), after patching this process's modules
-(the workers are forked, so they run the patched code too):
+(the workers are forked, so they run the patched code too). Since stop 22 the classic pool's
+ledger counts each worker's answers, so the main process counts no report in any variant (the
+variants that turn "counting" off now differ from ``as-is`` only for economic mode, which this
+script does not run), and every gap between timed tasks is stretched for short tasks on top of
+what a variant sets (``stats.clock.SPACING_S``):
 
     all-off       the "on" loader's stats are off as well: what the method reads for no cost
     as-is         the code as it is
@@ -27,12 +31,13 @@ median of per-triple ratios with a bootstrap interval), after patching this proc
     nothing-done  stats on, with every part above turned off (no clocks, no counting, no
                   waits, no queue looks): what a stats-on loader costs for its set-up alone
     off-but-counting  all three loaders' stats off; the "on" loader's main process counts its
-                  reports per worker all the same (as ``WorkerGroup.receive`` does), and
-                  nothing else
+                  reports per worker all the same (as ``WorkerGroup.receive`` did before
+                  stop 22, and does in economic mode), and nothing else
 
 ``--direct`` instead times three pieces on their own, in this process: a worker's task timed
 against untimed (fetch, collate and the report's pickle), the numbered fetch path against the
-stats-off one, and ``SessionStats.record`` per call and per batch in a real 2-worker loader.
+stats-off one, and ``SessionStats.record_answered`` (a report with totals) per call and per batch
+in a real 2-worker loader.
 
 ``--by-side`` also splits each setting's CPU per batch into the calling thread and the worker
 processes. Variants run in the order given, in separate processes (each patch is for good).
@@ -283,15 +288,15 @@ def direct() -> str:
     paths = [(fetch_ns(True), fetch_ns(False)) for _ in range(7)]
     numbered, plain = (statistics.median(pair[i] for pair in paths) for i in (0, 1))
     spent = [0.0, 0]
-    record = recorder.SessionStats.record
+    record = recorder.SessionStats.record_answered
 
-    def timed_record(self, reports) -> None:  # type: ignore[no-untyped-def]
+    def timed_record(self, report) -> None:  # type: ignore[no-untyped-def]
         started = time.perf_counter()
-        record(self, reports)
+        record(self, report)
         spent[0] += time.perf_counter() - started
         spent[1] += 1
 
-    recorder.SessionStats.record = timed_record  # type: ignore[method-assign]
+    recorder.SessionStats.record_answered = timed_record  # type: ignore[method-assign]
     batches = iter(pipeload.DataLoader(PythonInts(10**9), batch_size=64, num_workers=2))
     for _ in range(300):
         next(batches)
@@ -302,7 +307,7 @@ def direct() -> str:
     del batches
     return (f"a worker's task: {untimed:.2f} us untimed, {timed:.2f} us timed ({timed - untimed:+.2f} us)\n"
             f"fetch path: numbered {numbered:.0f} ns, stats off {plain:.0f} ns ({numbered - plain:+.0f} ns a task)\n"
-            f"SessionStats.record: {spent[1]} calls in {count} batches, {spent[0] / max(1, spent[1]) * 1e6:.1f} us "
+            f"SessionStats.record_answered: {spent[1]} calls in {count} batches, {spent[0] / max(1, spent[1]) * 1e6:.1f} us "
             f"a call, {spent[0] / count * 1e6:.3f} us per batch")
 
 

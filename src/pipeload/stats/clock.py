@@ -135,7 +135,8 @@ def span(name: str) -> Iterator[None]:
 # over the gap) were a quarter of a tiny batch's stats cost in a worker.
 SAMPLE_EVERY = 64
 # ... after timing all of its first ones. 16, not 64: workers that are not persistent start
-# afresh every epoch, and pay this start each time; a timed task costs a worker ~5 us and the
+# afresh every epoch, and pay this start each time; a timed task costs a worker ~5 us (timed one
+# after another, its code runs hot; a lone one costs ~100 us, see SPACING_S) and the
 # main process ~15 us (recording the totals its report carries), so 64 per worker cost ~0.5% of
 # the CPU of an epoch of 3,125 tiny batches (bench/RESULTS.md, stop 20). Counts stay exact
 # whatever is timed; times of a shorter run are estimated from its timed tasks.
