@@ -79,7 +79,8 @@ class WorkerLoop:
         self._init_failure_reported = False
         self._exhausted = False
         self._pending: deque[WorkerCommand] = deque()
-        # Every worker (economic mode's too) times one task in SAMPLE_EVERY (stats/clock.py).
+        # Every worker (economic mode's too) times one task in SAMPLE_EVERY, fewer when tasks
+        # are short (stats/clock.py).
         self._clock = StageClock(SAMPLE_EVERY) if setup.stats else None
         # A thread worker of the classic pool lends its clock to the main process, which reads
         # it when asked: its reports then carry no totals.

@@ -143,15 +143,16 @@ SAMPLE_EVERY = 64
 TIME_ALL_FIRST = 16
 
 
-# ... but no more often than about once per SPACING_S of the owner's own time on its tasks: a
-# task of 64 Python ints takes a worker ~40 us, so one in 64 would be timed every ~3 ms, and
-# timed tasks that often read ~1% of the tree's CPU per tiny batch, far beyond their direct
-# cost (a few microseconds each, bench/RESULTS.md, stop 22: 1 in 1024 read ~0%). Tasks shorter
-# than SPACING_S / every (~1.6 ms) are timed up to MAX_STRETCH times less often: a worker of
-# tiny batches still times several tasks a second. The owner's time per task is a moving
-# median over its latest timed tasks (a cold first task cannot hold the rate down).
+# ... but no more often than about once per SPACING_S of the owner's own time on its tasks. A
+# lone timed task among untimed ones costs a worker process ~100 us of CPU more (its rarely run
+# code runs cold; the scheduler counters' read is 20 us), where a tiny task (64 Python ints) is
+# ~130 us all told: one in 64 was ~1.5% of such a worker's CPU (bench/RESULTS.md, stop 22).
+# Tasks shorter than SPACING_S / every (~1.6 ms) are timed up to MAX_STRETCH times less often:
+# a worker of tiny batches still times several tasks a second. The owner's time per task is
+# the median of its latest RECENT timed tasks (a cold first task cannot hold the rate down).
 SPACING_S = 0.1
 MAX_STRETCH = 16
+RECENT = 9
 
 
 def stretch(every: int, per_task_s: float) -> int:
@@ -185,8 +186,6 @@ class RecentTimes:
         """0.0 before anything was added."""
         return sorted(self._times)[len(self._times) // 2] if self._times else 0.0
 
-
-RECENT = 9
 
 
 def gaps(every: int) -> Iterator[int]:

@@ -29,11 +29,11 @@ from pipeload.stats.clock import (
     SAMPLE_EVERY,
     SUMS_LENGTH,
     TIME_ALL_FIRST,
+    RecentTimes,
     StageClock,
     WorkerTotals,
     complete_totals,
     gaps,
-    RecentTimes,
     now,
     stretch,
 )
@@ -102,7 +102,9 @@ class _Consumer:
     :meth:`epoch_started` returns, and calls :meth:`asking` and :meth:`handed` only for timed
     batches. Timed are each epoch's first batch (start-up, kept apart), every batch of the
     loader's first ``TIME_ALL_FIRST``, then about one pair of batches in ``2 * every`` (all of
-    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows): the
+    them with ``every=1``, as ``num_workers="auto"`` asks, to judge each of its windows; up to
+    MAX_STRETCH times fewer when batches come fast, ``stretch``, which spaces the queue looks
+    too): the
     first of a pair times the wait for it, the second also the loop's own work since the first
     was handed out. Batches are counted exactly; the timed waits and work are scaled to all
     steady batches.
