@@ -110,11 +110,11 @@ class MapFetcher:
         return spec.collate_fn(self.samples(index))
 
     def _fetch_numbered(self, index: Any, number: int) -> Any:
-        clock = self._clock
         # Untimed: one comparison against the batch number, and the profiler's flag; nothing
         # to count, the clock knows how many samples an untimed batch holds (untimed_size).
-        if number >= clock.next_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
-            return self._timed(clock, index, number)  # type: ignore[arg-type]
+        # (No local for the clock: two bytecodes fewer on the untimed path.)
+        if number >= self._clock.next_timed or _torch_profiler._is_profiler_enabled:  # type: ignore[union-attr]
+            return self._timed(self._clock, index, number)  # type: ignore[arg-type]
         spec = self._spec
         if not spec.auto_collation:
             return spec.collate_fn(spec.dataset[index])

@@ -14,6 +14,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +98,13 @@ class WorkerLoop:
             self._clock.counted_by_receiver(setup.num_workers)
         if self._lends_clock:
             share_clock(self._clock)  # type: ignore[misc]
+        # A batch's report: sent as is, unless the clock times the task in hand, which arms the
+        # path that adds the totals (so an untimed batch runs the stats-off path exactly). Kept
+        # as functions called with self, and the clock's hook holds the loop weakly: no
+        # reference cycle keeps a finished thread worker's dataset (its open files) alive.
+        self._report_batch = self._plain_report = type(self)._report_plain
+        if self._clock is not None:
+            self._clock.on_timed = _arming(self)
         self._epoch = setup.first_epoch
         self._drops_superseded_tasks = self.kind != "" or setup.fetch.per_batch_seeding
 
@@ -246,6 +254,7 @@ class WorkerLoop:
         totals, this task counted (the others go without: stats/clock.py).
         ``build_s``, ``setup_s`` and ``finished_at`` feed the pool's in-flight budget (see
         engine/budget.py)."""
+        self._report_batch = self._plain_report  # armed for one timed task at most
         clock = self._clock
         if clock is None or not clock.timing:  # an untimed batch (a failure is made timed)
             self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s,
@@ -261,12 +270,18 @@ class WorkerLoop:
                                        finished_at))
         clock.sent(started)
 
+    def _report_plain(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
+                      setup_s: float = 0.0, finished_at: float = 0.0) -> None:
+        """A batch's report with nothing for the stats (an untimed task's, every one with stats
+        off): what ``_send_batch`` calls unless the clock armed ``_report``."""
+        self._outbox.send(WorkerReport(report, self._id, number, payload, None, build_s, setup_s, finished_at))
+
     def _send_batch(
         self, number: int, batch: Any, indices: Any, build_s: float, setup_s: float,
         finished_at: float = 0.0,
     ) -> None:
         try:
-            self._report(Report.BATCH, number, batch, build_s, setup_s, finished_at)
+            self._report_batch(self, Report.BATCH, number, batch, build_s, setup_s, finished_at)
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:
@@ -282,6 +297,20 @@ class WorkerLoop:
         if self._clock is not None:
             self._clock.timing = True
         self._report(report, number, payload)
+
+
+def _arming(loop: WorkerLoop) -> Callable[[], None]:
+    """What ``loop``'s clock calls when it times the task in hand: the batch's report then goes
+    by ``_report``, which adds the totals (the loop is held weakly: the clock is the loop's)."""
+    owner = weakref.ref(loop)
+    timed = type(loop)._report
+
+    def arm() -> None:
+        armed = owner()
+        if armed is not None:
+            armed._report_batch = timed
+
+    return arm
 
 
 def prepare_worker(

@@ -224,7 +224,7 @@ class StageClock:
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
-                 "_busy_seen", "_timed_seen", "_recent",
+                 "_busy_seen", "_timed_seen", "_recent", "on_timed",
                  "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner",
                  "_owner_schedstat")
 
@@ -265,6 +265,8 @@ class StageClock:
         self._busy_seen = 0.0  # fetch, collate and send seconds as of the latest _next_gap
         self._timed_seen = 0  # timed tasks finished by then
         self._recent = RecentTimes()  # the timed tasks' own times: see SPACING_S
+        # Called when a task is to be timed: a worker arms the report that carries the totals.
+        self.on_timed: Any = None
 
     def counted_by_receiver(self, stride: int) -> None:
         """Drive this clock by batch numbers, for a worker that gets about one number in
@@ -308,6 +310,8 @@ class StageClock:
         self._gap = self.left = self._next_gap(self._timed, self._counted < TIME_ALL_FIRST)
         self._timed += 1
         self.timing = True
+        if self.on_timed is not None:
+            self.on_timed()
 
     def uncount(self) -> None:
         """The task in hand, counted down already, built nothing (an iterable replica found
@@ -331,6 +335,8 @@ class StageClock:
         last = self.last_timed
         self.next_timed = last if number < last < upcoming else upcoming  # type: ignore[assignment]
         self.timing = True
+        if self.on_timed is not None:
+            self.on_timed()
 
     def _next_gap(self, finished: int, starting: bool) -> int:
         """Tasks to the next timed one: 1 while ``starting`` (all of the first TIME_ALL_FIRST
