@@ -3,6 +3,7 @@ of the stats turned off in the "on" loader.
 
     python -m bench.stats_parts [--variant NAME ...] [--triples 3000] [--generations 30] [--by-side]
     python -m bench.stats_parts --direct
+    python -m bench.stats_parts --serve-times
 
 Each variant runs the same method as ``python -m bench.stats_overhead --engine process``
 (loaders "on", "off" and "off again", bursts in a balanced rotating order, made afresh in generations, the
@@ -39,8 +40,11 @@ against untimed (fetch, collate and the report's pickle), the numbered fetch pat
 stats-off one, and ``SessionStats.record_answered`` (a report with totals) per call and per batch
 in a real 2-worker loader.
 
-``--by-side`` also splits each setting's CPU per batch into the calling thread and the worker
-processes. Variants run in the order given, in separate processes (each patch is for good).
+``--serve-times`` instead reads a worker process's CPU per untimed and per timed task in a
+stats-on loader taken in bursts (where a timed task's code runs cold). ``--engine thread`` runs
+the variants on thread workers.
+
+``--by-side`` also splits each setting's CPU per batch into the calling thread and the workers. Variants run in the order given, in separate processes (each patch is for good).
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ PATCHES: dict[str, Callable[[], None]] = {
 }
 
 
-def run_variant(variant: str, triples: int, generations: int, by_side: bool) -> str:
+def run_variant(variant: str, triples: int, generations: int, by_side: bool, engine: str = "process") -> str:
     """One variant's line (in this process: the patches stay)."""
     PATCHES[variant]()
     import bench.stats_overhead as overhead
@@ -223,7 +227,7 @@ def run_variant(variant: str, triples: int, generations: int, by_side: bool) -> 
 
     sides_seen: list[str] = []
     overhead.Burst.per_batch = kept  # type: ignore[method-assign]
-    runs, generation_of = overhead.triples_of(overhead.ENGINES["process"], 8, triples, generations)
+    runs, generation_of = overhead.triples_of(overhead.ENGINES[engine], 8, triples, generations)
     on, off, again = (np.array(runs[setting]) for setting in overhead.SETTINGS)
     groups = np.array(generation_of)
     rng = np.random.default_rng(0)
@@ -232,7 +236,7 @@ def run_variant(variant: str, triples: int, generations: int, by_side: bool) -> 
     line = (f"{variant:<15} cost {cost[1]:+.2%} [{cost[0]:+.2%}, {cost[2]:+.2%}]   "
             f"A/A {noise[1]:+.2%} [{noise[0]:+.2%}, {noise[2]:+.2%}]")
     if by_side:
-        for side, name in ((0, "calling thread"), (1, "worker processes")):
+        for side, name in ((0, "calling thread"), (1, f"worker {'threads' if engine == 'thread' else 'processes'}")):
             medians = [1e6 * float(np.median([x for one in sides[s] for x in one[side]])) for s in overhead.SETTINGS]
             line += f"\n    {name}: " + " / ".join(f"{m:.2f}" for m in medians) + " us per batch (on / off / again)"
     return line
@@ -311,6 +315,68 @@ def direct() -> str:
             f"a call, {spent[0] / count * 1e6:.3f} us per batch")
 
 
+def serve_times(bursts: int = 1500) -> str:
+    """A worker process's CPU per task, untimed and timed, as the workers of a stats-on loader
+    spend it when its batches are taken in bursts (as the bench takes them): the timed tasks'
+    code runs cold among the untimed ones. Read with ``time.thread_time_ns`` around
+    ``WorkerLoop._serve`` in the workers (forked: the wrapper travels with them)."""
+    import multiprocessing
+    import time
+
+    import pipeload
+    import pipeload.engine.worker_main as worker_main
+    from bench.workloads import PythonInts
+
+    sums = multiprocessing.Array("d", 4, lock=False)  # untimed: tasks, ns; timed: tasks, ns
+    serve = worker_main.WorkerLoop._serve
+
+    def timed_serve(self, command) -> None:  # type: ignore[no-untyped-def]
+        timed = self._clock is not None and command.batch_number >= self._clock.next_timed
+        started = time.thread_time_ns()
+        serve(self, command)
+        sums[2 * timed] += 1
+        sums[2 * timed + 1] += time.thread_time_ns() - started
+
+    worker_main.WorkerLoop._serve = timed_serve  # type: ignore[method-assign]
+    batches = iter(pipeload.DataLoader(PythonInts(10**9), batch_size=64, num_workers=2))
+    for _ in range(200):
+        next(batches)
+    for index in range(4):
+        sums[index] = 0
+    for _ in range(bursts):
+        started = time.perf_counter()
+        for _ in range(8):
+            next(batches)
+        time.sleep(2 * (time.perf_counter() - started))  # as the bench's other two loaders' bursts
+    del batches
+    untimed_us, timed_us = (sums[2 * k + 1] / max(1, sums[2 * k]) / 1e3 for k in (0, 1))
+    return (f"a worker process's task, CPU in the worker: untimed {untimed_us:.1f} us ({int(sums[0])} tasks), "
+            f"timed {timed_us:.1f} us ({int(sums[2])} tasks), {timed_us - untimed_us:+.1f} us a timed task")
+
+
+def burst_count_us() -> str:
+    """What counting a burst of reports per worker costs the main process, as economic mode's
+    ``WorkerGroup.receive`` does (and the classic pool's did before stop 22)."""
+    import timeit
+    from collections import defaultdict
+
+    from pipeload.stats.recorder import carries_totals, count_by_worker, worker_of
+    from pipeload.transport.messages import Report, WorkerReport
+
+    lines = []
+    for size in (1, 3):
+        reports = [WorkerReport(Report.BATCH, i % 2, i, None, None) for i in range(size)]
+        lag: dict[int, int] = defaultdict(int)
+
+        def count() -> None:
+            if not any(map(carries_totals, reports)):
+                count_by_worker(lag, map(worker_of, reports))
+
+        runs = 200_000
+        lines.append(f"{min(timeit.repeat(count, number=runs, repeat=5)) / runs * 1e6:.2f} us for {size}")
+    return "counting a burst of reports per worker: " + ", ".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stats_parts", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", action="append", choices=VARIANTS)
@@ -318,19 +384,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--generations", type=int, default=30)
     parser.add_argument("--by-side", action="store_true")
     parser.add_argument("--direct", action="store_true", help="time three pieces on their own instead")
+    parser.add_argument("--serve-times", action="store_true",
+                        help="a worker process's CPU per untimed and per timed task instead")
+    parser.add_argument("--engine", choices=("process", "thread"), default="process",
+                        help="the engine the variants run (default: process)")
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's own variant
     args = parser.parse_args(argv)
     if args.triples < 20 or args.generations < 1:
         parser.error("--triples must be at least 20 and --generations positive")
     if args.direct:
         print(direct(), flush=True)
+        print(burst_count_us(), flush=True)
+        return 0
+    if args.serve_times:
+        print(serve_times(), flush=True)
         return 0
     if args.one:
-        print(run_variant(args.one, args.triples, args.generations, args.by_side), flush=True)
+        print(run_variant(args.one, args.triples, args.generations, args.by_side, args.engine), flush=True)
         return 0
     for variant in args.variant or ["all-off", "as-is"]:
         command = [sys.executable, "-m", "bench.stats_parts", "--one", variant, "--triples", str(args.triples),
-                   "--generations", str(args.generations)] + (["--by-side"] if args.by_side else [])
+                   "--generations", str(args.generations), "--engine", args.engine] + (["--by-side"] if args.by_side else [])
         subprocess.run(command, check=True)
     return 0
 

@@ -146,7 +146,8 @@ TIME_ALL_FIRST = 16
 # ... but no more often than about once per SPACING_S of the owner's own time on its tasks. A
 # lone timed task among untimed ones costs a worker process ~100 us of CPU more (its rarely run
 # code runs cold; the scheduler counters' read is 20 us), where a tiny task (64 Python ints) is
-# ~130 us all told: one in 64 was ~1.5% of such a worker's CPU (bench/RESULTS.md, stop 22).
+# ~70 us all told: one in 64 was ~1.5% of such a worker's CPU (bench/RESULTS.md, stop 22;
+# python -m bench.stats_parts --serve-times).
 # Tasks shorter than SPACING_S / every (~1.6 ms) are timed up to MAX_STRETCH times less often:
 # a worker of tiny batches still times several tasks a second. The owner's time per task is
 # the median of its latest RECENT timed tasks (a cold first task cannot hold the rate down).
