@@ -4,6 +4,7 @@ of the stats turned off in the "on" loader.
     python -m bench.stats_parts [--variant NAME ...] [--triples 3000] [--generations 30] [--by-side]
     python -m bench.stats_parts --direct
     python -m bench.stats_parts --serve-times
+    python -m bench.stats_parts --thread-functions
 
 Each variant runs the same method as ``python -m bench.stats_overhead --engine process``
 (loaders "on", "off" and "off again", bursts in a balanced rotating order, made afresh in generations, the
@@ -42,7 +43,8 @@ in a real 2-worker loader.
 
 ``--serve-times`` instead reads a worker process's CPU per untimed and per timed task in a
 stats-on loader taken in bursts (where a timed task's code runs cold). ``--engine thread`` runs
-the variants on thread workers.
+the variants on thread workers. ``--thread-functions`` instead counts one thread worker's
+bytecodes per task by function, stats on minus off.
 
 ``--by-side`` also splits each setting's CPU per batch into the calling thread and the workers. Variants run in the order given, in separate processes (each patch is for good).
 """
@@ -354,6 +356,51 @@ def serve_times(bursts: int = 1500) -> str:
             f"timed {timed_us:.1f} us ({int(sums[2])} tasks), {timed_us - untimed_us:+.1f} us a timed task")
 
 
+def thread_worker_functions(batches: int = 3000) -> str:
+    """Python bytecodes per task in one thread worker, per function, stats on minus off
+    (``threading.settrace`` opcode events, counted past the stats' all-timed start). Tracing
+    slows every task, so the tasks look long to the clock and are timed one in 64 here, not
+    stretched as in a real run: the timed functions' share reads high."""
+    import collections
+    import threading
+
+    import pipeload
+    from bench.workloads import PythonInts
+
+    def per_function(stats: bool) -> dict[str, float]:
+        counts: collections.Counter[str] = collections.Counter()
+        tracing = [False]
+
+        def local(frame, event, arg):  # type: ignore[no-untyped-def]
+            if event == "opcode" and tracing[0]:
+                counts[frame.f_code.co_qualname] += 1
+            return local
+
+        def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+            frame.f_trace_opcodes = True
+            return local
+
+        loader = pipeload.DataLoader(PythonInts(10**9), batch_size=64, num_workers=1, worker_type="thread",
+                                     stats=stats)
+        threading.settrace(tracer)  # the worker thread starts with the iterator
+        iterator = iter(loader)
+        threading.settrace(None)  # type: ignore[arg-type]
+        for _ in range(batches):
+            next(iterator)
+        tracing[0] = True
+        for _ in range(batches):
+            next(iterator)
+        tracing[0] = False
+        del iterator
+        return {name: count / batches for name, count in counts.items()}
+
+    on, off = per_function(True), per_function(False)
+    names = sorted(set(on) | set(off), key=lambda name: -abs(on.get(name, 0) - off.get(name, 0)))
+    lines = [f"  {name:<40} {on.get(name, 0) - off.get(name, 0):+7.2f}" for name in names[:8]]
+    return (f"one thread worker, bytecodes per task, stats on minus off: {sum(on.values()) - sum(off.values()):+.1f}"
+            f" (of {sum(off.values()):.0f})\n" + "\n".join(lines))
+
+
 def burst_count_us() -> str:
     """What counting a burst of reports per worker costs the main process, as economic mode's
     ``WorkerGroup.receive`` does (and the classic pool's did before stop 22)."""
@@ -386,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--direct", action="store_true", help="time three pieces on their own instead")
     parser.add_argument("--serve-times", action="store_true",
                         help="a worker process's CPU per untimed and per timed task instead")
+    parser.add_argument("--thread-functions", action="store_true",
+                        help="one thread worker's bytecodes per task, per function, stats on minus off, instead")
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="the engine the variants run (default: process)")
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's own variant
@@ -398,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.serve_times:
         print(serve_times(), flush=True)
+        return 0
+    if args.thread_functions:
+        print(thread_worker_functions(), flush=True)
         return 0
     if args.one:
         print(run_variant(args.one, args.triples, args.generations, args.by_side, args.engine), flush=True)

@@ -125,8 +125,8 @@ class _Consumer:
         self._second = False  # the next timed batch is a pair's second
         self._epoch_started_at: float | None = None
         self._last_handed_at = 0.0
-        self._gaps = gaps(2 * every - 1)  # every=1: every batch is timed
-        self._every = 2 * every - 1
+        self._every = 2 * every - 1  # batches from one timed pair to the next, on average
+        self._gaps = gaps(self._every)  # every=1: every batch is timed
         self._last_wait_s = 0.0  # the latest timed batch's wait
         self._recent = RecentTimes()  # the timed pairs' wait and work, per batch
         # How many times longer the gaps between timed pairs (and queue looks) run: batches that
