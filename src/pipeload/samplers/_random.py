@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
-from pipeload._sampler_base import Sampler
-from pipeload._sampler_state import StatefulSampler
+from pipeload.samplers._base import Sampler
+from pipeload.samplers._state import StatefulSampler
 from pipeload.errors import check_generator, exact_value
 
 # RandomSampler with replacement draws its indices this many at a time (torch's block size).

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.utils.data as torch_data  # torch's class: a base for identity, never called
 
-from pipeload._sampler_base import Sampler
-from pipeload._sampler_state import StatefulSampler
+from pipeload.samplers._base import Sampler
+from pipeload.samplers._state import StatefulSampler
 
 
 class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSampler):

@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
-from pipeload import _arguments as arguments
-from pipeload import _engine_choice, resume
-from pipeload._epoch_iterator import _EpochIterator
+from pipeload.loader import _arguments as arguments
+from pipeload import resume
+from pipeload.loader import _engine_choice
+from pipeload.loader._epoch_iterator import _EpochIterator
 from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning

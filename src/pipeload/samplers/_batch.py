@@ -1,66 +1,20 @@
-"""Samplers: descriptions of the order in which a map-style dataset is read.
-
-The random samplers live in ``_random_samplers.py``, ``DistributedSampler`` in
-``_distributed_sampler.py``, their checkpoints in ``_sampler_state.py``; this module is where
-they are all imported from.
-
-A sampler yields keys (or, for ``BatchSampler``, lists of keys). Random samplers draw from
-torch's generators in exactly the order ``torch.utils.data`` does, so the same seed gives the
-same indices, including the lazy seed draw a ``RandomSampler`` without a generator makes when
-iteration starts.
-
-Each class also subclasses its namesake in ``torch.utils.data`` for identity alone (frameworks
-choose how to shard by ``isinstance``, e.g. Lightning shuffles the DistributedSampler it injects
-only if the loader's sampler is a ``RandomSampler``); ours define every method, so none of
-torch's runs.
-"""
+"""``BatchSampler``, and what an index sampler says about its batches without iterating them."""
 
 from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
-from pipeload._distributed_sampler import DistributedSampler
-from pipeload._random_samplers import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
-from pipeload._sampler_base import Sampler
-from pipeload._sampler_state import StatefulSampler
 from pipeload.errors import exact_value
-
-__all__ = [
-    "BatchSampler",
-    "DistributedSampler",
-    "RandomSampler",
-    "Sampler",
-    "SequentialSampler",
-    "SubsetRandomSampler",
-    "WeightedRandomSampler",
-]
-
-class SequentialSampler(StatefulSampler, Sampler[int], torch_data.SequentialSampler):
-    """Yields ``0, 1, ..., len(data_source) - 1``.
-
-    Example:
-        >>> list(SequentialSampler(range(3)))
-        [0, 1, 2]
-    """
-
-    data_source: Sized
-
-    def __init__(self, data_source: Sized) -> None:
-        self.data_source = data_source
-
-    def _keys(self) -> Iterator[int]:
-        return iter(range(len(self.data_source)))
-
-    def _config(self) -> dict[str, Any]:
-        return {"length": len(self.data_source)}
-
-    def __len__(self) -> int:
-        return len(self.data_source)
+from pipeload.samplers._base import Sampler
+from pipeload.samplers._distributed import DistributedSampler
+from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from pipeload.samplers._sequential import SequentialSampler
+from pipeload.samplers._state import StatefulSampler
 
 
 class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler):
@@ -142,13 +96,6 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         return -(-count // self.batch_size)
 
 
-class _InfiniteConstantSampler(Sampler[None]):
-    """Yields None forever: the key stream for an iterable-style dataset."""
-
-    def __iter__(self) -> Iterator[None]:
-        return itertools.repeat(None)
-
-
 def exact_length(sampler: Any) -> int | None:
     """``len(sampler)`` when it is exactly what iterating yields and iterating cannot fail
     midway: torch's samplers and ours, as they are (a subclass may yield otherwise); else None."""
@@ -177,7 +124,3 @@ _EXACT_SAMPLERS = frozenset({
     torch_data.SequentialSampler, torch_data.RandomSampler, torch_data.SubsetRandomSampler,
     torch_data.WeightedRandomSampler, torch_data.DistributedSampler,
 })
-
-# Defined in private modules, named by their public one (reprs, pickles, docs).
-for _public in (Sampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler):
-    _public.__module__ = __name__

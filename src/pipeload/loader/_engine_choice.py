@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeload import _arguments as arguments
+from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.distributed import check_ranks_can_agree, current_placement
 from pipeload.engine import replica
