@@ -38,8 +38,11 @@ class TooManyOpenFilesError(WorkerError):
 
 
 class IncompatibleStateError(ValueError):
-    """A checkpoint (``state_dict()``) taken from another configuration than the one it is loaded
-    into: another dataset length, batch size, world size, ... The message names what differs."""
+    """A checkpoint (``state_dict()``) that cannot be loaded: taken from another configuration
+    (another dataset length, batch size, world size, ...: the message names what differs), or
+    damaged (a field missing, of another type, out of range or undecodable: the message names
+    the field by its path in the state and the value received; or content that no longer
+    matches the state's digest). What refused it is left as it was."""
 
 
 def state_mismatch(owner: str, differences: dict[str, tuple[object, object]]) -> IncompatibleStateError:
@@ -48,6 +51,36 @@ def state_mismatch(owner: str, differences: dict[str, tuple[object, object]]) ->
     listed = "; ".join(f"{name} differs (state: {saved!r}, here: {here!r})"
                        for name, (saved, here) in differences.items())
     return IncompatibleStateError(f"cannot load this state into {owner}: {listed}")
+
+
+MISSING = object()  # a field a state does not have (None is a value a field may hold)
+
+
+def bad_state_field(path: str, value: object, expected: str, why: str = "") -> IncompatibleStateError:
+    """The error for a field of a state that cannot be what it claims: ``path`` names it
+    (``epoch.sampler.generator``), ``value`` is what the state holds (``MISSING``: nothing),
+    ``expected`` says what it should be, ``why`` what was found wrong with it (optional)."""
+    if value is MISSING:
+        return IncompatibleStateError(f"cannot load this state: it has no {path} (expected {expected})")
+    detail = f" ({why})" if why else ""
+    return IncompatibleStateError(
+        f"cannot load this state: {path} should be {expected}, but got {path}={shortened(value)}{detail}")
+
+
+def shortened(value: object, limit: int = 72) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with its size said when longer (a
+    generator state is 6,700 characters of base64)."""
+    try:
+        shown = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still named
+        return f"<{type(value).__name__}>"
+    if len(shown) <= limit:
+        return shown
+    try:
+        size = f"{len(value)} {'characters' if isinstance(value, str) else 'items'}"  # type: ignore[arg-type]
+    except TypeError:
+        size = f"{len(shown)} characters shown"
+    return f"{shown[:limit - 12]}... ({type(value).__name__} of {size})"
 
 
 class _KeyErrorMessage(str):
