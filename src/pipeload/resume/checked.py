@@ -80,12 +80,12 @@ class CheckedState:
 
 
 def read_fields(state: Any) -> CheckedState:
-    """Check every field of ``state`` that can be checked without the loader.
+    """Check every field of ``state`` that can be checked without the loader (the digest is
+    checked last, by :func:`check_content`).
 
     Raises:
         IncompatibleStateError: not a loader state, another version, or a field missing,
-            mistyped, out of range or undecodable (named by its path), or content that does not
-            match the state's digest.
+            mistyped, out of range or undecodable (named by its path).
     """
     version = _check_format(state)
     fields = StateFields(state, "")
@@ -105,9 +105,14 @@ def read_fields(state: Any) -> CheckedState:
     if version >= 2:
         fields.raw(DIGEST_FIELD, "the digest state_dict() writes")
     fields.finish()
-    if version >= 2:
-        check_digest(state)
     return CheckedState(version, config, epoch, upcoming)
+
+
+def check_content(state: dict[str, Any], checked: CheckedState) -> None:
+    """The digest, checked after every named check passed: it catches what they cannot (a
+    value damaged yet well-formed), and they name the field when they can."""
+    if checked.version >= 2:
+        check_digest(state)
 
 
 def _check_format(state: Any) -> int:

@@ -18,7 +18,7 @@ from pipeload._state_digest import sealed
 from pipeload.distributed import current_placement
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import bad_state_field, state_mismatch
-from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, read_fields
+from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
 from pipeload.resume.trial import try_replica_states
 from pipeload.samplers import StatefulSampler, exact_length
@@ -178,8 +178,9 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
     _check_sampler(loader, checked.sampler, checked.sampler_path)
     if checked.epoch is not None:
         _check_epoch_fits(loader, checked.epoch)
-        if checked.version < 2:  # no digest: the replicas' own load_state_dict() is the check
-            try_replica_states(loader, checked.epoch.streams)
+    check_content(state, checked)
+    if checked.epoch is not None and checked.version < 2:
+        try_replica_states(loader, checked.epoch.streams)  # no digest: the pipes' own loads check
     _set_generators(loader, checked)
     if checked.epoch is not None:
         point = _mid_epoch(checked.epoch)

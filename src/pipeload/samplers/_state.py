@@ -30,7 +30,7 @@ import torch
 
 from pipeload._rng_state import borrowed_global_rng, generator_state, set_generator_state
 from pipeload._state_digest import DIGEST_FIELD, check_digest, sealed
-from pipeload._state_fields import GENERATOR_TEXT, StateFields, is_int
+from pipeload._state_fields import StateFields, is_int
 from pipeload.errors import MISSING, IncompatibleStateError, bad_state_field, state_mismatch
 
 STATE_VERSION = 2  # 2: the state carries a digest of its content (docs/design/resume.md)
@@ -178,9 +178,9 @@ class StatefulSampler:
         if version >= 2:
             fields.raw(DIGEST_FIELD, "the digest state_dict() writes")
         fields.finish()
-        if version >= 2:
-            check_digest(state, path)
         self._check_config(config.state, generator is not None)
+        if version >= 2:  # last: the checks above name the field when they can
+            check_digest(state, path)
         return _ReadState(generator, iteration, inner)
 
     def _read_iteration(self, fields: StateFields, draws: bool) -> dict[str, Any] | None:
