@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import LeakGuard
+from state_damage import REMOVE, edited, value_at
 from states_for_tests import (
     CASES,
     LENGTH,
@@ -248,12 +249,12 @@ def test_every_field_of_a_previous_version_state_is_checked(name: str, opaque: s
     checked = 0
     for path in our_fields(old, opaque):
         field = str(path[-1])
-        value = _at(old, path)
-        damages = [] if field in V1_OPTIONAL or isinstance(path[-1], int) else [_DELETE]
+        value = value_at(old, path)
+        damages = [] if field in V1_OPTIONAL or isinstance(path[-1], int) else [REMOVE]
         damages += [v for v in (True, 2.5, "5", [], {}) if type(v) is not type(value)]
         for damage in damages:
             with pytest.raises(IncompatibleStateError) as caught:
-                target.load_state_dict(_edit(old, path, damage))
+                target.load_state_dict(edited(old, path, lambda _, damage=damage: damage))
             assert field in str(caught.value), f"{'.'.join(map(str, path))} -> {damage!r}: {caught.value}"
             checked += 1
     assert target.state_dict() == before
@@ -270,25 +271,6 @@ def test_a_previous_version_pipe_state_is_tried_through_the_pipes_own_load() -> 
     with pytest.raises(IncompatibleStateError, match=r"epoch\.streams\.0\.snapshot is not a state that worker 0's "
                        r"replica of Mapper takes: its load_state_dict\(\) raised TypeError"):
         pipe_loader().load_state_dict(state)
-
-
-_DELETE = object()
-
-
-def _at(state: Any, path: tuple[Any, ...]) -> Any:
-    for key in path:
-        state = state[key]
-    return state
-
-
-def _edit(state: Any, path: tuple[Any, ...], value: Any) -> Any:
-    damaged = copy.deepcopy(state)
-    parent = _at(damaged, path[:-1])
-    if value is _DELETE:
-        del parent[path[-1]]
-    else:
-        parent[path[-1]] = value
-    return damaged
 
 
 # -- the digest --------------------------------------------------------------------------------------
