@@ -376,12 +376,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         """Continue from a ``state_dict()``: the next ``iter(loader)`` resumes that epoch.
 
         Persistent workers this loader already runs are stopped (the checkpoint's session takes
-        their place).
+        their place). The whole state is checked first: a loader that refuses one is left as it
+        was.
 
         Raises:
             IncompatibleStateError: the state comes from another configuration (dataset length,
                 batch size, world size, ...: the message names each difference), another kind
-                of state, or a newer version.
+                of state, or a newer version; or it is damaged: a field missing, mistyped, out
+                of range or undecodable (named by its path, with the value received), or
+                content that does not match its digest.
         """
         point = resume.read_state(self, state)
         if self._persistent_engine is not None:

@@ -16,6 +16,11 @@ skipped: nothing is loaded.
 
 ``config`` records what makes two samplers interchangeable (length, batch size, world size, ...);
 a state is refused, naming the difference, by a sampler whose settings differ.
+
+A state is checked whole before anything is set (``_read_state``): each field's presence, type,
+range and decoding (named by its path when wrong), the configuration, then the ``digest`` over
+the rest (version 2; version 1 states, without one, still load). A sampler that refuses a state
+is left as it was. See "Damaged states" in docs/design/resume.md.
 """
 
 from __future__ import annotations
