@@ -83,7 +83,7 @@ def _feed(update: Callable[[bytes], Any], value: Any) -> None:
         for item in value:
             _feed(update, item)
     elif isinstance(value, dict):
-        items = sorted((str(k), v) for k, v in value.items())
+        items = sorted(((str(k), v) for k, v in value.items()), key=lambda item: item[0])
         update(b"d%d:" % len(items))
         for key, item in items:
             _feed(update, key)
@@ -98,16 +98,26 @@ def _feed_bytes(update: Callable[[bytes], Any], tag: bytes, data: bytes) -> None
 
 
 def _feed_other(update: Callable[[bytes], Any], value: Any) -> None:
-    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-        tensor = value.detach().cpu().contiguous()
-        update(b"t" + f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-        _feed_bytes(update, b"", tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-                    if tensor.numel() else b"")
+    if isinstance(value, torch.Tensor):
+        update(b"t" + f"{value.dtype}{tuple(value.shape)}".encode())
+        _feed_bytes(update, b"", _tensor_bytes(value))
         return
-    array_bytes = getattr(value, "tobytes", None)
-    if type(value).__module__ == "numpy" and callable(array_bytes):  # arrays and numpy scalars
+    if type(value).__module__ == "numpy" and callable(getattr(value, "tobytes", None)):
         update(b"a" + f"{getattr(value, 'dtype', '')}{getattr(value, 'shape', ())}".encode())
-        _feed_bytes(update, b"", array_bytes())
+        if getattr(getattr(value, "dtype", None), "kind", "") == "O":  # its bytes are addresses
+            _feed(update, value.tolist())
+        else:
+            _feed_bytes(update, b"", value.tobytes())
         return
     # Anything else a dataset keeps in its state: named, not read (its bytes have no canonical form)
     update(b"o" + f"{type(value).__module__}.{type(value).__qualname__};".encode())
+
+
+def _tensor_bytes(value: torch.Tensor) -> bytes:
+    """A dense tensor's bytes; nothing for the rest (sparse, quantized, meta: named by dtype and
+    shape only), so that taking a state never fails on what a dataset keeps in it."""
+    try:
+        tensor = value.detach().cpu().contiguous().reshape(-1)
+        return tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    except (RuntimeError, TypeError, NotImplementedError):
+        return b""
