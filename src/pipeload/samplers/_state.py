@@ -168,11 +168,11 @@ class StatefulSampler:
         version = state.get("version")
         if not (is_int(version) and version in READ_VERSIONS):
             raise IncompatibleStateError(
-                f"cannot load this state into a {name}: it has version {version!r}, this pipeload "
+                f"cannot load this state into a {name}{_at(path)}: it has version {version!r}, this pipeload "
                 f"reads versions {' and '.join(map(str, READ_VERSIONS))}")
         fields.raw("version", "")
         if fields.raw("type", repr(name)) != name:
-            raise state_mismatch(f"a {name}", {"sampler type": (state.get("type"), name)})
+            raise state_mismatch(f"a {name}{_at(path)}", {"sampler type": (state.get("type"), name)})
         config = fields.fields("config")
         for key in config.state:
             config.raw(key, "")
@@ -183,7 +183,7 @@ class StatefulSampler:
         if version >= 2:
             fields.raw(DIGEST_FIELD, "the digest state_dict() writes")
         fields.finish()
-        self._check_config(config.state, generator is not None)
+        self._check_config(config.state, generator is not None, path)
         if version >= 2:  # last: the checks above name the field when they can
             check_digest(state, path)
         return _ReadState(generator, iteration, inner)
@@ -203,7 +203,7 @@ class StatefulSampler:
         iteration.finish()
         return {"start": start, "yielded": yielded}
 
-    def _check_config(self, saved: dict[str, Any], own_before: bool) -> None:
+    def _check_config(self, saved: dict[str, Any], own_before: bool, path: str) -> None:
         here = self._config()
         differences = {k: (saved.get(k), here.get(k)) for k in sorted(here.keys() | saved.keys())
                        if not _same(saved.get(k, MISSING), here.get(k, MISSING))}
@@ -216,7 +216,7 @@ class StatefulSampler:
             else:
                 differences["generator"] = ("a generator state", "None: it draws no random numbers")
         if differences:
-            raise state_mismatch(f"this {type(self).__name__}", differences)
+            raise state_mismatch(f"this {type(self).__name__}{_at(path)}", differences)
 
     def _iterate(self, keys: Iterator[Any], pending: dict[str, Any] | None, counted: bool) -> Iterator[Any]:
         draws, generator = self._draws_from()
@@ -244,6 +244,11 @@ class StatefulSampler:
         else:
             yield from keys
         record.finished = True
+
+
+def _at(path: str) -> str:
+    """Where a nested state sits, for messages (nothing for a state loaded alone)."""
+    return f" (its state at {path})" if path else ""
 
 
 def _same(saved: Any, here: Any) -> bool:
