@@ -210,7 +210,7 @@ def _check_generator(loader: Any, saved: bool) -> None:
 
 
 def _check_sampler(loader: Any, saved: Any, path: str) -> None:
-    """The index sampler's state: there exactly when the sampler keeps one, and (ours) whole."""
+    """The index sampler's state: None when it keeps none; ours there, and checked whole."""
     sampler = loader._index_sampler
     keeps_one = loader._dataset_kind.label == "map" and callable(getattr(sampler, "state_dict", None))
     name = type(sampler).__name__
@@ -219,9 +219,9 @@ def _check_sampler(loader: Any, saved: Any, path: str) -> None:
             why = "an iterable dataset has no sampler" if loader._dataset_kind.label != "map" else f"this loader's {name} has no state_dict()"
             raise bad_state_field(path, saved, f"None ({why})")
         return
-    if saved is None:
-        raise bad_state_field(path, saved, f"the state of this loader's {name} (it has a state_dict())")
-    if isinstance(sampler, StatefulSampler):
+    if isinstance(sampler, StatefulSampler):  # a user's may say None: its state is its own
+        if saved is None:
+            raise bad_state_field(path, saved, f"the state of this loader's {name}")
         sampler.check_state_dict(saved, path)
 
 
