@@ -19,7 +19,7 @@ from torch.utils.data.datapipes.datapipe import MapDataPipe as _TorchMapDataPipe
 
 from pipeload.datapipes._iter_ops import IterOperations
 from pipeload.datapipes._map_ops import MapOperations
-from pipeload.datapipes.protocol import as_nonblocking
+from pipeload.datapipes.protocol import NotAvailable, as_nonblocking
 from pipeload.datasets import Dataset, IterableDataset
 
 T_co = TypeVar("T_co", covariant=True)
@@ -161,6 +161,26 @@ def get_nowait(pipe: Any, index: Any) -> Any:
     by indexing (torch's pipes, plain datasets)."""
     read = getattr(pipe, "nonblocking_get", None)
     return read(index) if read is not None else pipe[index]
+
+
+class AskEveryOne:
+    """Reads several items without blocking, asking for every one even after one is not ready,
+    so that all their requests are in flight at once (the RFC schedules requests ahead); says
+    NotAvailable at the end if any was missing. Used by pipes that combine items (batch, zip)."""
+
+    def __init__(self) -> None:
+        self.missing = False
+
+    def __call__(self, pipe: Any, index: Any) -> Any:
+        try:
+            return get_nowait(pipe, index)
+        except NotAvailable:
+            self.missing = True
+            return None
+
+    def check(self) -> None:
+        if self.missing:
+            raise NotAvailable
 
 
 class functional_datapipe:  # noqa: N801  (torch's name, used as a decorator)

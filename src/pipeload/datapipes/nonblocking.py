@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
+from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import Notifier, as_nonblocking, wait_until_ready
 from torch.utils.data import IterableDataset  # ours and torch's plain iterable datasets alike
 
@@ -132,7 +133,7 @@ class _NonBlockingView(IterDataPipe[T_co]):
         return as_nonblocking(self.datapipe)
 
     def __len__(self) -> int:
-        return len(self.datapipe)
+        return length_of(self.datapipe, self)
 
     def __repr__(self) -> str:
         return f"EnsureNonBlockingNextDataPipe({self.datapipe!r})"

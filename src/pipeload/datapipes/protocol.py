@@ -207,10 +207,11 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
     """
     if isinstance(source, PipeIterator):
         return source
-    if not isinstance(source, Iterator):
-        source = iter(source)
-        if isinstance(source, PipeIterator):
-            return source
+    # iter() even on an iterator: a pipe that is its own iterator (a NonBlockingIterDataPipe)
+    # starts its run there; any other iterator answers itself.
+    source = iter(source)
+    if isinstance(source, PipeIterator):
+        return source
     if callable(getattr(source, "nonblocking_next", None)):
         return _ForeignNonblocking(source)
     return BlockingAdapter(source)

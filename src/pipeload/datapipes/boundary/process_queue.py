@@ -134,6 +134,13 @@ class ProcessQueue(DataLoaderQueue, kind="process"):
         self._watched = far_end
 
     def __len__(self) -> int:
+        """Items that have arrived at this end and wait to be taken (meeting the far end first,
+        if it is waiting to be met: what it sent is then read)."""
+        if self._link is None and self._inbox.ending is None:
+            try:
+                self._connected(blocking=False, deadline=None)
+            except NotAvailable:
+                pass
         return len(self._inbox)
 
     def __reduce__(self) -> Any:

@@ -6,7 +6,7 @@ import operator
 from collections.abc import Callable, Sized
 from typing import Any
 
-from pipeload.datapipes.base import MapDataPipe, get_nowait, is_map_datapipe
+from pipeload.datapipes.base import AskEveryOne, MapDataPipe, get_nowait, is_map_datapipe
 
 
 def _check_inputs(datapipes: tuple[Any, ...]) -> None:
@@ -80,7 +80,10 @@ class Zipper(MapDataPipe[tuple[Any, ...]]):
         return self._read(index, operator.getitem)
 
     def nonblocking_get(self, index: Any) -> tuple[Any, ...]:
-        return self._read(index, get_nowait)
+        ask = AskEveryOne()
+        items = self._read(index, ask)
+        ask.check()
+        return items
 
     def _read(self, index: Any, read: Callable[[Any, Any], Any]) -> tuple[Any, ...]:
         items = []

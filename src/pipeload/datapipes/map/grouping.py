@@ -6,7 +6,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from pipeload.datapipes.base import MapDataPipe, get_nowait
+from pipeload.datapipes.base import AskEveryOne, MapDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of
 
@@ -45,7 +45,10 @@ class Batcher(MapDataPipe[DataChunk]):
         return self._gather(index, operator.getitem)
 
     def nonblocking_get(self, index: int) -> DataChunk:
-        return self._gather(index, get_nowait)
+        ask = AskEveryOne()
+        batch = self._gather(index, ask)
+        ask.check()
+        return batch
 
     def _gather(self, index: int, read: Callable[[Any, Any], Any]) -> DataChunk:
         batch: list[Any] = []
