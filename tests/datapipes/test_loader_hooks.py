@@ -29,12 +29,12 @@ ENGINES = [
 ]
 
 
-class Strided(IterDataPipe):
+class StridedHooks:
     """A source that shards itself when told (the RFC's hooks), reading only its own share."""
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.total, self.shard = 1, 0
+    count: int
+    total: int = 1
+    shard: int = 0
 
     def is_shardable(self) -> bool:
         return True
@@ -46,21 +46,17 @@ class Strided(IterDataPipe):
         return iter(range(self.shard, self.count, self.total))
 
 
-class TheirStrided(theirs_iter.IterableWrapper):
+class Strided(StridedHooks, IterDataPipe):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class TheirStrided(StridedHooks, theirs_iter.IterableWrapper):
     """The same hooks on a subclass of torch's pipe: a graph of torch's family."""
 
     def __init__(self, count: int) -> None:
         super().__init__(range(count))
-        self.count, self.total, self.shard = count, 1, 0
-
-    def is_shardable(self) -> bool:
-        return True
-
-    def sharding_settings(self, total_num_of_shards: int, id_of_shard: int) -> None:
-        self.total, self.shard = total_num_of_shards, id_of_shard
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.shard, self.count, self.total))
+        self.count = count
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.datapipes.boundary.queue_interface import QueueError
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, FarEnd, QueueError
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 
 WAIT_SLICE_S = 0.1  # a waiter re-checks the far end's liveness and its deadline this often
@@ -155,6 +155,30 @@ class Inbox:
                                  far_end=far_end, reason=QueueError.TIMED_OUT)
             slice_s = min(slice_s, left)
         self._lock.wait(slice_s)
+
+
+class InboxQueue(DataLoaderQueue):
+    """What the kinds that keep arrivals in an :class:`Inbox` share: its size, its ending, its
+    notifier, and the far end they watch. A subclass sets ``_maxsize``, ``_inbox`` and
+    ``_watched`` in its ``__init__``."""
+
+    _maxsize: int
+    _inbox: Inbox
+    _watched: FarEnd | None
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @property
+    def closed(self) -> bool:
+        return self._inbox.ending is not None
+
+    def notifiers(self) -> list[Notifier]:
+        return [self._inbox.notifier]
+
+    def watch(self, far_end: FarEnd) -> None:
+        self._watched = far_end
 
 
 def deadline_after(timeout: float | None) -> float | None:

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any
 
-from pipeload.datapipes.boundary.inbox import WAIT_SLICE_S, Ending, Inbox, deadline_after
+from pipeload.datapipes.boundary.inbox import WAIT_SLICE_S, Ending, Inbox, InboxQueue, deadline_after
 from pipeload.datapipes.boundary.process_link import ProcessLink, process_name
 from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
@@ -31,13 +31,13 @@ from pipeload.datapipes.boundary.queue_interface import (
     QueueError,
     check_maxsize,
 )
-from pipeload.datapipes.protocol import NotAvailable, Notifier
+from pipeload.datapipes.protocol import NotAvailable
 from pipeload.errors import describe_exit
 
 REAP_S = 0.5  # how long a dead far end's exit status is waited for, to say how it ended
 
 
-class ProcessQueue(DataLoaderQueue, kind="process"):
+class ProcessQueue(InboxQueue, kind="process"):
     """A bounded, ordered queue between two processes (``DataLoaderQueue(kind="process")``).
 
     Make it in one process and pass it to the other (as a ``multiprocessing.Process`` argument,
@@ -76,14 +76,6 @@ class ProcessQueue(DataLoaderQueue, kind="process"):
                                        "pid": self._pid}
 
     # -- the interface --------------------------------------------------------------------------
-
-    @property
-    def maxsize(self) -> int:
-        return self._maxsize
-
-    @property
-    def closed(self) -> bool:
-        return self._inbox.ending is not None
 
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
         deadline = deadline_after(timeout)
@@ -126,12 +118,6 @@ class ProcessQueue(DataLoaderQueue, kind="process"):
         if here is not None:
             return f"in {here}"
         return f"in {process_name()}, at the far end of a DataLoaderQueue"
-
-    def notifiers(self) -> list[Notifier]:
-        return [self._inbox.notifier]
-
-    def watch(self, far_end: FarEnd) -> None:
-        self._watched = far_end
 
     def __len__(self) -> int:
         """Items that have arrived at this end and wait to be taken (meeting the far end first,

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any
 
-from pipeload.datapipes.boundary.inbox import Ending, Inbox, deadline_after
+from pipeload.datapipes.boundary.inbox import Ending, Inbox, InboxQueue, deadline_after
 from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
     DataLoaderQueue,
@@ -20,14 +20,13 @@ from pipeload.datapipes.boundary.queue_interface import (
     QueueError,
     check_maxsize,
 )
-from pipeload.datapipes.protocol import Notifier
 
 
 def _thread_name(thread: threading.Thread | None = None) -> str:
     return f"thread {(thread or threading.current_thread()).name!r}"
 
 
-class ThreadQueue(DataLoaderQueue, kind="thread"):
+class ThreadQueue(InboxQueue, kind="thread"):
     """A bounded FIFO between threads of this process (``DataLoaderQueue(kind="thread")``).
 
     Closing: the producer's ``close()`` keeps what it put for the consumer; the consumer's
@@ -51,14 +50,6 @@ class ThreadQueue(DataLoaderQueue, kind="thread"):
         self._watched: FarEnd | None = None
         self._pid = os.getpid()
 
-    @property
-    def maxsize(self) -> int:
-        return self._maxsize
-
-    @property
-    def closed(self) -> bool:
-        return self._inbox.ending is not None
-
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
         self._check_process()
         self._putter = (threading.get_ident(), _thread_name())
@@ -77,12 +68,6 @@ class ThreadQueue(DataLoaderQueue, kind="thread"):
             self._inbox.discard(ending)  # nobody will take them: release them now
         else:
             self._inbox.end(ending)
-
-    def notifiers(self) -> list[Notifier]:
-        return [self._inbox.notifier]
-
-    def watch(self, far_end: FarEnd) -> None:
-        self._watched = far_end
 
     def __len__(self) -> int:
         return len(self._inbox)
