@@ -69,7 +69,9 @@ class ProcessQueue(InboxQueue, kind="process"):
     def _fresh_state(self) -> None:
         self._pid = os.getpid()
         self._watched: FarEnd | None = None
-        self._inbox = Inbox(self._maxsize, self._far_end_name)
+        # Held weakly: the link and inbox live in the finalizer's state, which must not keep
+        # this end alive (it would never be released when dropped unclosed).
+        self._inbox = Inbox(self._maxsize, _weakly(self._far_end_name, "the far end"))
         self._link: ProcessLink | None = None
         self._lock = threading.Lock()  # connecting and closing take turns
         self._state: dict[str, Any] = {"listener": self._listener, "link": None, "address": self._address,
@@ -189,7 +191,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         return link
 
     def _make_link(self, sock: socket.socket, far_end: str, token: str | None) -> ProcessLink:
-        link = ProcessLink(sock, self._maxsize, self._inbox, far_end, self._describe_death, token)
+        link = ProcessLink(sock, self._maxsize, self._inbox, far_end, _weakly(self._describe_death, ""), token)
         self._state["link"] = link
         return link
 
@@ -296,6 +298,17 @@ def _release(state: dict[str, Any]) -> None:
     if listener is not None:
         listener.close()
         _unlink(state["address"])
+
+
+def _weakly(method: Any, default: str) -> Any:
+    """``method`` called through a weak reference to its object (``default`` once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> str:
+        bound = ref()
+        return default if bound is None else bound()
+
+    return call
 
 
 def _time_left(deadline: float | None) -> float:
