@@ -98,7 +98,7 @@ def test_a_process_queue_travels_to_a_process_under_every_start_method(method: s
 
 
 def test_requests_and_answers_over_two_queues_and_the_consumer_closing_stops_the_far_end() -> None:
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # spawn: test_rfc_examples.py
     requests, answers = DataLoaderQueue(kind="process", maxsize=2), DataLoaderQueue(kind="process", maxsize=2)
     child = context.Process(target=echo_until_closed, args=(requests, answers))
     child.start()

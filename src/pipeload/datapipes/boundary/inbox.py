@@ -90,6 +90,7 @@ class Inbox:
             if self._ending is not None:
                 raise self._ending.error(self._far_end())
             self._items.append(item)
+            self._lock.notify_all()  # a taker waiting in take()
         self.notifier.notify()
 
     def add_granted(self, item: Any) -> None:
@@ -102,6 +103,7 @@ class Inbox:
                     f"DataLoaderQueue protocol error: an item arrived beyond the {self.capacity} granted"
                 )
             self._items.append(item)
+            self._lock.notify_all()
         self.notifier.notify()
 
     def take(self, blocking: bool, deadline: float | None, check: Callable[[], QueueError | None]) -> Any:
