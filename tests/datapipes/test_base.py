@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
+import pydoc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.utils.data as tud
@@ -12,6 +15,8 @@ from pipes_for_tests import add_one
 
 import pipeload
 from pipeload.datapipes import IterDataPipe, MapDataPipe, functional_datapipe, lazy_init
+from pipeload.datapipes._iter_ops import IterOperations
+from pipeload.datapipes._map_ops import MapOperations
 from pipeload.datapipes.iter import IterableWrapper, Mapper
 from pipeload.datapipes.map import SequenceWrapper
 
@@ -111,3 +116,18 @@ def test_parents_are_explicit() -> None:
     assert Mapper(zipped, add_one).parents() == (zipped,)
     assert a.parents() == ()
     assert Times(a).parents() == (a,)  # found among a user's pipe's attributes
+
+
+def _functional_forms(operations: type) -> list[str]:
+    return [name for name, value in vars(operations).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("operations, pipe", [
+    (IterOperations, lambda: IterableWrapper(range(3))),
+    (MapOperations, lambda: SequenceWrapper(range(3))),
+], ids=["iter", "map"])
+def test_help_on_a_functional_form_is_its_class_documentation(operations: type, pipe: Any) -> None:
+    for name in _functional_forms(operations):
+        text = pydoc.render_doc(getattr(pipe(), name), forceload=True)
+        for wanted in (f"(functional name: ``{name}``)", "Args:", "Example:"):
+            assert wanted in text, f"help(pipe.{name}) lacks {wanted!r}"

@@ -21,17 +21,39 @@ from pipeload.datapipes.base import (
     is_iter_datapipe,
     is_map_datapipe,
 )
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.lazy import lazy_init
+from pipeload.datapipes.nonblocking import (
+    EnsureNonBlockingNextDataPipe,
+    NonBlockingIterDataPipe,
+    NonBlockingMapDataPipe,
+)
 from pipeload.datapipes.protocol import NotAvailable, PipeIterator, as_nonblocking
 from pipeload.datapipes.sources.pipeline import webdataset_pipeline
 
+def _document_functional_forms() -> None:
+    from pipeload.datapipes._docs import document_functional_forms
+    from pipeload.datapipes._iter_ops import IterOperations
+    from pipeload.datapipes._map_ops import MapOperations
+
+    document_functional_forms(IterOperations, [getattr(iter, name) for name in iter.__all__])
+    document_functional_forms(MapOperations, [getattr(map, name) for name in map.__all__])
+
+
+_document_functional_forms()
+
 __all__ = [
     "DataChunk",
+    "DataLoaderQueue",
+    "EnsureNonBlockingNextDataPipe",
     "IterDataPipe",
     "MapDataPipe",
+    "NonBlockingIterDataPipe",
+    "NonBlockingMapDataPipe",
     "NotAvailable",
     "PipeIterator",
+    "QueueError",
     "as_nonblocking",
     "functional_datapipe",
     "graph",

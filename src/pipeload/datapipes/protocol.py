@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 T_co = TypeVar("T_co", covariant=True)
+R = TypeVar("R")
 
 WAIT_SLICE_S = 0.1  # a waiting consumer re-checks its sources this often, even without a wake-up
 # A NotAvailable with no notifier to wait on (a user's own non-blocking iterator): back off
@@ -137,7 +138,19 @@ def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] 
     Raises:
         WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
     """
-    notifiers = iterator.notifiers()
+    return wait_until_ready(iterator.nonblocking_next, iterator.notifiers(), should_stop)
+
+
+def wait_until_ready(
+    attempt: Callable[[], R], notifiers: list[Notifier], should_stop: Callable[[], bool] | None = None
+) -> R:
+    """Call ``attempt`` until it stops raising NotAvailable; between calls, sleep until one of
+    ``notifiers`` fires (re-checking every slice), or back off from a short poll when there are
+    none.
+
+    Raises:
+        WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
+    """
     ready = threading.Event()
     for notifier in notifiers:
         notifier.subscribe(ready)
@@ -146,7 +159,7 @@ def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] 
         while True:
             ready.clear()  # before the check: a notification after it then wakes the wait
             try:
-                return iterator.nonblocking_next()
+                return attempt()
             except NotAvailable:
                 pass
             if notifiers:
@@ -194,25 +207,46 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
     """
     if isinstance(source, PipeIterator):
         return source
-    if not isinstance(source, Iterator):
-        source = iter(source)
-        if isinstance(source, PipeIterator):
-            return source
+    # iter() even on an iterator: a pipe that is its own iterator (a NonBlockingIterDataPipe)
+    # starts its run there; any other iterator answers itself.
+    source = iter(source)
+    if isinstance(source, PipeIterator):
+        return source
     if callable(getattr(source, "nonblocking_next", None)):
         return _ForeignNonblocking(source)
     return BlockingAdapter(source)
 
 
 class _ForeignNonblocking(PipeIterator[T_co]):
-    """A user's iterator that speaks the protocol itself but is not a PipeIterator."""
+    """A user's iterator that speaks the protocol itself but is not a PipeIterator (a
+    ``NonBlockingIterDataPipe``, which is its own iterator, among them). Whatever else it
+    offers (``notifiers``, ``close``, ``state_dict``/``load_state_dict``) is used; a checkpoint
+    it cannot give is said so, and the loader resumes it by skipping."""
 
     def __init__(self, iterator: Any) -> None:
         self._iterator = iterator
+        self.nonblocking_next = iterator.nonblocking_next  # type: ignore[method-assign]
 
     def nonblocking_next(self) -> T_co:
         return self._iterator.nonblocking_next()
+
+    def notifiers(self) -> list[Notifier]:
+        notifiers = getattr(self._iterator, "notifiers", None)
+        return list(notifiers()) if callable(notifiers) else []
 
     def close(self) -> None:
         close = getattr(self._iterator, "close", None)
         if close is not None:
             close()
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = getattr(self._iterator, "state_dict", None)
+        if not callable(state_dict):
+            raise NotImplementedError(
+                f"{type(self._iterator).__name__} has no state_dict(): it can only be resumed by "
+                "skipping items"
+            )
+        return {"own": state_dict(), "upstream": []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._iterator.load_state_dict(state["own"])

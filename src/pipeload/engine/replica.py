@@ -16,6 +16,11 @@ same samples in the same order for the same seed. The main process draws the sha
 session and :func:`reseed` for each later epoch. Thread workers first take their own copy
 (:func:`thread_replica`), since threads would otherwise share one graph and its cursors.
 
+The RFC's hooks are honoured for both families: a pipe whose ``is_shardable()`` is True is told
+its shard through ``sharding_settings(total_num_of_shards, id_of_shard)`` where torch's pipes get
+``apply_sharding``, and a pipe whose ``is_separate_process()`` is True runs, with what feeds it,
+behind a process boundary the loader places (:func:`separate_processes`).
+
 Graph families: torch's DataPipes (``torch.utils.data.datapipes``) and pipeload's own
 (``pipeload.datapipes``: ``base.IterDataPipe``/``base.MapDataPipe``,
 ``graph.apply_sharding(pipe, num_shards, shard_id)``, ``graph.apply_random_seed(pipe, generator)``,
@@ -58,6 +63,7 @@ class GraphRules:
         list_pipes: ``(graph)``; every pipe of the graph, each once (None: the family cannot
             list them, so ``shuffle=`` and the unsharded-graph warning do not apply to it).
         copy_graph: ``(graph)``; a thread worker's copy of the graph (None: ``copy.deepcopy``).
+        shards_by_hooks: ``apply_sharding`` leaves the RFC's ``is_shardable()`` pipes to us.
     """
 
     iterable_type: type
@@ -66,6 +72,7 @@ class GraphRules:
     apply_random_seed: Callable[[Any, torch.Generator], Any]
     list_pipes: Callable[[Any], list[Any]] | None
     copy_graph: Callable[[Any], Any] | None = None
+    shards_by_hooks: bool = False
 
 
 def graph_rules(dataset: Any) -> GraphRules | None:
@@ -106,6 +113,43 @@ def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: in
     shards = num_workers * replica.world_size
     with _GRAPH_WALK:
         rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
+        if rules.shards_by_hooks and rules.list_pipes is not None:
+            _shard_by_hooks(rules.list_pipes(dataset), shards, worker_id * replica.world_size + replica.rank)
+
+
+def _shard_by_hooks(pipes: list[Any], shards: int, index: int) -> None:
+    """Tell the pipes that take the RFC's hook (``is_shardable()``) their shard, in a family
+    whose ``apply_sharding`` does not (torch's)."""
+    for pipe in pipes:
+        if _asks(pipe, "is_shardable") and not callable(getattr(pipe, "apply_sharding", None)):
+            pipe.sharding_settings(shards, index)
+
+
+def _asks(pipe: Any, hook: str) -> bool:
+    ask = getattr(pipe, hook, None)
+    return callable(ask) and bool(ask())
+
+
+def separate_processes(dataset: Any, worker_type: str | None, context: Any = None) -> tuple[Any, tuple[str, ...]]:
+    """The dataset the engine runs, with a process boundary after each pipe that asks for a
+    process of its own (``is_separate_process()``), and where each request was answered.
+
+    Without workers (``worker_type=None``) and in thread workers the boundary is placed (each
+    thread worker's copy starts its own process). A process worker cannot start processes (it
+    is a daemon): there the request is answered by the worker, a process of its own already,
+    and the graph is left as it is.
+    """
+    if "pipeload.datapipes.base" not in sys.modules or graph_rules(dataset) is None:
+        return dataset, ()  # not a graph, or no pipeload pipe exists here: nothing can ask
+    from pipeload.datapipes import placement
+
+    with _GRAPH_WALK:
+        if worker_type == "process":
+            where = "each process worker (a process of its own already; a worker cannot start another)"
+            return dataset, tuple(f"{dp!r}: {where}" for dp in placement.requests_in(dataset))
+        placed, placements = placement.place_separate_processes(dataset, context)
+    each = " (one for each thread worker's copy)" if worker_type == "thread" else ""
+    return placed, tuple(f"{p}{each}" for p in placements)
 
 
 def reseed(dataset: Any, shared_seed: int | None) -> None:
@@ -167,7 +211,7 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
         return None
     with _GRAPH_WALK:
         pipes = rules.list_pipes(dataset)
-    if any(callable(getattr(pipe, "apply_sharding", None)) for pipe in pipes):
+    if any(callable(getattr(pipe, "apply_sharding", None)) or _asks(pipe, "is_shardable") for pipe in pipes):
         return None
     return (
         f"This DataPipe graph is read by {copies} copies at once ({copies_per_rank} per rank × "
@@ -217,6 +261,7 @@ def _torch_family() -> GraphRules:
         graph_settings.apply_sharding,
         graph_settings.apply_random_seed,
         _list_torch_pipes,
+        shards_by_hooks=True,
     )
 
 

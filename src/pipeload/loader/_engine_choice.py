@@ -86,8 +86,13 @@ def _balance_ranks(loader: Any, engine: Any) -> Any:
 def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
     iterable = loader._dataset_kind is DatasetKind.ITERABLE
     streams = resume.resumed_streams(point)
+    # The RFC's is_separate_process(): the loader places the process boundaries it asks for.
+    worker_type = loader.worker_type if loader.num_workers else None
+    dataset, placed = replica.separate_processes(loader.dataset, worker_type, loader.multiprocessing_context)
+    if placed and loader._stats is not None:
+        loader._stats.note_separate_processes(placed)
     return FetchSpec(
-        loader.dataset, loader._dataset_kind, loader._auto_collation, loader.collate_fn, loader.drop_last,
+        dataset, loader._dataset_kind, loader._auto_collation, loader.collate_fn, loader.drop_last,
         per_batch_seeding=loader.worker_seeding == "per_batch" and loader.mode == "classic",
         stream_snapshot_every=resume.STREAM_SNAPSHOT_EVERY if iterable else 0,
         resume_streams=streams,

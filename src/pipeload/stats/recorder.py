@@ -409,6 +409,7 @@ class StatsRecorder:
         self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
+        self._separate_processes: tuple[str, ...] = ()
         self._skipped_samples = 0
         self._decisions: list[TuningDecision] = []
         self._lock = threading.Lock()  # only for the rare writers from several threads
@@ -487,7 +488,12 @@ class StatsRecorder:
                              queue.in_flight_sum / samples, queue.in_flight_max, queue.capacity),
             skipped_samples=self._skipped_samples + _skipped_by_workers(self._seen.copy()),
             decisions=tuple(self._decisions),
+            separate_processes=self._separate_processes,
         )
+
+    def note_separate_processes(self, placements: tuple[str, ...]) -> None:
+        """Where the loader answered pipes' ``is_separate_process()`` (latest engine's)."""
+        self._separate_processes = placements
 
 
 def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,

@@ -136,6 +136,9 @@ class LoaderStats:
         skipped_samples: samples the dataset's ``on_error="skip"`` (or callable) pipes left out,
             in every worker's copy (read every 0.1 s or so, so it may lag a little).
         decisions: what ``num_workers="auto"`` decided, in order.
+        separate_processes: where the loader ran the DataPipes that asked for a process of their
+            own (``is_separate_process()``), one line each: "Decode: its own process (a process
+            boundary after it)".
     """
 
     setup: Any
@@ -152,6 +155,7 @@ class LoaderStats:
     decisions: tuple[TuningDecision, ...] = ()
     first_wait_s: float = 0.0
     end_wait_s: float = 0.0
+    separate_processes: tuple[str, ...] = ()
 
     @property
     def elapsed_s(self) -> float:

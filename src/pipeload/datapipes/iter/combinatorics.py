@@ -158,7 +158,7 @@ class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
 
 class InBatchShuffler(SeededPipe, IterDataPipe[DataChunk]):
     """Shuffle the items inside each batch; the batches keep their order (functional name:
-    ``in_batch_shuffle``, torchdata's).
+    ``in_batch_shuffle``). torchdata's operation.
 
     Seeded like :class:`Shuffler` (by the loader each epoch, by :meth:`set_seed` for the next
     run, else from torch's global generator), with torchdata's random stream: the same seed

@@ -14,6 +14,11 @@ from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume
 class Concater(IterDataPipe[Any]):
     """Every item of the first pipe, then of the second, ... (functional name: ``concat``).
 
+    Each pipe's iterator is made when the one before it ends, as torch makes them.
+
+    Args:
+        *datapipes: the pipes, in order (at least one).
+
     Example:
         >>> list(IterableWrapper(range(3)).concat(IterableWrapper(range(2))))
         [0, 1, 2, 0, 1]
@@ -81,6 +86,9 @@ class _ConcaterIterator(PipeIterator[Any]):
 class Zipper(IterDataPipe[tuple[Any, ...]]):
     """Tuples of one item from each pipe; ends with the shortest (functional name: ``zip``).
 
+    Args:
+        *datapipes: the pipes to zip.
+
     Example:
         >>> list(IterableWrapper(range(3)).zip(IterableWrapper("ab")))
         [(0, 'a'), (1, 'b')]
@@ -104,6 +112,9 @@ class Zipper(IterDataPipe[tuple[Any, ...]]):
 class Multiplexer(IterDataPipe[Any]):
     """One item from each pipe in turn; stops, dropping the unfinished round, when any pipe ends
     (functional name: ``mux``).
+
+    Args:
+        *datapipes: the pipes to take turns between.
 
     Example:
         >>> list(IterableWrapper(range(3)).mux(IterableWrapper(range(10, 15))))
@@ -165,6 +176,9 @@ class GreedyJoiner(IterDataPipe[Any]):
     a always-ready input cannot starve the others) and sleeps only when none has anything. Inputs
     that compute synchronously are always ready, so over them this is a round-robin that runs on
     past the shortest.
+
+    Args:
+        *datapipes: the pipes to join (at least one).
 
     Example:
         >>> fast = IterableWrapper(range(3)).prefetch()

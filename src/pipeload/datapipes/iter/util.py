@@ -146,6 +146,10 @@ class _HeaderIterator(PipeIterator[Any]):
 class Enumerator(IterDataPipe[tuple[int, Any]]):
     """Yield ``(index, item)`` pairs (functional name: ``enumerate``).
 
+    Args:
+        source_datapipe: the pipe to number.
+        starting_index: the first item's index.
+
     Example:
         >>> list(IterableWrapper("ab").enumerate(starting_index=1))
         [(1, 'a'), (2, 'b')]

@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, get_nowait
 from pipeload.datapipes.iter.combinatorics import SeededPipe
 from pipeload.datapipes.protocol import PipeIterator
 
@@ -14,8 +14,8 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class Shuffler(SeededPipe, IterDataPipe[T_co]):
-    """Read a map-style pipe's items in a random order (functional name: ``shuffle`` on map
-    pipes). It is an iterable pipe: order is what iterable pipes are for.
+    """Read a map-style pipe's items in a random order (functional name: ``shuffle``). On a
+    map-style pipe it makes an iterable pipe: order is what iterable pipes are for.
 
     The random stream is torch's: the same seed gives the same order. Seeding works as for the
     iterable ``shuffle`` (``set_seed`` for the next run; the DataLoader seeds every epoch).
@@ -55,7 +55,9 @@ class _MapShufflerIterator(PipeIterator[Any]):
             self._keys = self._order()
         if not self._keys:
             raise StopIteration
-        return self._pipe.datapipe[self._keys.pop()]
+        item = get_nowait(self._pipe.datapipe, self._keys[-1])  # popped once read: NotAvailable keeps it
+        self._keys.pop()
+        return item
 
     def _order(self) -> list[Any]:
         pipe = self._pipe
