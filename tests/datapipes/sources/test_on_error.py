@@ -20,6 +20,7 @@ from pipeload.datapipes.sources import (
     is_transient,
 )
 from pipeload.datapipes.sources._retry import RetryingReader, with_retries
+from pipeload.datapipes.sources._versions import ObjectVersion
 
 BROKEN = {"__key__": "bad", "json": b"{not json"}
 GOOD = {"__key__": "good", "json": b"{}"}
@@ -148,9 +149,9 @@ def test_the_reader_resumes_at_the_byte_it_stopped(seekable: bool) -> None:
     data = bytes(range(256)) * 40
     opened = []
 
-    def opener() -> io.RawIOBase:
+    def opener(at: int, version: ObjectVersion | None) -> tuple[io.RawIOBase, ObjectVersion, int]:
         opened.append(1)
-        return _CutAfter(data, cut=3000 * len(opened), seekable=seekable)
+        return _CutAfter(data, cut=3000 * len(opened), seekable=seekable), ObjectVersion(), 0
 
     with io.BufferedReader(RetryingReader("mem://x", opener, RetryPolicy(attempts=2, backoff_s=0))) as reader:
         assert reader.read() == data

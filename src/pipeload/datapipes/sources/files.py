@@ -15,6 +15,7 @@ from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
+from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
@@ -43,13 +44,15 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     try:
         if _storage.is_local(url):
             return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
-        reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
-                                retry or RetryPolicy())
+        def opener(at: int, version: ObjectVersion | None) -> Any:
+            return _storage.open_remote(url, storage_options, at, version)
+
+        reader = RetryingReader(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
         if url in str(error):
             raise
         raise _naming(error, url) from error
-    except ImportError:
+    except (ImportError, SourceError):
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
@@ -71,7 +74,7 @@ def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
     stream's own retries) names ``url``."""
     try:
         return stream.read() if size is None else stream.read(size)
-    except (ValueError, TypeError, MemoryError):  # the data or the caller, not the source
+    except (ValueError, TypeError, MemoryError, SourceError):  # the data or the caller; named
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
