@@ -121,7 +121,33 @@ class _ShardHandler(BaseHTTPRequestHandler):
         pass  # quiet: the tests read the request counts instead
 
 
-class ShardServer:
+class _ServerThread:
+    """A ThreadingHTTPServer on 127.0.0.1 run by a thread; closing stops both."""
+
+    def _serve(self, handler: Any, name: str) -> None:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def url(self, name: str) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/{name}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShardServer(_ServerThread):
     """A real HTTP server in a thread on 127.0.0.1, serving ``root``.
 
     ``drop(name, times)`` makes the next ``times`` responses for ``name`` stop half-way (the
@@ -137,15 +163,7 @@ class ShardServer:
         self._stalls: set[str] = set()
         self.stalled = threading.Event()  # set once a stalled response is hanging
         self.released = threading.Event()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_ShardHandler, shards=self))
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="test-shard-server", daemon=True)
-        self._thread.start()
-
-    def url(self, name: str) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/{name}"
+        self._serve(partial(_ShardHandler, shards=self), "test-shard-server")
 
     def drop(self, name: str, times: int) -> None:
         with self._lock:
@@ -170,15 +188,7 @@ class ShardServer:
 
     def close(self) -> None:
         self.released.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
-
-    def __enter__(self) -> ShardServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
 
 def refused_url(name: str) -> str:
@@ -308,7 +318,7 @@ class _ChangingHandler(BaseHTTPRequestHandler):
         pass
 
 
-class ChangingServer:
+class ChangingServer(_ServerThread):
     """A real HTTP server on 127.0.0.1 holding one object per name, which can be replaced by a
     new version at the moment a response is cut half-way (the client's reconnect then finds the
     new version). ``ranges_asked`` records each request's Range header."""
@@ -320,11 +330,7 @@ class ChangingServer:
         self._replacements: dict[str, _Version] = {}
         self._pending_cut: str | None = None
         self.ranges_asked: list[str | None] = []
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_ChangingHandler, server_state=self))
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="test-changing-server", daemon=True)
-        self._thread.start()
+        self._serve(partial(_ChangingHandler, server_state=self), "test-changing-server")
 
     def put(self, name: str, data: bytes, generation: int = 1) -> None:
         self._objects[name] = _version(data, generation)
@@ -349,22 +355,6 @@ class ChangingServer:
             name, self._pending_cut = self._pending_cut, None
             if name is not None:
                 self._objects[name] = self._replacements.pop(name)
-
-    def url(self, name: str) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/{name}"
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
-
-    def __enter__(self) -> ChangingServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _version(data: bytes, generation: int) -> _Version:
     import hashlib

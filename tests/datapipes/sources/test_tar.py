@@ -181,7 +181,7 @@ def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Pa
         got = [m.name for m in pipe]
     assert got == [n for n, _ in MEMBERS[:3]] + [n for n, _ in MEMBERS[:2]] * 2
     assert len(caught) == 2
-    assert pipe.failure_counts() == FailureCounts(skipped=2) == failure_counts(pipe.map(len))
+    assert pipe.failure_counts() == FailureCounts(skipped=2, files=2) == failure_counts(pipe.map(len))
 
 
 def test_a_callback_sees_the_error_and_where_and_the_budget_ends_the_run(tmp_path: Path) -> None:
@@ -195,7 +195,7 @@ def test_a_callback_sees_the_error_and_where_and_the_budget_ends_the_run(tmp_pat
             list(pipe)
     assert seen == [(ArchiveError, str(garbage), "load_from_tar")] * 2
     assert isinstance(raised.value.__cause__, ArchiveError)
-    assert pipe.failure_counts() == FailureCounts(skipped=2, raised=1)
+    assert pipe.failure_counts() == FailureCounts(skipped=2, raised=1, files=2)
 
 
 def test_missing_files_are_named_and_can_be_skipped(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def test_a_repeated_extension_is_refused_or_skipped() -> None:
     grouped = IterableWrapper(members).webdataset(on_error="skip")
     with pytest.warns(SkippedSampleWarning):
         assert [s["__key__"] for s in grouped] == ["b", "d"]
-    assert grouped.failure_counts() == FailureCounts(skipped=2)
+    assert grouped.failure_counts() == FailureCounts(skipped=2, samples=2)
 
 
 def test_grouping_carries_on_across_not_available() -> None:

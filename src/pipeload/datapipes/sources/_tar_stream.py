@@ -134,12 +134,18 @@ class TarReader:
             elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
                 self.last_member = name  # a directory, a link, a device: nothing to yield
 
+    @property
+    def compressed(self) -> bool:
+        """Whether the archive is read through a decompressor (which checks its checksum only
+        at the end of the stream)."""
+        return not isinstance(self._stream, _Prefixed)
+
     def _check_compressed_to_its_end(self) -> None:
         """Read a compressed archive on past its end-of-archive marker, to the end of the
         compressed data: only there does the decompressor check its checksum (gzip's CRC-32 and
         length, bzip2's stream CRC), and a flipped bit that still decompresses, or a cut-off
         trailer, is otherwise delivered without a word. Costs the archive's zero padding."""
-        if isinstance(self._stream, _Prefixed):  # not compressed: nothing to check
+        if not self.compressed:  # nothing to check
             return
         while self._stream.read(_SKIP_CHUNK_BYTES):
             pass

@@ -18,7 +18,7 @@ from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
+from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
@@ -234,7 +234,7 @@ class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
         super().__init__(pipe.datapipe)
         (self._urls,) = self.upstream
         self._pipe = pipe
-        self.failures = pipe._failure_handler("open_files", "the file")
+        self.failures = pipe._failure_handler("open_files", "the file", FILE)
 
     def nonblocking_next(self) -> tuple[str, IO[Any]]:
         while True:

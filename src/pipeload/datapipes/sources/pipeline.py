@@ -84,6 +84,7 @@ def webdataset_pipeline(
     max_failures: int | None = None,
     retry: RetryPolicy | None = None,
     read_ahead: int = 64,
+    hold_until_checked: bool = False,
 ) -> IterDataPipe:
     """Samples from WebDataset tar shards, ready for ``pipeload.DataLoader``.
 
@@ -99,11 +100,17 @@ def webdataset_pipeline(
         batch_size: make lists of this many samples (None: single samples; let the loader batch).
         image, handlers: as for ``decode``.
         storage_options: fsspec options for remote URLs (credentials, endpoints).
-        on_error, max_failures: applied to opening, reading and decoding; see
+        on_error, max_failures: applied to opening, reading, grouping and decoding, with one
+            budget for all four (in a DataLoader, for the loader's whole epoch); see
             ``pipeload.datapipes.sources.on_error``.
         retry: how transient remote failures are retried.
         read_ahead: samples read (not yet decoded) ahead by a background thread in each worker,
-            so waiting for the network overlaps decoding; 0 reads in the worker's own thread.
+            so waiting for the network overlaps decoding; 0 reads in the worker's own thread
+            (and lets a checkpoint record where each worker's reading stands: a read-ahead
+            thread's queue keeps no checkpoint yet, so resuming re-reads the epoch's start).
+        hold_until_checked: compressed shards yield no sample before the decompressor has
+            checked the whole stream's checksum (see ``load_from_tar``); costs holding one
+            shard's samples in memory per worker.
 
     Example:
         >>> pipe = webdataset_pipeline("https://host/shards/train-{0000..0146}.tar", image="tensor")
@@ -115,13 +122,16 @@ def webdataset_pipeline(
     if shuffle_shards:
         pipe = pipe.shuffle()
     policy: dict[str, Any] = {"on_error": on_error, "max_failures": max_failures}
-    pipe = pipe.sharding_filter().open_files(mode="b", storage_options=storage_options, retry=retry, **policy)
-    pipe = pipe.load_from_tar(**policy).webdataset(**policy)
+    opened = pipe.sharding_filter().open_files(mode="b", storage_options=storage_options, retry=retry, **policy)
+    members = opened.load_from_tar(hold_until_checked=hold_until_checked, **policy)
+    pipe = grouped = members.webdataset(**policy)
     if read_ahead:
         pipe = pipe.prefetch(read_ahead)
     if shuffle_buffer:  # before decoding: the buffer holds encoded bytes, not decoded images
         pipe = pipe.shuffle(buffer_size=shuffle_buffer)
-    pipe = pipe.decode(handlers, image=image, **policy)
+    pipe = decoded = pipe.decode(handlers, image=image, **policy)
+    for stage in (opened, members, grouped, decoded):  # max_failures: failures of all of them
+        stage.failure_budget = "webdataset_pipeline"
     if batch_size is not None:
         pipe = pipe.batch(batch_size)
     return pipe
