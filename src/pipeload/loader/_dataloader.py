@@ -343,7 +343,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
             skips.bind(self.dataset, board, None)
         if board is not None and board is not self._failure_board:
             self._failure_board = board
-            weakref.finalize(self, board.close)
             if self._stats is not None:
                 self._stats.failures = board
         if board is not None:

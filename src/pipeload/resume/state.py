@@ -234,13 +234,17 @@ def _mid_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
 
 
 def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPosition]) -> None:
+    stateless = [p.snapshot for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None]
     again = sum(p.batches for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None)
     if again:
+        # A pipe that keeps no state says so (its words ride with the snapshot): name it.
+        said = sorted({str(snapshot[2]) for snapshot in stateless if len(snapshot) > 2})
+        why = "; ".join(said) if said else (f"{type(loader.dataset).__name__} cannot say where it "
+                                            "stands (no state_dict() on it or on its iterator)")
         warnings.warn(
-            f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or "
-            f"on its iterator), so resuming reads the {again} batches already handed out this "
-            "epoch again and drops them. Give it state_dict()/load_state_dict() to resume without "
-            "re-reading.",
+            f"{why}, so resuming reads the {again} batches already handed out this epoch again "
+            "and drops them. Give the stage named state_dict()/load_state_dict() to resume "
+            "without re-reading.",
             stacklevel=5,  # the caller of load_state_dict
         )
 

@@ -62,14 +62,14 @@ class Counts(NamedTuple):
 class FailureBoard:
     """Failure counters for every copy of one loader's dataset, in shared memory.
 
-    Owned by the loader, which closes it when it goes (``close()`` is idempotent); process
-    workers hold their own mapping of the same memory: anonymous shared memory, which forked
-    workers inherit, or (``shareable``) a nameless file, whose descriptor spawned ones receive. The counters are viewed afresh by each
-    call (no view outlives it), so that closing can unmap them and close the descriptors
-    whatever still refers to the board (a failed thread worker's traceback may, until the
-    garbage collector clears it). Invariants: a row other than 0 is written only by the copy it
-    belongs to, under that process's ``lock``; row 0 only by the main process; a row's epoch
-    counters count the epoch its tag names.
+    Held by the loader, its engines' fetch specs and its epochs' iterators, and released with
+    the last of them. Process workers hold their own mapping of the same memory: anonymous
+    shared memory, which forked workers inherit and which holds no descriptor, or
+    (``shareable``) a nameless file, whose descriptor spawned ones receive. The counters are
+    viewed afresh by each call (no view outlives it), so ``close()`` (idempotent) can unmap
+    them whatever still refers to the board. Invariants: a row other than 0 is written only by
+    the copy it belongs to, under that process's ``lock``; row 0 only by the main process; a
+    row's epoch counters count the epoch its tag names.
 
     Example:
         >>> board = FailureBoard(pipes=2)
@@ -91,6 +91,7 @@ class FailureBoard:
         elif shareable:
             self._fd = create_buffer(self.nbytes, allocate=True)
             self._mapping = mmap.mmap(self._fd, self.nbytes)  # keeps a descriptor of its own
+            self._fd_closer = weakref.finalize(self, os.close, self._fd)
         else:  # anonymous and shared: threads and forked workers see it, and it holds no descriptor
             self._mapping = mmap.mmap(-1, self.nbytes)
         self.lock = threading.Lock()  # this process's writers (a worker thread, its read-ahead)
@@ -198,9 +199,9 @@ class FailureBoard:
         Process workers keep their own mappings until they exit."""
         with self.lock:
             self._mapping.close()
-            fd, self._fd = self._fd, -1
-            if fd >= 0:
-                os.close(fd)
+            if self._fd >= 0:
+                self._fd = -1
+                self._fd_closer()
 
     def __reduce__(self) -> Any:
         if get_spawning_popen() is None or self._fd < 0:

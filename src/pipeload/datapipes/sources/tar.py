@@ -235,8 +235,8 @@ class _TarIterator(PipeIterator[ArchiveMember]):
     def state_dict(self) -> dict[str, Any]:
         if not self._tracks_state():
             raise NotImplementedError(
-                f"{type(self).__name__}'s archives come from a source without a checkpoint: it "
-                "can only be resumed by skipping items")
+                f"load_from_tar's archives come from a source without a checkpoint "
+                f"({type(self._archives).__name__}): it can only be resumed by skipping items")
         if self._current is None:
             return {"own": None, "upstream": [self._archives.state_dict()]}
         return {"own": list(self._current.position()), "upstream": [self._before_current]}
