@@ -209,7 +209,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._resume_point: resume.ResumePoint | None = None
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
         self.__initialized = True
-        arguments.warn_if_too_many_workers(num_workers)
+        arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
@@ -297,8 +297,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
     # -- running an epoch ------------------------------------------------------------------
 
     def check_worker_number_rationality(self) -> None:
-        """Warn when num_workers exceeds the CPUs this process may use (torch's public method)."""
-        arguments.warn_if_too_many_workers(self.num_workers)
+        """Warn when the workers that start (economic mode: item and batch workers) exceed the
+        CPUs this process may use (torch's public method)."""
+        arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.

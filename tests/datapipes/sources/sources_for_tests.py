@@ -87,11 +87,21 @@ def sample_key(sample: dict[str, Any]) -> str:
 
 
 class _ShardHandler(BaseHTTPRequestHandler):
-    """Serves files from the server's root; HTTP/1.0, one request per connection."""
+    """Serves files from the server's root; HTTP/1.0, one request per connection. ``requests``
+    counts the GETs (reads), not the HEADs (a pipeline asking whether its shards exist)."""
 
     def __init__(self, *args: Any, shards: ShardServer, **kwargs: Any) -> None:
         self.shards = shards
         super().__init__(*args, **kwargs)
+
+    def do_HEAD(self) -> None:  # noqa: N802  (whether a shard is there: no body, not counted as a read)
+        path = self.shards.root / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(path.stat().st_size))
+        self.end_headers()
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         name = self.path.lstrip("/")

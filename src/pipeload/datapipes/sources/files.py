@@ -49,8 +49,8 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
 
         reader = RetryingReader(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
-        if url in str(error):
-            raise
+        if error.errno is not None and url in str(error):
+            raise  # the operating system's words, naming the path
         raise _naming(error, url) from error
     except (ImportError, SourceError):
         raise
