@@ -98,6 +98,7 @@ class TarReader:
         self.last_member: str | None = None  # the last header read
         self.in_member = False  # reading that member's data, not a header
         self.members_read = 0
+        self.member_started_at = 0  # where the headers of the last member read begin
 
     def next_member(self) -> tuple[str, bytes] | None:
         """``(name, data)`` of the next regular file; None at the end-of-archive marker.
@@ -107,6 +108,7 @@ class TarReader:
         """
         pax: dict[str, str] = {}
         long_name: str | None = None
+        started_at = self.offset
         while True:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
@@ -122,6 +124,7 @@ class TarReader:
                 data = self._read_data(size)
                 self.in_member = False
                 self.members_read += 1
+                self.member_started_at = started_at
                 return name, data
             if kind == _GNU_SPARSE:
                 raise TarFormatError(f"member {name!r} is a GNU sparse file, which is not supported")

@@ -127,6 +127,7 @@ class _OpenArchive:
         self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
         self._hold = hold and self.reader.compressed
         self._position = (0, 0)  # holding: where the next member to hand out begins
+        self._last_at = (0, 0)  # holding: where the last member handed out began
 
     def next_member(self) -> ArchiveMember | None:
         """The next regular file, or None at a clean end; raises at a broken one."""
@@ -145,6 +146,7 @@ class _OpenArchive:
             self._held = held  # the whole stream read and its checksum checked
         if not self._held:
             return None
+        self._last_at = self._position
         member, self._position = self._held.popleft()
         return member
 
@@ -153,6 +155,13 @@ class _OpenArchive:
         if self._held is None:  # nothing read ahead of what was handed out
             return self.reader.offset, self.reader.members_read
         return self._position
+
+    def last_member_at(self) -> tuple[int, int]:
+        """(bytes, members read) where the member handed out last begins: a checkpoint that
+        hands it out again."""
+        if self._held is None:
+            return self.reader.member_started_at, self.reader.members_read - 1
+        return self._last_at
 
     def delivered_unchecked(self) -> int:
         """Members handed out before a compressed archive's checksum was checked."""
@@ -195,7 +204,6 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         (self._archives,) = self.upstream
         self.failures = failures
         self._hold = hold
-        self._before_last: tuple[Any, tuple[int, int]] | None = None  # see state_before_last
         self._current: _OpenArchive | None = None
         self._before_current: Any = None  # the upstream's state before the current archive
         self._resume_at: tuple[int, int] | None = None  # (bytes, members) into the next archive
@@ -209,14 +217,12 @@ class _TarIterator(PipeIterator[ArchiveMember]):
                 self._current, self._before_current = self._open(url, stream), before
                 if self._current is None:
                     continue
-            position = self._current.position()
             try:
                 member = self._current.next_member()
             except Exception as error:  # noqa: BLE001  (named, then the policy decides)
                 self._give_up(error)
                 continue
             if member is not None:
-                self._before_last = (self._before_current, position)
                 return member
             self._close_current()
 
@@ -242,12 +248,11 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         return {"own": list(self._current.position()), "upstream": [self._before_current]}
 
     def state_before_last(self) -> dict[str, Any]:
-        """The checkpoint as it stood before the latest member was handed out: resuming from it
-        hands that member out again."""
-        if not self._tracks_state() or self._before_last is None:
+        """The checkpoint as it stood before the latest member was handed out (asked right
+        after it, before the next): resuming from it hands that member out again."""
+        if not self._tracks_state() or self._current is None:
             return self.state_dict()
-        before_archive, position = self._before_last
-        return {"own": list(position), "upstream": [before_archive]}
+        return {"own": list(self._current.last_member_at()), "upstream": [self._before_current]}
 
     def _load_own_state(self, state: Any) -> None:
         self._resume_at = tuple(state) if state is not None else None
