@@ -178,11 +178,15 @@ def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mappi
 
 
 def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether ``url`` is there; True when asking failed otherwise (a refused connection, no
+    credentials yet): reading it will say why, after its retries, naming it."""
     fs, path = _storage.filesystem(url, storage_options)
-    if not url.startswith(("http://", "https://")):
-        return bool(fs.exists(path))
-    try:  # a HEAD (fsspec's exists() is a whole GET, which starts sending the shard)
-        fs.info(path)
+    try:
+        if not url.startswith(("http://", "https://")):
+            return bool(fs.exists(path))
+        fs.info(path)  # a HEAD (fsspec's exists() is a whole GET, which starts sending the shard)
     except FileNotFoundError:
         return False
+    except Exception:  # noqa: BLE001  (not a verdict on the path)
+        return True
     return True
