@@ -182,7 +182,6 @@ class IterableFetcher:
         self._to_drop = 0  # batches made before the checkpoint since the snapshot resumed from
         self._ended = False
         self._stateless = False
-        self._stateless_because: str | None = None  # what a pipe said when asked for its state
         snapshot = resume_from.snapshot if resume_from is not None else None
         self._samples = _resumed_iterator(spec.dataset, snapshot[1] if snapshot else None)
         if resume_from is not None:
@@ -204,7 +203,7 @@ class IterableFetcher:
             return batch
         # The first batch's snapshot also says at once whether the replica has a state at all.
         due = self._made == 1 or self._made % every == 0
-        snapshot = self._snapshot() if due else None
+        snapshot = (self._made, self._state()) if due else None
         return StreamBatch(batch, StreamPosition(self._worker_id, self._made, snapshot))
 
     def _make(self, index: Any) -> Any:
@@ -242,14 +241,6 @@ class IterableFetcher:
             clock.untimed_samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
 
-    def _snapshot(self) -> tuple[Any, ...]:
-        """(batches made, the replica's state); a replica without one adds what its pipe said,
-        so that the warning when resuming names the stage that keeps none."""
-        state = self._state()
-        if state is None and self._stateless_because is not None:
-            return (self._made, None, self._stateless_because)
-        return (self._made, state)
-
     def _state(self) -> Any:
         """The replica's position, from its iterator (pipes) or the dataset; None without one."""
         if self._stateless:
@@ -259,8 +250,7 @@ class IterableFetcher:
             if callable(state_dict):
                 try:
                     return state_dict()
-                except NotImplementedError as error:  # e.g. a pipe over a plain generator
-                    self._stateless_because = str(error)
+                except NotImplementedError:  # a pipe over a plain generator: it can only skip
                     break
         self._stateless = True
         return None

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeload._rng_state import decode_state, encode_state
 from pipeload.distributed import current_placement
+from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import IncompatibleStateError, state_mismatch
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
@@ -234,19 +235,24 @@ def _mid_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
 
 
 def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPosition]) -> None:
-    stateless = [p.snapshot for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None]
     again = sum(p.batches for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None)
     if again:
-        # A pipe that keeps no state says so (its words ride with the snapshot): name it.
-        said = sorted({str(snapshot[2]) for snapshot in stateless if len(snapshot) > 2})
-        why = "; ".join(said) if said else (f"{type(loader.dataset).__name__} cannot say where it "
-                                            "stands (no state_dict() on it or on its iterator)")
         warnings.warn(
-            f"{why}, so resuming reads the {again} batches already handed out this epoch again "
-            "and drops them. Give the stage named state_dict()/load_state_dict() to resume "
+            f"{_stage_without_state(loader)}, so resuming reads the {again} batches already handed "
+            "out this epoch again and drops them. Give it state_dict()/load_state_dict() to resume "
             "without re-reading.",
             stacklevel=5,  # the caller of load_state_dict
         )
+
+
+def _stage_without_state(loader: Any) -> str:
+    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
+    no position yet), else the dataset itself."""
+    boundaries = replica.stages_without_checkpoint(loader.dataset)
+    if boundaries:
+        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
+    return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
+            "its iterator)")
 
 
 def _load_sampler(loader: Any, sampler_state: dict[str, Any] | None) -> None:

@@ -221,9 +221,12 @@ def error_policy_pipes(dataset: Any) -> list[Any]:
     in every copy); empty for anything that is not one of pipeload's own graphs."""
     if "pipeload.datapipes" not in sys.modules:  # no pipe can exist before its module is imported
         return []
-    from pipeload.datapipes.base import IterDataPipe, MapDataPipe
-    from pipeload.datapipes.graph import list_dps
-    from pipeload.datapipes.sources.on_error import ErrorPolicyMixin
+    try:  # the family that plugs into the loader may be a stand-in without on_error pipes
+        from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+        from pipeload.datapipes.graph import list_dps
+        from pipeload.datapipes.sources.on_error import ErrorPolicyMixin
+    except ImportError:
+        return []
 
     if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
         return []

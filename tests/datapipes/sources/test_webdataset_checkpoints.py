@@ -82,7 +82,7 @@ def test_a_pipeline_that_cannot_say_where_it_stands_is_re_read_and_the_warning_n
     state = loader.state_dict()
     del iterator
     resumed = make_loader(server, 0, read_ahead=4)
-    with pytest.warns(UserWarning, match="queue boundary cannot be checkpointed") as caught:
+    with pytest.warns(UserWarning, match="Prefetcher cannot say where it stands") as caught:
         resumed.load_state_dict(state)
     assert not any("Mapper" in str(w.message) or "Decoder" in str(w.message) for w in caught)
     expected = [key for batch in make_loader(server, 0, read_ahead=4) for key in batch]
