@@ -245,16 +245,6 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
         )
 
 
-def _stage_without_state(loader: Any) -> str:
-    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
-    no position yet), else the dataset itself."""
-    boundaries = replica.stages_without_checkpoint(loader.dataset)
-    if boundaries:
-        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
-    return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
-            "its iterator)")
-
-
 def _load_sampler(loader: Any, sampler_state: dict[str, Any] | None) -> None:
     if loader._dataset_kind.label == "map":
         _warn_if_sampler_cannot_resume(loader)
@@ -279,3 +269,13 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             stacklevel=6,  # the caller of load_state_dict
         )
         return
+
+
+def _stage_without_state(loader: Any) -> str:
+    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
+    no position yet), else the dataset itself."""
+    boundaries = replica.stages_without_checkpoint(loader.dataset)
+    if boundaries:
+        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
+    return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
+            "its iterator)")
