@@ -35,9 +35,9 @@ COUNTING = {**ENGINES, "process-2-persistent": {"num_workers": 2, "persistent_wo
 
 
 def bad_shards(directory: Path) -> tuple[list[str], list[str]]:
-    """In ``directory`` (made if need be): three good shards and three bad ones (missing; garbage; truncated inside a sample), and
-    the keys a reader can have from them: every good sample, and the truncated shard's samples
-    before the one it cuts short."""
+    """In ``directory`` (made if need be): three good shards and three bad ones (missing;
+    garbage; truncated inside a sample), and the keys a reader can have from them: every good
+    sample, and the truncated shard's samples before the one it cuts short."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = write_shards(directory, 6, SAMPLES)
     paths[3].unlink()

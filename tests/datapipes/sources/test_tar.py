@@ -191,7 +191,9 @@ def test_a_compressed_archive_held_until_checked_yields_nothing_of_a_bad_stream(
 def test_a_held_archive_checkpoints_at_the_member_it_hands_out_next(tmp_path: Path) -> None:
     path = tmp_path / "a.tar.gz"
     path.write_bytes(compress(tar_bytes(MEMBERS), "gz"))
-    make = lambda: IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(hold_until_checked=True)  # noqa: E731
+    def make() -> object:
+        return IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(hold_until_checked=True)
+
     iterator = iter(make())
     head = [next(iterator) for _ in range(5)]
     resumed = iter(make())
