@@ -17,6 +17,9 @@ import traceback
 from dataclasses import dataclass
 
 
+SUMMARY_CHARS = 400  # the one-line summary of a worker's error is cut here
+
+
 class WorkerError(RuntimeError):
     """Base class for loader failures that are not the user's own exception type."""
 
@@ -152,9 +155,19 @@ class RemoteFailure:
             text += f" (sample indices {self.indices})"
         return text
 
+    def summary(self) -> str:
+        """The original error in one line (``FileNotFoundError: ... 'shard-0003.tar'``): what a
+        user acts on, before the traceback that tells where it came from."""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        if len(first) > SUMMARY_CHARS:
+            first = first[:SUMMARY_CHARS] + " ..."
+        name = self.exc_type.__name__
+        return f"{name}: {first}" if first else name
+
     def to_exception(self) -> BaseException:
-        """Rebuild an exception of the original type whose str() tells the whole story."""
-        text = f"{self.headline()}\nOriginal {self.traceback_text}"
+        """Rebuild an exception of the original type whose str() tells the whole story: torch's
+        sentence, the original error in one line, then the worker's traceback."""
+        text = f"{self.headline()}\n{self.summary()}\nOriginal {self.traceback_text}"
         if self.exc_type is KeyError:
             text = _KeyErrorMessage(text)
         try:

@@ -253,11 +253,12 @@ class IterOperations:
         return StreamReader(self, chunk)  # type: ignore[arg-type]
 
     def load_from_tar(self, mode: str = "r:*", length: int = -1, *, on_error: OnError = "raise",
-                      max_failures: int | None = None) -> TarArchiveLoader:
+                      max_failures: int | None = None, hold_until_checked: bool = False) -> TarArchiveLoader:
         """Stream the members of each tar archive; see :class:`TarArchiveLoader`."""
         from pipeload.datapipes.sources.tar import TarArchiveLoader
 
-        return TarArchiveLoader(self, mode, length, on_error=on_error, max_failures=max_failures)  # type: ignore[arg-type]
+        return TarArchiveLoader(self, mode, length, on_error=on_error,  # type: ignore[arg-type]
+                                max_failures=max_failures, hold_until_checked=hold_until_checked)
 
     def webdataset(self, length: int = -1, *, on_error: OnError = "raise",
                    max_failures: int | None = None) -> WebDataset:

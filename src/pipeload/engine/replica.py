@@ -221,6 +221,22 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
     )
 
 
+def stages_without_checkpoint(dataset: Any) -> list[str]:
+    """The queue boundaries (``prefetch``, ``queue_boundary``) of a pipeload DataPipe graph, by
+    class name: a run across one keeps no checkpoint of its position yet, so a replica with one
+    resumes by re-reading. Empty for anything else."""
+    rules = graph_rules(dataset)
+    if rules is None or rules.list_pipes is None or "pipeload.datapipes" not in sys.modules:
+        return []
+    try:
+        from pipeload.datapipes.boundary.pipes import QueueBoundary
+    except ImportError:  # a stand-in family
+        return []
+    with _GRAPH_WALK:
+        pipes = rules.list_pipes(dataset)
+    return sorted({type(pipe).__name__ for pipe in pipes if isinstance(pipe, QueueBoundary)})
+
+
 def _known_families() -> tuple[GraphRules, ...]:
     # pipeload's own first: its pipes may also subclass torch's.
     ours = _pipeload_family()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
 from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
+from pipeload.stats import skips
 from pipeload.stats.report import LoaderStats
 from pipeload.stats.tuner import AutoTuner
 
@@ -199,13 +201,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._checked_graph_sharding = False
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._stats = self._new_stats() if stats else None
+        self._failure_board: Any = None  # where on_error pipes count (stats/skips.py), made once
+        self._failures_checked = False
         self._tuner: AutoTuner | None = None
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
         self._resume_point: resume.ResumePoint | None = None
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
         self.__initialized = True
-        arguments.warn_if_too_many_workers(num_workers)
+        arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
@@ -282,6 +286,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         persistent workers run at all)."""
         state = dict(self.__dict__)
         state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None,
+                     _failure_board=None, _failures_checked=False,
                      _stats=self._stats is not None)  # a flag: the copy makes its own
         return state
 
@@ -292,8 +297,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
     # -- running an epoch ------------------------------------------------------------------
 
     def check_worker_number_rationality(self) -> None:
-        """Warn when num_workers exceeds the CPUs this process may use (torch's public method)."""
-        arguments.warn_if_too_many_workers(self.num_workers)
+        """Warn when the workers that start (economic mode: item and batch workers) exceed the
+        CPUs this process may use (torch's public method)."""
+        arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.
@@ -301,6 +307,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
     def __iter__(self) -> _EpochIterator:
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
+        self._count_failures_anew()
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
         record = resume.begin_epoch(self, point.record if point is not None else None)  # before any draw
@@ -324,6 +331,30 @@ class DataLoader(torch_data.DataLoader[T_co]):
         if not owned:
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
+
+    def _count_failures_anew(self) -> None:
+        """A new epoch for the failure board: made on the first, if the dataset has on_error
+        pipes (their ``max_failures`` is then one budget for the whole loader's epoch)."""
+        board = self._failure_board
+        if not self._failures_checked:
+            self._failures_checked = True
+            board = skips.board_for(self.dataset, self._spawns_workers())
+        elif board is not None and not board.shareable and self._spawns_workers():
+            board = board.made_shareable()  # the start method changed since
+            skips.bind(self.dataset, board, None)
+        if board is not None and board is not self._failure_board:
+            self._failure_board = board
+            if self._stats is not None:
+                self._stats.failures = board
+        if board is not None:
+            board.new_epoch()
+
+    def _spawns_workers(self) -> bool:
+        """Whether the workers are processes started without fork (spawn, forkserver)."""
+        if self.num_workers == 0 or self.worker_type == "thread":
+            return False
+        context = self.multiprocessing_context or multiprocessing.get_context()
+        return context.get_start_method() != "fork"
 
     def _engine_for_epoch(self, point: resume.ResumePoint | None, record: resume.EpochRecord) -> tuple[Any, bool, dict[str, int]]:
         """This epoch's engine (a new one, or the persistent session's), whether the epoch owns

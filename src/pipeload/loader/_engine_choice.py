@@ -96,6 +96,7 @@ def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
         per_batch_seeding=loader.worker_seeding == "per_batch" and loader.mode == "classic",
         stream_snapshot_every=resume.STREAM_SNAPSHOT_EVERY if iterable else 0,
         resume_streams=streams,
+        failures=loader._failure_board,
     )
 
 def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 from pipeload._rng_state import encode_state
 from pipeload._state_digest import sealed
 from pipeload.distributed import current_placement
+from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import bad_state_field, state_mismatch
 from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
@@ -276,10 +277,9 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
     again = sum(p.batches for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None)
     if again:
         warnings.warn(
-            f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or "
-            f"on its iterator), so resuming reads the {again} batches already handed out this "
-            "epoch again and drops them. Give it state_dict()/load_state_dict() to resume without "
-            "re-reading.",
+            f"{_stage_without_state(loader)}, so resuming reads the {again} batches already handed "
+            "out this epoch again and drops them. Give it state_dict()/load_state_dict() to resume "
+            "without re-reading.",
             stacklevel=4,  # the caller of load_state_dict
         )
 
@@ -298,3 +298,13 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             stacklevel=4,  # the caller of load_state_dict
         )
         return
+
+
+def _stage_without_state(loader: Any) -> str:
+    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
+    no position yet), else the dataset itself."""
+    boundaries = replica.stages_without_checkpoint(loader.dataset)
+    if boundaries:
+        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
+    return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
+            "its iterator)")

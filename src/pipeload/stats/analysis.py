@@ -214,7 +214,7 @@ def summarise(stats: LoaderStats) -> str:
     if has_workers:
         lines.append(_worker_line(stats))
     moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
-    lines.append(f"{moved}skipped samples: {stats.skipped_samples}")
+    lines.append(f"{moved}skipped samples: {stats.skipped_samples}, skipped files: {stats.skipped_files}")
     for placed in stats.separate_processes:
         lines.append(f"separate process (is_separate_process): {placed}")
     for decision in stats.decisions:

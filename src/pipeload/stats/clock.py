@@ -48,7 +48,6 @@ class WorkerTotals(NamedTuple):
             With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
             from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
             at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
-        skipped: samples its copy of the dataset's on_error pipes skipped.
     """
 
     tasks: int
@@ -60,7 +59,6 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
-    skipped: int
 
 
 SCHED_READ_EVERY_S = 0.1
@@ -226,7 +224,7 @@ class StageClock:
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
-                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner",
+                 "_sched_at_start", "_sched", "_sched_read_at", "_owner",
                  "_owner_schedstat")
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
@@ -234,8 +232,6 @@ class StageClock:
         self._owner_schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
-        self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
-        self._skipped = 0
         self.samples = 0  # of the timed tasks only (see snapshot)
         self.untimed_samples = 0  # of the others, added by the fetcher
         self.fetch_s = 0.0  # these four: sums over the timed tasks only
@@ -363,31 +359,16 @@ class StageClock:
             read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
             if read is not None:
                 self._sched, self._sched_read_at = read, at
-        if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
-            self._skipped = self.count_skipped()
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._skipped, self.untimed_size or 0)
+                self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
         """The owning thread is about to end: read its scheduler counters while they exist (a
         lent clock is read by another thread, through the thread's file, gone once it ended)."""
         self._sched, self._sched_read_at = read_sched(), now()
-
-    @property
-    def skipped(self) -> int:
-        """Samples its dataset's on_error pipes skipped, as last read."""
-        return self._skipped
-
-    def stop_counting_skips(self) -> None:
-        """Its owner is done with the dataset (the inline engine's epoch ended): keep what the
-        on_error pipes skipped so far. The main process's dataset goes on counting for later
-        epochs' clocks, which this one, still read live, must not count too."""
-        if self.count_skipped is not None:
-            self._skipped = self.count_skipped()
-            self.count_skipped = None
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """The task in hand is done and its report carries the totals (returned): see

@@ -38,6 +38,7 @@ from pipeload.stats.clock import (
     stretch,
 )
 from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
+from pipeload.stats.skips import Counts
 from pipeload.transport.messages import Report
 
 
@@ -411,6 +412,8 @@ class StatsRecorder:
         self._pinned = 0
         self._separate_processes: tuple[str, ...] = ()
         self._skipped_samples = 0
+        # The loader's failure board (stats/skips.py), where its on_error pipes count: read live.
+        self.failures: Any = None
         self._decisions: list[TuningDecision] = []
         self._lock = threading.Lock()  # only for the rare writers from several threads
 
@@ -440,7 +443,7 @@ class StatsRecorder:
 
     def skipped(self, samples: int) -> None:
         """Samples skipped by an error policy that reports them itself; the sources' on_error
-        pipes are counted by the workers' clocks instead (``stats/skips.py``)."""
+        pipes count on the loader's failure board instead (``stats/skips.py``)."""
         with self._lock:
             self._skipped_samples += samples
 
@@ -472,6 +475,7 @@ class StatsRecorder:
         consumer, queue = self._consumer, self._queue
         workers = _per_worker(self._seen.copy(), now(), self._lags_by_kind())
         samples = queue.samples or 1
+        failures = self.failures.totals() if self.failures is not None else Counts()
         return LoaderStats(
             setup=self.setup,
             batches=consumer.batches,
@@ -486,7 +490,8 @@ class StatsRecorder:
             workers=workers,
             queue=QueueStats(queue.ready_sum / samples, queue.ready_max,
                              queue.in_flight_sum / samples, queue.in_flight_max, queue.capacity),
-            skipped_samples=self._skipped_samples + _skipped_by_workers(self._seen.copy()),
+            skipped_samples=self._skipped_samples + failures.samples,
+            skipped_files=failures.files,
             decisions=tuple(self._decisions),
             separate_processes=self._separate_processes,
         )
@@ -518,11 +523,6 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
     return totals._replace(tasks=totals.tasks + lag, samples=round(totals.samples * scale),
                            fetch_s=totals.fetch_s * scale, collate_s=totals.collate_s * scale,
                            send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
-
-
-def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> int:
-    """What the workers' (and the main process's) on_error pipes skipped, per their totals."""
-    return sum(_read(raw, 0)[0].skipped for raw, _ in seen.values())
 
 
 def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:

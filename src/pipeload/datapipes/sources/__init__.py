@@ -10,7 +10,7 @@ retries, archive checks and the ``on_error`` policy.
 
 from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
 from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
-from pipeload.datapipes.sources.errors import ArchiveError, SourceError
+from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError
 from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, StreamReader, open_stream
 from pipeload.datapipes.sources.memory import IterableWrapper, SequenceWrapper
 from pipeload.datapipes.sources.on_error import (
@@ -40,6 +40,7 @@ __all__ = [
     "SequenceWrapper",
     "StreamReader",
     "SkippedSampleWarning",
+    "SourceChangedError",
     "SourceError",
     "TarArchiveLoader",
     "WebDataset",

@@ -15,9 +15,10 @@ from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
+from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
+from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
@@ -43,13 +44,15 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     try:
         if _storage.is_local(url):
             return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
-        reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
-                                retry or RetryPolicy())
+        def opener(at: int, version: ObjectVersion | None) -> Any:
+            return _storage.open_remote(url, storage_options, at, version)
+
+        reader = RetryingReader(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
-        if url in str(error):
-            raise
+        if error.errno is not None and url in str(error):
+            raise  # the operating system's words, naming the path
         raise _naming(error, url) from error
-    except ImportError:
+    except (ImportError, SourceError):
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
@@ -71,7 +74,7 @@ def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
     stream's own retries) names ``url``."""
     try:
         return stream.read() if size is None else stream.read(size)
-    except (ValueError, TypeError, MemoryError):  # the data or the caller, not the source
+    except (ValueError, TypeError, MemoryError, SourceError):  # the data or the caller; named
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
@@ -231,7 +234,7 @@ class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
         super().__init__(pipe.datapipe)
         (self._urls,) = self.upstream
         self._pipe = pipe
-        self.failures = pipe._failure_handler("open_files", "the file")
+        self.failures = pipe._failure_handler("open_files", "the file", FILE)
 
     def nonblocking_next(self) -> tuple[str, IO[Any]]:
         while True:
