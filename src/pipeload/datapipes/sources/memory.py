@@ -7,9 +7,11 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeVar
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.errors import bad_state_field
 
 T = TypeVar("T")
 
@@ -73,10 +75,24 @@ class _WrapperIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return self._position
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        # Replaying is exact for data in memory; sources that can seek do better (issue 9). It is
+        # done here, on an iterator of its own, so a position past the data is refused unset.
+        length = len(self._pipe.iterable) if isinstance(self._pipe.iterable, Sized) else None
+        position = fields.integer("own", 0, length)
+        if position == 0:
+            return None, 0  # nothing read: the data is copied at the first item, as before
+        items = iter(self._source_data())
+        for handed_out in range(position):
+            try:
+                next(items)
+            except StopIteration:
+                raise bad_state_field(fields.name("own"), position, f"an int from 0 to {handed_out}",
+                                      f"the data has {handed_out} items") from None
+        return items, position
+
     def _load_own_state(self, state: Any) -> None:
-        # Replaying is exact for data in memory; sources that can seek do better (issue 9).
-        for _ in range(state):
-            self.nonblocking_next()
+        self._items, self._position = state
 
 
 class SequenceWrapper(MapDataPipe[T]):
