@@ -193,7 +193,11 @@ class _FlatMapperIterator(PipeIterator[Any]):
             return None  # before the first item
         item, taken = own.raw("item", "the source item being expanded"), own.integer("taken")
         own.finish()
-        current = iter(self._expand(item))
+        try:
+            current = iter(self._expand(item))
+        except Exception as error:  # noqa: BLE001 - the user's function, given what the state holds
+            raise bad_state_field(own.name("item"), item, "an item the flatmap function can expand",
+                                  f"{type(error).__name__}: {error}") from error
         for count in range(taken):
             try:
                 next(current)

@@ -87,9 +87,9 @@ def _some_of(keys: Any, indices: Any) -> bool:
     """Whether ``keys`` could be what is left of ``indices`` (each index at most as often)."""
     if len(keys) > len(indices):
         return False
-    try:
-        left = Counter(indices)
-        left.subtract(keys)
+    try:  # by type too: 5.0 and True are not the key 5, though Python finds them equal
+        left = Counter((type(index), index) for index in indices)
+        left.subtract((type(key), key) for key in keys)
     except TypeError:  # unhashable keys: only the count can be checked
         return True
     return all(count >= 0 for count in left.values())
