@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from pipeload._state_fields import StateFields, join
-from pipeload.errors import IncompatibleStateError
+from pipeload.errors import IncompatibleStateError, bad_state_field
 
 T_co = TypeVar("T_co", covariant=True)
 R = TypeVar("R")
@@ -183,6 +183,21 @@ class StateLoad:
                 iterator.close()
             except Exception:  # noqa: BLE001 - refusing the state is the error to report
                 pass
+
+
+def skipped_ahead(items: Iterator[Any], count: int, field: str, has: str) -> Iterator[Any]:
+    """``items`` with ``count`` of them read, for a state (at ``field``) that says so many were
+    handed out; running out first refuses it, ``has`` saying what ran out ("has {} items").
+
+    Raises:
+        IncompatibleStateError: ``items`` ended before ``count``.
+    """
+    for done in range(count):
+        try:
+            next(items)
+        except StopIteration:
+            raise bad_state_field(field, count, f"an int from 0 to {done}", has.format(done)) from None
+    return items
 
 
 def no_checkpoint(iterator: Any, state: Any, path: str) -> IncompatibleStateError:

@@ -16,7 +16,7 @@ from pipeload.datapipes.iter._columns import (
     length_of,
     place_result,
 )
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, skipped_ahead
 from pipeload.errors import bad_state_field
 
 T_co = TypeVar("T_co", covariant=True)
@@ -198,13 +198,7 @@ class _FlatMapperIterator(PipeIterator[Any]):
         except Exception as error:  # noqa: BLE001 - the user's function, given what the state holds
             raise bad_state_field(own.name("item"), item, "an item the flatmap function can expand",
                                   f"{type(error).__name__}: {error}") from error
-        for count in range(taken):
-            try:
-                next(current)
-            except StopIteration:
-                raise bad_state_field(own.name("taken"), taken, f"an int from 0 to {count}",
-                                      f"that item expands to {count} elements") from None
-        return item, taken, current
+        return item, taken, skipped_ahead(current, taken, own.name("taken"), "that item expands to {} elements")
 
     def _load_own_state(self, state: Any) -> None:
         if state is not None:

@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator
-from pipeload.errors import bad_state_field
+from pipeload.datapipes.protocol import PipeIterator, skipped_ahead
 
 T = TypeVar("T")
 
@@ -82,13 +81,7 @@ class _WrapperIterator(PipeIterator[Any]):
         position = fields.integer("own", 0, length)
         if position == 0:
             return None, 0  # nothing read: the data is copied at the first item, as before
-        items = iter(self._source_data())
-        for handed_out in range(position):
-            try:
-                next(items)
-            except StopIteration:
-                raise bad_state_field(fields.name("own"), position, f"an int from 0 to {handed_out}",
-                                      f"the data has {handed_out} items") from None
+        items = skipped_ahead(iter(self._source_data()), position, fields.name("own"), "the data has {} items")
         return items, position
 
     def _load_own_state(self, state: Any) -> None:
