@@ -55,6 +55,25 @@ def test_each_process_worker_starts_the_process_a_pipe_asks_for(context: str, le
         "OwnProcess: its own process (a process boundary after it) (one for each process worker's copy)",)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["classic", "persistent"])
+def test_an_epoch_left_early_stops_the_separate_processes(persistent: bool, leak_guard: LeakGuard) -> None:
+    """Leaving an epoch stops each worker's run and its process; persistent workers keep their
+    run until the next epoch replaces it (so processes never pile up), or the loader goes."""
+    pipe = OwnProcess(IterableWrapper(range(10**6)).sharding_filter())
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, persistent_workers=persistent)
+    before: set[int] = set()
+    for _ in range(3):
+        producers = set()
+        for producer, _, _ in loader:
+            producers.add(producer)
+            if len(producers) == 2:
+                break
+        stopped = before if persistent else producers
+        assert wait_until(lambda: all(pid_gone(pid) for pid in stopped), GONE_S)  # noqa: B023
+        before = producers
+    del loader
+
+
 def test_killing_a_worker_ends_its_separate_process_too(leak_guard: LeakGuard) -> None:
     pipe = OwnProcess(IterableWrapper(range(10**6)).sharding_filter())
     iterator = iter(pipeload.DataLoader(pipe, batch_size=None, num_workers=2))
