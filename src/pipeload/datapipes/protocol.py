@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from pipeload._state_fields import StateFields, join
-from pipeload.errors import IncompatibleStateError, bad_state_field
+from pipeload.errors import IncompatibleStateError, bad_state_field, shortened
 
 T_co = TypeVar("T_co", covariant=True)
 R = TypeVar("R")
@@ -205,7 +205,7 @@ def no_checkpoint(iterator: Any, state: Any, path: str) -> IncompatibleStateErro
     where = path or "the state"
     return IncompatibleStateError(
         f"cannot load this state: {where} is given to {type(iterator).__name__}, which keeps no "
-        f"checkpoint of its position (it is resumed by skipping items), but got {where}={state!r:.72}")
+        f"checkpoint of its position (it is resumed by skipping items), but got {where}={shortened(state)}")
 
 
 class SkipToResume:
