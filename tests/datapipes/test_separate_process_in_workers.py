@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LeakGuard, pid_gone, wait_until
+from conftest import LeakGuard, gone_or_fail, pid_gone, wait_until
 
 import pipeload
 from pipeload.datapipes import IterDataPipe
@@ -130,8 +130,4 @@ def test_killing_the_main_process_ends_the_workers_and_their_separate_processes(
     finally:
         driver.kill()
         driver.communicate()
-    if not wait_until(lambda: all(pid_gone(pid) for pid in pids), GONE_S):
-        alive = [pid for pid in pids if not pid_gone(pid)]
-        for pid in alive:  # do not leave them running for the rest of the suite
-            os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"{alive} still running {GONE_S} s after the main process died")
+    gone_or_fail(pids, GONE_S, "workers and their separate processes")
