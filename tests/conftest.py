@@ -47,6 +47,17 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def gone_or_fail(pids: list[int], deadline_s: float, what: str) -> None:
+    """Fail unless every pid is gone within ``deadline_s``; those still running are killed first,
+    so that they do not outlive the test."""
+    if wait_until(lambda: all(pid_gone(pid) for pid in pids), deadline_s):
+        return
+    alive = [pid for pid in pids if not pid_gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"{what} {alive} still running {deadline_s} s after the main process died")
+
+
 def _is_helper(process: psutil.Process) -> bool:
     try:
         cmdline = " ".join(process.cmdline())

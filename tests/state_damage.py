@@ -13,6 +13,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from pipeload.errors import IncompatibleStateError
+
 REMOVE = object()
 Path_ = tuple[Any, ...]
 
@@ -118,3 +120,16 @@ def damaged(state: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, A
     new = damage(value_at(state, path), rng)
     shown = "<deleted>" if new is REMOVE else repr(new)[:60]
     return f"{kind} at {'.'.join(map(str, path))} -> {shown}", edited(state, path, lambda _: new)
+
+
+def try_load(load: Callable[[], None], what: str, as_before: Callable[[], bool]) -> tuple[bool, str | None]:
+    """Load a damaged state (``what`` says how): whether it was accepted, and the failure if any.
+    A refusal is ``IncompatibleStateError`` with the target as it was (``as_before()``); any other
+    exception, or a refusal that changed the target, is a failure."""
+    try:
+        load()
+    except IncompatibleStateError:
+        return False, None if as_before() else f"{what}: refused, but it changed"
+    except Exception as error:  # noqa: BLE001 - the failure a fuzz exists to find
+        return False, f"{what}: {type(error).__name__}: {error}"[:300]
+    return True, None

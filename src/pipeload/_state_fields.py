@@ -114,6 +114,15 @@ class StateFields:
             raise bad_state_field(self.name(key), value, expected)
         return value
 
+    def listed(self, key: str, expected: str, length: int | None = None, none: bool = False,
+               default: Any = MISSING) -> StateFields | None:
+        """A list (or tuple) inside this one whose items are read as fields named by their
+        index (``own.0``), with :meth:`sequence`'s checks (None when ``none`` and it is None)."""
+        items = self.sequence(key, expected, length, none, default)
+        if items is None:
+            return None
+        return StateFields(dict(enumerate(items)), self.name(key))
+
     def finish(self) -> None:
         """Refuse a field no reader asked for (a stray or renamed field: the state was changed)."""
         for key in self.state:

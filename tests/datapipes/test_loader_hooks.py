@@ -112,11 +112,11 @@ def test_the_loader_runs_a_pipe_that_asks_for_it_in_a_process_of_its_own(engine:
     pids = {pid for pid, _ in seen}
     assert os.getpid() not in pids
     (where,) = loader.stats().separate_processes
-    if engine.get("worker_type") == "thread":
-        assert where == "OwnProcess: its own process (a process boundary after it) (one for each thread worker's copy)"
+    if engine["num_workers"]:
+        worker_type = engine.get("worker_type", "process")
+        assert where == ("OwnProcess: its own process (a process boundary after it) "
+                         f"(one for each {worker_type} worker's copy)")
         assert len(pids) == 2
-    elif engine["num_workers"]:
-        assert where.startswith("OwnProcess: each process worker (a process of its own already")
     else:
         assert where == "OwnProcess: its own process (a process boundary after it)"
     assert f"separate process (is_separate_process): {where}" in str(loader.stats())

@@ -269,7 +269,9 @@ def test_a_previous_version_pipe_state_is_tried_through_the_pipes_own_load() -> 
         source = source["upstream"][0]
     source["own"] = "5"  # the items an in-memory source had handed out, as text
     with pytest.raises(IncompatibleStateError, match=r"epoch\.streams\.0\.snapshot is not a state that worker 0's "
-                       r"replica of Mapper takes: its load_state_dict\(\) raised TypeError"):
+                       r"replica of Mapper takes: its load_state_dict\(\) raised IncompatibleStateError: .*"
+                       r"upstream\.0\.upstream\.0\.upstream\.0\.own should be an int from 0 to \d+, but got "
+                       r"upstream\.0\.upstream\.0\.upstream\.0\.own='5'"):
         pipe_loader().load_state_dict(state)
 
 

@@ -5,8 +5,8 @@ A pipe whose ``is_separate_process()`` returns True asks to run, with everything
 it, in a process of its own. :func:`place_separate_processes` answers with a graph like the
 original in which each such pipe is read through a process ``queue_boundary`` placed right
 after it. Requests upstream of another request are already answered by that request's process
-(a boundary's upstream process is a daemon and may not start processes of its own), so only the
-requests nearest the end of the graph get a boundary; the others are listed as running there.
+(it runs everything that feeds it), so only the requests nearest the end of the graph get a
+boundary; the others are listed as running there.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Placement:
     Attributes:
         pipe: the requesting pipe's name (its repr).
         where: in words: "its own process (a process boundary after it)", "the process of
-            Batcher's boundary", "each process worker".
+            Batcher's boundary".
     """
 
     pipe: str

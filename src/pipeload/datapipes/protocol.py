@@ -18,6 +18,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+from pipeload._state_fields import StateFields, join
+from pipeload.errors import IncompatibleStateError, bad_state_field, shortened
+
 T_co = TypeVar("T_co", covariant=True)
 R = TypeVar("R")
 
@@ -108,16 +111,101 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         return {"own": self._own_state(), "upstream": [s.state_dict() for s in self.upstream]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; call on a fresh iterator before its first item."""
-        for source, source_state in zip(self.upstream, state["upstream"], strict=True):
-            source.load_state_dict(source_state)
-        self._load_own_state(state["own"])
+        """Continue from ``state``; call on a fresh iterator before its first item.
+
+        The whole state, this run's and its upstream's, is checked before anything is set.
+
+        Raises:
+            IncompatibleStateError: a field is missing, of another type, out of range or not
+                one this run could have written; the message names it by its path in the state
+                (``upstream.0.own``) and the value received. The run is left as it was.
+        """
+        load = StateLoad()
+        try:
+            self.check_state(state, "", load)
+        except BaseException:
+            load.discard()
+            raise
+        load.apply()
+
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        """Check ``state`` (found at ``path`` in a larger one) for this run and its upstream,
+        setting nothing; add to ``load`` the steps that set it. Subclasses whose state is not
+        ``{"own": ..., "upstream": [...]}`` override this; others override
+        :meth:`_check_own_state`."""
+        if type(self).load_state_dict is not PipeIterator.load_state_dict:
+            load.then(lambda: self.load_state_dict(state))  # a user's run that loads its own way
+            return
+        fields = StateFields(state, path)
+        count = len(self.upstream)
+        states = fields.sequence("upstream", f"a list of {count} upstream state(s)", length=count)
+        for index, (source, source_state) in enumerate(zip(self.upstream, states)):  # type: ignore[arg-type]
+            source.check_state(source_state, join(fields.name("upstream"), index), load)
+        own = self._check_own_state(fields)
+        fields.finish()
+        load.then(lambda: self._load_own_state(own))
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        """Read and check ``fields["own"]``; return what :meth:`_load_own_state` takes."""
+        if type(self)._load_own_state is not PipeIterator._load_own_state:
+            return fields.raw("own", "this run's own state")  # a subclass that checks nothing
+        return fields.choice("own", [None])  # stateless: a map or a filter keeps nothing
 
     def _own_state(self) -> Any:
         return None  # stateless: a map or a filter is where its upstream is
 
     def _load_own_state(self, state: Any) -> None:
         pass
+
+
+class StateLoad:
+    """The steps that set a checked state, gathered while it is checked: nothing is set until
+    :meth:`apply`. Iterators made only to check a state (a concat's current input, say) are
+    closed by :meth:`discard` when the state is refused."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+        self._made: list[PipeIterator[Any]] = []
+
+    def then(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def made(self, iterator: PipeIterator[Any]) -> None:
+        self._made.append(iterator)
+
+    def apply(self) -> None:
+        for step in self._steps:
+            step()
+
+    def discard(self) -> None:
+        for iterator in self._made:
+            try:
+                iterator.close()
+            except Exception:  # noqa: BLE001 - refusing the state is the error to report
+                pass
+
+
+def skipped_ahead(items: Iterator[Any], count: int, field: str, has: str) -> Iterator[Any]:
+    """``items`` with ``count`` of them read, for a state (at ``field``) that says so many were
+    handed out; running out first refuses it, ``has`` saying what ran out ("has {} items").
+
+    Raises:
+        IncompatibleStateError: ``items`` ended before ``count``.
+    """
+    for done in range(count):
+        try:
+            next(items)
+        except StopIteration:
+            raise bad_state_field(field, count, f"an int from 0 to {done}", has.format(done)) from None
+    return items
+
+
+def no_checkpoint(iterator: Any, state: Any, path: str) -> IncompatibleStateError:
+    """The error for a state given to a run that writes none (it is resumed by skipping)."""
+    where = path or "the state"
+    return IncompatibleStateError(
+        f"cannot load this state: {where} is given to {type(iterator).__name__}, which keeps no "
+        f"checkpoint of its position (it is resumed by skipping items), but got {where}={shortened(state)}")
 
 
 class SkipToResume:
@@ -130,6 +218,9 @@ class SkipToResume:
             f"{type(self).__name__} keeps no checkpoint of its position: it can only be resumed "
             "by skipping items"
         )
+
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        raise no_checkpoint(self, state, path)
 
 
 def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] | None = None) -> T_co:
@@ -196,6 +287,9 @@ class BlockingAdapter(PipeIterator[T_co]):
             "only be resumed by skipping items"
         )
 
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        raise no_checkpoint(self._iterator, state, path)
+
 
 def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co]:
     """Turn a pipe, an iterable dataset, an iterable or an iterator into a protocol iterator.
@@ -248,5 +342,23 @@ class _ForeignNonblocking(PipeIterator[T_co]):
             )
         return {"own": state_dict(), "upstream": []}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._iterator.load_state_dict(state["own"])
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        """Only the pipe's own ``load_state_dict()`` can read its state: it is checked for the
+        frame around it here, and the pipe's refusal becomes an IncompatibleStateError."""
+        fields = StateFields(state, path)
+        fields.sequence("upstream", "an empty list", length=0)
+        own = fields.raw("own", f"the state {type(self._iterator).__name__}.state_dict() gave")
+        fields.finish()
+        if not callable(getattr(self._iterator, "load_state_dict", None)):
+            raise no_checkpoint(self._iterator, state, path)
+        load.then(lambda: self._load_users_state(own, fields.name("own")))
+
+    def _load_users_state(self, own: Any, path: str) -> None:
+        try:
+            self._iterator.load_state_dict(own)
+        except IncompatibleStateError:
+            raise
+        except Exception as error:
+            raise IncompatibleStateError(
+                f"cannot load this state: {type(self._iterator).__name__}.load_state_dict() refused "
+                f"{path}: {type(error).__name__}: {error}") from error

@@ -134,21 +134,19 @@ def separate_processes(dataset: Any, worker_type: str | None, context: Any = Non
     """The dataset the engine runs, with a process boundary after each pipe that asks for a
     process of its own (``is_separate_process()``), and where each request was answered.
 
-    Without workers (``worker_type=None``) and in thread workers the boundary is placed (each
-    thread worker's copy starts its own process). A process worker cannot start processes (it
-    is a daemon): there the request is answered by the worker, a process of its own already,
-    and the graph is left as it is.
+    The boundary is placed with or without workers: each worker's copy of the graph starts its
+    own process when it is iterated. A process worker is a daemon, which multiprocessing lets
+    start no process; the boundary's upstream process leaves by itself when its parent dies, so
+    it is started there all the same (``lifecycle.start_process``), and is stopped with the
+    worker's run of the graph.
     """
     if "pipeload.datapipes.base" not in sys.modules or graph_rules(dataset) is None:
         return dataset, ()  # not a graph, or no pipeload pipe exists here: nothing can ask
     from pipeload.datapipes import placement
 
     with _GRAPH_WALK:
-        if worker_type == "process":
-            where = "each process worker (a process of its own already; a worker cannot start another)"
-            return dataset, tuple(f"{dp!r}: {where}" for dp in placement.requests_in(dataset))
         placed, placements = placement.place_separate_processes(dataset, context)
-    each = " (one for each thread worker's copy)" if worker_type == "thread" else ""
+    each = f" (one for each {worker_type} worker's copy)" if worker_type in ("thread", "process") else ""
     return placed, tuple(f"{p}{each}" for p in placements)
 
 

@@ -42,7 +42,10 @@ class ProcessProducer:
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue), name)
+        # It leaves when its parent dies, so it may be started from a process worker too, a daemon
+        # (replica.separate_processes places boundaries there).
+        self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue), name,
+                                      leaves_with_parent=True)
         queue.watch(self._process)
         self._finalizer = weakref.finalize(self, _stop_process, queue, self._process)
 

@@ -6,9 +6,10 @@ from collections import deque
 from collections.abc import Iterator, Sized
 from typing import Any
 
+from pipeload._state_fields import StateFields, join
 from pipeload.datapipes.base import IterDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume, as_nonblocking
+from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume, StateLoad, as_nonblocking
 
 
 class Concater(IterDataPipe[Any]):
@@ -73,14 +74,26 @@ class _ConcaterIterator(PipeIterator[Any]):
         current = None if self._current is None else self._current.state_dict()
         return {"own": len(self._waiting), "upstream": [current]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        (current,) = state["upstream"]
-        while len(self._waiting) > state["own"] + (current is not None):
-            self._waiting.popleft()
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        fields = StateFields(state, path)
+        (current,) = fields.sequence("upstream", "a list of one state (None between inputs)", length=1)  # type: ignore[misc]
+        # pipes still waiting after the current one (if any) was started
+        left = fields.integer("own", 0, len(self._waiting) - (current is not None))
+        fields.finish()
+        done = len(self._waiting) - left - (current is not None)  # inputs already read through
+        source = None
         if current is not None:
-            self._current = as_nonblocking(self._waiting.popleft())
-            self._current.load_state_dict(current)
-            self.upstream = (self._current,)
+            source = as_nonblocking(self._waiting[done])
+            load.made(source)
+            source.check_state(current, join(fields.name("upstream"), 0), load)
+
+        def apply() -> None:
+            for _ in range(done + (source is not None)):
+                self._waiting.popleft()
+            if source is not None:
+                self._current = source
+                self.upstream = (source,)
+        load.then(apply)
 
 
 class Zipper(IterDataPipe[tuple[Any, ...]]):

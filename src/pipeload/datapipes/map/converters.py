@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, get_nowait, is_map_datapipe
 from pipeload.datapipes.protocol import PipeIterator
 
@@ -56,6 +57,9 @@ class _KeysIterator(PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return self._next_position
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own", 0, len(self._keys))
 
     def _load_own_state(self, state: Any) -> None:
         self._next_position = state

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
@@ -161,6 +162,9 @@ class _ListingIterator(PipeIterator[str]):
         if self._before_root is None:  # before the first root, or roots without a checkpoint
             return {"own": 0, "upstream": [self._roots.state_dict()]}
         return {"own": self._handed_out, "upstream": [self._before_root]}
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own")  # paths of the root handed out
 
     def _load_own_state(self, state: Any) -> None:
         self._skip = state

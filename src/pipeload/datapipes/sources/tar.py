@@ -7,12 +7,14 @@ import tarfile
 from collections.abc import Iterator
 from typing import IO, Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _tar_stream
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
+from pipeload.errors import bad_state_field
 
 # Errors that mean "these bytes are not a good archive", as opposed to "the bytes did not come".
 _DATA_ERROR_NAMES = frozenset({"ZstdError", "BadGzipFile", "error", "LZMAError"})
@@ -254,8 +256,18 @@ class _TarIterator(PipeIterator[ArchiveMember]):
             return self.state_dict()
         return {"own": list(self._current.last_member_at()), "upstream": [self._before_current]}
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.listed("own", "None or [bytes into the archive, members read]", length=2, none=True)
+        if own is None:
+            return None  # between archives
+        offset = own.integer(0)
+        # a checkpoint is taken between members, on a 512-byte block, each member a block or more
+        if offset % _tar_stream.BLOCK_BYTES:
+            raise bad_state_field(own.name(0), offset, f"a multiple of {_tar_stream.BLOCK_BYTES} (a tar block)")
+        return offset, own.integer(1, 0, offset // _tar_stream.BLOCK_BYTES)
+
     def _load_own_state(self, state: Any) -> None:
-        self._resume_at = tuple(state) if state is not None else None
+        self._resume_at = state
 
     def _open(self, url: str, stream: IO[bytes]) -> _OpenArchive | None:
         resume_at, self._resume_at = self._resume_at, None

@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
@@ -160,6 +161,12 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
                 f"before its latest item ({type(self._members).__name__} cannot; load_from_tar "
                 "can): it can only be resumed by skipping items")
         return {"own": own, "upstream": [self._before_sample]}
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.fields("own")
+        ended = own.boolean("ended")
+        own.finish()
+        return {"ended": ended}
 
     def _load_own_state(self, state: Any) -> None:
         self._ended = bool(state["ended"])
