@@ -7,18 +7,14 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import RUN_MARKER, assert_run_left_nothing, shm_entries
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHM_DIR = Path("/dev/shm")
 SUBPROCESS_TIMEOUT_S = 100
-LEFTOVER_GRACE_S = 5.0
-RUN_MARKER = "PIPELOAD_TEST_CLI_RUN"  # every process a run starts inherits it: survivors show
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -26,37 +22,11 @@ def pipeload_command(args: list[str], cache: Path, cwd: Path = REPO_ROOT) -> sub
     marker = uuid.uuid4().hex
     env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(cache),
            "PYTHONPATH": str(REPO_ROOT / "src")}
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     completed = subprocess.run([sys.executable, "-m", "pipeload", *args], cwd=cwd, env=env,
                                capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
     return completed
-
-
-def _marked_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(RUN_MARKER) == marker:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def _shm_entries() -> set[str]:
-    return {entry.name for entry in SHM_DIR.iterdir()} if SHM_DIR.is_dir() else set()
-
-
-def _assert_nothing_left(marker: str, shm_before: set[str]) -> None:
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while True:
-        survivors, new_shm = _marked_processes(marker), _shm_entries() - shm_before
-        if (not survivors and not new_shm) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)  # polling for the run's processes to be gone, with a deadline
-    assert not survivors, f"processes outlived the run: {survivors}"
-    assert not new_shm, f"/dev/shm entries outlived the run: {sorted(new_shm)}"
 
 
 def _one_line_error(completed: subprocess.CompletedProcess[str], status: int, words: str) -> None:
@@ -193,14 +163,14 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": str(REPO_ROOT / "src")}
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     process = subprocess.Popen(
         [sys.executable, "-m", "pipeload", "profile", "factories:slow_dataset", "--batches", "4",
          "--batch-size", "4", "--num-workers", "1"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.stdout.close()
     _, stderr = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
     assert process.returncode == 128 + 13, stderr  # as if SIGPIPE had ended it, as for other tools
     assert stderr == ""
 
@@ -208,7 +178,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     completed = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--workload", "tiny"], cwd=REPO_ROOT,
         env={**os.environ, RUN_MARKER: marker}, capture_output=True, text=True,
@@ -221,7 +191,7 @@ def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
     ratio_row = next(row for row in table if row[:2] == ["tiny", "pipeload/torch"])
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[2])  # samples/s
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[3])  # time to first batch
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
 
 
 FACTORIES = '''
