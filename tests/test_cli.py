@@ -89,6 +89,8 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
     (["profile", "factories:slow_dataset", "--step-ms", "soon"], 2, "expected a number of milliseconds, got 'soon'"),
     (["profile", "no_colon_here"], 2, "expected MODULE:FACTORY"),
+    (["profile", "factories.py:slow_dataset"], 2, "not a file's, got 'factories.py:slow_dataset': try `pipeload profile factories:slow_dataset`"),
+    (["profile", "sub/train.py:make"], 2, "try `pipeload profile sub.train:make`"),
     (["profile", "no_such_module_xyz:make"], 2, "cannot import module 'no_such_module_xyz'"),
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
     (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
@@ -243,3 +245,30 @@ def broken_len():
 
 def _write_factories(directory: Path) -> None:
     (directory / "factories.py").write_text(FACTORIES)
+
+
+@pytest.mark.timeout(60)
+def test_profile_says_warnings_in_one_line_each_and_keeps_the_users_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The DataLoader the command builds has no line of the user's to point at (it read
+    # "cli/profile.py:102"); a warning raised in the user's own code keeps its file and line.
+    from pipeload import cli
+
+    (tmp_path / "warns.py").write_text(
+        "import warnings\nimport torch\n\ndef make():\n    warnings.warn('from the factory')\n"
+        "    return torch.utils.data.TensorDataset(torch.arange(8))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    workers = len(os.sched_getaffinity(0)) + 1
+    try:
+        returned = cli.main(["profile", "warns:make", "--batches", "2", "--batch-size", "4",
+                             "--num-workers", str(workers), "--worker-type", "thread"])
+    finally:
+        sys.modules.pop("warns", None)
+    err = capsys.readouterr().err.splitlines()
+    assert returned == 0, err
+    assert f"pipeload profile: UserWarning: from the factory ({tmp_path / 'warns.py'}:5)" in err, err
+    too_many = [line for line in err if f"will create {workers} worker processes" in line]
+    assert too_many and all(line.startswith("pipeload profile: UserWarning: This DataLoader")
+                            and line.endswith("if necessary.") for line in too_many), err

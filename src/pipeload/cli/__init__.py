@@ -16,9 +16,10 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pipeload.cli.bench import LOADERS, BenchOptions
 from pipeload.cli.profile import CommandError, ProfileOptions
@@ -41,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(args.command, _callers(sys._getframe(1)))
+            return args.handler(args)
     except CommandError as error:
         print(f"pipeload {args.command}: {error}", file=sys.stderr)
         return error.status
@@ -60,6 +63,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`| head`): not worth a traceback
         _silence_stdout()
         return 128 + signal.SIGPIPE
+
+
+def _callers(frame: Any) -> set[tuple[str, int]]:
+    """(file, line) of ``frame`` and every frame above it: where the command was called from."""
+    places = set()
+    while frame is not None:
+        places.add((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return places
+
+
+def _one_line_warning(command: str, callers: set[tuple[str, int]]) -> Callable[..., None]:
+    """Warnings as one line on stderr each. pipeload's warnings point at the first line outside
+    pipeload; about what the command itself set up (the DataLoader it builds from the options),
+    that is where the command was called from (``callers``), no line of the user's: said without
+    a place. One raised in the user's code keeps its file and line."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        where = "" if (filename, lineno) in callers else f" ({filename}:{lineno})"
+        print(f"pipeload {command}: {category.__name__}: {message}{where}", file=sys.stderr)
+
+    return show
 
 
 def _silence_stdout() -> None:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.utils.data as torch_data
@@ -63,6 +64,9 @@ def call_factory(target: str) -> Any:
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise CommandError(f"expected MODULE:FACTORY (for example mypackage.data:make_dataset), got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        raise CommandError(f"expected MODULE:FACTORY with a module's name, not a file's, got {target!r}: "
+                           f"{_as_module_target(module_name, attribute)}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
     try:
@@ -77,6 +81,18 @@ def call_factory(target: str) -> Any:
         return factory()
     except (Exception, SystemExit) as error:  # sys.exit() in a factory: said, not a silent exit
         raise CommandError(f"{target} raised {type(error).__name__}: {error}", status=1) from None
+
+
+def _as_module_target(path: str, attribute: str) -> str:
+    """What to type instead of ``path:attribute``: the module's dotted name, from the directory
+    it is importable from (the current one when the file is below it)."""
+    file = Path(path).with_suffix("") if path.endswith(".py") else Path(path)
+    absolute = file.resolve()
+    try:
+        relative = absolute.relative_to(Path.cwd())
+    except ValueError:  # outside the current directory: run from the file's own
+        return f"run `pipeload profile {absolute.name}:{attribute}` from {absolute.parent}"
+    return f"try `pipeload profile {'.'.join(relative.parts)}:{attribute}`"
 
 
 def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:

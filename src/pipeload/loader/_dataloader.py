@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.loader import _engine_choice
@@ -396,7 +397,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         message = replication_warning(self.dataset, self.sampler, self.batch_sampler)
         if message is not None:
             self._warned_every_rank_loads_all = True
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     def _warn_if_graph_unsharded(self) -> None:
         # Once per loader: walking a torch graph pickles it, data and all.
@@ -406,7 +407,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         world_size = current_placement().world_size
         message = replica.unsharded_warning(self.dataset, max(self.num_workers, 1), world_size)
         if message is not None:
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     @property
     def _iterator(self) -> _EpochIterator | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload._rng_state import decode_state, encode_state
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.distributed import current_placement
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import IncompatibleStateError, state_mismatch
@@ -241,7 +242,7 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
             f"on its iterator), so resuming reads the {again} batches already handed out this "
             "epoch again and drops them. Give it state_dict()/load_state_dict() to resume without "
             "re-reading.",
-            stacklevel=5,  # the caller of load_state_dict
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
 
 
@@ -266,6 +267,6 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             "start and skips the batches already handed out. That gives the same keys only if it "
             "draws no random numbers, or draws them from torch's global generator when its "
             "iteration starts; give it state_dict()/load_state_dict() otherwise.",
-            stacklevel=6,  # the caller of load_state_dict
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
         return

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pipeload._user_frame import first_frame_outside_pipeload
+
 OnError = Literal["raise", "skip"] | Callable[[BaseException, "FailureSite"], None]
 _POLICIES = ("raise", "skip")
 
@@ -147,7 +149,7 @@ class FailureHandler:
             ) from error
         if self._on_error == "skip":
             warnings.warn(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}",
-                          SkippedSampleWarning, stacklevel=2)
+                          SkippedSampleWarning, stacklevel=first_frame_outside_pipeload())
         else:
             try:
                 self._on_error(error, site)  # type: ignore[operator]
