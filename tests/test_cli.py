@@ -127,16 +127,31 @@ def test_bad_input_is_one_line_and_a_non_zero_status(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("factory, workers", [("slow_dataset", "1"), ("slow_loader", "1"),
                                               ("slow_dataset", "auto")])
-def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, factory: str,
+def test_profile_with_few_batches_says_it_cannot_judge_yet(tmp_path: Path, factory: str,
                                                            workers: str) -> None:
     _write_factories(tmp_path)
     completed = pipeload_command(["profile", f"factories:{factory}", "--batches", "12",
                                   "--batch-size", "4", "--num-workers", workers], tmp_path, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
-    assert f"profiled 12 batches from factories:{factory}" in out
-    assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
-    assert "suggested settings: " in out
+    assert f"profiled 12 batches (1 epoch(s)) from factories:{factory}" in out
+    assert "the training loop waited" in out and "verdict: too little to judge yet" in out, out
+    assert "suggested settings: none yet (too little to judge" in out
+
+
+@pytest.mark.timeout(120)
+def test_profile_loads_until_it_can_judge_by_default(tmp_path: Path) -> None:
+    # 7 batches by default gave a confident verdict that was wrong; now it loads (epoch after
+    # epoch: the dataset holds 100 batches) until it has twice what a verdict needs.
+    _write_factories(tmp_path)
+    completed = pipeload_command(["profile", "factories:slow_dataset", "--batch-size", "4",
+                                  "--num-workers", "1"], tmp_path, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    profiled = re.search(r"profiled (\d+) batches \((\d+) epoch\(s\)\)", out)
+    assert profiled and int(profiled[1]) >= 100, out
+    assert "verdict: the dataset's `__getitem__` limits loading" in out, out
+    assert "too little" not in out
 
 
 @pytest.mark.timeout(60)

@@ -1,11 +1,11 @@
 """``pipeload`` on the command line (also ``python -m pipeload``).
 
     pipeload bench [--size N] [--workers N] [--repeats N] [--batch-size B] [--loaders a,b,...] [--chart PATH]
-    pipeload profile MODULE:FACTORY [--batches N] [--batch-size B] [--num-workers N] [--mode M]
-                     [--worker-type T] [--step-ms T]
+    pipeload profile MODULE:FACTORY [--batches N] [--max-seconds S] [--batch-size B]
+                     [--num-workers N] [--mode M] [--worker-type T] [--step-ms T]
 
 ``bench`` (bench.py) compares torch's DataLoader with pipeload's modes on a JPEG dataset it
-makes on first run; ``profile`` (profile.py) loads a few batches of your own data and prints the
+makes on first run; ``profile`` (profile.py) loads your own data until it can judge and prints the
 stats summary with suggested settings. A mistake in the arguments, a factory that cannot be
 imported or raises, a missing optional package: one line on stderr and a non-zero exit.
 """
@@ -129,14 +129,17 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 def _add_profile(commands: argparse._SubParsersAction) -> None:
     defaults = ProfileOptions(target="")
-    profile = commands.add_parser("profile", help="load a few batches of your data; say what limits it",
+    profile = commands.add_parser("profile", help="load your data until it can judge; say what limits it",
                                   description="Import MODULE, call FACTORY() for a dataset or a "
-                                  "DataLoader, load some batches, print the stats summary and "
+                                  "DataLoader, load batches (epoch after epoch) until the stats can "
+                                  "judge, print the stats summary and "
                                   "suggested settings.")
     profile.add_argument("target", metavar="MODULE:FACTORY",
                          help="e.g. mypackage.data:make_dataset; the current directory is importable")
     profile.add_argument("--batches", type=_at_least(1), default=defaults.batches,
-                         help="batches to load (default: %(default)s)")
+                         help="batches to load (default: until there is enough to judge)")
+    profile.add_argument("--max-seconds", type=_seconds, default=defaults.max_seconds,
+                         help="stop loading after this long, judged or not (default: %(default)s)")
     profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
                          help="for a dataset (default: %(default)s)")
     profile.add_argument("--num-workers", type=_workers, default=defaults.num_workers,
@@ -161,7 +164,7 @@ def _profile(args: argparse.Namespace) -> int:
     from pipeload.cli import profile
 
     return profile.run(ProfileOptions(args.target, args.batches, args.batch_size, args.num_workers,
-                                      args.mode, args.worker_type, args.step_ms))
+                                      args.mode, args.worker_type, args.step_ms, args.max_seconds))
 
 
 def _loader_names(text: str) -> tuple[str, ...]:
@@ -186,12 +189,21 @@ def _workers(text: str) -> int | str:
 
 
 def _milliseconds(text: str) -> float:
+    return _number_of("milliseconds", text, allow_zero=True)
+
+
+def _seconds(text: str) -> float:
+    return _number_of("seconds", text, allow_zero=False)
+
+
+def _number_of(unit: str, text: str, allow_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):  # also refuses nan, which compares false both ways
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+    # The comparisons also refuse nan, which compares false both ways.
+    if not (0 <= value if allow_zero else 0 < value) or not value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of {unit} {'>=' if allow_zero else '>'} 0, got {text!r}")
     return value
 
 

@@ -271,8 +271,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return StatsRecorder(self._stats_setup(), time_every_batch=any(self._auto))
 
     def _stats_setup(self) -> LoaderSetup:
+        kind = "pipe" if replica.graph_rules(self.dataset) is not None else self._dataset_kind.label
         return LoaderSetup(self.mode, self.worker_type, self.num_workers, self.prefetch_factor,
-                           self.batch_size, self.pin_memory)
+                           self.batch_size, self.pin_memory, usable_cpus(), kind)
 
     # -- copies ----------------------------------------------------------------------------
 
