@@ -59,7 +59,7 @@ def run(options: ProfileOptions) -> int:
     loader = as_loader(made, options)
     loader._stats.time_every_batch()  # measuring, not training: every wait timed
     started = time.perf_counter()
-    batches = _load(loader, options)
+    batches = load(loader, options)
     stats = loader.stats()
     print(f"profiled {batches} batches ({stats.epochs} epoch(s)) from {options.target} in "
           f"{time.perf_counter() - started:.1f} s")
@@ -150,8 +150,14 @@ def _rebuilt(loader: torch_data.DataLoader) -> pipeload.DataLoader:
                                drop_last=loader.drop_last, **kept)
 
 
-def _load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
-    """Load batches, epoch after epoch, until ``options`` says to stop; returns how many."""
+def load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
+    """Load batches, epoch after epoch, until ``options`` says to stop (``batches``, or enough
+    to judge; ``max_seconds`` at most), with ``step_ms`` of pretend training after each;
+    returns how many.
+
+    Raises:
+        CommandError: loading failed, or the loader gave no batch.
+    """
     step_s = options.step_ms / 1000
     deadline = time.perf_counter() + options.max_seconds
     batches = 0
