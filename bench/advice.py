@@ -116,14 +116,30 @@ def workloads() -> list[Workload]:
     ]
 
 
-def verdict_of(workload: Workload) -> tuple[str, tuple[tuple[str, Any], ...], str]:
-    """Profile a fresh loader as ``pipeload profile`` does: (what limits, suggested settings,
-    the verdict's words)."""
+@dataclass(frozen=True)
+class Verdict:
+    """One profile's verdict, and the readings it rests on."""
+
+    bottleneck: str
+    settings: tuple[tuple[str, Any], ...]
+    words: str
+    readings: str
+
+
+def verdict_of(workload: Workload) -> Verdict:
+    """Profile a fresh loader as ``pipeload profile`` does."""
     loader = workload.make()
     loader._stats.time_every_batch()
     load(loader, ProfileOptions(target=workload.name, step_ms=workload.step_ms))
-    diagnosis = diagnose(loader.stats())
-    return diagnosis.bottleneck, tuple(sorted(diagnosis.suggestions.items())), diagnosis.advice
+    stats = loader.stats()
+    diagnosis = diagnose(stats)
+    workers = [w for w in stats.workers if w.kind != "main" and w.tasks]
+    busy = sum(w.busy_s for w in workers)
+    readings = (f"{stats.batches} batches, waited {stats.wait_fraction:.0%}, busy "
+                f"{statistics.mean(w.busy_fraction for w in workers) if workers else 0:.0%}, on or queued "
+                f"for a CPU {sum(w.cpu_s + w.queued_s for w in workers) / busy if busy else 0:.0%}")
+    return Verdict(diagnosis.bottleneck, tuple(sorted(diagnosis.suggestions.items())), diagnosis.advice,
+                   readings)
 
 
 def samples_per_s(loader: pipeload.DataLoader, batches: int, step_ms: float) -> float:
@@ -205,12 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     advised = []
     for workload in chosen:
         verdicts = [verdict_of(workload) for _ in range(args.runs)]
-        counts = Counter((bottleneck, settings) for bottleneck, settings, _ in verdicts)
+        counts = Counter((v.bottleneck, v.settings) for v in verdicts)
         (bottleneck, settings), most = counts.most_common(1)[0]
         shown = "; ".join(f"{b} x{n}" for (b, _), n in counts.items())
         print(f"| {workload.name} | {most} of {args.runs} | {shown} | {dict(settings) or 'keep these'} |", flush=True)
-        for _, _, words in verdicts[:1]:
-            print(f"|   | | {words} | |", flush=True)
+        print(f"|   | | {verdicts[0].words} | |", flush=True)
+        print(f"|   | | runs: {'; '.join(v.readings for v in verdicts)} | |", flush=True)
         if settings:
             advised.append((workload, dict(settings)))
     if advised:

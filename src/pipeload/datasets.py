@@ -7,7 +7,7 @@ random streams, so ``random_split`` with the same generator state gives the same
 Each class also subclasses its namesake in ``torch.utils.data``, for identity alone: training
 frameworks decide what to do with a dataset by ``isinstance`` against torch's classes. Ours come
 first in every method resolution order and define every method torch's class defines, so none of
-torch's code runs (``tests/test_identity.py`` checks both).
+torch's code runs (the test suite checks both).
 """
 
 from __future__ import annotations

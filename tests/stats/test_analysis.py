@@ -97,9 +97,10 @@ def test_workers_neither_idle_nor_saturated_are_no_single_bottleneck(busy: float
 
 def test_a_stage_is_named_only_when_it_stands_out() -> None:
     even = tuple(_worker("", i, fetch_s=0.5, collate_s=0.45, cpu_s=0.9) for i in range(2))
-    assert "the loading work limits" in _verdict(_stats("classic", even, 0.5))
+    assert "the workers limit loading (the dataset's `__getitem__` 52%, `collate_fn` 47%)" in \
+        _verdict(_stats("classic", even, 0.5))
     lopsided = tuple(_worker("", i, fetch_s=0.8, collate_s=0.15, cpu_s=0.9) for i in range(2))
-    assert "the dataset's `__getitem__` limits" in _verdict(_stats("classic", lopsided, 0.5))
+    assert "the workers limit loading, in the dataset's `__getitem__`" in _verdict(_stats("classic", lopsided, 0.5))
 
 
 def test_suggested_worker_counts_follow_a_coarse_ladder() -> None:
@@ -215,7 +216,7 @@ def test_economic_collate_held_back_by_prefetch_factor_asks_for_it() -> None:
     held_back = tuple(_worker("batch", i, collate_s=0.5, cpu_s=0.01) for i in range(4))
     stats = _stats("economic", items + held_back, 1.0)
     assert stats.suggested_settings() == {"prefetch_factor": 4}, stats.summary()
-    assert "verdict: `collate_fn` limits loading" in stats.summary()
+    assert "verdict: the batch workers limit loading, in `collate_fn`" in stats.summary()
 
 
 def test_economic_workers_busy_is_given_per_kind() -> None:
@@ -265,7 +266,7 @@ def test_datapipes_and_iterable_datasets_are_not_said_to_have_getitem() -> None:
     for dataset, words in (("pipe", "the DataPipe graph"), ("iterable", "the dataset's `__iter__`")):
         stats = _stats("classic", _busy(2, 0.95, 0.02), 0.9, dataset=dataset)
         assert "__getitem__" not in stats.summary(), stats.summary()
-        assert f"verdict: {words} limits loading" in _verdict(stats)
+        assert f"verdict: the workers limit loading, in {words}" in _verdict(stats)
 
 
 def test_auto_is_offered_only_where_the_loader_re_tunes() -> None:

@@ -207,7 +207,7 @@ def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
     stats = loader.stats()
     assert stats.wait_fraction > 0.5
     text = stats.summary()
-    assert "verdict: the dataset's `__getitem__` limits loading" in text, text
+    assert "verdict: the workers limit loading, in the dataset's `__getitem__`" in text, text
     suggested = stats.suggested_settings()
     if stats.setup.cpus > 1:
         assert list(suggested) == ["num_workers"] and 1 < suggested["num_workers"] <= stats.setup.cpus

@@ -355,13 +355,16 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
         Taken after any batch, and loaded into a new DataLoader over the same dataset (in a new
         process, say), the new loader yields exactly the remaining batches of the epoch, then
-        the following epochs, as this one would have. What is guaranteed about random values
-        drawn while building batches is in docs/design/resume.md (``worker_seeding``). Between
-        ``load_state_dict()`` and the next ``iter()``, it is the state loaded.
+        the following epochs, as this one would have. Random values drawn while building
+        batches (augmentations) resume exactly too with ``worker_seeding="per_batch"``, in
+        economic mode, and with ``num_workers=0``; with torch's seeding (the default) workers
+        draw theirs afresh. Between ``load_state_dict()`` and the next ``iter()``, it is
+        the state loaded.
 
         Raises:
             ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across
-                ranks (see ``resume.check_can_checkpoint``).
+                ranks: out of order, the batch a padding rank repeats cannot be told from the
+                batches still to come (use ``in_order=True`` or ``equal_batches="drop"``).
         """
         resume.check_can_checkpoint(self)
         if self._loaded_state is not None:

@@ -11,7 +11,8 @@ so that identical runs get the same verdict and following it does not slow the l
 2. Pinning takes ``STANDS_OUT`` times the busiest loading stage: name it (try ``pin_memory=False``).
 3. No workers: the main process loads every batch itself; workers would take that off it.
 4. The busiest kind of worker is busy at least ``SATURATED`` of the time: the workers limit, and
-   the stage where they spend most is named if it takes ``STANDS_OUT`` times the next. A loop
+   the stage where they spend most is named if it takes ``STANDS_OUT`` times the next (else the
+   shares of the stages are given: naming one of two near-equal stages flipped between runs). A loop
    that waited a fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the
    usable CPUs when the workers compute (on a CPU, or ready and queued for one, at least
    ``COMPUTING`` of their busy time), beyond them when they mostly wait (under ``WAITING``: I/O,
@@ -47,6 +48,7 @@ FEWER_IF_BUSY = 0.35
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
 MAX_SUGGESTED_WORKERS = 64
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STAGES = ("fetch", "collate", "transfer")  # the loading stages, in the workers (or inline)
 # Thread workers that ran one CPU between them, give or take GIL_BAND, take turns on the GIL
 # (judged only with 3 CPUs or more: on 2, the main thread's share alone keeps them near one).
 GIL_BAND = 0.3
@@ -107,15 +109,14 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
         return Diagnosis("pinning", "pinning limits (pin_memory=True): it takes longer than "
                          f"{stage_words(stats, stage)}; try pin_memory=False, unless copies to the "
                          "accelerator need pinned memory", {"pin_memory": False})
-    what = stage_words(stats, stage) if stands_out else "the loading work"
     if not workers:
         target = _workers_for(stats, 1)
-        return Diagnosis(what, f"the main process loads every batch itself, and {what} takes most "
-                         f"of it while the loop waits {wait:.0%} of the time; try num_workers={target}",
-                         {"num_workers": target})
+        return Diagnosis("the main process", f"the main process loads every batch itself while the "
+                         f"loop waits {wait:.0%} of the time ({_split(stats)}); try "
+                         f"num_workers={target}", {"num_workers": target})
     busy = _busiest_kind(workers)
     if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
-        return _saturated(stats, stage, what)
+        return _saturated(stats, stage, stands_out)
     if busy <= IDLE:
         return Diagnosis("the main process", f"the workers idle {1 - busy:.0%} of the time while the "
                          f"loop waits {wait:.0%}: the main process's own work per batch limits "
@@ -140,31 +141,44 @@ def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     return Diagnosis("the training loop", words)
 
 
-def _saturated(stats: LoaderStats, stage: str, what: str) -> Diagnosis:
-    words = f"{what} limits loading"
-    if stats.setup.mode == "economic" and stage == "collate":  # the batch workers' stage
-        return _more_batch_workers(stats, words, [w for w in stats.workers if w.kind == "batch"])
+def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
+    """The workers limit: name their stage if it stands out, else give the split; then what
+    more (or other) workers would do."""
+    if stats.setup.mode == "economic" and stage == "collate" and stands_out:  # batch workers' stage
+        return _more_batch_workers(stats, [w for w in stats.workers if w.kind == "batch"])
+    what = stage_words(stats, stage) if stands_out else "that work"
+    words = (f"the workers limit loading, in {stage_words(stats, stage)}" if stands_out else
+             f"the workers limit loading ({_split(stats)})")
     workers = [w for w in stats.workers if w.kind in ("", "item")]
     count = _current_workers(stats)
     if _taking_turns_on_the_gil(stats, workers):
-        return Diagnosis(what, f"{words}, and the thread workers ran one CPU's worth between them: "
-                         "Python code holds the GIL, one thread at a time; try worker_type='process'",
-                         {"worker_type": "process"})
+        return Diagnosis("the workers", f"{words}, and the thread workers ran one CPU's worth between "
+                         "them: Python code holds the GIL, one thread at a time; try "
+                         "worker_type='process'", {"worker_type": "process"})
     share = _running_share(workers)
     if share < WAITING:
         target = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
         auto = " (or 'auto')" if retunable(stats) else ""
-        return Diagnosis(what, f"{words}, and the workers mostly wait in it (on a CPU or queued for "
-                         f"one {share:.0%} of their busy time: I/O, sleeps, locks): more workers than "
-                         f"CPUs help; try num_workers={target}{auto}", {"num_workers": target})
+        return Diagnosis("the workers", f"{words}, and they mostly wait there (on a CPU or queued "
+                         f"for one {share:.0%} of their busy time: I/O, sleeps, locks): more workers "
+                         f"than CPUs help; try num_workers={target}{auto}", {"num_workers": target})
     target = _workers_for(stats, count)
     if share < COMPUTING:
-        return Diagnosis(what, f"{words}; the workers partly compute, partly wait (on a CPU or "
+        return Diagnosis("the workers", f"{words}; they partly compute, partly wait (on a CPU or "
                          f"queued for one {share:.0%} of their busy time): no setting stands out")
     if target <= count:
-        return Diagnosis(what, f"{words}, and the {stats.setup.cpus} usable CPUs are all in use: "
-                         f"make {what} cheaper, or give the job more CPUs")
-    return Diagnosis(what, f"{words}; try num_workers={target}", {"num_workers": target})
+        return Diagnosis("the workers", f"{words}, and the {stats.setup.cpus} usable CPUs are all in "
+                         f"use: make {what} cheaper, or give the job more CPUs")
+    return Diagnosis("the workers", f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _split(stats: LoaderStats) -> str:
+    """Where the loading time went, in shares of the three stages (the largest first)."""
+    stages = stats.stages
+    total = sum(stages[name].seconds for name in STAGES) or 1.0
+    ranked = sorted(STAGES, key=lambda name: stages[name].seconds, reverse=True)
+    return ", ".join(f"{stage_words(stats, name)} {stages[name].seconds / total:.0%}" for name in ranked
+                     if stages[name].seconds / total >= 0.05)
 
 
 def _with_idle_shards(stats: LoaderStats, verdict: Diagnosis) -> Diagnosis:
@@ -227,13 +241,14 @@ def _taking_turns_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> 
     return alive > 0 and abs(on_cpu / alive - 1) <= GIL_BAND and queued < CROWDED * alive
 
 
-def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[WorkerStats]) -> Diagnosis:
+def _more_batch_workers(stats: LoaderStats, batch_workers: list[WorkerStats]) -> Diagnosis:
     """Economic mode's ``collate_fn`` limits: more batch workers, bounded as classic workers are
     (a loop that waited all the time would otherwise ask for thousands)."""
     count, capacity = len(batch_workers), stats.queue.capacity
     what = stage_words(stats, "collate")
+    words = f"the batch workers limit loading, in {what}"
     if _batch_workers_held_back(stats):
-        return Diagnosis(what, f"{words}, and only prefetch_factor={capacity} batches are collated "
+        return Diagnosis("the batch workers", f"{words}, and only prefetch_factor={capacity} batches are collated "
                          f"at once: try prefetch_factor={count} (as many batches in memory)",
                          {"prefetch_factor": count})
     share = _running_share(batch_workers)
@@ -242,15 +257,15 @@ def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[Work
     elif share >= COMPUTING:
         more = _workers_for(stats, count)
     else:
-        return Diagnosis(what, f"{words}; the batch workers partly compute, partly wait: no setting "
+        return Diagnosis("the batch workers", f"{words}; they partly compute, partly wait: no setting "
                          "stands out")
     if more <= count:
-        return Diagnosis(what, f"{words}, and the {stats.setup.cpus} usable CPUs are all in use: "
-                         f"make {what} cheaper, or give the job more CPUs")
+        return Diagnosis("the batch workers", f"{words}, and the {stats.setup.cpus} usable CPUs are "
+                         f"all in use: make {what} cheaper, or give the job more CPUs")
     settings = {"num_batch_workers": more}
     if more > capacity:  # economic mode collates at most prefetch_factor batches at once
         settings["prefetch_factor"] = more
-    return Diagnosis(what, f"{words}; try " + ", ".join(f"{name}={value}" for name, value in settings.items()),
+    return Diagnosis("the batch workers", f"{words}; try " + ", ".join(f"{name}={value}" for name, value in settings.items()),
                      settings)
 
 
@@ -279,7 +294,7 @@ def _ladder(count: int) -> int:
 def _busiest_stage(stats: LoaderStats) -> tuple[str, bool]:
     """The loading stage that took longest, and whether it took ``STANDS_OUT`` times the next."""
     stages = stats.stages
-    ranked = sorted(("fetch", "collate", "transfer"), key=lambda name: stages[name].seconds, reverse=True)
+    ranked = sorted(STAGES, key=lambda name: stages[name].seconds, reverse=True)
     first, second = stages[ranked[0]].seconds, stages[ranked[1]].seconds
     return ranked[0], first >= STANDS_OUT * second
 
