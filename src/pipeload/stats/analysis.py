@@ -18,8 +18,9 @@ so that identical runs get the same verdict and following it does not slow the l
    ``COMPUTING`` of their busy time), beyond them when they mostly wait (under ``WAITING``: I/O,
    remote reads, sleeps); in between, nothing is suggested. Numbers are rounded up to a coarse
    ladder (``LADDER``), so noise between runs does not move them by one.
-5. Workers busy at most ``IDLE`` while the loop waits: the main process's own work per batch
-   limits. Between ``IDLE`` and ``SATURATED``: no single bottleneck.
+5. Process workers busy at most ``IDLE`` while the loop waits: the main process's own work per
+   batch limits (thread workers hand batches over for next to nothing: there, as between
+   ``IDLE`` and ``SATURATED``, no single bottleneck stands out).
 
 Whatever the verdict, workers of an iterable dataset that built no batch at all are named: the
 dataset has fewer shards than workers, and as many workers as shards do the same work.
@@ -110,17 +111,24 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
                          f"{stage_words(stats, stage)}; try pin_memory=False, unless copies to the "
                          "accelerator need pinned memory", {"pin_memory": False})
     if not workers:
+        words = (f"the main process loads every batch itself while the loop waits {wait:.0%} of "
+                 f"the time ({_split(stats)})")
+        if stats.setup.cpus < 2:  # a worker would share the one CPU with the loop
+            return Diagnosis("the main process", f"{words}; with one usable CPU, workers would only "
+                             "take turns with it")
         target = _workers_for(stats, 1)
-        return Diagnosis("the main process", f"the main process loads every batch itself while the "
-                         f"loop waits {wait:.0%} of the time ({_split(stats)}); try "
-                         f"num_workers={target}", {"num_workers": target})
+        return Diagnosis("the main process", f"{words}; try num_workers={target}", {"num_workers": target})
     busy = _busiest_kind(workers)
     if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
         return _saturated(stats, stage, stands_out)
-    if busy <= IDLE:
+    if busy <= IDLE and stats.setup.worker_type == "process":
         return Diagnosis("the main process", f"the workers idle {1 - busy:.0%} of the time while the "
                          f"loop waits {wait:.0%}: the main process's own work per batch limits "
                          "(receiving, unpickling, reordering, pinning, or other work in this process)")
+    if busy <= IDLE:  # thread workers: the main thread's work per batch is next to nothing
+        return Diagnosis("no single bottleneck", f"the thread workers idle {1 - busy:.0%} of the time "
+                         f"while the loop waits {wait:.0%}: they and the loop's thread take turns on "
+                         "the GIL and the CPUs, and no one part stands out; keep these settings")
     return Diagnosis("no single bottleneck", f"the loop waits {wait:.0%} of the time and the workers "
                      f"are busy {busy:.0%}: neither they nor the main process stands out; keep these "
                      "settings")
