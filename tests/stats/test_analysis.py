@@ -248,6 +248,10 @@ def test_thread_workers_are_not_sent_to_processes_where_the_gil_cannot_be_told_a
     crowded = _stats("classic", _busy(2, 0.9, 0.45, queued=0.4), 0.9, worker_type="thread", cpus=4)
     for stats in (two_cpus, crowded):
         assert "worker_type" not in stats.suggested_settings(), stats.summary()
+    # Nor to more threads: a thread waiting for the GIL reads as waiting, as on I/O.
+    assert "num_workers" not in two_cpus.suggested_settings(), two_cpus.summary()
+    io_threads = _stats("classic", _busy(2, 0.9, 0.05), 0.9, worker_type="thread")
+    assert io_threads.suggested_settings()["num_workers"] > 2  # under half a CPU: truly waiting
     idle = _stats("classic", _busy(2, 0.2, 0.2), 0.5)  # the main process limits
     assert "worker_type" not in idle.suggested_settings() and "worker_type" not in _verdict(idle)
 
@@ -308,3 +312,13 @@ def test_idle_thread_workers_do_not_blame_the_main_process() -> None:
     assert threads.suggested_settings() == {}
     processes = _stats("classic", _busy(2, 0.35, 0.35), 0.9)
     assert analysis.diagnose(processes).bottleneck == "the main process"
+
+
+def test_workers_running_outside_their_stages_are_not_idle() -> None:
+    # The README's ten lines: the stages read 26% to 40% busy for workers that were on a CPU or
+    # queued for one 60% to 70% of their life (per-task work outside the timed stages), and the
+    # verdict flipped between "the main process" and "no single bottleneck".
+    stats = _stats("classic", _busy(2, 0.3, 0.55, queued=0.1), 0.98)
+    assert analysis.occupancy(stats.workers[0]) == pytest.approx(0.65)
+    assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
+    assert "occupied 65%" in _verdict(stats)

@@ -10,15 +10,19 @@ so that identical runs get the same verdict and following it does not slow the l
    Between ``KEEPS_UP`` and ``LIMITS``: loading nearly keeps up, nothing stands out.
 2. Pinning takes ``STANDS_OUT`` times the busiest loading stage: name it (try ``pin_memory=False``).
 3. No workers: the main process loads every batch itself; workers would take that off it.
-4. The busiest kind of worker is busy at least ``SATURATED`` of the time: the workers limit, and
+4. The busiest kind of worker is occupied at least ``SATURATED`` of the time (in its stages, or
+   else on a CPU or queued for one: per-task work outside the stages counts too, see
+   :func:`occupancy`): the workers limit, and
    the stage where they spend most is named if it takes ``STANDS_OUT`` times the next (else the
    shares of the stages are given: naming one of two near-equal stages flipped between runs). A loop
    that waited a fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the
    usable CPUs when the workers compute (on a CPU, or ready and queued for one, at least
    ``COMPUTING`` of their busy time), beyond them when they mostly wait (under ``WAITING``: I/O,
-   remote reads, sleeps); in between, nothing is suggested. Numbers are rounded up to a coarse
+   remote reads, sleeps; thread workers only while they run under ``GIL_FREE`` of a CPU
+   between them, as a thread waiting for the GIL looks the same); in between, nothing is
+   suggested. Numbers are rounded up to a coarse
    ladder (``LADDER``), so noise between runs does not move them by one.
-5. Process workers busy at most ``IDLE`` while the loop waits: the main process's own work per
+5. Process workers occupied at most ``IDLE`` while the loop waits: the main process's own work per
    batch limits (thread workers hand batches over for next to nothing: there, as between
    ``IDLE`` and ``SATURATED``, no single bottleneck stands out).
 
@@ -40,10 +44,11 @@ MIN_STEADY_BATCHES = 50
 MIN_STEADY_S = 2.0
 KEEPS_UP = 0.05
 LIMITS = 0.15
-SATURATED = 0.70
+SATURATED = 0.80
 IDLE = 0.40
-WAITING = 0.35
-COMPUTING = 0.65
+WAITING = 0.50
+COMPUTING = 0.75
+GIL_FREE = 0.5  # thread workers running less than this CPU between them do not queue on the GIL
 STANDS_OUT = 1.5
 FEWER_IF_BUSY = 0.35
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
@@ -118,7 +123,7 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
                              "take turns with it")
         target = _workers_for(stats, 1)
         return Diagnosis("the main process", f"{words}; try num_workers={target}", {"num_workers": target})
-    busy = _busiest_kind(workers)
+    busy = _busiest_kind(workers)  # occupied, in fact: see occupancy()
     if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
         return _saturated(stats, stage, stands_out)
     if busy <= IDLE and stats.setup.worker_type == "process":
@@ -130,15 +135,15 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
                          f"while the loop waits {wait:.0%}: they and the loop's thread take turns on "
                          "the GIL and the CPUs, and no one part stands out; keep these settings")
     return Diagnosis("no single bottleneck", f"the loop waits {wait:.0%} of the time and the workers "
-                     f"are busy {busy:.0%}: neither they nor the main process stands out; keep these "
-                     "settings")
+                     f"are occupied {busy:.0%} of theirs: neither they nor the main process stands "
+                     "out; keep these settings")
 
 
 def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     words = f"loading keeps up: the training loop waited only {stats.wait_fraction:.0%} of the time"
     if not workers:
         return Diagnosis("the training loop", words)
-    busy = mean_busy(workers)
+    busy = sum(occupancy(w) for w in workers) / len(workers)
     words += f" (workers idle {1 - busy:.0%} of the time)"
     count = stats.setup.num_workers
     if count > 1 and busy <= FEWER_IF_BUSY:
@@ -164,9 +169,9 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
                          "them: Python code holds the GIL, one thread at a time; try "
                          "worker_type='process'", {"worker_type": "process"})
     share = _running_share(workers)
-    if share < WAITING:
+    if share < WAITING and not _threads_may_queue_on_the_gil(stats, workers):
         target = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
-        auto = " (or 'auto')" if retunable(stats) else ""
+        auto = " (or 'auto')" if retunable(stats) and not stats.decisions else ""  # not if it is
         return Diagnosis("the workers", f"{words}, and they mostly wait there (on a CPU or queued "
                          f"for one {share:.0%} of their busy time: I/O, sleeps, locks): more workers "
                          f"than CPUs help; try num_workers={target}{auto}", {"num_workers": target})
@@ -308,9 +313,29 @@ def _busiest_stage(stats: LoaderStats) -> tuple[str, bool]:
 
 
 def _busiest_kind(workers: list[WorkerStats]) -> float:
-    """The mean busy fraction of the busiest kind of worker (economic mode has two kinds)."""
+    """The mean occupancy of the most occupied kind of worker (economic mode has two kinds)."""
     kinds = {w.kind for w in workers}
-    return max(mean_busy([w for w in workers if w.kind == kind]) for kind in kinds)
+    return max(sum(occupancy(w) for w in mine) / len(mine)
+               for mine in ([w for w in workers if w.kind == kind] for kind in kinds))
+
+
+def occupancy(worker: WorkerStats) -> float:
+    """The share of its life a worker was not idle: in its stages (busy), or else running or
+    queued to run. A worker waiting for its next task is neither; one busy with per-task work
+    outside the timed stages (receiving the task, writing the batch's slab) is running: the
+    stages alone read 26% to 40% "busy" for workers on a CPU or queued 60% to 70% of their life."""
+    if worker.alive_s <= 0:
+        return 0.0
+    return min(1.0, max(worker.busy_s, worker.cpu_s + worker.queued_s) / worker.alive_s)
+
+
+def _threads_may_queue_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> bool:
+    """Thread workers running half a CPU or more between them: what reads as waiting may be
+    waiting for the GIL, which more threads would only lengthen."""
+    if stats.setup.worker_type != "thread" or not workers:
+        return False
+    alive = max(w.alive_s for w in workers)
+    return alive > 0 and sum(w.cpu_s for w in workers) >= GIL_FREE * alive
 
 
 def mean_busy(workers: list[WorkerStats]) -> float:
