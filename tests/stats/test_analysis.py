@@ -322,3 +322,16 @@ def test_workers_running_outside_their_stages_are_not_idle() -> None:
     assert analysis.occupancy(stats.workers[0]) == pytest.approx(0.65)
     assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
     assert "occupied 65%" in _verdict(stats)
+
+
+def test_waiting_in_the_hand_over_is_not_read_as_io() -> None:
+    # Economic item workers wait for the batch workers while handing items over: more item
+    # workers would only wait too. Only a wait inside the dataset asks for more workers.
+    handing = tuple(WorkerStats("item", i, tasks=100, samples=800, fetch_s=0.5 * ALIVE_S, collate_s=0.0,
+                                transfer_s=0.45 * ALIVE_S, bytes_out=1024, alive_s=ALIVE_S,
+                                cpu_s=0.3 * ALIVE_S) for i in range(2))
+    batch_workers = tuple(_worker("batch", i, collate_s=0.05, cpu_s=0.05) for i in range(2))
+    stats = _stats("economic", handing + batch_workers, 1.0)
+    assert stats.suggested_settings() == {}, stats.summary()
+    fetching = _busy(2, 0.95, 0.1)
+    assert "num_workers" in _stats("classic", fetching, 1.0).suggested_settings()

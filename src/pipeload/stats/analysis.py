@@ -18,9 +18,9 @@ so that identical runs get the same verdict and following it does not slow the l
    that waited a fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the
    usable CPUs when the workers compute (on a CPU, or ready and queued for one, at least
    ``COMPUTING`` of their busy time), beyond them when they mostly wait (under ``WAITING``: I/O,
-   remote reads, sleeps; thread workers only while they run under ``GIL_FREE`` of a CPU
-   between them, as a thread waiting for the GIL looks the same); in between, nothing is
-   suggested. Numbers are rounded up to a coarse
+   remote reads, sleeps; only when fetching stands out, as waits in handing over are
+   back-pressure; thread workers only while they run under ``GIL_FREE`` of a CPU between them,
+   as a thread waiting for the GIL looks the same); otherwise nothing is suggested. Numbers are rounded up to a coarse
    ladder (``LADDER``), so noise between runs does not move them by one.
 5. Process workers occupied at most ``IDLE`` while the loop waits: the main process's own work per
    batch limits (thread workers hand batches over for next to nothing: there, as between
@@ -169,7 +169,8 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
                          "them: Python code holds the GIL, one thread at a time; try "
                          "worker_type='process'", {"worker_type": "process"})
     share = _running_share(workers)
-    if share < WAITING and not _threads_may_queue_on_the_gil(stats, workers):
+    # Waiting counts as I/O only inside the dataset: waits in handing over are back-pressure.
+    if share < WAITING and stage == "fetch" and stands_out and not _threads_may_queue_on_the_gil(stats, workers):
         target = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
         auto = " (or 'auto')" if retunable(stats) and not stats.decisions else ""  # not if it is
         return Diagnosis("the workers", f"{words}, and they mostly wait there (on a CPU or queued "
