@@ -72,7 +72,19 @@ def test_a_pipe_pickles_as_its_description() -> None:
     pipe = IterableWrapper(range(6)).map(add_one).shuffle().set_seed(3).batch(2)
     restored = pickle.loads(pickle.dumps(pipe))
     assert list(restored) == list(pipe)  # the seed travels with the description: same order
-    assert repr(restored) == "Batcher" and str(restored.datapipe.datapipe) == "Mapper"
+    assert repr(restored) == repr(pipe)
+    assert str(restored.datapipe.datapipe) == "Mapper(add_one) <- IterableWrapper(range(0, 6))"
+
+
+def test_a_pipes_repr_says_what_it_applies_and_where_it_reads_from() -> None:
+    # It read just "Mapper": nothing of which function, nor over what.
+    pipe = IterableWrapper(list(range(200))).shuffle(buffer_size=50).map(add_one).batch(4)
+    assert repr(pipe) == ("Batcher(batch_size=4) <- Mapper(add_one) <- Shuffler(buffer_size=50) "
+                          "<- IterableWrapper(list of 200 items)")
+    deep = pipe.map(add_one).map(add_one)
+    assert repr(deep) == "Mapper(add_one) <- Mapper(add_one) <- Batcher(batch_size=4) <- Mapper(add_one) <- ..."
+    assert str(IterableWrapper(range(3)).zip(IterableWrapper(range(3)))) == (
+        "Zipper <- (IterableWrapper(range(0, 3)), IterableWrapper(range(0, 3)))")
 
 
 def test_two_iterators_over_one_pipe_do_not_disturb_each_other() -> None:

@@ -9,7 +9,7 @@ iterator holds all of that run's state and answers the non-blocking protocol
 (``nonblocking_next()`` raises :class:`NotAvailable` while nothing is ready). Parts of a graph
 can run in other threads or processes behind a ``queue_boundary``; ``graph`` walks, edits,
 shards and seeds whole graphs. ``sources`` reads files, tar shards and WebDataset samples,
-local or remote; ``webdataset_pipeline`` builds the common graph in one call. ``docs/design/datapipes.md`` explains the execution model.
+local or remote; ``webdataset_pipeline`` builds the common graph in one call. The design note (docs/design/datapipes.md in the source repository) explains the execution model.
 """
 
 from pipeload.datapipes import graph, iter, map, sources

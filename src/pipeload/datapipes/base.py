@@ -49,7 +49,10 @@ class _DescribedPipe:
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        return type(self).__qualname__
+        """The pipe's class, what it applies (a function's name, a size), and where it reads
+        from, briefly: ``Mapper(decode) <- Shuffler(buffer_size=10000) <- IterableWrapper(list of
+        200 items)``."""
+        return describe_pipe(self)
 
     __str__ = __repr__
 
@@ -251,6 +254,51 @@ def is_map_datapipe(obj: object) -> bool:
 def is_datapipe(obj: object) -> bool:
     """Any pipe, ours or torch's."""
     return isinstance(obj, (IterDataPipe, MapDataPipe, _TorchIterDataPipe, _TorchMapDataPipe))
+
+
+REPR_ANCESTORS = 3  # pipes named in a repr above the pipe itself; further ones read "..."
+_REPR_SETTINGS = ("batch_size", "buffer_size", "num_instances", "limit")  # shown when set
+
+
+def describe_pipe(pipe: Any, ancestors: int = REPR_ANCESTORS) -> str:
+    """``pipe``'s repr: class, what it applies, then its parents (``a <- b``, or ``(a, b)`` for
+    several), ``ancestors`` deep."""
+    here = f"{type(pipe).__qualname__}{_what_it_applies(pipe)}"
+    parents = [parent for _, parent in parent_slots(pipe)]
+    if not parents:
+        return here
+    if ancestors == 0:
+        return f"{here} <- ..."
+    described = [describe_pipe(parent, ancestors - 1) if isinstance(parent, _DescribedPipe)
+                 else type(parent).__qualname__ for parent in parents]
+    return f"{here} <- {described[0]}" if len(described) == 1 else f"{here} <- ({', '.join(described)})"
+
+
+def _what_it_applies(pipe: Any) -> str:
+    """``(fn_name)``, ``(batch_size=64)``, or a source's data in a few words; "" for nothing."""
+    state = _state_of(pipe)
+    parts = [_function_name(value) for name, value in state.items()
+             if callable(value) and not isinstance(value, (type, _DescribedPipe)) and not name.startswith("_")]
+    parts += [f"{name}={state[name]!r}" for name in _REPR_SETTINGS if state.get(name) is not None]
+    if not parts and getattr(pipe, "_parent_fields", None) == ():  # a source: its data, briefly
+        data = next((value for name, value in state.items() if not name.startswith("_")), None)
+        parts = [_data_words(data)] if data is not None else []
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def _function_name(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"partial({name})" if inner is not fn else name
+
+
+def _data_words(data: Any) -> str:
+    if isinstance(data, (str, bytes, range)):
+        return repr(data) if len(data) <= 40 else f"{type(data).__name__} of {len(data)}"
+    try:
+        return f"{type(data).__name__} of {len(data):,} items"
+    except TypeError:
+        return type(data).__name__
 
 
 def parent_slots(pipe: Any) -> list[tuple[str, Any]]:

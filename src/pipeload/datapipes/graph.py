@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_datapipe, parent_slots
 from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES
 
@@ -324,7 +325,7 @@ def apply_shuffle_settings(datapipe: Any, shuffle: bool | None = None) -> Any:
         warnings.warn(
             "`shuffle=True` was set, but the datapipe does not contain a `Shuffler`. Adding one at "
             "the end. Be aware that the default buffer size might not be sufficient for your task.",
-            stacklevel=3,
+            stacklevel=first_frame_outside_pipeload(),
         )
         datapipe = datapipe.shuffle()
         shufflers = [datapipe]

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
+
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
@@ -384,14 +386,17 @@ def check_picklable(
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
-            if sender == "DataLoader":
-                warnings.warn(PICKLE_WARNING, stacklevel=6)  # the user's iter(loader) / for loop
+            if sender == "DataLoader" and FORKSERVER_BY_DEFAULT:  # torch's warning, where it applies
+                warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
             raise _unpicklable(exc, name, obj, start_method, sender) from exc
         finally:
             set_spawning_popen(None)
 
 
-# torch's warning, word for word.
+# torch's warning, word for word. It blames Python 3.14's new default start method, so it is
+# given only where that default holds (torch gives it everywhere); elsewhere the error that
+# follows says what could not be sent and why.
+FORKSERVER_BY_DEFAULT = sys.version_info >= (3, 14) and sys.platform not in ("darwin", "win32")
 PICKLE_WARNING = (
     "Got pickle error when attempting to start a worker Process. This might be because the "
     "worker Process arguments are not picklable. Python 3.14+ changed the multiprocessing start "

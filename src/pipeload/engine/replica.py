@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.distributed import share_from_rank0
 from pipeload.engine.plan import DatasetKind, ReplicaSetup
 
@@ -301,7 +302,7 @@ def _set_shuffles(pipes: list[Any], graph: Any, shuffle: bool) -> None:
             f"shuffle=True has no effect: the DataPipe graph {graph} has no shuffle step, so its "
             "samples come in their own order. Add .shuffle() to the graph where the order should "
             "be mixed.",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
     for pipe in shufflers:
         pipe.set_shuffle(shuffle)

@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Any
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.errors import exact_value
 from pipeload.samplers import (
     RandomSampler,
@@ -312,5 +313,5 @@ def warn_if_too_many_workers(num_workers: int, batch_workers: int = 0) -> None:
         f"This DataLoader will create {num_workers} worker processes in total. {suggestion} "
         "Please be aware that excessive worker creation might get DataLoader running slow or "
         f"even freeze, lower the worker number to avoid potential slowness/freeze if necessary.{economic}",
-        stacklevel=3,
+        stacklevel=first_frame_outside_pipeload(),
     )

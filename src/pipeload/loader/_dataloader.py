@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.loader import _engine_choice
@@ -274,8 +275,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return StatsRecorder(self._stats_setup(), time_every_batch=any(self._auto))
 
     def _stats_setup(self) -> LoaderSetup:
+        kind = "pipe" if replica.graph_rules(self.dataset) is not None else self._dataset_kind.label
         return LoaderSetup(self.mode, self.worker_type, self.num_workers, self.prefetch_factor,
-                           self.batch_size, self.pin_memory)
+                           self.batch_size, self.pin_memory, usable_cpus(), kind)
 
     # -- copies ----------------------------------------------------------------------------
 
@@ -384,13 +386,16 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
         Taken after any batch, and loaded into a new DataLoader over the same dataset (in a new
         process, say), the new loader yields exactly the remaining batches of the epoch, then
-        the following epochs, as this one would have. What is guaranteed about random values
-        drawn while building batches is in docs/design/resume.md (``worker_seeding``). Between
-        ``load_state_dict()`` and the next ``iter()``, it is the state loaded.
+        the following epochs, as this one would have. Random values drawn while building
+        batches (augmentations) resume exactly too with ``worker_seeding="per_batch"``, in
+        economic mode, and with ``num_workers=0``; with torch's seeding (the default) workers
+        draw theirs afresh. Between ``load_state_dict()`` and the next ``iter()``, it is
+        the state loaded.
 
         Raises:
             ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across
-                ranks (see ``resume.check_can_checkpoint``).
+                ranks: out of order, the batch a padding rank repeats cannot be told from the
+                batches still to come (use ``in_order=True`` or ``equal_batches="drop"``).
         """
         resume.check_can_checkpoint(self)
         if self._loaded_state is not None:
@@ -430,7 +435,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         message = replication_warning(self.dataset, self.sampler, self.batch_sampler)
         if message is not None:
             self._warned_every_rank_loads_all = True
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     def _warn_if_graph_unsharded(self) -> None:
         # Once per loader: walking a torch graph pickles it, data and all.
@@ -440,7 +445,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         world_size = current_placement().world_size
         message = replica.unsharded_warning(self.dataset, max(self.num_workers, 1), world_size)
         if message is not None:
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     @property
     def _iterator(self) -> _EpochIterator | None:

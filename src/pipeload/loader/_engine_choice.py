@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.distributed import check_ranks_can_agree, current_placement
@@ -176,14 +177,14 @@ def _maybe_pin(loader: Any, engine: Any) -> Any:
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device,ignore pin_memory_device='{loader.pin_memory_device}'. (pipeload: batches "
             "are pinned for the current accelerator.)",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
     if not pinning_available():
         warnings.warn(
             "'pin_memory' argument is set as true but no accelerator is found, then device "
             "pinned memory won't be used. (pipeload: batches are handed out in ordinary "
             "memory.)",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
         return engine
     if loader.num_workers == 0:

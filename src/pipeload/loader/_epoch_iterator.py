@@ -12,6 +12,7 @@ import warnings
 import weakref
 from typing import Any
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
@@ -174,4 +175,4 @@ def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers
             "examples. (pipeload: with several workers, each worker's replica must yield only "
             "its share: see get_worker_info().)"
         )
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=first_frame_outside_pipeload())

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeload._rng_state import encode_state
 from pipeload._state_digest import sealed
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
@@ -280,7 +281,7 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
             f"{_stage_without_state(loader)}, so resuming reads the {again} batches already handed "
             "out this epoch again and drops them. Give it state_dict()/load_state_dict() to resume "
             "without re-reading.",
-            stacklevel=4,  # the caller of load_state_dict
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
 
 
@@ -295,7 +296,7 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             "start and skips the batches already handed out. That gives the same keys only if it "
             "draws no random numbers, or draws them from torch's global generator when its "
             "iteration starts; give it state_dict()/load_state_dict() otherwise.",
-            stacklevel=4,  # the caller of load_state_dict
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
         return
 

@@ -380,7 +380,8 @@ class KindedSessionStats(SessionStats):
 
 @dataclass(frozen=True)
 class LoaderSetup:
-    """The settings a snapshot reports and the analysis reasons about."""
+    """The settings a snapshot reports and the analysis reasons about; ``dataset`` says what
+    kind it is: "map", "iterable" or "pipe" (a DataPipe graph)."""
 
     mode: str
     worker_type: str
@@ -389,6 +390,7 @@ class LoaderSetup:
     batch_size: int | None
     pin_memory: bool
     cpus: int = field(default_factory=usable_cpus)
+    dataset: str = "map"
 
 
 class StatsRecorder:
@@ -427,6 +429,13 @@ class StatsRecorder:
             if kinds:
                 return KindedSessionStats(self, self._sessions, capacity, kinds)
             return SessionStats(self, self._sessions, capacity)
+
+    def time_every_batch(self) -> None:
+        """Time the training loop's wait for every batch from now on, not one pair in
+        ``LOOK_EVERY`` (``pipeload profile``, which measures rather than trains, and
+        ``num_workers="auto"``, which judges short windows). Before the first epoch only."""
+        if self._consumer.epochs == 0:
+            self._consumer = _Consumer(1)
 
     @property
     def consumer(self) -> _Consumer:

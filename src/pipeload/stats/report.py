@@ -210,7 +210,7 @@ class LoaderStats:
 
     def summary(self) -> str:
         """A few lines in words: throughput, where the time goes, the bottleneck, what to try."""
-        from pipeload.stats.analysis import summarise  # the words live beside their rules
+        from pipeload.stats.summary import summarise  # the words live apart, beside their rules
 
         return summarise(self)
 

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeVar
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe
 from pipeload.datapipes.iter._columns import no_length
@@ -67,7 +68,7 @@ class _WrapperIterator(PipeIterator[Any]):
             warnings.warn(
                 "The input iterable can not be deepcopied, please be aware of in-place "
                 f"modification would affect source data. ({type(self._pipe.iterable).__name__})",
-                stacklevel=4,
+                stacklevel=first_frame_outside_pipeload(),
             )
             return self._pipe.iterable
 
@@ -112,7 +113,7 @@ class SequenceWrapper(MapDataPipe[T]):
                 warnings.warn(
                     "The input sequence can not be deepcopied, please be aware of in-place "
                     f"modification would affect source data ({type(sequence).__name__})",
-                    stacklevel=2,
+                    stacklevel=first_frame_outside_pipeload(),
                 )
 
     def __getitem__(self, index: Any) -> T:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pipeload.datapipes.sources.errors import SourceError
 from pipeload.stats.skips import BoardSlot, Counts
+from pipeload._user_frame import first_frame_outside_pipeload
 
 OnError = Literal["raise", "skip"] | Callable[[BaseException, "FailureSite"], None]
 _POLICIES = ("raise", "skip")
@@ -192,7 +193,7 @@ class FailureHandler:
         if self._on_error == "skip":
             notes = "".join(f" ({note.removeprefix('pipeload: ')})" for note in getattr(error, "__notes__", ()))
             warnings.warn(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
-                          SkippedSampleWarning, stacklevel=2)
+                          SkippedSampleWarning, stacklevel=first_frame_outside_pipeload())
         else:
             try:
                 self._on_error(error, site)  # type: ignore[operator]
