@@ -12,6 +12,7 @@ import linecache
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -172,11 +173,19 @@ def fork_branch_restarted_unfinished() -> None:
     iter(first)  # warns here
 
 
+def _read_and_close(item: tuple[str, Any]) -> bytes:
+    with item[1] as stream:
+        return stream.read()
+
+
 def skipped_unreadable_file(tmp_path_factory: pytest.TempPathFactory) -> None:
     from pipeload.datapipes.sources import FileOpener
 
-    missing = str(tmp_path_factory.mktemp("files") / "missing.bin")
-    loader = pipeload.DataLoader(FileOpener(IterableWrapper([missing]), on_error="skip"), batch_size=None)
+    folder = tmp_path_factory.mktemp("files")
+    (folder / "present.bin").write_bytes(b"x")  # an epoch in which every file failed is an error
+    files = [str(folder / "missing.bin"), str(folder / "present.bin")]
+    loader = pipeload.DataLoader(FileOpener(IterableWrapper(files), on_error="skip").map(_read_and_close),
+                                 batch_size=None)
     list(loader)  # warns here
 
 
