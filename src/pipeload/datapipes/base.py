@@ -263,7 +263,7 @@ _REPR_SETTINGS = ("batch_size", "buffer_size", "num_instances", "limit")  # show
 def describe_pipe(pipe: Any, ancestors: int = REPR_ANCESTORS) -> str:
     """``pipe``'s repr: class, what it applies, then its parents (``a <- b``, or ``(a, b)`` for
     several), ``ancestors`` deep."""
-    here = f"{type(pipe).__qualname__}{_what_it_applies(pipe)}"
+    here = pipe_label(pipe)
     parents = [parent for _, parent in parent_slots(pipe)]
     if not parents:
         return here
@@ -272,6 +272,11 @@ def describe_pipe(pipe: Any, ancestors: int = REPR_ANCESTORS) -> str:
     described = [describe_pipe(parent, ancestors - 1) if isinstance(parent, _DescribedPipe)
                  else type(parent).__qualname__ for parent in parents]
     return f"{here} <- {described[0]}" if len(described) == 1 else f"{here} <- ({', '.join(described)})"
+
+
+def pipe_label(pipe: Any) -> str:
+    """The pipe alone, without its parents: ``Mapper(decode)``, ``Batcher(batch_size=64)``."""
+    return f"{type(pipe).__qualname__}{_what_it_applies(pipe)}"
 
 
 def _what_it_applies(pipe: Any) -> str:
