@@ -21,6 +21,7 @@ from pipeload.datapipes.base import (
     is_iter_datapipe,
     is_map_datapipe,
 )
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.lazy import lazy_init
 from pipeload.datapipes.protocol import NotAvailable, PipeIterator, as_nonblocking
@@ -28,10 +29,12 @@ from pipeload.datapipes.sources.pipeline import webdataset_pipeline
 
 __all__ = [
     "DataChunk",
+    "DataLoaderQueue",
     "IterDataPipe",
     "MapDataPipe",
     "NotAvailable",
     "PipeIterator",
+    "QueueError",
     "as_nonblocking",
     "functional_datapipe",
     "graph",
