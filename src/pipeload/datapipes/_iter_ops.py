@@ -218,9 +218,21 @@ class IterOperations:
         return Prefetcher(self, buffer_size)  # type: ignore[arg-type]
 
     def queue_boundary(
-        self, worker_type: str = "thread", buffer_size: int = 8, multiprocessing_context: Any = None
+        self, worker_type: str = "thread", buffer_size: int = 8, multiprocessing_context: Any = None,
+        **ray_options: Any,
     ) -> QueueBoundary:
-        """Run everything upstream of here in another thread or process; see :class:`QueueBoundary`."""
+        """Run everything upstream of here in another thread or process; see :class:`QueueBoundary`.
+        ``worker_type="ray"`` runs it in Ray actors, with ``ray_options``; see
+        :class:`~pipeload.datapipes.boundary.ray_pipe.RayQueueBoundary`."""
+        if worker_type == "ray":
+            from pipeload.datapipes.boundary.ray_pipe import RayQueueBoundary
+
+            if multiprocessing_context is not None:
+                raise ValueError("multiprocessing_context only applies to worker_type='process', but got "
+                                 f"multiprocessing_context={multiprocessing_context!r} with worker_type='ray'")
+            return RayQueueBoundary(self, buffer_size, **ray_options)  # type: ignore[arg-type,return-value]
+        if ray_options:
+            raise TypeError(f"queue_boundary() got options {sorted(ray_options)} that only worker_type='ray' takes")
         from pipeload.datapipes.boundary.pipes import QueueBoundary
 
         return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context)  # type: ignore[arg-type]
