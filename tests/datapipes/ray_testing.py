@@ -62,6 +62,8 @@ def objects_held() -> int:
 
     import ray
 
+    if not ray.is_initialized():
+        return 0
     gc.collect()  # a reference held by garbage is none the less held: count what survives it
     return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
 

@@ -171,6 +171,15 @@ def test_with_max_restarts_a_killed_actor_resumes_and_every_item_comes_once(clea
     assert iterator.stats().restarts == 1
 
 
+def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
+    import pipeload
+
+    loader = pipeload.DataLoader(IterableWrapper(range(4)).queue_boundary("ray", 2), num_workers=1,
+                                 multiprocessing_context="fork")
+    with pytest.raises(RuntimeError, match="forked from one already connected to Ray.*'spawn' or 'forkserver'"):
+        list(loader)
+
+
 def test_bad_arguments_are_named():
     pipe = IterableWrapper(range(4))
     with pytest.raises(ValueError, match="needs a sharding_filter"):
