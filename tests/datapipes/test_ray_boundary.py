@@ -188,6 +188,20 @@ def test_the_ray_kind_of_the_rfcs_queue(clean):
     assert ended.value.reason == QueueError.CLOSED and queue.closed
 
 
+def test_the_loaders_stats_show_the_ray_stage(clean):
+    import pipeload
+
+    graph = IterableWrapper(range(24)).sharding_filter().map(slow_square).queue_boundary("ray", 4, num_actors=2)
+    loader = pipeload.DataLoader(graph, batch_size=4)
+    assert len(list(loader)) == 6
+    stats = loader.stats()
+    assert stats.ray.items == 24 and stats.stages["ray"].count == 24
+    assert stats.ray.actor_s >= 24 * 0.05 * 0.9 and stats.ray.wait_s > 0
+    assert "Ray stage: 24 items from its actors" in stats.summary()
+    assert len(list(loader)) == 6  # a second epoch counts on
+    assert loader.stats().ray.items == 48
+
+
 def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
     import pipeload
 

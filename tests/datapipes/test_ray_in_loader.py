@@ -72,6 +72,8 @@ def test_the_same_batches_as_without_ray_and_a_checkpoint_resumes_them(cluster_a
         resumed.load_state_dict(state)
     assert not [w for w in caught if "cannot say where it stands" in str(w.message)]
     assert head + batches(resumed) == expected
+    ray_stage = resumed.stats().ray  # counted in the workers, read in the main process
+    assert ray_stage is not None and ray_stage.items >= 64 - 9 * 4
     del resumed
     assert_nothing_left()
 

@@ -10,6 +10,7 @@ from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
 from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
+from pipeload.stats.ray_stage import ray_stage_counter
 from pipeload.stats.skips import skip_counter
 
 
@@ -80,6 +81,8 @@ class InlineEngine:
         self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
         if self._clock is not None and self._clock.count_skipped is None:
             self._clock.count_skipped = skip_counter(self._spec.dataset, self._clock.skipped)
+        if self._clock is not None and self._clock.count_ray_stage is None:
+            self._clock.count_ray_stage = ray_stage_counter(self._spec.dataset, self._clock.ray_stage)
 
     def next_batch(self) -> Any:
         """The next batch. The dataset's or collate_fn's error for it propagates, and the next

@@ -36,6 +36,7 @@ from pipeload.engine.worker_info import (
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
 from pipeload.stats.clock import SAMPLE_EVERY, StageClock, now
+from pipeload.stats.ray_stage import ray_stage_counter
 from pipeload.stats.skips import skip_counter
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
@@ -175,6 +176,8 @@ class WorkerLoop:
             self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id, resume_from)
             if self._clock is not None and self._clock.count_skipped is None:
                 self._clock.count_skipped = skip_counter(fetch.dataset)
+            if self._clock is not None and self._clock.count_ray_stage is None:
+                self._clock.count_ray_stage = ray_stage_counter(fetch.dataset, self._clock.ray_stage)
         except Exception:
             self._init_failure = RemoteFailure.capture(
                 self._id, "starting to iterate the dataset", worker_kind=self.kind

@@ -37,7 +37,7 @@ from pipeload.stats.clock import (
     now,
     stretch,
 )
-from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
+from pipeload.stats.report import LoaderStats, QueueStats, RayStageStats, TuningDecision, WorkerStats
 from pipeload.transport.messages import Report
 
 
@@ -487,6 +487,7 @@ class StatsRecorder:
                              queue.in_flight_sum / samples, queue.in_flight_max, queue.capacity),
             skipped_samples=self._skipped_samples + _skipped_by_workers(self._seen.copy()),
             decisions=tuple(self._decisions),
+            ray=_ray_stage_of_workers(self._seen.copy()),
         )
 
 
@@ -519,6 +520,17 @@ def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None
     return sum(_read(raw, 0)[0].skipped for raw, _ in seen.values())
 
 
+def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> RayStageStats | None:
+    """What the workers' (and the main process's) Ray boundaries measured; None without any."""
+    measured = [_read(raw, 0)[0].ray_stage for raw, _ in seen.values()]
+    if not any(measured):
+        return None
+    total = RayStageStats()
+    for values in measured:
+        total = total.plus(RayStageStats.from_tuple(values))
+    return total
+
+
 def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     """A worker's totals as kept (a tuple, or a lent clock, read now), and the tasks still to
     add to them by extrapolation (``lag``: counted since they were taken). A lent clock is read
@@ -526,7 +538,7 @@ def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     counts (a classic thread worker that goes by batch numbers) is completed with ``lag``, all
     of its tasks."""
     if not isinstance(raw, StageClock):
-        return WorkerTotals._make(raw), lag
+        return WorkerTotals(*raw), lag
     sums = raw.snapshot()
     if len(sums) == SUMS_LENGTH:
         return WorkerTotals._make(complete_totals(sums, lag)), 0

@@ -58,7 +58,7 @@ def _arrived(notifier: Notifier, arrival: list[float], _future: Any) -> None:
 class Lane:
     """One actor's requests in flight, the reply being handed out, and its position downstream.
 
-    ``owner`` (the run) gives ``name``, ``num_actors``, ``restarts_allowed``, ``notifier``,
+    ``owner`` (the run) gives ``name``, ``num_actors``, ``restarts_allowed``, ``notifier``, ``tally``,
     ``run_shard(lane, generation, state, state_at, skip_to)`` and ``failed()``.
     """
 
@@ -159,8 +159,13 @@ class Lane:
                 self._no_state = chunk.snapshot[2]
             else:
                 self._snapshot = chunk.snapshot
+        transfer_s = max(0.0, request.arrival[0] - chunk.done_at)
         self.actor_s += chunk.busy_s
-        self.transfer_s += max(0.0, request.arrival[0] - chunk.done_at)
+        self.transfer_s += transfer_s
+        tally = self._owner.tally
+        tally.items += len(chunk.items)
+        tally.actor_s += chunk.busy_s
+        tally.transfer_s += transfer_s
         self._chunk, self._cursor = chunk, 0
 
     # -- losing the actor ------------------------------------------------------------------------
@@ -179,6 +184,7 @@ class Lane:
             if allowed == 0 or (allowed > 0 and self.restarts >= allowed):
                 raise self._died(doing, error)
             self.restarts += 1
+            self._owner.tally.restarts += 1
             self._recovery = _Recovery(doing)
         self.generation = next(_generations)
         self._requests.clear()

@@ -98,7 +98,21 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         if pool is None:
             pool = self._transient_ray_actors = ActorPool()
         name = f"pipeload-ray-{next(_names)}"
-        return _RayBoundaryIterator(RayUpstream(self.datapipe, self.buffer_size, options, name, pool))
+        upstream = RayUpstream(self.datapipe, self.buffer_size, options, name, pool, self._tally())
+        return _RayBoundaryIterator(upstream)
+
+    def _tally(self) -> Any:
+        from pipeload.datapipes.boundary.ray_upstream import RayTally
+
+        tally = self.__dict__.get("_transient_ray_tally")
+        if tally is None:
+            tally = self._transient_ray_tally = RayTally()
+        return tally
+
+    def ray_stage_totals(self) -> Any:
+        """What this pipe's runs in this process measured, as
+        :class:`~pipeload.stats.RayStageStats` (the loader's ``stats()`` sums them)."""
+        return self._tally().totals()
 
     def release_actors(self) -> None:
         """Kill the idle actors this pipe keeps for its next run now (they also go when the pipe
@@ -143,7 +157,7 @@ class _RayBoundaryIterator(PipeIterator[Any]):
         self._upstream.close()
 
     def stats(self) -> Any:
-        """This run's :class:`~pipeload.datapipes.boundary.ray_upstream.RayStageStats`."""
+        """This run's :class:`~pipeload.stats.RayStageStats`."""
         return self._upstream.stats()
 
     def _own_state(self) -> Any:

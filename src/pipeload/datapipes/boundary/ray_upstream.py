@@ -32,33 +32,24 @@ from pipeload.datapipes.boundary.ray_cluster import connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 from pipeload.errors import IncompatibleStateError
+from pipeload.stats.report import RayStageStats
 
 STATE_KIND = "pipeload.ray_boundary"
 
 
-@dataclass(frozen=True)
-class RayStageStats:
-    """What a Ray boundary's run has measured (summed over its actors).
+class RayTally:
+    """What every run of one boundary pipe measured in this process, added as it goes (the
+    loader's stats read it through the pipe's ``ray_stage_totals()``). One writer at a time:
+    the thread reading the run."""
 
-    Attributes:
-        items: items handed downstream.
-        actor_s: seconds the actors spent making them (running the upstream pipe).
-        transfer_s: seconds from an actor having a chunk ready to the chunk being here (Ray's
-            serialisation, the object store, the network; wall clocks of two machines).
-        wait_s: seconds the downstream asked for an item that was not there yet.
-        restarts: actors restarted after they died.
-    """
+    __slots__ = ("items", "actor_s", "transfer_s", "wait_s", "restarts")
 
-    items: int = 0
-    actor_s: float = 0.0
-    transfer_s: float = 0.0
-    wait_s: float = 0.0
-    restarts: int = 0
+    def __init__(self) -> None:
+        self.items = self.restarts = 0
+        self.actor_s = self.transfer_s = self.wait_s = 0.0
 
-    def plus(self, other: RayStageStats) -> RayStageStats:
-        return RayStageStats(self.items + other.items, self.actor_s + other.actor_s,
-                             self.transfer_s + other.transfer_s, self.wait_s + other.wait_s,
-                             self.restarts + other.restarts)
+    def totals(self) -> RayStageStats:
+        return RayStageStats(self.items, self.actor_s, self.transfer_s, self.wait_s, self.restarts)
 
 
 @dataclass(frozen=True)
@@ -87,10 +78,11 @@ class RayUpstream:
     """
 
     def __init__(self, upstream_pipe: Any, capacity: int, options: RayOptions, name: str,
-                 pool: ActorPool | None = None) -> None:
+                 pool: ActorPool | None = None, tally: RayTally | None = None) -> None:
         self._ray = connect(options.address, dict(options.init_options))
         self.name = name
         self.notifier = Notifier()
+        self.tally = tally if tally is not None else RayTally()
         self._pipe = upstream_pipe
         self._options = options
         self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -132,7 +124,9 @@ class RayUpstream:
                 continue
             self._turn = (self._turn + 1) % len(self._active)
             if self._waiting_since is not None:
-                self._wait_s += time.perf_counter() - self._waiting_since
+                waited = time.perf_counter() - self._waiting_since
+                self._wait_s += waited
+                self.tally.wait_s += waited
                 self._waiting_since = None
             return item
         raise StopIteration
