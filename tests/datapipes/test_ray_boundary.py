@@ -202,6 +202,14 @@ def test_the_loaders_stats_show_the_ray_stage(clean):
     assert loader.stats().ray.items == 48
 
 
+def test_an_actor_the_cluster_cannot_place_is_an_error_not_a_hang(clean):
+    boundary = IterableWrapper(range(4)).queue_boundary("ray", 2, resources={"no_such_thing": 1}, start_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"Ray actor 0 of 1 .* did not start within 2 s.*no_such_thing"):
+        list(boundary)
+    assert time.monotonic() - started < 10
+
+
 def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
     import pipeload
 

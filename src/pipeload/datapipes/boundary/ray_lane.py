@@ -58,8 +58,9 @@ def _arrived(notifier: Notifier, arrival: list[float], _future: Any) -> None:
 class Lane:
     """One actor's requests in flight, the reply being handed out, and its position downstream.
 
-    ``owner`` (the run) gives ``name``, ``num_actors``, ``restarts_allowed``, ``notifier``, ``tally``,
-    ``run_shard(lane, generation, state, state_at, skip_to)`` and ``failed()``.
+    ``owner`` (the run) gives ``name``, ``num_actors``, ``restarts_allowed``, ``start_timeout_s``,
+    ``actor_options``, ``notifier``, ``tally``, ``run_shard(lane, generation, state, state_at,
+    skip_to)`` and ``failed()``.
     """
 
     def __init__(self, owner: Any, index: int, handle: Any, share: int, chunk: int) -> None:
@@ -81,6 +82,7 @@ class Lane:
         self.actor_s = self.transfer_s = 0.0
         self.restarts = 0
         self._recovery: _Recovery | None = None
+        self._begun_at = time.monotonic()
 
     def begin(self, state: Any, skip: int) -> None:
         """Start this actor's run: from ``state`` (None: the shard's start), ``skip`` items on."""
@@ -91,6 +93,7 @@ class Lane:
 
     def _start_run(self) -> None:
         at, state = self._snapshot
+        self._begun_at = time.monotonic()
         self._started = self._owner.run_shard(self, self.generation, state, at, self.delivered)
         self._started.add_done_callback(functools.partial(_arrived, self._notifier, [0.0]))
 
@@ -134,6 +137,7 @@ class Lane:
             self._top_up()
         request = self._requests[0]
         if not request.future.done():
+            self._check_start_deadline()
             raise NotAvailable
         self._requests.popleft()
         try:
@@ -224,6 +228,19 @@ class Lane:
         )
         died.__cause__ = error
         return died
+
+    def _check_start_deadline(self) -> None:
+        """An actor Ray cannot place (the cluster lacks what it asks for) never starts; say so
+        rather than wait for ever."""
+        started, limit = self._started, self._owner.start_timeout_s
+        if started is None or started.done() or time.monotonic() - self._begun_at < limit:
+            return
+        self._owner.failed()
+        raise TimeoutError(
+            f"{self.describe()} did not start within {limit:.0f} s: the cluster may lack the "
+            f"resources it asks for ({self._owner.actor_options or 'Ray defaults'}), or Ray "
+            "could not start its process (see Ray's log); start_timeout_s= sets this limit"
+        )
 
     def _check_started(self) -> None:
         """Raise what kept the actor from beginning its run (Ray could not hand it the pipe:

@@ -43,6 +43,8 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         address: the cluster to join when this process is not connected yet (default:
             ``RAY_ADDRESS``, else a new local cluster in a main process).
         init_options: more keyword arguments for ``ray.init`` when the boundary connects.
+        start_timeout_s: an actor not started by then (the cluster lacks what it asks for) is
+            a ``TimeoutError`` naming it.
         **actor_options: passed to the actor class's ``.options()``: ``num_cpus``,
             ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...
 
@@ -63,6 +65,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         chunk_size: int | None = None,
         address: str | None = None,
         init_options: dict[str, Any] | None = None,
+        start_timeout_s: float = 300.0,
         **actor_options: Any,
     ) -> None:
         check_positive(buffer_size, "buffer_size", "Buffer size")
@@ -85,13 +88,15 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         self.chunk_size = chunk_size
         self.address = address
         self.init_options = dict(init_options or {})
+        self.start_timeout_s = start_timeout_s
         self.actor_options = actor_options
 
     def __iter__(self) -> Iterator[T_co]:
         from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
 
         options = RayOptions(self.num_actors, self.chunk_size, self.address,
-                             tuple(self.actor_options.items()), tuple(self.init_options.items()))
+                             tuple(self.actor_options.items()), tuple(self.init_options.items()),
+                             start_timeout_s=self.start_timeout_s)
         from pipeload.datapipes.boundary.ray_actors import ActorPool
 
         pool = self.__dict__.get("_transient_ray_actors")

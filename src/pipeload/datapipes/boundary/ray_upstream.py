@@ -62,6 +62,7 @@ class RayOptions:
     actor_options: tuple[tuple[str, Any], ...] = ()
     init_options: tuple[tuple[str, Any], ...] = ()
     snapshot_every: int = 64
+    start_timeout_s: float = 300.0
 
     @property
     def restarts_allowed(self) -> int:
@@ -159,6 +160,14 @@ class RayUpstream:
     @property
     def restarts_allowed(self) -> int:
         return self._options.restarts_allowed
+
+    @property
+    def start_timeout_s(self) -> float:
+        return self._options.start_timeout_s
+
+    @property
+    def actor_options(self) -> dict[str, Any]:
+        return dict(self._options.actor_options)
 
     def failed(self) -> None:
         """Something went wrong with an actor: kill them all when the run ends, keep none."""
