@@ -10,7 +10,8 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.ray_cluster import connected_address
 from pipeload.datapipes.graph import has_sharding
 from pipeload.datapipes.iter._columns import check_positive, length_of
-from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
+from pipeload.datapipes.boundary.pipes import _BoundaryIterator
+from pipeload.datapipes.protocol import PipeIterator
 
 T_co = TypeVar("T_co", covariant=True)
 _names = itertools.count()
@@ -138,28 +139,11 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         return state
 
 
-class _RayBoundaryIterator(PipeIterator[Any]):
-    """The downstream end of one run: takes from the actors' replies, never waits itself."""
+class _RayBoundaryIterator(_BoundaryIterator):
+    """The downstream end of one run (the queue boundaries' iterator over a Ray upstream), which
+    can say where each shard stands."""
 
-    def __init__(self, upstream: Any) -> None:
-        super().__init__()
-        self._upstream = upstream
-
-    def nonblocking_next(self) -> Any:
-        try:
-            return self._upstream.take_nowait()
-        except NotAvailable:
-            raise
-        except BaseException:
-            # The end, or an error: release the actors now, not when a traceback lets go of us.
-            self._upstream.close()
-            raise
-
-    def notifiers(self) -> list[Notifier]:
-        return self._upstream.notifiers()
-
-    def close(self) -> None:
-        self._upstream.close()
+    state_dict = PipeIterator.state_dict  # the Ray run has a checkpoint; the other boundaries not yet
 
     def stats(self) -> Any:
         """This run's :class:`~pipeload.stats.RayStageStats`."""

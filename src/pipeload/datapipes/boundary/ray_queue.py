@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -29,7 +28,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     check_maxsize,
 )
 from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
-from pipeload.datapipes.protocol import WAIT_SLICE_S, NotAvailable, Notifier
+from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, WaitCancelled, wait_for_next
 from pipeload.errors import WorkerDiedError
 
 
@@ -70,31 +69,20 @@ class RayQueue(DataLoaderQueue, kind="ray"):
         )
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
-        upstream = self._reading_end()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ready = threading.Event()
-        subscribed = False
+        reading = _Reading(self._reading_end())
         try:
-            while True:
-                ready.clear()  # before the check: an arrival after it then wakes the wait
-                try:
-                    return upstream.take_nowait()
-                except NotAvailable:
-                    if not blocking:
-                        raise
-                except BaseException as error:
-                    raise self._ended_by(error) from None
-                if not subscribed:
-                    upstream.notifier.subscribe(ready)
-                    subscribed = True
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise QueueError(f"no item from {self._far_end()} within {timeout} s",
-                                     far_end=self._far_end(), reason=QueueError.TIMED_OUT)
-                ready.wait(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left))
-        finally:
-            if subscribed:
-                upstream.notifier.unsubscribe(ready)
+            if not blocking:
+                return reading.nonblocking_next()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            timed_out = None if deadline is None else (lambda: time.monotonic() >= deadline)
+            return wait_for_next(reading, timed_out)
+        except NotAvailable:
+            raise
+        except WaitCancelled:
+            raise QueueError(f"no item from {self._far_end()} within {timeout} s",
+                             far_end=self._far_end(), reason=QueueError.TIMED_OUT) from None
+        except BaseException as error:
+            raise self._ended_by(error) from None
 
     def _reading_end(self) -> RayUpstream:
         if self._closed or self._upstream is None:
@@ -135,3 +123,17 @@ class RayQueue(DataLoaderQueue, kind="ray"):
 
     def notifiers(self) -> list[Notifier]:
         return self._upstream.notifiers() if self._upstream is not None else []
+
+
+class _Reading(PipeIterator[Any]):
+    """A run's reading end seen through the protocol, for ``wait_for_next``."""
+
+    def __init__(self, upstream: RayUpstream) -> None:
+        super().__init__()
+        self._upstream = upstream
+
+    def nonblocking_next(self) -> Any:
+        return self._upstream.take_nowait()
+
+    def notifiers(self) -> list[Notifier]:
+        return self._upstream.notifiers()
