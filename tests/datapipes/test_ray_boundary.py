@@ -69,9 +69,13 @@ class LogTo:
         return x
 
 
-def test_items_come_back_in_order_once_each_and_the_actors_serve_the_next_run(clean):
+def test_items_come_back_in_order_once_each_and_the_actors_serve_the_next_run(clean, no_gc):
     pipe = IterableWrapper(range(41)).sharding_filter().map(slow_square)
     boundary = pipe.queue_boundary("ray", 8, num_actors=2)
+    abandoned = iter(boundary)
+    assert [next(abandoned) for _ in range(3)] == [0, 1, 4]
+    del abandoned  # dropped, not closed, the collector off: its actors are back at once
+    assert len(boundary._transient_ray_actors._held["idle"]) == 2
     iterator = iter(boundary)
     assert list(iterator) == list(pipe)  # round-robin over interleaved shards: the same order
     stats = iterator.stats()
@@ -208,6 +212,18 @@ def test_an_actor_the_cluster_cannot_place_is_an_error_not_a_hang(clean):
     with pytest.raises(TimeoutError, match=r"Ray actor 0 of 1 .* did not start within 2 s.*no_such_thing"):
         list(boundary)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+def test_thread_workers_share_this_processs_connection_and_split_the_samples(clean):
+    import pipeload
+
+    graph = IterableWrapper(range(40)).shuffle().sharding_filter().map(square).queue_boundary("ray", 4, num_actors=2)
+    torch.manual_seed(0)
+    loader = pipeload.DataLoader(graph, batch_size=4, num_workers=2, worker_type="thread")
+    seen = [x for batch in loader for x in batch.tolist()]
+    assert sorted(seen) == [x * x for x in range(40)]
+    del loader
 
 
 def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
