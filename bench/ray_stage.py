@@ -11,6 +11,11 @@ boundary, in one run.
    num_actors=1)`` against ``queue_boundary("process", ..)``: the object store against the
    shared-memory transport. Ratio: Ray's items/s over the process boundary's.
 
+Also printed: the CPU each item costs in one process, and in the actors plus this reader
+(scheduler counters, which a loaded machine moves far less than wall time: with Linux's
+autogroup scheduling, a loaded machine gives Ray's actors, one session, about the CPU of one
+process, so the wall-clock ratio there says little).
+
 Boundaries are timed from their first item to their last (a process boundary starts its
 process in each run, the Ray boundary keeps its actors between runs; what is compared is the
 steady flow). Each repeat runs both sides, alternating which goes first; medians are printed.
@@ -99,8 +104,34 @@ def cpu_bound(args: argparse.Namespace) -> float:
     for name, rate in medians.items():
         print(f"   {name:22s} {rate:10.1f} items/s")
     print(f"   ratio Ray/one process  {ratio:10.2f}x   (target >= 1.5x)")
+    local_ms, actors_ms, reader_ms = cpu_per_item(pipe, ray_pipe, args.items)
+    print(f"   CPU per item: one process {local_ms:.2f} ms; Ray: actors {actors_ms:.2f} ms + reader "
+          f"{reader_ms:.2f} ms; one process's over Ray's: {local_ms / (actors_ms + reader_ms):.2f} "
+          "(scheduler counters: little moved by the machine's load)")
     ray_pipe.release_actors()
     return ratio
+
+
+def cpu_per_item(pipe: Any, ray_pipe: Any, items: int) -> tuple[float, float, float]:
+    """CPU milliseconds per item: the pipe in this process; the actors' processes and this
+    reader over one Ray run (scheduler counters, not wall time, so the machine's load matters
+    little)."""
+    import psutil
+
+    started = time.process_time()
+    sum(1 for _ in pipe)
+    local = time.process_time() - started
+    iterator = iter(ray_pipe)
+    next(iterator)
+    actors = [psutil.Process(lane.handle.describe.remote().future().result()["pid"])
+              for lane in iterator._upstream._lanes]
+    before = sum(sum(actor.cpu_times()[:2]) for actor in actors)
+    started = time.process_time()
+    count = 1 + sum(1 for _ in iterator)
+    reader = time.process_time() - started
+    spent = sum(sum(actor.cpu_times()[:2]) for actor in actors) - before
+    _check(count, items)
+    return local / items * 1e3, spent / (items - 1) * 1e3, reader / (items - 1) * 1e3
 
 
 def large_items(args: argparse.Namespace) -> float:
