@@ -13,8 +13,8 @@ boundary, in one run.
 
 Also printed: the CPU each item costs in one process, and in the actors plus this reader
 (scheduler counters, which a loaded machine moves far less than wall time: with Linux's
-autogroup scheduling, a loaded machine gives Ray's actors, one session, about the CPU of one
-process, so the wall-clock ratio there says little).
+autogroup scheduling, a loaded machine gives this session, the actors included, about the CPU
+of one busy process, so the wall-clock ratio there says little).
 
 Boundaries are timed from their first item to their last (a process boundary starts its
 process in each run, the Ray boundary keeps its actors between runs; what is compared is the
