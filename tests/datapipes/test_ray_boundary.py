@@ -235,6 +235,14 @@ def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clea
         list(loader)
 
 
+def test_a_pipe_pickled_here_tells_its_reader_which_cluster_to_join(clean):
+    import pickle
+
+    boundary = IterableWrapper(range(4)).queue_boundary("ray", 2)
+    assert boundary.address is None
+    assert pickle.loads(pickle.dumps(boundary)).address == ray.get_runtime_context().gcs_address
+
+
 def test_bad_arguments_are_named():
     pipe = IterableWrapper(range(4))
     with pytest.raises(ValueError, match="needs a sharding_filter"):

@@ -38,16 +38,17 @@ class RayQueue(DataLoaderQueue, kind="ray"):
     Args:
         maxsize: items asked for and not yet taken, over all actors.
         kind: ``"ray"`` (given by ``DataLoaderQueue(kind="ray")``).
-        num_actors, chunk_size, address, init_options, **actor_options: as for
+        num_actors, chunk_size, address, init_options, start_timeout_s, **actor_options: as for
             ``queue_boundary("ray")`` (see ``RayQueueBoundary``).
     """
 
     def __init__(self, maxsize: int = DEFAULT_MAXSIZE, kind: str = "ray", *, num_actors: int = 1,
                  chunk_size: int | None = None, address: str | None = None,
-                 init_options: dict[str, Any] | None = None, **actor_options: Any) -> None:
+                 init_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
+                 **actor_options: Any) -> None:
         self._maxsize = check_maxsize(maxsize)
         self._options = RayOptions(num_actors, chunk_size, address, tuple(actor_options.items()),
-                                   tuple((init_options or {}).items()))
+                                   tuple((init_options or {}).items()), start_timeout_s=start_timeout_s)
         self._upstream: RayUpstream | None = None
         self._closed = False
 
