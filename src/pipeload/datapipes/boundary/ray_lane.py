@@ -261,11 +261,11 @@ class Lane:
         return {"state": state, "skip": self.delivered - at}
 
     def describe(self) -> str:
-        """"Ray actor 1 of 2 of queue boundary 'name' (pid 123 on host)"."""
+        """"Ray actor 1 of 2 of queue boundary 'name' (pid 123 on host, node 1a2b3c4d)"."""
         started = self._started
         if started is not None and started.done() and started.exception() is None:
             where = started.result()
-            self._host = f" (pid {where['pid']} on {where['host']})"
+            self._host = f" (pid {where['pid']} on {where['host']}, node {where['node'][:8]})"
         return (f"Ray actor {self.index} of {self._owner.num_actors} of queue boundary "
                 f"{self._owner.name!r}{self._host}")
 

@@ -116,8 +116,11 @@ class ShardRunner:
         self._run: _ShardRun | None = None
 
     def describe(self) -> dict[str, Any]:
-        """Where this actor runs, for messages."""
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        """Where this actor runs, for messages: its pid, host and Ray node."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node": node}
 
     def start(self, generation: int, graph: Any, seed: int, shard: tuple[str, int, int], state: Any,
               state_at: int, skip_to: int, snapshot_every: int) -> dict[str, Any]:
