@@ -7,6 +7,7 @@ tests' to use), no token authentication (a local test cluster), no usage reports
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -24,12 +25,28 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 os.environ.update(RAY_ENV)
-# The actors import the tests' functions by name, as a deployed job's would be installed.
+# The actors import the tests' functions by name, as a deployed job's would be installed: a
+# cluster's processes get these on their PYTHONPATH (see python_path()).
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [SRC, HERE] + [part for part in os.environ.get("PYTHONPATH", "").split(os.pathsep) if part]
-)
+
+
+def python_path() -> str:
+    return os.pathsep.join([SRC, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+@contextlib.contextmanager
+def cluster_python_path() -> Iterator[None]:
+    """PYTHONPATH as the cluster's processes need it, while they are started here."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = python_path()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 DEADLINE_S = 20.0  # a loaded 2-core machine takes a while to end a Ray worker process
 ACTOR_MARK = "ShardRunner"
@@ -82,7 +99,8 @@ def in_process_cluster() -> Iterator[Any]:
     import ray
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with cluster_python_path():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
@@ -102,7 +120,7 @@ def head_node() -> Iterator[str]:
     it after, and checks that none of its processes is left."""
     port = free_port()
     temp_dir = f"/tmp/pipeload-ray-{os.getpid()}"
-    env = {**os.environ, **RAY_ENV}
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": python_path()}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     started = subprocess.run(
         [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import ray_testing  # noqa: F401  (sets Ray's environment before it is imported)
-from ray_testing import assert_nothing_left, wait_for
+from ray_testing import assert_nothing_left, cluster_python_path, wait_for
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -33,11 +33,12 @@ def slow_square(x: int) -> int:
 
 @pytest.fixture
 def cluster():
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
-    })
-    doomed, spare = nodes.add_node(num_cpus=2), nodes.add_node(num_cpus=2)
+    with cluster_python_path():
+        nodes = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        })
+        doomed, spare = nodes.add_node(num_cpus=2), nodes.add_node(num_cpus=2)
     ray.init(address=nodes.address, log_to_driver=False)
     try:
         yield nodes, doomed, spare

@@ -10,8 +10,11 @@ it connects to the address the boundary was sent with, which is the cluster its 
 connected to when the pipe was pickled for a spawn or forkserver worker.
 
 Ray is not fork-safe: a process forked from one connected to Ray inherits a connection whose
-threads did not survive the fork, and any call through it hangs. Such a process gets a clear
-error instead, saying how to start its workers.
+threads did not survive the fork, and any call through it hangs; so does a new connection from
+a process forked after its parent's ``ray.shutdown()`` (the library's threads stay behind).
+Such a process gets a clear error instead, saying how to start its workers. "Connected" is seen
+at the fork (``ray.is_initialized()``) or remembered from this module's own connections: Ray
+keeps no trace of one that ended.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 INSTALL_HINT = "pip install 'pipeload[ray]'"
 PROBE_TIMEOUT_S = 5.0  # an address nobody answers fails within this, not after Ray's retries
 _forked_from_driver = False
+_connected_here = False  # this process has been connected to Ray (through this module)
 
 
 def import_ray() -> Any:
@@ -41,10 +45,12 @@ def import_ray() -> Any:
 
 
 def _note_fork() -> None:
-    """In a forked child: remember whether the parent's Ray connection came along (unusable)."""
+    """In a forked child: remember whether the parent was connected to Ray (then Ray cannot
+    work here)."""
     global _forked_from_driver
     ray = sys.modules.get("ray")
-    _forked_from_driver = _forked_from_driver or bool(ray is not None and ray.is_initialized())
+    connected = _connected_here or bool(ray is not None and ray.is_initialized())
+    _forked_from_driver = _forked_from_driver or connected
 
 
 os.register_at_fork(after_in_child=_note_fork)
@@ -76,15 +82,18 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
             DataLoader worker with no address to connect to.
         ConnectionError: nothing answers at the address (one line naming it).
     """
+    global _connected_here
     ray = import_ray()
     if _forked_from_driver:
         raise RuntimeError(
-            "queue_boundary('ray') cannot use Ray in a process forked from one already connected "
-            "to Ray (Ray's connection does not survive fork). Start the DataLoader's workers with "
-            "multiprocessing_context='spawn' or 'forkserver', or connect only in the workers: set "
-            "RAY_ADDRESS (or the boundary's address=) instead of calling ray.init() in the main process"
+            "queue_boundary('ray') cannot use Ray in a process forked from one that is or was "
+            "connected to Ray (Ray does not survive fork, even after ray.shutdown()). Start the "
+            "DataLoader's workers with multiprocessing_context='spawn' or 'forkserver', or connect "
+            "only in the workers: set RAY_ADDRESS (or the boundary's address=) instead of "
+            "connecting in the main process"
         )
     if ray.is_initialized():
+        _connected_here = True
         return ray
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None and multiprocessing.parent_process() is not None:
@@ -98,6 +107,7 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
         ray.init(address=address, **init_options)
     except ConnectionError as error:
         raise ConnectionError(f"could not join the Ray cluster at {address!r}: {error}") from None
+    _connected_here = True
     return ray
 
 

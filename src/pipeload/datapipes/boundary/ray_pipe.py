@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.boundary.pipes import _BoundaryIterator
 from pipeload.datapipes.boundary.ray_cluster import connected_address
 from pipeload.datapipes.graph import has_sharding
 from pipeload.datapipes.iter._columns import check_positive, length_of
-from pipeload.datapipes.boundary.pipes import _BoundaryIterator
 from pipeload.datapipes.protocol import PipeIterator
 
 T_co = TypeVar("T_co", covariant=True)

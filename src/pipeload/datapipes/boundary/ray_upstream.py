@@ -137,9 +137,10 @@ class RayUpstream:
         try:
             self._graph_ref = self._ray.put(self._pipe)
         except Exception as error:
-            raise type(error)(
+            self.failed()
+            raise TypeError(
                 f"queue_boundary('ray') could not send its upstream pipe to the Ray actors: {error}"
-            ).with_traceback(error.__traceback__) from None
+            ) from error
         shards = self._resume["shards"] if self._resume is not None else None
         for lane in self._lanes:
             if shards is None:
