@@ -43,12 +43,14 @@ class ActorPool:
     (the threads that start and end the pipe's runs)."""
 
     def __init__(self) -> None:
-        self._held: dict[str, Any] = {"ray": None, "idle": []}
+        self._held: dict[str, Any] = {"ray": None, "job": None, "idle": []}
         self._finalizer = weakref.finalize(self, _kill_held, self._held)
 
     def take(self, ray: Any, count: int) -> list[Any]:
-        """Up to ``count`` idle actors (none if ``ray`` is not the module they were made with)."""
-        if ray is not self._held["ray"] or not self._finalizer.alive:
+        """Up to ``count`` idle actors of this connection (none after ``ray.shutdown()`` and a
+        new ``ray.init()``: the old cluster's actors went with it)."""
+        if not self._finalizer.alive or ray is not self._held["ray"] or _job(ray) != self._held["job"]:
+            self._held["idle"] = []
             return []
         idle = self._held["idle"]
         taken = idle[:count]
@@ -60,14 +62,24 @@ class ActorPool:
         if not self._finalizer.alive:
             kill(ray, handles)
             return
-        if self._held["ray"] is not ray:
+        job = _job(ray)
+        if self._held["ray"] is not ray or self._held["job"] != job:
             _kill_held(self._held)
-            self._held["ray"] = ray
+            self._held["ray"], self._held["job"] = ray, job
         self._held["idle"].extend(handles)
 
     def close(self) -> None:
         """Kill the idle actors now. Idempotent."""
         self._finalizer()
+
+
+def _job(ray: Any) -> Any:
+    """This process's current connection, or None when not connected: its job on its node (a
+    new local cluster numbers its jobs from 1 again, but its node is new)."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context.get_job_id(), context.get_node_id()
 
 
 def _kill_held(held: dict[str, Any]) -> None:
