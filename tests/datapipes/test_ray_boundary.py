@@ -178,12 +178,14 @@ def test_with_max_restarts_a_killed_actor_resumes_and_every_item_comes_once(clea
 def test_the_ray_kind_of_the_rfcs_queue(clean):
     from pipeload.datapipes import DataLoaderQueue, NotAvailable, QueueError
 
-    queue = DataLoaderQueue(kind="ray", maxsize=4, num_actors=2)
+    queue = DataLoaderQueue(kind="ray", maxsize=4)
     with pytest.raises(QueueError, match="no actors yet"):
         queue.get(blocking=False)
     with pytest.raises(NotImplementedError, match="read at this end only"):
         queue.put(1)
-    type(queue).start_producer(IterableWrapper(range(10)).sharding_filter().map(slow_square), queue, "squares", {})
+    # As a queue boundary starts its upstream: the boundary's options for this kind.
+    options = {"num_actors": 2, "multiprocessing_context": None}
+    type(queue).start_producer(IterableWrapper(range(10)).sharding_filter().map(slow_square), queue, "squares", options)
     with pytest.raises(NotAvailable):  # the actors take seconds to start
         queue.get(blocking=False)
     assert [queue.get(timeout=60) for _ in range(10)] == [x * x for x in range(10)]

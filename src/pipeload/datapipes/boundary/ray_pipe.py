@@ -7,11 +7,10 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.boundary.pipes import _BoundaryIterator
 from pipeload.datapipes.boundary.ray_cluster import connected_address
 from pipeload.datapipes.graph import has_sharding
 from pipeload.datapipes.iter._columns import check_positive, length_of
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
 
 T_co = TypeVar("T_co", covariant=True)
 _names = itertools.count()
@@ -139,11 +138,29 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         return state
 
 
-class _RayBoundaryIterator(_BoundaryIterator):
-    """The downstream end of one run (the queue boundaries' iterator over a Ray upstream), which
+class _RayBoundaryIterator(PipeIterator[Any]):
+    """The downstream end of one run: takes from the actors' replies, never waits itself, and
     can say where each shard stands."""
 
-    state_dict = PipeIterator.state_dict  # the Ray run has a checkpoint; the other boundaries not yet
+    def __init__(self, upstream: Any) -> None:
+        super().__init__()
+        self._upstream = upstream
+
+    def nonblocking_next(self) -> Any:
+        try:
+            return self._upstream.take_nowait()
+        except NotAvailable:
+            raise
+        except BaseException:
+            # The end, or an error: the actors go now, not when a traceback lets go of this run.
+            self._upstream.close()
+            raise
+
+    def notifiers(self) -> list[Notifier]:
+        return self._upstream.notifiers()
+
+    def close(self) -> None:
+        self._upstream.close()
 
     def stats(self) -> Any:
         """This run's :class:`~pipeload.stats.RayStageStats`."""

@@ -47,20 +47,24 @@ class RayQueue(DataLoaderQueue, kind="ray"):
                  init_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
                  **actor_options: Any) -> None:
         self._maxsize = check_maxsize(maxsize)
-        self._options = RayOptions(num_actors, chunk_size, address, tuple(actor_options.items()),
-                                   tuple((init_options or {}).items()), start_timeout_s=start_timeout_s)
+        self._options = _options(num_actors, chunk_size, address, init_options, start_timeout_s, **actor_options)
         self._upstream: RayUpstream | None = None
         self._closed = False
 
     @classmethod
     def start_producer(cls, pipe: Any, queue: DataLoaderQueue, name: str, options: dict[str, Any]) -> RayUpstream:
-        """Start ``queue``'s actors on ``pipe`` (``options``: ``pool``, an ``ActorPool`` to take
-        actors from and give them back to)."""
+        """Start ``queue``'s actors on ``pipe``. ``options``: the boundary's options for this
+        kind (``num_actors``, ``chunk_size``, ``address``, actor options: they replace the
+        queue's own), and ``pool``, an ``ActorPool`` to take actors from and give them back to."""
         if not isinstance(queue, RayQueue):
             raise TypeError(f"RayQueue.start_producer needs a RayQueue, but got {type(queue).__name__}")
         if queue._upstream is not None:
             raise RuntimeError("this RayQueue already has its actors: a queue is between two ends")
-        queue._upstream = RayUpstream(pipe, queue.maxsize, queue._options, name, options.get("pool"))
+        given = {key: value for key, value in options.items()
+                 if key not in ("pool", "multiprocessing_context")}
+        settings = _options(**given) if given else queue._options
+        queue._options = settings
+        queue._upstream = RayUpstream(pipe, queue.maxsize, settings, name, options.get("pool"))
         return queue._upstream
 
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
@@ -124,6 +128,13 @@ class RayQueue(DataLoaderQueue, kind="ray"):
 
     def notifiers(self) -> list[Notifier]:
         return self._upstream.notifiers() if self._upstream is not None else []
+
+
+def _options(num_actors: int = 1, chunk_size: int | None = None, address: str | None = None,
+             init_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
+             **actor_options: Any) -> RayOptions:
+    return RayOptions(num_actors, chunk_size, address, tuple(actor_options.items()),
+                      tuple((init_options or {}).items()), start_timeout_s=start_timeout_s)
 
 
 class _Reading(PipeIterator[Any]):
