@@ -3,10 +3,16 @@ replica's state travels with every batch). Prints ours against torch.utils.data 
 the same thing, and the pipe figures for two shuffle buffer sizes.
 
     PYTHONPATH=src python -m bench.resume_costs
+    PYTHONPATH=src python -m bench.resume_costs --checkpoints   # state_dict()/load_state_dict() alone
+
+``--checkpoints`` times taking and loading one checkpoint (its checks and digest included), for
+a shuffled map-style loader and for pipes with shuffle buffers of 100 and 10,000 items; run it
+with another tree's ``src`` on PYTHONPATH to compare two versions.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -52,6 +58,31 @@ def pipes() -> None:
               f"{best_of(epoch) * 1e3:.0f} ms per epoch")
 
 
+def checkpoints() -> None:
+    def map_loader() -> pipeload.DataLoader:
+        return pipeload.DataLoader(list(range(KEYS)), batch_size=64, shuffle=True,
+                                   generator=torch.Generator().manual_seed(0))
+
+    def pipe_loader(buffer: int) -> Callable[[], pipeload.DataLoader]:
+        return lambda: pipeload.DataLoader(IterableWrapper(range(ITEMS)).shuffle(buffer_size=buffer), batch_size=64)
+
+    cases = {"map-style, shuffled, 1M keys": map_loader, "pipe shuffle(buffer_size=100)": pipe_loader(100),
+             "pipe shuffle(buffer_size=10000)": pipe_loader(10_000)}
+    for name, make in cases.items():
+        loader = make()
+        iterator = iter(loader)
+        for _ in range(20):
+            next(iterator)
+        taken = best_of(loader.state_dict, repeats=20)
+        state = loader.state_dict()
+        fresh = make()
+        loaded = best_of(lambda: fresh.load_state_dict(state), repeats=20)
+        print(f"{name}: state_dict() {taken * 1e3:.2f} ms, load_state_dict() {loaded * 1e3:.2f} ms")
+
+
 if __name__ == "__main__":
-    samplers()
-    pipes()
+    if "--checkpoints" in sys.argv[1:]:
+        checkpoints()
+    else:
+        samplers()
+        pipes()

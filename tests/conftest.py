@@ -47,6 +47,17 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def gone_or_fail(pids: list[int], deadline_s: float, what: str) -> None:
+    """Fail unless every pid is gone within ``deadline_s``; those still running are killed first,
+    so that they do not outlive the test."""
+    if wait_until(lambda: all(pid_gone(pid) for pid in pids), deadline_s):
+        return
+    alive = [pid for pid in pids if not pid_gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"{what} {alive} still running {deadline_s} s after the main process died")
+
+
 def _is_helper(process: psutil.Process) -> bool:
     try:
         cmdline = " ".join(process.cmdline())
@@ -188,6 +199,43 @@ class LeakGuard:
         }
         wait_until(lambda: not any(check() for check in checks.values()), LEAK_DEADLINE_S)
         return [f"{what}: {found}" for what, check in checks.items() if (found := check())]
+
+
+# Subprocess runs (the command line, scripts): every process a run starts inherits this variable,
+# set to a fresh value per run, so survivors can be found whoever their parent is now.
+RUN_MARKER = "PIPELOAD_TEST_CLI_RUN"
+RUN_GRACE_S = 5.0
+
+
+def processes_marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``RUN_MARKER=marker``."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(RUN_MARKER) == marker:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def assert_run_left_nothing(marker: str, shm_before: set[str]) -> None:
+    """Fail if a process of the run marked ``marker``, or a /dev/shm entry made since
+    ``shm_before`` (``shm_entries()`` before the run), is still there ``RUN_GRACE_S`` later."""
+    survivors: list[psutil.Process] = []
+    new_shm: set[str] = set()
+
+    def gone() -> bool:
+        nonlocal survivors, new_shm
+        survivors, new_shm = processes_marked(marker), _shm_entries() - shm_before
+        return not survivors and not new_shm
+
+    wait_until(gone, RUN_GRACE_S)
+    assert not survivors, f"processes outlived the run: {survivors}"
+    assert not new_shm, f"/dev/shm entries outlived the run: {sorted(new_shm)}"
+
+
+shm_entries = _shm_entries
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -7,18 +7,14 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import RUN_MARKER, assert_run_left_nothing, shm_entries
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHM_DIR = Path("/dev/shm")
 SUBPROCESS_TIMEOUT_S = 100
-LEFTOVER_GRACE_S = 5.0
-RUN_MARKER = "PIPELOAD_TEST_CLI_RUN"  # every process a run starts inherits it: survivors show
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -26,37 +22,11 @@ def pipeload_command(args: list[str], cache: Path, cwd: Path = REPO_ROOT) -> sub
     marker = uuid.uuid4().hex
     env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(cache),
            "PYTHONPATH": str(REPO_ROOT / "src")}
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     completed = subprocess.run([sys.executable, "-m", "pipeload", *args], cwd=cwd, env=env,
                                capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
     return completed
-
-
-def _marked_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(RUN_MARKER) == marker:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def _shm_entries() -> set[str]:
-    return {entry.name for entry in SHM_DIR.iterdir()} if SHM_DIR.is_dir() else set()
-
-
-def _assert_nothing_left(marker: str, shm_before: set[str]) -> None:
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while True:
-        survivors, new_shm = _marked_processes(marker), _shm_entries() - shm_before
-        if (not survivors and not new_shm) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)  # polling for the run's processes to be gone, with a deadline
-    assert not survivors, f"processes outlived the run: {survivors}"
-    assert not new_shm, f"/dev/shm entries outlived the run: {sorted(new_shm)}"
 
 
 def _one_line_error(completed: subprocess.CompletedProcess[str], status: int, words: str) -> None:
@@ -74,10 +44,17 @@ def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
     completed = pipeload_command(args, tmp_path / "cache")
     assert completed.returncode == 0, completed.stderr
     assert "first run: writing 48 synthetic JPEG images" in completed.stderr
-    rows = {line.split()[0]: line.split() for line in completed.stdout.splitlines() if line.strip()}
+    table = completed.stdout.split("\nwhat each mode is for:")[0]
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip()}
     assert {"torch", "classic", "economic", "threads", "pipes"} <= set(rows)
-    assert rows["torch"][3] == "1.00x"
-    assert all(rows[name][3].endswith("x") for name in ("classic", "economic", "threads", "pipes"))
+    assert "(one run)" in " ".join(rows["classic"]) and "note: one run per loader" in completed.stdout
+    assert "note: 3 batch(es) per pass: the rates are mostly start-up" in completed.stdout
+    legend = completed.stdout.split("\nwhat each mode is for:")[1]
+    assert [line.split()[0] for line in legend.splitlines() if line.startswith("  ")] == [
+        "torch", "classic", "economic", "threads", "pipes"]
+    ratios = {name: [t for t in row if re.fullmatch(r"\d+\.\d\dx", t)] for name, row in rows.items()}
+    assert ratios["torch"] == ["1.00x"]
+    assert all(len(ratios[name]) == 1 for name in ("classic", "economic", "threads", "pipes"))
     assert f"chart: {chart}" in completed.stdout
     assert chart.read_bytes().startswith(PNG_MAGIC)
     shards = list((tmp_path / "cache" / "bench-data").glob("jpeg-48-v*/shard-*.tar"))
@@ -119,6 +96,8 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
     (["profile", "factories:slow_dataset", "--step-ms", "soon"], 2, "expected a number of milliseconds, got 'soon'"),
     (["profile", "no_colon_here"], 2, "expected MODULE:FACTORY"),
+    (["profile", "factories.py:slow_dataset"], 2, "not a file's, got 'factories.py:slow_dataset': try `pipeload profile factories:slow_dataset`"),
+    (["profile", "sub/train.py:make"], 2, "try `pipeload profile sub.train:make`"),
     (["profile", "no_such_module_xyz:make"], 2, "cannot import module 'no_such_module_xyz'"),
     (["profile", "factories:missing"], 2, "module 'factories' has no attribute 'missing'"),
     (["profile", "factories:raises"], 1, "factories:raises raised ValueError: no data today"),
@@ -155,16 +134,31 @@ def test_bad_input_is_one_line_and_a_non_zero_status(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("factory, workers", [("slow_dataset", "1"), ("slow_loader", "1"),
                                               ("slow_dataset", "auto")])
-def test_profile_prints_the_summary_and_suggested_settings(tmp_path: Path, factory: str,
+def test_profile_with_few_batches_says_it_cannot_judge_yet(tmp_path: Path, factory: str,
                                                            workers: str) -> None:
     _write_factories(tmp_path)
     completed = pipeload_command(["profile", f"factories:{factory}", "--batches", "12",
                                   "--batch-size", "4", "--num-workers", workers], tmp_path, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
-    assert f"profiled 12 batches from factories:{factory}" in out
-    assert "the training loop waited" in out and "bottleneck: `__getitem__`" in out, out
-    assert "suggested settings: " in out
+    assert f"profiled 12 batches (1 epoch(s)) from factories:{factory}" in out
+    assert "the training loop waited" in out and "verdict: too little to judge yet" in out, out
+    assert "suggested settings: none yet (too little to judge" in out
+
+
+@pytest.mark.timeout(120)
+def test_profile_loads_until_it_can_judge_by_default(tmp_path: Path) -> None:
+    # 7 batches by default gave a confident verdict that was wrong; now it loads (epoch after
+    # epoch: the dataset holds 100 batches) until it has twice what a verdict needs.
+    _write_factories(tmp_path)
+    completed = pipeload_command(["profile", "factories:slow_dataset", "--batch-size", "4",
+                                  "--num-workers", "1"], tmp_path, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    profiled = re.search(r"profiled (\d+) batches \((\d+) epoch\(s\)\)", out)
+    assert profiled and int(profiled[1]) >= 100, out
+    assert "verdict: the workers limit loading, in the dataset's `__getitem__`" in out, out
+    assert "too little" not in out
 
 
 @pytest.mark.timeout(60)
@@ -193,14 +187,14 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     env = {**os.environ, RUN_MARKER: marker, "PIPELOAD_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": str(REPO_ROOT / "src")}
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     process = subprocess.Popen(
         [sys.executable, "-m", "pipeload", "profile", "factories:slow_dataset", "--batches", "4",
          "--batch-size", "4", "--num-workers", "1"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.stdout.close()
     _, stderr = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
     assert process.returncode == 128 + 13, stderr  # as if SIGPIPE had ended it, as for other tools
     assert stderr == ""
 
@@ -208,7 +202,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     completed = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--workload", "tiny"], cwd=REPO_ROOT,
         env={**os.environ, RUN_MARKER: marker}, capture_output=True, text=True,
@@ -221,7 +215,7 @@ def test_bench_run_quick_on_the_tiny_workload(tmp_path: Path) -> None:
     ratio_row = next(row for row in table if row[:2] == ["tiny", "pipeload/torch"])
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[2])  # samples/s
     assert re.fullmatch(r"\d+\.\d\dx", ratio_row[3])  # time to first batch
-    _assert_nothing_left(marker, shm_before)
+    assert_run_left_nothing(marker, shm_before)
 
 
 FACTORIES = '''
@@ -273,3 +267,30 @@ def broken_len():
 
 def _write_factories(directory: Path) -> None:
     (directory / "factories.py").write_text(FACTORIES)
+
+
+@pytest.mark.timeout(60)
+def test_profile_says_warnings_in_one_line_each_and_keeps_the_users_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The DataLoader the command builds has no line of the user's to point at (it read
+    # "cli/profile.py:102"); a warning raised in the user's own code keeps its file and line.
+    from pipeload import cli
+
+    (tmp_path / "warns.py").write_text(
+        "import warnings\nimport torch\n\ndef make():\n    warnings.warn('from the factory')\n"
+        "    return torch.utils.data.TensorDataset(torch.arange(8))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    workers = len(os.sched_getaffinity(0)) + 1
+    try:
+        returned = cli.main(["profile", "warns:make", "--batches", "2", "--batch-size", "4",
+                             "--num-workers", str(workers), "--worker-type", "thread"])
+    finally:
+        sys.modules.pop("warns", None)
+    err = capsys.readouterr().err.splitlines()
+    assert returned == 0, err
+    assert f"pipeload profile: UserWarning: from the factory ({tmp_path / 'warns.py'}:5)" in err, err
+    too_many = [line for line in err if f"will create {workers} worker processes" in line]
+    assert too_many and all(line.startswith("pipeload profile: UserWarning: This DataLoader")
+                            and line.endswith("if necessary.") for line in too_many), err

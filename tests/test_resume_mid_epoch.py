@@ -277,7 +277,7 @@ def test_the_state_is_small_json_with_no_sample_in_it() -> None:
     text = json.dumps(loader.state_dict())
     assert len(text) < 20_000  # generator states and counts; one batch alone is 2 MB
     state = json.loads(text)
-    assert (state["format"], state["version"], state["epoch"]["consumed"]) == ("pipeload.DataLoader", 1, 1)
+    assert (state["format"], state["version"], state["epoch"]["consumed"]) == ("pipeload.DataLoader", 2, 1)
 
 
 @pytest.mark.parametrize(("change", "named"), [
@@ -328,8 +328,8 @@ def test_not_a_loader_state_and_a_newer_version_are_refused() -> None:
     loader = pipeload.DataLoader(RandomAugment(), batch_size=BATCH)
     with pytest.raises(IncompatibleStateError, match="made by DataLoader.state_dict"):
         loader.load_state_dict({"epoch": 3})
-    with pytest.raises(IncompatibleStateError, match="version 2"):
-        loader.load_state_dict({**loader.state_dict(), "version": 2})
+    with pytest.raises(IncompatibleStateError, match="version 3"):
+        loader.load_state_dict({**loader.state_dict(), "version": 3})
 
 
 class FirstBatchLate(RandomAugment):

@@ -4,6 +4,11 @@ Switch by changing one import::
 
     import pipeload as data
     loader = data.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
+
+torch's submodule paths work too, with ``torch.utils.data`` replaced by ``pipeload``:
+``pipeload.dataloader``, ``.dataset``, ``.sampler``, ``.distributed``, ``._utils.collate``,
+``._utils.worker``, ``.graph``, ``.graph_settings``, ``.datapipes``; each name in them is the same
+object as here.
 """
 
 from pipeload.collate import collate, default_collate, default_convert
@@ -33,6 +38,10 @@ from pipeload.samplers import (
 )
 from pipeload.shared import CopyOnReadWarning, SharedMapping, SharedSequence, share_containers
 from pipeload.stats import LoaderStats
+
+# torch.utils.data's submodules, under the same paths (thin re-exports of the rooms above), as
+# attributes of the package once it is imported, as torch's are.
+from pipeload import _utils, dataloader, dataset, distributed, graph, graph_settings, sampler  # noqa: E402, I001
 
 __all__ = [
     "BatchSampler",

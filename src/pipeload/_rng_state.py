@@ -9,6 +9,7 @@ state for a moment and gives the user's state back afterwards.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 from collections.abc import Iterator
 
@@ -23,6 +24,28 @@ def encode_state(state: torch.Tensor) -> str:
 def decode_state(text: str) -> torch.Tensor:
     """The ByteTensor that :func:`encode_state` encoded."""
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def checked_state(text: object) -> torch.Tensor:
+    """The generator state ``text`` encodes, refused unless a CPU generator would take it.
+
+    Raises:
+        ValueError: not text, not base64, or not a CPU generator's state (torch's reason, say
+            "Expected a CPUGeneratorImplState of size 5056 ..." for a truncated one).
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"not text but {type(text).__name__}")
+    try:
+        # validate=True: the lenient decoder drops stray characters, hiding a damaged text
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error) as error:
+        raise ValueError(f"not base64 text: {error}") from None
+    state = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    try:
+        torch.Generator().set_state(state)  # a throwaway one: torch checks the size and the words
+    except RuntimeError as error:
+        raise ValueError(str(error).strip()) from None
+    return state
 
 
 def generator_state(generator: torch.Generator | None) -> str:

@@ -7,7 +7,7 @@ random streams, so ``random_split`` with the same generator state gives the same
 Each class also subclasses its namesake in ``torch.utils.data``, for identity alone: training
 frameworks decide what to do with a dataset by ``isinstance`` against torch's classes. Ours come
 first in every method resolution order and define every method torch's class defines, so none of
-torch's code runs (``tests/test_identity.py`` checks both).
+torch's code runs (the test suite checks both).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any, Iterable, TypeVar
 
 import torch
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
+
+from pipeload._user_frame import first_frame_outside_pipeload
 
 __all__ = [
     "ChainDataset",
@@ -253,7 +255,7 @@ class ConcatDataset(Dataset[T_co], torch_data.ConcatDataset):
         warnings.warn(
             "`cummulative_sizes` attribute is renamed to `cumulative_sizes`",
             FutureWarning,
-            stacklevel=2,
+            stacklevel=first_frame_outside_pipeload(),
         )
         return self.cumulative_sizes
 
@@ -384,6 +386,6 @@ def _lengths_from_fractions(fractions: Sequence[int | float], total: int) -> lis
             warnings.warn(
                 f"Length of split at index {position} is 0. This might result in an empty "
                 "dataset.",
-                stacklevel=3,
+                stacklevel=first_frame_outside_pipeload(),
             )
     return lengths

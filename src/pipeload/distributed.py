@@ -5,10 +5,17 @@ Nothing here starts a process group: torchrun, Lightning or accelerate do that. 
 group that is already there (rank and world size), share one seed from rank 0 with the others,
 and notice when a loader is about to give every rank the whole dataset. Without a group, the
 environment torchrun sets (RANK, WORLD_SIZE) still says where this process stands.
+
+It is also ``torch.utils.data.distributed``'s path under pipeload: ``from pipeload.distributed
+import DistributedSampler`` gives ``pipeload.DistributedSampler`` (the samplers room's class,
+the same object), so DDP scripts switch by their import line alone. The sampler is looked up on
+first use rather than imported here: this module sits below the samplers room, which the engine
+imports it from.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.utils.data as torch_data
+
+__all__ = ["DistributedSampler"]  # torch's module's; the rank helpers below are pipeload's own
 
 # How deep to look for a rank-aware sampler inside wrappers (a BatchSampler around a
 # DistributedSampler, a framework's wrapper around that BatchSampler, ...).
@@ -30,6 +39,24 @@ class Placement:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+
+
+# What torch's module also holds, found where they live when first asked for.
+_TORCH_PATH_NAMES = {"DistributedSampler": "pipeload.samplers", "Sampler": "pipeload.samplers",
+                     "Dataset": "pipeload.datasets"}
+
+
+def __getattr__(name: str) -> Any:
+    """``DistributedSampler`` (and torch's module's ``Sampler``, ``Dataset``) from their rooms,
+    when first asked for (see the module's docstring)."""
+    home = _TORCH_PATH_NAMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_TORCH_PATH_NAMES])
 
 
 def _dist() -> Any:

@@ -17,6 +17,9 @@ import traceback
 from dataclasses import dataclass
 
 
+SUMMARY_CHARS = 400  # the one-line summary of a worker's error is cut here
+
+
 class WorkerError(RuntimeError):
     """Base class for loader failures that are not the user's own exception type."""
 
@@ -38,8 +41,11 @@ class TooManyOpenFilesError(WorkerError):
 
 
 class IncompatibleStateError(ValueError):
-    """A checkpoint (``state_dict()``) taken from another configuration than the one it is loaded
-    into: another dataset length, batch size, world size, ... The message names what differs."""
+    """A checkpoint (``state_dict()``) that cannot be loaded: taken from another configuration
+    (another dataset length, batch size, world size, ...: the message names what differs), or
+    damaged (a field missing, of another type, out of range or undecodable: the message names
+    the field by its path in the state and the value received; or content that no longer
+    matches the state's digest). What refused it is left as it was."""
 
 
 def state_mismatch(owner: str, differences: dict[str, tuple[object, object]]) -> IncompatibleStateError:
@@ -48,6 +54,36 @@ def state_mismatch(owner: str, differences: dict[str, tuple[object, object]]) ->
     listed = "; ".join(f"{name} differs (state: {saved!r}, here: {here!r})"
                        for name, (saved, here) in differences.items())
     return IncompatibleStateError(f"cannot load this state into {owner}: {listed}")
+
+
+MISSING = object()  # a field a state does not have (None is a value a field may hold)
+
+
+def bad_state_field(path: str, value: object, expected: str, why: str = "") -> IncompatibleStateError:
+    """The error for a field of a state that cannot be what it claims: ``path`` names it
+    (``epoch.sampler.generator``), ``value`` is what the state holds (``MISSING``: nothing),
+    ``expected`` says what it should be, ``why`` what was found wrong with it (optional)."""
+    if value is MISSING:
+        return IncompatibleStateError(f"cannot load this state: it has no {path} (expected {expected})")
+    detail = f" ({why})" if why else ""
+    return IncompatibleStateError(
+        f"cannot load this state: {path} should be {expected}, but got {path}={shortened(value)}{detail}")
+
+
+def shortened(value: object, limit: int = 72) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with its size said when longer (a
+    generator state is 6,700 characters of base64)."""
+    try:
+        shown = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still named
+        return f"<{type(value).__name__}>"
+    if len(shown) <= limit:
+        return shown
+    try:
+        size = f"{len(value)} {'characters' if isinstance(value, str) else 'items'}"  # type: ignore[arg-type]
+    except TypeError:
+        size = f"{len(shown)} characters shown"
+    return f"{shown[:limit - 12]}... ({type(value).__name__} of {size})"
 
 
 class _KeyErrorMessage(str):
@@ -119,9 +155,19 @@ class RemoteFailure:
             text += f" (sample indices {self.indices})"
         return text
 
+    def summary(self) -> str:
+        """The original error in one line (``FileNotFoundError: ... 'shard-0003.tar'``): what a
+        user acts on, before the traceback that tells where it came from."""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        if len(first) > SUMMARY_CHARS:
+            first = first[:SUMMARY_CHARS] + " ..."
+        name = self.exc_type.__name__
+        return f"{name}: {first}" if first else name
+
     def to_exception(self) -> BaseException:
-        """Rebuild an exception of the original type whose str() tells the whole story."""
-        text = f"{self.headline()}\nOriginal {self.traceback_text}"
+        """Rebuild an exception of the original type whose str() tells the whole story: torch's
+        sentence, the original error in one line, then the worker's traceback."""
+        text = f"{self.headline()}\n{self.summary()}\nOriginal {self.traceback_text}"
         if self.exc_type is KeyError:
             text = _KeyErrorMessage(text)
         try:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
+import pydoc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.utils.data as tud
@@ -12,6 +15,8 @@ from pipes_for_tests import add_one
 
 import pipeload
 from pipeload.datapipes import IterDataPipe, MapDataPipe, functional_datapipe, lazy_init
+from pipeload.datapipes._iter_ops import IterOperations
+from pipeload.datapipes._map_ops import MapOperations
 from pipeload.datapipes.iter import IterableWrapper, Mapper
 from pipeload.datapipes.map import SequenceWrapper
 
@@ -67,7 +72,19 @@ def test_a_pipe_pickles_as_its_description() -> None:
     pipe = IterableWrapper(range(6)).map(add_one).shuffle().set_seed(3).batch(2)
     restored = pickle.loads(pickle.dumps(pipe))
     assert list(restored) == list(pipe)  # the seed travels with the description: same order
-    assert repr(restored) == "Batcher" and str(restored.datapipe.datapipe) == "Mapper"
+    assert repr(restored) == repr(pipe)
+    assert str(restored.datapipe.datapipe) == "Mapper(add_one) <- IterableWrapper(range(0, 6))"
+
+
+def test_a_pipes_repr_says_what_it_applies_and_where_it_reads_from() -> None:
+    # It read just "Mapper": nothing of which function, nor over what.
+    pipe = IterableWrapper(list(range(200))).shuffle(buffer_size=50).map(add_one).batch(4)
+    assert repr(pipe) == ("Batcher(batch_size=4) <- Mapper(add_one) <- Shuffler(buffer_size=50) "
+                          "<- IterableWrapper(list of 200 items)")
+    deep = pipe.map(add_one).map(add_one)
+    assert repr(deep) == "Mapper(add_one) <- Mapper(add_one) <- Batcher(batch_size=4) <- Mapper(add_one) <- ..."
+    assert str(IterableWrapper(range(3)).zip(IterableWrapper(range(3)))) == (
+        "Zipper <- (IterableWrapper(range(0, 3)), IterableWrapper(range(0, 3)))")
 
 
 def test_two_iterators_over_one_pipe_do_not_disturb_each_other() -> None:
@@ -111,3 +128,18 @@ def test_parents_are_explicit() -> None:
     assert Mapper(zipped, add_one).parents() == (zipped,)
     assert a.parents() == ()
     assert Times(a).parents() == (a,)  # found among a user's pipe's attributes
+
+
+def _functional_forms(operations: type) -> list[str]:
+    return [name for name, value in vars(operations).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("operations, pipe", [
+    (IterOperations, lambda: IterableWrapper(range(3))),
+    (MapOperations, lambda: SequenceWrapper(range(3))),
+], ids=["iter", "map"])
+def test_help_on_a_functional_form_is_its_class_documentation(operations: type, pipe: Any) -> None:
+    for name in _functional_forms(operations):
+        text = pydoc.render_doc(getattr(pipe(), name), forceload=True)
+        for wanted in (f"(functional name: ``{name}``)", "Args:", "Example:"):
+            assert wanted in text, f"help(pipe.{name}) lacks {wanted!r}"

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from pipes_for_tests import (
 
 import pipeload
 from pipeload.datapipes.iter import IterableWrapper, QueueBoundary
+from pipeload.datasets import IterableDataset
 from pipeload.errors import WorkerDiedError
 
 pytestmark = [pytest.mark.usefixtures("leak_guard", "no_gc"), pytest.mark.timeout(60)]
@@ -79,7 +81,7 @@ def test_a_process_boundary_holds_at_most_buffer_size_items() -> None:
     for taken in range(1, 20):
         assert next(it) == taken - 1
         assert wait_until(lambda: produced.value >= taken + 3, DEADLINE_S)  # the credit refills
-        assert produced.value <= taken + 6  # and never beyond the window
+        assert produced.value <= taken + 6 + 1  # never beyond the window (and the item in hand)
     it.close()
 
 
@@ -186,7 +188,22 @@ def test_a_thread_boundary_runs_inside_dataloader_process_workers() -> None:
     assert sorted(sum((b.tolist() for b in loader), [])) == list(range(1, 41))
 
 
-def test_a_process_boundary_inside_a_process_worker_is_a_clear_error() -> None:
-    pipe = IterableWrapper(range(4)).queue_boundary("process")
+def test_a_process_boundary_runs_inside_dataloader_process_workers() -> None:
+    """A process worker is a daemon; the boundary's upstream process leaves with its parent, so
+    the worker may start it (test_separate_process_in_workers.py kills them)."""
+    pipe = IterableWrapper(range(40)).sharding_filter().map(pid_and_item).queue_boundary("process")
+    seen = list(pipeload.DataLoader(pipe, batch_size=None, num_workers=2))
+    assert sorted(item for _, item in seen) == list(range(40))
+    assert len({pid for pid, _ in seen}) == 2 and os.getpid() not in {pid for pid, _ in seen}
+
+
+class LoaderInside(IterableDataset):
+    """An iterable dataset that runs a DataLoader with process workers of its own."""
+
+    def __iter__(self) -> Any:
+        return iter(pipeload.DataLoader(list(range(4)), num_workers=1))
+
+
+def test_other_processes_inside_a_process_worker_are_still_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="daemon processes may not have children"):
-        list(pipeload.DataLoader(pipe, num_workers=1))
+        list(pipeload.DataLoader(LoaderInside(), num_workers=1))

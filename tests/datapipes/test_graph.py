@@ -13,7 +13,7 @@ import torch.utils.data.graph_settings as theirs_settings
 from pipes_for_tests import add_one, double, normalise
 
 import pipeload.datapipes.iter as ours_iter
-from pipeload.datapipes import graph
+from pipeload.datapipes import IterDataPipe, graph
 from pipeload.datapipes.iter import Batcher, IterableWrapper, Mapper, ShardingFilter, Shuffler
 
 
@@ -143,3 +143,75 @@ def test_apply_shuffle_settings() -> None:
         shuffled = graph.apply_shuffle_settings(plain, shuffle=True)
     assert isinstance(shuffled, Shuffler) and sorted(shuffled) == list(range(8))
     assert graph.find_dps(shuffled, ShardingFilter) == []
+
+
+def named_shape(g: dict[int, Any]) -> list[Any]:
+    return [(type(pipe).__name__.replace("MapDataPipe", "").replace("IterDataPipe", ""), named_shape(parents))
+            for pipe, parents in g.values()]
+
+
+@pytest.mark.parametrize("build", [
+    lambda it, mp: it.IterableWrapper(mp.SequenceWrapper(range(5)).shuffle()),
+    lambda it, mp: it.IterableWrapper(mp.SequenceWrapper(range(5)).map(add_one)).map(double),
+    lambda it, mp: it.IterableWrapper([it.IterableWrapper(range(2)).map(double), it.IterableWrapper(range(3))]).batch(2),
+])
+def test_traverse_dps_sees_through_wrappers_as_torchs_does(build: Any) -> None:
+    import torch.utils.data.datapipes.map as theirs_map
+
+    import pipeload.datapipes.map as ours_map
+
+    theirs = named_shape(theirs_graph.traverse_dps(build(theirs_iter, theirs_map)))
+    ours = named_shape(graph.traverse_dps(build(ours_iter, ours_map)))
+    rename = {"ShufflerIter": "Shuffler", "Map": "Mapper", "Batcher": "Batcher"}
+
+    def renamed(tree: list[Any]) -> list[Any]:
+        return [(rename.get(name, name), renamed(parents)) for name, parents in tree]
+
+    assert renamed(theirs) == ours
+
+
+def test_get_all_graph_pipes_lists_each_pipe_once_before_its_parents_as_torchs() -> None:
+    theirs = theirs_settings.get_all_graph_pipes(theirs_graph.traverse_dps(diamond(theirs_iter)))
+    ours = graph.get_all_graph_pipes(graph.traverse_dps(diamond(ours_iter)))
+    rename = {"_ChildDataPipe": "_Branch", "_Forker": "_ForkSource"}
+    theirs_names = [type(p).__name__.replace("IterDataPipe", "") for p in theirs]
+    assert [rename.get(name, name) for name in theirs_names] == [type(p).__name__ for p in ours]
+    pipe = diamond(ours_iter)
+    assert graph.get_all_graph_pipes(graph.traverse_dps(pipe)) == graph.list_dps(pipe)
+
+
+class SelfReferring(IterDataPipe):
+    """torch's test case: a pipe whose inner graph calls back into it, and that cannot be hashed."""
+
+    def add_v(self, x: int) -> int:
+        return x + self.v
+
+    def __init__(self, source: Any) -> None:
+        self._dp = source.map(self.add_v)
+        self.v = 1
+
+    def __iter__(self) -> Any:
+        yield from self._dp
+
+    def __hash__(self) -> int:
+        raise NotImplementedError
+
+
+def test_a_pipe_that_refers_to_itself_and_cannot_be_hashed_is_walked_once() -> None:
+    source = IterableWrapper(list(range(4)))
+    pipe = SelfReferring(source)
+    assert graph.traverse_dps(pipe) == {id(pipe): (pipe, {id(pipe._dp): (pipe._dp, {id(source): (source, {})})})}
+    assert len(graph.get_all_graph_pipes(graph.traverse_dps(pipe))) == 3
+    assert list(pipe) == [1, 2, 3, 4]
+
+
+def test_the_public_names_are_listed() -> None:
+    namespace: dict[str, Any] = {}
+    exec("from pipeload.datapipes.graph import *", namespace)  # noqa: S102  (what a user writes)
+    public = {name for name in vars(graph) if not name.startswith("_") and callable(getattr(graph, name))
+              and getattr(getattr(graph, name), "__module__", "") == graph.__name__}
+    assert public <= set(graph.__all__) and set(graph.__all__) <= set(namespace)
+    assert {"traverse_dps", "get_all_graph_pipes", "DataPipeGraph"} <= set(graph.__all__)
+    pipe = IterableWrapper([1]).map(add_one)
+    with pytest.warns(FutureWarning, match="use `traverse_dps`"):
+        assert graph.traverse(pipe) == graph.traverse_dps(pipe)

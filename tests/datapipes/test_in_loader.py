@@ -196,3 +196,28 @@ def test_a_gloo_group_shards_by_rank_times_worker_with_rank_zeros_seed(tmp_path:
         rank0, rank1 = seen[0][epoch], seen[1][epoch]
         assert not set(rank0) & set(rank1) and sorted(rank0 + rank1) == list(range(50))
     assert seen[0][0] != seen[0][1]
+
+
+def mixed_wrapped_shuffle(iter_module: Any, map_module: Any) -> Any:
+    return iter_module.IterableWrapper(map_module.SequenceWrapper(range(20)).shuffle())
+
+
+def mixed_sharded(iter_module: Any, map_module: Any) -> Any:
+    inner = map_module.SequenceWrapper(list(range(20))).map(double).shuffle()
+    return iter_module.IterableWrapper(inner).sharding_filter().shuffle(buffer_size=5).batch(3)
+
+
+def map_shuffle_batched(iter_module: Any, map_module: Any) -> Any:
+    return map_module.SequenceWrapper(list(range(16))).shuffle().sharding_filter().batch(4)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("graph", [mixed_wrapped_shuffle, mixed_sharded, map_shuffle_batched])
+def test_mixed_map_and_iter_graphs_are_seeded_as_torchs_loader_seeds_them(engine: dict[str, Any], graph: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first graph has no sharding: every worker reads it all
+        theirs = epochs(tud, graph(theirs_iter, theirs_map), batch_size=None, num_workers=engine["num_workers"])
+        ours = epochs(pipeload, graph(ours_iter, ours_map), batch_size=None, **engine)
+    assert ours == theirs
+    (first, second), _ = ours
+    assert first != second  # the loader's seed reaches the map pipe's shuffle: a new order each epoch

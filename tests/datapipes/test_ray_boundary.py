@@ -251,8 +251,6 @@ def test_bad_arguments_are_named():
         pipe.queue_boundary("ray", 4, num_actors=2)
     with pytest.raises(ValueError, match="buffer_size >= num_actors"):
         pipe.sharding_filter().queue_boundary("ray", 1, num_actors=2)
-    with pytest.raises(TypeError, match="only worker_type='ray' takes"):
-        pipe.queue_boundary("thread", 4, num_actors=2)
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:

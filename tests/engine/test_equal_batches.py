@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import random
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from state_damage import damaged
 
 import pipeload
+from pipeload._state_digest import digest_of
+from pipeload.errors import IncompatibleStateError
 
 WORLD_SIZE = 2
 # Rank 0's share makes 3 batches of 2, rank 1's makes 5 (the last one partial).
@@ -74,6 +78,7 @@ def _resumed_while_padding(kind: str, num_workers: int, taken: int) -> list[Any]
     seen = [next(iterator).tolist() for _ in range(taken)]
     state = json.loads(json.dumps(loader.state_dict()))
     del iterator, loader
+    _damaged_states_are_refused(state, lambda: _pad_loader(kind, num_workers))
     resumed = _pad_loader(kind, num_workers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RankShare has no state: it is fast-forwarded
@@ -87,6 +92,22 @@ def _resumed_while_padding(kind: str, num_workers: int, taken: int) -> list[Any]
         warnings.simplefilter("ignore")
         again.load_state_dict(state)
     return seen + [batch.tolist() for batch in again]
+
+
+def _damaged_states_are_refused(state: dict[str, Any], make: Any) -> None:
+    """A padding rank's state (its repeat_from and padded count included), damaged at random
+    (tests/state_damage.py): refused, or of the same content (a list kept as a tuple). Loading
+    takes no collective, so each rank checks its own."""
+    rng = random.Random(dist.get_rank())
+    target = make()
+    for _ in range(40):
+        what, bad = damaged(state, rng)
+        try:
+            target.load_state_dict(bad)
+        except IncompatibleStateError:
+            continue
+        assert digest_of(bad) == digest_of(state), f"{what}: accepted"
+        target = make()
 
 
 def _run_rank(rank: int, init_file: str, out_dir: str) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_pids, pid_gone, wait_until
+from conftest import child_pids, gone_or_fail, pid_gone, wait_until
 from faults import (
     ECONOMIC,
     ECONOMIC_SPAWN,
@@ -152,11 +152,7 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, l
     proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)
     proc.kill()
     proc.communicate()
-    if not wait_until(lambda: all(pid_gone(pid) for pid in pids), ORPHAN_EXIT_S):
-        alive = [pid for pid in pids if not pid_gone(pid)]
-        for pid in alive:  # do not leave them running for the rest of the suite
-            os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"orphaned workers {alive} still running {ORPHAN_EXIT_S} s after the main process died")
+    gone_or_fail(pids, ORPHAN_EXIT_S, "orphaned workers")
 
 
 # -- early exits in this process ---------------------------------------------------------

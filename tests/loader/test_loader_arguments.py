@@ -544,3 +544,13 @@ def test_dataset_sampler_subclasses_of_subscripted_generics_work() -> None:
 def test_public_generics_can_be_subscripted(generic: Callable[[], Any]) -> None:
     alias = generic()
     assert alias.__origin__ is not None
+
+
+def test_the_excessive_workers_warning_counts_every_process_economic_mode_starts() -> None:
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.warns(UserWarning, match=rf"will create {cpus + 1} worker processes in total.*"
+                                         rf"\(pipeload: {cpus} item workers and 1 batch workers"):
+        pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=cpus, num_batch_workers=1,
+                            mode="economic")

@@ -4,12 +4,14 @@ yields exactly what the original went on to yield, then the same following itera
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from state_damage import damaged
 
 import pipeload
 from pipeload.errors import IncompatibleStateError
@@ -130,3 +132,53 @@ def test_batch_size_and_version_are_checked() -> None:
         pipeload.BatchSampler(range(10), 5, False).load_state_dict(state)
     with pytest.raises(IncompatibleStateError, match="version 99"):
         pipeload.BatchSampler(range(10), 4, False).load_state_dict({**state, "version": 99})
+
+
+def _two_iterations(sampler: Any) -> list[Any]:
+    torch.manual_seed(21)  # the same global generator for every sampler compared
+    if isinstance(sampler, pipeload.DistributedSampler):
+        return [list(sampler), (sampler.set_epoch(sampler.epoch + 1), list(sampler))[1]]
+    return [list(sampler), list(sampler)]
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_a_damaged_state_is_refused_or_resumes_exactly(name: str) -> None:
+    """A sampler's state damaged at random (tests/state_damage.py): refused with
+    IncompatibleStateError, the sampler as it was, or loaded and resumed as the undamaged one."""
+    make = SAMPLERS[name]
+    original = make()
+    iterator = iter(original)
+    next(iterator), next(iterator)
+    state = json.loads(json.dumps(original.state_dict()))
+    reference = make()
+    reference.load_state_dict(state)
+    expected = _two_iterations(reference)
+    rng, target = random.Random(name), make()
+    before = target.state_dict()
+    for _ in range(60):
+        what, bad = damaged(state, rng)
+        try:
+            target.load_state_dict(bad)
+        except IncompatibleStateError:
+            assert target.state_dict() == before, f"{what}: refused, but the sampler changed"
+            continue
+        assert _two_iterations(target) == expected, f"{what}: accepted, and resumed otherwise"
+        target = make()
+        before = target.state_dict()
+
+
+def test_a_state_of_the_previous_version_still_loads() -> None:
+    original = pipeload.BatchSampler(pipeload.RandomSampler(range(11), generator=seeded(3)), 3, False)
+    iterator = iter(original)
+    next(iterator)
+    state = original.state_dict()
+    old = {k: v for k, v in state.items() if k != "digest"} | {"version": 1}
+    old["sampler"] = {k: v for k, v in state["sampler"].items() if k != "digest"} | {"version": 1}
+    resumed, again = (pipeload.BatchSampler(pipeload.RandomSampler(range(11), generator=seeded(8)), 3, False)
+                      for _ in range(2))
+    resumed.load_state_dict(old)
+    again.load_state_dict(state)
+    assert list(resumed) == list(again) == list(iterator)
+    with pytest.raises(IncompatibleStateError, match=r"sampler\.iteration\.yielded should be an int from 0 to 11"):
+        inner = old["sampler"]
+        resumed.load_state_dict({**old, "sampler": {**inner, "iteration": {**inner["iteration"], "yielded": 12}}})

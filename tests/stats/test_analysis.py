@@ -1,27 +1,131 @@
-"""The summary's verdicts (stats/analysis.py) on stats made to order: no timing involved."""
+"""The summary's verdicts (stats/analysis.py) and words (stats/summary.py) on stats made to
+order: no timing involved."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import pytest
+
+from pipeload.stats import analysis
 from pipeload.stats.recorder import LoaderSetup
-from pipeload.stats.report import LoaderStats, QueueStats, WorkerStats
+from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
 
 CPUS = 2
+ALIVE_S = 4.0  # every made-up worker's life, and the loop's steady time: enough to judge
+BATCHES = 200
+# What a loading verdict may suggest: never what is trained (batch_size, drop_last, sampler).
+LOADING_SETTINGS = {"num_workers", "worker_type", "prefetch_factor", "num_batch_workers", "pin_memory"}
 
 
 def _worker(kind: str, worker_id: int, *, fetch_s: float = 0.0, collate_s: float = 0.0,
-            cpu_s: float = 0.0) -> WorkerStats:
-    return WorkerStats(kind, worker_id, tasks=32, samples=256, fetch_s=fetch_s, collate_s=collate_s,
-                       transfer_s=0.01, bytes_out=1024, alive_s=1.0, cpu_s=cpu_s)
+            cpu_s: float = 0.0, queued_s: float = 0.0, tasks: int = 100) -> WorkerStats:
+    """A worker of ALIVE_S seconds; the seconds given are fractions of it, scaled."""
+    return WorkerStats(kind, worker_id, tasks=tasks, samples=8 * tasks, fetch_s=fetch_s * ALIVE_S,
+                       collate_s=collate_s * ALIVE_S, transfer_s=0.01 * ALIVE_S, bytes_out=1024,
+                       alive_s=ALIVE_S, cpu_s=cpu_s * ALIVE_S, queued_s=queued_s * ALIVE_S)
 
 
-def _stats(mode: str, workers: tuple[WorkerStats, ...], wait_s: float, compute_s: float,
-           worker_type: str = "process") -> LoaderStats:
-    setup = LoaderSetup(mode, worker_type, 2, 2, 8, False, CPUS)
-    return LoaderStats(setup=setup, batches=32, epochs=1, wait_s=wait_s, compute_s=compute_s,
-                       first_batch_s=0.01, pin_s=0.0, pinned=0, workers=workers,
-                       queue=QueueStats(0.0, 0, 1.0, 2, 2))
+def _stats(mode: str, workers: tuple[WorkerStats, ...], wait: float, *, worker_type: str = "process",
+           cpus: int = CPUS, dataset: str = "map", batches: int = BATCHES, steady_s: float = ALIVE_S,
+           num_workers: int | None = None) -> LoaderStats:
+    """Stats whose loop waited a fraction ``wait`` of its ``steady_s`` seconds."""
+    count = num_workers if num_workers is not None else sum(1 for w in workers if w.kind in ("", "item"))
+    setup = LoaderSetup(mode, worker_type, count, 2 if count else None, 8, False, cpus, dataset)
+    return LoaderStats(setup=setup, batches=batches, epochs=1, wait_s=wait * steady_s,
+                       compute_s=(1 - wait) * steady_s, first_batch_s=0.01, pin_s=0.0, pinned=0,
+                       workers=workers, queue=QueueStats(0.0, 0, 1.0, 2, 2))
+
+
+def _busy(count: int, fetch: float, cpu: float, queued: float = 0.0, kind: str = "") -> tuple[WorkerStats, ...]:
+    return tuple(_worker(kind, i, fetch_s=fetch, cpu_s=cpu, queued_s=queued) for i in range(count))
+
+
+def _verdict(stats: LoaderStats) -> str:
+    return stats.summary().splitlines()[-1]
+
+
+# -- evidence ----------------------------------------------------------------------------
+
+
+def test_too_few_batches_or_seconds_give_no_verdict_and_say_how_many_more() -> None:
+    # 7 batches read "workers busy 84%, on a CPU 0% ... try num_workers=8", which was slower.
+    for short in (_stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=8, steady_s=0.4),
+                  _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.0)):
+        assert short.suggested_settings() == {}
+        verdict = _verdict(short)
+        assert verdict.startswith("verdict: too little to judge yet"), verdict
+        assert "about" in verdict and "more batches" in verdict
+    few = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=8, steady_s=0.4)
+    assert "7 batches after each epoch's first, in 0.4 s" in _verdict(few)
+    assert "about 43 more batches" in _verdict(few)  # 50 needed; 2 s at 17.5 batches/s is 35 more
+    slow = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.0)
+    assert "about 499 more batches" in _verdict(slow)  # 1 s more at 499 batches/s
+
+
+def test_enough_evidence_gives_a_verdict() -> None:
+    stats = _stats("classic", _busy(2, 0.95, 0.9), 0.8, batches=analysis.MIN_STEADY_BATCHES + 1,
+                   steady_s=analysis.MIN_STEADY_S)
+    assert "too little" not in _verdict(stats)
+
+
+# -- margins: the same verdict for runs that differ by noise --------------------------------
+
+
+@pytest.mark.parametrize("waits", [(0.02, 0.045), (0.06, 0.14), (0.2, 0.9)])
+def test_waits_within_one_band_get_one_verdict(waits: tuple[float, float]) -> None:
+    workers = _busy(2, 0.95, 0.95)
+    verdicts = {(analysis.diagnose(s).bottleneck, tuple(sorted(s.suggested_settings().items())))
+                for s in (_stats("classic", workers, wait) for wait in waits)}
+    assert len(verdicts) == 1, verdicts
+
+
+def test_a_loop_that_nearly_keeps_up_is_told_nothing_stands_out() -> None:
+    stats = _stats("classic", _busy(2, 0.5, 0.5), 0.1)
+    assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
+    assert stats.suggested_settings() == {}
+
+
+@pytest.mark.parametrize("busy", [0.55, 0.6, 0.65])
+def test_workers_neither_idle_nor_saturated_are_no_single_bottleneck(busy: float) -> None:
+    # Two identical runs named "the main process" once and "__getitem__" once: 60% was one edge.
+    stats = _stats("classic", _busy(2, busy, busy), 0.5)
+    assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
+    assert stats.suggested_settings() == {}
+
+
+def test_a_stage_is_named_only_when_it_stands_out() -> None:
+    even = tuple(_worker("", i, fetch_s=0.5, collate_s=0.45, cpu_s=0.9) for i in range(2))
+    assert "the workers limit loading (the dataset's `__getitem__` 52%, `collate_fn` 47%)" in \
+        _verdict(_stats("classic", even, 0.5))
+    lopsided = tuple(_worker("", i, fetch_s=0.8, collate_s=0.15, cpu_s=0.9) for i in range(2))
+    assert "the workers limit loading, in the dataset's `__getitem__`" in _verdict(_stats("classic", lopsided, 0.5))
+
+
+def test_suggested_worker_counts_follow_a_coarse_ladder() -> None:
+    # n / (1 - wait) moved by one with every few percent of noise: 5 and 6 are one suggestion.
+    counts = {_stats("classic", _busy(2, 0.95, 0.05), wait, cpus=16).suggested_settings()["num_workers"]
+              for wait in (0.61, 0.63, 0.65)}
+    assert counts == {6}
+
+
+def test_no_made_up_stats_suggest_a_setting_that_changes_what_is_trained() -> None:
+    # "try a larger batch_size" changes the training, not the loading.
+    for wait, busy, cpu, mode, kind in itertools.product((0.0, 0.1, 0.3, 0.9), (0.1, 0.6, 0.95),
+                                                        (0.0, 0.5, 1.0), ("classic", "economic"),
+                                                        ("", "item")):
+        if (mode == "economic") != (kind == "item"):
+            continue
+        workers = _busy(2, busy, cpu, kind=kind)
+        if mode == "economic":
+            workers += tuple(_worker("batch", i, collate_s=busy, cpu_s=cpu) for i in range(2))
+        stats = _stats(mode, workers, wait)
+        assert set(stats.suggested_settings()) <= LOADING_SETTINGS, stats.summary()
+        assert "batch_size=" not in _verdict(stats)
+
+
+# -- the rules --------------------------------------------------------------------------
 
 
 def test_economic_collate_asks_a_bounded_number_of_batch_workers() -> None:
@@ -31,37 +135,53 @@ def test_economic_collate_asks_a_bounded_number_of_batch_workers() -> None:
     # more item workers.)
     items = tuple(_worker("item", i, fetch_s=0.1, cpu_s=0.01) for i in range(2))
     waiting = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.01) for i in range(2))
-    stats = _stats("economic", items + waiting, wait_s=1.0, compute_s=0.0)
+    stats = _stats("economic", items + waiting, 1.0)
     wanted = stats.suggested_settings()["num_batch_workers"]
     assert 3 <= wanted <= 8, stats.summary()
     assert f"num_batch_workers={wanted}" in stats.summary()
     computing = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.9) for i in range(2))
-    stats = _stats("economic", items + computing, wait_s=1.0, compute_s=0.0)
+    stats = _stats("economic", items + computing, 1.0)
     assert stats.suggested_settings().get("num_batch_workers", CPUS) <= CPUS, stats.summary()
 
 
 def test_bytes_moved_are_written_in_a_unit_that_shows_them() -> None:
     # 1 KiB per worker read "moved 0.0 MiB": nothing, to a reader.
-    stats = _stats("classic", (_worker("", 0, fetch_s=0.9), _worker("", 1, fetch_s=0.9)), 1.0, 0.1)
+    stats = _stats("classic", _busy(2, 0.9, 0.9), 0.9)
     assert stats.bytes_moved == 2048
     assert "moved 2.0 KiB of tensors" in stats.summary()
     big = dataclasses.replace(stats, workers=(dataclasses.replace(_worker("", 0), bytes_out=3 * 2**20),))
     assert "moved 3.0 MiB of tensors" in big.summary()
 
 
-def test_without_workers_nothing_is_said_to_be_moved() -> None:
-    stats = _stats("classic", (_worker("main", 0, fetch_s=0.9),), 1.0, 0.1)
-    assert "moved" not in stats.summary()
-    assert "skipped samples: 0" in stats.summary()
-
-
-def test_a_loop_that_keeps_workers_waiting_says_they_idle() -> None:
-    idle = tuple(_worker("", i, fetch_s=0.05) for i in range(2))
-    stats = _stats("classic", idle, wait_s=0.01, compute_s=1.0)
+def test_without_workers_nothing_is_said_to_be_moved_and_no_worker_type() -> None:
+    # num_workers=0 reported worker_type=process: nothing ran in a process of its own.
+    stats = _stats("classic", (_worker("main", 0, fetch_s=0.9),), 0.9)
     text = stats.summary()
-    assert "bottleneck: the training loop" in text
-    assert "workers idle 94% of the time" in text, text
-    assert "num_workers" not in stats.suggested_settings() or stats.suggested_settings()["num_workers"] < 2
+    assert "moved" not in text and "skipped samples: 0" in text
+    assert "num_workers=0 (loading in the main process)" in text
+    assert "worker_type" not in text and "prefetch_factor" not in text
+    assert stats.suggested_settings() == {"num_workers": 2}
+
+
+def test_a_loop_that_keeps_workers_waiting_says_they_idle_once() -> None:
+    # "bottleneck: the training loop: the training loop waited only 4%" said it twice.
+    stats = _stats("classic", _busy(2, 0.05, 0.05), 0.01)
+    verdict = _verdict(stats)
+    assert verdict.startswith("verdict: loading keeps up: the training loop waited only 1% of the time")
+    assert verdict.count("the training loop") == 1
+    assert "workers idle 94% of the time" in verdict, verdict
+    assert stats.suggested_settings() == {"num_workers": 1}
+
+
+def test_workers_busy_and_on_a_cpu_are_explained_side_by_side() -> None:
+    # "busy 87%, on a CPU 0%" side by side, with no word of what the rest was.
+    waiting = _stats("classic", _busy(2, 0.87, 0.0), 0.5)
+    line = next(line for line in waiting.summary().splitlines() if line.startswith("workers busy"))
+    assert "workers busy 88% of the time" in line
+    assert "of that busy time, 0% on a CPU, 0% ready but queued for one" in line
+    assert "100% waiting inside the work (I/O, sleeps, locks)" in line
+    crowded = _stats("classic", _busy(2, 0.9, 0.2, queued=0.7), 0.5)
+    assert "ready but queued for one (other work had the CPUs)" in crowded.summary()
 
 
 def _pinning(stats: LoaderStats, pin_s: float) -> LoaderStats:
@@ -71,17 +191,15 @@ def _pinning(stats: LoaderStats, pin_s: float) -> LoaderStats:
 
 def test_pinning_that_takes_most_of_the_time_is_named() -> None:
     # Inline, pinning 50 times longer than collating read "`collate_fn` takes most of it".
-    inline = _stats("classic", (_worker("main", 0, fetch_s=0.002, collate_s=0.004),), 1.0, 0.1)
-    for stats in (_pinning(inline, 0.2), _pinning(_stats("classic", (_worker("", 0, fetch_s=0.01),), 1.0, 0.1), 0.8)):
-        text = stats.summary()
-        assert "bottleneck: pinning" in text, text
+    inline = _stats("classic", (_worker("main", 0, fetch_s=0.002, collate_s=0.004),), 0.9)
+    for stats in (_pinning(inline, 0.2 * ALIVE_S), _pinning(_stats("classic", _busy(1, 0.01, 0.01), 0.9), 0.8 * ALIVE_S)):
+        assert _verdict(stats).startswith("verdict: pinning limits"), stats.summary()
         assert stats.suggested_settings() == {"pin_memory": False}
-    assert "bottleneck: pinning" not in _pinning(inline, 0.001).summary()
+    assert "pinning" not in _verdict(_pinning(inline, 0.001))
 
 
 def test_pin_memory_without_anything_pinned_says_so() -> None:
-    stats = dataclasses.replace(_stats("classic", (_worker("", 0, fetch_s=0.9),), 1.0, 0.1),
-                                )
+    stats = _stats("classic", _busy(1, 0.9, 0.9), 0.9)
     stats = dataclasses.replace(stats, setup=dataclasses.replace(stats.setup, pin_memory=True))
     assert "pin_memory=True (nothing pinned: no accelerator)" in stats.summary()
     assert "pin_memory=True," in _pinning(stats, 0.1).summary()
@@ -93,12 +211,12 @@ def test_economic_collate_held_back_by_prefetch_factor_asks_for_it() -> None:
     # num_batch_workers=8, then (with 4 idling half the time) for a larger batch_size.
     items = tuple(_worker("item", i, fetch_s=0.05, cpu_s=0.05) for i in range(2))
     saturated = tuple(_worker("batch", i, collate_s=0.9, cpu_s=0.01) for i in range(2))
-    wanted = _stats("economic", items + saturated, 1.0, 0.0).suggested_settings()
+    wanted = _stats("economic", items + saturated, 1.0).suggested_settings()
     assert wanted["prefetch_factor"] == wanted["num_batch_workers"] > 2, wanted
     held_back = tuple(_worker("batch", i, collate_s=0.5, cpu_s=0.01) for i in range(4))
-    stats = _stats("economic", items + held_back, 1.0, 0.0)
+    stats = _stats("economic", items + held_back, 1.0)
     assert stats.suggested_settings() == {"prefetch_factor": 4}, stats.summary()
-    assert "bottleneck: `collate_fn`" in stats.summary()
+    assert "verdict: the batch workers limit loading, in `collate_fn`" in stats.summary()
 
 
 def test_economic_workers_busy_is_given_per_kind() -> None:
@@ -106,26 +224,114 @@ def test_economic_workers_busy_is_given_per_kind() -> None:
     # batch workers at 2%) described neither kind.
     items = tuple(_worker("item", i, fetch_s=0.9) for i in range(2))
     batches = tuple(_worker("batch", i, collate_s=0.02) for i in range(2))
-    text = _stats("economic", items + batches, 1.0, 0.0).summary()
+    text = _stats("economic", items + batches, 1.0).summary()
     assert "item workers busy 91%, batch workers busy 3% of the time" in text, text
 
 
 def test_thread_workers_taking_turns_on_the_gil_are_told_to_use_processes() -> None:
     # Two thread workers running Python code ran one CPU's worth between them (0.13 s each of
     # 0.25 s busy in a real run): the GIL lets one run at a time. More threads cannot help.
-    turns = tuple(_worker("", i, fetch_s=0.9, cpu_s=0.45) for i in range(2))
-    stats = _stats("classic", turns, 1.0, 0.1, worker_type="thread")
-    assert "bottleneck: `__getitem__`" in stats.summary()
+    turns = _busy(2, 0.9, 0.45)
+    stats = _stats("classic", turns, 0.9, worker_type="thread", cpus=4)
     assert "GIL" in stats.summary()
     assert stats.suggested_settings() == {"worker_type": "process"}
-    sleeping = tuple(_worker("", i, fetch_s=0.9, cpu_s=0.01) for i in range(2))
-    assert stats.suggested_settings() != _stats("classic", sleeping, 1.0, 0.1, "thread").suggested_settings()
-    assert "GIL" not in _stats("classic", turns, 1.0, 0.1).summary()  # processes have none
+    sleeping = _busy(2, 0.9, 0.01)
+    assert "GIL" not in _stats("classic", sleeping, 0.9, worker_type="thread", cpus=4).summary()
+    assert "GIL" not in _stats("classic", turns, 0.9, cpus=4).summary()  # processes have none
+
+
+def test_thread_workers_are_not_sent_to_processes_where_the_gil_cannot_be_told_apart() -> None:
+    # Process mode said "try worker_type='thread'" and thread mode (faster there) "try
+    # worker_type='process'". On 2 CPUs the main thread's own share keeps threads near one
+    # CPU whatever the GIL does; crowded out by other jobs is no GIL either.
+    two_cpus = _stats("classic", _busy(2, 0.9, 0.45), 0.9, worker_type="thread", cpus=2)
+    crowded = _stats("classic", _busy(2, 0.9, 0.45, queued=0.4), 0.9, worker_type="thread", cpus=4)
+    for stats in (two_cpus, crowded):
+        assert "worker_type" not in stats.suggested_settings(), stats.summary()
+    # Nor to more threads: a thread waiting for the GIL reads as waiting, as on I/O.
+    assert "num_workers" not in two_cpus.suggested_settings(), two_cpus.summary()
+    io_threads = _stats("classic", _busy(2, 0.9, 0.05), 0.9, worker_type="thread")
+    assert io_threads.suggested_settings()["num_workers"] > 2  # under half a CPU: truly waiting
+    idle = _stats("classic", _busy(2, 0.2, 0.2), 0.5)  # the main process limits
+    assert "worker_type" not in idle.suggested_settings() and "worker_type" not in _verdict(idle)
 
 
 def test_the_queue_line_says_its_capacity_as_such() -> None:
     # "(at most 2)" gave the capacity where QueueStats.max_in_flight said 1: a reader took it
     # for the most seen in flight.
-    stats = _stats("classic", (_worker("", 0, fetch_s=0.9),), 1.0, 0.1)
-    text = stats.summary()
+    text = _stats("classic", _busy(1, 0.9, 0.9), 0.9).summary()
     assert "1.0 in flight (room for 2)" in text and "at most" not in text, text
+
+
+# -- kinds of dataset, and loaders that cannot re-tune ----------------------------------------
+
+
+def test_datapipes_and_iterable_datasets_are_not_said_to_have_getitem() -> None:
+    for dataset, words in (("pipe", "the DataPipe graph"), ("iterable", "the dataset's `__iter__`")):
+        stats = _stats("classic", _busy(2, 0.95, 0.02), 0.9, dataset=dataset)
+        assert "__getitem__" not in stats.summary(), stats.summary()
+        assert f"verdict: the workers limit loading, in {words}" in _verdict(stats)
+
+
+def test_auto_is_offered_only_where_the_loader_re_tunes() -> None:
+    # A pipe under num_workers="auto" said only map-style datasets are re-tuned, then advised
+    # "try num_workers=8 (or 'auto')".
+    waiting = _busy(2, 0.95, 0.02)
+    assert "(or 'auto')" in _verdict(_stats("classic", waiting, 0.9))
+    for dataset in ("pipe", "iterable"):
+        stats = _stats("classic", waiting, 0.9, dataset=dataset)
+        assert "num_workers" in stats.suggested_settings() and "auto" not in _verdict(stats)
+
+
+def test_workers_that_outnumber_shards_are_named() -> None:
+    # 8 workers over 4 shards left 4 workers 1% busy with no word about it.
+    working = tuple(_worker("", i, fetch_s=0.95, cpu_s=0.02) for i in range(4))
+    idle = tuple(_worker("", i, tasks=0) for i in range(4, 8))
+    stats = _stats("classic", working + idle, 0.9, dataset="pipe")
+    verdict = _verdict(stats)
+    assert "4 of the 8 workers built no batch (workers 4, 5, 6 and 7)" in verdict, verdict
+    assert "fewer shards than workers" in verdict and "num_workers=4 does the same work" in verdict
+    assert stats.suggested_settings() == {"num_workers": 4}
+    map_style = _stats("classic", working + idle, 0.9)  # a map-style dataset has no shards
+    assert "shards" not in _verdict(map_style)
+
+
+def test_the_setup_line_says_prefetch_factor_once_under_auto() -> None:
+    stats = dataclasses.replace(_stats("classic", _busy(2, 0.9, 0.9), 0.9), decisions=(
+        TuningDecision(0, 2, 2, 0.0, "start"), TuningDecision(40, 4, 2, 100.0, "faster")))
+    setup = stats.summary().splitlines()[1]
+    assert setup.count("prefetch_factor") == 1, setup
+    assert "num_workers=auto (now 4), worker_type=process, prefetch_factor=2" in setup
+
+
+def test_idle_thread_workers_do_not_blame_the_main_process() -> None:
+    # Thread workers hand batches over without pickling; the demo's read 31% to 47% busy over
+    # five runs, and "the main process" was named in three of them.
+    threads = _stats("classic", _busy(2, 0.35, 0.35), 0.9, worker_type="thread")
+    assert analysis.diagnose(threads).bottleneck == "no single bottleneck"
+    assert threads.suggested_settings() == {}
+    processes = _stats("classic", _busy(2, 0.35, 0.35), 0.9)
+    assert analysis.diagnose(processes).bottleneck == "the main process"
+
+
+def test_workers_running_outside_their_stages_are_not_idle() -> None:
+    # The README's ten lines: the stages read 26% to 40% busy for workers that were on a CPU or
+    # queued for one 60% to 70% of their life (per-task work outside the timed stages), and the
+    # verdict flipped between "the main process" and "no single bottleneck".
+    stats = _stats("classic", _busy(2, 0.3, 0.55, queued=0.1), 0.98)
+    assert analysis.occupancy(stats.workers[0]) == pytest.approx(0.65)
+    assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
+    assert "occupied 65%" in _verdict(stats)
+
+
+def test_waiting_in_the_hand_over_is_not_read_as_io() -> None:
+    # Economic item workers wait for the batch workers while handing items over: more item
+    # workers would only wait too. Only a wait inside the dataset asks for more workers.
+    handing = tuple(WorkerStats("item", i, tasks=100, samples=800, fetch_s=0.5 * ALIVE_S, collate_s=0.0,
+                                transfer_s=0.45 * ALIVE_S, bytes_out=1024, alive_s=ALIVE_S,
+                                cpu_s=0.3 * ALIVE_S) for i in range(2))
+    batch_workers = tuple(_worker("batch", i, collate_s=0.05, cpu_s=0.05) for i in range(2))
+    stats = _stats("economic", handing + batch_workers, 1.0)
+    assert stats.suggested_settings() == {}, stats.summary()
+    fetching = _busy(2, 0.95, 0.1)
+    assert "num_workers" in _stats("classic", fetching, 1.0).suggested_settings()

@@ -60,7 +60,7 @@ def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
     assert tuner._step(rate=400.0, waited=0.5) is None and tuner.done
     recorder = StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2))
     recorder._consumer.count.handed = 10  # ten batches handed out
-    recorder._seen[(1, "", 0)] = ((10, 80, 0.1, 0.1, 0.0, 10 * 1024, 0.0, 0.0, 0.0, 0), 1.0)
+    recorder._seen[(1, "", 0)] = ((10, 80, 0.1, 0.1, 0.0, 10 * 1024, 0.0, 0.0, 0.0), 1.0)
     squeezed = AutoTuner(recorder, 2, True, False, Settings(2, 2), budget_bytes=4 * 1024 + 1)
     assert squeezed._step(rate=10.0, waited=0.9) is None  # 4 x 2 batches of 1 KiB would not fit
 

@@ -1,11 +1,11 @@
 """``pipeload`` on the command line (also ``python -m pipeload``).
 
     pipeload bench [--size N] [--workers N] [--repeats N] [--batch-size B] [--loaders a,b,...] [--chart PATH]
-    pipeload profile MODULE:FACTORY [--batches N] [--batch-size B] [--num-workers N] [--mode M]
-                     [--worker-type T] [--step-ms T]
+    pipeload profile MODULE:FACTORY [--batches N] [--max-seconds S] [--batch-size B]
+                     [--num-workers N] [--mode M] [--worker-type T] [--step-ms T]
 
 ``bench`` (bench.py) compares torch's DataLoader with pipeload's modes on a JPEG dataset it
-makes on first run; ``profile`` (profile.py) loads a few batches of your own data and prints the
+makes on first run; ``profile`` (profile.py) loads your own data until it can judge and prints the
 stats summary with suggested settings. A mistake in the arguments, a factory that cannot be
 imported or raises, a missing optional package: one line on stderr and a non-zero exit.
 """
@@ -16,9 +16,10 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pipeload.cli.bench import LOADERS, BenchOptions
 from pipeload.cli.profile import CommandError, ProfileOptions
@@ -41,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(args.command, _callers(sys._getframe(1)))
+            return args.handler(args)
     except CommandError as error:
         print(f"pipeload {args.command}: {error}", file=sys.stderr)
         return error.status
@@ -60,6 +63,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`| head`): not worth a traceback
         _silence_stdout()
         return 128 + signal.SIGPIPE
+
+
+def _callers(frame: Any) -> set[tuple[str, int]]:
+    """(file, line) of ``frame`` and every frame above it: where the command was called from."""
+    places = set()
+    while frame is not None:
+        places.add((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return places
+
+
+def _one_line_warning(command: str, callers: set[tuple[str, int]]) -> Callable[..., None]:
+    """Warnings as one line on stderr each. pipeload's warnings point at the first line outside
+    pipeload; about what the command itself set up (the DataLoader it builds from the options),
+    that is where the command was called from (``callers``), no line of the user's: said without
+    a place. One raised in the user's code keeps its file and line."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        where = "" if (filename, lineno) in callers else f" ({filename}:{lineno})"
+        print(f"pipeload {command}: {category.__name__}: {message}{where}", file=sys.stderr)
+
+    return show
 
 
 def _silence_stdout() -> None:
@@ -103,14 +129,17 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 def _add_profile(commands: argparse._SubParsersAction) -> None:
     defaults = ProfileOptions(target="")
-    profile = commands.add_parser("profile", help="load a few batches of your data; say what limits it",
+    profile = commands.add_parser("profile", help="load your data until it can judge; say what limits it",
                                   description="Import MODULE, call FACTORY() for a dataset or a "
-                                  "DataLoader, load some batches, print the stats summary and "
+                                  "DataLoader, load batches (epoch after epoch) until the stats can "
+                                  "judge, print the stats summary and "
                                   "suggested settings.")
     profile.add_argument("target", metavar="MODULE:FACTORY",
                          help="e.g. mypackage.data:make_dataset; the current directory is importable")
     profile.add_argument("--batches", type=_at_least(1), default=defaults.batches,
-                         help="batches to load (default: %(default)s)")
+                         help="batches to load (default: until there is enough to judge)")
+    profile.add_argument("--max-seconds", type=_seconds, default=defaults.max_seconds,
+                         help="stop loading after this long, judged or not (default: %(default)s)")
     profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
                          help="for a dataset (default: %(default)s)")
     profile.add_argument("--num-workers", type=_workers, default=defaults.num_workers,
@@ -135,7 +164,7 @@ def _profile(args: argparse.Namespace) -> int:
     from pipeload.cli import profile
 
     return profile.run(ProfileOptions(args.target, args.batches, args.batch_size, args.num_workers,
-                                      args.mode, args.worker_type, args.step_ms))
+                                      args.mode, args.worker_type, args.step_ms, args.max_seconds))
 
 
 def _loader_names(text: str) -> tuple[str, ...]:
@@ -160,12 +189,21 @@ def _workers(text: str) -> int | str:
 
 
 def _milliseconds(text: str) -> float:
+    return _number_of("milliseconds", text, allow_zero=True)
+
+
+def _seconds(text: str) -> float:
+    return _number_of("seconds", text, allow_zero=False)
+
+
+def _number_of(unit: str, text: str, allow_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):  # also refuses nan, which compares false both ways
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+    # The comparisons also refuse nan, which compares false both ways.
+    if not (0 <= value if allow_zero else 0 < value) or not value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of {unit} {'>=' if allow_zero else '>'} 0, got {text!r}")
     return value
 
 

@@ -76,13 +76,36 @@ def _economic(images: TarImages, options: BenchOptions) -> Iterable[Any]:
     return _pipeload(mode="economic")(images, options)
 
 
-LOADERS: dict[str, tuple[LoaderMaker, str]] = {
-    "torch": (_torch, "torch.utils.data.DataLoader, process workers"),
-    "classic": (_pipeload(), "pipeload, process workers building whole batches (as torch)"),
-    "economic": (_economic, "pipeload mode='economic': item workers fetch, batch workers collate"),
-    "threads": (_pipeload(worker_type="thread"), "pipeload, thread workers"),
-    "pipes": (_pipes, "pipeload over a DataPipe graph reading whole shards"),
+@dataclass(frozen=True)
+class LoaderKind:
+    """One row of the demo: how it is made, what runs, and what that mode is for (the same
+    words as the README's "Modes" table, which a test holds them to)."""
+
+    make: LoaderMaker
+    how: str
+    use_when: str
+
+
+LOADERS: dict[str, LoaderKind] = {
+    "torch": LoaderKind(_torch, "torch.utils.data.DataLoader, process workers",
+                        "the reference: torch's own loader, the same dataset and settings"),
+    "classic": LoaderKind(_pipeload(), "pipeload, process workers building whole batches (as torch)",
+                          "the default: Python-heavy `__getitem__` (decoding, augmenting) that needs "
+                          "real parallelism"),
+    "economic": LoaderKind(_economic, "pipeload mode='economic': item workers fetch, batch workers collate",
+                           "large items (video, volumes, audio): memory stays at `prefetch_factor` "
+                           "batches whatever `num_workers` is, and the first batch is built by all "
+                           "workers at once; with small items (such as the demo's JPEGs), handing every "
+                           "item between processes can cost more than it saves"),
+    "threads": LoaderKind(_pipeload(worker_type="thread"), "pipeload, thread workers",
+                          "light samples, or work that mostly releases the GIL (numpy, torch ops, "
+                          "I/O): no pickling, no shared memory, fast start; Python code per sample "
+                          "(much of the demo's decoding) runs one thread at a time"),
+    "pipes": LoaderKind(_pipes, "pipeload over a DataPipe graph reading whole shards",
+                        "streaming from shards or remote storage, sharded per worker and rank"),
 }
+# Fewer batches than this per pass: the rate is mostly start-up (workers, first batch).
+MIN_RATE_BATCHES = 10
 
 
 def _load_baseline() -> Any:
@@ -105,11 +128,45 @@ def available(names: Sequence[str]) -> list[str]:
     return list(names)
 
 
-def run(options: BenchOptions) -> int:
-    """The whole command: dataset, runs, table, chart. Returns the exit status."""
+def batches_per_pass(options: BenchOptions) -> int:
+    return -(-options.size // options.batch_size)
+
+
+def check_options(options: BenchOptions) -> None:
+    """Refuse runs that could not measure what the table shows.
+
+    Raises:
+        CommandError: fewer batches per pass than workers (some workers would build nothing,
+            and the pipes loader, whose shards go to workers, would not even read them all).
+        LookupError: economic mode without workers.
+    """
     if "economic" in options.loaders and options.workers == 0:
         raise LookupError("economic mode needs workers (--workers 0 was given); leave it out "
                           "with --loaders, or give --workers 1 or more")
+    batches = batches_per_pass(options)
+    if batches < options.workers:
+        raise CommandError(f"--size {options.size} with --batch-size {options.batch_size} makes "
+                           f"{batches} batch(es) per pass, fewer than the {options.workers} workers: "
+                           f"some would build nothing; give --size {options.workers * options.batch_size} "
+                           "or more")
+
+
+def degenerate(options: BenchOptions) -> list[str]:
+    """What the table cannot show with these options, in words (empty: nothing)."""
+    notes = []
+    batches = batches_per_pass(options)
+    if batches < MIN_RATE_BATCHES:
+        notes.append(f"{batches} batch(es) per pass: the rates are mostly start-up (workers, first "
+                     f"batch); give --size {MIN_RATE_BATCHES * options.batch_size} or more for "
+                     "rates that mean something")
+    if options.repeats == 1:
+        notes.append("one run per loader: no spread to show the noise (--repeats 3 or more)")
+    return notes
+
+
+def run(options: BenchOptions) -> int:
+    """The whole command: dataset, runs, table, chart. Returns the exit status."""
+    check_options(options)
     if options.chart is not None:
         _check_chart_path(options.chart)
     names = available(options.loaders)
@@ -117,7 +174,7 @@ def run(options: BenchOptions) -> int:
     _say(f"{len(images)} JPEG images ({images.directory}), batch {options.batch_size}, "
          f"{options.workers} workers, {options.repeats} repeats, loaders: {', '.join(names)}")
     for name in names:
-        _say(f"  {name:<9} {LOADERS[name][1]}")
+        _say(f"  {name:<9} {LOADERS[name].how}")
     runs = []
     for repeat in range(options.repeats):
         shift = repeat % len(names)
@@ -126,6 +183,11 @@ def run(options: BenchOptions) -> int:
     rows = summarise(runs, names)
     print(format_table(rows))
     print(_machine_line(options))
+    for note in degenerate(options):
+        print(f"note: {note}")
+    print("what each mode is for:")
+    for name in names:
+        print(f"  {name:<9} {LOADERS[name].use_when}")
     chart = write_chart(rows, options)
     if chart is not None:
         print(f"chart: {chart}")
@@ -151,7 +213,7 @@ def _dataset(size: int) -> Path:
 
 
 def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -> Run:
-    loader = LOADERS[name][0](images, options)
+    loader = LOADERS[name].make(images, options)
     label = f"{name:<9} {repeat + 1}/{options.repeats}"
     total = -(-len(images) // options.batch_size)
     with _bar(total, label, "batch") as bar:
@@ -176,6 +238,7 @@ class Row:
     first_batch_s: float
     peak_rss_bytes: int
     peak_shm_bytes: int
+    runs: int = 1
 
 
 def summarise(runs: Sequence[Run], names: Sequence[str]) -> list[Row]:
@@ -185,7 +248,8 @@ def summarise(runs: Sequence[Run], names: Sequence[str]) -> list[Row]:
         speeds = [r.samples_per_s for r in mine]
         rows.append(Row(name, statistics.median(speeds), min(speeds), max(speeds),
                         statistics.median(r.first_batch_s for r in mine),
-                        max(r.peak_rss_bytes for r in mine), max(r.peak_shm_bytes for r in mine)))
+                        max(r.peak_rss_bytes for r in mine), max(r.peak_shm_bytes for r in mine),
+                        len(mine)))
     return rows
 
 
@@ -197,7 +261,7 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = [header]
     for row in rows:
         ratio = f"{row.median_samples_per_s / torch_row.median_samples_per_s:.2f}x" if torch_row else "-"
-        spread = f"{row.lowest:,.0f}..{row.highest:,.0f}"
+        spread = f"{row.lowest:,.0f}..{row.highest:,.0f}" if row.runs > 1 else "(one run)"
         lines.append(f"{row.loader:<10}{row.median_samples_per_s:>11,.0f}{spread:>19}{ratio:>10}"
                      f"{row.first_batch_s * 1e3:>10,.0f} ms{row.peak_rss_bytes / MIB:>7,.0f} MiB"
                      f"{row.peak_shm_bytes / MIB:>7,.1f} MiB")
@@ -207,9 +271,9 @@ def format_table(rows: Sequence[Row]) -> str:
 def _machine_line(options: BenchOptions) -> str:
     from pipeload.stats.recorder import usable_cpus
 
-    return (f"{usable_cpus()} usable CPUs, torch {torch.__version__}, pipeload "
-            f"{pipeload.__version__}; medians of {options.repeats} interleaved runs; on a shared "
-            "or busy machine the spread shows how much is noise")
+    runs = (f"medians of {options.repeats} interleaved runs; on a shared or busy machine the "
+            "spread shows how much is noise" if options.repeats > 1 else "one run per loader")
+    return f"{usable_cpus()} usable CPUs, torch {torch.__version__}, pipeload {pipeload.__version__}; {runs}"
 
 
 def _check_chart_path(path: Path) -> None:

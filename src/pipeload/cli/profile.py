@@ -1,11 +1,13 @@
-"""``pipeload profile MODULE:FACTORY``: load a few batches of your data and say what limits it.
+"""``pipeload profile MODULE:FACTORY``: load batches of your data and say what limits it.
 
 ``FACTORY`` is a callable in an importable module (the current directory is on the path) that
 returns a dataset (map-style or iterable) or a DataLoader. A dataset gets a pipeload DataLoader
 with the command's options; a pipeload DataLoader is used as it is; torch's DataLoader is rebuilt
 as pipeload's with its dataset, sampler or batch sampler, batch size, drop_last, collate_fn and
-workers. After ``--batches`` batches (``--step-ms`` of pretend training between them), the
-loader's stats summary is printed, with the settings worth trying.
+workers. By default it loads (epoch after epoch) until the stats have twice what a verdict needs
+(``stats.analysis.MIN_STEADY_BATCHES`` batches and ``MIN_STEADY_S`` seconds), at most
+``--max-seconds``; ``--batches`` sets the count instead. ``--step-ms`` of pretend training runs
+between batches. Then the loader's stats summary is printed, with the settings worth trying.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.utils.data as torch_data
 
 import pipeload
+from pipeload.stats.analysis import evidence_shortfall
 
 
 class CommandError(Exception):
@@ -30,29 +34,42 @@ class CommandError(Exception):
         self.status = status
 
 
+# Load until the stats hold this many times what a verdict needs (analysis.evidence_shortfall).
+EVIDENCE_MARGIN = 2.0
+CHECK_EVERY = 8  # batches between looks at the evidence (a snapshot walks every worker's totals)
+
+
 @dataclass(frozen=True)
 class ProfileOptions:
+    """What ``pipeload profile`` runs; ``batches=None``: until there is enough to judge."""
+
     target: str
-    batches: int = 50
+    batches: int | None = None
     batch_size: int = 32
     num_workers: int | str = 2
     mode: str = "classic"
     worker_type: str = "process"
     step_ms: float = 0.0
+    max_seconds: float = 60.0
 
 
 def run(options: ProfileOptions) -> int:
     """The whole command; returns the exit status."""
     made = call_factory(options.target)
     loader = as_loader(made, options)
-    batches = _load(loader, options)
+    loader._stats.time_every_batch()  # measuring, not training: every wait timed
+    started = time.perf_counter()
+    batches = load(loader, options)
     stats = loader.stats()
-    print(f"profiled {batches} batches from {options.target}")
+    print(f"profiled {batches} batches ({stats.epochs} epoch(s)) from {options.target} in "
+          f"{time.perf_counter() - started:.1f} s")
     print(stats.summary())
     suggestions = stats.suggested_settings()
     if suggestions:
         settings = ", ".join(f"{key}={value!r}" for key, value in suggestions.items())
         print(f"suggested settings: DataLoader(..., {settings})")
+    elif evidence_shortfall(stats) is not None:
+        print("suggested settings: none yet (too little to judge; give --batches more, or leave it out)")
     else:
         print("suggested settings: keep these")
     return 0
@@ -63,6 +80,9 @@ def call_factory(target: str) -> Any:
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise CommandError(f"expected MODULE:FACTORY (for example mypackage.data:make_dataset), got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        raise CommandError(f"expected MODULE:FACTORY with a module's name, not a file's, got {target!r}: "
+                           f"{_as_module_target(module_name, attribute)}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
     try:
@@ -77,6 +97,18 @@ def call_factory(target: str) -> Any:
         return factory()
     except (Exception, SystemExit) as error:  # sys.exit() in a factory: said, not a silent exit
         raise CommandError(f"{target} raised {type(error).__name__}: {error}", status=1) from None
+
+
+def _as_module_target(path: str, attribute: str) -> str:
+    """What to type instead of ``path:attribute``: the module's dotted name, from the directory
+    it is importable from (the current one when the file is below it)."""
+    file = Path(path).with_suffix("") if path.endswith(".py") else Path(path)
+    absolute = file.resolve()
+    try:
+        relative = absolute.relative_to(Path.cwd())
+    except ValueError:  # outside the current directory: run from the file's own
+        return f"run `pipeload profile {absolute.name}:{attribute}` from {absolute.parent}"
+    return f"try `pipeload profile {'.'.join(relative.parts)}:{attribute}`"
 
 
 def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
@@ -118,8 +150,29 @@ def _rebuilt(loader: torch_data.DataLoader) -> pipeload.DataLoader:
                                drop_last=loader.drop_last, **kept)
 
 
-def _load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
+def load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
+    """Load batches, epoch after epoch, until ``options`` says to stop (``batches``, or enough
+    to judge; ``max_seconds`` at most), with ``step_ms`` of pretend training after each;
+    returns how many.
+
+    Raises:
+        CommandError: loading failed, or the loader gave no batch.
+    """
     step_s = options.step_ms / 1000
+    deadline = time.perf_counter() + options.max_seconds
+    batches = 0
+    while True:
+        in_epoch = _one_epoch(loader, options, step_s, batches, deadline)
+        batches += in_epoch
+        if in_epoch == 0 or _enough(loader, options, batches) or time.perf_counter() >= deadline:
+            break
+    if batches == 0:
+        raise CommandError(f"{options.target} gave no batches", status=1)
+    return batches
+
+
+def _one_epoch(loader: pipeload.DataLoader, options: ProfileOptions, step_s: float, before: int,
+               deadline: float) -> int:
     iterator = None
     batches = 0
     try:
@@ -128,18 +181,24 @@ def _load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
             batches += 1
             if step_s:
                 _pretend_to_train(step_s)
-            if batches >= options.batches:
+            done = before + batches
+            if (done % CHECK_EVERY == 0 or options.batches is not None) and (
+                    _enough(loader, options, done) or time.perf_counter() >= deadline):
                 break
     except Exception as error:
-        raise CommandError(f"loading failed after {batches} batches: {type(error).__name__}: "
+        raise CommandError(f"loading failed after {before + batches} batches: {type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''}", status=1) from None
     finally:
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
-    if batches == 0:
-        raise CommandError(f"{options.target} gave no batches", status=1)
     return batches
+
+
+def _enough(loader: pipeload.DataLoader, options: ProfileOptions, batches: int) -> bool:
+    if options.batches is not None:
+        return batches >= options.batches
+    return evidence_shortfall(loader.stats(), EVIDENCE_MARGIN) is None
 
 
 def _pretend_to_train(seconds: float) -> None:

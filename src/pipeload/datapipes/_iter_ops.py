@@ -219,10 +219,10 @@ class IterOperations:
 
     def queue_boundary(
         self, worker_type: str = "thread", buffer_size: int = 8, multiprocessing_context: Any = None,
-        **ray_options: Any,
+        **options: Any,
     ) -> QueueBoundary:
         """Run everything upstream of here in another thread or process; see :class:`QueueBoundary`.
-        ``worker_type="ray"`` runs it in Ray actors, with ``ray_options``; see
+        ``worker_type="ray"`` runs it in Ray actors, with ``options``; see
         :class:`~pipeload.datapipes.boundary.ray_pipe.RayQueueBoundary`."""
         if worker_type == "ray":
             from pipeload.datapipes.boundary.ray_pipe import RayQueueBoundary
@@ -230,12 +230,10 @@ class IterOperations:
             if multiprocessing_context is not None:
                 raise ValueError("multiprocessing_context only applies to worker_type='process', but got "
                                  f"multiprocessing_context={multiprocessing_context!r} with worker_type='ray'")
-            return RayQueueBoundary(self, buffer_size, **ray_options)  # type: ignore[arg-type,return-value]
-        if ray_options:
-            raise TypeError(f"queue_boundary() got options {sorted(ray_options)} that only worker_type='ray' takes")
+            return RayQueueBoundary(self, buffer_size, **options)  # type: ignore[arg-type,return-value]
         from pipeload.datapipes.boundary.pipes import QueueBoundary
 
-        return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context)  # type: ignore[arg-type]
+        return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context, **options)  # type: ignore[arg-type]
 
 
     # -- files, archives, samples (pipeload.datapipes.sources) -------------------------------
@@ -265,11 +263,12 @@ class IterOperations:
         return StreamReader(self, chunk)  # type: ignore[arg-type]
 
     def load_from_tar(self, mode: str = "r:*", length: int = -1, *, on_error: OnError = "raise",
-                      max_failures: int | None = None) -> TarArchiveLoader:
+                      max_failures: int | None = None, hold_until_checked: bool = False) -> TarArchiveLoader:
         """Stream the members of each tar archive; see :class:`TarArchiveLoader`."""
         from pipeload.datapipes.sources.tar import TarArchiveLoader
 
-        return TarArchiveLoader(self, mode, length, on_error=on_error, max_failures=max_failures)  # type: ignore[arg-type]
+        return TarArchiveLoader(self, mode, length, on_error=on_error,  # type: ignore[arg-type]
+                                max_failures=max_failures, hold_until_checked=hold_until_checked)
 
     def webdataset(self, length: int = -1, *, on_error: OnError = "raise",
                    max_failures: int | None = None) -> WebDataset:

@@ -19,6 +19,7 @@ from torch.utils.data.datapipes.datapipe import MapDataPipe as _TorchMapDataPipe
 
 from pipeload.datapipes._iter_ops import IterOperations
 from pipeload.datapipes._map_ops import MapOperations
+from pipeload.datapipes.protocol import NotAvailable, as_nonblocking
 from pipeload.datasets import Dataset, IterableDataset
 
 T_co = TypeVar("T_co", covariant=True)
@@ -33,7 +34,8 @@ class _DescribedPipe:
     """What both kinds of pipe share: explicit parents, pickling without run state, a short repr."""
 
     # Built-in pipes name the attributes that hold their parents (a pipe, or a tuple of pipes).
-    # A user's subclass need not: its attributes are scanned for pipes instead.
+    # A user's subclass need not: its attributes are scanned for pipes instead. A source's ``()``
+    # means its data may hold pipes (IterableWrapper over a map pipe): it is scanned, cheaply.
     _parent_fields: tuple[str, ...] | None = None
 
     def parents(self) -> tuple[Any, ...]:
@@ -47,9 +49,33 @@ class _DescribedPipe:
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        return type(self).__qualname__
+        """The pipe's class, what it applies (a function's name, a size), and where it reads
+        from, briefly: ``Mapper(decode) <- Shuffler(buffer_size=10000) <- IterableWrapper(list of
+        200 items)``."""
+        return describe_pipe(self)
 
     __str__ = __repr__
+
+    # -- the RFC's placement and sharding hooks (the DataLoader reads them) ---------------------
+
+    def is_shardable(self) -> bool:
+        """Whether the DataLoader should tell this pipe its shard through
+        :meth:`sharding_settings` (the RFC's hook; False unless a subclass says otherwise).
+
+        A pipe that answers True must define ``sharding_settings(total_num_of_shards,
+        id_of_shard)``; the loader calls it in every copy of the graph (each worker, each rank)
+        before the first item, as it calls torch's ``apply_sharding``.
+        """
+        return False
+
+    def is_separate_process(self) -> bool:
+        """Whether this pipe asks to run, with everything that feeds it, in a process of its own
+        (the RFC's hook; False unless a subclass says otherwise).
+
+        The DataLoader then places a process boundary right after it (see
+        ``pipeload.datapipes.graph.place_separate_processes``); ``loader.stats()`` lists where.
+        """
+        return False
 
 
 class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
@@ -69,8 +95,34 @@ class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
     def __iter__(self) -> Iterator[T_co]:
         return self  # type: ignore[return-value]  # a pipe that is its own iterator (defines __next__)
 
+    def nonblocking_next(self) -> T_co:
+        """The next item of this pipe's own current run, if one can be had without waiting.
+
+        The RFC puts the non-blocking protocol on the pipe itself: the first call starts a run
+        (``iter(self)``), which the pipe keeps (never pickled or copied) and later calls carry
+        on. Other iterators over the pipe are independent of it; :meth:`reset` drops it.
+
+        Raises:
+            NotAvailable: nothing is ready yet (an upstream thread or process has not
+                delivered); ask again later.
+            StopIteration: the run has ended (and stays ended until :meth:`reset`).
+
+        Example:
+            >>> pipe = IterableWrapper(range(3)).map(lambda x: x * 10)
+            >>> pipe.nonblocking_next(), pipe.nonblocking_next()
+            (0, 10)
+        """
+        run = self.__dict__.get("_transient_own_run")
+        if run is None:
+            run = self._transient_own_run = as_nonblocking(self)
+        return run.nonblocking_next()
+
     def reset(self) -> None:
-        """Kept for torch compatibility; runs keep their state in their iterators instead."""
+        """Drop this pipe's own run (the one :meth:`nonblocking_next` reads), releasing what it
+        holds (threads, processes) now; the next ``nonblocking_next()`` starts again."""
+        run = self.__dict__.pop("_transient_own_run", None)
+        if run is not None:
+            run.close()
 
     @classmethod
     def register_function(cls, function_name: str, function: Callable[..., Any]) -> None:
@@ -89,10 +141,49 @@ class MapDataPipe(_DescribedPipe, Dataset[T_co], MapOperations):
 
     functions: dict[str, Callable[..., Any]] = {}
 
+    def nonblocking_get(self, index: Any) -> T_co:
+        """The item at ``index``, if it can be had without waiting (the RFC's non-blocking read).
+
+        Pipes that compute synchronously always can: this reads ``self[index]``. A
+        :class:`~pipeload.datapipes.NonBlockingMapDataPipe` answers NotAvailable until the
+        item is ready; built-in pipes over it pass that on.
+
+        Raises:
+            NotAvailable: the item is not ready yet; ask again later.
+        """
+        return self[index]  # type: ignore[index]
+
     @classmethod
     def register_function(cls, function_name: str, function: Callable[..., Any]) -> None:
         cls.functions[function_name] = function
         setattr(cls, function_name, function)
+
+
+def get_nowait(pipe: Any, index: Any) -> Any:
+    """``pipe``'s item at ``index`` through the non-blocking read when it has one (ours), else
+    by indexing (torch's pipes, plain datasets)."""
+    read = getattr(pipe, "nonblocking_get", None)
+    return read(index) if read is not None else pipe[index]
+
+
+class AskEveryOne:
+    """Reads several items without blocking, asking for every one even after one is not ready,
+    so that all their requests are in flight at once (the RFC schedules requests ahead); says
+    NotAvailable at the end if any was missing. Used by pipes that combine items (batch, zip)."""
+
+    def __init__(self) -> None:
+        self.missing = False
+
+    def __call__(self, pipe: Any, index: Any) -> Any:
+        try:
+            return get_nowait(pipe, index)
+        except NotAvailable:
+            self.missing = True
+            return None
+
+    def check(self) -> None:
+        if self.missing:
+            raise NotAvailable
 
 
 class functional_datapipe:  # noqa: N801  (torch's name, used as a decorator)
@@ -165,14 +256,62 @@ def is_datapipe(obj: object) -> bool:
     return isinstance(obj, (IterDataPipe, MapDataPipe, _TorchIterDataPipe, _TorchMapDataPipe))
 
 
+REPR_ANCESTORS = 3  # pipes named in a repr above the pipe itself; further ones read "..."
+_REPR_SETTINGS = ("batch_size", "buffer_size", "num_instances", "limit")  # shown when set
+
+
+def describe_pipe(pipe: Any, ancestors: int = REPR_ANCESTORS) -> str:
+    """``pipe``'s repr: class, what it applies, then its parents (``a <- b``, or ``(a, b)`` for
+    several), ``ancestors`` deep."""
+    here = f"{type(pipe).__qualname__}{_what_it_applies(pipe)}"
+    parents = [parent for _, parent in parent_slots(pipe)]
+    if not parents:
+        return here
+    if ancestors == 0:
+        return f"{here} <- ..."
+    described = [describe_pipe(parent, ancestors - 1) if isinstance(parent, _DescribedPipe)
+                 else type(parent).__qualname__ for parent in parents]
+    return f"{here} <- {described[0]}" if len(described) == 1 else f"{here} <- ({', '.join(described)})"
+
+
+def _what_it_applies(pipe: Any) -> str:
+    """``(fn_name)``, ``(batch_size=64)``, or a source's data in a few words; "" for nothing."""
+    state = _state_of(pipe)
+    parts = [_function_name(value) for name, value in state.items()
+             if callable(value) and not isinstance(value, (type, _DescribedPipe)) and not name.startswith("_")]
+    parts += [f"{name}={state[name]!r}" for name in _REPR_SETTINGS if state.get(name) is not None]
+    if not parts and getattr(pipe, "_parent_fields", None) == ():  # a source: its data, briefly
+        data = next((value for name, value in state.items() if not name.startswith("_")), None)
+        parts = [_data_words(data)] if data is not None else []
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def _function_name(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"partial({name})" if inner is not fn else name
+
+
+def _data_words(data: Any) -> str:
+    if isinstance(data, (str, bytes, range)):
+        return repr(data) if len(data) <= 40 else f"{type(data).__name__} of {len(data)}"
+    try:
+        return f"{type(data).__name__} of {len(data):,} items"
+    except TypeError:
+        return type(data).__name__
+
+
 def parent_slots(pipe: Any) -> list[tuple[str, Any]]:
     """``(attribute, parent)`` pairs of ``pipe``, in attribute order; a tuple attribute gives one
-    pair per pipe in it. Built-in pipes list their fields; other pipes are scanned."""
+    pair per pipe in it. Built-in pipes list their fields; other pipes, and the data of sources
+    (``_parent_fields = ()``: an ``IterableWrapper`` over another pipe), are scanned, as torch's
+    graph functions find pipes wherever a pipe's state holds them."""
     fields = getattr(pipe, "_parent_fields", None)
-    names = fields if fields is not None else list(_state_of(pipe))
     state = _state_of(pipe)
+    if not fields:
+        fields = [name for name in state if not name.startswith(TRANSIENT_PREFIX)]
     slots = []
-    for name in names:
+    for name in fields:
         slots.extend((name, found) for found in _pipes_in(state.get(name)))
     return slots
 

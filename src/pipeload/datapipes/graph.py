@@ -5,7 +5,9 @@ parents are its declared parent fields (built-in pipes) or the pipes found among
 (anything else, as torch finds them), so a user's own pipe class needs nothing special.
 ``apply_sharding`` and ``apply_random_seed`` behave as torch's ``graph_settings`` functions of
 the same names, with the same random draws, so a graph seeded from the same generator shuffles
-the same way under either loader.
+the same way under either loader. ``traverse_dps`` and ``get_all_graph_pipes`` are torch's
+(``torch.utils.data.graph`` and ``graph_settings``), with its representation. Sharding also
+reaches pipes that take the RFC's hooks (``is_shardable()`` / ``sharding_settings(total, id)``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,32 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_datapipe, parent_slots
 from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES
 
+__all__ = [
+    "DataPipe",
+    "DataPipeGraph",
+    "apply_random_seed",
+    "apply_sharding",
+    "apply_shuffle_settings",
+    "asks_to_be_sharded",
+    "copy_graph",
+    "find_dps",
+    "get_all_graph_pipes",
+    "has_sharding",
+    "is_random_datapipe",
+    "is_sharding_datapipe",
+    "list_dps",
+    "parents_of",
+    "remove_dp",
+    "replace_dp",
+    "traverse",
+    "traverse_dps",
+]
+
+DataPipe = Any  # an IterDataPipe or MapDataPipe, ours or torch's
 DataPipeGraph = dict[int, tuple[Any, "DataPipeGraph"]]
 
 
@@ -36,6 +61,43 @@ def traverse_dps(datapipe: Any) -> DataPipeGraph:
         RuntimeError: ``datapipe`` is not a pipe (torch's wording).
     """
     return _traverse(datapipe, frozenset())
+
+
+def traverse(datapipe: Any, only_datapipe: bool | None = None) -> DataPipeGraph:
+    """torch's older name for :func:`traverse_dps` (``only_datapipe`` is accepted and changes
+    nothing: pipes are found wherever they are held). Warns, as torch does, that it is going.
+    """
+    warnings.warn(
+        "`traverse` is deprecated, as in torch: use `traverse_dps` (pipeload finds the same "
+        f"pipes either way; only_datapipe={only_datapipe!r} changes nothing)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return traverse_dps(datapipe)
+
+
+def get_all_graph_pipes(graph: DataPipeGraph) -> list[Any]:
+    """Every pipe of a :func:`traverse_dps` graph, each once, each before its parents (torch's
+    ``graph_settings.get_all_graph_pipes``).
+
+    Example:
+        >>> dp = IterableWrapper(range(4)).shuffle().batch(2)
+        >>> [type(p).__name__ for p in get_all_graph_pipes(traverse_dps(dp))]
+        ['Batcher', 'Shuffler', 'IterableWrapper']
+    """
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(subgraph: DataPipeGraph) -> None:
+        for pipe_id, (pipe, parents) in subgraph.items():
+            if pipe_id in seen:
+                continue
+            seen.add(pipe_id)
+            found.append(pipe)
+            visit(parents)
+
+    visit(graph)
+    return found
 
 
 def _traverse(datapipe: Any, on_path: frozenset[int]) -> DataPipeGraph:
@@ -141,7 +203,9 @@ def _rebuild(node: Any, swap: dict[int, Any], memo: dict[int, Any], copy_all: bo
 
 def _copy_with_parents(node: Any, rebuilt: dict[int, Any]) -> Any:
     fresh = copy.copy(node)
-    ours = isinstance(node, (IterDataPipe, MapDataPipe))
+    # Built-in pipes keep no run state on themselves; anyone else's pipe (torch's, a user's
+    # subclass of ours) may, and its copy must not share it.
+    ours = isinstance(node, (IterDataPipe, MapDataPipe)) and getattr(node, "_parent_fields", None) is not None
     names = {name for name, _ in parent_slots(node)}
     for name, value in list(vars(fresh).items()):
         if name in names:
@@ -168,8 +232,15 @@ def _substitute(value: Any, rebuilt: dict[int, Any]) -> Any:
 
 
 def is_sharding_datapipe(datapipe: Any) -> bool:
-    """A pipe that can be told its shard: ``sharding_filter``, or a source with ``apply_sharding``."""
-    return inspect.ismethod(getattr(datapipe, "apply_sharding", None))
+    """A pipe that can be told its shard: ``sharding_filter``, a source with ``apply_sharding``
+    (torch's hook), or a pipe whose ``is_shardable()`` says True (the RFC's hook)."""
+    return inspect.ismethod(getattr(datapipe, "apply_sharding", None)) or asks_to_be_sharded(datapipe)
+
+
+def asks_to_be_sharded(datapipe: Any) -> bool:
+    """Whether ``datapipe`` answers True to the RFC's ``is_shardable()``."""
+    ask = getattr(datapipe, "is_shardable", None)
+    return callable(ask) and bool(ask())
 
 
 def has_sharding(datapipe: Any) -> bool:
@@ -210,6 +281,15 @@ def apply_sharding(
 
 
 def _shard(pipe: Any, num_of_instances: int, instance_id: int, sharding_group: Any) -> None:
+    if not inspect.ismethod(getattr(pipe, "apply_sharding", None)):
+        settings = getattr(pipe, "sharding_settings", None)
+        if not callable(settings):
+            raise TypeError(
+                f"{pipe!r}.is_shardable() is True, but it has no sharding_settings("
+                "total_num_of_shards, id_of_shard) method to be told its shard"
+            )
+        settings(num_of_instances, instance_id)
+        return
     if len(inspect.signature(pipe.apply_sharding).parameters) < 3:
         pipe.apply_sharding(num_of_instances, instance_id)  # older pipes take no group
     else:
@@ -245,7 +325,7 @@ def apply_shuffle_settings(datapipe: Any, shuffle: bool | None = None) -> Any:
         warnings.warn(
             "`shuffle=True` was set, but the datapipe does not contain a `Shuffler`. Adding one at "
             "the end. Be aware that the default buffer size might not be sufficient for your task.",
-            stacklevel=3,
+            stacklevel=first_frame_outside_pipeload(),
         )
         datapipe = datapipe.shuffle()
         shufflers = [datapipe]

@@ -18,7 +18,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+from pipeload._state_fields import StateFields, join
+from pipeload.errors import IncompatibleStateError, bad_state_field, shortened
+
 T_co = TypeVar("T_co", covariant=True)
+R = TypeVar("R")
 
 WAIT_SLICE_S = 0.1  # a waiting consumer re-checks its sources this often, even without a wake-up
 # A NotAvailable with no notifier to wait on (a user's own non-blocking iterator): back off
@@ -107,16 +111,101 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         return {"own": self._own_state(), "upstream": [s.state_dict() for s in self.upstream]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; call on a fresh iterator before its first item."""
-        for source, source_state in zip(self.upstream, state["upstream"], strict=True):
-            source.load_state_dict(source_state)
-        self._load_own_state(state["own"])
+        """Continue from ``state``; call on a fresh iterator before its first item.
+
+        The whole state, this run's and its upstream's, is checked before anything is set.
+
+        Raises:
+            IncompatibleStateError: a field is missing, of another type, out of range or not
+                one this run could have written; the message names it by its path in the state
+                (``upstream.0.own``) and the value received. The run is left as it was.
+        """
+        load = StateLoad()
+        try:
+            self.check_state(state, "", load)
+        except BaseException:
+            load.discard()
+            raise
+        load.apply()
+
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        """Check ``state`` (found at ``path`` in a larger one) for this run and its upstream,
+        setting nothing; add to ``load`` the steps that set it. Subclasses whose state is not
+        ``{"own": ..., "upstream": [...]}`` override this; others override
+        :meth:`_check_own_state`."""
+        if type(self).load_state_dict is not PipeIterator.load_state_dict:
+            load.then(lambda: self.load_state_dict(state))  # a user's run that loads its own way
+            return
+        fields = StateFields(state, path)
+        count = len(self.upstream)
+        states = fields.sequence("upstream", f"a list of {count} upstream state(s)", length=count)
+        for index, (source, source_state) in enumerate(zip(self.upstream, states)):  # type: ignore[arg-type]
+            source.check_state(source_state, join(fields.name("upstream"), index), load)
+        own = self._check_own_state(fields)
+        fields.finish()
+        load.then(lambda: self._load_own_state(own))
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        """Read and check ``fields["own"]``; return what :meth:`_load_own_state` takes."""
+        if type(self)._load_own_state is not PipeIterator._load_own_state:
+            return fields.raw("own", "this run's own state")  # a subclass that checks nothing
+        return fields.choice("own", [None])  # stateless: a map or a filter keeps nothing
 
     def _own_state(self) -> Any:
         return None  # stateless: a map or a filter is where its upstream is
 
     def _load_own_state(self, state: Any) -> None:
         pass
+
+
+class StateLoad:
+    """The steps that set a checked state, gathered while it is checked: nothing is set until
+    :meth:`apply`. Iterators made only to check a state (a concat's current input, say) are
+    closed by :meth:`discard` when the state is refused."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+        self._made: list[PipeIterator[Any]] = []
+
+    def then(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def made(self, iterator: PipeIterator[Any]) -> None:
+        self._made.append(iterator)
+
+    def apply(self) -> None:
+        for step in self._steps:
+            step()
+
+    def discard(self) -> None:
+        for iterator in self._made:
+            try:
+                iterator.close()
+            except Exception:  # noqa: BLE001 - refusing the state is the error to report
+                pass
+
+
+def skipped_ahead(items: Iterator[Any], count: int, field: str, has: str) -> Iterator[Any]:
+    """``items`` with ``count`` of them read, for a state (at ``field``) that says so many were
+    handed out; running out first refuses it, ``has`` saying what ran out ("has {} items").
+
+    Raises:
+        IncompatibleStateError: ``items`` ended before ``count``.
+    """
+    for done in range(count):
+        try:
+            next(items)
+        except StopIteration:
+            raise bad_state_field(field, count, f"an int from 0 to {done}", has.format(done)) from None
+    return items
+
+
+def no_checkpoint(iterator: Any, state: Any, path: str) -> IncompatibleStateError:
+    """The error for a state given to a run that writes none (it is resumed by skipping)."""
+    where = path or "the state"
+    return IncompatibleStateError(
+        f"cannot load this state: {where} is given to {type(iterator).__name__}, which keeps no "
+        f"checkpoint of its position (it is resumed by skipping items), but got {where}={shortened(state)}")
 
 
 class SkipToResume:
@@ -130,6 +219,9 @@ class SkipToResume:
             "by skipping items"
         )
 
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        raise no_checkpoint(self, state, path)
+
 
 def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] | None = None) -> T_co:
     """Block until ``iterator`` yields, ends or fails, sleeping on its sources' notifiers.
@@ -137,7 +229,19 @@ def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] 
     Raises:
         WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
     """
-    notifiers = iterator.notifiers()
+    return wait_until_ready(iterator.nonblocking_next, iterator.notifiers(), should_stop)
+
+
+def wait_until_ready(
+    attempt: Callable[[], R], notifiers: list[Notifier], should_stop: Callable[[], bool] | None = None
+) -> R:
+    """Call ``attempt`` until it stops raising NotAvailable; between calls, sleep until one of
+    ``notifiers`` fires (re-checking every slice), or back off from a short poll when there are
+    none.
+
+    Raises:
+        WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
+    """
     ready = threading.Event()
     for notifier in notifiers:
         notifier.subscribe(ready)
@@ -146,7 +250,7 @@ def wait_for_next(iterator: PipeIterator[T_co], should_stop: Callable[[], bool] 
         while True:
             ready.clear()  # before the check: a notification after it then wakes the wait
             try:
-                return iterator.nonblocking_next()
+                return attempt()
             except NotAvailable:
                 pass
             if notifiers:
@@ -183,6 +287,9 @@ class BlockingAdapter(PipeIterator[T_co]):
             "only be resumed by skipping items"
         )
 
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        raise no_checkpoint(self._iterator, state, path)
+
 
 def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co]:
     """Turn a pipe, an iterable dataset, an iterable or an iterator into a protocol iterator.
@@ -194,25 +301,64 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
     """
     if isinstance(source, PipeIterator):
         return source
-    if not isinstance(source, Iterator):
-        source = iter(source)
-        if isinstance(source, PipeIterator):
-            return source
+    # iter() even on an iterator: a pipe that is its own iterator (a NonBlockingIterDataPipe)
+    # starts its run there; any other iterator answers itself.
+    source = iter(source)
+    if isinstance(source, PipeIterator):
+        return source
     if callable(getattr(source, "nonblocking_next", None)):
         return _ForeignNonblocking(source)
     return BlockingAdapter(source)
 
 
 class _ForeignNonblocking(PipeIterator[T_co]):
-    """A user's iterator that speaks the protocol itself but is not a PipeIterator."""
+    """A user's iterator that speaks the protocol itself but is not a PipeIterator (a
+    ``NonBlockingIterDataPipe``, which is its own iterator, among them). Whatever else it
+    offers (``notifiers``, ``close``, ``state_dict``/``load_state_dict``) is used; a checkpoint
+    it cannot give is said so, and the loader resumes it by skipping."""
 
     def __init__(self, iterator: Any) -> None:
         self._iterator = iterator
+        self.nonblocking_next = iterator.nonblocking_next  # type: ignore[method-assign]
 
     def nonblocking_next(self) -> T_co:
         return self._iterator.nonblocking_next()
+
+    def notifiers(self) -> list[Notifier]:
+        notifiers = getattr(self._iterator, "notifiers", None)
+        return list(notifiers()) if callable(notifiers) else []
 
     def close(self) -> None:
         close = getattr(self._iterator, "close", None)
         if close is not None:
             close()
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = getattr(self._iterator, "state_dict", None)
+        if not callable(state_dict):
+            raise NotImplementedError(
+                f"{type(self._iterator).__name__} has no state_dict(): it can only be resumed by "
+                "skipping items"
+            )
+        return {"own": state_dict(), "upstream": []}
+
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        """Only the pipe's own ``load_state_dict()`` can read its state: it is checked for the
+        frame around it here, and the pipe's refusal becomes an IncompatibleStateError."""
+        fields = StateFields(state, path)
+        fields.sequence("upstream", "an empty list", length=0)
+        own = fields.raw("own", f"the state {type(self._iterator).__name__}.state_dict() gave")
+        fields.finish()
+        if not callable(getattr(self._iterator, "load_state_dict", None)):
+            raise no_checkpoint(self._iterator, state, path)
+        load.then(lambda: self._load_users_state(own, fields.name("own")))
+
+    def _load_users_state(self, own: Any, path: str) -> None:
+        try:
+            self._iterator.load_state_dict(own)
+        except IncompatibleStateError:
+            raise
+        except Exception as error:
+            raise IncompatibleStateError(
+                f"cannot load this state: {type(self._iterator).__name__}.load_state_dict() refused "
+                f"{path}: {type(error).__name__}: {error}") from error

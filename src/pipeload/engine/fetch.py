@@ -183,7 +183,7 @@ class IterableFetcher:
         self._ended = False
         self._stateless = False
         snapshot = resume_from.snapshot if resume_from is not None else None
-        self._samples = _resumed_iterator(spec.dataset, snapshot[1] if snapshot else None)
+        self._samples = resumed_iterator(spec.dataset, snapshot[1] if snapshot else None)
         if resume_from is not None:
             self._made = snapshot[0] if snapshot and snapshot[1] is not None else 0
             self._to_drop = resume_from.batches - self._made
@@ -310,7 +310,7 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
             clock.collate_s += now() - fetched
 
 
-def _resumed_iterator(dataset: Any, state: Any) -> Any:
+def resumed_iterator(dataset: Any, state: Any) -> Any:
     """``iter(dataset)``, moved to ``state`` when there is one: through the iterator's
     ``load_state_dict`` (pipes), else the dataset's (before ``iter``, as torchdata's datasets)."""
     if state is None:

@@ -10,8 +10,8 @@ from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
 from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
+from pipeload.stats import skips
 from pipeload.stats.ray_stage import ray_stage_counter
-from pipeload.stats.skips import skip_counter
 
 
 class InlineEngine:
@@ -78,9 +78,9 @@ class InlineEngine:
         replica.prepare(self._spec.dataset, self._replica, worker_id=0, num_workers=1)
         seeding = BatchSeeding(self._base_seed, self._epoch, borrow=True) if self._spec.per_batch_seeding else None
         resume_from = (self._spec.resume_streams or {}).get(0)
+        # Before the iterator is made: a read-ahead thread it starts counts from the first.
+        skips.bind(self._spec.dataset, self._spec.failures, skips.MAIN_ROW)
         self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
-        if self._clock is not None and self._clock.count_skipped is None:
-            self._clock.count_skipped = skip_counter(self._spec.dataset, self._clock.skipped)
         if self._clock is not None and self._clock.count_ray_stage is None:
             self._clock.count_ray_stage = ray_stage_counter(self._spec.dataset, self._clock.ray_stage)
 
@@ -101,4 +101,4 @@ class InlineEngine:
     def close(self) -> None:
         self._closed = True
         if self._clock is not None:
-            self._clock.stop_counting_skips()
+            self._clock.stop_counting_ray_stage()

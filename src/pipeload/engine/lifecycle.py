@@ -4,6 +4,7 @@ watch their parent and stop through here."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import multiprocessing
@@ -15,13 +16,15 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 import torch
+
+from pipeload._user_frame import first_frame_outside_pipeload
 
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
@@ -71,13 +74,18 @@ class ThreadWorkerHandle:
     kill = terminate
 
 
-def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
+def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str,
+                  leaves_with_parent: bool = False) -> Any:
     """Start one daemon process; a clear error when the caller is itself a daemon process.
 
     Daemonic processes (DataLoader process workers among them) may not have children, and the
-    assertion multiprocessing raises says nothing about what to do instead.
+    assertion multiprocessing raises says nothing about what to do instead. The rule is there
+    because a daemon is terminated without waiting for its children, which would be left
+    running; a child that leaves by itself when its parent dies (``exit_when_parent_dies``) is
+    not left behind, and with ``leaves_with_parent`` it may be started from a daemon too.
     """
-    if multiprocessing.current_process().daemon:
+    current = multiprocessing.current_process()
+    if current.daemon and not leaves_with_parent:
         raise RuntimeError(
             f"cannot start {name}: this process is a daemon process (a DataLoader process worker, "
             "or another daemon), and daemon processes may not have children. Use threads here "
@@ -90,8 +98,24 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         # warm-up or another loader's epoch, glibc kept ~30 MiB free on the development box.
         release_free_heap()
     process = ctx.Process(target=target, args=args, name=name, daemon=True)
-    process.start()
+    with _children_allowed(current):
+        process.start()
     return process
+
+
+@contextlib.contextmanager
+def _children_allowed(current: Any) -> Iterator[None]:
+    """Lift multiprocessing's no-children rule of a daemon process for one start (the callers'
+    children leave with their parent: see :func:`start_process`). The flag lives in the
+    process's ``_config``, where ``start()`` looks for it; it is set back at once."""
+    if not current.daemon:
+        yield
+        return
+    current._config["daemon"] = False
+    try:
+        yield
+    finally:
+        current._config["daemon"] = True
 
 
 def _import_what_workers_seed() -> None:
@@ -362,14 +386,17 @@ def check_picklable(
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
-            if sender == "DataLoader":
-                warnings.warn(PICKLE_WARNING, stacklevel=6)  # the user's iter(loader) / for loop
+            if sender == "DataLoader" and FORKSERVER_BY_DEFAULT:  # torch's warning, where it applies
+                warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
             raise _unpicklable(exc, name, obj, start_method, sender) from exc
         finally:
             set_spawning_popen(None)
 
 
-# torch's warning, word for word.
+# torch's warning, word for word. It blames Python 3.14's new default start method, so it is
+# given only where that default holds (torch gives it everywhere); elsewhere the error that
+# follows says what could not be sent and why.
+FORKSERVER_BY_DEFAULT = sys.version_info >= (3, 14) and sys.platform not in ("darwin", "win32")
 PICKLE_WARNING = (
     "Got pickle error when attempting to start a worker Process. This might be because the "
     "worker Process arguments are not picklable. Python 3.14+ changed the multiprocessing start "

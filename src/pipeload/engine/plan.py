@@ -44,6 +44,8 @@ class FetchSpec:
             the replica's ``state_dict()`` with every this-many-th batch (0: no positions).
         resume_streams: iterable-style only: worker id -> the position its replica resumes
             from, on the first epoch of a session (see ``pipeload/resume``).
+        failures: the loader's failure board (``stats/skips.py``), where the on_error pipes of
+            every copy of the dataset count; None when the dataset has none.
     """
 
     dataset: Any
@@ -54,6 +56,7 @@ class FetchSpec:
     per_batch_seeding: bool = False
     stream_snapshot_every: int = 0
     resume_streams: dict[int, Any] | None = None
+    failures: Any = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ same samples in the same order for the same seed. The main process draws the sha
 session and :func:`reseed` for each later epoch. Thread workers first take their own copy
 (:func:`thread_replica`), since threads would otherwise share one graph and its cursors.
 
+The RFC's hooks are honoured for both families: a pipe whose ``is_shardable()`` is True is told
+its shard through ``sharding_settings(total_num_of_shards, id_of_shard)`` where torch's pipes get
+``apply_sharding``, and a pipe whose ``is_separate_process()`` is True runs, with what feeds it,
+behind a process boundary the loader places (:func:`separate_processes`).
+
 Graph families: torch's DataPipes (``torch.utils.data.datapipes``) and pipeload's own
 (``pipeload.datapipes``: ``base.IterDataPipe``/``base.MapDataPipe``,
 ``graph.apply_sharding(pipe, num_shards, shard_id)``, ``graph.apply_random_seed(pipe, generator)``,
@@ -36,6 +41,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.distributed import share_from_rank0
 from pipeload.engine.plan import DatasetKind, ReplicaSetup
 
@@ -58,6 +64,7 @@ class GraphRules:
         list_pipes: ``(graph)``; every pipe of the graph, each once (None: the family cannot
             list them, so ``shuffle=`` and the unsharded-graph warning do not apply to it).
         copy_graph: ``(graph)``; a thread worker's copy of the graph (None: ``copy.deepcopy``).
+        shards_by_hooks: ``apply_sharding`` leaves the RFC's ``is_shardable()`` pipes to us.
     """
 
     iterable_type: type
@@ -66,6 +73,7 @@ class GraphRules:
     apply_random_seed: Callable[[Any, torch.Generator], Any]
     list_pipes: Callable[[Any], list[Any]] | None
     copy_graph: Callable[[Any], Any] | None = None
+    shards_by_hooks: bool = False
 
 
 def graph_rules(dataset: Any) -> GraphRules | None:
@@ -106,6 +114,41 @@ def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: in
     shards = num_workers * replica.world_size
     with _GRAPH_WALK:
         rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
+        if rules.shards_by_hooks and rules.list_pipes is not None:
+            _shard_by_hooks(rules.list_pipes(dataset), shards, worker_id * replica.world_size + replica.rank)
+
+
+def _shard_by_hooks(pipes: list[Any], shards: int, index: int) -> None:
+    """Tell the pipes that take the RFC's hook (``is_shardable()``) their shard, in a family
+    whose ``apply_sharding`` does not (torch's)."""
+    for pipe in pipes:
+        if _asks(pipe, "is_shardable") and not callable(getattr(pipe, "apply_sharding", None)):
+            pipe.sharding_settings(shards, index)
+
+
+def _asks(pipe: Any, hook: str) -> bool:
+    ask = getattr(pipe, hook, None)
+    return callable(ask) and bool(ask())
+
+
+def separate_processes(dataset: Any, worker_type: str | None, context: Any = None) -> tuple[Any, tuple[str, ...]]:
+    """The dataset the engine runs, with a process boundary after each pipe that asks for a
+    process of its own (``is_separate_process()``), and where each request was answered.
+
+    The boundary is placed with or without workers: each worker's copy of the graph starts its
+    own process when it is iterated. A process worker is a daemon, which multiprocessing lets
+    start no process; the boundary's upstream process leaves by itself when its parent dies, so
+    it is started there all the same (``lifecycle.start_process``), and is stopped with the
+    worker's run of the graph.
+    """
+    if "pipeload.datapipes.base" not in sys.modules or graph_rules(dataset) is None:
+        return dataset, ()  # not a graph, or no pipeload pipe exists here: nothing can ask
+    from pipeload.datapipes import placement
+
+    with _GRAPH_WALK:
+        placed, placements = placement.place_separate_processes(dataset, context)
+    each = f" (one for each {worker_type} worker's copy)" if worker_type in ("thread", "process") else ""
+    return placed, tuple(f"{p}{each}" for p in placements)
 
 
 def reseed(dataset: Any, shared_seed: int | None) -> None:
@@ -167,7 +210,7 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
         return None
     with _GRAPH_WALK:
         pipes = rules.list_pipes(dataset)
-    if any(callable(getattr(pipe, "apply_sharding", None)) for pipe in pipes):
+    if any(callable(getattr(pipe, "apply_sharding", None)) or _asks(pipe, "is_shardable") for pipe in pipes):
         return None
     return (
         f"This DataPipe graph is read by {copies} copies at once ({copies_per_rank} per rank × "
@@ -175,6 +218,22 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
         f"each sample is loaded {copies} times per epoch. Add .sharding_filter() after the "
         "shuffle and before the expensive steps."
     )
+
+
+def stages_without_checkpoint(dataset: Any) -> list[str]:
+    """The queue boundaries (``prefetch``, ``queue_boundary``) of a pipeload DataPipe graph, by
+    class name: a run across one keeps no checkpoint of its position yet, so a replica with one
+    resumes by re-reading. Empty for anything else."""
+    rules = graph_rules(dataset)
+    if rules is None or rules.list_pipes is None or "pipeload.datapipes" not in sys.modules:
+        return []
+    try:
+        from pipeload.datapipes.boundary.pipes import QueueBoundary
+    except ImportError:  # a stand-in family
+        return []
+    with _GRAPH_WALK:
+        pipes = rules.list_pipes(dataset)
+    return sorted({type(pipe).__name__ for pipe in pipes if isinstance(pipe, QueueBoundary)})
 
 
 def _known_families() -> tuple[GraphRules, ...]:
@@ -217,6 +276,7 @@ def _torch_family() -> GraphRules:
         graph_settings.apply_sharding,
         graph_settings.apply_random_seed,
         _list_torch_pipes,
+        shards_by_hooks=True,
     )
 
 
@@ -242,7 +302,7 @@ def _set_shuffles(pipes: list[Any], graph: Any, shuffle: bool) -> None:
             f"shuffle=True has no effect: the DataPipe graph {graph} has no shuffle step, so its "
             "samples come in their own order. Add .shuffle() to the graph where the order should "
             "be mixed.",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
     for pipe in shufflers:
         pipe.set_shuffle(shuffle)

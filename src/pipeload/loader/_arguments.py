@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Any
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.errors import exact_value
 from pipeload.samplers import (
     RandomSampler,
@@ -287,9 +288,12 @@ def resolve_context(context: Any, num_workers: int) -> Any:
     return context
 
 
-def warn_if_too_many_workers(num_workers: int) -> None:
+def warn_if_too_many_workers(num_workers: int, batch_workers: int = 0) -> None:
+    """torch's warning when more workers start than there are CPUs to run them; in economic
+    mode every process that starts counts: ``num_workers`` item workers and ``batch_workers``."""
     if num_workers == 0:
         return
+    item_workers, num_workers = num_workers, num_workers + batch_workers
     # torch's count: the CPUs this process may run on (affinity, so cgroups/taskset count).
     cpuset_checked = hasattr(os, "sched_getaffinity")
     available = len(os.sched_getaffinity(0)) if cpuset_checked else os.cpu_count()
@@ -303,9 +307,11 @@ def warn_if_too_many_workers(num_workers: int) -> None:
             f"{'' if cpuset_checked else ' (`cpuset` is not taken into account)'}, which is "
             "smaller than what this DataLoader is going to create."
         )
+    economic = (f" (pipeload: {item_workers} item workers and {batch_workers} batch workers, "
+                "mode='economic')") if batch_workers else ""
     warnings.warn(
         f"This DataLoader will create {num_workers} worker processes in total. {suggestion} "
         "Please be aware that excessive worker creation might get DataLoader running slow or "
-        "even freeze, lower the worker number to avoid potential slowness/freeze if necessary.",
-        stacklevel=3,
+        f"even freeze, lower the worker number to avoid potential slowness/freeze if necessary.{economic}",
+        stacklevel=first_frame_outside_pipeload(),
     )

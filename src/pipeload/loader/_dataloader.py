@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as torch_data  # torch's DataLoader: a base for identity, never called
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.loader import _engine_choice
@@ -33,6 +35,7 @@ from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
 from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
+from pipeload.stats import skips
 from pipeload.stats.report import LoaderStats
 from pipeload.stats.tuner import AutoTuner
 
@@ -199,13 +202,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._checked_graph_sharding = False
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._stats = self._new_stats() if stats else None
+        self._failure_board: Any = None  # where on_error pipes count (stats/skips.py), made once
+        self._failures_checked = False
         self._tuner: AutoTuner | None = None
         self._session = (0, 0)  # (base seed, epoch number) of the latest engine's session
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
         self._resume_point: resume.ResumePoint | None = None
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
         self.__initialized = True
-        arguments.warn_if_too_many_workers(num_workers)
+        arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
@@ -270,8 +275,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return StatsRecorder(self._stats_setup(), time_every_batch=any(self._auto))
 
     def _stats_setup(self) -> LoaderSetup:
+        kind = "pipe" if replica.graph_rules(self.dataset) is not None else self._dataset_kind.label
         return LoaderSetup(self.mode, self.worker_type, self.num_workers, self.prefetch_factor,
-                           self.batch_size, self.pin_memory)
+                           self.batch_size, self.pin_memory, usable_cpus(), kind)
 
     # -- copies ----------------------------------------------------------------------------
 
@@ -282,6 +288,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         persistent workers run at all)."""
         state = dict(self.__dict__)
         state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None,
+                     _failure_board=None, _failures_checked=False,
                      _stats=self._stats is not None)  # a flag: the copy makes its own
         return state
 
@@ -292,8 +299,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
     # -- running an epoch ------------------------------------------------------------------
 
     def check_worker_number_rationality(self) -> None:
-        """Warn when num_workers exceeds the CPUs this process may use (torch's public method)."""
-        arguments.warn_if_too_many_workers(self.num_workers)
+        """Warn when the workers that start (economic mode: item and batch workers) exceed the
+        CPUs this process may use (torch's public method)."""
+        arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.
@@ -301,6 +309,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
     def __iter__(self) -> _EpochIterator:
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
+        self._count_failures_anew()
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
         record = resume.begin_epoch(self, point.record if point is not None else None)  # before any draw
@@ -324,6 +333,30 @@ class DataLoader(torch_data.DataLoader[T_co]):
         if not owned:
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
+
+    def _count_failures_anew(self) -> None:
+        """A new epoch for the failure board: made on the first, if the dataset has on_error
+        pipes (their ``max_failures`` is then one budget for the whole loader's epoch)."""
+        board = self._failure_board
+        if not self._failures_checked:
+            self._failures_checked = True
+            board = skips.board_for(self.dataset, self._spawns_workers())
+        elif board is not None and not board.shareable and self._spawns_workers():
+            board = board.made_shareable()  # the start method changed since
+            skips.bind(self.dataset, board, None)
+        if board is not None and board is not self._failure_board:
+            self._failure_board = board
+            if self._stats is not None:
+                self._stats.failures = board
+        if board is not None:
+            board.new_epoch()
+
+    def _spawns_workers(self) -> bool:
+        """Whether the workers are processes started without fork (spawn, forkserver)."""
+        if self.num_workers == 0 or self.worker_type == "thread":
+            return False
+        context = self.multiprocessing_context or multiprocessing.get_context()
+        return context.get_start_method() != "fork"
 
     def _engine_for_epoch(self, point: resume.ResumePoint | None, record: resume.EpochRecord) -> tuple[Any, bool, dict[str, int]]:
         """This epoch's engine (a new one, or the persistent session's), whether the epoch owns
@@ -353,13 +386,16 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
         Taken after any batch, and loaded into a new DataLoader over the same dataset (in a new
         process, say), the new loader yields exactly the remaining batches of the epoch, then
-        the following epochs, as this one would have. What is guaranteed about random values
-        drawn while building batches is in docs/design/resume.md (``worker_seeding``). Between
-        ``load_state_dict()`` and the next ``iter()``, it is the state loaded.
+        the following epochs, as this one would have. Random values drawn while building
+        batches (augmentations) resume exactly too with ``worker_seeding="per_batch"``, in
+        economic mode, and with ``num_workers=0``; with torch's seeding (the default) workers
+        draw theirs afresh. Between ``load_state_dict()`` and the next ``iter()``, it is
+        the state loaded.
 
         Raises:
             ValueError: ``in_order=False`` with workers and ``equal_batches="pad"`` across
-                ranks (see ``resume.check_can_checkpoint``).
+                ranks: out of order, the batch a padding rank repeats cannot be told from the
+                batches still to come (use ``in_order=True`` or ``equal_batches="drop"``).
         """
         resume.check_can_checkpoint(self)
         if self._loaded_state is not None:
@@ -376,12 +412,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         """Continue from a ``state_dict()``: the next ``iter(loader)`` resumes that epoch.
 
         Persistent workers this loader already runs are stopped (the checkpoint's session takes
-        their place).
+        their place). The whole state is checked first: a loader that refuses one is left as it
+        was.
 
         Raises:
             IncompatibleStateError: the state comes from another configuration (dataset length,
                 batch size, world size, ...: the message names each difference), another kind
-                of state, or a newer version.
+                of state, or a newer version; or it is damaged: a field missing, mistyped, out
+                of range or undecodable (named by its path, with the value received), or
+                content that does not match its digest.
         """
         point = resume.read_state(self, state)
         if self._persistent_engine is not None:
@@ -396,7 +435,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         message = replication_warning(self.dataset, self.sampler, self.batch_sampler)
         if message is not None:
             self._warned_every_rank_loads_all = True
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     def _warn_if_graph_unsharded(self) -> None:
         # Once per loader: walking a torch graph pickles it, data and all.
@@ -406,7 +445,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         world_size = current_placement().world_size
         message = replica.unsharded_warning(self.dataset, max(self.num_workers, 1), world_size)
         if message is not None:
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
     @property
     def _iterator(self) -> _EpochIterator | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.distributed import check_ranks_can_agree, current_placement
@@ -86,11 +87,17 @@ def _balance_ranks(loader: Any, engine: Any) -> Any:
 def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
     iterable = loader._dataset_kind is DatasetKind.ITERABLE
     streams = resume.resumed_streams(point)
+    # The RFC's is_separate_process(): the loader places the process boundaries it asks for.
+    worker_type = loader.worker_type if loader.num_workers else None
+    dataset, placed = replica.separate_processes(loader.dataset, worker_type, loader.multiprocessing_context)
+    if placed and loader._stats is not None:
+        loader._stats.note_separate_processes(placed)
     return FetchSpec(
-        loader.dataset, loader._dataset_kind, loader._auto_collation, loader.collate_fn, loader.drop_last,
+        dataset, loader._dataset_kind, loader._auto_collation, loader.collate_fn, loader.drop_last,
         per_batch_seeding=loader.worker_seeding == "per_batch" and loader.mode == "classic",
         stream_snapshot_every=resume.STREAM_SNAPSHOT_EVERY if iterable else 0,
         resume_streams=streams,
+        failures=loader._failure_board,
     )
 
 def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
@@ -170,14 +177,14 @@ def _maybe_pin(loader: Any, engine: Any) -> Any:
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device,ignore pin_memory_device='{loader.pin_memory_device}'. (pipeload: batches "
             "are pinned for the current accelerator.)",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
     if not pinning_available():
         warnings.warn(
             "'pin_memory' argument is set as true but no accelerator is found, then device "
             "pinned memory won't be used. (pipeload: batches are handed out in ordinary "
             "memory.)",
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
         return engine
     if loader.num_workers == 0:

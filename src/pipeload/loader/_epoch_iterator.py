@@ -12,6 +12,7 @@ import warnings
 import weakref
 from typing import Any
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
@@ -42,6 +43,7 @@ class _EpochIterator:
         self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
         self._num_workers = loader.num_workers
         self._dataset = loader.dataset
+        self._failures = loader._failure_board
         self._ended = False
         # Batches handed out, and when the stats time the next (never, with stats off).
         self._count = count if count is not None else EpochCount()
@@ -70,6 +72,9 @@ class _EpochIterator:
             self._finish()
             if self._stats is not None:
                 self._stats.ended(asked or closing)
+            failed = self._failed_epoch()
+            if failed is not None:
+                raise failed from None
             raise
         except Exception as error:
             self._progress.failed(error)
@@ -94,6 +99,15 @@ class _EpochIterator:
 
     def __len__(self) -> int:
         return len(self._index_sampler)
+
+    def _failed_epoch(self) -> Exception | None:
+        """The error an epoch that ended normally is to raise after all, judged by the failure
+        board: a budget crossed, or every file failed (datapipes/sources/on_error.py)."""
+        if self._failures is None:
+            return None
+        from pipeload.datapipes.sources.on_error import epoch_end_error  # has a board: imported
+
+        return epoch_end_error(self._failures, self._count.handed)
 
     @property
     def _num_yielded(self) -> int:
@@ -161,4 +175,4 @@ def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers
             "examples. (pipeload: with several workers, each worker's replica must yield only "
             "its share: see get_worker_info().)"
         )
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=first_frame_outside_pipeload())

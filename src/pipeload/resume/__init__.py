@@ -3,6 +3,9 @@
 - ``epoch.py``: what the loader notes when an epoch begins and as it hands batches out;
 - ``state.py``: the JSON checkpoint built from those notes, and reading one back (with the
   checks that refuse a state from another configuration);
+- ``checked.py``: a state read field by field, every field checked (and its digest) before
+  anything is set from it; ``trial.py``: a digest-less (version 1) state's replica states tried
+  through the pipes' own ``load_state_dict()`` on a copy of the graph;
 - ``replay.py``: beginning an interrupted epoch again and going on from where it was;
 - ``handed_out.py``: dropping, right after the engine, the batches an out-of-order epoch had
   handed out past its watermark (made again on resume).

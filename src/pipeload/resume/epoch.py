@@ -23,6 +23,7 @@ from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
+from pipeload.samplers._state import fresh_state
 
 
 @dataclass
@@ -163,15 +164,4 @@ def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
     state_dict = getattr(sampler, "state_dict", None)
     if not callable(state_dict):
         return None
-    return _without_iterations(state_dict())
-
-
-def _without_iterations(state: Any) -> Any:
-    if not isinstance(state, dict):
-        return state
-    cleared = dict(state)
-    if "iteration" in cleared:
-        cleared["iteration"] = None
-    if isinstance(cleared.get("sampler"), dict):
-        cleared["sampler"] = _without_iterations(cleared["sampler"])
-    return cleared
+    return fresh_state(state_dict())

@@ -13,14 +13,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload._rng_state import decode_state, encode_state
+from pipeload._rng_state import encode_state
+from pipeload._state_digest import sealed
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.distributed import current_placement
+from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
-from pipeload.errors import IncompatibleStateError, state_mismatch
+from pipeload.errors import bad_state_field, state_mismatch
+from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
+from pipeload.resume.trial import try_replica_states
+from pipeload.samplers import StatefulSampler, exact_length
+from pipeload.samplers._state import load_users_state
 
-FORMAT = "pipeload.DataLoader"
-VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -102,14 +107,14 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
         # A resumed epoch that replayed the draw has made it, whatever its engine.
         state["epoch"]["sampler_started"] = (progress.sampler_started or progress.consumed > 0
                                              or progress.padded > 0 or loader.num_workers > 0)
-        return state
+        return sealed(state)
     generator = loader.generator
     state["next"] = {
         "generator": encode_state(generator.get_state()) if generator is not None else None,
         "sampler": fresh_sampler_state(loader._index_sampler) if loader._dataset_kind.label == "map" else None,
         "session": list(session) if session is not None else None,
     }
-    return state
+    return sealed(state)
 
 
 def check_can_checkpoint(loader: Any) -> None:
@@ -138,11 +143,6 @@ def _position_state(position: StreamPosition) -> dict[str, Any]:
     return {"batches": position.batches, "snapshot": snapshot}
 
 
-def _position_of(worker: int, saved: dict[str, Any]) -> StreamPosition:
-    snapshot = tuple(saved["snapshot"]) if saved["snapshot"] else None
-    return StreamPosition(worker, saved["batches"], snapshot)
-
-
 def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> dict[str, Any]:
     streams = {str(w): _position_state(p) for w, p in progress.streams.items()}
     repeat = progress.repeat_from if pads else None
@@ -164,95 +164,125 @@ def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> di
     }
 
 
-def read_state(loader: Any, state: dict[str, Any]) -> ResumePoint:
-    """Check ``state`` against ``loader``, set the generators it names, and say how to resume.
+def read_state(loader: Any, state: Any) -> ResumePoint:
+    """Check ``state`` whole against ``loader``, then set the generators it names, and say how
+    to resume. Nothing is set unless every check passes: a loader that refuses a state (and its
+    generator and sampler) is left as it was.
 
     Raises:
-        IncompatibleStateError: not a loader state, a newer version, or another configuration.
+        IncompatibleStateError: not a loader state, a newer version, another configuration, or
+            a damaged state (a field named by its path, or content that does not match its
+            digest).
     """
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise IncompatibleStateError(
-            f"load_state_dict expects a state made by DataLoader.state_dict() (format {FORMAT!r}), "
-            f"but got {type(state).__name__} with format {getattr(state, 'get', lambda _: None)('format')!r}")
-    if state.get("version") != VERSION:
-        raise IncompatibleStateError(
-            f"cannot load a DataLoader state of version {state.get('version')!r}: this pipeload reads "
-            f"version {VERSION}")
+    checked = read_fields(state)
+    _check_config(loader, checked.config)
+    _check_generator(loader, checked.saved_generator is not None)
+    _check_sampler(loader, checked.sampler, checked.sampler_path)
+    if checked.epoch is not None:
+        _check_epoch_fits(loader, checked.epoch)
+    check_content(state, checked)
+    if checked.epoch is not None and checked.version < 2:
+        try_replica_states(loader, checked.epoch.streams)  # no digest: the pipes' own loads check
+    _set_generators(loader, checked)
+    if checked.epoch is not None:
+        point = _mid_epoch(checked.epoch)
+        _warn_if_replicas_start_over(loader, checked.epoch.streams)
+    else:
+        session = checked.next.session if loader.persistent_workers else None  # type: ignore[union-attr]
+        point = ResumePoint(None, session=session)
+    if loader._dataset_kind.label == "map":
+        _warn_if_sampler_cannot_resume(loader)
+    return point
+
+
+def _check_config(loader: Any, saved: dict[str, Any]) -> None:
     here = config_of(loader)
-    saved = state["config"]
     differences = {k: (saved.get(k), here.get(k)) for k in here.keys() | saved.keys()
                    if saved.get(k) != here.get(k)}
     if differences:
         raise state_mismatch("this DataLoader", dict(sorted(differences.items())))
-    _check_generator(loader, (state["epoch"] if "epoch" in state else state["next"])["generator"])
-    if "epoch" in state:
-        return _mid_epoch(loader, state["epoch"])
-    return _next_epoch(loader, state["next"])
 
 
-def _check_generator(loader: Any, saved: str | None) -> None:
+def _check_generator(loader: Any, saved: bool) -> None:
     """The order and base seeds come from the loader's generator, or else from torch's global
     one: a state drawn from the one cannot go on from the other."""
     named = {True: "a torch.Generator", False: None}
-    if (saved is not None) != (loader.generator is not None):
-        raise state_mismatch("this DataLoader", {"generator": (named[saved is not None],
-                                                               named[loader.generator is not None])})
+    if saved != (loader.generator is not None):
+        raise state_mismatch("this DataLoader", {"generator": (named[saved], named[loader.generator is not None])})
 
 
-def _next_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
-    if saved["generator"] is not None and loader.generator is not None:
-        loader.generator.set_state(decode_state(saved["generator"]))
-    _load_sampler(loader, saved["sampler"])
-    session = saved["session"]
-    return ResumePoint(None, session=tuple(session) if session is not None and loader.persistent_workers else None)
+def _check_sampler(loader: Any, saved: Any, path: str) -> None:
+    """The index sampler's state: None when it keeps none; ours there, and checked whole."""
+    sampler = loader._index_sampler
+    keeps_one = loader._dataset_kind.label == "map" and callable(getattr(sampler, "state_dict", None))
+    name = type(sampler).__name__
+    if not keeps_one:
+        if saved is not None:
+            why = "an iterable dataset has no sampler" if loader._dataset_kind.label != "map" else f"this loader's {name} has no state_dict()"
+            raise bad_state_field(path, saved, f"None ({why})")
+        return
+    if isinstance(sampler, StatefulSampler):  # a user's may say None: its state is its own
+        if saved is None:
+            raise bad_state_field(path, saved, f"the state of this loader's {name}")
+        sampler.check_state_dict(saved, path)
 
 
-def _mid_epoch(loader: Any, saved: dict[str, Any]) -> ResumePoint:
-    record = EpochRecord(
-        global_rng=decode_state(saved["global_rng"]),
-        generator=decode_state(saved["generator"]) if saved["generator"] is not None else None,
-        sampler=saved["sampler"],
-        base_seed=saved["base_seed"],
-        session_epoch=saved["session_epoch"],
-        later_in_session=saved["later_in_session"],
-    )
-    if record.generator is not None and loader.generator is not None:
-        loader.generator.set_state(record.generator)
-    _load_sampler(loader, record.sampler)
-    positions = {int(w): _position_of(int(w), p) for w, p in saved["streams"].items()}
-    repeat = saved.get("repeat_from")
-    if repeat is not None:
-        position = repeat["position"]
-        last = saved["last_worker"]
-        repeat = RepeatFrom(repeat["consumed"], _position_of(last, position) if position else None,
-                            repeat["last_worker"])
-    _warn_if_replicas_start_over(loader, positions)
+def _check_epoch_fits(loader: Any, epoch: CheckedEpoch) -> None:
+    """Map-style: the batches handed out are batches of this epoch (a count past its end would
+    resume past the end, silently losing the rest)."""
+    if loader._dataset_kind.label != "map":
+        return
+    total = exact_length(loader._index_sampler)
+    if total is None:
+        return  # a sampler that cannot say: replaying it tells (replay.py refuses one that runs out)
+    if epoch.consumed > total:
+        raise bad_state_field("epoch.consumed", epoch.consumed, f"an int from 0 to {total} (the batches of an epoch)")
+    if epoch.handed_out_above and max(epoch.handed_out_above) >= total:
+        raise bad_state_field("epoch.handed_out_above", sorted(epoch.handed_out_above),
+                              f"batch numbers below {total} (the batches of an epoch)")
+
+
+def _set_generators(loader: Any, checked: CheckedState) -> None:
+    """Set the loader's generator, then its sampler; a user's sampler refusing its state (the
+    one part only its own code can check) leaves the generator as it was."""
+    generator = loader.generator
+    before = generator.get_state() if generator is not None else None
+    if generator is not None and checked.saved_generator is not None:
+        generator.set_state(checked.saved_generator)
+    try:
+        _load_sampler(loader, checked.sampler, checked.sampler_path)
+    except BaseException:
+        if before is not None:
+            generator.set_state(before)
+        raise
+
+
+def _load_sampler(loader: Any, saved: Any, path: str) -> None:
+    if saved is None:
+        return
+    sampler = loader._index_sampler
+    if isinstance(sampler, StatefulSampler):
+        sampler._load_state_at(saved, path)
+    else:
+        load_users_state(sampler, saved, path)
+
+
+def _mid_epoch(epoch: CheckedEpoch) -> ResumePoint:
+    record = epoch.record
     session = (record.base_seed, record.session_epoch) if record.later_in_session else None
-    return ResumePoint(record, saved["consumed"], positions, session, saved["sampler_started"],
-                       saved["last_worker"], saved.get("padded", 0), repeat,
-                       frozenset(saved.get("handed_out_above", ())))
+    return ResumePoint(record, epoch.consumed, dict(epoch.streams), session, epoch.sampler_started,
+                       epoch.last_worker, epoch.padded, epoch.repeat_from, epoch.handed_out_above)
 
 
 def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPosition]) -> None:
     again = sum(p.batches for p in positions.values() if p.snapshot is not None and p.snapshot[1] is None)
     if again:
         warnings.warn(
-            f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or "
-            f"on its iterator), so resuming reads the {again} batches already handed out this "
-            "epoch again and drops them. Give it state_dict()/load_state_dict() to resume without "
-            "re-reading.",
-            stacklevel=5,  # the caller of load_state_dict
+            f"{_stage_without_state(loader)}, so resuming reads the {again} batches already handed "
+            "out this epoch again and drops them. Give it state_dict()/load_state_dict() to resume "
+            "without re-reading.",
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
-
-
-def _load_sampler(loader: Any, sampler_state: dict[str, Any] | None) -> None:
-    if loader._dataset_kind.label == "map":
-        _warn_if_sampler_cannot_resume(loader)
-    if sampler_state is None:
-        return
-    load = getattr(loader._index_sampler, "load_state_dict", None)
-    if callable(load):
-        load(sampler_state)
 
 
 def _warn_if_sampler_cannot_resume(loader: Any) -> None:
@@ -266,6 +296,16 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             "start and skips the batches already handed out. That gives the same keys only if it "
             "draws no random numbers, or draws them from torch's global generator when its "
             "iteration starts; give it state_dict()/load_state_dict() otherwise.",
-            stacklevel=6,  # the caller of load_state_dict
+            stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
         return
+
+
+def _stage_without_state(loader: Any) -> str:
+    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
+    no position yet), else the dataset itself."""
+    boundaries = replica.stages_without_checkpoint(loader.dataset)
+    if boundaries:
+        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
+    return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
+            "its iterator)")

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
-from pipeload.errors import exact_value
+from pipeload.errors import bad_state_field, exact_value
 from pipeload.samplers._base import Sampler
 from pipeload.samplers._distributed import DistributedSampler
 from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from pipeload.samplers._sequential import SequentialSampler
-from pipeload.samplers._state import StatefulSampler
+from pipeload._state_fields import StateFields
+from pipeload.samplers._state import StatefulSampler, load_users_state
 
 
 class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler):
@@ -83,11 +84,26 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
             return {"sampler": self._user_inner_start if in_progress else inner.state_dict()}
         return {"sampler": None}
 
-    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
-        inner_state = state.get("sampler")
-        load = getattr(self.sampler, "load_state_dict", None)
-        if inner_state is not None and callable(load):
-            load(inner_state)
+    def _read_inner_state(self, fields: StateFields) -> Any:
+        """The sampler inside: ours is checked whole; a user's state is its own business (its
+        load_state_dict decides); one without a state must have None."""
+        inner = self.sampler
+        path = fields.name("sampler")
+        if isinstance(inner, StatefulSampler):
+            state = fields.raw("sampler", f"the state of a {type(inner).__name__}")
+            return inner._read_state(state, path)
+        state = fields.raw("sampler", "its sampler's state, or None")
+        if state is not None and not callable(getattr(inner, "load_state_dict", None)):
+            raise bad_state_field(path, state, f"None ({type(inner).__name__} keeps no state)")
+        return (state, path)
+
+    def _load_inner_state(self, inner: Any, replay: bool) -> None:
+        if isinstance(self.sampler, StatefulSampler):
+            self.sampler._apply(inner)
+            return
+        state, path = inner
+        if state is not None:
+            load_users_state(self.sampler, state, path)
 
     def __len__(self) -> int:
         count = len(self.sampler)  # type: ignore[arg-type]

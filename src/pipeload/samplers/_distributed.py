@@ -14,6 +14,7 @@ import torch
 import torch.utils.data as torch_data  # torch's class: a base for identity, never called
 
 from pipeload.samplers._base import Sampler
+from pipeload._state_fields import StateFields
 from pipeload.samplers._state import StatefulSampler
 
 
@@ -81,8 +82,11 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
     def _inner_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch}
 
-    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
-        self.epoch = state["epoch"]
+    def _read_inner_state(self, fields: StateFields) -> int:
+        return fields.integer("epoch", low=None)  # set_epoch takes any int, as torch's
+
+    def _load_inner_state(self, inner: int, replay: bool) -> None:
+        self.epoch = inner
 
     def _keys(self) -> Iterator[int]:
         size = len(self.dataset)

@@ -16,10 +16,16 @@ skipped: nothing is loaded.
 
 ``config`` records what makes two samplers interchangeable (length, batch size, world size, ...);
 a state is refused, naming the difference, by a sampler whose settings differ.
+
+A state is checked whole before anything is set (``_read_state``): each field's presence, type,
+range and decoding (named by its path when wrong), the configuration, then the ``digest`` over
+the rest (version 2; version 1 states, without one, still load). A sampler that refuses a state
+is left as it was. See "Damaged states" in docs/design/resume.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,10 +34,22 @@ from typing import Any
 import torch
 
 from pipeload._rng_state import borrowed_global_rng, generator_state, set_generator_state
-from pipeload.errors import IncompatibleStateError, state_mismatch
+from pipeload._state_digest import DIGEST_FIELD, check_digest, sealed
+from pipeload._state_fields import StateFields, is_int
+from pipeload.errors import MISSING, IncompatibleStateError, bad_state_field, state_mismatch
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the state carries a digest of its content (docs/design/resume.md)
+READ_VERSIONS = (1, 2)  # states of version 1 (no digest) still load, every field checked
 _END = object()
+
+
+@dataclass(frozen=True)
+class _ReadState:
+    """A sampler state, checked: what loading it sets."""
+
+    generator: torch.Tensor | None  # the sampler's own generator's state
+    iteration: dict[str, Any] | None  # {"start": encoded state or None, "yielded": keys handed out}
+    inner: Any  # the subclass's fields, as its _read_inner_state gave them
 
 
 @dataclass
@@ -63,8 +81,8 @@ class StatefulSampler:
     def _inner_state(self) -> dict[str, Any]:
         return {}  # extra fields (a DistributedSampler's epoch, a BatchSampler's sampler)
 
-    def _load_inner_state(self, state: dict[str, Any], replay: bool) -> None:
-        pass
+    def _load_inner_state(self, inner: Any, replay: bool) -> None:
+        pass  # ``inner``: what _read_inner_state gave
 
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
@@ -89,17 +107,40 @@ class StatefulSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state``: the next iteration continues the one recorded in it.
 
+        The whole state is checked first; a sampler that refuses one is left as it was.
+
         Raises:
             IncompatibleStateError: the state is from another kind of sampler or another
-                configuration (the message names what differs), or from a newer format.
+                configuration (the message names what differs), from a newer format, or damaged
+                (a field missing, mistyped, out of range or undecodable, named by its path; or
+                content that does not match its digest).
         """
-        self._check(state)
+        self._load_state_at(state, "")
+
+    def _load_state_at(self, state: Any, path: str) -> None:
+        """:meth:`load_state_dict` for a state found at ``path`` in a larger one (a loader's)."""
+        self._apply(self._read_state(state, path))
+
+    def check_state_dict(self, state: Any, path: str = "") -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``; change nothing.
+
+        Args:
+            state: a state, as :meth:`state_dict` gave it (or not).
+            path: where the state sits in a larger one (``epoch.sampler``), to name its fields.
+
+        Raises:
+            IncompatibleStateError: as :meth:`load_state_dict`.
+        """
+        self._read_state(state, path)
+
+    def _apply(self, read: _ReadState) -> None:
+        """Set what a checked state says. Only a user's sampler inside (its own
+        ``load_state_dict``) can still refuse, before anything here is set."""
+        self._load_inner_state(read.inner, replay=read.iteration is not None)
         draws, generator = self._draws_from()
-        if draws and generator is not None and state.get("generator") is not None:
-            set_generator_state(generator, state["generator"])
-        iteration = state.get("iteration")
-        self._load_inner_state(state, replay=iteration is not None)
-        self._pending = dict(iteration) if iteration is not None else None
+        if draws and generator is not None and read.generator is not None:
+            generator.set_state(read.generator)
+        self._pending = dict(read.iteration) if read.iteration is not None else None
 
     def _replay_state(self) -> dict[str, Any] | None:
         """The latest iteration from its start (finished or not): what a BatchSampler needs of
@@ -112,28 +153,70 @@ class StatefulSampler:
     def _state_with(self, iteration: dict[str, Any] | None) -> dict[str, Any]:
         draws, generator = self._draws_from()
         own = generator_state(generator) if draws and generator is not None else None
-        return {"version": STATE_VERSION, "type": type(self).__name__, "config": self._config(),
-                "generator": own, "iteration": iteration, **self._inner_state()}
+        return sealed({"version": STATE_VERSION, "type": type(self).__name__, "config": self._config(),
+                       "generator": own, "iteration": iteration, **self._inner_state()})
 
-    def _check(self, state: dict[str, Any]) -> None:
+    # -- reading a state: every field checked before anything is set ------------------------
+
+    def _read_inner_state(self, fields: StateFields) -> Any:
+        """The subclass's extra fields, read and checked (``_load_inner_state`` takes them)."""
+        return None
+
+    def _read_state(self, state: Any, path: str) -> _ReadState:
         name = type(self).__name__
-        if state.get("version") != STATE_VERSION:
+        fields = StateFields(state, path)
+        version = state.get("version")
+        if not (is_int(version) and version in READ_VERSIONS):
             raise IncompatibleStateError(
-                f"cannot load this state into a {name}: it has version {state.get('version')!r}, "
-                f"this pipeload reads version {STATE_VERSION}")
-        if state.get("type") != name:
-            raise state_mismatch(f"a {name}", {"sampler type": (state.get("type"), name)})
+                f"cannot load this state into a {name}{_at(path)}: it has version {version!r}, this pipeload "
+                f"reads versions {' and '.join(map(str, READ_VERSIONS))}")
+        fields.raw("version", "")
+        if fields.raw("type", repr(name)) != name:
+            raise state_mismatch(f"a {name}{_at(path)}", {"sampler type": (state.get("type"), name)})
+        config = fields.fields("config")
+        for key in config.state:
+            config.raw(key, "")
+        draws, own_generator = self._draws_from()
+        generator = fields.generator("generator", none=True)
+        iteration = self._read_iteration(fields, draws)
+        inner = self._read_inner_state(fields)
+        if version >= 2:
+            fields.raw(DIGEST_FIELD, "the digest state_dict() writes")
+        fields.finish()
+        self._check_config(config.state, generator is not None, path)
+        if version >= 2:  # last: the checks above name the field when they can
+            check_digest(state, path)
+        return _ReadState(generator, iteration, inner)
+
+    def _read_iteration(self, fields: StateFields, draws: bool) -> dict[str, Any] | None:
+        iteration = fields.fields("iteration", none=True)
+        if iteration is None:
+            return None
+        if draws:  # replayed from where its generator stood as it began
+            iteration.generator("start")
+            start = iteration.state["start"]
+        else:
+            start = iteration.raw("start", "None (this sampler draws no random numbers)")
+            if start is not None:
+                raise bad_state_field(iteration.name("start"), start, "None (this sampler draws no random numbers)")
+        yielded = iteration.integer("yielded", high=_length_or_none(self))
+        iteration.finish()
+        return {"start": start, "yielded": yielded}
+
+    def _check_config(self, saved: dict[str, Any], own_before: bool, path: str) -> None:
         here = self._config()
-        saved = state.get("config", {})
-        differences = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        differences = {k: (saved.get(k), here.get(k)) for k in sorted(here.keys() | saved.keys())
+                       if not _same(saved.get(k, MISSING), here.get(k, MISSING))}
         draws, generator = self._draws_from()
-        own_before = state.get("generator") is not None
-        if draws and own_before != (generator is not None):
+        if own_before != (draws and generator is not None):
             # A replay from the other generator would draw another order.
-            named = {True: "its own", False: "torch's global"}
-            differences["generator"] = (named[own_before], named[generator is not None])
+            if draws:
+                named = {True: "its own", False: "torch's global"}
+                differences["generator"] = (named[own_before], named[generator is not None])
+            else:
+                differences["generator"] = ("a generator state", "None: it draws no random numbers")
         if differences:
-            raise state_mismatch(f"this {name}", differences)
+            raise state_mismatch(f"this {type(self).__name__}{_at(path)}", differences)
 
     def _iterate(self, keys: Iterator[Any], pending: dict[str, Any] | None, counted: bool) -> Iterator[Any]:
         draws, generator = self._draws_from()
@@ -161,3 +244,54 @@ class StatefulSampler:
         else:
             yield from keys
         record.finished = True
+
+
+def _at(path: str) -> str:
+    """Where a nested state sits, for messages (nothing for a state loaded alone)."""
+    return f" (its state at {path})" if path else ""
+
+
+def _same(saved: Any, here: Any) -> bool:
+    """Equal and of one type (a state's ``True`` is not a config's ``1``)."""
+    return type(saved) is type(here) and saved == here
+
+
+def _length_or_none(sampler: Any) -> int | None:
+    try:
+        return len(sampler)
+    except TypeError:
+        return None
+
+
+def load_users_state(sampler: Any, state: Any, path: str) -> None:
+    """``sampler.load_state_dict(state)`` for a sampler of the user's, whose state only it can
+    read: what it raises is an IncompatibleStateError naming ``path``, and it is given back the
+    state it had (so a refused state leaves it as it was, as far as its own state says)."""
+    try:
+        before = sampler.state_dict()
+    except Exception:  # noqa: BLE001 - nothing to give back then; its load still decides
+        before = MISSING
+    try:
+        sampler.load_state_dict(state)
+    except Exception as error:
+        if before is not MISSING:
+            with contextlib.suppress(Exception):
+                sampler.load_state_dict(before)
+        raise IncompatibleStateError(
+            f"cannot load this state: {type(sampler).__name__}.load_state_dict() refused "
+            f"{path or 'it'} ({type(error).__name__}: {error})") from error
+
+
+def fresh_state(state: Any) -> Any:
+    """``state`` (a sampler's) as for an iteration not yet begun: ``iteration`` None, at every
+    level (a BatchSampler's inner sampler too), each of ours sealed again."""
+    if not isinstance(state, dict):
+        return state
+    cleared = dict(state)
+    if "iteration" in cleared:
+        cleared["iteration"] = None
+    if isinstance(cleared.get("sampler"), dict):
+        cleared["sampler"] = fresh_state(cleared["sampler"])
+    if DIGEST_FIELD in cleared and cleared.get("version") == STATE_VERSION and "type" in cleared:
+        sealed(cleared)
+    return cleared

@@ -2,8 +2,8 @@
 
 A list of millions of Python objects handed to forked workers is copied into each of them page
 by page, because reading an object writes its reference count (pytorch#13246). The containers
-here keep their items as bytes in one sealed, anonymous memory file that every worker maps;
-``docs/design/copy-on-read.md`` explains the design.
+here keep their items as bytes in one sealed, anonymous memory file that every worker maps
+(the design note, docs/design/copy-on-read.md in the source repository, explains how).
 """
 
 from pipeload.shared._convert import CopyOnReadWarning, share_containers, warn_if_copy_on_read

@@ -86,7 +86,8 @@ def share_containers(dataset: Any, *, min_items: int = CONVERT_MIN_ITEMS) -> lis
                 shared = shared_by_id[id(found.container)] = _to_shared(found.container)
             setattr(found.owner, found.name, shared)
         except (TypeError, AttributeError) as exc:
-            warnings.warn(f"share_containers left {found.path} as it is: {exc}", stacklevel=2)
+            warnings.warn(f"share_containers left {found.path} as it is: {exc}",
+                          stacklevel=first_frame_outside_pipeload())
             continue
         converted.append(found.path)
     return converted

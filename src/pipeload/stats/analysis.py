@@ -1,18 +1,35 @@
-"""Reading a :class:`~pipeload.stats.report.LoaderStats`: the bottleneck, and what to try.
+"""Reading a :class:`~pipeload.stats.report.LoaderStats`: what limits loading, and what to try.
 
-The rules, in order (docs/design/stats.md explains them):
+A verdict is given only on enough evidence, and only where something stands out by a margin,
+so that identical runs get the same verdict and following it does not slow the loader:
 
+0. Too few steady batches (``MIN_STEADY_BATCHES``) or seconds (``MIN_STEADY_S``): no verdict
+   yet; it says how many more batches it needs.
 1. The training loop waited less than ``KEEPS_UP`` of the time: loading keeps up. If the
-   workers are mostly idle, fewer of them would do (less memory).
-2. Pinning takes longer than the busiest loading stage: name it (try ``pin_memory=False``).
-3. No workers: the main process fetches and collates itself; workers would take that off it.
-4. Workers busy at least ``SATURATED`` of the time: they are the bottleneck, and the stage
-   where they spend most (dataset, collate_fn, handing over) is named. A loop that waited a
-   fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the usable CPUs when
-   the workers compute, beyond them when they mostly wait (their time on a CPU, or ready and
-   queued for one, is under ``WAITING`` of their busy time: I/O, remote reads, sleeps).
-5. Otherwise the workers idle while the loop waits: the main process's per-batch work
-   (receiving, unpickling, reordering, pinning) is what limits.
+   workers idle most of the time (busy under ``FEWER_IF_BUSY``), fewer would do (less memory).
+   Between ``KEEPS_UP`` and ``LIMITS``: loading nearly keeps up, nothing stands out.
+2. Pinning takes ``STANDS_OUT`` times the busiest loading stage: name it (try ``pin_memory=False``).
+3. No workers: the main process loads every batch itself; workers would take that off it.
+4. The busiest kind of worker is occupied at least ``SATURATED`` of the time (in its stages, or
+   else on a CPU or queued for one: per-task work outside the stages counts too, see
+   :func:`occupancy`): the workers limit, and
+   the stage where they spend most is named if it takes ``STANDS_OUT`` times the next (else the
+   shares of the stages are given: naming one of two near-equal stages flipped between runs). A loop
+   that waited a fraction ``w`` of the time needs about ``n / (1 - w)`` workers: up to the
+   usable CPUs when the workers compute (on a CPU, or ready and queued for one, at least
+   ``COMPUTING`` of their busy time), beyond them when they mostly wait (under ``WAITING``: I/O,
+   remote reads, sleeps; only when fetching stands out, as waits in handing over are
+   back-pressure; thread workers only while they run under ``GIL_FREE`` of a CPU between them,
+   as a thread waiting for the GIL looks the same); otherwise nothing is suggested. Numbers are rounded up to a coarse
+   ladder (``LADDER``), so noise between runs does not move them by one.
+5. Process workers occupied at most ``IDLE`` while the loop waits: the main process's own work per
+   batch limits (thread workers hand batches over for next to nothing: there, as between
+   ``IDLE`` and ``SATURATED``, no single bottleneck stands out).
+
+Whatever the verdict, workers of an iterable dataset that built no batch at all are named: the
+dataset has fewer shards than workers, and as many workers as shards do the same work.
+Suggestions never touch what is trained (``batch_size``, ``drop_last``, the sampler); "auto" is
+offered only where the loader re-tunes (map-style datasets in classic mode).
 """
 
 from __future__ import annotations
@@ -21,27 +38,34 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeload.stats.report import LoaderStats, RayStageStats, WorkerStats
+from pipeload.stats.report import LoaderStats, WorkerStats
 
-KEEPS_UP = 0.10
-SATURATED = 0.60
-WAITING = 0.5
-MAX_SUGGESTED_WORKERS = 64
-GIL_SHARE = 0.5  # thread workers running 0.5 to 1.5 CPUs between them take turns on the GIL
+MIN_STEADY_BATCHES = 50
+MIN_STEADY_S = 2.0
+KEEPS_UP = 0.05
+LIMITS = 0.15
+SATURATED = 0.80
+IDLE = 0.40
+WAITING = 0.50
+COMPUTING = 0.75
+GIL_FREE = 0.5  # thread workers running less than this CPU between them do not queue on the GIL
+STANDS_OUT = 1.5
+FEWER_IF_BUSY = 0.35
 HEADROOM = 0.8  # aim to keep workers busy this much, not fully, when suggesting fewer
-KIB = 1024
-MIB = 1024 * 1024
-
-STAGE_WORDS = {
-    "fetch": "`__getitem__` (the dataset)",
-    "collate": "`collate_fn`",
-    "transfer": "handing batches over to the main process",
-}
+MAX_SUGGESTED_WORKERS = 64
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STAGES = ("fetch", "collate", "transfer")  # the loading stages, in the workers (or inline)
+# Thread workers that ran one CPU between them, give or take GIL_BAND, take turns on the GIL
+# (judged only with 3 CPUs or more: on 2, the main thread's share alone keeps them near one).
+GIL_BAND = 0.3
+GIL_MIN_CPUS = 3
+CROWDED = 0.25  # queued for a CPU this share of their life: crowded out, not the GIL
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The bottleneck in a few words, a sentence of advice, and the settings to try."""
+    """What limits, in a few words (``bottleneck``), the verdict as a sentence (``advice``),
+    and the DataLoader settings to try (``suggestions``: empty means keep them)."""
 
     bottleneck: str
     advice: str
@@ -52,44 +76,161 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     """Apply the module's rules to ``stats``."""
     if stats.batches == 0:
         return Diagnosis("unknown", "no batches have been loaded yet")
-    setup = stats.setup
-    wait = stats.wait_fraction
+    shortfall = evidence_shortfall(stats)
+    if shortfall is not None:
+        return Diagnosis("not enough data", shortfall)
     workers = [w for w in stats.workers if w.kind != "main"]
+    if stats.setup.dataset != "map" and any(w.tasks for w in workers):
+        workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
+    return _with_idle_shards(stats, _verdict(stats, workers))
+
+
+def steady(stats: LoaderStats) -> tuple[int, float]:
+    """Batches after each epoch's first, and the seconds the loop spent on them."""
+    return max(0, stats.batches - stats.epochs), stats.wait_s + stats.compute_s
+
+
+def evidence_shortfall(stats: LoaderStats, factor: float = 1.0) -> str | None:
+    """Why there is too little to judge yet (None: enough): fewer than ``factor`` times
+    ``MIN_STEADY_BATCHES`` steady batches, or ``MIN_STEADY_S`` seconds of them."""
+    batches, seconds = steady(stats)
+    need_batches, need_s = math.ceil(factor * MIN_STEADY_BATCHES), factor * MIN_STEADY_S
+    if batches >= need_batches and seconds >= need_s:
+        return None
+    rate = batches / seconds if batches and seconds > 0 else 0.0
+    more = max(need_batches - batches, math.ceil((need_s - seconds) * rate) if rate else 0)
+    return (f"too little to judge yet: {batches} batches after each epoch's first, in {seconds:.1f} s; "
+            f"a verdict needs {need_batches} and {need_s:.0f} s of them: about {more} more batches")
+
+
+def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
+    wait = stats.wait_fraction
     if wait < KEEPS_UP:
         return _keeps_up(stats, workers)
-    stage = _busiest_stage(stats)
-    if stats.pin_s > stats.stages[stage].seconds:
-        return Diagnosis("pinning", "pinning is the bottleneck (pin_memory=True): it takes longer than "
-                         f"{STAGE_WORDS[stage]}; try pin_memory=False, unless copies to the "
+    if wait < LIMITS:
+        return Diagnosis("no single bottleneck", f"loading nearly keeps up: the training loop waited "
+                         f"{wait:.0%} of the time, and nothing stands out; keep these settings")
+    stage, stands_out = _busiest_stage(stats)
+    if stats.pin_s > STANDS_OUT * stats.stages[stage].seconds:
+        return Diagnosis("pinning", "pinning limits (pin_memory=True): it takes longer than "
+                         f"{stage_words(stats, stage)}; try pin_memory=False, unless copies to the "
                          "accelerator need pinned memory", {"pin_memory": False})
     if not workers:
+        words = (f"the main process loads every batch itself while the loop waits {wait:.0%} of "
+                 f"the time ({_split(stats)})")
+        if stats.setup.cpus < 2:  # a worker would share the one CPU with the loop
+            return Diagnosis("the main process", f"{words}; with one usable CPU, workers would only "
+                             "take turns with it")
         target = _workers_for(stats, 1)
-        return Diagnosis(
-            STAGE_WORDS[stage],
-            f"the main process loads every batch itself, and {STAGE_WORDS[stage]} takes most of "
-            f"it; try num_workers={target}", {"num_workers": target})
-    busy = _busiest_kind(workers)
+        return Diagnosis("the main process", f"{words}; try num_workers={target}", {"num_workers": target})
+    busy = _busiest_kind(workers)  # occupied, in fact: see occupancy()
     if busy >= SATURATED or (stage == "collate" and _batch_workers_held_back(stats)):
-        return _saturated(stats, stage, _current_workers(stats))
-    return Diagnosis(
-        "the main process",
-        f"workers are idle {1 - busy:.0%} of the time while the loop waits: the main process's "
-        "work per batch (receiving, unpickling, reordering, pinning) limits; try a larger "
-        "batch_size, or worker_type='thread' for light samples",
-        {"batch_size": 2 * setup.batch_size} if setup.batch_size else {})
+        return _saturated(stats, stage, stands_out)
+    if busy <= IDLE and stats.setup.worker_type == "process":
+        return Diagnosis("the main process", f"the workers idle {1 - busy:.0%} of the time while the "
+                         f"loop waits {wait:.0%}: the main process's own work per batch limits "
+                         "(receiving, unpickling, reordering, pinning, or other work in this process)")
+    if busy <= IDLE:  # thread workers: the main thread's work per batch is next to nothing
+        return Diagnosis("no single bottleneck", f"the thread workers idle {1 - busy:.0%} of the time "
+                         f"while the loop waits {wait:.0%}: they and the loop's thread take turns on "
+                         "the GIL and the CPUs, and no one part stands out; keep these settings")
+    return Diagnosis("no single bottleneck", f"the loop waits {wait:.0%} of the time and the workers "
+                     f"are occupied {busy:.0%} of theirs: neither they nor the main process stands "
+                     "out; keep these settings")
 
 
 def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
-    words = f"the training loop waited only {stats.wait_fraction:.0%} of the time: loading keeps up"
-    if workers:
-        words += f" (workers idle {1 - _mean_busy(workers):.0%} of the time)"
+    words = f"loading keeps up: the training loop waited only {stats.wait_fraction:.0%} of the time"
+    if not workers:
+        return Diagnosis("the training loop", words)
+    busy = sum(occupancy(w) for w in workers) / len(workers)
+    words += f" (workers idle {1 - busy:.0%} of the time)"
     count = stats.setup.num_workers
-    if count > 1 and workers:
-        needed = max(1, math.ceil(count * _mean_busy(workers) / HEADROOM))
+    if count > 1 and busy <= FEWER_IF_BUSY:
+        needed = _ladder(math.ceil(count * busy / HEADROOM))
         if needed < count:
-            return Diagnosis("the training loop", f"{words}; num_workers={needed} would too, with "
-                             "less memory", {"num_workers": needed})
+            return Diagnosis("the training loop", f"{words}; num_workers={needed} would keep up too, "
+                             "with less memory", {"num_workers": needed})
     return Diagnosis("the training loop", words)
+
+
+def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
+    """The workers limit: name their stage if it stands out, else give the split; then what
+    more (or other) workers would do."""
+    if stats.setup.mode == "economic" and stage == "collate" and stands_out:  # batch workers' stage
+        return _more_batch_workers(stats, [w for w in stats.workers if w.kind == "batch"])
+    what = stage_words(stats, stage) if stands_out else "that work"
+    words = (f"the workers limit loading, in {stage_words(stats, stage)}" if stands_out else
+             f"the workers limit loading ({_split(stats)})")
+    workers = [w for w in stats.workers if w.kind in ("", "item")]
+    count = _current_workers(stats)
+    if _taking_turns_on_the_gil(stats, workers):
+        return Diagnosis("the workers", f"{words}, and the thread workers ran one CPU's worth between "
+                         "them: Python code holds the GIL, one thread at a time; try "
+                         "worker_type='process'", {"worker_type": "process"})
+    share = _running_share(workers)
+    # Waiting counts as I/O only inside the dataset: waits in handing over are back-pressure.
+    if share < WAITING and stage == "fetch" and stands_out and not _threads_may_queue_on_the_gil(stats, workers):
+        target = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
+        auto = " (or 'auto')" if retunable(stats) and not stats.decisions else ""  # not if it is
+        return Diagnosis("the workers", f"{words}, and they mostly wait there (on a CPU or queued "
+                         f"for one {share:.0%} of their busy time: I/O, sleeps, locks): more workers "
+                         f"than CPUs help; try num_workers={target}{auto}", {"num_workers": target})
+    target = _workers_for(stats, count)
+    if share < COMPUTING:
+        return Diagnosis("the workers", f"{words}; they partly compute, partly wait (on a CPU or "
+                         f"queued for one {share:.0%} of their busy time): no setting stands out")
+    if target <= count:
+        return Diagnosis("the workers", f"{words}, and the {stats.setup.cpus} usable CPUs are all in "
+                         f"use: make {what} cheaper, or give the job more CPUs")
+    return Diagnosis("the workers", f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _split(stats: LoaderStats) -> str:
+    """Where the loading time went, in shares of the three stages (the largest first)."""
+    stages = stats.stages
+    total = sum(stages[name].seconds for name in STAGES) or 1.0
+    ranked = sorted(STAGES, key=lambda name: stages[name].seconds, reverse=True)
+    return ", ".join(f"{stage_words(stats, name)} {stages[name].seconds / total:.0%}" for name in ranked
+                     if stages[name].seconds / total >= 0.05)
+
+
+def _with_idle_shards(stats: LoaderStats, verdict: Diagnosis) -> Diagnosis:
+    """Add to ``verdict`` that workers of an iterable dataset built nothing: fewer shards than
+    workers. As many workers as built batches do the same work (more would only idle too)."""
+    workers = [w for w in stats.workers if w.kind == ""]
+    idle = [w for w in workers if w.tasks == 0]
+    if stats.setup.dataset == "map" or not idle or len(idle) == len(workers) or stats.decisions:
+        return verdict
+    working = len(workers) - len(idle)
+    note = (f"{len(idle)} of the {len(workers)} workers built no batch ({_names(idle)}): the "
+            "dataset splits into fewer shards than workers (each worker reads whole shards), "
+            f"so num_workers={working} does the same work with less memory")
+    suggestions = dict(verdict.suggestions)
+    suggestions["num_workers"] = min(working, suggestions.get("num_workers", working))
+    return Diagnosis(verdict.bottleneck, f"{verdict.advice}. {note[0].upper()}{note[1:]}", suggestions)
+
+
+def _names(workers: list[WorkerStats]) -> str:
+    ids = [str(w.worker_id) for w in workers]
+    return f"worker {ids[0]}" if len(ids) == 1 else f"workers {', '.join(ids[:-1])} and {ids[-1]}"
+
+
+def retunable(stats: LoaderStats) -> bool:
+    """Whether ``num_workers="auto"`` re-tunes this loader: map-style datasets in classic mode."""
+    return stats.setup.mode == "classic" and stats.setup.dataset == "map"
+
+
+def stage_words(stats: LoaderStats, stage: str) -> str:
+    """A stage, named as the user knows it (DataPipes and iterable datasets have no
+    ``__getitem__``)."""
+    if stage == "fetch":
+        return {"pipe": "the DataPipe graph", "iterable": "the dataset's `__iter__`"}.get(
+            stats.setup.dataset, "the dataset's `__getitem__`")
+    if stage == "collate":
+        return "`collate_fn`"
+    return ("handing items and batches between processes" if stats.setup.mode == "economic"
+            else "handing batches over to the main process")
 
 
 def _current_workers(stats: LoaderStats) -> int:
@@ -97,67 +238,49 @@ def _current_workers(stats: LoaderStats) -> int:
     return stats.decisions[-1].num_workers if stats.decisions else stats.setup.num_workers
 
 
-def _mostly_waiting(workers: list[WorkerStats]) -> bool:
+def _running_share(workers: list[WorkerStats]) -> float:
+    """Of the workers' busy time, the share they were on a CPU or queued for one (crowded out
+    by other jobs is not waiting on I/O)."""
     busy = sum(w.busy_s for w in workers)
-    running = sum(w.cpu_s + w.queued_s for w in workers)  # crowded out is not waiting on I/O
-    return busy > 0 and running < WAITING * busy
-
-
-def _saturated(stats: LoaderStats, stage: str, count: int) -> Diagnosis:
-    words = f"{STAGE_WORDS[stage]} is the bottleneck"
-    if stats.setup.mode == "economic" and stage == "collate":  # the batch workers' stage
-        return _more_batch_workers(stats, words, [w for w in stats.workers if w.kind == "batch"])
-    workers = [w for w in stats.workers if w.kind in ("", "item")]
-    if _taking_turns_on_the_gil(stats, workers):
-        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the thread workers ran one CPU's worth "
-                         "between them: Python code holds the GIL, one thread at a time; try "
-                         "worker_type='process'", {"worker_type": "process"})
-    if _mostly_waiting(workers):
-        target = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
-        return Diagnosis(STAGE_WORDS[stage], f"{words}, and the workers mostly wait in it (I/O, "
-                         f"sleep, locks) rather than compute: more workers than CPUs help; try "
-                         f"num_workers={target} (or 'auto')", {"num_workers": target})
-    target = _workers_for(stats, count)
-    if target <= count:
-        return _cpus_in_use(stats, stage, words)
-    return Diagnosis(STAGE_WORDS[stage], f"{words}; try num_workers={target}", {"num_workers": target})
+    return min(1.0, sum(w.cpu_s + w.queued_s for w in workers) / busy) if busy > 0 else 1.0
 
 
 def _taking_turns_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> bool:
-    """Thread workers that together ran about one CPU (half of it at least, little more), where
-    their number and the CPUs allowed more: they compute in Python, which the GIL serialises."""
-    if stats.setup.worker_type != "thread" or len(workers) < 2 or stats.setup.cpus < 2:
+    """Thread workers that together ran about one CPU, not crowded out, where their number and
+    the CPUs allowed more: they compute in Python, which the GIL serialises."""
+    if stats.setup.worker_type != "thread" or len(workers) < 2 or stats.setup.cpus < GIL_MIN_CPUS:
         return False
     alive = max(w.alive_s for w in workers)
-    running = sum(w.cpu_s + w.queued_s for w in workers)
-    return alive > 0 and GIL_SHARE * alive <= running <= (2 - GIL_SHARE) * alive
+    on_cpu, queued = sum(w.cpu_s for w in workers), sum(w.queued_s for w in workers)
+    return alive > 0 and abs(on_cpu / alive - 1) <= GIL_BAND and queued < CROWDED * alive
 
 
-def _cpus_in_use(stats: LoaderStats, stage: str, words: str) -> Diagnosis:
-    return Diagnosis(STAGE_WORDS[stage], f"{words}, and the {stats.setup.cpus} usable CPUs are all "
-                     f"in use: make {STAGE_WORDS[stage]} cheaper, or give the job more CPUs")
-
-
-def _more_batch_workers(stats: LoaderStats, words: str, batch_workers: list[WorkerStats]) -> Diagnosis:
+def _more_batch_workers(stats: LoaderStats, batch_workers: list[WorkerStats]) -> Diagnosis:
     """Economic mode's ``collate_fn`` limits: more batch workers, bounded as classic workers are
     (a loop that waited all the time would otherwise ask for thousands)."""
-    count = len(batch_workers)
-    capacity = stats.queue.capacity
+    count, capacity = len(batch_workers), stats.queue.capacity
+    what = stage_words(stats, "collate")
+    words = f"the batch workers limit loading, in {what}"
     if _batch_workers_held_back(stats):
-        return Diagnosis(STAGE_WORDS["collate"], f"{words}, and only prefetch_factor={capacity} "
-                         f"batches are collated at once: try prefetch_factor={count} (as many "
-                         "batches in memory)", {"prefetch_factor": count})
-    if _mostly_waiting(batch_workers):
-        more = min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count)))
-    else:
+        return Diagnosis("the batch workers", f"{words}, and only prefetch_factor={capacity} batches are collated "
+                         f"at once: try prefetch_factor={count} (as many batches in memory)",
+                         {"prefetch_factor": count})
+    share = _running_share(batch_workers)
+    if share < WAITING:
+        more = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
+    elif share >= COMPUTING:
         more = _workers_for(stats, count)
+    else:
+        return Diagnosis("the batch workers", f"{words}; they partly compute, partly wait: no setting "
+                         "stands out")
     if more <= count:
-        return _cpus_in_use(stats, "collate", words)
+        return Diagnosis("the batch workers", f"{words}, and the {stats.setup.cpus} usable CPUs are "
+                         f"all in use: make {what} cheaper, or give the job more CPUs")
     settings = {"num_batch_workers": more}
     if more > capacity:  # economic mode collates at most prefetch_factor batches at once
         settings["prefetch_factor"] = more
-    return Diagnosis(STAGE_WORDS["collate"], f"{words}; try " + ", ".join(
-        f"{name}={value}" for name, value in settings.items()), settings)
+    return Diagnosis("the batch workers", f"{words}; try " + ", ".join(f"{name}={value}" for name, value in settings.items()),
+                     settings)
 
 
 def _batch_workers_held_back(stats: LoaderStats) -> bool:
@@ -173,110 +296,49 @@ def _wanted(stats: LoaderStats, count: int) -> int:
 
 
 def _workers_for(stats: LoaderStats, count: int) -> int:
-    """As :func:`_wanted`, within the usable CPUs."""
-    return max(1, min(stats.setup.cpus, _wanted(stats, count)))
+    """As :func:`_wanted`, rounded up the ladder, within the usable CPUs."""
+    return max(1, min(stats.setup.cpus, _ladder(_wanted(stats, count))))
 
 
-def _busiest_stage(stats: LoaderStats) -> str:
+def _ladder(count: int) -> int:
+    """``count`` rounded up to the next step of ``LADDER`` (beyond it: itself)."""
+    return next((step for step in LADDER if step >= count), count)
+
+
+def _busiest_stage(stats: LoaderStats) -> tuple[str, bool]:
+    """The loading stage that took longest, and whether it took ``STANDS_OUT`` times the next."""
     stages = stats.stages
-    return max(STAGE_WORDS, key=lambda name: stages[name].seconds)
+    ranked = sorted(STAGES, key=lambda name: stages[name].seconds, reverse=True)
+    first, second = stages[ranked[0]].seconds, stages[ranked[1]].seconds
+    return ranked[0], first >= STANDS_OUT * second
 
 
 def _busiest_kind(workers: list[WorkerStats]) -> float:
-    """The mean busy fraction of the busiest kind of worker (economic mode has two kinds)."""
+    """The mean occupancy of the most occupied kind of worker (economic mode has two kinds)."""
     kinds = {w.kind for w in workers}
-    return max(_mean_busy([w for w in workers if w.kind == kind]) for kind in kinds)
+    return max(sum(occupancy(w) for w in mine) / len(mine)
+               for mine in ([w for w in workers if w.kind == kind] for kind in kinds))
 
 
-def _mean_busy(workers: list[WorkerStats]) -> float:
+def occupancy(worker: WorkerStats) -> float:
+    """The share of its life a worker was not idle: in its stages (busy), or else running or
+    queued to run. A worker waiting for its next task is neither; one busy with per-task work
+    outside the timed stages (receiving the task, writing the batch's slab) is running: the
+    stages alone read 26% to 40% "busy" for workers on a CPU or queued 60% to 70% of their life."""
+    if worker.alive_s <= 0:
+        return 0.0
+    return min(1.0, max(worker.busy_s, worker.cpu_s + worker.queued_s) / worker.alive_s)
+
+
+def _threads_may_queue_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> bool:
+    """Thread workers running half a CPU or more between them: what reads as waiting may be
+    waiting for the GIL, which more threads would only lengthen."""
+    if stats.setup.worker_type != "thread" or not workers:
+        return False
+    alive = max(w.alive_s for w in workers)
+    return alive > 0 and sum(w.cpu_s for w in workers) >= GIL_FREE * alive
+
+
+def mean_busy(workers: list[WorkerStats]) -> float:
+    """The workers' mean busy fraction (0 without workers)."""
     return sum(w.busy_fraction for w in workers) / len(workers) if workers else 0.0
-
-
-def summarise(stats: LoaderStats) -> str:
-    """The lines of ``LoaderStats.summary()``."""
-    setup = stats.setup
-    workers = f"{setup.num_workers}"
-    if stats.decisions:
-        workers = f"auto (now {_current_workers(stats)}, prefetch_factor {stats.decisions[-1].prefetch_factor})"
-    lines = [
-        f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
-        f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
-        f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
-        f"setup: mode={setup.mode}, num_workers={workers}, worker_type={setup.worker_type}, "
-        f"prefetch_factor={setup.prefetch_factor}, batch_size={setup.batch_size}, "
-        f"pin_memory={setup.pin_memory}{_unpinned(stats)}, {setup.cpus} usable CPUs",
-        f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
-        f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
-        f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
-        _stage_line(stats),
-    ]
-    if stats.ray is not None:
-        lines.append(_ray_line(stats.ray))
-    has_workers = any(w.kind != "main" for w in stats.workers)
-    if has_workers:
-        lines.append(_worker_line(stats))
-    moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
-    lines.append(f"{moved}skipped samples: {stats.skipped_samples}")
-    for decision in stats.decisions:
-        lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
-                     f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
-    diagnosis = diagnose(stats)
-    if diagnosis.advice.startswith(diagnosis.bottleneck + " is"):
-        lines.append(f"bottleneck: {diagnosis.advice}")
-    else:
-        lines.append(f"bottleneck: {diagnosis.bottleneck}: {diagnosis.advice}")
-    return "\n".join(lines)
-
-
-def _unpinned(stats: LoaderStats) -> str:
-    """Words for pin_memory=True that pinned nothing (no accelerator: batches stay in ordinary
-    memory, and a warning said so once)."""
-    return " (nothing pinned: no accelerator)" if stats.setup.pin_memory and stats.batches and not stats.pinned else ""
-
-
-def _size(count: int) -> str:
-    """Bytes in the largest unit that still shows them (1 KiB read "0.0 MiB")."""
-    if count < KIB:
-        return f"{count:,} bytes"
-    return f"{count / KIB:,.1f} KiB" if count < MIB else f"{count / MIB:,.1f} MiB"
-
-
-def _stage_line(stats: LoaderStats) -> str:
-    stages = stats.stages
-    parts = []
-    for name in ("fetch", "collate", "transfer", "pin"):
-        stage = stages[name]
-        if stage.count:
-            unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
-            parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit})")
-    return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
-
-
-def _ray_line(ray: RayStageStats) -> str:
-    per_item = ray.actor_s / ray.items * 1e3 if ray.items else 0.0
-    restarts = f", {ray.restarts} actor restart(s)" if ray.restarts else ""
-    return (f"Ray stage: {ray.items:,} items from its actors, {ray.actor_s:.2f} s in them "
-            f"({per_item:,.2f} ms/item), {ray.transfer_s:.2f} s in transfer, waited for "
-            f"{ray.wait_s:.2f} s{restarts}")
-
-
-def _worker_line(stats: LoaderStats) -> str:
-    workers = [w for w in stats.workers if w.kind != "main"]
-    each = ", ".join(f"{w.name} {w.busy_fraction:.0%}" for w in workers[:8])
-    more = f", and {len(workers) - 8} more" if len(workers) > 8 else ""
-    queue = stats.queue
-    cpu = sum(w.cpu_fraction for w in workers) / len(workers)
-    return (f"{_busy_words(workers)} of the time, on a CPU {cpu:.0%} "
-            f"({each}{more}); when a batch "
-            f"was handed out, {queue.mean_ready:.1f} more were ready on average and "
-            f"{queue.mean_in_flight:.1f} in flight (room for {queue.capacity})")
-
-
-def _busy_words(workers: list[WorkerStats]) -> str:
-    """How busy the workers were: per kind in economic mode (item workers and batch workers do
-    different work, and one mean over both described neither)."""
-    kinds = [kind for kind in ("item", "batch") if any(w.kind == kind for w in workers)]
-    if not kinds:
-        return f"workers busy {_mean_busy(workers):.0%}"
-    return ", ".join(f"{kind} workers busy {_mean_busy([w for w in workers if w.kind == kind]):.0%}"
-                     for kind in kinds)

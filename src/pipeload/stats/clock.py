@@ -48,7 +48,6 @@ class WorkerTotals(NamedTuple):
             With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
             from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
             at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
-        skipped: samples its copy of the dataset's on_error pipes skipped.
         ray_stage: what its copy of the dataset's Ray queue boundaries measured, as
             :meth:`~pipeload.stats.report.RayStageStats.as_tuple` gives it; () without one.
     """
@@ -62,7 +61,6 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
-    skipped: int
     ray_stage: tuple[float, ...] = ()  # last and defaulted: totals written before it still read
 
 
@@ -229,7 +227,7 @@ class StageClock:
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
-                 "_sched_at_start", "_sched", "_sched_read_at", "count_skipped", "_skipped", "_owner",
+                 "_sched_at_start", "_sched", "_sched_read_at", "_owner",
                  "_owner_schedstat", "count_ray_stage", "_ray_stage")
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
@@ -237,8 +235,6 @@ class StageClock:
         self._owner_schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
-        self.count_skipped: Any = None  # () -> int: the on_error skips of this worker's dataset
-        self._skipped = 0
         self.count_ray_stage: Any = None  # () -> tuple: its dataset's Ray boundaries' totals
         self._ray_stage: tuple[float, ...] = ()
         self.samples = 0  # of the timed tasks only (see snapshot)
@@ -368,14 +364,12 @@ class StageClock:
             read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
             if read is not None:
                 self._sched, self._sched_read_at = read, at
-        if self.count_skipped is not None:  # only graphs with on_error pipes: exact, not sampled
-            self._skipped = self.count_skipped()
         if self.count_ray_stage is not None:  # only graphs with a Ray boundary
             self._ray_stage = self.count_ray_stage()
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._skipped, self._ray_stage, self.untimed_size or 0)
+                self._ray_stage, self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
@@ -384,23 +378,14 @@ class StageClock:
         self._sched, self._sched_read_at = read_sched(), now()
 
     @property
-    def skipped(self) -> int:
-        """Samples its dataset's on_error pipes skipped, as last read."""
-        return self._skipped
-
-    @property
     def ray_stage(self) -> tuple[float, ...]:
         """Its dataset's Ray boundaries' totals, as last read."""
         return self._ray_stage
 
-    def stop_counting_skips(self) -> None:
+    def stop_counting_ray_stage(self) -> None:
         """Its owner is done with the dataset (the inline engine's epoch ended): keep what the
-        on_error pipes skipped (and the Ray boundaries measured) so far. The main process's
-        dataset goes on counting for later epochs' clocks, which this one, still read live,
-        must not count too."""
-        if self.count_skipped is not None:
-            self._skipped = self.count_skipped()
-            self.count_skipped = None
+        Ray boundaries measured so far. The main process's dataset goes on counting for later
+        epochs' clocks, which this one, still read live, must not count too."""
         if self.count_ray_stage is not None:
             self._ray_stage = self.count_ray_stage()
             self.count_ray_stage = None

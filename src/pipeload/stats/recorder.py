@@ -38,6 +38,7 @@ from pipeload.stats.clock import (
     stretch,
 )
 from pipeload.stats.report import LoaderStats, QueueStats, RayStageStats, TuningDecision, WorkerStats
+from pipeload.stats.skips import Counts
 from pipeload.transport.messages import Report
 
 
@@ -379,7 +380,8 @@ class KindedSessionStats(SessionStats):
 
 @dataclass(frozen=True)
 class LoaderSetup:
-    """The settings a snapshot reports and the analysis reasons about."""
+    """The settings a snapshot reports and the analysis reasons about; ``dataset`` says what
+    kind it is: "map", "iterable" or "pipe" (a DataPipe graph)."""
 
     mode: str
     worker_type: str
@@ -388,6 +390,7 @@ class LoaderSetup:
     batch_size: int | None
     pin_memory: bool
     cpus: int = field(default_factory=usable_cpus)
+    dataset: str = "map"
 
 
 class StatsRecorder:
@@ -409,7 +412,10 @@ class StatsRecorder:
         self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
+        self._separate_processes: tuple[str, ...] = ()
         self._skipped_samples = 0
+        # The loader's failure board (stats/skips.py), where its on_error pipes count: read live.
+        self.failures: Any = None
         self._decisions: list[TuningDecision] = []
         self._lock = threading.Lock()  # only for the rare writers from several threads
 
@@ -423,6 +429,13 @@ class StatsRecorder:
             if kinds:
                 return KindedSessionStats(self, self._sessions, capacity, kinds)
             return SessionStats(self, self._sessions, capacity)
+
+    def time_every_batch(self) -> None:
+        """Time the training loop's wait for every batch from now on, not one pair in
+        ``LOOK_EVERY`` (``pipeload profile``, which measures rather than trains, and
+        ``num_workers="auto"``, which judges short windows). Before the first epoch only."""
+        if self._consumer.epochs == 0:
+            self._consumer = _Consumer(1)
 
     @property
     def consumer(self) -> _Consumer:
@@ -439,7 +452,7 @@ class StatsRecorder:
 
     def skipped(self, samples: int) -> None:
         """Samples skipped by an error policy that reports them itself; the sources' on_error
-        pipes are counted by the workers' clocks instead (``stats/skips.py``)."""
+        pipes count on the loader's failure board instead (``stats/skips.py``)."""
         with self._lock:
             self._skipped_samples += samples
 
@@ -471,6 +484,7 @@ class StatsRecorder:
         consumer, queue = self._consumer, self._queue
         workers = _per_worker(self._seen.copy(), now(), self._lags_by_kind())
         samples = queue.samples or 1
+        failures = self.failures.totals() if self.failures is not None else Counts()
         return LoaderStats(
             setup=self.setup,
             batches=consumer.batches,
@@ -485,10 +499,16 @@ class StatsRecorder:
             workers=workers,
             queue=QueueStats(queue.ready_sum / samples, queue.ready_max,
                              queue.in_flight_sum / samples, queue.in_flight_max, queue.capacity),
-            skipped_samples=self._skipped_samples + _skipped_by_workers(self._seen.copy()),
+            skipped_samples=self._skipped_samples + failures.samples,
+            skipped_files=failures.files,
             decisions=tuple(self._decisions),
             ray=_ray_stage_of_workers(self._seen.copy()),
+            separate_processes=self._separate_processes,
         )
+
+    def note_separate_processes(self, placements: tuple[str, ...]) -> None:
+        """Where the loader answered pipes' ``is_separate_process()`` (latest engine's)."""
+        self._separate_processes = placements
 
 
 def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,
@@ -513,11 +533,6 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
     return totals._replace(tasks=totals.tasks + lag, samples=round(totals.samples * scale),
                            fetch_s=totals.fetch_s * scale, collate_s=totals.collate_s * scale,
                            send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
-
-
-def _skipped_by_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> int:
-    """What the workers' (and the main process's) on_error pipes skipped, per their totals."""
-    return sum(_read(raw, 0)[0].skipped for raw, _ in seen.values())
 
 
 def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> RayStageStats | None:

@@ -172,11 +172,15 @@ class LoaderStats:
         pin_s, pinned: time spent pinning batches, and how many were pinned.
         workers: per-worker totals.
         queue: ready and in-flight batches seen at each hand-out.
-        skipped_samples: samples the dataset's ``on_error="skip"`` (or callable) pipes left out,
-            in every worker's copy (read every 0.1 s or so, so it may lag a little).
+        skipped_samples: samples the dataset's ``on_error="skip"`` (or callable) pipes left out
+            (a sample that failed, or one its archive cut short), in every worker's copy, exact.
+        skipped_files: files and archives those pipes left out, wholly or from where they broke.
         decisions: what ``num_workers="auto"`` decided, in order.
         ray: what the dataset's Ray queue boundaries measured, in every worker's copy (None
             when it has none); also ``stages["ray"]``.
+        separate_processes: where the loader ran the DataPipes that asked for a process of their
+            own (``is_separate_process()``), one line each: "Decode: its own process (a process
+            boundary after it)".
     """
 
     setup: Any
@@ -190,9 +194,11 @@ class LoaderStats:
     workers: tuple[WorkerStats, ...]
     queue: QueueStats
     skipped_samples: int = 0
+    skipped_files: int = 0
     decisions: tuple[TuningDecision, ...] = ()
     first_wait_s: float = 0.0
     end_wait_s: float = 0.0
+    separate_processes: tuple[str, ...] = ()
     ray: RayStageStats | None = None
 
     @property
@@ -250,7 +256,7 @@ class LoaderStats:
 
     def summary(self) -> str:
         """A few lines in words: throughput, where the time goes, the bottleneck, what to try."""
-        from pipeload.stats.analysis import summarise  # the words live beside their rules
+        from pipeload.stats.summary import summarise  # the words live apart, beside their rules
 
         return summarise(self)
 

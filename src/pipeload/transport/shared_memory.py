@@ -24,6 +24,8 @@ import tempfile
 import threading
 import warnings
 
+from pipeload._user_frame import first_frame_outside_pipeload
+
 DEV_SHM = "/dev/shm"
 BACKING_ENV = "PIPELOAD_SHM_BACKING"
 _MEMINFO = "/proc/meminfo"
@@ -171,7 +173,7 @@ def note_received(fd: int) -> None:
         f"allowed here); batches now travel in {_describe(backing)}, which is slower. Give the "
         "container more shared memory, or lower max_shm_bytes.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=first_frame_outside_pipeload(),
     )
 
 
@@ -189,7 +191,7 @@ def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:
         "not limit. That memory still counts against the container's memory limit; the "
         "DataLoader's max_shm_bytes bounds how much of it the loader keeps.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=first_frame_outside_pipeload(),
     )
 
 

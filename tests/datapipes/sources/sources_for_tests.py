@@ -15,7 +15,7 @@ import threading
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,11 +87,21 @@ def sample_key(sample: dict[str, Any]) -> str:
 
 
 class _ShardHandler(BaseHTTPRequestHandler):
-    """Serves files from the server's root; HTTP/1.0, one request per connection."""
+    """Serves files from the server's root; HTTP/1.0, one request per connection. ``requests``
+    counts the GETs (reads), not the HEADs (a pipeline asking whether its shards exist)."""
 
     def __init__(self, *args: Any, shards: ShardServer, **kwargs: Any) -> None:
         self.shards = shards
         super().__init__(*args, **kwargs)
+
+    def do_HEAD(self) -> None:  # noqa: N802  (whether a shard is there: no body, not counted as a read)
+        path = self.shards.root / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(path.stat().st_size))
+        self.end_headers()
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         name = self.path.lstrip("/")
@@ -121,7 +131,33 @@ class _ShardHandler(BaseHTTPRequestHandler):
         pass  # quiet: the tests read the request counts instead
 
 
-class ShardServer:
+class _ServerThread:
+    """A ThreadingHTTPServer on 127.0.0.1 run by a thread; closing stops both."""
+
+    def _serve(self, handler: Any, name: str) -> None:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def url(self, name: str) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/{name}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShardServer(_ServerThread):
     """A real HTTP server in a thread on 127.0.0.1, serving ``root``.
 
     ``drop(name, times)`` makes the next ``times`` responses for ``name`` stop half-way (the
@@ -137,15 +173,7 @@ class ShardServer:
         self._stalls: set[str] = set()
         self.stalled = threading.Event()  # set once a stalled response is hanging
         self.released = threading.Event()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_ShardHandler, shards=self))
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="test-shard-server", daemon=True)
-        self._thread.start()
-
-    def url(self, name: str) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/{name}"
+        self._serve(partial(_ShardHandler, shards=self), "test-shard-server")
 
     def drop(self, name: str, times: int) -> None:
         with self._lock:
@@ -170,15 +198,7 @@ class ShardServer:
 
     def close(self) -> None:
         self.released.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
-
-    def __enter__(self) -> ShardServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
 
 def refused_url(name: str) -> str:
@@ -227,3 +247,127 @@ class _GatedIterator(PipeIterator[Any]):
         if self._gate.ended:
             raise StopIteration
         raise NotAvailable
+
+
+class ServerBehaviour(NamedTuple):
+    """What a :class:`ChangingServer` tells and honours.
+
+    Attributes:
+        etag, last_modified: send these validators.
+        ranges: answer ``Range`` with 206 (else always the whole object, 200).
+        conditions: honour ``If-Match``, ``If-Unmodified-Since`` and ``If-Range`` (a naive
+            server ignores them and serves the range of whatever it holds now).
+    """
+
+    etag: bool = True
+    last_modified: bool = True
+    ranges: bool = True
+    conditions: bool = True
+
+
+class _Version(NamedTuple):
+    data: bytes
+    etag: str
+    last_modified: str
+
+
+class _ChangingHandler(BaseHTTPRequestHandler):
+    def __init__(self, *args: Any, server_state: ChangingServer, **kwargs: Any) -> None:
+        self.state = server_state
+        super().__init__(*args, **kwargs)
+
+    def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        state, behaviour = self.state, self.state.behaviour
+        version, cut = state.serve(self.path.lstrip("/"), self.headers.get("Range"))
+        if version is None:
+            self.send_error(404)
+            return
+        if behaviour.conditions and self._precondition_fails(version):
+            self.send_error(412)
+            return
+        start = self._range_start(version)
+        if start is not None and start >= len(version.data):
+            self.send_error(416)
+            return
+        body = version.data if start is None else version.data[start:]
+        self.send_response(200 if start is None else 206)
+        if start is not None:
+            self.send_header("Content-Range", f"bytes {start}-{len(version.data) - 1}/{len(version.data)}")
+        self.send_header("Content-Length", str(len(body)))
+        if behaviour.etag:
+            self.send_header("ETag", version.etag)
+        if behaviour.last_modified:
+            self.send_header("Last-Modified", version.last_modified)
+        self.end_headers()
+        if not cut:
+            self.wfile.write(body)
+            return
+        self.wfile.write(body[: len(body) // 2])
+        self.wfile.flush()
+        state.cut_made()  # the object is replaced before the client reconnects
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _precondition_fails(self, version: _Version) -> bool:
+        match = self.headers.get("If-Match")
+        since = self.headers.get("If-Unmodified-Since")
+        return (match is not None and match != version.etag) or (
+            since is not None and since != version.last_modified)
+
+    def _range_start(self, version: _Version) -> int | None:
+        """The byte a 206 starts at, or None for the whole object (200)."""
+        asked = self.headers.get("Range")
+        if asked is None or not self.state.behaviour.ranges:
+            return None
+        condition = self.headers.get("If-Range")
+        if self.state.behaviour.conditions and condition is not None and condition not in (
+                version.etag, version.last_modified):
+            return None  # If-Range: the object changed, so the whole new one
+        return int(asked.removeprefix("bytes=").split("-")[0])
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+class ChangingServer(_ServerThread):
+    """A real HTTP server on 127.0.0.1 holding one object per name, which can be replaced by a
+    new version at the moment a response is cut half-way (the client's reconnect then finds the
+    new version). ``ranges_asked`` records each request's Range header."""
+
+    def __init__(self, behaviour: ServerBehaviour = ServerBehaviour()) -> None:
+        self.behaviour = behaviour
+        self._lock = threading.Lock()
+        self._objects: dict[str, _Version] = {}
+        self._replacements: dict[str, _Version] = {}
+        self._pending_cut: str | None = None
+        self.ranges_asked: list[str | None] = []
+        self._serve(partial(_ChangingHandler, server_state=self), "test-changing-server")
+
+    def put(self, name: str, data: bytes, generation: int = 1) -> None:
+        self._objects[name] = _version(data, generation)
+
+    def replace_after_cut(self, name: str, data: bytes, generation: int = 2) -> None:
+        """The next response for ``name`` is cut half-way, and ``data`` replaces it then (as
+        generation 1, the same version again if ``data`` is the same: a plain cut)."""
+        with self._lock:
+            self._replacements[name] = _version(data, generation)
+
+    def serve(self, name: str, asked_range: str | None) -> tuple[_Version | None, bool]:
+        """(what ``name`` holds now, whether to cut this response)."""
+        with self._lock:
+            self.ranges_asked.append(asked_range)
+            cut = name in self._replacements and self._pending_cut is None
+            if cut:
+                self._pending_cut = name
+            return self._objects.get(name), cut
+
+    def cut_made(self) -> None:
+        with self._lock:
+            name, self._pending_cut = self._pending_cut, None
+            if name is not None:
+                self._objects[name] = self._replacements.pop(name)
+
+def _version(data: bytes, generation: int) -> _Version:
+    import hashlib
+
+    dates = {1: "Mon, 01 Jan 2024 00:00:00 GMT", 2: "Tue, 02 Jan 2024 00:00:00 GMT"}
+    return _Version(data, f'"{hashlib.sha1(data).hexdigest()[:16]}"', dates[generation])

@@ -89,7 +89,7 @@ def test_a_corrupt_field_names_the_sample_the_field_and_the_archive() -> None:
     pipe = IterableWrapper([SAMPLE, broken, SAMPLE]).decode(on_error="skip")
     with pytest.warns(SkippedSampleWarning, match="'bad'"):
         assert len(list(pipe)) == 2
-    assert pipe.failure_counts() == FailureCounts(skipped=1)
+    assert pipe.failure_counts() == FailureCounts(skipped=1, samples=1)
 
 
 def test_bad_arguments_name_themselves() -> None:

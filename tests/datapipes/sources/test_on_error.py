@@ -20,6 +20,7 @@ from pipeload.datapipes.sources import (
     is_transient,
 )
 from pipeload.datapipes.sources._retry import RetryingReader, with_retries
+from pipeload.datapipes.sources._versions import ObjectVersion
 
 BROKEN = {"__key__": "bad", "json": b"{not json"}
 GOOD = {"__key__": "good", "json": b"{}"}
@@ -31,13 +32,13 @@ def test_each_run_has_its_own_budget_and_the_pipe_counts_them_all() -> None:
         warnings.simplefilter("ignore")
         assert len(list(pipe)) == 1
         assert len(list(pipe)) == 1  # a second run starts with the whole budget again
-    assert pipe.failure_counts() == FailureCounts(skipped=4)
+    assert pipe.failure_counts() == FailureCounts(skipped=4, samples=4)
     strict = IterableWrapper([BROKEN, BROKEN]).decode(on_error="skip", max_failures=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(FailureBudgetExceeded, match="max_failures=1"):
             list(strict)
-    assert strict.failure_counts() == FailureCounts(skipped=1, raised=1)
+    assert strict.failure_counts() == FailureCounts(skipped=1, raised=1, samples=1)
 
 
 def test_a_budget_of_zero_raises_the_first_failure_with_the_budget_error() -> None:
@@ -65,7 +66,7 @@ def test_counts_stay_with_the_process_and_copies_count_for_themselves() -> None:
     last = decode.map(len).batch(1)
     copy = graph.copy_graph(last)
     list(copy)
-    assert failure_counts(copy) == FailureCounts(skipped=1)
+    assert failure_counts(copy) == FailureCounts(skipped=1, samples=1)
     assert failure_counts(last) == FailureCounts()  # a worker's copy counts its own runs
     import pickle
 
@@ -148,9 +149,9 @@ def test_the_reader_resumes_at_the_byte_it_stopped(seekable: bool) -> None:
     data = bytes(range(256)) * 40
     opened = []
 
-    def opener() -> io.RawIOBase:
+    def opener(at: int, version: ObjectVersion | None) -> tuple[io.RawIOBase, ObjectVersion, int]:
         opened.append(1)
-        return _CutAfter(data, cut=3000 * len(opened), seekable=seekable)
+        return _CutAfter(data, cut=3000 * len(opened), seekable=seekable), ObjectVersion(), 0
 
     with io.BufferedReader(RetryingReader("mem://x", opener, RetryPolicy(attempts=2, backoff_s=0))) as reader:
         assert reader.read() == data

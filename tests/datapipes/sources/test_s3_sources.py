@@ -1,20 +1,23 @@
 """The same shards as s3:// URLs, from moto's S3 server on 127.0.0.1 reached through s3fs: found by
 glob and FileLister, every sample once with 0 and 2 process workers, credentials and endpoint
-from the standard AWS_* environment variables or from storage_options."""
+from the standard AWS_* environment variables or from storage_options; a key overwritten between
+two ranged reads is a SourceChangedError (or a skipped shard), never spliced."""
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sources_for_tests import all_keys, free_port, sample_key, write_shards
+from sources_for_tests import all_keys, free_port, sample_key, tar_bytes, write_shards
 
 import pipeload
 from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import FileLister, IterableWrapper
-from pipeload.datapipes.sources import FileReader
+from pipeload.datapipes.sources import FileReader, SourceChangedError, _storage
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -112,3 +115,62 @@ def test_a_missing_prefix_or_bucket_is_named_as_a_missing_local_directory_is(
     with pytest.raises(FileNotFoundError, match=re.escape(repr(root))):
         list(FileLister(root, "*.tar"))
     assert list(FileLister(f"s3://{BUCKET}/train", "*.zip")) == []  # there, but nothing matches
+
+
+# Reads in ranges of about 1 MiB (the stream's buffer) plus this: a 3 MiB shard takes several.
+SMALL_BLOCKS = {"default_block_size": 64 * 1024}
+
+
+def _overwrite(key: str, data: bytes) -> None:
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=BUCKET, Key=key, Body=data)
+
+
+def _big_members() -> list[tuple[str, bytes]]:
+    return [(f"k{index:03d}.bin", os.urandom(256 * 1024)) for index in range(12)]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("new_length", ["same", "other"])
+def test_a_key_overwritten_between_two_ranges_is_never_spliced(
+    fresh_s3_clients: str, on_error: str, new_length: str
+) -> None:
+    members = _big_members()
+    key = f"changing/{on_error}-{new_length}.tar"
+    _overwrite(key, tar_bytes(members))
+    replaced = [(name, bytes(len(data))) for name, data in members]
+    if new_length == "other":
+        replaced.append(("extra.bin", bytes(30_000)))
+    url = f"s3://{BUCKET}/{key}"
+    pipe = IterableWrapper([url]).open_files(mode="b", storage_options=SMALL_BLOCKS, on_error=on_error)
+    tar = pipe.load_from_tar(on_error=on_error)
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samples = iter(tar)
+        got.append(next(samples))  # the first range read
+        _overwrite(key, tar_bytes(replaced))
+        if on_error == "raise":
+            with pytest.raises(SourceChangedError, match=re.escape(repr(url))):
+                got.extend(samples)
+        else:
+            got.extend(samples)
+            assert tar.failure_counts().skipped == 1
+            assert any("changed while it was read" in str(w.message) for w in caught)
+    pairs = [(m.name, m[1]) for m in got]
+    assert pairs == members[:len(pairs)] and len(pairs) < len(members)
+
+
+def test_a_reopened_read_of_an_overwritten_key_is_refused(fresh_s3_clients: str) -> None:
+    members = _big_members()
+    key = "changing/reopened.tar"
+    _overwrite(key, tar_bytes(members))
+    url = f"s3://{BUCKET}/{key}"
+    file, first, _ = _storage.open_remote(url, SMALL_BLOCKS)
+    file.close()
+    again, _, _ = _storage.open_remote(url, SMALL_BLOCKS, 4096, first)  # unchanged: accepted
+    again.close()
+    _overwrite(key, tar_bytes(members[1:] + members[:1]))  # the same length, other bytes
+    with pytest.raises(SourceChangedError, match="ETag"):
+        _storage.open_remote(url, SMALL_BLOCKS, 4096, first)

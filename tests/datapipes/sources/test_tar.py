@@ -162,6 +162,45 @@ def test_a_compressed_archive_is_checked_to_its_checksum(tmp_path: Path) -> None
         members_of(cut)
 
 
+def _flipped_gzip(tmp_path: Path) -> Path:
+    """A .tar.gz whose stored block has a flipped byte in member 3: it decompresses, and only the
+    CRC-32 at the end of the stream tells."""
+    flipped = bytearray(gzip.compress(tar_bytes(MEMBERS), compresslevel=0))
+    flipped[flipped.index(MEMBERS[3][1][100:140]) + 10] ^= 0xFF
+    path = tmp_path / "flipped.tar.gz"
+    path.write_bytes(bytes(flipped))
+    return path
+
+
+def test_a_compressed_archive_held_until_checked_yields_nothing_of_a_bad_stream(tmp_path: Path) -> None:
+    flipped = _flipped_gzip(tmp_path)
+    good = tmp_path / "good.tar.gz"
+    good.write_bytes(compress(tar_bytes(MEMBERS[:2]), "gz"))
+    paths = [str(flipped), str(good)]
+    held = IterableWrapper(paths).open_files(mode="b").load_from_tar(on_error="skip", hold_until_checked=True)
+    with pytest.warns(SkippedSampleWarning, match="CRC check failed"):
+        assert [(m.name, m[1]) for m in held] == MEMBERS[:2]  # the good archive's only
+    assert held.failure_counts() == FailureCounts(skipped=1, files=1)
+    streamed = IterableWrapper(paths).open_files(mode="b").load_from_tar(on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match=rf"its {len(MEMBERS)} members already delivered were "
+                                                  "not yet checked.*hold_until_checked=True"):
+        assert len(list(streamed)) == len(MEMBERS) + 2  # delivered, and flagged in the warning
+    assert members_of(good, hold_until_checked=True) == members_of(good)
+
+
+def test_a_held_archive_checkpoints_at_the_member_it_hands_out_next(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar.gz"
+    path.write_bytes(compress(tar_bytes(MEMBERS), "gz"))
+    def make() -> object:
+        return IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(hold_until_checked=True)
+
+    iterator = iter(make())
+    head = [next(iterator) for _ in range(5)]
+    resumed = iter(make())
+    resumed.load_state_dict(iterator.state_dict())
+    assert [m[1] for m in head] + [m[1] for m in resumed] == [data for _, data in MEMBERS]
+
+
 def test_bad_compressed_data_is_an_archive_error(tmp_path: Path) -> None:
     broken = bytearray(compress(tar_bytes(MEMBERS), "bz2"))
     broken[5] ^= 0xFF  # bzip2's block magic: "Invalid data stream", an OSError
@@ -181,7 +220,7 @@ def test_skip_keeps_what_was_read_and_goes_on_with_the_next_archive(tmp_path: Pa
         got = [m.name for m in pipe]
     assert got == [n for n, _ in MEMBERS[:3]] + [n for n, _ in MEMBERS[:2]] * 2
     assert len(caught) == 2
-    assert pipe.failure_counts() == FailureCounts(skipped=2) == failure_counts(pipe.map(len))
+    assert pipe.failure_counts() == FailureCounts(skipped=2, files=2) == failure_counts(pipe.map(len))
 
 
 def test_a_callback_sees_the_error_and_where_and_the_budget_ends_the_run(tmp_path: Path) -> None:
@@ -195,7 +234,7 @@ def test_a_callback_sees_the_error_and_where_and_the_budget_ends_the_run(tmp_pat
             list(pipe)
     assert seen == [(ArchiveError, str(garbage), "load_from_tar")] * 2
     assert isinstance(raised.value.__cause__, ArchiveError)
-    assert pipe.failure_counts() == FailureCounts(skipped=2, raised=1)
+    assert pipe.failure_counts() == FailureCounts(skipped=2, raised=1, files=2)
 
 
 def test_missing_files_are_named_and_can_be_skipped(tmp_path: Path) -> None:

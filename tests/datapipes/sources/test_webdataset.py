@@ -3,6 +3,8 @@ skipped; the grouping survives NotAvailable from upstream."""
 
 from __future__ import annotations
 
+import io
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,7 @@ def test_a_repeated_extension_is_refused_or_skipped() -> None:
     grouped = IterableWrapper(members).webdataset(on_error="skip")
     with pytest.warns(SkippedSampleWarning):
         assert [s["__key__"] for s in grouped] == ["b", "d"]
-    assert grouped.failure_counts() == FailureCounts(skipped=2)
+    assert grouped.failure_counts() == FailureCounts(skipped=2, samples=2)
 
 
 def test_grouping_carries_on_across_not_available() -> None:
@@ -70,3 +72,21 @@ def test_grouping_carries_on_across_not_available() -> None:
     gate.ended = True
     got.extend(it)
     assert got[2] == {"__key__": "k2", "__url__": "u", "a": b"\x04", "b": b"\x05"} and len(got) == 3
+
+
+def test_a_sample_its_archive_cut_short_is_dropped_and_counted(tmp_path: Path) -> None:
+    members = [(f"k{index}.{ext}", bytes([index])) for index in range(4) for ext in ("jpg", "cls")]
+    whole = tar_bytes(members)
+    cut = tmp_path / "cut.tar"
+    with tarfile.open(fileobj=io.BytesIO(whole)) as tar:
+        cut.write_bytes(whole[:tar.getmember("k2.cls").offset_data - 1])  # in k2.cls's header
+    (tmp_path / "next.tar").write_bytes(tar_bytes([("k2.jpg", b"x"), ("k2.cls", b"y")]))
+    urls = [str(cut), str(tmp_path / "next.tar")]
+    tar = IterableWrapper(urls).open_files(mode="b").load_from_tar(on_error="skip")
+    grouped = tar.webdataset(on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match="cut.tar"):
+        samples = list(grouped)
+    # k2 of the cut archive had its jpg only: dropped; k2 of the next archive (same key) is whole
+    assert [(s["__key__"], s["__url__"]) for s in samples] == [("k0", urls[0]), ("k1", urls[0]), ("k2", urls[1])]
+    assert grouped.failure_counts() == FailureCounts(samples=1)
+    assert tar.failure_counts() == FailureCounts(skipped=1, files=1)

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.boundary.process import ProcessUpstream
-from pipeload.datapipes.boundary.thread import ThreadUpstream
+from pipeload.datapipes.boundary.queue_interface import KIND_MODULES, DataLoaderQueue, Producer, QueueError
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
+from pipeload.errors import WorkerDiedError
 
 T_co = TypeVar("T_co", covariant=True)
-WORKER_TYPES = ("thread", "process")
 _names = itertools.count()
 
 
@@ -23,12 +22,13 @@ class QueueBoundary(IterDataPipe[T_co]):
     ``queue_boundary``).
 
     Each run starts its own upstream thread or process, which iterates the upstream part of the
-    graph and hands items over through a queue: in order, each exactly once, at most
-    ``buffer_size`` at a time, between exactly two ends. Downstream, ``nonblocking_next()``
-    raises ``NotAvailable`` while the queue is empty, so a ``greedy_join`` can take whichever
-    input is ready. An exception upstream arrives downstream with its type and the upstream
-    traceback; an upstream process that dies is a ``WorkerDiedError`` naming how it ended.
-    Closing (or dropping) the iterator stops the upstream at once.
+    graph and puts its items into a :class:`~pipeload.datapipes.DataLoaderQueue` of the same
+    kind: in order, each exactly once, at most ``buffer_size`` at a time, between exactly two
+    ends. Downstream, ``nonblocking_next()`` raises ``NotAvailable`` while the queue is empty,
+    so a ``greedy_join`` can take whichever input is ready. An exception upstream arrives
+    downstream with its type and the upstream traceback; an upstream process that dies is a
+    ``WorkerDiedError`` naming how it ended. Closing (or dropping) the iterator stops the
+    upstream at once.
 
     Across a process boundary tensors travel as shared-memory descriptors, not pickled bytes;
     other items are pickled. The upstream process seeds its random generators from one number
@@ -38,10 +38,12 @@ class QueueBoundary(IterDataPipe[T_co]):
 
     Args:
         datapipe: the upstream part of the graph.
-        worker_type: ``"thread"`` or ``"process"``.
-        buffer_size: items the queue holds.
+        worker_type: the queue's kind: ``"thread"``, ``"process"``, or another registered
+            ``DataLoaderQueue`` kind.
+        buffer_size: items the queue holds (its ``maxsize``).
         multiprocessing_context: for ``"process"``: a start method name or context (default:
             multiprocessing's default).
+        **options: options of another kind's upstream (see that kind).
 
     Example:
         >>> decoded = IterableWrapper(paths).map(decode_jpeg).queue_boundary("process", buffer_size=16)
@@ -56,9 +58,11 @@ class QueueBoundary(IterDataPipe[T_co]):
         worker_type: str = "thread",
         buffer_size: int = 8,
         multiprocessing_context: Any = None,
+        **options: Any,
     ) -> None:
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(f"worker_type should be one of {WORKER_TYPES}, but got worker_type={worker_type!r}")
+        known = sorted(KIND_MODULES)
+        if worker_type not in known and worker_type not in DataLoaderQueue._kinds:
+            raise ValueError(f"worker_type should be one of {known}, but got worker_type={worker_type!r}")
         check_positive(buffer_size, "buffer_size", "Buffer size")
         if multiprocessing_context is not None and worker_type != "process":
             raise ValueError(
@@ -72,13 +76,19 @@ class QueueBoundary(IterDataPipe[T_co]):
         if isinstance(multiprocessing_context, multiprocessing.context.BaseContext):
             multiprocessing_context = multiprocessing_context.get_start_method()
         self.multiprocessing_context = multiprocessing_context
+        self.options = options
 
     def __iter__(self) -> Iterator[T_co]:
         name = f"pipeload-{type(self).__name__.lower()}-{next(_names)}"
-        if self.worker_type == "thread":
-            return _BoundaryIterator(ThreadUpstream(self.datapipe, self.buffer_size, name))
-        upstream = ProcessUpstream(self.datapipe, self.buffer_size, self.multiprocessing_context, name)
-        return _BoundaryIterator(upstream)
+        kind = DataLoaderQueue.kind_class(self.worker_type)
+        queue = kind(maxsize=self.buffer_size)
+        options = {"multiprocessing_context": self.multiprocessing_context, **self.options}
+        try:
+            producer = kind.start_producer(self.datapipe, queue, name, options)
+        except BaseException:
+            queue.close()
+            raise
+        return _BoundaryIterator(queue, producer, f"the upstream {self.worker_type} of a queue boundary")
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)
@@ -87,6 +97,10 @@ class QueueBoundary(IterDataPipe[T_co]):
 class Prefetcher(QueueBoundary[T_co]):
     """Keep up to ``buffer_size`` items ready, made ahead by a background thread (functional
     name: ``prefetch``). A thread :class:`QueueBoundary` under torchdata's name.
+
+    Args:
+        source_datapipe: the pipe to read ahead.
+        buffer_size: items kept ready.
 
     Example:
         >>> list(IterableWrapper(range(5)).map(slow_read).prefetch(buffer_size=4))
@@ -98,28 +112,57 @@ class Prefetcher(QueueBoundary[T_co]):
 
 
 class _BoundaryIterator(PipeIterator[Any]):
-    """The downstream end of one run: takes from the upstream's mailbox, never waits itself."""
+    """The downstream end of one run: takes from the queue, never waits itself.
 
-    def __init__(self, upstream: Any) -> None:
+    The end of the run (the upstream closed the queue) is StopIteration; an upstream failure is
+    raised as itself; a death is a WorkerDiedError. Any of them releases the upstream at once,
+    before the exception propagates (a traceback may keep this iterator alive for long).
+    """
+
+    def __init__(self, queue: DataLoaderQueue, producer: Producer, upstream: str) -> None:
         super().__init__()
+        self._queue = queue
+        self._producer = producer
         self._upstream = upstream
+        self._taken = 0
+        self._over = False  # the end or an error has been raised: later calls are the end
 
     def nonblocking_next(self) -> Any:
+        if self._over:
+            raise StopIteration
         try:
-            return self._upstream.take_nowait()
+            item = self._queue.get(blocking=False)
         except NotAvailable:
             raise
+        except QueueError as ending:
+            self._over = True
+            self._producer.close()
+            raise self._translated(ending) from None
         except BaseException:
-            # The end, or an error: the upstream has nothing more to give. Release it now, not
-            # when the garbage collector frees an exception's traceback that holds this run.
-            self._upstream.close()
+            self._over = True
+            self._producer.close()
             raise
+        self._taken += 1
+        return item
+
+    def _translated(self, ending: QueueError) -> BaseException:
+        if ending.cause is not None:
+            return ending.cause
+        if ending.reason == QueueError.DIED:
+            died = WorkerDiedError(
+                f"{self._upstream} ({ending.far_end}) exited unexpectedly after {self._taken} items: {ending}"
+            )
+            died.__cause__ = ending
+            return died
+        if ending.reason == QueueError.CLOSED:
+            return StopIteration()  # the upstream ended (or this run was closed)
+        return ending
 
     def notifiers(self) -> list[Notifier]:
-        return self._upstream.notifiers()
+        return self._queue.notifiers()
 
     def close(self) -> None:
-        self._upstream.close()
+        self._producer.close()
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("a run across a queue boundary cannot be checkpointed yet")

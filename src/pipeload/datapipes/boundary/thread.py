@@ -6,69 +6,34 @@ import threading
 import weakref
 from typing import Any
 
-from pipeload.datapipes.boundary.mailbox import Mailbox
-from pipeload.datapipes.protocol import NotAvailable, WaitCancelled, as_nonblocking, wait_for_next
+from pipeload.datapipes.boundary.feed import feed
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
 from pipeload.engine.lifecycle import ThreadWorkerHandle, stop_workers
 
 
-class ThreadUpstream:
-    """Owns one thread that runs the upstream part of a graph and fills a mailbox.
+class ThreadProducer:
+    """Owns the thread that runs a boundary's upstream into the producing end of its queue.
 
-    The thread makes, uses and closes the upstream iterator itself, so nothing upstream is ever
-    touched from two threads. Items travel as objects (no pickling).
+    Items travel as objects (no pickling). ``close()`` closes the queue, which makes the thread's
+    next put (or its wait for the upstream) give up, then joins it with a deadline; a thread
+    stuck in user code is left behind, as a daemon.
     """
 
-    def __init__(self, upstream_pipe: Any, capacity: int, name: str) -> None:
-        self.mailbox = Mailbox(capacity)
-        self._stop = threading.Event()
+    def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str) -> None:
         thread = threading.Thread(
-            target=_produce, args=(upstream_pipe, self.mailbox, self._stop), name=name, daemon=True
+            target=feed, args=(pipe, queue, f"upstream of a thread queue boundary ({name})"),
+            name=name, daemon=True,
         )
-        self._handle = ThreadWorkerHandle(thread, self._stop)
-        self._finalizer = weakref.finalize(self, _stop_thread, self.mailbox, self._handle)
+        self._handle = ThreadWorkerHandle(thread, threading.Event())
+        queue.watch(thread)
+        self._finalizer = weakref.finalize(self, _stop_thread, queue, self._handle)
         thread.start()
 
-    def notifiers(self) -> list[Any]:
-        return [self.mailbox.notifier]
-
-    def take_nowait(self) -> Any:
-        return self.mailbox.take_nowait()
-
     def close(self) -> None:
-        """Stop the thread (joined with a deadline: one stuck in user code is left, as a daemon)."""
         self._finalizer()
 
 
-def _stop_thread(mailbox: Mailbox, handle: ThreadWorkerHandle) -> None:
-    handle.terminate()  # sets the stop event
-    mailbox.close()
+def _stop_thread(queue: DataLoaderQueue, handle: ThreadWorkerHandle) -> None:
+    queue.close()
+    handle.terminate()
     stop_workers([handle], force=False)
-
-
-def _produce(upstream_pipe: Any, mailbox: Mailbox, stop: threading.Event) -> None:
-    iterator = None
-    try:
-        iterator = as_nonblocking(upstream_pipe)
-        while mailbox.put(_next_unless_stopped(iterator, stop), stop.is_set):
-            pass
-    except WaitCancelled:
-        pass  # the consumer closed the boundary
-    except StopIteration:
-        mailbox.finish()
-    except BaseException as exc:  # noqa: BLE001  (every failure goes downstream, whole)
-        exc.add_note(
-            f"pipeload: raised upstream of a thread queue boundary ({threading.current_thread().name})"
-        )
-        mailbox.fail(exc)
-    finally:
-        if iterator is not None:
-            iterator.close()
-
-
-def _next_unless_stopped(iterator: Any, stop: threading.Event) -> Any:
-    if stop.is_set():
-        raise WaitCancelled
-    try:
-        return iterator.nonblocking_next()
-    except NotAvailable:  # a boundary further upstream has nothing yet
-        return wait_for_next(iterator, stop.is_set)

@@ -12,6 +12,8 @@ from pipeload.datapipes.iter.selecting import Filter
 from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilter
 from pipeload.datapipes.iter.util import Cycler, Enumerator, Header, InMemoryCacheHolder
 from pipeload.datapipes.map.converters import MapToIterConverter
+from pipeload.datapipes.nonblocking import EnsureNonBlockingNextDataPipe, NonBlockingIterDataPipe
+from pipeload.datapipes.protocol import NotAvailable
 from pipeload.datapipes.sources.decoders import Decoder
 from pipeload.datapipes.sources.files import FileLister, FileOpener, StreamReader
 from pipeload.datapipes.sources.memory import IterableWrapper
@@ -27,6 +29,7 @@ __all__ = [
     "Cycler",
     "Decoder",
     "Demultiplexer",
+    "EnsureNonBlockingNextDataPipe",
     "Enumerator",
     "FileLister",
     "FileOpener",
@@ -42,6 +45,8 @@ __all__ = [
     "MapToIterConverter",
     "Mapper",
     "Multiplexer",
+    "NonBlockingIterDataPipe",
+    "NotAvailable",
     "PaddedBatcher",
     "Prefetcher",
     "QueueBoundary",

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
@@ -37,7 +38,7 @@ def _warn_if_unlimited(buffer_size: int, name: str) -> None:
         warnings.warn(
             f"Unlimited buffer size is set for `{name}`, please be aware of OOM at random places",
             UserWarning,
-            stacklevel=4,
+            stacklevel=first_frame_outside_pipeload(),
         )
 
 
@@ -59,7 +60,7 @@ class _SharedSource(IterDataPipe[Any]):
                         "resetting the buffer and each child DataPipe will read from the start "
                         "again.",
                         UserWarning,
-                        stacklevel=4,
+                        stacklevel=first_frame_outside_pipeload(),
                     )
                 run = self._new_run()
                 self._transient_run = weakref.ref(run)

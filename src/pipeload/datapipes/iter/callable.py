@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from pipeload._state_fields import StateFields
 from pipeload.collate import default_collate
 from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
@@ -15,7 +16,8 @@ from pipeload.datapipes.iter._columns import (
     length_of,
     place_result,
 )
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, skipped_ahead
+from pipeload.errors import bad_state_field
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -184,10 +186,20 @@ class _FlatMapperIterator(PipeIterator[Any]):
             return None
         return {"item": self._item, "taken": self._taken}
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        # The item is expanded again here, so that a count past its elements is refused unset.
+        own = fields.fields("own", none=True)
+        if own is None:
+            return None  # before the first item
+        item, taken = own.raw("item", "the source item being expanded"), own.integer("taken")
+        own.finish()
+        try:
+            current = iter(self._expand(item))
+        except Exception as error:  # noqa: BLE001 - the user's function, given what the state holds
+            raise bad_state_field(own.name("item"), item, "an item the flatmap function can expand",
+                                  f"{type(error).__name__}: {error}") from error
+        return item, taken, skipped_ahead(current, taken, own.name("taken"), "that item expands to {} elements")
+
     def _load_own_state(self, state: Any) -> None:
-        if state is None:
-            return
-        self._item, self._taken = state["item"], state["taken"]
-        self._current = iter(self._expand(self._item))
-        for _ in range(self._taken):
-            next(self._current)
+        if state is not None:
+            self._item, self._taken, self._current = state

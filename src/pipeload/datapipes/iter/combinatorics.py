@@ -9,10 +9,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from pipeload._state_fields import StateFields, is_int
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.errors import bad_state_field
 from pipeload import samplers
 
 T_co = TypeVar("T_co", covariant=True)
@@ -114,9 +116,10 @@ class _SeededRun:
             self._rng = random.Random(self._pipe._take_seed())
         return self._rng
 
-    def _restore_generator(self, state: Any) -> None:
+    def _restore_generator(self, state: tuple[Any, ...]) -> None:
+        """Set the run's generator to a state :func:`checked_rng_state` read."""
         self._rng = random.Random()
-        self._rng.setstate(_as_rng_state(state))
+        self._rng.setstate(state)
 
 
 class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
@@ -150,15 +153,29 @@ class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
     def _own_state(self) -> Any:
         return {"buffer": list(self._buffer), "rng": self._generator().getstate(), "source_done": self._source_done}
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.fields("own")
+        assert own is not None
+        capacity = self._capacity
+        buffer = own.sequence("buffer", f"a list of at most {capacity} items (the shuffle buffer)")
+        if len(buffer) > capacity:  # type: ignore[arg-type]
+            raise bad_state_field(own.name("buffer"), buffer, f"a list of at most {capacity} items")
+        done = own.boolean("source_done")
+        if done and len(buffer) == capacity:  # type: ignore[arg-type]
+            # the buffer gives one item back as soon as the source ends: a full one means it has not
+            raise bad_state_field(own.name("source_done"), done, "False while the buffer is full")
+        rng = checked_rng_state(own, "rng")
+        own.finish()
+        return list(buffer), done, rng  # type: ignore[arg-type]
+
     def _load_own_state(self, state: Any) -> None:
-        self._buffer = list(state["buffer"])
-        self._source_done = state["source_done"]
-        self._restore_generator(state["rng"])
+        self._buffer, self._source_done, rng = state
+        self._restore_generator(rng)
 
 
 class InBatchShuffler(SeededPipe, IterDataPipe[DataChunk]):
     """Shuffle the items inside each batch; the batches keep their order (functional name:
-    ``in_batch_shuffle``, torchdata's).
+    ``in_batch_shuffle``). torchdata's operation.
 
     Seeded like :class:`Shuffler` (by the loader each epoch, by :meth:`set_seed` for the next
     run, else from torch's global generator), with torchdata's random stream: the same seed
@@ -202,14 +219,35 @@ class _InBatchShufflerIterator(_SeededRun, PipeIterator[DataChunk]):
     def _own_state(self) -> Any:
         return {"rng": self._generator().getstate()}
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.fields("own")
+        assert own is not None
+        rng = checked_rng_state(own, "rng")
+        own.finish()
+        return rng
+
     def _load_own_state(self, state: Any) -> None:
-        self._restore_generator(state["rng"])
+        self._restore_generator(state)
 
 
-def _as_rng_state(state: Any) -> tuple[Any, ...]:
-    # random.Random's state is (version, tuple of ints, gauss); JSON turns tuples into lists.
-    version, words, gauss = state
-    return (version, tuple(words), gauss)
+RNG_STATE = "a random.Random state: [version, 625 ints, gauss float or None]"
+
+
+def checked_rng_state(fields: StateFields, key: str) -> tuple[Any, ...]:
+    """``fields[key]`` as a ``random.Random`` state (JSON makes its tuples lists), refused unless
+    a throwaway generator takes it: a version, 625 ints, and a float or None."""
+    value = fields.sequence(key, RNG_STATE, length=3)
+    version, words, gauss = value  # type: ignore[misc]
+    well_typed = (is_int(version) and isinstance(words, (list, tuple)) and all(is_int(w) for w in words)
+                  and (gauss is None or isinstance(gauss, float)))
+    if not well_typed:
+        raise bad_state_field(fields.name(key), value, RNG_STATE)
+    state = (version, tuple(words), gauss)
+    try:
+        random.Random().setstate(state)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise bad_state_field(fields.name(key), value, RNG_STATE, str(error)) from None
+    return state
 
 
 class Sampler(IterDataPipe[T_co]):

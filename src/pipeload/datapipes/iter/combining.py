@@ -6,13 +6,19 @@ from collections import deque
 from collections.abc import Iterator, Sized
 from typing import Any
 
+from pipeload._state_fields import StateFields, join
 from pipeload.datapipes.base import IterDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume, as_nonblocking
+from pipeload.datapipes.protocol import NotAvailable, PipeIterator, SkipToResume, StateLoad, as_nonblocking
 
 
 class Concater(IterDataPipe[Any]):
     """Every item of the first pipe, then of the second, ... (functional name: ``concat``).
+
+    Each pipe's iterator is made when the one before it ends, as torch makes them.
+
+    Args:
+        *datapipes: the pipes, in order (at least one).
 
     Example:
         >>> list(IterableWrapper(range(3)).concat(IterableWrapper(range(2))))
@@ -68,18 +74,33 @@ class _ConcaterIterator(PipeIterator[Any]):
         current = None if self._current is None else self._current.state_dict()
         return {"own": len(self._waiting), "upstream": [current]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        (current,) = state["upstream"]
-        while len(self._waiting) > state["own"] + (current is not None):
-            self._waiting.popleft()
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        fields = StateFields(state, path)
+        (current,) = fields.sequence("upstream", "a list of one state (None between inputs)", length=1)  # type: ignore[misc]
+        # pipes still waiting after the current one (if any) was started
+        left = fields.integer("own", 0, len(self._waiting) - (current is not None))
+        fields.finish()
+        done = len(self._waiting) - left - (current is not None)  # inputs already read through
+        source = None
         if current is not None:
-            self._current = as_nonblocking(self._waiting.popleft())
-            self._current.load_state_dict(current)
-            self.upstream = (self._current,)
+            source = as_nonblocking(self._waiting[done])
+            load.made(source)
+            source.check_state(current, join(fields.name("upstream"), 0), load)
+
+        def apply() -> None:
+            for _ in range(done + (source is not None)):
+                self._waiting.popleft()
+            if source is not None:
+                self._current = source
+                self.upstream = (source,)
+        load.then(apply)
 
 
 class Zipper(IterDataPipe[tuple[Any, ...]]):
     """Tuples of one item from each pipe; ends with the shortest (functional name: ``zip``).
+
+    Args:
+        *datapipes: the pipes to zip.
 
     Example:
         >>> list(IterableWrapper(range(3)).zip(IterableWrapper("ab")))
@@ -104,6 +125,9 @@ class Zipper(IterDataPipe[tuple[Any, ...]]):
 class Multiplexer(IterDataPipe[Any]):
     """One item from each pipe in turn; stops, dropping the unfinished round, when any pipe ends
     (functional name: ``mux``).
+
+    Args:
+        *datapipes: the pipes to take turns between.
 
     Example:
         >>> list(IterableWrapper(range(3)).mux(IterableWrapper(range(10, 15))))
@@ -165,6 +189,9 @@ class GreedyJoiner(IterDataPipe[Any]):
     a always-ready input cannot starve the others) and sleeps only when none has anything. Inputs
     that compute synchronously are always ready, so over them this is a round-robin that runs on
     past the shortest.
+
+    Args:
+        *datapipes: the pipes to join (at least one).
 
     Example:
         >>> fast = IterableWrapper(range(3)).prefetch()

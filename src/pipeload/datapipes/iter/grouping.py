@@ -6,11 +6,13 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes._functions import check_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of, no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
+from pipeload.errors import bad_state_field
 
 
 class Batcher(IterDataPipe[DataChunk]):
@@ -75,6 +77,14 @@ class _BatcherIterator(PipeIterator[DataChunk]):
     def _own_state(self) -> Any:
         return list(self._filling)
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        # a full batch is handed out at once: the one being filled is always short of it
+        expected = f"a list of fewer than {self._size} items (the batch being filled)"
+        filling = fields.sequence("own", expected)
+        if len(filling) >= self._size:  # type: ignore[arg-type]
+            raise bad_state_field(fields.name("own"), filling, expected)
+        return list(filling)  # type: ignore[arg-type]
+
     def _load_own_state(self, state: Any) -> None:
         self._filling = list(state)
 
@@ -117,6 +127,9 @@ class _UnBatcherIterator(PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return list(self._pending)  # the rest of the batch being unbatched
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.sequence("own", "a list (the rest of the batch being unbatched)")
 
     def _load_own_state(self, state: Any) -> None:
         self._pending = deque(state)

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
@@ -118,6 +119,9 @@ class _ShardingIterator(PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return self._seen
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own")  # items read from the source
 
     def _load_own_state(self, state: Any) -> None:
         self._seen = state

@@ -10,9 +10,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from pipeload._state_fields import StateFields, join
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
-from pipeload.datapipes.protocol import PipeIterator, SkipToResume, as_nonblocking
+from pipeload.datapipes.protocol import PipeIterator, SkipToResume, StateLoad, as_nonblocking
+from pipeload.errors import bad_state_field
 
 T_co = TypeVar("T_co", covariant=True)
 MEGABYTE = 1024 * 1024
@@ -81,11 +83,26 @@ class _CyclerIterator(PipeIterator[Any]):
         upstream = [source.state_dict() for source in self.upstream]
         return {"own": [self._rounds_done, self._yielded_this_round], "upstream": upstream}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._rounds_done, self._yielded_this_round = state["own"]
-        if state["upstream"]:
-            self.upstream = (as_nonblocking(self._source_pipe),)
-            self.upstream[0].load_state_dict(state["upstream"][0])
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        fields = StateFields(state, path)
+        own = fields.listed("own", "[rounds done, items of this round handed out]", length=2)
+        assert own is not None
+        rounds, taken = own.integer(0, 0, self._count), own.integer(1)
+        upstream = fields.sequence("upstream", "a list of at most one state (the round's)")
+        if len(upstream) > 1:  # type: ignore[arg-type]
+            raise bad_state_field(fields.name("upstream"), upstream, "a list of at most one state")
+        fields.finish()
+        source = None
+        if upstream:
+            source = as_nonblocking(self._source_pipe)
+            load.made(source)
+            source.check_state(upstream[0], join(fields.name("upstream"), 0), load)  # type: ignore[index]
+
+        def apply() -> None:
+            self._rounds_done, self._yielded_this_round = rounds, taken
+            if source is not None:
+                self.upstream = (source,)
+        load.then(apply)
 
 
 class Header(IterDataPipe[T_co]):
@@ -139,12 +156,21 @@ class _HeaderIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return self._left
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        if self._left is None:
+            return fields.choice("own", [None])  # no limit: nothing to count
+        return fields.integer("own", 0, self._left)  # items left before the limit
+
     def _load_own_state(self, state: Any) -> None:
         self._left = state
 
 
 class Enumerator(IterDataPipe[tuple[int, Any]]):
     """Yield ``(index, item)`` pairs (functional name: ``enumerate``).
+
+    Args:
+        source_datapipe: the pipe to number.
+        starting_index: the first item's index.
 
     Example:
         >>> list(IterableWrapper("ab").enumerate(starting_index=1))
@@ -178,6 +204,9 @@ class _EnumeratorIterator(PipeIterator[tuple[int, Any]]):
 
     def _own_state(self) -> Any:
         return self._index
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own", self._index)  # the next index: never below the first
 
     def _load_own_state(self, state: Any) -> None:
         self._index = state

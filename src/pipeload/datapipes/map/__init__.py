@@ -5,8 +5,11 @@ from pipeload.datapipes.map.combinatorics import Shuffler
 from pipeload.datapipes.map.combining import Concater, Zipper
 from pipeload.datapipes.map.converters import MapToIterConverter
 from pipeload.datapipes.map.grouping import Batcher
+from pipeload.datapipes.nonblocking import NonBlockingMapDataPipe
+from pipeload.datapipes.protocol import NotAvailable
 from pipeload.datapipes.sources.files import FileReader
 from pipeload.datapipes.sources.memory import SequenceWrapper
 
 __all__ = [
-    "Batcher", "Concater", "FileReader", "MapToIterConverter", "Mapper", "SequenceWrapper", "Shuffler", "Zipper"]
+    "Batcher", "Concater", "FileReader", "MapToIterConverter", "Mapper", "NonBlockingMapDataPipe", "NotAvailable",
+    "SequenceWrapper", "Shuffler", "Zipper"]

@@ -7,13 +7,17 @@ from typing import Any, TypeVar
 
 from pipeload.datapipes._functions import check_function
 from pipeload.datapipes._map_ops import default_fn
-from pipeload.datapipes.base import MapDataPipe
+from pipeload.datapipes.base import MapDataPipe, get_nowait
 
 T_co = TypeVar("T_co", covariant=True)
 
 
 class Mapper(MapDataPipe[T_co]):
     """Apply a function to the item read at each key (functional name: ``map``).
+
+    Args:
+        datapipe: the map-style pipe.
+        fn: the function (the identity by default).
 
     Example:
         >>> SequenceWrapper(range(10)).map(lambda x: x * 2)[3]
@@ -29,6 +33,9 @@ class Mapper(MapDataPipe[T_co]):
 
     def __getitem__(self, index: Any) -> T_co:
         return self.fn(self.datapipe[index])
+
+    def nonblocking_get(self, index: Any) -> T_co:
+        return self.fn(get_nowait(self.datapipe, index))
 
     def __len__(self) -> int:
         return len(self.datapipe)  # type: ignore[arg-type]

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from pipeload.datapipes.base import IterDataPipe, MapDataPipe
+from pipeload._state_fields import StateFields
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, get_nowait
 from pipeload.datapipes.iter.combinatorics import SeededPipe
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.errors import bad_state_field
 
 T_co = TypeVar("T_co", covariant=True)
 
 
 class Shuffler(SeededPipe, IterDataPipe[T_co]):
-    """Read a map-style pipe's items in a random order (functional name: ``shuffle`` on map
-    pipes). It is an iterable pipe: order is what iterable pipes are for.
+    """Read a map-style pipe's items in a random order (functional name: ``shuffle``). On a
+    map-style pipe it makes an iterable pipe: order is what iterable pipes are for.
 
     The random stream is torch's: the same seed gives the same order. Seeding works as for the
     iterable ``shuffle`` (``set_seed`` for the next run; the DataLoader seeds every epoch).
@@ -55,7 +58,9 @@ class _MapShufflerIterator(PipeIterator[Any]):
             self._keys = self._order()
         if not self._keys:
             raise StopIteration
-        return self._pipe.datapipe[self._keys.pop()]
+        item = get_nowait(self._pipe.datapipe, self._keys[-1])  # popped once read: NotAvailable keeps it
+        self._keys.pop()
+        return item
 
     def _order(self) -> list[Any]:
         pipe = self._pipe
@@ -67,5 +72,24 @@ class _MapShufflerIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return None if self._keys is None else list(self._keys)
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        expected = "None or a list of the keys left (some of the shuffle's indices, each once)"
+        keys = fields.sequence("own", expected, none=True)
+        if keys is not None and not _some_of(keys, self._pipe.indices):
+            raise bad_state_field(fields.name("own"), keys, expected)
+        return None if keys is None else list(keys)
+
     def _load_own_state(self, state: Any) -> None:
-        self._keys = None if state is None else list(state)
+        self._keys = state
+
+
+def _some_of(keys: Any, indices: Any) -> bool:
+    """Whether ``keys`` could be what is left of ``indices`` (each index at most as often)."""
+    if len(keys) > len(indices):
+        return False
+    try:  # by type too: 5.0 and True are not the key 5, though Python finds them equal
+        left = Counter((type(index), index) for index in indices)
+        left.subtract((type(key), key) for key in keys)
+    except TypeError:  # unhashable keys: only the count can be checked
+        return True
+    return all(count >= 0 for count in left.values())

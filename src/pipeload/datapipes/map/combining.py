@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import operator
+from collections.abc import Callable, Sized
 from typing import Any
 
-from pipeload.datapipes.base import MapDataPipe, is_map_datapipe
+from pipeload.datapipes.base import AskEveryOne, MapDataPipe, get_nowait, is_map_datapipe
 
 
 def _check_inputs(datapipes: tuple[Any, ...]) -> None:
@@ -25,6 +26,9 @@ class Concater(MapDataPipe[Any]):
     """Keys ``0..len(a)-1`` read ``a``, the next ``len(b)`` keys read ``b``, ... (functional name:
     ``concat``).
 
+    Args:
+        *datapipes: the map-style pipes, in order (sized; at least one).
+
     Example:
         >>> SequenceWrapper("ab").concat(SequenceWrapper("cd"))[2]
         'c'
@@ -37,10 +41,16 @@ class Concater(MapDataPipe[Any]):
         self.datapipes = datapipes
 
     def __getitem__(self, index: Any) -> Any:
+        return self._read(index, operator.getitem)
+
+    def nonblocking_get(self, index: Any) -> Any:
+        return self._read(index, get_nowait)
+
+    def _read(self, index: Any, read: Callable[[Any, Any], Any]) -> Any:
         offset = 0
         for dp in self.datapipes:
             if index - offset < len(dp):  # type: ignore[arg-type]
-                return dp[index - offset]
+                return read(dp, index - offset)
             offset += len(dp)  # type: ignore[arg-type]
         raise IndexError(f"Index {index} is out of range.")
 
@@ -51,6 +61,9 @@ class Concater(MapDataPipe[Any]):
 class Zipper(MapDataPipe[tuple[Any, ...]]):
     """Key ``i`` reads a tuple of every pipe's item ``i``; as long as the shortest (functional
     name: ``zip``).
+
+    Args:
+        *datapipes: the map-style pipes (sized; at least one).
 
     Example:
         >>> SequenceWrapper("ab").zip(SequenceWrapper([1, 2]))[1]
@@ -64,10 +77,19 @@ class Zipper(MapDataPipe[tuple[Any, ...]]):
         self.datapipes = datapipes
 
     def __getitem__(self, index: Any) -> tuple[Any, ...]:
+        return self._read(index, operator.getitem)
+
+    def nonblocking_get(self, index: Any) -> tuple[Any, ...]:
+        ask = AskEveryOne()
+        items = self._read(index, ask)
+        ask.check()
+        return items
+
+    def _read(self, index: Any, read: Callable[[Any, Any], Any]) -> tuple[Any, ...]:
         items = []
         for dp in self.datapipes:
             try:
-                items.append(dp[index])
+                items.append(read(dp, index))
             except IndexError as error:
                 raise IndexError(f"Index {index} is out of range for one of the input MapDataPipes {dp}.") from error
         return tuple(items)

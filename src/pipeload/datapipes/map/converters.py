@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_map_datapipe
+from pipeload._state_fields import StateFields
+from pipeload.datapipes.base import IterDataPipe, MapDataPipe, get_nowait, is_map_datapipe
 from pipeload.datapipes.protocol import PipeIterator
 
 
 class MapToIterConverter(IterDataPipe[Any]):
     """An iterable pipe reading a map-style pipe at ``indices`` in order (functional name:
-    ``to_iter_datapipe``, as in torchdata).
+    ``to_iter_datapipe``). torchdata's operation.
 
     Args:
         datapipe: the map-style pipe.
@@ -50,12 +51,15 @@ class _KeysIterator(PipeIterator[Any]):
     def nonblocking_next(self) -> Any:
         if self._next_position >= len(self._keys):
             raise StopIteration
-        item = self._datapipe[self._keys[self._next_position]]
+        item = get_nowait(self._datapipe, self._keys[self._next_position])
         self._next_position += 1
         return item
 
     def _own_state(self) -> Any:
         return self._next_position
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own", 0, len(self._keys))
 
     def _load_own_state(self, state: Any) -> None:
         self._next_position = state

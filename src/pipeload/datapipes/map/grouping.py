@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Any
 
-from pipeload.datapipes.base import MapDataPipe
+from pipeload.datapipes.base import AskEveryOne, MapDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of
 
@@ -12,6 +14,12 @@ from pipeload.datapipes.iter._columns import batch_count, check_positive, length
 class Batcher(MapDataPipe[DataChunk]):
     """Key ``i`` reads the items ``i*batch_size`` up to ``(i+1)*batch_size`` (functional name:
     ``batch``).
+
+    Args:
+        datapipe: the map-style pipe.
+        batch_size: items per batch.
+        drop_last: leave out a last, shorter batch.
+        wrapper_class: what a batch is made into (``DataChunk``).
 
     Example:
         >>> SequenceWrapper(range(5)).batch(2)[2]
@@ -34,10 +42,19 @@ class Batcher(MapDataPipe[DataChunk]):
         self.wrapper_class = wrapper_class
 
     def __getitem__(self, index: int) -> DataChunk:
+        return self._gather(index, operator.getitem)
+
+    def nonblocking_get(self, index: int) -> DataChunk:
+        ask = AskEveryOne()
+        batch = self._gather(index, ask)
+        ask.check()
+        return batch
+
+    def _gather(self, index: int, read: Callable[[Any, Any], Any]) -> DataChunk:
         batch: list[Any] = []
         try:
             for key in range(index * self.batch_size, (index + 1) * self.batch_size):
-                batch.append(self.datapipe[key])
+                batch.append(read(self.datapipe, key))
         except IndexError as error:
             if not self.drop_last and batch:
                 return self.wrapper_class(batch)

@@ -4,13 +4,14 @@ A source is an ordinary pipe with no parents. Sources whose reading can be split
 expose ``apply_sharding(num_of_instances, instance_id)`` (the graph functions find them as they
 find ``sharding_filter``), and sources with a position expose it through their iterator's
 ``state_dict()``. Files and URLs are read through the operating system (local paths) or fsspec
-(``http(s)://``, ``s3://``, ...: the ``remote`` extra). ``docs/design/sources.md`` explains
-retries, archive checks and the ``on_error`` policy.
+(``http(s)://``, ``s3://``, ...: the ``remote`` extra). Retries, archive checks and the
+``on_error`` policy are explained in the design note (docs/design/sources.md in the source
+repository).
 """
 
 from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
 from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
-from pipeload.datapipes.sources.errors import ArchiveError, SourceError
+from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError
 from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, StreamReader, open_stream
 from pipeload.datapipes.sources.memory import IterableWrapper, SequenceWrapper
 from pipeload.datapipes.sources.on_error import (
@@ -40,6 +41,7 @@ __all__ = [
     "SequenceWrapper",
     "StreamReader",
     "SkippedSampleWarning",
+    "SourceChangedError",
     "SourceError",
     "TarArchiveLoader",
     "WebDataset",

@@ -4,8 +4,9 @@ A dropped connection half-way through a shard should cost a reconnect, not the s
 :class:`RetryingReader` remembers how many bytes it has handed out; when a read fails with a
 transient error it waits (doubling the wait each attempt), opens the file again and carries on
 from the same byte (seeking where the file can seek, reading and dropping the prefix where it
-cannot, as a plain HTTP stream). Errors that will not go away by trying again (a missing file,
-refused credentials) are raised at once.
+cannot, as a plain HTTP stream), on the same version of the object: one that changed meanwhile
+is an error, never spliced (``_versions.py``). Errors that will not go away by trying again (a
+missing file, refused credentials, a changed object) are raised at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
+
+from pipeload.datapipes.sources._versions import ObjectVersion, changed_error, is_expired
 
 # Errors from the network libraries under fsspec, by class name, so that neither aiohttp nor
 # botocore needs importing here (they are optional, and only present with the remote extra).
@@ -91,19 +94,27 @@ def with_retries(action: Callable[[], Any], policy: RetryPolicy, stop: threading
                 raise
 
 
+# Opens the file from a byte on, as a version (None: the first open, whichever version is
+# there); returns the file, the version it reads and the byte its data begins at.
+Opener = Callable[[int, ObjectVersion | None], tuple[IO[bytes], ObjectVersion, int]]
+
+
 class RetryingReader(io.RawIOBase):
     """A read-only byte stream over a remote file that reconnects and resumes on transient errors.
 
+    The first open pins the object's version (``version``); a reopened read continues only on
+    that version, else it raises :class:`SourceChangedError` (see ``_versions.py``).
     Not thread-safe: one run reads it. ``close()`` closes the file under it and is idempotent.
     """
 
-    def __init__(self, url: str, opener: Callable[[], IO[bytes]], policy: RetryPolicy) -> None:
+    def __init__(self, url: str, opener: Opener, policy: RetryPolicy) -> None:
         super().__init__()
         self.url = url
         self._opener = opener
         self._policy = policy
         self._position = 0  # bytes handed out so far: where a reopened file must resume
-        self._file: IO[bytes] | None = with_retries(opener, policy)
+        self._file: IO[bytes] | None = None
+        self._file, self.version, _ = with_retries(lambda: opener(0, None), policy)
         self.reconnects = 0
 
     def readable(self) -> bool:
@@ -121,16 +132,19 @@ class RetryingReader(io.RawIOBase):
             self._reopen()
         try:
             return self._file.read(size)  # type: ignore[union-attr]
-        except Exception:
+        except Exception as error:
             self._drop_file()
+            if is_expired(error):  # the store refused the pinned version: it changed
+                raise changed_error(self.url, f"the store refused a read of the version read "
+                                              f"first: {error}") from error
             raise
 
     def _reopen(self) -> None:
         self.reconnects += 1
-        file = self._opener()
+        file, _, start = self._opener(self._position, self.version)
         try:
-            if not _seek(file, self._position):
-                _read_past(file, self._position)
+            if start != self._position and not _seek(file, self._position):
+                _read_past(file, self._position - start, self.url)
         except BaseException:
             file.close()
             raise
@@ -161,11 +175,11 @@ def _seek(file: IO[bytes], position: int) -> bool:
     return True
 
 
-def _read_past(file: IO[bytes], count: int) -> None:
+def _read_past(file: IO[bytes], count: int, url: str) -> None:
     left = count
     while left > 0:
         chunk = file.read(min(left, SKIP_CHUNK_BYTES))
         if not chunk:
-            raise ConnectionError(f"the file ended after {count - left} bytes when reopened, "
-                                  f"before the {count} already read: it changed while read")
+            raise changed_error(url, f"reopened, it ended after {count - left} bytes, before the "
+                                     f"{count} already read")
         left -= len(chunk)

@@ -17,6 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import IO, Any
 
+from pipeload.datapipes.sources import _versions
+from pipeload.datapipes.sources._versions import ObjectVersion
+
 REMOTE_EXTRA_HINT = "pip install 'pipeload[remote]' (fsspec, plus s3fs for s3://)"
 LOCAL_PREFIX = "file://"
 _SIZE_NOT_NEEDED = -1
@@ -99,21 +102,63 @@ def load_implementations(urls: list[str]) -> None:
         pass
 
 
-def open_binary(url: str, storage_options: Mapping[str, Any] | None) -> IO[bytes]:
-    """Open ``url`` for reading bytes, streaming (no full download first).
+def open_remote(url: str, storage_options: Mapping[str, Any] | None, position: int = 0,
+                pinned: ObjectVersion | None = None) -> tuple[IO[bytes], ObjectVersion, int]:
+    """Open a remote ``url`` for reading from byte ``position`` on, as the version ``pinned``
+    (the first open's; None on the first open). Returns the file, the version it reads and the
+    byte its data begins at (``position``, or 0 where the server sent the whole object).
 
     HTTP is opened as a plain stream (``block_size=0``): servers need not answer range requests,
-    and a shard is read front to back anyway. Object stores (s3) read ahead in blocks.
+    and a shard is read front to back anyway. A resumed HTTP read asks for the rest only while
+    the object is ``pinned`` (``_versions.http_resume_headers``). Object stores (s3) read ahead
+    in blocks; s3fs pins each file's reads to the ETag it opened.
+
+    Raises:
+        SourceChangedError: the object is no longer ``pinned``.
     """
-    if is_local(url):
-        return open(local_path(url), "rb")  # noqa: SIM115  (the caller owns and closes it)
     fs, path = filesystem(url, storage_options)
-    options: dict[str, Any] = {}
     if url.startswith(("http://", "https://")):
-        # A stream needs no size; any size given keeps fsspec from asking the server for it
-        # first (one more round trip per shard, and a whole GET where HEAD is not answered).
-        options.update(block_size=0, size=_SIZE_NOT_NEEDED)
-    return fs.open(path, "rb", **options)
+        return _open_http(fs, path, url, position, pinned)
+    if pinned is not None:
+        fs.invalidate_cache(path)  # a reopened read compares what the store says now
+    file = fs.open(path, "rb")
+    try:
+        version = _versions.details_version(getattr(file, "details", None))
+        if pinned is not None:
+            _versions.check_unchanged(url, pinned, version)
+    except BaseException:
+        file.close()
+        raise
+    return file, version, 0
+
+
+def _open_http(fs: Any, path: str, url: str, position: int,
+               pinned: ObjectVersion | None) -> tuple[IO[bytes], ObjectVersion, int]:
+    # A stream needs no size; any size given keeps fsspec from asking the server for it first
+    # (one more round trip per shard, and a whole GET where HEAD is not answered).
+    options: dict[str, Any] = {"block_size": 0, "size": _SIZE_NOT_NEEDED}
+    if pinned is not None and position > 0:
+        options["headers"] = {**(getattr(fs, "kwargs", {}).get("headers") or {}),
+                              **_versions.http_resume_headers(pinned, position)}
+    try:
+        file = fs.open(path, "rb", **options)
+    except Exception as error:  # noqa: BLE001  (a refusal that says the object changed)
+        refusal = _versions.http_refusal(url, getattr(error, "status", None))
+        if pinned is not None and refusal is not None:
+            raise refusal from error
+        raise
+    try:
+        response = getattr(file, "r", None)  # fsspec's stream keeps aiohttp's response
+        if response is None:
+            return file, ObjectVersion(), 0
+        version = _versions.http_version(response)
+        start = _versions.http_body_start(url, response, position)
+        if pinned is not None:
+            _versions.check_unchanged(url, pinned, version)
+    except BaseException:
+        file.close()
+        raise
+    return file, version, start
 
 
 def expand(root: str, masks: list[str], recursive: bool,

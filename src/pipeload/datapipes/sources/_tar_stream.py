@@ -98,6 +98,7 @@ class TarReader:
         self.last_member: str | None = None  # the last header read
         self.in_member = False  # reading that member's data, not a header
         self.members_read = 0
+        self.member_started_at = 0  # where the headers of the last member read begin
 
     def next_member(self) -> tuple[str, bytes] | None:
         """``(name, data)`` of the next regular file; None at the end-of-archive marker.
@@ -107,6 +108,7 @@ class TarReader:
         """
         pax: dict[str, str] = {}
         long_name: str | None = None
+        started_at = self.offset
         while True:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
@@ -122,6 +124,7 @@ class TarReader:
                 data = self._read_data(size)
                 self.in_member = False
                 self.members_read += 1
+                self.member_started_at = started_at
                 return name, data
             if kind == _GNU_SPARSE:
                 raise TarFormatError(f"member {name!r} is a GNU sparse file, which is not supported")
@@ -134,12 +137,18 @@ class TarReader:
             elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
                 self.last_member = name  # a directory, a link, a device: nothing to yield
 
+    @property
+    def compressed(self) -> bool:
+        """Whether the archive is read through a decompressor (which checks its checksum only
+        at the end of the stream)."""
+        return not isinstance(self._stream, _Prefixed)
+
     def _check_compressed_to_its_end(self) -> None:
         """Read a compressed archive on past its end-of-archive marker, to the end of the
         compressed data: only there does the decompressor check its checksum (gzip's CRC-32 and
         length, bzip2's stream CRC), and a flipped bit that still decompresses, or a cut-off
         trailer, is otherwise delivered without a word. Costs the archive's zero padding."""
-        if isinstance(self._stream, _Prefixed):  # not compressed: nothing to check
+        if not self.compressed:  # nothing to check
             return
         while self._stream.read(_SKIP_CHUNK_BYTES):
             pass

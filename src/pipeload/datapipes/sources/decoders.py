@@ -21,7 +21,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources.errors import describe_failure
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
+from pipeload.datapipes.sources.on_error import SAMPLE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 
 ImageOutput = Literal["pil", "numpy", "tensor"]
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "webp", "tif", "tiff", "gif"})
@@ -158,7 +158,7 @@ class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
                                     f"{url!r}: {describe_failure(error)}") from error
 
     def __iter__(self) -> Iterator[Any]:
-        return _DecodeIterator(self, self._failure_handler("decode", "the sample"))
+        return _DecodeIterator(self, self._failure_handler("decode", "the sample", SAMPLE))
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)

@@ -30,6 +30,11 @@ class ArchiveError(SourceError):
     """An archive is corrupt or truncated: names the archive and the member where it broke."""
 
 
+class SourceChangedError(SourceError):
+    """A remote object changed while it was being read (another ETag, Last-Modified, length or
+    version after a reconnect): carrying on would splice two versions' bytes, so the read stops."""
+
+
 def describe_failure(error: BaseException) -> str:
     """``Type: message`` of an error, for messages that wrap it."""
     text = str(error)

@@ -10,14 +10,16 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
+from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceError, describe_failure
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, OnError, check_policy
+from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
@@ -43,13 +45,15 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     try:
         if _storage.is_local(url):
             return open(_storage.local_path(url), binary, encoding=encoding)  # noqa: SIM115
-        reader = RetryingReader(url, lambda: _storage.open_binary(url, storage_options),
-                                retry or RetryPolicy())
+        def opener(at: int, version: ObjectVersion | None) -> Any:
+            return _storage.open_remote(url, storage_options, at, version)
+
+        reader = RetryingReader(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
-        if url in str(error):
-            raise
+        if error.errno is not None and url in str(error):
+            raise  # the operating system's words, naming the path
         raise _naming(error, url) from error
-    except ImportError:
+    except (ImportError, SourceError):
         raise
     except Exception as error:
         raise SourceError(f"cannot open {url!r}: {describe_failure(error)}", url) from error
@@ -71,7 +75,7 @@ def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
     stream's own retries) names ``url``."""
     try:
         return stream.read() if size is None else stream.read(size)
-    except (ValueError, TypeError, MemoryError):  # the data or the caller, not the source
+    except (ValueError, TypeError, MemoryError, SourceError):  # the data or the caller; named
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
@@ -159,6 +163,9 @@ class _ListingIterator(PipeIterator[str]):
             return {"own": 0, "upstream": [self._roots.state_dict()]}
         return {"own": self._handed_out, "upstream": [self._before_root]}
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        return fields.integer("own")  # paths of the root handed out
+
     def _load_own_state(self, state: Any) -> None:
         self._skip = state
 
@@ -231,7 +238,7 @@ class _OpenerIterator(PipeIterator[tuple[str, IO[Any]]]):
         super().__init__(pipe.datapipe)
         (self._urls,) = self.upstream
         self._pipe = pipe
-        self.failures = pipe._failure_handler("open_files", "the file")
+        self.failures = pipe._failure_handler("open_files", "the file", FILE)
 
     def nonblocking_next(self) -> tuple[str, IO[Any]]:
         while True:

@@ -7,9 +7,11 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeVar
 
+from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.protocol import PipeIterator, skipped_ahead
 
 T = TypeVar("T")
 
@@ -66,17 +68,25 @@ class _WrapperIterator(PipeIterator[Any]):
             warnings.warn(
                 "The input iterable can not be deepcopied, please be aware of in-place "
                 f"modification would affect source data. ({type(self._pipe.iterable).__name__})",
-                stacklevel=4,
+                stacklevel=first_frame_outside_pipeload(),
             )
             return self._pipe.iterable
 
     def _own_state(self) -> Any:
         return self._position
 
+    def _check_own_state(self, fields: StateFields) -> Any:
+        # Replaying is exact for data in memory; sources that can seek do better (issue 9). It is
+        # done here, on an iterator of its own, so a position past the data is refused unset.
+        length = len(self._pipe.iterable) if isinstance(self._pipe.iterable, Sized) else None
+        position = fields.integer("own", 0, length)
+        if position == 0:
+            return None, 0  # nothing read: the data is copied at the first item, as before
+        items = skipped_ahead(iter(self._source_data()), position, fields.name("own"), "the data has {} items")
+        return items, position
+
     def _load_own_state(self, state: Any) -> None:
-        # Replaying is exact for data in memory; sources that can seek do better (issue 9).
-        for _ in range(state):
-            self.nonblocking_next()
+        self._items, self._position = state
 
 
 class SequenceWrapper(MapDataPipe[T]):
@@ -103,7 +113,7 @@ class SequenceWrapper(MapDataPipe[T]):
                 warnings.warn(
                     "The input sequence can not be deepcopied, please be aware of in-place "
                     f"modification would affect source data ({type(sequence).__name__})",
-                    stacklevel=2,
+                    stacklevel=first_frame_outside_pipeload(),
                 )
 
     def __getitem__(self, index: Any) -> T:

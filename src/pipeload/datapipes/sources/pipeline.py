@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import glob
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,29 +19,48 @@ from pipeload.datapipes.sources.on_error import OnError
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _BRACE_RANGE = re.compile(r"(\d+)\.\.(\d+)")
 _GLOB_CHARACTERS = frozenset("*?[")
+REMOTE_PROBES = 8  # remote shards asked whether they exist when a pipeline is built, at most
 
 
 def expand_urls(urls: str | Sequence[str], storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Shard URLs from a list, brace ranges and lists (``{train,val}-{0000..0099}.tar``) or a glob
     (``*.tar``).
 
-    Globs are matched now, locally or through fsspec, and sorted.
+    Globs are matched now, locally or through fsspec, and sorted. Local paths are looked at now
+    too, as a glob would be: a pattern or list none of whose paths exists, or a directory where
+    a shard should be, is refused here rather than found by a worker at the first batch.
 
     Raises:
-        ValueError: nothing matched (a typo would otherwise give an empty epoch).
+        ValueError: nothing matched, or nothing named exists (a typo would otherwise give an
+            empty epoch); a local path names a directory.
 
     Example:
         >>> expand_urls("s3://bucket/train-{0..2}.tar")
         ['s3://bucket/train-0.tar', 's3://bucket/train-1.tar', 's3://bucket/train-2.tar']
     """
     patterns = [urls] if isinstance(urls, str) else list(urls)
+    if not patterns or not all(isinstance(pattern, str) for pattern in patterns):
+        raise ValueError(f"urls must be a URL, a pattern or a non-empty list of them, got urls={urls!r}")
     found: list[str] = []
     for pattern in patterns:
         for url in _expand_braces(pattern):
             found.extend(_expand_glob(url, storage_options) if _GLOB_CHARACTERS & set(url) else [url])
     if not found:
         raise ValueError(f"no shard matches urls={urls!r}")
+    _check_local(found, urls)
     return found
+
+
+def _check_local(found: list[str], urls: Any) -> None:
+    """Refuse local paths that are directories, or a list none of whose local paths exists."""
+    local = [url for url in found if _storage.is_local(url)]
+    for url in local:
+        if os.path.isdir(_storage.local_path(url)):
+            raise ValueError(f"urls names a directory, not a shard: {url!r} (from urls={urls!r}); "
+                             f"name the shard files in it, e.g. {os.path.join(url, '*.tar')!r}")
+    if local and not any(os.path.exists(_storage.local_path(url)) for url in local):
+        raise ValueError(f"no shard matches urls={urls!r}: none of the {len(local)} paths it names "
+                         f"exists (the first: {local[0]!r})")
 
 
 def _expand_braces(pattern: str) -> list[str]:
@@ -84,6 +105,7 @@ def webdataset_pipeline(
     max_failures: int | None = None,
     retry: RetryPolicy | None = None,
     read_ahead: int = 64,
+    hold_until_checked: bool = False,
 ) -> IterDataPipe:
     """Samples from WebDataset tar shards, ready for ``pipeload.DataLoader``.
 
@@ -99,11 +121,17 @@ def webdataset_pipeline(
         batch_size: make lists of this many samples (None: single samples; let the loader batch).
         image, handlers: as for ``decode``.
         storage_options: fsspec options for remote URLs (credentials, endpoints).
-        on_error, max_failures: applied to opening, reading and decoding; see
+        on_error, max_failures: applied to opening, reading, grouping and decoding, with one
+            budget for all four (in a DataLoader, for the loader's whole epoch); see
             ``pipeload.datapipes.sources.on_error``.
         retry: how transient remote failures are retried.
         read_ahead: samples read (not yet decoded) ahead by a background thread in each worker,
-            so waiting for the network overlaps decoding; 0 reads in the worker's own thread.
+            so waiting for the network overlaps decoding; 0 reads in the worker's own thread
+            (and lets a checkpoint record where each worker's reading stands: a read-ahead
+            thread's queue keeps no checkpoint yet, so resuming re-reads the epoch's start).
+        hold_until_checked: compressed shards yield no sample before the decompressor has
+            checked the whole stream's checksum (see ``load_from_tar``); costs holding one
+            shard's samples in memory per worker.
 
     Example:
         >>> pipe = webdataset_pipeline("https://host/shards/train-{0000..0146}.tar", image="tensor")
@@ -111,17 +139,54 @@ def webdataset_pipeline(
     """
     shard_urls = expand_urls(urls, storage_options)
     _storage.load_implementations(shard_urls)
+    _check_shards_exist(shard_urls, urls, storage_options, on_error)
     pipe: IterDataPipe = IterableWrapper(shard_urls)
     if shuffle_shards:
         pipe = pipe.shuffle()
     policy: dict[str, Any] = {"on_error": on_error, "max_failures": max_failures}
-    pipe = pipe.sharding_filter().open_files(mode="b", storage_options=storage_options, retry=retry, **policy)
-    pipe = pipe.load_from_tar(**policy).webdataset(**policy)
+    opened = pipe.sharding_filter().open_files(mode="b", storage_options=storage_options, retry=retry, **policy)
+    members = opened.load_from_tar(hold_until_checked=hold_until_checked, **policy)
+    pipe = grouped = members.webdataset(**policy)
     if read_ahead:
         pipe = pipe.prefetch(read_ahead)
     if shuffle_buffer:  # before decoding: the buffer holds encoded bytes, not decoded images
         pipe = pipe.shuffle(buffer_size=shuffle_buffer)
-    pipe = pipe.decode(handlers, image=image, **policy)
+    pipe = decoded = pipe.decode(handlers, image=image, **policy)
+    for stage in (opened, members, grouped, decoded):  # max_failures: failures of all of them
+        stage.failure_budget = "webdataset_pipeline"
     if batch_size is not None:
         pipe = pipe.batch(batch_size)
     return pipe
+
+
+def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mapping[str, Any] | None,
+                        on_error: OnError) -> None:
+    """Refuse, when the pipeline is built, shards that are not there: remote ones none of which
+    exists (the first ``REMOTE_PROBES`` are asked, one request each, until one answers), and
+    under ``on_error="raise"`` any local one that is missing (the first batch would fail on it
+    anyway, in a worker, long after the typo was made)."""
+    remote = [url for url in shard_urls if not _storage.is_local(url)][:REMOTE_PROBES]
+    if remote and not any(_exists(url, storage_options) for url in remote):
+        raise ValueError(f"no shard matches urls={urls!r}: none of the first {len(remote)} shards it "
+                         f"names exists (the first: {remote[0]!r})")
+    missing = [url for url in shard_urls if _storage.is_local(url) and not os.path.exists(_storage.local_path(url))]
+    if missing and on_error == "raise":
+        others = ", ".join(repr(url) for url in missing[1:5]) + (", ..." if len(missing) > 5 else "")
+        raise FileNotFoundError(errno.ENOENT, f"{len(missing)} of the {len(shard_urls)} shards named do not "
+                                f"exist{f' (also {others})' if others else ''}; on_error='skip' would "
+                                "leave them out, counted. The first", missing[0])
+
+
+def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether ``url`` is there; True when asking failed otherwise (a refused connection, no
+    credentials yet): reading it will say why, after its retries, naming it."""
+    fs, path = _storage.filesystem(url, storage_options)
+    try:
+        if not url.startswith(("http://", "https://")):
+            return bool(fs.exists(path))
+        fs.info(path)  # a HEAD (fsspec's exists() is a whole GET, which starts sending the shard)
+    except FileNotFoundError:
+        return False
+    except Exception:  # noqa: BLE001  (not a verdict on the path)
+        return True
+    return True

@@ -2,35 +2,53 @@
 
 from __future__ import annotations
 
+import collections
 import tarfile
 from collections.abc import Iterator
 from typing import IO, Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _tar_stream
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
+from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
+from pipeload.errors import bad_state_field
 
 # Errors that mean "these bytes are not a good archive", as opposed to "the bytes did not come".
 _DATA_ERROR_NAMES = frozenset({"ZstdError", "BadGzipFile", "error", "LZMAError"})
 _BZIP2_BAD_DATA = "Invalid data stream"  # bzip2 says so with a plain OSError
 
 
+class ArchiveOutcome:
+    """How one reading of an archive ended, shared by the members it yielded: ``failed`` turns
+    True when the rest of the archive was given up (``on_error``), before anything after it is
+    yielded, so that a sample those members began can be dropped as cut short (``webdataset``)."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
 class ArchiveMember(tuple):
     """One archive member as ``(path, data)``: ``path`` is ``"<archive url>/<member name>"``.
 
-    ``archive`` and ``name`` keep the two parts apart (``webdataset`` groups by them).
+    ``archive`` and ``name`` keep the two parts apart (``webdataset`` groups by them);
+    ``outcome`` is how the reading it came from ended (None once pickled).
     """
 
     archive: str
     name: str
+    outcome: ArchiveOutcome | None
 
-    def __new__(cls, archive: str, name: str, data: bytes) -> ArchiveMember:
+    def __new__(cls, archive: str, name: str, data: bytes,
+                outcome: ArchiveOutcome | None = None) -> ArchiveMember:
         member = super().__new__(cls, (f"{archive}/{name}", data))
         member.archive = archive
         member.name = name
+        member.outcome = outcome
         return member
 
     def __getnewargs__(self) -> tuple[str, str, bytes]:  # type: ignore[override]
@@ -51,11 +69,18 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
     naming the archive and the member where it broke, or is handled by ``on_error``: the members
     read before the damage have been yielded, the rest of that archive is skipped (one failure).
 
+    A compressed archive's checksum covers the whole stream and is checked at its end, after its
+    members were yielded: a flipped bit that still decompresses is found only then. With
+    ``hold_until_checked=True`` no member of a compressed archive is yielded before the check
+    passed (the archive's members are held in memory meanwhile); otherwise they stream, and a
+    failed check names how many were already delivered.
+
     Args:
         datapipe: yields ``(url, stream)`` pairs.
         mode: accepted for torchdata compatibility (``"r:*"``); compression is always detected.
         length: what ``len()`` reports (-1: no length).
         on_error, max_failures: see ``pipeload.datapipes.sources.on_error``.
+        hold_until_checked: hold each compressed archive's members until its checksum passed.
 
     Example:
         >>> for path, data in FileLister("shards", "*.tar").open_files(mode="b").load_from_tar():
@@ -65,7 +90,8 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
     _parent_fields = ("datapipe",)
 
     def __init__(self, datapipe: IterDataPipe[tuple[str, IO[bytes]]], mode: str = "r:*", length: int = -1,
-                 *, on_error: OnError = "raise", max_failures: int | None = None) -> None:
+                 *, on_error: OnError = "raise", max_failures: int | None = None,
+                 hold_until_checked: bool = False) -> None:
         if not mode.startswith("r"):
             raise ValueError(f"TarArchiveLoader only reads archives: mode must start with 'r', got mode={mode!r}")
         check_policy(on_error, max_failures, "TarArchiveLoader")
@@ -74,9 +100,11 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
         self.length = length
         self.on_error = on_error
         self.max_failures = max_failures
+        self.hold_until_checked = hold_until_checked
 
     def __iter__(self) -> Iterator[ArchiveMember]:
-        return _TarIterator(self.datapipe, self._failure_handler("load_from_tar", "the rest of the archive"))
+        return _TarIterator(self.datapipe, self._failure_handler("load_from_tar", "the rest of the archive", FILE),
+                            self.hold_until_checked)
 
     def __len__(self) -> int:
         if self.length == -1:
@@ -85,17 +113,63 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
 
 
 class _OpenArchive:
-    """One archive being read: its stream and the reader over its bytes. Owned by one run."""
+    """One archive being read: its stream, the reader over its bytes and how the reading ends.
+    Owned by one run.
 
-    def __init__(self, url: str, stream: IO[bytes]) -> None:
+    Holding (a compressed archive under ``hold_until_checked``): every member is read, and the
+    stream checked to its end, before the first is handed out; ``position`` is then where the
+    next member to hand out begins, as a checkpoint needs it.
+    """
+
+    def __init__(self, url: str, stream: IO[bytes], hold: bool) -> None:
         self.url = url
         self.stream = stream
         self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
+        self.outcome = ArchiveOutcome()
+        self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
+        self._hold = hold and self.reader.compressed
+        self._position = (0, 0)  # holding: where the next member to hand out begins
+        self._last_at = (0, 0)  # holding: where the last member handed out began
 
     def next_member(self) -> ArchiveMember | None:
         """The next regular file, or None at a clean end; raises at a broken one."""
+        if self._hold:
+            return self._next_held()
         found = self.reader.next_member()
-        return None if found is None else ArchiveMember(self.url, found[0], found[1])
+        return None if found is None else ArchiveMember(self.url, found[0], found[1], self.outcome)
+
+    def _next_held(self) -> ArchiveMember | None:
+        if self._held is None:
+            self._position = (self.reader.offset, self.reader.members_read)
+            held = collections.deque()
+            while (found := self.reader.next_member()) is not None:
+                member = ArchiveMember(self.url, found[0], found[1], self.outcome)
+                held.append((member, (self.reader.offset, self.reader.members_read)))
+            self._held = held  # the whole stream read and its checksum checked
+        if not self._held:
+            return None
+        self._last_at = self._position
+        member, self._position = self._held.popleft()
+        return member
+
+    def position(self) -> tuple[int, int]:
+        """(bytes into the decompressed archive, members read) where the next member begins."""
+        if self._held is None:  # nothing read ahead of what was handed out
+            return self.reader.offset, self.reader.members_read
+        return self._position
+
+    def last_member_at(self) -> tuple[int, int]:
+        """(bytes, members read) where the member handed out last begins: a checkpoint that
+        hands it out again."""
+        if self._held is None:
+            return self.reader.member_started_at, self.reader.members_read - 1
+        return self._last_at
+
+    def delivered_unchecked(self) -> int:
+        """Members handed out before a compressed archive's checksum was checked."""
+        if not self.reader.compressed or self._hold:
+            return 0
+        return self.reader.members_read - (1 if self.reader.in_member else 0)
 
     def where(self) -> str:
         """Where in the archive reading stopped, in words."""
@@ -122,12 +196,16 @@ class _TarIterator(PipeIterator[ArchiveMember]):
     before it was opened: loading that opens the same archive again) and how far into the
     archive's (decompressed) bytes reading got. Resuming seeks there in an uncompressed archive
     whose stream can seek, and reads up to there otherwise (a compressed stream cannot jump).
+
+    :meth:`state_before_last` is the checkpoint as it was before the latest member was handed
+    out (``webdataset`` keeps it for the sample it is filling).
     """
 
-    def __init__(self, source: Any, failures: FailureHandler) -> None:
+    def __init__(self, source: Any, failures: FailureHandler, hold: bool = False) -> None:
         super().__init__(source)
         (self._archives,) = self.upstream
         self.failures = failures
+        self._hold = hold
         self._current: _OpenArchive | None = None
         self._before_current: Any = None  # the upstream's state before the current archive
         self._resume_at: tuple[int, int] | None = None  # (bytes, members) into the next archive
@@ -165,20 +243,36 @@ class _TarIterator(PipeIterator[ArchiveMember]):
     def state_dict(self) -> dict[str, Any]:
         if not self._tracks_state():
             raise NotImplementedError(
-                f"{type(self).__name__}'s archives come from a source without a checkpoint: it "
-                "can only be resumed by skipping items")
+                f"load_from_tar's archives come from a source without a checkpoint "
+                f"({type(self._archives).__name__}): it can only be resumed by skipping items")
         if self._current is None:
             return {"own": None, "upstream": [self._archives.state_dict()]}
-        reader = self._current.reader
-        return {"own": [reader.offset, reader.members_read], "upstream": [self._before_current]}
+        return {"own": list(self._current.position()), "upstream": [self._before_current]}
+
+    def state_before_last(self) -> dict[str, Any]:
+        """The checkpoint as it stood before the latest member was handed out (asked right
+        after it, before the next): resuming from it hands that member out again."""
+        if not self._tracks_state() or self._current is None:
+            return self.state_dict()
+        return {"own": list(self._current.last_member_at()), "upstream": [self._before_current]}
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.listed("own", "None or [bytes into the archive, members read]", length=2, none=True)
+        if own is None:
+            return None  # between archives
+        offset = own.integer(0)
+        # a checkpoint is taken between members, on a 512-byte block, each member a block or more
+        if offset % _tar_stream.BLOCK_BYTES:
+            raise bad_state_field(own.name(0), offset, f"a multiple of {_tar_stream.BLOCK_BYTES} (a tar block)")
+        return offset, own.integer(1, 0, offset // _tar_stream.BLOCK_BYTES)
 
     def _load_own_state(self, state: Any) -> None:
-        self._resume_at = tuple(state) if state is not None else None
+        self._resume_at = state
 
     def _open(self, url: str, stream: IO[bytes]) -> _OpenArchive | None:
         resume_at, self._resume_at = self._resume_at, None
         try:
-            archive = _OpenArchive(url, stream)
+            archive = _OpenArchive(url, stream, self._hold)
             if resume_at is not None:
                 archive.reader.move_to(*resume_at)
             return archive
@@ -193,7 +287,13 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         archive, self._current = self._current, None
         assert archive is not None
         _close_quietly(archive)
+        archive.outcome.failed = True  # before anything after it is yielded (see ArchiveOutcome)
         named = _named(error, archive.url, archive.where(), archive.last_member)
+        unchecked = archive.delivered_unchecked()
+        if unchecked:
+            named.add_note(f"pipeload: its {unchecked} members already delivered were not yet "
+                           "checked against the archive's checksum; hold_until_checked=True holds "
+                           "them back until it passes")
         self.failures.handle(named, self.failures.site(archive.url, archive.last_member))
 
     def _close_current(self) -> None:

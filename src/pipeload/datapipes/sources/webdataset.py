@@ -6,10 +6,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
-from pipeload.datapipes.protocol import PipeIterator, SkipToResume
-from pipeload.datapipes.sources.on_error import ErrorPolicyMixin, FailureHandler, OnError, check_policy
+from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.sources.on_error import SAMPLE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 
 # WebDataset's convention: the key runs to the first dot of the file's own name (directories
 # inside the archive belong to the key), the extension is everything after it.
@@ -57,7 +58,7 @@ class WebDataset(IterDataPipe[dict[str, Any]], ErrorPolicyMixin):
         self.max_failures = max_failures
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return _GroupingIterator(self.datapipe, self._failure_handler("webdataset", "the sample"))
+        return _GroupingIterator(self.datapipe, self._failure_handler("webdataset", "the sample", SAMPLE))
 
     def __len__(self) -> int:
         if self.length == -1:
@@ -72,14 +73,29 @@ def _url_and_name(member: Any) -> tuple[str | None, str]:
     return None, member[0]
 
 
-class _GroupingIterator(SkipToResume, PipeIterator[dict[str, Any]]):
+class _GroupingIterator(PipeIterator[dict[str, Any]]):
+    """Fills one sample at a time from consecutive members; a member with another key (or from
+    another archive) finishes it.
+
+    A sample whose archive broke before it ended is dropped, not yielded short: members carry
+    how their archive's reading ended (``ArchiveMember.outcome``, set before anything after the
+    break is handed out), so a sample finished by a member of another reading, or by the end,
+    is whole only if its reading did not fail.
+
+    Its checkpoint is the upstream's as it stood before the first member of the sample being
+    filled (``load_from_tar`` can say: ``state_before_last``), so that resuming reads that
+    sample's members again instead of holding their bytes in the checkpoint.
+    """
+
     def __init__(self, source: Any, failures: FailureHandler) -> None:
         super().__init__(source)
         (self._members,) = self.upstream
         self.failures = failures
         self._sample: dict[str, Any] | None = None  # being filled; kept across NotAvailable
+        self._outcome: Any = None  # how the reading of the sample's members ends (None: unknown)
         self._broken = False  # the sample being filled had a duplicate and is to be skipped
         self._ended = False
+        self._before_sample: Any = None  # the upstream's checkpoint before the sample's first member
 
     def nonblocking_next(self) -> dict[str, Any]:
         while True:
@@ -89,7 +105,7 @@ class _GroupingIterator(SkipToResume, PipeIterator[dict[str, Any]]):
                 member = self._members.nonblocking_next()
             except StopIteration:
                 self._ended = True
-                finished = self._take_sample()
+                finished = self._take_sample(None)
                 if finished is not None:
                     return finished
                 raise
@@ -104,9 +120,13 @@ class _GroupingIterator(SkipToResume, PipeIterator[dict[str, Any]]):
             return None
         key, extension = parts[0], parts[1].lower()
         finished = None
-        if self._sample is None or self._sample["__key__"] != key or self._sample.get("__url__") != url:
-            finished = self._take_sample()
+        outcome = getattr(member, "outcome", None)
+        if (self._sample is None or self._sample["__key__"] != key or self._sample.get("__url__") != url
+                or outcome is not self._outcome):
+            finished = self._take_sample(outcome)
             self._sample = {"__key__": key, "__url__": url} if url is not None else {"__key__": key}
+            self._outcome = outcome
+            self._before_sample = self._upstream_before_last()
         if extension in self._sample:
             self._broken = True
             error = ValueError(f"webdataset: sample {key!r} of {url!r} has two files with extension "
@@ -115,7 +135,38 @@ class _GroupingIterator(SkipToResume, PipeIterator[dict[str, Any]]):
         self._sample[extension] = member[1]
         return finished
 
-    def _take_sample(self) -> dict[str, Any] | None:
-        sample, broken = self._sample, self._broken
+    def _take_sample(self, next_outcome: Any) -> dict[str, Any] | None:
+        """The sample filled so far, now that a member with ``next_outcome`` (None: the end, or
+        plain pairs) came after it; None if it is to be dropped."""
+        sample, broken, outcome = self._sample, self._broken, self._outcome
         self._sample, self._broken = None, False
-        return None if broken else sample
+        if sample is None or broken:
+            return None
+        if outcome is not None and outcome is not next_outcome and outcome.failed:
+            self.failures.dropped(1)  # cut short by its archive's failure, already counted
+            return None
+        return sample
+
+    def _upstream_before_last(self) -> Any:
+        before_last = getattr(self._members, "state_before_last", None)
+        return before_last() if callable(before_last) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        own = {"ended": self._ended}
+        if self._sample is None:
+            return {"own": own, "upstream": [self._members.state_dict()]}
+        if self._before_sample is None:
+            raise NotImplementedError(
+                "webdataset keeps a checkpoint only where its upstream can say where it stood "
+                f"before its latest item ({type(self._members).__name__} cannot; load_from_tar "
+                "can): it can only be resumed by skipping items")
+        return {"own": own, "upstream": [self._before_sample]}
+
+    def _check_own_state(self, fields: StateFields) -> Any:
+        own = fields.fields("own")
+        ended = own.boolean("ended")
+        own.finish()
+        return {"ended": ended}
+
+    def _load_own_state(self, state: Any) -> None:
+        self._ended = bool(state["ended"])

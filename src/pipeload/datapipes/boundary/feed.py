@@ -1,0 +1,56 @@
+"""The producing side of every queue boundary: run the upstream pipe into a ``DataLoaderQueue``.
+
+Whatever runs the far end (a thread, a process, an actor) calls :func:`feed`: it makes the
+upstream iterator, puts each item, and closes the queue at the end, or with the error when the
+upstream fails, so the consumer gets every item, then the end or the error. The iterator is
+made, used and closed by the calling thread alone, so nothing upstream is touched from two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
+from pipeload.datapipes.protocol import NotAvailable, WaitCancelled, as_nonblocking, wait_for_next
+
+
+def feed(pipe: Any, queue: DataLoaderQueue, where: str) -> None:
+    """Put every item of ``pipe`` into ``queue``, then close it (with the error, on a failure).
+
+    Returns early, quietly, when the consumer closes the queue (or dies): nobody wants the
+    items any more.
+
+    Args:
+        pipe: the upstream part of the graph.
+        queue: the producing end.
+        where: where this runs, for the note added to an upstream error ("upstream of a thread
+            queue boundary (pipeload-queueboundary-3)").
+    """
+    iterator = None
+    stage = "iterating the upstream pipe"
+    try:
+        iterator = as_nonblocking(pipe)
+        while True:
+            stage = "iterating the upstream pipe"
+            item = _next_unless_closed(iterator, queue)
+            stage = "sending an item to the consumer"
+            queue.put(item)
+    except StopIteration:
+        queue.close()
+    except (QueueError, WaitCancelled):
+        pass  # the consumer closed the queue, or went away
+    except BaseException as exc:  # noqa: BLE001  (every failure goes downstream, whole)
+        exc.add_note(f"pipeload: raised {where} while {stage}")
+        queue.close(error=exc)
+    finally:
+        if iterator is not None:
+            iterator.close()
+
+
+def _next_unless_closed(iterator: Any, queue: DataLoaderQueue) -> Any:
+    if queue.closed:
+        raise WaitCancelled
+    try:
+        return iterator.nonblocking_next()
+    except NotAvailable:  # a boundary further upstream has nothing yet
+        return wait_for_next(iterator, lambda: queue.closed)

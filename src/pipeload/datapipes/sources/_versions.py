@@ -1,0 +1,157 @@
+"""Which version of a remote object a read is pinned to, and whether a reopened read still sees it.
+
+A read that reconnects after a cut connection continues at the byte where it stopped. If the
+object was replaced in between, carrying on would splice the old version's first part to the new
+one's rest: a tar shard whose members are partly one file and partly another, without a word.
+So the first response's validators are kept (an HTTP ETag, Last-Modified and length; an object
+store's ETag, version id and size), a resumed HTTP request asks the server to answer only if the
+object is still that one (``If-Match`` and ``If-Range``), and every reopened read is compared
+with the first: a difference is a :class:`SourceChangedError` naming the URL and what changed.
+
+A server that sends neither an ETag nor a Last-Modified can be checked by length only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pipeload.datapipes.sources.errors import SourceChangedError
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+HTTP_PRECONDITION_FAILED = 412
+HTTP_RANGE_NOT_SATISFIABLE = 416
+HTTP_PARTIAL_CONTENT = 206
+# s3fs raises this (an OSError) when a ranged read's If-Match no longer holds.
+_EXPIRED_CLASS_NAMES = frozenset({"FileExpired"})
+# What object stores and fsspec filesystems call their validators, in ``file.details``.
+_DETAIL_NAMES = {
+    "etag": ("ETag", "etag", "md5Hash"),
+    "version_id": ("VersionId", "version_id", "generation"),
+    "last_modified": ("LastModified", "last_modified", "mtime", "updated"),
+    "size": ("size", "Size", "ContentLength"),
+}
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """What identifies one version of a remote object; None where the server did not say."""
+
+    etag: str | None = None
+    last_modified: str | None = None
+    size: int | None = None
+    version_id: str | None = None
+
+    @property
+    def strong_etag(self) -> str | None:
+        """The ETag, if it is a strong one (weak ETags may not be used to resume a range)."""
+        return self.etag if self.etag and not self.etag.startswith("W/") else None
+
+    def changes_since(self, first: ObjectVersion) -> list[str]:
+        """What differs from ``first``, in words; only what both versions tell is compared."""
+        changed = []
+        for field in fields(self):
+            before, now = getattr(first, field.name), getattr(self, field.name)
+            if before is not None and now is not None and before != now:
+                changed.append(f"its {_LABELS[field.name]} was {before!r} and is now {now!r}")
+        return changed
+
+
+_LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "version_id": "version id"}
+
+
+def changed_error(url: str, what: str) -> SourceChangedError:
+    return SourceChangedError(
+        f"{url!r} changed while it was read ({what}): the bytes already read belong to the "
+        "version read first, so the read stops rather than splice two versions", url)
+
+
+def check_unchanged(url: str, first: ObjectVersion, now: ObjectVersion) -> None:
+    """Raise :class:`SourceChangedError` if ``now`` is not the version ``first`` was."""
+    changes = now.changes_since(first)
+    if changes:
+        raise changed_error(url, "; ".join(changes))
+
+
+def is_expired(error: BaseException) -> bool:
+    """Whether ``error`` is an object store refusing a read because the object changed."""
+    return any(cls.__name__ in _EXPIRED_CLASS_NAMES for cls in type(error).__mro__)
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+def http_version(response: Any) -> ObjectVersion:
+    """The validators of an HTTP response (an aiohttp response, as fsspec's stream holds it).
+
+    Its length is the whole object's: a 206's Content-Range total, else Content-Length (unless
+    the body is content-encoded, when that is the encoded length and says nothing)."""
+    headers = response.headers
+    size = None
+    if response.status == HTTP_PARTIAL_CONTENT:
+        match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+        if match is not None and match.group(3) != "*":
+            size = int(match.group(3))
+    elif "Content-Length" in headers and "Content-Encoding" not in headers:
+        size = int(headers["Content-Length"])
+    return ObjectVersion(etag=headers.get("ETag"), last_modified=headers.get("Last-Modified"), size=size)
+
+
+def http_resume_headers(first: ObjectVersion, position: int) -> dict[str, str]:
+    """Headers asking for the object from byte ``position`` on, only while it is ``first``.
+
+    ``Range`` with ``If-Range`` gets the rest (206) if the object is unchanged and the whole new
+    one (200) otherwise; ``If-Match`` makes a server that knows it answer 412 instead. Without a
+    strong ETag the date stands in (``If-Range`` and ``If-Unmodified-Since``)."""
+    headers = {"Range": f"bytes={position}-"}
+    if first.strong_etag is not None:
+        headers["If-Range"] = headers["If-Match"] = first.strong_etag
+    elif first.last_modified is not None:
+        headers["If-Range"] = headers["If-Unmodified-Since"] = first.last_modified
+    return headers
+
+
+def http_body_start(url: str, response: Any, position: int) -> int:
+    """The byte of the object the response's body begins at: ``position`` for a 206 that
+    answers the range asked, 0 for a whole object (200).
+
+    Raises:
+        SourceChangedError: a 206 for another range (the server answered some other request).
+    """
+    if response.status != HTTP_PARTIAL_CONTENT:
+        return 0
+    match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+    if match is None or int(match.group(1)) != position:
+        raise changed_error(url, f"asked for its bytes from {position} on, the server sent "
+                                 f"Content-Range {response.headers.get('Content-Range')!r}")
+    return position
+
+
+def http_refusal(url: str, status: int) -> SourceChangedError | None:
+    """The error for a resumed request the server refused because the object changed."""
+    if status == HTTP_PRECONDITION_FAILED:
+        return changed_error(url, "the server answered 412 Precondition Failed to a request "
+                                  "for the version read first")
+    if status == HTTP_RANGE_NOT_SATISFIABLE:
+        return changed_error(url, "the server answered 416: it is now shorter than the bytes "
+                                  "already read")
+    return None
+
+
+# -- object stores and other fsspec filesystems ---------------------------------------------
+
+def details_version(details: Any) -> ObjectVersion:
+    """The validators an fsspec file's ``details`` hold (s3fs: ETag, VersionId, size, ...)."""
+    if not isinstance(details, dict):
+        return ObjectVersion()
+    found: dict[str, Any] = {}
+    for name, keys in _DETAIL_NAMES.items():
+        for key in keys:
+            value = details.get(key)
+            if value is not None and value != "":
+                found[name] = value if name == "size" else str(value)
+                break
+    size = found.get("size")
+    return ObjectVersion(found.get("etag"), found.get("last_modified"),
+                         int(size) if isinstance(size, (int, str)) and str(size).isdigit() else None,
+                         found.get("version_id"))

@@ -1,0 +1,120 @@
+"""The lines of ``LoaderStats.summary()``: throughput, the setup, where the time went, and the
+verdict (its rules live in ``analysis``)."""
+
+from __future__ import annotations
+
+from pipeload.stats.analysis import diagnose, mean_busy
+from pipeload.stats.report import LoaderStats, RayStageStats, WorkerStats
+
+KIB = 1024
+MIB = 1024 * 1024
+SHOWN_WORKERS = 8
+
+
+def summarise(stats: LoaderStats) -> str:
+    """The lines of ``LoaderStats.summary()``."""
+    lines = [
+        f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
+        f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
+        f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
+        _setup_line(stats),
+        f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
+        f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
+        f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
+        _stage_line(stats),
+    ]
+    if stats.ray is not None:
+        lines.append(_ray_line(stats.ray))
+    has_workers = any(w.kind != "main" for w in stats.workers)
+    if has_workers:
+        lines += [_worker_line(stats), _queue_line(stats)]
+    moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
+    lines.append(f"{moved}skipped samples: {stats.skipped_samples}, skipped files: {stats.skipped_files}")
+    for placed in stats.separate_processes:
+        lines.append(f"separate process (is_separate_process): {placed}")
+    for decision in stats.decisions:
+        lines.append(f"auto at batch {decision.at_batch}: num_workers={decision.num_workers}, "
+                     f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
+    lines.append(f"verdict: {diagnose(stats).advice}")
+    return "\n".join(lines)
+
+
+def _setup_line(stats: LoaderStats) -> str:
+    setup = stats.setup
+    if setup.num_workers == 0 and not stats.decisions:
+        loading = "num_workers=0 (loading in the main process)"
+    else:
+        workers = f"{setup.num_workers}"
+        prefetch = f"{setup.prefetch_factor}"
+        if stats.decisions:  # "auto": the settings running now
+            workers = f"auto (now {stats.decisions[-1].num_workers})"
+            prefetch = f"{stats.decisions[-1].prefetch_factor}"
+        loading = f"num_workers={workers}, worker_type={setup.worker_type}, prefetch_factor={prefetch}"
+    dataset = {"pipe": "a DataPipe graph", "iterable": "an iterable dataset"}.get(setup.dataset, "a map-style dataset")
+    return (f"setup: {dataset}, mode={setup.mode}, {loading}, batch_size={setup.batch_size}, "
+            f"pin_memory={setup.pin_memory}{_unpinned(stats)}, {setup.cpus} usable CPUs")
+
+
+def _unpinned(stats: LoaderStats) -> str:
+    """Words for pin_memory=True that pinned nothing (no accelerator: batches stay in ordinary
+    memory, and a warning said so once)."""
+    return " (nothing pinned: no accelerator)" if stats.setup.pin_memory and stats.batches and not stats.pinned else ""
+
+
+def _size(count: int) -> str:
+    """Bytes in the largest unit that still shows them (1 KiB read "0.0 MiB")."""
+    if count < KIB:
+        return f"{count:,} bytes"
+    return f"{count / KIB:,.1f} KiB" if count < MIB else f"{count / MIB:,.1f} MiB"
+
+
+def _stage_line(stats: LoaderStats) -> str:
+    stages = stats.stages
+    parts = []
+    for name in ("fetch", "collate", "transfer", "pin"):
+        stage = stages[name]
+        if stage.count:
+            unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
+            parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit})")
+    return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
+
+
+def _ray_line(ray: RayStageStats) -> str:
+    per_item = ray.actor_s / ray.items * 1e3 if ray.items else 0.0
+    restarts = f", {ray.restarts} actor restart(s)" if ray.restarts else ""
+    return (f"Ray stage: {ray.items:,} items from its actors, {ray.actor_s:.2f} s in them "
+            f"({per_item:,.2f} ms/item), {ray.transfer_s:.2f} s in transfer, waited for "
+            f"{ray.wait_s:.2f} s{restarts}")
+
+
+def _worker_line(stats: LoaderStats) -> str:
+    """How busy the workers were, and what their busy time was made of: on a CPU, ready but
+    queued for one (other jobs had the CPUs), or neither (waiting inside the dataset)."""
+    workers = [w for w in stats.workers if w.kind != "main"]
+    each = ", ".join(f"{w.name} {w.busy_fraction:.0%}" for w in workers[:SHOWN_WORKERS])
+    more = f", and {len(workers) - SHOWN_WORKERS} more" if len(workers) > SHOWN_WORKERS else ""
+    busy = sum(w.busy_s for w in workers)
+    if busy <= 0:
+        return f"{_busy_words(workers)} of the time ({each}{more})"
+    on_cpu = min(1.0, sum(w.cpu_s for w in workers) / busy)
+    queued = min(1.0 - on_cpu, sum(w.queued_s for w in workers) / busy)
+    return (f"{_busy_words(workers)} of the time ({each}{more}); of that busy time, {on_cpu:.0%} on "
+            f"a CPU, {queued:.0%} ready but queued for one (other work had the CPUs), "
+            f"{1 - on_cpu - queued:.0%} waiting inside the work (I/O, sleeps, locks)")
+
+
+def _queue_line(stats: LoaderStats) -> str:
+    queue = stats.queue
+    return (f"when a batch was handed out, {queue.mean_ready:.1f} more were ready on average and "
+            f"{queue.mean_in_flight:.1f} in flight (room for {queue.capacity})")
+
+
+def _busy_words(workers: list[WorkerStats]) -> str:
+    """How busy the workers were: per kind in economic mode (item workers and batch workers do
+    different work, and one mean over both described neither)."""
+    kinds = [kind for kind in ("item", "batch") if any(w.kind == kind for w in workers)]
+    if not kinds:
+        return f"workers busy {mean_busy(workers):.0%}"
+    return ", ".join(f"{kind} workers busy {mean_busy([w for w in workers if w.kind == kind]):.0%}"
+                     for kind in kinds)
+

@@ -1,0 +1,89 @@
+"""A WebDataset pipeline checkpointed mid-epoch resumes where it stood: the shards already read
+are not requested again from the (real, local) HTTP server, the remaining samples come exactly
+as an uninterrupted epoch's, with no warning; a pipeline that cannot say where it stands (a
+read-ahead thread) is resumed by re-reading, and the warning names that stage."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sources_for_tests import ShardServer, sample_key, write_shards
+
+import pipeload
+from pipeload.datapipes import webdataset_pipeline
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(120)]
+
+SHARDS, SAMPLES, BATCH = 10, 5, 2
+TAKEN = 16  # batches before the checkpoint: where every replica's latest snapshot was taken
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fsspec_io_thread() -> None:
+    import fsspec.asyn
+
+    fsspec.asyn.get_loop()  # lives as long as the process: not a test's leak
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ShardServer]:
+    write_shards(tmp_path, SHARDS, SAMPLES)
+    with ShardServer(tmp_path) as running:
+        yield running
+
+
+def keys_of(batch: list[str]) -> list[str]:
+    return list(batch)
+
+
+def make_loader(server: ShardServer, num_workers: int, read_ahead: int = 0) -> pipeload.DataLoader:
+    urls = [server.url(f"shard-{shard:04d}.tar") for shard in range(SHARDS)]
+    pipe = webdataset_pipeline(urls, shuffle_buffer=0, read_ahead=read_ahead, image="numpy").map(sample_key)
+    return pipeload.DataLoader(pipe, batch_size=BATCH, collate_fn=keys_of, num_workers=num_workers,
+                               generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_checkpointed_pipeline_resumes_without_reading_finished_shards_again(
+    server: ShardServer, num_workers: int
+) -> None:
+    expected = [key for batch in make_loader(server, num_workers) for key in batch]
+    loader = make_loader(server, num_workers)
+    iterator = iter(loader)
+    head = [key for _ in range(TAKEN) for key in next(iterator)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    done = {shard for shard in range(SHARDS)
+            if {f"s{shard:02d}_{index:03d}" for index in range(SAMPLES)} <= set(head)}
+    assert len(done) >= 4  # the checkpoint comes after several whole shards
+    before = dict(server.requests)
+    resumed = make_loader(server, num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # re-reading would say so
+        resumed.load_state_dict(state)
+        rest = [key for batch in resumed for key in batch]
+    assert head + rest == expected
+    again = {name: server.requests[name] - before.get(name, 0) for name in server.requests}
+    assert all(again.get(f"shard-{shard:04d}.tar", 0) == 0 for shard in done)
+
+
+def test_a_pipeline_that_cannot_say_where_it_stands_is_re_read_and_the_warning_names_the_stage(
+    server: ShardServer,
+) -> None:
+    loader = make_loader(server, 0, read_ahead=4)
+    iterator = iter(loader)
+    head = [key for _ in range(3) for key in next(iterator)]
+    state = loader.state_dict()
+    del iterator
+    resumed = make_loader(server, 0, read_ahead=4)
+    with pytest.warns(UserWarning, match="Prefetcher cannot say where it stands") as caught:
+        resumed.load_state_dict(state)
+    assert not any("Mapper" in str(w.message) or "Decoder" in str(w.message) for w in caught)
+    expected = [key for batch in make_loader(server, 0, read_ahead=4) for key in batch]
+    assert head + [key for batch in resumed for key in batch] == expected

@@ -1,0 +1,263 @@
+"""DataLoaderQueue, the RFC's queue between two ends: every item once and in order, bounded,
+non-blocking when asked; it travels to a multiprocessing.Process under every start method; once
+closed (by either end), dead at the far end, or out of time, it says so with QueueError naming
+the far end and why."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+
+import pytest
+import torch
+from conftest import wait_until
+
+from pipeload.datapipes import DataLoaderQueue, NotAvailable, QueueError
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+START_METHODS = ["fork", "spawn", "forkserver"]
+DEADLINE_S = 10.0
+
+
+# -- what runs at the far end (module level: spawn imports it) --------------------------------
+
+
+def put_range(queue: DataLoaderQueue, count: int) -> None:
+    for i in range(count):
+        queue.put(i if i % 4 else torch.full((1 << 14,), i))  # every 4th a 128 KiB tensor
+    queue.close()
+
+
+def put_then_fail(queue: DataLoaderQueue) -> None:
+    queue.put("before")
+    try:
+        raise KeyError("no such sample")
+    except KeyError as error:
+        queue.close(error=error)
+
+
+def put_then_die(queue: DataLoaderQueue, code: int) -> None:
+    queue.put("last words")
+    queue.put("more")
+    os._exit(code)
+
+
+def echo_until_closed(requests: DataLoaderQueue, answers: DataLoaderQueue) -> None:
+    while True:
+        try:
+            question = requests.get()
+        except QueueError:
+            answers.close()
+            return
+        answers.put(question * 2)
+
+
+def put_until_refused(queue: DataLoaderQueue, verdict: DataLoaderQueue) -> None:
+    sent = 0
+    try:
+        while True:
+            queue.put(sent)
+            sent += 1
+    except QueueError as error:
+        verdict.put((error.reason, error.by_this_end, error.far_end))
+    verdict.close()
+
+
+def as_numbers(items: list) -> list[int]:
+    return [int(x[0]) if isinstance(x, torch.Tensor) else x for x in items]
+
+
+def drain(queue: DataLoaderQueue) -> tuple[list, QueueError]:
+    items = []
+    while True:
+        try:
+            items.append(queue.get(timeout=DEADLINE_S))
+        except QueueError as error:
+            return items, error.with_traceback(None)  # no cycle through this frame: no GC needed
+
+
+# -- between two processes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_a_process_queue_travels_to_a_process_under_every_start_method(method: str) -> None:
+    queue = DataLoaderQueue(kind="process", maxsize=3)
+    child = multiprocessing.get_context(method).Process(target=put_range, args=(queue, 40))
+    child.start()
+    items, end = drain(queue)
+    child.join(DEADLINE_S)
+    assert as_numbers(items) == list(range(40))  # each once, in order, tensors whole
+    assert isinstance(items[4], torch.Tensor) and items[4].is_shared()  # shared memory, not bytes
+    assert (end.reason, end.by_this_end, end.far_end) == (QueueError.CLOSED, False, f"process {child.pid}")
+    assert f"the far end (process {child.pid}) closed the queue" in str(end)
+    queue.close()
+    child.close()  # its pipes now, not when a traceback's cycle is collected
+
+
+def test_requests_and_answers_over_two_queues_and_the_consumer_closing_stops_the_far_end() -> None:
+    context = multiprocessing.get_context("fork")  # spawn: test_rfc_examples.py
+    requests, answers = DataLoaderQueue(kind="process", maxsize=2), DataLoaderQueue(kind="process", maxsize=2)
+    child = context.Process(target=echo_until_closed, args=(requests, answers))
+    child.start()
+    for question in range(5):
+        requests.put(question)
+        assert answers.get(timeout=DEADLINE_S) == 2 * question
+    requests.close()  # the far end's get raises, it closes the answers and leaves
+    with pytest.raises(QueueError, match="closed the queue") as end:
+        answers.get(timeout=DEADLINE_S)
+    assert end.value.reason == QueueError.CLOSED and not end.value.by_this_end
+    child.join(DEADLINE_S)
+    assert child.exitcode == 0
+    answers.close()
+    child.close()
+
+
+def test_at_most_maxsize_items_are_in_flight() -> None:
+    queue = DataLoaderQueue(kind="process", maxsize=4)
+    verdict = DataLoaderQueue(kind="process", maxsize=1)
+    child = multiprocessing.get_context("fork").Process(target=put_until_refused, args=(queue, verdict))
+    child.start()
+    assert wait_until(lambda: len(queue) == 4, DEADLINE_S)  # the window is full...
+    with pytest.raises(NotAvailable):
+        verdict.get(blocking=False)  # ...and the producer waits for room, still putting
+    assert [queue.get() for _ in range(4)] == [0, 1, 2, 3]
+    assert wait_until(lambda: len(queue) >= 2, DEADLINE_S)  # room given back, in one message
+    queue.close()  # the consumer leaves: the producer's next put is refused
+    reason, by_this_end, far_end = verdict.get(timeout=DEADLINE_S)
+    assert (reason, by_this_end, far_end) == (QueueError.CLOSED, False, f"process {os.getpid()}")
+    child.join(DEADLINE_S)
+    verdict.close()
+    child.close()
+
+
+def test_an_error_the_far_end_closes_with_arrives_after_its_items() -> None:
+    queue = DataLoaderQueue(kind="process")
+    child = multiprocessing.get_context("fork").Process(target=put_then_fail, args=(queue,))
+    child.start()
+    items, end = drain(queue)
+    child.join(DEADLINE_S)
+    assert items == ["before"]
+    assert isinstance(end.cause, KeyError) and end.__cause__ is end.cause
+    assert "no such sample" in str(end.cause) and "in put_then_fail" in str(end.cause)  # its traceback
+    queue.close()
+    child.close()
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_far_end_that_dies_is_a_queue_error_after_what_it_sent(how: str) -> None:
+    queue = DataLoaderQueue(kind="process")
+    code = 3 if how == "exit" else 0
+    child = multiprocessing.get_context("fork").Process(target=put_then_die, args=(queue, code))
+    if how == "kill":
+        child = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 10**9))
+    child.start()
+    queue.watch(child)  # a watched far end's exit status is in the message
+    first = queue.get(timeout=DEADLINE_S)
+    if how == "kill":
+        os.kill(child.pid, signal.SIGKILL)
+    items, end = drain(queue)
+    assert end.reason == QueueError.DIED and end.far_end == f"process {child.pid}"
+    says = "exit code 3" if how == "exit" else "signal 9 (SIGKILL)"
+    assert says in str(end)
+    if how == "exit":
+        assert [first, *items] == ["last words", "more"]
+    else:
+        assert as_numbers([first, *items]) == list(range(1 + len(items)))
+    child.join(DEADLINE_S)
+    queue.close()
+    child.close()
+
+
+def test_a_process_queue_joins_exactly_two_processes() -> None:
+    queue = DataLoaderQueue(kind="process")
+    first = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 1))
+    first.start()
+    assert as_numbers([queue.get(timeout=DEADLINE_S)]) == [0]
+    with pytest.raises(TypeError, match="already connected to its far end"):
+        pickle.dumps(queue)
+    first.join(DEADLINE_S)
+    queue.close()
+    first.close()
+
+
+# -- between threads, and in one thread --------------------------------------------------------
+
+
+def test_a_thread_queue_between_two_threads() -> None:
+    queue = DataLoaderQueue(kind="thread", maxsize=2)
+    producer = threading.Thread(target=put_range, args=(queue, 30), name="producer")
+    producer.start()
+    items, end = drain(queue)
+    producer.join(DEADLINE_S)
+    assert as_numbers(items) == list(range(30))
+    assert (end.reason, end.far_end) == (QueueError.CLOSED, "thread 'producer'")
+
+
+def test_one_thread_at_both_ends_non_blocking_full_and_empty() -> None:
+    queue = DataLoaderQueue(kind="thread", maxsize=2)
+    queue.put("a")
+    queue.put("b")
+    with pytest.raises(NotAvailable):
+        queue.put("c", blocking=False)
+    assert [queue.get(), queue.get(blocking=False)] == ["a", "b"]
+    with pytest.raises(NotAvailable):
+        queue.get(blocking=False)
+    with pytest.raises(QueueError, match="timed out") as waited:
+        queue.get(timeout=0.05)
+    assert waited.value.reason == QueueError.TIMED_OUT
+    queue.put("d")
+    queue.close()  # closed by the side that put: what it put is still delivered
+    assert queue.get() == "d"
+    with pytest.raises(QueueError, match="this end .* closed the queue") as closed:
+        queue.get()
+    assert closed.value.by_this_end
+    with pytest.raises(QueueError):
+        queue.put("e")
+
+
+def test_a_consumer_closing_a_thread_queue_releases_a_waiting_producer() -> None:
+    queue = DataLoaderQueue(kind="thread", maxsize=1)
+    verdict = DataLoaderQueue(kind="thread", maxsize=1)
+    producer = threading.Thread(target=put_until_refused, args=(queue, verdict))
+    producer.start()
+    assert queue.get(timeout=DEADLINE_S) == 0
+    queue.close()
+    reason, by_this_end, _ = verdict.get(timeout=DEADLINE_S)
+    assert (reason, by_this_end) == (QueueError.CLOSED, False)
+    producer.join(DEADLINE_S)
+
+
+def test_a_dead_producer_thread_is_noticed_when_watched() -> None:
+    queue = DataLoaderQueue(kind="thread")
+    quiet = threading.Thread(target=lambda: None, name="quiet")
+    queue.watch(quiet)
+    quiet.start()
+    quiet.join()
+    with pytest.raises(QueueError, match="died without closing") as end:
+        queue.get(timeout=DEADLINE_S)
+    assert end.value.reason == QueueError.DIED
+
+
+def test_a_thread_queue_stays_in_its_process() -> None:
+    with pytest.raises(TypeError, match="kind='thread' cannot be pickled.*kind='process'"):
+        pickle.dumps(DataLoaderQueue(kind="thread"))
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="kind should be one of .*'process'.*'thread'.*got kind='carrier-pigeon'"):
+        DataLoaderQueue(kind="carrier-pigeon")
+    with pytest.raises(ValueError, match="maxsize should be an int of at least 1, but got maxsize=0"):
+        DataLoaderQueue(kind="process", maxsize=0)
+    queue = DataLoaderQueue()  # the thread kind by default
+    assert queue.kind == "thread" and queue.maxsize == 8 and isinstance(queue, DataLoaderQueue)
+    with pytest.raises(ValueError, match="timeout should be None or at least 0"):
+        queue.get(timeout=-1)
+
+
+def test_queue_errors_pickle_whole() -> None:
+    error = QueueError("gone", far_end="process 7", reason=QueueError.DIED, cause=KeyError(3))
+    again = pickle.loads(pickle.dumps(error))
+    assert (str(again), again.far_end, again.reason, repr(again.cause)) == ("gone", "process 7", "died", "KeyError(3)")
