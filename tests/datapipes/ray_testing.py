@@ -95,10 +95,15 @@ def assert_nothing_left() -> None:
 
 
 def in_process_cluster() -> Iterator[Any]:
-    """``ray.init(num_cpus=2)`` for a module of tests; shut down after, and checked gone."""
+    """``ray.init(num_cpus=2)`` for a module of tests; shut down after, and checked gone: no
+    process, thread, /dev/shm entry or descriptor of ours left (Ray's library keeps its event
+    loops, a socket and its log files open in the process for good once it was connected)."""
+    import threading
+
     import ray
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
+    threads, shm, fds = set(threading.enumerate()), _shm(), _fds()
     with cluster_python_path():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -107,6 +112,36 @@ def in_process_cluster() -> Iterator[Any]:
         ray.shutdown()
         left = lambda: [c for c in psutil.Process().children(recursive=True) if c.pid not in before]  # noqa: E731
         assert wait_for(lambda: not left()), f"Ray processes outlived ray.shutdown(): {left()}"
+        assert not [t.name for t in threading.enumerate() if t not in threads and t.is_alive()]
+        assert wait_for(lambda: not _new_shm(shm)), f"/dev/shm entries left: {_new_shm(shm)}"
+        ours = {fd: target for fd, target in _fds().items() if fds.get(fd) != target
+                and not target.startswith(RAYS_OWN_FDS)}
+        assert not ours, f"descriptors left: {ours}"
+
+
+RAYS_OWN_FDS = ("anon_inode:", "socket:", "/tmp/ray/")
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _new_shm(before: set[str]) -> set[str]:
+    """Entries made since ``before`` and held by no other process (the machine runs others)."""
+    from conftest import _shm_in_use_elsewhere
+
+    fresh = _shm() - before
+    return fresh - _shm_in_use_elsewhere(fresh, {os.getpid()}) if fresh else fresh
+
+
+def _fds() -> dict[str, str]:
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+    return found
 
 
 def free_port() -> int:
