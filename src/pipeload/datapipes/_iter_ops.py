@@ -218,12 +218,22 @@ class IterOperations:
         return Prefetcher(self, buffer_size)  # type: ignore[arg-type]
 
     def queue_boundary(
-        self, worker_type: str = "thread", buffer_size: int = 8, multiprocessing_context: Any = None
+        self, worker_type: str = "thread", buffer_size: int = 8, multiprocessing_context: Any = None,
+        **options: Any,
     ) -> QueueBoundary:
-        """Run everything upstream of here in another thread or process; see :class:`QueueBoundary`."""
+        """Run everything upstream of here in another thread or process; see :class:`QueueBoundary`.
+        ``worker_type="ray"`` runs it in Ray actors, with ``options``; see
+        :class:`~pipeload.datapipes.boundary.ray_pipe.RayQueueBoundary`."""
+        if worker_type == "ray":
+            from pipeload.datapipes.boundary.ray_pipe import RayQueueBoundary
+
+            if multiprocessing_context is not None:
+                raise ValueError("multiprocessing_context only applies to worker_type='process', but got "
+                                 f"multiprocessing_context={multiprocessing_context!r} with worker_type='ray'")
+            return RayQueueBoundary(self, buffer_size, **options)  # type: ignore[arg-type,return-value]
         from pipeload.datapipes.boundary.pipes import QueueBoundary
 
-        return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context)  # type: ignore[arg-type]
+        return QueueBoundary(self, worker_type, buffer_size, multiprocessing_context, **options)  # type: ignore[arg-type]
 
 
     # -- files, archives, samples (pipeload.datapipes.sources) -------------------------------

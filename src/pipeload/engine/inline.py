@@ -11,6 +11,7 @@ from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
 from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
 from pipeload.stats import skips
+from pipeload.stats.ray_stage import ray_stage_counter
 
 
 class InlineEngine:
@@ -80,6 +81,8 @@ class InlineEngine:
         # Before the iterator is made: a read-ahead thread it starts counts from the first.
         skips.bind(self._spec.dataset, self._spec.failures, skips.MAIN_ROW)
         self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
+        if self._clock is not None and self._clock.count_ray_stage is None:
+            self._clock.count_ray_stage = ray_stage_counter(self._spec.dataset, self._clock.ray_stage)
 
     def next_batch(self) -> Any:
         """The next batch. The dataset's or collate_fn's error for it propagates, and the next
@@ -97,3 +100,5 @@ class InlineEngine:
 
     def close(self) -> None:
         self._closed = True
+        if self._clock is not None:
+            self._clock.stop_counting_ray_stage()

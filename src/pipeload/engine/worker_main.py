@@ -37,6 +37,7 @@ from pipeload.engine.worker_info import (
 from pipeload.errors import RemoteFailure, SharedMemoryError
 from pipeload.stats.clock import SAMPLE_EVERY, StageClock, now
 from pipeload.stats import skips
+from pipeload.stats.ray_stage import ray_stage_counter
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
 
 POLL_INTERVAL_S = 0.1
@@ -175,6 +176,8 @@ class WorkerLoop:
             # Before the iterator is made: a read-ahead thread it starts counts from the first.
             skips.bind(fetch.dataset, fetch.failures, skips.worker_row(self._id))
             self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id, resume_from)
+            if self._clock is not None and self._clock.count_ray_stage is None:
+                self._clock.count_ray_stage = ray_stage_counter(fetch.dataset, self._clock.ray_stage)
         except Exception:
             self._init_failure = RemoteFailure.capture(
                 self._id, "starting to iterate the dataset", worker_kind=self.kind

@@ -5,6 +5,6 @@ in words, naming the bottleneck and what to try. Design note: docs/design/stats.
 repository.
 """
 
-from pipeload.stats.report import LoaderStats, QueueStats, StageStats, TuningDecision, WorkerStats
+from pipeload.stats.report import LoaderStats, QueueStats, RayStageStats, StageStats, TuningDecision, WorkerStats
 
-__all__ = ["LoaderStats", "QueueStats", "StageStats", "TuningDecision", "WorkerStats"]
+__all__ = ["LoaderStats", "QueueStats", "RayStageStats", "StageStats", "TuningDecision", "WorkerStats"]

@@ -48,6 +48,8 @@ class WorkerTotals(NamedTuple):
             With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
             from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
             at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
+        ray_stage: what its copy of the dataset's Ray queue boundaries measured, as
+            :meth:`~pipeload.stats.report.RayStageStats.as_tuple` gives it; () without one.
     """
 
     tasks: int
@@ -59,6 +61,7 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
+    ray_stage: tuple[float, ...] = ()  # last and defaulted: totals written before it still read
 
 
 SCHED_READ_EVERY_S = 0.1
@@ -225,13 +228,15 @@ class StageClock:
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
                  "_sched_at_start", "_sched", "_sched_read_at", "_owner",
-                 "_owner_schedstat")
+                 "_owner_schedstat", "count_ray_stage", "_ray_stage")
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
         self._owner = threading.get_ident()  # the scheduler counters read are its thread's
         self._owner_schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._sched_at_start = self._sched = read_sched()
         self.started_at = self._sched_read_at = now()
+        self.count_ray_stage: Any = None  # () -> tuple: its dataset's Ray boundaries' totals
+        self._ray_stage: tuple[float, ...] = ()
         self.samples = 0  # of the timed tasks only (see snapshot)
         self.untimed_samples = 0  # of the others, added by the fetcher
         self.fetch_s = 0.0  # these four: sums over the timed tasks only
@@ -359,16 +364,31 @@ class StageClock:
             read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
             if read is not None:
                 self._sched, self._sched_read_at = read, at
+        if self.count_ray_stage is not None:  # only graphs with a Ray boundary
+            self._ray_stage = self.count_ray_stage()
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self.untimed_size or 0)
+                self._ray_stage, self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
         """The owning thread is about to end: read its scheduler counters while they exist (a
         lent clock is read by another thread, through the thread's file, gone once it ended)."""
         self._sched, self._sched_read_at = read_sched(), now()
+
+    @property
+    def ray_stage(self) -> tuple[float, ...]:
+        """Its dataset's Ray boundaries' totals, as last read."""
+        return self._ray_stage
+
+    def stop_counting_ray_stage(self) -> None:
+        """Its owner is done with the dataset (the inline engine's epoch ended): keep what the
+        Ray boundaries measured so far. The main process's dataset goes on counting for later
+        epochs' clocks, which this one, still read live, must not count too."""
+        if self.count_ray_stage is not None:
+            self._ray_stage = self.count_ray_stage()
+            self.count_ray_stage = None
 
     def finished(self, result: Any = None) -> tuple[Any, ...]:
         """The task in hand is done and its report carries the totals (returned): see

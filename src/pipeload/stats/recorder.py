@@ -37,7 +37,7 @@ from pipeload.stats.clock import (
     now,
     stretch,
 )
-from pipeload.stats.report import LoaderStats, QueueStats, TuningDecision, WorkerStats
+from pipeload.stats.report import LoaderStats, QueueStats, RayStageStats, TuningDecision, WorkerStats
 from pipeload.stats.skips import Counts
 from pipeload.transport.messages import Report
 
@@ -502,6 +502,7 @@ class StatsRecorder:
             skipped_samples=self._skipped_samples + failures.samples,
             skipped_files=failures.files,
             decisions=tuple(self._decisions),
+            ray=_ray_stage_of_workers(self._seen.copy()),
             separate_processes=self._separate_processes,
         )
 
@@ -534,6 +535,17 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
                            send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
 
 
+def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> RayStageStats | None:
+    """What the workers' (and the main process's) Ray boundaries measured; None without any."""
+    measured = [_read(raw, 0)[0].ray_stage for raw, _ in seen.values()]
+    if not any(measured):
+        return None
+    total = RayStageStats()
+    for values in measured:
+        total = total.plus(RayStageStats.from_tuple(values))
+    return total
+
+
 def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     """A worker's totals as kept (a tuple, or a lent clock, read now), and the tasks still to
     add to them by extrapolation (``lag``: counted since they were taken). A lent clock is read
@@ -541,7 +553,7 @@ def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     counts (a classic thread worker that goes by batch numbers) is completed with ``lag``, all
     of its tasks."""
     if not isinstance(raw, StageClock):
-        return WorkerTotals._make(raw), lag
+        return WorkerTotals(*raw), lag
     sums = raw.snapshot()
     if len(sums) == SUMS_LENGTH:
         return WorkerTotals._make(complete_totals(sums, lag)), 0

@@ -98,6 +98,45 @@ class StageStats:
 
 
 @dataclass(frozen=True)
+class RayStageStats:
+    """The Ray queue boundaries of a graph: what their actors made and what waited for them
+    (summed over boundaries, runs and workers).
+
+    Attributes:
+        items: items the actors sent.
+        actor_s: seconds the actors spent making them (running the upstream pipe).
+        transfer_s: seconds from an actor having a chunk ready to the chunk being read (Ray's
+            serialisation, the object store, the network; wall clocks of two machines).
+        wait_s: seconds the downstream asked for an item that was not there yet.
+        restarts: actors restarted after they died.
+    """
+
+    items: int = 0
+    actor_s: float = 0.0
+    transfer_s: float = 0.0
+    wait_s: float = 0.0
+    restarts: int = 0
+
+    def plus(self, other: RayStageStats) -> RayStageStats:
+        return RayStageStats(self.items + other.items, self.actor_s + other.actor_s,
+                             self.transfer_s + other.transfer_s, self.wait_s + other.wait_s,
+                             self.restarts + other.restarts)
+
+    def minus(self, other: RayStageStats) -> RayStageStats:
+        return RayStageStats(self.items - other.items, self.actor_s - other.actor_s,
+                             self.transfer_s - other.transfer_s, self.wait_s - other.wait_s,
+                             self.restarts - other.restarts)
+
+    def as_tuple(self) -> tuple[float, ...]:
+        """As a worker's totals carry it (a plain tuple pickles cheaply)."""
+        return (self.items, self.actor_s, self.transfer_s, self.wait_s, self.restarts)
+
+    @classmethod
+    def from_tuple(cls, values: tuple[float, ...]) -> RayStageStats:
+        return cls(*values) if values else cls()
+
+
+@dataclass(frozen=True)
 class TuningDecision:
     """One decision of ``num_workers="auto"`` / ``prefetch_factor="auto"``.
 
@@ -137,6 +176,8 @@ class LoaderStats:
             (a sample that failed, or one its archive cut short), in every worker's copy, exact.
         skipped_files: files and archives those pipes left out, wholly or from where they broke.
         decisions: what ``num_workers="auto"`` decided, in order.
+        ray: what the dataset's Ray queue boundaries measured, in every worker's copy (None
+            when it has none); also ``stages["ray"]``.
         separate_processes: where the loader ran the DataPipes that asked for a process of their
             own (``is_separate_process()``), one line each: "Decode: its own process (a process
             boundary after it)".
@@ -158,6 +199,7 @@ class LoaderStats:
     first_wait_s: float = 0.0
     end_wait_s: float = 0.0
     separate_processes: tuple[str, ...] = ()
+    ray: RayStageStats | None = None
 
     @property
     def elapsed_s(self) -> float:
@@ -194,19 +236,23 @@ class LoaderStats:
 
     @property
     def stages(self) -> dict[str, StageStats]:
-        """fetch, collate, transfer, pin and wait (the training loop's), each summed."""
+        """fetch, collate, transfer, pin and wait (the training loop's), each summed; and ray
+        (items the actors made, seconds they spent) when the dataset has a Ray boundary."""
         def total(attribute: str, kinds: tuple[str, ...]) -> float:
             return sum(getattr(w, attribute) for w in self.workers if w.kind in kinds)
 
         built = int(sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS))
         handed = int(sum(w.tasks for w in self.workers if w.kind in HANDING_OVER_KINDS + ("item",)))
-        return {
+        stages = {
             "fetch": StageStats(int(total("samples", FETCHING_KINDS)), total("fetch_s", FETCHING_KINDS)),
             "collate": StageStats(built, total("collate_s", BATCH_KINDS)),
             "transfer": StageStats(handed, total("transfer_s", HANDING_OVER_KINDS + ("item",))),
             "pin": StageStats(self.pinned, self.pin_s),
             "wait": StageStats(self.batches, self.first_wait_s + self.wait_s + self.end_wait_s),
         }
+        if self.ray is not None:
+            stages["ray"] = StageStats(int(self.ray.items), self.ray.actor_s)
+        return stages
 
     def summary(self) -> str:
         """A few lines in words: throughput, where the time goes, the bottleneck, what to try."""

@@ -4,7 +4,7 @@ verdict (its rules live in ``analysis``)."""
 from __future__ import annotations
 
 from pipeload.stats.analysis import diagnose, mean_busy
-from pipeload.stats.report import LoaderStats, WorkerStats
+from pipeload.stats.report import LoaderStats, RayStageStats, WorkerStats
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -23,6 +23,8 @@ def summarise(stats: LoaderStats) -> str:
         f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
         _stage_line(stats),
     ]
+    if stats.ray is not None:
+        lines.append(_ray_line(stats.ray))
     has_workers = any(w.kind != "main" for w in stats.workers)
     if has_workers:
         lines += [_worker_line(stats), _queue_line(stats)]
@@ -75,6 +77,14 @@ def _stage_line(stats: LoaderStats) -> str:
             unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
             parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit})")
     return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
+
+
+def _ray_line(ray: RayStageStats) -> str:
+    per_item = ray.actor_s / ray.items * 1e3 if ray.items else 0.0
+    restarts = f", {ray.restarts} actor restart(s)" if ray.restarts else ""
+    return (f"Ray stage: {ray.items:,} items from its actors, {ray.actor_s:.2f} s in them "
+            f"({per_item:,.2f} ms/item), {ray.transfer_s:.2f} s in transfer, waited for "
+            f"{ray.wait_s:.2f} s{restarts}")
 
 
 def _worker_line(stats: LoaderStats) -> str:

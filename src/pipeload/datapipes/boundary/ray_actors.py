@@ -1,0 +1,114 @@
+"""Who owns a Ray boundary's actors between runs.
+
+Starting an actor costs seconds (a Python process that imports torch and the pipe's modules),
+so a run that ends cleanly hands its actors back to the boundary pipe's :class:`ActorPool`, and
+the pipe's next run (the next epoch) starts its shards on them. The pool belongs to the pipe
+description in this process only (a ``_transient_`` attribute: never pickled, never copied), and
+kills its idle actors when the pipe is freed or :meth:`ActorPool.close` is called; a run that
+failed, or whose actor died, kills its actors instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from pipeload.datapipes.boundary.ray_shard import ShardRunner
+
+_actor_classes: dict[int, Any] = {}  # one actor class per ray module (tests may reload it)
+
+
+def actor_class(ray: Any) -> Any:
+    """``ShardRunner`` as a Ray actor class (made once per process)."""
+    made = _actor_classes.get(id(ray))
+    if made is None:
+        made = _actor_classes[id(ray)] = ray.remote(ShardRunner)
+    return made
+
+
+def kill(ray: Any, handles: list[Any]) -> None:
+    """Kill each actor now (Ray ends its process; what it held is freed). Nothing to do once
+    this process has left Ray: its actors went with it (and a call would start a new cluster)."""
+    if not handles or not ray.is_initialized():
+        return
+    for handle in handles:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:
+            pass  # already gone, or Ray shut down first: nothing left to free
+
+
+class ActorPool:
+    """Idle actors of one boundary pipe, kept for its next run. Used from one thread at a time
+    (the threads that start and end the pipe's runs)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Any] = {"ray": None, "job": None, "idle": []}
+        self._finalizer = weakref.finalize(self, _kill_held, self._held)
+
+    def take(self, ray: Any, count: int) -> list[Any]:
+        """Up to ``count`` idle actors of this connection (none after ``ray.shutdown()`` and a
+        new ``ray.init()``: the old cluster's actors went with it)."""
+        if not self._finalizer.alive or ray is not self._held["ray"] or _job(ray) != self._held["job"]:
+            self._held["idle"] = []
+            return []
+        idle = self._held["idle"]
+        taken = idle[:count]
+        del idle[:count]
+        return taken
+
+    def give(self, ray: Any, handles: list[Any]) -> None:
+        """Keep ``handles`` (actors with no run) for a later run."""
+        if not self._finalizer.alive:
+            kill(ray, handles)
+            return
+        job = _job(ray)
+        if self._held["ray"] is not ray or self._held["job"] != job:
+            _kill_held(self._held)
+            self._held["ray"], self._held["job"] = ray, job
+        self._held["idle"].extend(handles)
+
+    def close(self) -> None:
+        """Kill the idle actors now. Idempotent."""
+        self._finalizer()
+
+
+def _job(ray: Any) -> Any:
+    """This process's current connection, or None when not connected: its job on its node (a
+    new local cluster numbers its jobs from 1 again, but its node is new)."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context.get_job_id(), context.get_node_id()
+
+
+def _kill_held(held: dict[str, Any]) -> None:
+    idle, held["idle"] = held["idle"], []
+    if held["ray"] is not None:
+        kill(held["ray"], idle)
+
+
+class RunActors:
+    """One run's actors and what becomes of them when the run ends: back to the pool when the
+    run went well, killed otherwise. ``release`` is the run's finalizer: it holds no run."""
+
+    def __init__(self, ray: Any, handles: list[Any], pool: ActorPool | None) -> None:
+        self.ray = ray
+        self.handles = handles
+        self.reusable = True
+        self._pool = weakref.ref(pool) if pool is not None else None
+
+    def release(self) -> None:
+        pool = self._pool() if self._pool is not None else None
+        if not self.reusable or pool is None or not self.ray.is_initialized():
+            kill(self.ray, self.handles)
+            return
+        for handle in self.handles:
+            try:
+                handle.stop.remote()  # its run's iterator closes before the next run begins
+            except Exception:
+                self.reusable = False
+        if self.reusable:
+            pool.give(self.ray, self.handles)
+        else:
+            kill(self.ray, self.handles)

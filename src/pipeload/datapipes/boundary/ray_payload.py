@@ -1,0 +1,88 @@
+"""Tensors through Ray's object store without copies.
+
+Ray stores numpy arrays out of band and hands the reader a view of the store's shared memory;
+a torch tensor it pickles into the stream, bytes and all (zero-copy tensors are a process-wide
+opt-in there, ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``, that also changes a user's other Ray
+code). So an actor hands each large CPU tensor over as a flat uint8 numpy view of its bytes
+(:func:`pack`), and the reading side makes a tensor of the same dtype and shape over the store's
+memory (:func:`unpack`): no copy on either side but the one into the store.
+
+The tensor read that way is the only reader of its object, which lives as long as the tensor;
+it is writable (the store maps it read-write), so a training loop may change it in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+PACK_MIN_BYTES = 16 * 1024  # smaller tensors ride inside the pickle: a view costs more than it saves
+MAX_DEPTH = 3
+MAX_ITEMS_WALKED = 256  # a container bigger than this is data, not a sample's structure
+
+
+class TensorBytes(NamedTuple):
+    """A tensor as its bytes (a numpy view, stored out of band by Ray), dtype and shape."""
+
+    data: np.ndarray
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def pack(item: Any, depth: int = 0) -> tuple[Any, bool]:
+    """``item`` with its large CPU tensors (inside lists, tuples and dicts, a few levels deep)
+    replaced by :class:`TensorBytes`; and whether anything was replaced (else ``item`` itself)."""
+    if isinstance(item, torch.Tensor):
+        if item.device.type != "cpu" or item.requires_grad or item.nbytes < PACK_MIN_BYTES:
+            return item, False
+        flat = item.contiguous().reshape(-1)  # a copy only when it is not contiguous already
+        return TensorBytes(flat.view(torch.uint8).numpy(), item.dtype, tuple(item.shape)), True
+    if depth >= MAX_DEPTH:
+        return item, False
+    if isinstance(item, (list, tuple)) and len(item) <= MAX_ITEMS_WALKED:
+        parts = [pack(part, depth + 1) for part in item]
+        if not any(changed for _, changed in parts):
+            return item, False
+        values = [value for value, _ in parts]
+        if isinstance(item, list):
+            return values, True
+        return (type(item)(*values) if hasattr(item, "_fields") else type(item)(values)), True
+    if isinstance(item, dict) and len(item) <= MAX_ITEMS_WALKED:
+        packed = {key: pack(value, depth + 1) for key, value in item.items()}
+        if not any(changed for _, changed in packed.values()):
+            return item, False
+        return _same_mapping(item, {key: value for key, (value, _) in packed.items()}), True
+    return item, False
+
+
+def _same_mapping(original: dict[Any, Any], values: dict[Any, Any]) -> dict[Any, Any]:
+    if type(original) is dict:
+        return values
+    try:
+        return type(original)(values)
+    except Exception:
+        return values
+
+
+def unpack(item: Any, depth: int = 0) -> Any:
+    """The inverse of :func:`pack` for an item that :func:`pack` changed."""
+    if isinstance(item, TensorBytes):
+        with warnings.catch_warnings():
+            # The store's memory reaches us read-only as numpy sees it; it is mapped writable
+            # and this object is ours alone (see the module docstring).
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(item.data)
+        return raw.view(item.dtype).reshape(item.shape)
+    if depth >= MAX_DEPTH:
+        return item
+    if isinstance(item, list):
+        return [unpack(part, depth + 1) for part in item]
+    if isinstance(item, tuple):
+        values = [unpack(part, depth + 1) for part in item]
+        return type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
+    if isinstance(item, dict):
+        return _same_mapping(item, {key: unpack(value, depth + 1) for key, value in item.items()})
+    return item

@@ -1,0 +1,173 @@
+"""``pipe.queue_boundary("ray", buffer_size, num_actors=N, ...)``: upstream stages on a Ray cluster."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.boundary.ray_cluster import connected_address
+from pipeload.datapipes.graph import has_sharding
+from pipeload.datapipes.iter._columns import check_positive, length_of
+from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
+
+T_co = TypeVar("T_co", covariant=True)
+_names = itertools.count()
+
+
+class RayQueueBoundary(IterDataPipe[T_co]):
+    """Run everything upstream of this point in Ray actors (functional form:
+    ``queue_boundary("ray", ...)``).
+
+    Each run starts ``num_actors`` actors; actor ``a`` runs shard ``a`` of the upstream part of the
+    graph (its sharding pipes' shard cut again into ``num_actors`` interleaved pieces, so under
+    a DataLoader the split is rank x worker x actor), and this side reads their items back in
+    round-robin order: each exactly once, at most ``buffer_size`` asked for and not yet handed
+    downstream. Large CPU tensors and numpy arrays come through Ray's object store without
+    copies. An exception upstream arrives with its type and the actor's traceback; an actor
+    that dies is a ``WorkerDiedError`` naming it and what it was making, unless
+    ``max_restarts`` lets Ray restart it: it then resumes from its latest upstream state and
+    the epoch completes with every item once.
+
+    Random pipes upstream that have no seed get one drawn (the same in every actor) from a
+    number taken from torch's global generator when the run starts; the DataLoader's seeds,
+    when it set them, are kept.
+
+    Args:
+        datapipe: the upstream part of the graph (it needs a ``sharding_filter()`` when
+            ``num_actors`` > 1; lambdas are fine, Ray pickles them by value).
+        buffer_size: items asked for and not yet handed downstream, over all actors.
+        num_actors: actors, one shard each.
+        chunk_size: items per request (default: half an actor's share of ``buffer_size``).
+        address: the cluster to join when this process is not connected yet (default:
+            ``RAY_ADDRESS``, else a new local cluster in a main process).
+        init_options: more keyword arguments for ``ray.init`` when the boundary connects.
+        start_timeout_s: an actor not started by then (the cluster lacks what it asks for) is
+            a ``TimeoutError`` naming it.
+        **actor_options: passed to the actor class's ``.options()``: ``num_cpus``,
+            ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...
+
+    Example:
+        >>> decoded = (IterableWrapper(paths).sharding_filter().map(decode_jpeg)
+        ...            .queue_boundary("ray", buffer_size=64, num_actors=4, num_cpus=1))
+        >>> batches = decoded.batch(32).collate()
+    """
+
+    _parent_fields = ("datapipe",)
+
+    def __init__(
+        self,
+        datapipe: IterDataPipe,
+        buffer_size: int = 8,
+        num_actors: int = 1,
+        *,
+        chunk_size: int | None = None,
+        address: str | None = None,
+        init_options: dict[str, Any] | None = None,
+        start_timeout_s: float = 300.0,
+        **actor_options: Any,
+    ) -> None:
+        check_positive(buffer_size, "buffer_size", "Buffer size")
+        check_positive(num_actors, "num_actors", "Number of actors")
+        if chunk_size is not None:
+            check_positive(chunk_size, "chunk_size", "Chunk size")
+        if buffer_size < num_actors:
+            raise ValueError(
+                f"queue_boundary('ray') needs buffer_size >= num_actors (each actor is asked for at "
+                f"least one item at a time), but got buffer_size={buffer_size}, num_actors={num_actors}"
+            )
+        if num_actors > 1 and not has_sharding(datapipe):
+            raise ValueError(
+                f"queue_boundary('ray', num_actors={num_actors}) needs a sharding_filter() upstream: "
+                f"without one every actor would yield every item of {datapipe!r}"
+            )
+        self.datapipe = datapipe
+        self.buffer_size = buffer_size
+        self.num_actors = num_actors
+        self.chunk_size = chunk_size
+        self.address = address
+        self.init_options = dict(init_options or {})
+        self.start_timeout_s = start_timeout_s
+        self.actor_options = actor_options
+
+    def __iter__(self) -> Iterator[T_co]:
+        from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
+
+        options = RayOptions(self.num_actors, self.chunk_size, self.address,
+                             tuple(self.actor_options.items()), tuple(self.init_options.items()),
+                             start_timeout_s=self.start_timeout_s)
+        from pipeload.datapipes.boundary.ray_actors import ActorPool
+
+        pool = self.__dict__.get("_transient_ray_actors")
+        if pool is None:
+            pool = self._transient_ray_actors = ActorPool()
+        name = f"pipeload-ray-{next(_names)}"
+        upstream = RayUpstream(self.datapipe, self.buffer_size, options, name, pool, self._tally())
+        return _RayBoundaryIterator(upstream)
+
+    def _tally(self) -> Any:
+        from pipeload.datapipes.boundary.ray_upstream import RayTally
+
+        tally = self.__dict__.get("_transient_ray_tally")
+        if tally is None:
+            tally = self._transient_ray_tally = RayTally()
+        return tally
+
+    def ray_stage_totals(self) -> Any:
+        """What this pipe's runs in this process measured, as
+        :class:`~pipeload.stats.RayStageStats` (the loader's ``stats()`` sums them)."""
+        return self._tally().totals()
+
+    def release_actors(self) -> None:
+        """Kill the idle actors this pipe keeps for its next run now (they also go when the pipe
+        is freed)."""
+        pool = self.__dict__.pop("_transient_ray_actors", None)
+        if pool is not None:
+            pool.close()
+
+    def __len__(self) -> int:
+        return length_of(self.datapipe, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker that unpickles this joins the cluster this process is on (spawn and
+        # forkserver workers inherit no connection).
+        state = super().__getstate__()
+        if state["address"] is None:
+            state["address"] = connected_address()
+        return state
+
+
+class _RayBoundaryIterator(PipeIterator[Any]):
+    """The downstream end of one run: takes from the actors' replies, never waits itself, and
+    can say where each shard stands."""
+
+    def __init__(self, upstream: Any) -> None:
+        super().__init__()
+        self._upstream = upstream
+
+    def nonblocking_next(self) -> Any:
+        try:
+            return self._upstream.take_nowait()
+        except NotAvailable:
+            raise
+        except BaseException:
+            # The end, or an error: the actors go now, not when a traceback lets go of this run.
+            self._upstream.close()
+            raise
+
+    def notifiers(self) -> list[Notifier]:
+        return self._upstream.notifiers()
+
+    def close(self) -> None:
+        self._upstream.close()
+
+    def stats(self) -> Any:
+        """This run's :class:`~pipeload.stats.RayStageStats`."""
+        return self._upstream.stats()
+
+    def _own_state(self) -> Any:
+        return self._upstream.state_dict()
+
+    def _load_own_state(self, state: Any) -> None:
+        self._upstream.load_state_dict(state)

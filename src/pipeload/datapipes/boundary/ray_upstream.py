@@ -1,0 +1,220 @@
+"""The reading side of a Ray queue boundary: N actors, one shard each, read back in order.
+
+Each actor runs its shard of the upstream graph (``ray_shard.py``) and answers requests for
+chunks of items. This side keeps up to ``MAX_IN_FLIGHT`` requests queued at each actor, each
+for ``chunk`` items, while the items asked for and not yet handed downstream stay within the
+actor's share of ``buffer_size``: that is the backpressure, and the pipelining (an actor goes
+from one chunk to the next while the previous one travels).
+
+Order: item ``k`` of actor ``a`` comes before item ``k`` of actor ``a + 1`` and after item
+``k - 1`` of the last actor: round-robin, as the shards were cut (interleaved), so a graph that
+maps one to one after its sharding pipe yields the same order as in one process. A shard that
+ends drops out of the round. Nothing here waits: an item not there yet is ``NotAvailable``, and
+every request's future notifies the boundary's notifier when it completes.
+
+Each actor's position is counted in items handed downstream; with the upstream states the
+actors send every few chunks, that is the checkpoint (:meth:`RayUpstream.state_dict`) and what a
+restarted actor resumes from: its latest state, then the items after it made again and
+dropped, so every item is handed out exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
+from pipeload.datapipes.boundary.ray_cluster import connect
+from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
+from pipeload.datapipes.protocol import NotAvailable, Notifier
+from pipeload.errors import IncompatibleStateError
+from pipeload.stats.report import RayStageStats
+
+STATE_KIND = "pipeload.ray_boundary"
+
+
+class RayTally:
+    """What every run of one boundary pipe measured in this process, added as it goes (the
+    loader's stats read it through the pipe's ``ray_stage_totals()``). One writer at a time:
+    the thread reading the run."""
+
+    __slots__ = ("items", "actor_s", "transfer_s", "wait_s", "restarts")
+
+    def __init__(self) -> None:
+        self.items = self.restarts = 0
+        self.actor_s = self.transfer_s = self.wait_s = 0.0
+
+    def totals(self) -> RayStageStats:
+        return RayStageStats(self.items, self.actor_s, self.transfer_s, self.wait_s, self.restarts)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """A Ray boundary's settings (see ``RayQueueBoundary``)."""
+
+    num_actors: int = 1
+    chunk_size: int | None = None
+    address: str | None = None
+    actor_options: tuple[tuple[str, Any], ...] = ()
+    init_options: tuple[tuple[str, Any], ...] = ()
+    snapshot_every: int = 64
+    start_timeout_s: float = 300.0
+
+    @property
+    def restarts_allowed(self) -> int:
+        """How often Ray restarts a dead actor (-1: always), from ``max_restarts``."""
+        return int(dict(self.actor_options).get("max_restarts", 0))
+
+
+class RayUpstream:
+    """Owns one run's actors and the requests in flight to them; read by one thread.
+
+    Invariants: for each actor, items asked for and not yet handed out stay within its share of
+    the capacity; items are handed out in round-robin order over the shards that have not ended;
+    each actor's ``delivered`` count is exact, whatever failed or restarted.
+    """
+
+    def __init__(self, upstream_pipe: Any, capacity: int, options: RayOptions, name: str,
+                 pool: ActorPool | None = None, tally: RayTally | None = None) -> None:
+        self._ray = connect(options.address, dict(options.init_options))
+        self.name = name
+        self.notifier = Notifier()
+        self.tally = tally if tally is not None else RayTally()
+        self._pipe = upstream_pipe
+        self._options = options
+        self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        share = max(1, capacity // options.num_actors)
+        chunk = min(options.chunk_size or max(1, share // 2), share)
+        handles = pool.take(self._ray, options.num_actors) if pool is not None else []
+        made = actor_class(self._ray).options(**dict(options.actor_options))
+        handles += [made.remote() for _ in range(options.num_actors - len(handles))]
+        self._actors = RunActors(self._ray, handles, pool)
+        self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk) for index, handle in enumerate(handles)]
+        self._active = list(range(options.num_actors))
+        self._turn = 0
+        self._started = False
+        self._resume: dict[str, Any] | None = None
+        self._graph_ref: Any = None
+        self._waiting_since: float | None = None
+        self._wait_s = 0.0
+        self._finalizer = weakref.finalize(self, self._actors.release)
+
+    def notifiers(self) -> list[Notifier]:
+        return [self.notifier]
+
+    def take_nowait(self) -> Any:
+        """The next item in order; NotAvailable if it is not here yet; StopIteration at the end."""
+        if not self._started:
+            self._start()
+        while self._active:
+            lane = self._lanes[self._active[self._turn]]
+            try:
+                item = lane.take_nowait()
+            except NotAvailable:
+                if self._waiting_since is None:
+                    self._waiting_since = time.perf_counter()
+                raise
+            except ShardEnded:
+                del self._active[self._turn]
+                if self._turn >= len(self._active):
+                    self._turn = 0
+                continue
+            self._turn = (self._turn + 1) % len(self._active)
+            if self._waiting_since is not None:
+                waited = time.perf_counter() - self._waiting_since
+                self._wait_s += waited
+                self.tally.wait_s += waited
+                self._waiting_since = None
+            return item
+        raise StopIteration
+
+    def _start(self) -> None:
+        self._started = True
+        try:
+            self._graph_ref = self._ray.put(self._pipe)
+        except Exception as error:
+            self.failed()
+            raise TypeError(
+                f"queue_boundary('ray') could not send its upstream pipe to the Ray actors: {error}"
+            ) from error
+        shards = self._resume["shards"] if self._resume is not None else None
+        for lane in self._lanes:
+            if shards is None:
+                lane.begin(None, 0)
+            elif lane.index in self._active:
+                lane.begin(shards[lane.index]["state"], shards[lane.index]["skip"])
+
+    def run_shard(self, lane: Lane, generation: int, state: Any, state_at: int, skip_to: int) -> Any:
+        """Ask ``lane``'s actor to begin run ``generation``; the future of where it runs."""
+        shard = (self.name, lane.index, len(self._lanes))
+        return lane.handle.start.remote(generation, self._graph_ref, self._seed, shard, state, state_at,
+                                        skip_to, self._options.snapshot_every).future()
+
+    @property
+    def num_actors(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def restarts_allowed(self) -> int:
+        return self._options.restarts_allowed
+
+    @property
+    def start_timeout_s(self) -> float:
+        return self._options.start_timeout_s
+
+    @property
+    def actor_options(self) -> dict[str, Any]:
+        return dict(self._options.actor_options)
+
+    def failed(self) -> None:
+        """Something went wrong with an actor: kill them all when the run ends, keep none."""
+        self._actors.reusable = False
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where each shard stands downstream: its latest upstream state and the items after it.
+
+        Raises:
+            NotImplementedError: an actor's upstream pipe keeps no state (it can only be
+                resumed by skipping).
+        """
+        if self._resume is not None and not self._started:
+            return self._resume
+        shards = [lane.position() for lane in self._lanes]
+        return {"kind": STATE_KIND, "num_actors": len(self._lanes), "active": list(self._active),
+                "turn": self._turn, "shards": shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: call before the first item."""
+        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+            raise ValueError(f"a Ray queue boundary cannot load this state: {str(state)[:200]}")
+        if state["num_actors"] != len(self._lanes):
+            raise IncompatibleStateError(
+                f"Ray queue boundary state: num_actors differs (state: {state['num_actors']}, "
+                f"here: {len(self._lanes)})"
+            )
+        if self._started:
+            raise RuntimeError("load_state_dict() must come before the Ray boundary's first item")
+        self._resume = state
+        self._active = list(state["active"])
+        self._turn = state["turn"]
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def stats(self) -> RayStageStats:
+        """This run's totals so far."""
+        total = RayStageStats(wait_s=self._wait_s)
+        for lane in self._lanes:
+            total = total.plus(RayStageStats(lane.delivered - lane.first_position, lane.actor_s,
+                                             lane.transfer_s, 0.0, lane.restarts))
+        return total
+
+    def close(self) -> None:
+        """End the run: its actors go back to the pipe's pool (or are killed, after a failure).
+        Idempotent."""
+        self._finalizer()

@@ -1,0 +1,80 @@
+"""The DataLoader scenarios of test_ray_in_loader.py, each run in a fresh interpreter.
+
+Ray does not survive fork, even after ``ray.shutdown()``: a test process that was ever connected
+(other Ray tests of the session) could not fork workers that join a cluster. So each scenario
+runs here, in a process that never touched Ray, and forks its DataLoader workers as a training
+job would; they join the cluster named by ``RAY_ADDRESS``. Exits non-zero (an AssertionError)
+when a check fails.
+
+    python ray_loader_job.py same-batches-and-resume | ranks
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+import pipeload
+from pipeload.datapipes.iter import IterableWrapper
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def graph(ray: bool):
+    pipe = IterableWrapper(range(64)).shuffle().sharding_filter().map(square)
+    return pipe.queue_boundary("ray", 4, num_actors=2) if ray else pipe
+
+
+def batches(loader, count=None):
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if count is not None and len(got) == count:
+            break
+    return got
+
+
+def same_batches_and_resume() -> None:
+    """rank x worker x actor gives the batches of the same loader without Ray; a checkpoint
+    taken mid-epoch resumes from each worker's shard positions."""
+    torch.manual_seed(0)
+    expected = batches(pipeload.DataLoader(graph(ray=False), batch_size=4, num_workers=2))
+    torch.manual_seed(0)
+    loader = pipeload.DataLoader(graph(ray=True), batch_size=4, num_workers=2)
+    head = batches(loader, 9)
+    state = loader.state_dict()
+    del loader
+    assert "pipeload.ray_boundary" in repr(state), "the state holds no Ray boundary positions"
+    resumed = pipeload.DataLoader(graph(ray=True), batch_size=4, num_workers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state)
+    assert not [w for w in caught if "cannot say where it stands" in str(w.message)], "resumed by replay"
+    rest = batches(resumed)
+    assert head + rest == expected, (head + rest, expected)
+    ray_stage = resumed.stats().ray  # counted in the workers, read in this process
+    assert ray_stage is not None and ray_stage.items >= 64 - 9 * 4, ray_stage
+
+
+def ranks() -> None:
+    """Two ranks (RANK/WORLD_SIZE, seeded alike) x two workers x two actors: each sample once."""
+    import os
+
+    seen = []
+    for rank in (0, 1):
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
+        torch.manual_seed(0)
+        loader = pipeload.DataLoader(graph(ray=True), batch_size=4, num_workers=2)
+        seen.append(sorted(x for batch in batches(loader) for x in batch))
+        del loader
+    assert len(seen[0]) == len(seen[1]) == 32, seen
+    assert sorted(seen[0] + seen[1]) == [x * x for x in range(64)], seen
+
+
+if __name__ == "__main__":
+    {"same-batches-and-resume": same_batches_and_resume, "ranks": ranks}[sys.argv[1]]()
+    print("ok")

@@ -1,0 +1,286 @@
+"""queue_boundary("ray"): upstream stages in actors of a real local Ray cluster (one per module).
+
+Every test ends with no actor process and no object of ours left in the store
+(``assert_nothing_left``); the module's cluster is shut down after and checked gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ray_testing  # noqa: F401  (sets Ray's environment before it is imported)
+from ray_testing import actor_processes, assert_nothing_left, in_process_cluster, wait_for
+
+ray = pytest.importorskip("ray")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeload.datapipes.iter import IterableWrapper  # noqa: E402
+from pipeload.errors import WorkerDiedError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from in_process_cluster()
+
+
+@pytest.fixture
+def clean(cluster):
+    yield cluster
+    assert_nothing_left()
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail_at_7(x: int) -> int:
+    if x == 7:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def slow_square(x: int) -> int:
+    time.sleep(0.05)
+    return x * x
+
+
+def big_tensor(x: int) -> dict:
+    return {"index": x, "pixels": torch.full((256, 1024), float(x)), "array": np.full(1 << 16, x)}
+
+
+class LogTo:
+    """Appends each item it passes to a file: what the actors made, seen from here."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, x: int) -> int:
+        with open(self.path, "a") as file:
+            file.write(f"{x}\n")
+        return x
+
+
+def test_items_come_back_in_order_once_each_and_the_actors_serve_the_next_run(clean, no_gc):
+    pipe = IterableWrapper(range(41)).sharding_filter().map(slow_square)
+    boundary = pipe.queue_boundary("ray", 8, num_actors=2)
+    abandoned = iter(boundary)
+    assert [next(abandoned) for _ in range(3)] == [0, 1, 4]
+    del abandoned  # dropped, not closed, the collector off: its actors are back at once
+    assert len(boundary._transient_ray_actors._held["idle"]) == 2
+    iterator = iter(boundary)
+    assert list(iterator) == list(pipe)  # round-robin over interleaved shards: the same order
+    stats = iterator.stats()
+    assert stats.items == 41 and stats.restarts == 0
+    assert stats.actor_s >= 41 * 0.05 * 0.9  # what the two actors spent in slow_square
+    assert stats.wait_s > 0 and stats.transfer_s >= 0
+    first = {process.pid for process in actor_processes()}
+    assert len(first) == 2
+    assert list(boundary) == list(pipe)
+    assert {process.pid for process in actor_processes()} == first  # no new actor for a new run
+    boundary.release_actors()
+    assert wait_for(lambda: not actor_processes())
+
+
+def test_shuffles_upstream_split_one_permutation_over_the_actors(clean):
+    shuffle = IterableWrapper(range(30)).shuffle()
+    boundary = shuffle.sharding_filter().queue_boundary("ray", 6, num_actors=3)
+    shuffle.set_seed(7)  # seeded: the order of one process, cut in three and read back in turn
+    assert list(boundary) == list(IterableWrapper(range(30)).shuffle().set_seed(7))
+    unseeded = list(boundary)  # every actor draws the same seed, so their shards still partition
+    assert sorted(unseeded) == list(range(30)) and unseeded != list(range(30))
+
+
+def test_backpressure_and_a_checkpoint_resumed_on_the_same_actors(clean, tmp_path):
+    log = tmp_path / "made.txt"
+    log.touch()
+    made = lambda: len(log.read_text().split())  # noqa: E731
+    shuffle = IterableWrapper(range(60)).shuffle().set_seed(3)
+    pipe = shuffle.sharding_filter().map(LogTo(str(log)))
+    expected = list(IterableWrapper(range(60)).shuffle().set_seed(3))
+    buffer_size, taken = 8, 5
+    boundary = pipe.queue_boundary("ray", buffer_size, num_actors=2)
+    first = iter(boundary)
+    head = [next(first) for _ in range(taken)]
+    # The actors make what the budget allows, then stop: once each has answered every request
+    # made before a call queued behind them, nothing more is made.
+    assert wait_for(lambda: made() >= taken + buffer_size - 2)
+    for lane in first._upstream._lanes:
+        ray.get(lane.handle.describe.remote())
+    assert made() <= taken + buffer_size
+    head += [next(first) for _ in range(32)]
+    state = first.state_dict()
+    first.close()
+    shuffle.set_seed(999)  # no matter: the state carries the shuffle's own generator
+    second = iter(boundary)
+    second.load_state_dict(state)
+    assert head + list(second) == expected
+
+
+def test_large_tensors_and_arrays_come_from_the_object_store_without_copies(clean):
+    items = list(IterableWrapper(range(4)).sharding_filter().map(big_tensor).queue_boundary("ray", 4, num_actors=2))
+    assert [item["index"] for item in items] == [0, 1, 2, 3]
+    with open("/proc/self/maps") as maps:
+        store = [line for line in maps if "plasma" in line]
+    spans = [tuple(int(bound, 16) for bound in line.split()[0].split("-")) for line in store]
+    inside = lambda address: any(low <= address < high for low, high in spans)  # noqa: E731
+    for item in items:
+        assert torch.equal(item["pixels"], torch.full((256, 1024), float(item["index"])))
+        assert inside(item["pixels"].data_ptr()), "the tensor was copied out of the object store"
+        assert inside(item["array"].ctypes.data), "the array was copied out of the object store"
+        item["pixels"] += 1  # ours alone: writable in place
+    del items
+
+
+def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
+    iterator = iter(IterableWrapper(range(20)).sharding_filter().map(fail_at_7).queue_boundary("ray", 4, num_actors=2))
+    got = []
+    with pytest.raises(ValueError, match="bad item 7") as raised:
+        for item in iterator:
+            got.append(item)
+    assert got == [0, 1, 2, 3, 4, 5, 6]
+    assert "Ray actor 1 of 2" in str(raised.value) and "fail_at_7" in str(raised.value)
+
+
+def test_a_killed_actor_is_an_error_naming_it_within_seconds(clean):
+    iterator = iter(IterableWrapper(range(400)).sharding_filter().map(slow_square)
+                    .queue_boundary("ray", 4, num_actors=2))
+    assert [next(iterator) for _ in range(4)] == [0, 1, 4, 9]
+    pid = ray.get(iterator._upstream._lanes[1].handle.describe.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"Ray actor 1 of 2 .*pid %d.* died while making items" % pid):
+        for _ in iterator:
+            pass
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+def test_with_max_restarts_a_killed_actor_resumes_and_every_item_comes_once(clean):
+    pipe = IterableWrapper(range(120)).sharding_filter().map(slow_square)
+    iterator = iter(pipe.queue_boundary("ray", 4, num_actors=2, max_restarts=1))
+    got = [next(iterator) for _ in range(10)]
+    pid = ray.get(iterator._upstream._lanes[0].handle.describe.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    got += list(iterator)
+    assert got == [x * x for x in range(120)]
+    assert iterator.stats().restarts == 1
+
+
+def test_the_ray_kind_of_the_rfcs_queue(clean):
+    from pipeload.datapipes import DataLoaderQueue, NotAvailable, QueueError
+
+    queue = DataLoaderQueue(kind="ray", maxsize=4)
+    with pytest.raises(QueueError, match="no actors yet"):
+        queue.get(blocking=False)
+    with pytest.raises(NotImplementedError, match="read at this end only"):
+        queue.put(1)
+    # As a queue boundary starts its upstream: the boundary's options for this kind.
+    options = {"num_actors": 2, "multiprocessing_context": None}
+    type(queue).start_producer(IterableWrapper(range(10)).sharding_filter().map(slow_square), queue, "squares", options)
+    with pytest.raises(NotAvailable):  # the actors take seconds to start
+        queue.get(blocking=False)
+    assert [queue.get(timeout=60) for _ in range(10)] == [x * x for x in range(10)]
+    with pytest.raises(QueueError, match="put its last item") as ended:
+        queue.get()
+    assert ended.value.reason == QueueError.CLOSED and queue.closed
+
+
+def test_the_loaders_stats_show_the_ray_stage(clean):
+    import pipeload
+
+    graph = IterableWrapper(range(24)).sharding_filter().map(slow_square).queue_boundary("ray", 4, num_actors=2)
+    loader = pipeload.DataLoader(graph, batch_size=4)
+    assert len(list(loader)) == 6
+    stats = loader.stats()
+    assert stats.ray.items == 24 and stats.stages["ray"].count == 24
+    assert stats.ray.actor_s >= 24 * 0.05 * 0.9 and stats.ray.wait_s > 0
+    assert "Ray stage: 24 items from its actors" in stats.summary()
+    assert len(list(loader)) == 6  # a second epoch counts on
+    assert loader.stats().ray.items == 48
+
+
+def test_an_actor_the_cluster_cannot_place_is_an_error_not_a_hang(clean):
+    boundary = IterableWrapper(range(4)).queue_boundary("ray", 2, resources={"no_such_thing": 1}, start_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"Ray actor 0 of 1 .* did not start within 2 s.*no_such_thing"):
+        list(boundary)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+def test_thread_workers_share_this_processs_connection_and_split_the_samples(clean):
+    import pipeload
+
+    graph = IterableWrapper(range(40)).shuffle().sharding_filter().map(square).queue_boundary("ray", 4, num_actors=2)
+    torch.manual_seed(0)
+    loader = pipeload.DataLoader(graph, batch_size=4, num_workers=2, worker_type="thread")
+    seen = [x for batch in loader for x in batch.tolist()]
+    assert sorted(seen) == [x * x for x in range(40)]
+    del loader
+
+
+def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
+    import pipeload
+
+    loader = pipeload.DataLoader(IterableWrapper(range(4)).queue_boundary("ray", 2), num_workers=1,
+                                 multiprocessing_context="fork")
+    with pytest.raises(RuntimeError, match="forked from one that is or was connected to Ray.*'spawn' or 'forkserver'"):
+        list(loader)
+
+
+def test_a_pipe_pickled_here_tells_its_reader_which_cluster_to_join(clean):
+    import pickle
+
+    boundary = IterableWrapper(range(4)).queue_boundary("ray", 2)
+    assert boundary.address is None
+    assert pickle.loads(pickle.dumps(boundary)).address == ray.get_runtime_context().gcs_address
+
+
+def test_bad_arguments_are_named():
+    pipe = IterableWrapper(range(4))
+    with pytest.raises(ValueError, match="needs a sharding_filter"):
+        pipe.queue_boundary("ray", 4, num_actors=2)
+    with pytest.raises(ValueError, match="buffer_size >= num_actors"):
+        pipe.sharding_filter().queue_boundary("ray", 1, num_actors=2)
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": "src"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_importing_pipeload_does_not_import_ray():
+    done = _run_python("import sys, pipeload, pipeload.datapipes; assert 'ray' not in sys.modules, 'ray imported'")
+    assert done.returncode == 0, done.stderr
+
+
+def test_without_ray_the_error_names_the_extra_to_install():
+    done = _run_python(
+        "import sys; sys.modules['ray'] = None\n"
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        "list(IterableWrapper(range(3)).queue_boundary('ray', 2))"
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: queue_boundary('ray') needs the ray package: pip install 'pipeload[ray]'"
+    )
+
+
+def test_an_unreachable_cluster_is_one_line_naming_the_address():
+    port = ray_testing.free_port()
+    done = _run_python(
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        f"list(IterableWrapper(range(3)).queue_boundary('ray', 2, address='127.0.0.1:{port}'))"
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ConnectionError: could not reach the Ray cluster at '127.0.0.1:{port}'"), last
