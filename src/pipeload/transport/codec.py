@@ -130,9 +130,17 @@ def _dispatch_table() -> dict[Any, Any]:
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
-    if (not tensor.is_cpu or tensor.requires_grad or tensor.layout is not torch.strided
-            or tensor.is_quantized):
+    # A nested tensor answers ``layout`` with strided but has no single shape or storage view:
+    # it must be asked first, and torch's reduction carries it.
+    if tensor.is_quantized and tensor.is_cpu and tensor.qscheme() in _QUANTIZED_SCHEMES:
+        return _reduce_quantized(tensor)
+    if (tensor.is_nested or not tensor.is_cpu or tensor.requires_grad
+            or tensor.layout is not torch.strided or tensor.is_quantized):
         return _torch_reduce_tensor(tensor)  # torch's path keeps autograd and exotic layouts
+    if tensor._is_zerotensor():
+        # A zero tensor has a shape but no bytes behind it (torch's reduction crashes on it):
+        # it travels as the zeros it stands for.
+        tensor = torch.zeros(tensor.shape, dtype=tensor.dtype)
     if tensor.is_conj() or tensor.is_neg():
         # A lazy conjugate/negation is a bit on the tensor, not in its storage: apply it (a
         # copy), or the values would arrive unconjugated.
@@ -145,6 +153,42 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         return (_inline_tensor, (inline[0], inline[1], dtype_index, shape))
     return (_rebuild_tensor, (storage, dtype_index, shape, tensor.stride(),
                               tensor.storage_offset()))
+
+
+_QUANTIZED_SCHEMES = (torch.per_tensor_affine, torch.per_channel_affine,
+                      torch.per_channel_affine_float_qparams)
+
+
+def _reduce_quantized(tensor: torch.Tensor) -> Any:
+    """A quantized tensor as its bytes and its quantizer's parameters.
+
+    torch's reduction rebuilds one from its storage alone, without a quantizer: it arrives with
+    its dtype but cannot be read. Here its bytes (made contiguous, offset 0) travel as a plain
+    uint8 tensor, placed like any other, and the receiver makes an empty quantized tensor with
+    the same parameters and copies them in. Strides are not kept (torch keeps nothing).
+    """
+    dense = tensor.clone(memory_format=torch.contiguous_format)
+    data = _byte_view(dense.untyped_storage())
+    scheme = tensor.qscheme()
+    if scheme is torch.per_tensor_affine:
+        params = (tensor.q_scale(), tensor.q_zero_point())
+    else:
+        params = (tensor.q_per_channel_scales(), tensor.q_per_channel_zero_points(),
+                  tensor.q_per_channel_axis())
+    return (_rebuild_quantized, (data, _DTYPE_INDEX[tensor.dtype], tuple(tensor.shape), params))
+
+
+def _rebuild_quantized(data: torch.Tensor, dtype_index: int, shape: tuple[int, ...],
+                       params: tuple[Any, ...]) -> torch.Tensor:
+    dtype = _DTYPES[dtype_index]
+    if len(params) == 2:
+        tensor = torch._empty_affine_quantized(shape, scale=params[0], zero_point=params[1], dtype=dtype)
+    else:
+        scales, zero_points, axis = params
+        tensor = torch._empty_per_channel_affine_quantized(
+            shape, scales=scales, zero_points=zero_points, axis=axis, dtype=dtype)
+    _byte_view(tensor.untyped_storage()).copy_(data)
+    return tensor
 
 
 def _whole_inline_tensor(tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
