@@ -18,6 +18,13 @@ disturbs far less than throughput:
 ``--syscalls`` adds one pass of each pipeload loader under ``strace -f -c``: system calls per
 sample, and the messages (``sendmsg``) per batch. strace slows everything down; only the counts
 mean something there.
+
+``--in-process`` measures instead, in this one process and with real sockets and slabs, what
+economic mode's hop costs per item beside classic mode's collation, for 64 decoded images already
+in hand (no fetching, no seeding): the item worker's side (encoding its groups, each item written
+into the batch's slab), the batch worker's (decoding, stacking, sending the batch) and the main
+process's (receiving it). Thread CPU time, the fastest of many batches: the least disturbed by a
+busy machine.
 """
 
 from __future__ import annotations
@@ -195,18 +202,73 @@ def _strace_counts(path: str) -> dict[str, int]:
     return counts
 
 
+def in_process_costs(images: TarImages, batches: int = 200) -> str:
+    """Per item CPU of economic mode's hop and of classic mode's collation (see the module doc)."""
+    from bench.hop_costs import Hop
+
+    items = [images[i] for i in range(BATCH_SIZE)]
+    with Hop(items) as hop:
+        rows = {"classic": [], "economic": []}
+        for token in range(batches):
+            kind = "economic" if token % 2 else "classic"
+            rows[kind].append(hop.economic(token) if kind == "economic" else hop.classic(token))
+    lines = [f"{'per item, us (best batch)':<28}{'item worker':>12}{'batch worker':>13}{'main':>7}{'total':>8}"]
+    for kind, times in rows.items():
+        best = [min(t[i] for t in times[10:]) / BATCH_SIZE * 1e6 for i in range(3)]
+        lines.append(f"{kind:<28}{best[0]:>12.1f}{best[1]:>13.1f}{best[2]:>7.1f}{sum(best):>8.1f}")
+    lines.append(_seeding_costs())
+    return "\n".join(lines)
+
+
+def _seeding_costs(piece: int = 16, rounds: int = 300) -> str:
+    """An item worker's seeding per item: one item at a time, and a piece's seeds at once."""
+    from pipeload.engine.worker_info import item_seed, reseed
+
+    def one_at_a_time() -> None:
+        for position in range(piece):
+            reseed(item_seed(SEED, 0, position), None)
+
+    timings = {"one at a time": _best_per_item(one_at_a_time, piece, rounds)}
+    try:
+        from pipeload.engine.item_seeds import ItemSeeds
+    except ImportError:  # a tree from before issue 24
+        pass
+    else:
+        def at_once() -> None:
+            seeds = ItemSeeds(SEED, 0, 0, piece)
+            for offset in range(piece):
+                seeds.apply(offset, None)
+
+        timings[f"a piece of {piece} at once"] = _best_per_item(at_once, piece, rounds)
+    return "seeding per item, us (best): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items())
+
+
+def _best_per_item(run: Any, items: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.thread_time()
+        run()
+        best = min(best, time.thread_time() - started)
+    return best / items * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", type=int, default=2048, help="images in the dataset")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--syscalls", action="store_true", help="also count syscalls under strace")
+    parser.add_argument("--in-process", action="store_true",
+                        help="the hop's CPU per item in this one process, not whole loaders")
     parser.add_argument("--one", choices=LOADERS, help=argparse.SUPPRESS)  # one pass, for strace
     args = parser.parse_args(argv)
     images = TarImages(ensure_images(args.size) if not (dataset_dir(args.size) / "index.json").is_file()
                        else dataset_dir(args.size))
     if args.one:
         one_pass(args.one, images, args.workers)
+        return 0
+    if args.in_process:
+        print(in_process_costs(images))
         return 0
     warm_up(images, args.workers)
     passes = []
