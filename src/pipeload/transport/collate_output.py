@@ -92,8 +92,14 @@ def note_items(samples: list[Any]) -> None:
         return
     storage = writer.slab_storage()
     low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    ranges: list[tuple[int, int]] = []
-    writer.occupied = ranges if _walk(samples, low, high, ranges) else None
+
+    def occupied() -> list[tuple[int, int]] | None:
+        ranges: list[tuple[int, int]] = []
+        return ranges if _walk(samples, low, high, ranges) else None
+
+    # Walked only if an item must be copied into its place: when all are there (the rule once
+    # the layout is known), nothing asks, and a walk over every leaf of every item is saved.
+    writer.occupied_from(occupied)
 
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -115,8 +116,10 @@ class SlabWriter:
         # place, whatever its size (see place_items).
         self.carries_items = False
         self._claimed: set[int] = set()
-        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown).
-        self.occupied: list[tuple[int, int]] | None = None
+        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown),
+        # worked out on first use (see occupied_from).
+        self._occupied: list[tuple[int, int]] | None = None
+        self._occupied_source: Callable[[], list[tuple[int, int]] | None] | None = None
         self.large_sizes: list[int] = []  # of the storages the current message asked room for
         self.last_large_sizes: list[int] = []  # the same, for the message finished last
 
@@ -155,8 +158,20 @@ class SlabWriter:
         self.carries_items = False
         if self._claimed:  # left as they are when empty: no allocation per tiny message
             self._claimed = set()
-        self.occupied = None
+        self._occupied, self._occupied_source = None, None
         self.large_sizes = []
+
+    def occupied_from(self, source: Callable[[], list[tuple[int, int]] | None]) -> None:
+        """The byte ranges of the slab that this message's items view are ``source()``, asked
+        only if they are needed (an item to copy into its place), and once."""
+        self._occupied, self._occupied_source = None, source
+
+    @property
+    def occupied(self) -> list[tuple[int, int]] | None:
+        """The slab's byte ranges the batch's decoded items view; None: unknown."""
+        if self._occupied_source is not None:
+            self._occupied, self._occupied_source = self._occupied_source(), None
+        return self._occupied
 
     @property
     def placing(self) -> bool:
