@@ -330,3 +330,48 @@ def test_a_piece_with_an_item_not_handed_over_says_no_item_sizes():
     assert [(kind, what) for kind, _, _, what in deliveries.sent] == [
         (Delivery.ITEMS, [4]), (Delivery.FAILED, [5]), (Delivery.ITEMS, [1]), (Delivery.ITEMS, [2])]
     assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
+
+
+class _GathersItems(_TakesItemsAway):
+    """An item outbox that, like a process worker's, asks for items in groups of ``nbytes``."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.asked: list[bool] = []
+
+    def group_bytes(self, placed: bool) -> int:
+        self.asked.append(placed)
+        return self.nbytes
+
+
+def _run_item_worker_with(deliveries, dataset, commands: list) -> None:
+    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
+    for command in [*commands, WorkerCommand(Command.STOP)]:
+        inbox.send(command)
+    loop = ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, deliveries, lambda: False,
+                          make_thread_rng(0, 0))
+    loop.run()
+
+
+def test_an_item_worker_gathers_small_items_into_groups_of_about_the_bytes_its_outbox_asks():
+    # Items of 16 bytes (and a count): groups of 40 bytes hold two. The worker never holds more
+    # than a group of its own items when it fetches the next one.
+    dataset = _CountsLiveItems(10)
+    deliveries = _GathersItems(40)
+    _run_item_worker_with(deliveries, dataset, [_fetch(0, [4, 5, 6, 7, 8], slot=3)])
+    assert deliveries.sent == [(Delivery.ITEMS, 3, 2, [4, 5]), (Delivery.ITEMS, 5, 2, [6, 7]),
+                               (Delivery.ITEMS, 7, 1, [8])]
+    assert max(dataset.alive_at_fetch) <= 1 and deliveries.asked == [False]  # no grant: not placed
+
+
+def test_an_item_worker_sends_what_it_gathered_before_an_item_that_raises():
+    deliveries = _GathersItems(1 << 20)
+    _run_item_worker_with(deliveries, _CountsLiveItems(10, bad_index=7), [_fetch(0, [4, 5, 6, 7, 8], slot=0)])
+    assert deliveries.sent == [(Delivery.ITEMS, 0, 3, [4, 5, 6]), (Delivery.FAILED, 3, 2, [7])]
+
+
+def test_an_item_as_large_as_a_group_travels_alone():
+    deliveries = _GathersItems(16)
+    _run_item_worker_with(deliveries, _CountsLiveItems(10), [_fetch(0, [1, 2, 3], slot=0)])
+    assert [count for _, _, count, _ in deliveries.sent] == [1, 1, 1]

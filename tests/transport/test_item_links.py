@@ -260,3 +260,53 @@ def test_items_whose_structure_differs_are_never_written_over_each_other():
         del message
     finally:
         hop.close()
+
+
+def test_small_and_permuted_items_are_written_as_rows_of_the_stack_and_stacked_in_place():
+    # Items of a decoded image's usual shape: a small tensor that is a permuted view (channels
+    # first over a channels-last buffer). Each is written, once, as its contiguous row of the
+    # stacked batch; the message carries only its place, and the stack is a view.
+    from pipeload.collate import default_collate
+
+    def image(value: float) -> tuple:
+        channels_last = torch.arange(48.0).reshape(4, 4, 3) + value
+        return channels_last.permute(2, 0, 1), int(value)
+
+    originals = [image(float(10 * i)) for i in range(4)]
+    hop = _Hop()
+    try:
+        batch_grant, item_grant = hop.grants(token=0, count=4, item_bytes=(48 * 4,))
+        samples = hop.hand_over(item_grant(0), originals[:2]) + hop.hand_over(item_grant(2), originals[2:])
+        assert hop.item.writer.last_large_sizes == [48 * 4, 48 * 4]  # asked for, small as they are
+        assert all(s[0].is_contiguous() and torch.equal(s[0], o[0]) for s, o in zip(samples, originals))
+        hop.batch.prepare(batch_grant)
+        note_items(samples)
+        batch = default_collate(samples)
+        assert [batch[0][i].data_ptr() for i in range(4)] == [s[0].data_ptr() for s in samples]
+        assert torch.equal(batch[0], torch.stack([o[0] for o in originals]))
+        hop.batch.send(batch)
+        del batch, samples
+        message, info = hop.batch_main.receive()
+        assert torch.equal(message[0], torch.stack([o[0] for o in originals]))
+        assert message[1].tolist() == [0, 10, 20, 30] and info.outcome is GrantOutcome.USED
+        del message
+    finally:
+        hop.close()
+
+
+def test_items_without_a_place_still_say_their_sizes_and_travel_inside_the_message():
+    # An epoch's first pieces have no grant: the items' sizes are noted (how the main process
+    # learns the layout), small ones ride inline as before, and nothing goes to shared memory.
+    from pipeload.transport.item_links import ItemOutbox
+
+    hop = _Hop()
+    try:
+        hop.item.prepare(None)
+        items = [(torch.arange(12.0).reshape(3, 4).t(), 1), (torch.arange(12.0).reshape(3, 4).t() + 1, 2)]
+        ItemOutbox([hop.link_out]).send(0, ItemDelivery(Delivery.ITEMS, 0, 1, 0, 0, 2, items), hop.item.writer)
+        received = hop.link_in.receive()[0].payload
+        assert hop.item.writer.last_large_sizes == [48, 48]
+        assert all(torch.equal(r[0], i[0]) and r[0].stride() == i[0].stride() for r, i in zip(received, items))
+        assert not any(r[0].is_shared() for r in received)
+    finally:
+        hop.close()

@@ -15,7 +15,6 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
@@ -43,6 +42,7 @@ from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
+from pipeload.transport.codec import INLINE_MAX_BYTES
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
 from pipeload.transport.messages import (
     Command,
@@ -367,13 +367,17 @@ class EconomicEngine:
         batch_worker, indices = self._to_collate[number]
         slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
         placing = self._places_items and self._item_bytes is not None and slabs is not None
+        if placing:
+            area = item_placement(self._item_bytes, len(indices), 1 << 62)
+            # Items whose whole batch would travel inside its message are not worth a slab.
+            placing = area is not None and area.area_bytes > INLINE_MAX_BYTES
         if placing:  # size the slab for the items before the first batch worker's answer does
-            slabs.observe_batch(item_placement(self._item_bytes, len(indices), 1 << 62).area_bytes)
+            slabs.observe_batch(area.area_bytes)
         grant = slabs.grant(slot, number) if slabs is not None else None
         if grant is not None and placing:
             placement = item_placement(self._item_bytes, len(indices), slabs.granted_size(number))
             if placement is not None:
-                grant = dataclasses.replace(grant, items=placement)
+                grant = SlabGrant(grant.slab_id, grant.releases, grant.controls, placement)
                 self._placements[number] = placement
         collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
         self._workers.send(slot, collate)
@@ -406,4 +410,7 @@ class EconomicEngine:
         shared = self._workers.slabs.share_grant(piece.batch_number, piece.item_worker)
         if shared is None:
             return None
-        return dataclasses.replace(shared[0], items=dataclasses.replace(placement, first_item=piece.slot))
+        # Built field by field: dataclasses.replace looks every field up again (twice a piece).
+        share = shared[0]
+        items = ItemPlacement(placement.leaf_offsets, placement.leaf_bytes, placement.area_bytes, piece.slot)
+        return SlabGrant(share.slab_id, share.releases, share.controls, items)

@@ -22,6 +22,7 @@ from typing import Any
 import torch.autograd.profiler as _torch_profiler
 
 from pipeload.engine import replica
+from pipeload.engine.item_seeds import ItemSeeds
 from pipeload.engine.lifecycle import release_free_heap
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
 from pipeload.engine.worker_info import (
@@ -75,6 +76,9 @@ class ItemWorkerLoop(WorkerLoop):
                  share_clock: Callable[[Any], None] | None = None) -> None:
         super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._deliveries = deliveries
+        # Items are handed over in groups of about ``group_bytes(placed)`` bytes (an outbox that
+        # does not say takes each item alone; see item_links.PLACED_GROUP_BYTES).
+        self._group_bytes = getattr(deliveries, "group_bytes", lambda placed: 0)
         self._rng = rng
         self._said_item_bytes: tuple[int, ...] | None = None
         self._heap_in_use = False
@@ -138,8 +142,9 @@ class ItemWorkerLoop(WorkerLoop):
         return ItemsDone(count, sizes)
 
     def _deliveries_of(self, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
-        """The piece's items as deliveries, fetched one at a time as the previous one has gone:
-        one item per delivery; a ``__getitems__`` call, or a failure, in one for the rest of the
+        """The piece's items as deliveries: consecutive items gathered up to the outbox's
+        ``group_bytes`` (one item each when it names none), each group handed over before the
+        next item is fetched; a ``__getitems__`` call, or a failure, in one for the rest of the
         piece (the batch worker fills slots by position, whatever the deliveries' sizes).
         ``timing``: the stats clock samples this piece."""
         route, indices = command.route, command.indices
@@ -150,18 +155,39 @@ class ItemWorkerLoop(WorkerLoop):
             return
         if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
             self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
-            yield self._fetched(piece, indices, lambda: self._sub_batch(indices), timing)
+            fetched = self._fetched(indices, lambda: self._sub_batch(indices), timing)
+            yield (_failed(piece, fetched) if isinstance(fetched, RemoteFailure)
+                   else _group(piece, route.slot, fetched))
             return
+        yield from self._item_groups(piece, command, timing)
+
+    def _item_groups(self, piece: ItemDelivery, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
+        """The per-item path of ``_deliveries_of``: each item fetched under its own seed."""
+        route, indices = command.route, command.indices
         dataset = self._setup.fetch.dataset
+        seeds = ItemSeeds(self._setup.base_seed, command.epoch, route.position, len(indices))
+        group_bytes = self._group_bytes(command.grant is not None)
+        group: list[Any] = []  # fetched, not yet handed over: consecutive items of the piece
+        group_size = 1  # items per group: from the piece's first item's size (one walk a piece)
         for offset, index in enumerate(indices):
-            self._reseed(command.epoch, route.position + offset)
-            one = dataclasses.replace(piece, slot=route.slot + offset, count=1)
-            delivery = self._fetched(one, self._named([index]), lambda: [dataset[index]], timing)
-            if delivery.delivery is Delivery.FAILED:  # the very item; the rest is not fetched
-                yield dataclasses.replace(delivery, count=len(indices) - offset)
+            seeds.apply(offset, self._rng)
+            fetched = self._fetched([index], lambda: [dataset[index]], timing)
+            if isinstance(fetched, RemoteFailure):  # the very item; the rest is not fetched
+                if group:
+                    yield _group(piece, route.slot + offset - len(group), group)
+                yield dataclasses.replace(_failed(piece, fetched), slot=route.slot + offset,
+                                          count=len(indices) - offset)
                 return
-            yield delivery
-            del delivery  # before the next fetch: this worker holds one item at a time
+            if offset == 0 and group_bytes:
+                group_size = max(1, group_bytes // (tensor_bytes(fetched) + 1))
+            group += fetched
+            del fetched
+            if len(group) >= group_size:
+                yield _group(piece, route.slot + offset + 1 - len(group), group)
+                # Before the next fetch: this worker holds at most a group's bytes of items.
+                group = []
+        if group:
+            yield _group(piece, route.slot + len(indices) - len(group), group)
 
     def _sub_batch(self, indices: list[Any]) -> list[Any]:
         """One ``__getitems__`` call; a wrong count raises, as the batch worker fills slots by
@@ -172,12 +198,12 @@ class ItemWorkerLoop(WorkerLoop):
             raise ValueError(f"{name}.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
         return samples
 
-    def _fetched(self, delivery: ItemDelivery, failing: Any, fetch: Callable[[], list[Any]],
-                 timing: bool) -> ItemDelivery:
-        """``delivery`` with the samples ``fetch()`` returns, or with the failure, naming the
-        indices ``failing``. The samples are counted into the stats clock before they are
-        handed over (a lent clock, read live, then has every item of a batch handed out), and
-        timed when ``timing``; under a profiler the fetch opens its span either way."""
+    def _fetched(self, indices: list[Any], fetch: Callable[[], list[Any]],
+                 timing: bool) -> list[Any] | RemoteFailure:
+        """The samples ``fetch()`` returns, or the failure, naming ``indices``. The samples are
+        counted into the stats clock before they are handed over (a lent clock, read live, then
+        has every item of a batch handed out), and timed when ``timing``; under a profiler the
+        fetch opens its span either way."""
         clock = self._clock
         started = now() if timing else 0.0
         try:
@@ -190,14 +216,14 @@ class ItemWorkerLoop(WorkerLoop):
         except Exception as exc:
             if timing:  # a call that raised took its time too, as in a classic worker's
                 clock.fetch_s += now() - started  # type: ignore[union-attr]
-            return _failed(delivery, describe_failure(self._id, ITEM, "fetching items", failing, exc))
+            return describe_failure(self._id, ITEM, "fetching items", self._named(indices), exc)
         if timing:
             clock.fetch_s += now() - started  # type: ignore[union-attr]
             clock.samples += len(samples)  # type: ignore[union-attr]
             clock.bytes_out += tensor_bytes(samples)  # type: ignore[union-attr]
         elif clock is not None:
             clock.untimed_samples += len(samples)
-        return dataclasses.replace(delivery, payload=samples)
+        return samples
 
     def _reseed(self, epoch: int, position: int) -> None:
         reseed(item_seed(self._setup.base_seed, epoch, position), self._rng)
@@ -246,6 +272,12 @@ def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
     if any(tuple(sizes[i:i + per_item]) != first for i in range(per_item, len(sizes), per_item)):
         return None
     return first
+
+
+def _group(piece: ItemDelivery, slot: int, samples: list[Any]) -> ItemDelivery:
+    """One delivery of consecutive items of ``piece``, the first of them at batch slot ``slot``."""
+    return ItemDelivery(piece.delivery, piece.item_worker, piece.epoch, piece.batch_number, slot,
+                        len(samples), samples)
 
 
 def _failed(delivery: ItemDelivery, failure: RemoteFailure) -> ItemDelivery:

@@ -95,7 +95,8 @@ class ItemScheduler:
             return None
         self.in_hand[worker] += 1
         self._next = (worker + 1) % len(self.in_hand)
-        return dataclasses.replace(self.waiting.popleft(), item_worker=worker)
+        piece = self.waiting.popleft()
+        return Piece(piece.batch_number, piece.batch_worker, piece.slot, piece.position, piece.indices, worker)
 
     def last_of(self, batch_number: int) -> bool:
         """Whether no piece of batch ``batch_number`` waits any more."""

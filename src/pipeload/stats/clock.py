@@ -426,7 +426,10 @@ def tensor_bytes(batch: Any, depth: int = 0) -> int:
     """Bytes of tensor data in ``batch`` (tensors inside lists, tuples and dicts, a few levels
     deep); other objects count nothing."""
     if isinstance(batch, torch.Tensor):
-        return batch.nbytes
+        try:
+            return batch.nbytes
+        except RuntimeError:  # sparse and nested tensors have no one byte count: not counted
+            return 0
     if depth > 3:
         return 0
     if isinstance(batch, (list, tuple)):

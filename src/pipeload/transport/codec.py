@@ -25,6 +25,7 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import io
+import math
 import os
 import pickle
 import struct
@@ -130,13 +131,24 @@ def _dispatch_table() -> dict[Any, Any]:
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
-    if (not tensor.is_cpu or tensor.requires_grad or tensor.layout is not torch.strided
-            or tensor.is_quantized):
+    # A nested tensor answers ``layout`` with strided but has no single shape or storage view:
+    # it must be asked first, and torch's reduction carries it.
+    if tensor.is_quantized and tensor.is_cpu and tensor.qscheme() in _QUANTIZED_SCHEMES:
+        return _reduce_quantized(tensor)
+    if (tensor.is_nested or not tensor.is_cpu or tensor.requires_grad
+            or tensor.layout is not torch.strided or tensor.is_quantized):
         return _torch_reduce_tensor(tensor)  # torch's path keeps autograd and exotic layouts
+    if tensor._is_zerotensor():
+        # A zero tensor has a shape but no bytes behind it (torch's reduction crashes on it):
+        # it travels as the zeros it stands for.
+        tensor = torch.zeros(tensor.shape, dtype=tensor.dtype)
     if tensor.is_conj() or tensor.is_neg():
         # A lazy conjugate/negation is a bit on the tensor, not in its storage: apply it (a
         # copy), or the values would arrive unconjugated.
         tensor = tensor.resolve_conj().resolve_neg()
+    writer = _outgoing.writer
+    if writer is not None and writer.carries_items and (placed := _placed_item(tensor, writer)):
+        return placed
     storage = tensor.untyped_storage()
     dtype_index = _DTYPE_INDEX[tensor.dtype]
     shape = tuple(tensor.shape)
@@ -145,6 +157,61 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         return (_inline_tensor, (inline[0], inline[1], dtype_index, shape))
     return (_rebuild_tensor, (storage, dtype_index, shape, tensor.stride(),
                               tensor.storage_offset()))
+
+
+_QUANTIZED_SCHEMES = (torch.per_tensor_affine, torch.per_channel_affine,
+                      torch.per_channel_affine_float_qparams)
+
+
+def _reduce_quantized(tensor: torch.Tensor) -> Any:
+    """A quantized tensor as its bytes and its quantizer's parameters.
+
+    torch's reduction rebuilds one from its storage alone, without a quantizer: it arrives with
+    its dtype but cannot be read. Here its bytes (made contiguous, offset 0) travel as a plain
+    uint8 tensor, placed like any other, and the receiver makes an empty quantized tensor with
+    the same parameters and copies them in. Strides are not kept (torch keeps nothing).
+    """
+    dense = tensor.clone(memory_format=torch.contiguous_format)
+    data = _byte_view(dense.untyped_storage())
+    scheme = tensor.qscheme()
+    if scheme is torch.per_tensor_affine:
+        params = (tensor.q_scale(), tensor.q_zero_point())
+    else:
+        params = (tensor.q_per_channel_scales(), tensor.q_per_channel_zero_points(),
+                  tensor.q_per_channel_axis())
+    return (_rebuild_quantized, (data, _DTYPE_INDEX[tensor.dtype], tuple(tensor.shape), params))
+
+
+def _rebuild_quantized(data: torch.Tensor, dtype_index: int, shape: tuple[int, ...],
+                       params: tuple[Any, ...]) -> torch.Tensor:
+    dtype = _DTYPES[dtype_index]
+    if len(params) == 2:
+        tensor = torch._empty_affine_quantized(shape, scale=params[0], zero_point=params[1], dtype=dtype)
+    else:
+        scales, zero_points, axis = params
+        tensor = torch._empty_per_channel_affine_quantized(
+            shape, scales=scales, zero_points=zero_points, axis=axis, dtype=dtype)
+    _byte_view(tensor.untyped_storage()).copy_(data)
+    return tensor
+
+
+def _placed_item(tensor: torch.Tensor, writer: SlabWriter) -> Any:
+    """An economic item's tensor written at its place in its batch's slab, as the contiguous row
+    the stacked batch will view there (one copy, whatever its strides: a decoded image is often
+    a permuted view); None when the writer gives it no place, after noting its size (see
+    ``SlabWriter.carry_items``). Every tensor of an item asks, small ones included: its bytes then
+    cross neither the socket nor a second copy into the stack."""
+    itemsize = tensor.element_size()
+    nbytes = tensor.numel() * itemsize
+    if nbytes == 0:
+        return None
+    room = writer.allocate(nbytes)
+    if room is None:
+        return None
+    slab_storage, offset = room
+    shape = tuple(tensor.shape)
+    torch.empty((0,), dtype=tensor.dtype).set_(slab_storage, offset // itemsize, shape).copy_(tensor)
+    return (_placed_tensor, (writer.slab_id, offset, _DTYPE_INDEX[tensor.dtype], shape))
 
 
 def _whole_inline_tensor(tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
@@ -193,7 +260,9 @@ def _place(storage: torch.UntypedStorage, nbytes: int, out: _Outgoing) -> tuple[
         return Placement.INLINE, _raw_bytes(storage)
     if storage.is_shared():
         return Placement.DESCRIPTOR, (_pass_descriptor(storage, out), nbytes)
-    room = writer.allocate(nbytes) if writer is not None else None
+    # An item's tensors asked for their places already (_placed_item); one that got none goes
+    # to fresh memory, as the bump allocator's room belongs to the batch worker's outputs.
+    room = writer.allocate(nbytes) if writer is not None and not writer.carries_items else None
     if room is not None:
         slab_storage, offset = room
         _byte_view(slab_storage, offset, nbytes).copy_(_byte_view(storage))
@@ -313,6 +382,13 @@ def _inline_tensor(slot: int, data: bytearray, dtype_index: int,
     tensor = torch.frombuffer(data, dtype=_DTYPES[dtype_index]).view(shape)
     _incoming.storages[slot] = tensor  # its storage is made only if another tensor shares it
     return tensor
+
+
+def _placed_tensor(slab_id: int, offset: int, dtype_index: int, shape: tuple[int, ...]) -> torch.Tensor:
+    dtype = _DTYPES[dtype_index]
+    nbytes = math.prod(shape) * dtype.itemsize
+    tensor = torch.frombuffer(_lease(slab_id)[offset:offset + nbytes], dtype=dtype)
+    return tensor.view(*shape) if shape else tensor.view(())
 
 
 def _rebuild_tensor(storage: torch.UntypedStorage, dtype_index: int, size: tuple[int, ...],

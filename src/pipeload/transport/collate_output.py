@@ -92,20 +92,37 @@ def note_items(samples: list[Any]) -> None:
         return
     storage = writer.slab_storage()
     low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    ranges: list[tuple[int, int]] = []
-    writer.occupied = ranges if _walk(samples, low, high, ranges) else None
+
+    def occupied() -> list[tuple[int, int]] | None:
+        ranges: list[tuple[int, int]] = []
+        return ranges if _walk(samples, low, high, ranges) else None
+
+    # Walked only if an item must be copied into its place: when all are there (the rule once
+    # the layout is known), nothing asks, and a walk over every leaf of every item is saved.
+    writer.occupied_from(occupied)
+
+
+_SCALARS = (str, bytes, int, float, bool, complex, type(None))
 
 
 def _walk(value: Any, low: int, high: int, ranges: list[tuple[int, int]]) -> bool:
+    # Called for every leaf of every item of a batch: the common kinds are asked first, and the
+    # Mapping check (an ABC, slow to ask) last.
     if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided:
+            return False  # sparse, jagged: no one range of bytes to see
         if value.device.type == "cpu" and low <= value.data_ptr() < high:
-            start = value.untyped_storage().data_ptr()
-            ranges.append((start, start + value.untyped_storage().nbytes()))
+            storage = value.untyped_storage()
+            start = storage.data_ptr()
+            ranges.append((start, start + storage.nbytes()))
         return True
-    if value is None or isinstance(value, (str, bytes, int, float, bool, complex)):
+    if isinstance(value, (list, tuple)):
+        for part in value:
+            if not _walk(part, low, high, ranges):
+                return False
+        return True
+    if isinstance(value, _SCALARS):
         return True
     if isinstance(value, Mapping):
         return all(_walk(v, low, high, ranges) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return all(_walk(v, low, high, ranges) for v in value)
     return False

@@ -44,6 +44,7 @@ class Sender:
     def __init__(self, sock: socket.socket, populate: bool = True) -> None:
         self.sock = sock
         self.writer = SlabWriter(populate)
+        self._control_poll: select.poll | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -87,11 +88,14 @@ class Sender:
         economic batch worker reading items): the owner sends the controls before the commands
         that lead to those writes, so they are here by the time such a message arrives.
         """
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
+        if self._control_poll is None:  # one poll object for the sender's life: asked per item
+            self._control_poll = select.poll()
+            self._control_poll.register(self.sock, select.POLLIN)
+        if not self._control_poll.poll(0):
+            return
         self.sock.settimeout(CONTROL_WAIT_S)
         try:
-            while poller.poll(0):
+            while self._control_poll.poll(0):
                 payload, fds = receive_message(self.sock)
                 self.writer.apply(pickle.loads(payload), fds)
         finally:

@@ -11,7 +11,10 @@ bytes. On arrival each tensor is ``torch.frombuffer`` over its bytes in the rece
 What the general codec promises, this path keeps: every tensor arrives with a storage of its own
 holding exactly its bytes, as a tensor travelling inline does there. Anything else (another
 message type, a subclass of Tensor, views of a larger storage, two tensors sharing a storage,
-``requires_grad``, anything on a slab) returns None here and goes through the codec.
+``requires_grad``, anything on a slab) returns None here and goes through the codec; so does
+every tensor that is not plain, dense and strided in CPU memory (nested, sparse, quantized,
+MKL-DNN, lazily conjugated or negated, zero tensors), which the codec or torch's reductions
+carry.
 
 Message layout: ``FLAT_TAG``, the meta pickle's length (4 bytes), the meta pickle, then the
 tensors' bytes, each starting at a multiple of 16 from the message start. A pickle (protocol 2 or
@@ -87,7 +90,14 @@ def _specs(tensors: Any, dtype_index: dict[torch.dtype, int], max_tensor_bytes: 
     total = 0
     pointers = set()
     for tensor in tensors:
-        if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.requires_grad:
+        # Only a plain dense CPU tensor is described by (dtype, shape, bytes). A nested tensor
+        # reports a strided layout but has no single shape (asking for one raises), so it is
+        # turned away before anything else is asked; so are sparse, quantized and lazily
+        # conjugated or negated tensors, subclasses, and autograd leaves. A zero tensor
+        # (``_efficientzerotensor``) has no bytes behind its shape: the size check below
+        # turns it away.
+        if (type(tensor) is not torch.Tensor or tensor.is_nested or not tensor.is_cpu
+                or tensor.requires_grad):
             return None
         torch_dtype = tensor.dtype
         # The conjugate bit exists only on complex tensors; asking a real one costs a call.

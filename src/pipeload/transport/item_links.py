@@ -21,16 +21,25 @@ would replace what is here and nothing else.
 
 from __future__ import annotations
 
-import dataclasses
+import select
 import socket
 from collections import deque
-from multiprocessing import connection
 from typing import Any
 
 from pipeload.transport.channel import PipeEnd, QueueEnd
 from pipeload.transport.endpoints import Receiver, Sender
-from pipeload.transport.messages import ItemDelivery, WorkerCommand
+from pipeload.transport.messages import Delivery, ItemDelivery, WorkerCommand
 from pipeload.transport.slab_writer import SlabWriter
+
+
+# Process workers send the items of a piece in groups of about this many bytes of tensors (an
+# item this large or larger, alone): small items then share a message (its encoding, the system
+# calls, the batch worker's wake-up) instead of paying one each, while an item worker still
+# holds little more than this of fetched items at a time. Items written into their batch's slab
+# leave only their places in the message; items whose bytes ride in it are gathered less, so
+# that a message fits the socket's buffer (one larger is written over several wake-ups).
+PLACED_GROUP_BYTES = 1 << 20
+INLINE_GROUP_BYTES = 128 * 1024
 
 
 class ItemOutbox:
@@ -44,14 +53,23 @@ class ItemOutbox:
         """The socket ends this outbox owns."""
         return self._sockets
 
+    @staticmethod
+    def group_bytes(placed: bool) -> int:
+        """About how many bytes of items one message gathers; ``placed``: they are written into
+        their batch's slab (the message carries only their places)."""
+        return PLACED_GROUP_BYTES if placed else INLINE_GROUP_BYTES
+
     def send(self, batch_worker: int, delivery: ItemDelivery, writer: SlabWriter | None = None) -> None:
         """Hand ``delivery`` to ``batch_worker``, its tensors placed by ``writer`` (None: the
         link's own, which has no slabs). Raises BrokenPipeError if that worker is gone."""
+        if writer is not None and delivery.delivery is Delivery.ITEMS:
+            writer.carry_items()  # small items too go to their places in the batch's slab
         if writer is not None and writer.placing and isinstance(delivery.payload, list):
             # Each item announces itself to the writer as the codec meets it, so that its
             # storages go to its own places (see ItemPlacement); it arrives as the bare item.
             marked = [_ItemStart(writer, index, item) for index, item in enumerate(delivery.payload)]
-            delivery = dataclasses.replace(delivery, payload=marked)
+            delivery = ItemDelivery(delivery.delivery, delivery.item_worker, delivery.epoch,
+                                    delivery.batch_number, delivery.slot, delivery.count, marked)
         self._sockets[batch_worker].send(delivery, writer)
 
     def close(self) -> None:
@@ -86,8 +104,12 @@ class BatchInbox:
     def __init__(self, tasks: PipeEnd, items: list[Receiver]) -> None:
         self._tasks = tasks
         self._items = items
-        self._live_items = list(items)
+        self._live_items = list(items)  # the item sockets still waited on
         self._pending: deque[Any] = deque()
+        # One poll object for the worker's life (building a selector per wait cost more than
+        # reading a small message): descriptor -> the end it belongs to.
+        self._poller: select.poll | None = None
+        self._ends: dict[int, Any] = {}
 
     @property
     def links(self) -> list[Receiver]:
@@ -107,11 +129,22 @@ class BatchInbox:
         Raises EOFError when the main process has closed the task pipe.
         """
         if not self._pending:
-            for ready in connection.wait([self._tasks.conn, *self._live_items], timeout_s):
-                self._drain(ready)
+            if self._poller is None:
+                self._watch()
+            for fd, _ in self._poller.poll(max(0, int(timeout_s * 1000))):
+                if fd in self._ends:  # not one dropped earlier in this round
+                    self._drain(fd, self._ends[fd])
         return self._pending.popleft() if self._pending else None
 
-    def _drain(self, ready: Any) -> None:
+    def _watch(self) -> None:
+        self._poller = select.poll()
+        for end in (self._tasks.conn, *self._items):
+            self._ends[end.fileno()] = end
+            self._poller.register(end.fileno(), select.POLLIN)
+
+    def _drain(self, fd: int, ready: Any) -> None:
+        # Each end is read until it is empty (a socket's reader may have taken several messages
+        # in one read), so a quiet poll means that nothing waits.
         if ready is self._tasks.conn:
             self._pending.extend(self._tasks.take_waiting())
             return
@@ -120,6 +153,8 @@ class BatchInbox:
                 self._pending.append(message[0])
         except (EOFError, ConnectionResetError):
             # That item worker is gone; the main process sees its exit and stops the epoch.
+            self._poller.unregister(fd)
+            del self._ends[fd]
             self._live_items.remove(ready)
 
     def close(self) -> None:
@@ -186,6 +221,11 @@ class ItemLinks:
 
 class ThreadItemOutbox:
     """An item thread's way to every batch thread: their task queues."""
+
+    @staticmethod
+    def group_bytes(placed: bool) -> int:
+        """A queue costs nothing per object: each item goes as soon as it is fetched."""
+        return 0
 
     def __init__(self, batch_inboxes: list[QueueEnd]) -> None:
         self._inboxes = batch_inboxes

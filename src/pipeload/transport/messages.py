@@ -58,6 +58,9 @@ class ItemRoute:
     slot: int
     position: int
 
+    def __reduce__(self) -> Any:
+        return (ItemRoute, (self.batch_worker, self.slot, self.position))
+
 
 @dataclass(frozen=True, slots=True)
 class ItemPlacement:
@@ -297,8 +300,19 @@ class ItemDelivery:
     count: int
     payload: Any = None
 
+    def __reduce__(self) -> Any:
+        # One call with plain fields: a slotted dataclass otherwise pickles through copyreg and
+        # unpickles through ``dataclasses.fields`` (a message per group of items).
+        return (_item_delivery, (int(self.delivery), self.item_worker, self.epoch, self.batch_number,
+                                 self.slot, self.count, self.payload))
+
+
+def _item_delivery(delivery: int, *fields: Any) -> ItemDelivery:
+    return ItemDelivery(_DELIVERIES[delivery], *fields)
+
 
 # Member lookups by value for the unpickling helpers above (a tuple index, not EnumType.__call__).
 _COMMANDS = (None, *Command)
 _REPORTS = (None, *Report)
 GRANT_OUTCOMES = tuple(GrantOutcome)
+_DELIVERIES = {int(kind): kind for kind in Delivery}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -111,9 +112,14 @@ class SlabWriter:
         self.one_shot_bytes = 0
         self.setup_s = 0.0
         self._placing: _ItemCursor | None = None
+        # The current message carries economic items: every storage asks ``allocate`` for its
+        # place, whatever its size (see place_items).
+        self.carries_items = False
         self._claimed: set[int] = set()
-        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown).
-        self.occupied: list[tuple[int, int]] | None = None
+        # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown),
+        # worked out on first use (see occupied_from).
+        self._occupied: list[tuple[int, int]] | None = None
+        self._occupied_source: Callable[[], list[tuple[int, int]] | None] | None = None
         self.large_sizes: list[int] = []  # of the storages the current message asked room for
         self.last_large_sizes: list[int] = []  # the same, for the message finished last
 
@@ -149,10 +155,23 @@ class SlabWriter:
         self.used_bytes = 0 if grant is None or grant.items is None else grant.items.area_bytes
         self.one_shot_bytes = 0
         self._placing = None
+        self.carries_items = False
         if self._claimed:  # left as they are when empty: no allocation per tiny message
             self._claimed = set()
-        self.occupied = None
+        self._occupied, self._occupied_source = None, None
         self.large_sizes = []
+
+    def occupied_from(self, source: Callable[[], list[tuple[int, int]] | None]) -> None:
+        """The byte ranges of the slab that this message's items view are ``source()``, asked
+        only if they are needed (an item to copy into its place), and once."""
+        self._occupied, self._occupied_source = None, source
+
+    @property
+    def occupied(self) -> list[tuple[int, int]] | None:
+        """The slab's byte ranges the batch's decoded items view; None: unknown."""
+        if self._occupied_source is not None:
+            self._occupied, self._occupied_source = self._occupied_source(), None
+        return self._occupied
 
     @property
     def placing(self) -> bool:
@@ -164,10 +183,16 @@ class SlabWriter:
         if self._placing is not None:
             self._placing.start_item(index)
 
+    def carry_items(self) -> None:
+        """This message carries economic items: every storage of it, small ones included, asks
+        ``allocate`` for its place (and is noted in ``large_sizes``, which is how the main
+        process learns the items' layout from the first pieces, sent without a grant)."""
+        self.carries_items = True
+
     def place_items(self, first: int = 0) -> None:
         """This message carries items of a batch (all or part of an economic item worker's
-        piece, from its ``first``-th item on): each large storage goes to its own place in the
-        item area (the grant's ``items``), in codec order."""
+        piece, from its ``first``-th item on): each storage goes to its own place in the item
+        area (the grant's ``items``), in codec order."""
         grant = self._grant
         if grant is not None and grant.items is not None:
             self._placing = _ItemCursor(grant.items, first)
