@@ -17,7 +17,8 @@ from pipeload.transport import collate_output
 from pipeload.transport.codec import decode, encode
 from pipeload.transport.messages import GrantOutcome, SlabControlKind
 from pipeload.transport.slab_pool import LATE_PAUSE_GRANTS, SlabPool
-from pipeload.transport.slab_writer import POPULATE_FROM_BYTES, RELEASE_WAIT_S, SlabWriter
+from pipeload.transport.slab_memory import POPULATE_FROM_BYTES
+from pipeload.transport.slab_writer import RELEASE_WAIT_S, SlabWriter
 
 ITEM = 1 << 16  # floats: 256 KiB per item, 1 MiB per batch of 4
 BATCH_BYTES = 4 * ITEM * 4

@@ -13,30 +13,32 @@ file every producer maps read-only. A slab is free when its counter has caught u
 of leases made on it. A grant names the count the producer must see before writing, which lets
 the owner grant a slab whose previous batch is about to be freed (the batch a ``for`` loop drops
 when it takes the next one): the producer starts fetching at once and waits, at the moment it
-first writes, for the release to land. Pinned slabs are released by the owner instead, once a CUDA
-event recorded at release time shows that asynchronous copies out of the slab are done.
+first writes, for the release to land. A pinned slab's release lands once a CUDA event recorded
+at release time shows that asynchronous copies out of the slab are done (a watcher thread waits
+for it, see host_pinning.py), so pinned slabs are granted ahead the same way.
+
+The pool may outlive the producers it serves: a loader keeps one pool for the worker sets it
+starts one after another (see slab_keeper.py). ``detach_producers`` forgets the producers of a set
+that has stopped, and the next set is announced the slabs it is granted, mapped and page-locked
+already; ``fit`` shrinks the pool to what the next set may use.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import mmap
 import os
 import threading
 import weakref
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from pipeload.transport import host_pinning
 from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
-from pipeload.transport.shared_memory import (
-    Backing,
-    create_buffer,
-    current_backing,
-    note_received,
-    warn_if_dev_shm_too_small,
-)
+from pipeload.transport.shared_memory import create_buffer, warn_if_dev_shm_too_small
+from pipeload.transport.slab_memory import SlabMemory, slab_size_for
 
 MAX_SLABS = 4096
 BOARD_BYTES = MAX_SLABS * 8
@@ -44,27 +46,52 @@ SLAB_HEADROOM_BYTES = 256 * 1024  # alignment padding and small extras beyond th
 SIZE_STEP_BYTES = 64 * 1024
 LATE_PAUSE_GRANTS = 64  # after a deferred grant came too late, grant only free slabs this long
 LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters for the peak
+# A free slab beyond the limit is retired only once the pool has held more than its limit for
+# this many grants in a row: the in-flight budget moves by one now and then (a slow build on a
+# busy machine), and a slab retired on one grant and made again a few later costs its pages twice.
+SURPLUS_PATIENCE_GRANTS = 16
+
+
+@dataclass
+class SlabCounts:
+    """What the pool has done so far (for benchmarks and tests; cheap to keep).
+
+    Attributes:
+        slabs_made: slabs created (each costs its pages once, and page-locking when pinned).
+        slabs_retired: slabs retired (surplus, too small, refused, or the pool closed).
+        batches_in_shared_memory: messages that needed shared memory outside the message.
+        batches_in_slabs: ... of which were written into their granted slab.
+        late: grants whose slab was not released in time (the batch used fresh memory).
+        busy: grants refused because the producer still viewed the slab.
+    """
+
+    slabs_made: int = 0
+    slabs_retired: int = 0
+    batches_in_shared_memory: int = 0
+    batches_in_slabs: int = 0
+    late: int = 0
+    busy: int = 0
+
+    @property
+    def batches_in_fresh_memory(self) -> int:
+        """Messages that needed shared memory and travelled in one-shot buffers."""
+        return self.batches_in_shared_memory - self.batches_in_slabs
 
 
 class _Slab:
-    """One slab as the owner sees it.
+    """One slab as the owner sees it: its memory (see slab_memory.py) and its book-keeping.
 
-    Written only on the owner's thread, except ``retired``/``pinned_address`` teardown, which
-    release finalizers on other threads do under the pool's ``pin_lock``.
+    Written only on the owner's thread, except ``retired`` and unpinning, which release callbacks
+    on other threads do under the pool's ``pin_lock``.
     """
 
-    __slots__ = ("slab_id", "size", "fd", "mapping", "array", "pinned_address", "leases_made",
-                 "granted_to", "granted_producer", "granted_releases", "lease_token", "mapped_by",
-                 "retired", "__weakref__")
+    __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
+                 "granted_releases", "lease_token", "mapped_by", "retired", "__weakref__")
 
-    def __init__(self, slab_id: int, size: int) -> None:
+    def __init__(self, slab_id: int, size: int, pin_device: int | None) -> None:
         self.slab_id = slab_id
         self.size = size
-        self.fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
-        note_received(self.fd)
-        self.mapping = mmap.mmap(self.fd, size)
-        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
-        self.pinned_address = 0
+        self.memory = SlabMemory(size, pin_device)
         self.leases_made = 0
         self.granted_to: int | None = None  # the token (batch number) of the outstanding grant
         self.granted_producer = -1
@@ -73,20 +100,27 @@ class _Slab:
         self.mapped_by: set[int] = set()
         self.retired = False
 
+    @property
+    def fd(self) -> int:
+        return self.memory.fd
+
 
 class SlabPool:
     """Slabs owned by one consumer, granted to its producers one message at a time.
 
     Driven by one thread (the engine's); release finalizers may run on any thread and touch only
-    the board (unpinned) or the pinned-release queue.
+    the board (unpinned) or hand the release to the watcher (pinned), whose thread touches the
+    board and unpins under ``pin_lock``.
 
     Invariants between calls:
       - a slab is free exactly when ``granted_to is None`` and its board count equals
         ``leases_made``;
       - a slab has at most one grant outstanding, and a producer writes into it only after the
         board shows the count its grant names;
-      - ``controls_queued[p]`` counts every control ever queued for producer ``p``; a grant tells
-        the producer how many it must have applied before writing.
+      - ``controls_queued[p]`` counts every control ever queued for producer ``p`` since it was
+        last forgotten; a grant tells the producer how many it must have applied before writing;
+      - never more than ``max_bytes`` of slabs; more than the slab limit only while the surplus
+        is younger than ``SURPLUS_PATIENCE_GRANTS`` grants.
 
     Example:
         >>> pool = SlabPool(pin=False, max_bytes=1 << 30)
@@ -98,9 +132,11 @@ class SlabPool:
 
     def __init__(self, *, pin: bool, max_bytes: int, batches_in_flight: int = 1) -> None:
         self._pin = pin and host_pinning.can_register()
+        self._pin_device: int | None = None  # the main thread's device, read at the first slab
         self._batches_in_flight = batches_in_flight  # at most, for the /dev/shm comparison
         self._max_bytes = max_bytes
         self._slab_limit = 0
+        self._surplus_grants = 0  # grants in a row made while the pool held more than its limit
         self._wanted_size = 0
         self._largest_batch = 0
         self._batches_seen = False
@@ -114,9 +150,9 @@ class SlabPool:
         self._board_fd = create_buffer(BOARD_BYTES, allocate=True)
         self._board_mapping = mmap.mmap(self._board_fd, BOARD_BYTES)
         self._board = np.frombuffer(self._board_mapping, dtype=np.uint64)
-        self._pinned_releases: collections.deque[tuple[_Slab, Any]] | None = (
-            collections.deque() if self._pin else None)
+        self._watcher: host_pinning.ReleaseWatcher | None = None  # made with the first pinned slab
         self.pin_lock = threading.Lock()
+        self.counts = SlabCounts()
         self._closed = False
 
     @property
@@ -125,9 +161,13 @@ class SlabPool:
         return self._pin
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def defers_releases(self) -> bool:
         """Whether a slab may be granted before its previous batch is freed (see the module)."""
-        return not self._pin and self._late_pause == 0
+        return self._late_pause == 0
 
     @property
     def slab_count(self) -> int:
@@ -157,13 +197,40 @@ class SlabPool:
     def observe_batch(self, shared_bytes: int) -> None:
         """A batch needed ``shared_bytes`` outside its message; slabs are sized to fit the largest."""
         self._batches_seen = True
+        if shared_bytes > 0:
+            self.counts.batches_in_shared_memory += 1
         if shared_bytes <= self._largest_batch:
             return
         if self._largest_batch == 0:
             warn_if_dev_shm_too_small(shared_bytes, self._batches_in_flight)
         self._largest_batch = shared_bytes
-        wanted = _round_up(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
+        wanted = slab_size_for(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
         self._wanted_size = max(self._wanted_size, wanted)
+
+    # -- between worker sets -------------------------------------------------------------
+
+    def fit(self, max_bytes: int, batches_in_flight: int) -> None:
+        """Serve a new set of producers that may keep ``batches_in_flight`` batches in flight
+        (plus one held) within ``max_bytes``: free slabs beyond what it can use go now."""
+        self._max_bytes = max_bytes
+        self._batches_in_flight = batches_in_flight
+        most = batches_in_flight + 1  # in flight, held, and (until grants ahead work) one more
+        for slab in sorted(self._slabs.values(), key=lambda s: -s.slab_id):
+            if len(self._slabs) <= most and self.slab_bytes <= max_bytes:
+                break
+            if self._is_free(slab):
+                self._retire(slab)
+        self._surplus_grants = 0
+
+    def detach_producers(self) -> None:
+        """Every producer has stopped (a worker set's end): open grants are settled as unused,
+        and a later producer with the same number starts with nothing mapped (the board and each
+        slab it is granted are announced afresh). Slabs, their pages and page-locking stay."""
+        self.cancel_all_grants()
+        self._controls.clear()
+        self.controls_queued.clear()
+        for slab in (*self._slabs.values(), *self._retired_in_use.values()):
+            slab.mapped_by.clear()
 
     # -- granting ------------------------------------------------------------------------
 
@@ -171,7 +238,6 @@ class SlabPool:
         """A slab for the message ``token`` that ``producer`` builds next, or None (fresh memory)."""
         if self._closed or self._wanted_size == 0:
             return None
-        self._apply_pinned_releases()
         self._retire_surplus()
         slab, releases = self._choose(producer)
         if slab is None:
@@ -221,22 +287,25 @@ class SlabPool:
             slab = max(free, key=lambda s: producer in s.mapped_by)
             return slab, slab.leases_made
         if self._may_grow():
-            slab = _Slab(self._next_id(), self._wanted_size)
-            if self._pin:
-                self._pin_slab(slab)
-            self._board[slab.slab_id] = 0
-            self._slabs[slab.slab_id] = slab
-            return slab, 0
+            return self._make_slab(), 0
         deferred = self._about_to_be_released()
         if deferred is not None:
             return deferred, deferred.leases_made
         return None, 0
 
+    def _make_slab(self) -> _Slab:
+        if self._pin and self._pin_device is None:
+            self._pin_device = host_pinning.current_device()
+        slab = _Slab(self._next_id(), self._wanted_size, self._pin_device if self._pin else None)
+        self._board[slab.slab_id] = 0
+        self._slabs[slab.slab_id] = slab
+        self.counts.slabs_made += 1
+        return slab
+
     def _about_to_be_released(self, peek: bool = False) -> _Slab | None:
         """The slab of the batch handed out before the latest one, which a ``for`` loop is about
-        to drop: granted now, written once its release lands (never with pinned slabs, whose
-        release waits for the owner's thread)."""
-        if self._pin or self._late_pause > 0 or len(self._handed_out) < 2:
+        to drop: granted now, written once its release lands."""
+        if self._late_pause > 0 or len(self._handed_out) < 2:
             if not peek:
                 self._late_pause = max(0, self._late_pause - 1)
             return None
@@ -272,9 +341,12 @@ class SlabPool:
         slab.granted_to = None
         if outcome is GrantOutcome.USED:
             slab.lease_token = token
+            self.counts.batches_in_slabs += 1
         elif outcome is GrantOutcome.BUSY:
+            self.counts.busy += 1
             self._retire(slab)  # the producer still views it: never write into it again
         elif outcome is GrantOutcome.LATE:
+            self.counts.late += 1
             self._late_pause = LATE_PAUSE_GRANTS  # the consumer keeps batches: stop deferring
 
     def cancel_all_grants(self) -> None:
@@ -330,78 +402,65 @@ class SlabPool:
     def open_lease(self, slab_id: int) -> memoryview:
         """A fresh per-batch view of slab ``slab_id``; the slab is released when it dies.
 
+        A pinned slab's batch waits here until the slab's page-locking is done (it usually is
+        long before: it runs while the producer builds the batch), so that it answers
+        ``is_pinned()`` as the training loop expects.
+
         Raises:
             ValueError: if the slab is unknown or not granted (a corrupt or stale message).
         """
         slab = self._slabs.get(slab_id)
         if slab is None or slab.granted_to is None:
             raise ValueError(f"a message refers to slab {slab_id}, which was not granted")
-        lease = slab.array[:]
+        if self._pin:
+            slab.memory.wait_prepared()
+            if self._watcher is None:
+                self._watcher = host_pinning.ReleaseWatcher(self._pin_device)
+        lease = slab.memory.array[:]
         slab.leases_made += 1
-        finalizer = weakref.finalize(lease, _released, slab, self._board, self._pinned_releases,
-                                     self.pin_lock)
+        finalizer = weakref.finalize(lease, _released, slab, self._board, self._watcher, self.pin_lock)
         finalizer.atexit = False
         return memoryview(lease)
-
-    # -- pinning ------------------------------------------------------------------------
-
-    def _pin_slab(self, slab: _Slab) -> None:
-        address = slab.array.ctypes.data
-        if host_pinning.register(address, slab.size):
-            slab.pinned_address = address
-
-    def _apply_pinned_releases(self) -> None:
-        queue = self._pinned_releases
-        if not queue:
-            return
-        waiting = []
-        while queue:
-            slab, marker = queue.popleft()
-            if host_pinning.marker_done(marker):
-                self._board[slab.slab_id] += 1
-            else:
-                waiting.append((slab, marker))
-        queue.extend(waiting)
-
-    def _wait_for_pinned_releases(self) -> None:
-        # Tearing down: copies still reading a pinned slab must end before it is unregistered.
-        queue = self._pinned_releases
-        while queue:
-            slab, marker = queue.popleft()
-            host_pinning.wait_for_marker(marker)
-            self._board[slab.slab_id] += 1
 
     # -- retiring ---------------------------------------------------------------------------
 
     def _retire_surplus(self) -> None:
-        """Retire free slabs that are too small now, or more than the limit allows."""
+        """Retire free slabs that are too small now, and the free ones beyond the limit once the
+        pool has held more than its limit for ``SURPLUS_PATIENCE_GRANTS`` grants in a row."""
         free = [s for s in self._slabs.values() if self._is_free(s)]
         for slab in free:
             if slab.size < self._wanted_size:
                 self._retire(slab)
         excess = len(self._slabs) - self._slab_limit
+        self._surplus_grants = self._surplus_grants + 1 if excess > 0 else 0
+        if self._surplus_grants < SURPLUS_PATIENCE_GRANTS:
+            return
         for slab in [s for s in free if not s.retired][:max(0, excess)]:
             self._retire(slab)
+        self._surplus_grants = 0
 
     def _retire(self, slab: _Slab) -> None:
         """Stop using ``slab``: producers forget it; it is unmapped when its last view dies."""
         self._slabs.pop(slab.slab_id, None)
+        self.counts.slabs_retired += 1
         if int(self._board[slab.slab_id]) != slab.leases_made:
             self._retired_in_use[slab.slab_id] = slab
         for producer in sorted(slab.mapped_by):
             self._queue(producer, SlabControl(SlabControlKind.FORGET, slab.slab_id), [])
-        _close_fd(slab)
+        slab.memory.close_fd()
+        slab.memory.wait_prepared()  # no preparation thread outlives its slab's pool
         with self.pin_lock:
             slab.retired = True
-            if slab.pinned_address and int(self._board[slab.slab_id]) == slab.leases_made:
-                _unpin(slab)
+            if self._pin and int(self._board[slab.slab_id]) == slab.leases_made:
+                slab.memory.unpin()
 
     def close(self) -> None:
         """Retire every slab; slabs still viewed by batches are unmapped when those die."""
         if self._closed:
             return
         self._closed = True
-        self._wait_for_pinned_releases()
+        if self._watcher is not None:
+            self._watcher.close()  # copies still reading a pinned slab end before it is unpinned
         for slab in list(self._slabs.values()):
             self._retire(slab)
         self._grants.clear()
@@ -415,33 +474,18 @@ class SlabPool:
         self._board = self._board_mapping = None  # type: ignore[assignment]
 
 
-def _released(slab: _Slab, board: np.ndarray, pinned: collections.deque | None,
+def _released(slab: _Slab, board: np.ndarray, watcher: host_pinning.ReleaseWatcher | None,
               pin_lock: threading.Lock) -> None:
-    """The last view of one batch on ``slab`` died (any thread): count the release."""
-    if pinned is None:
+    """The last view of one batch on ``slab`` died (any thread): count the release, at once, or
+    (pinned) once the copies queued before now are done."""
+    if watcher is None:
         board[slab.slab_id] += 1
         return
-    marker = host_pinning.release_marker()
+    watcher.submit(host_pinning.release_marker(), functools.partial(_land_pinned, slab, board, pin_lock))
+
+
+def _land_pinned(slab: _Slab, board: np.ndarray, pin_lock: threading.Lock) -> None:
     with pin_lock:
-        if not slab.retired:
-            pinned.append((slab, marker))
-            return
-    host_pinning.wait_for_marker(marker)  # torn down: nobody will reuse it, just unpin it safely
-    with pin_lock:
-        _unpin(slab)
-
-
-def _unpin(slab: _Slab) -> None:
-    if slab.pinned_address:
-        host_pinning.unregister(slab.pinned_address)
-        slab.pinned_address = 0
-
-
-def _close_fd(slab: _Slab) -> None:
-    if slab.fd >= 0:
-        os.close(slab.fd)
-        slab.fd = -1
-
-
-def _round_up(value: int, step: int) -> int:
-    return -(-value // step) * step
+        board[slab.slab_id] += 1
+        if slab.retired and int(board[slab.slab_id]) == slab.leases_made:
+            slab.memory.unpin()  # torn down: nobody will reuse it
