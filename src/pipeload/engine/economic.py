@@ -338,7 +338,7 @@ class EconomicEngine:
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping. Free slabs beyond it are retired.
-            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+            slabs.set_in_flight(allowed, early_writes=True)
         while not self._supply.done and self._ledger.outstanding < allowed:
             if self._unopened is None:
                 task = self._supply.take()

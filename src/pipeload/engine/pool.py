@@ -353,7 +353,7 @@ class PoolEngine:
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping.
-            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+            slabs.set_in_flight(allowed)
         while ledger.outstanding < allowed:
             if self._unsent is None:
                 if handing_out and slabs is not None and slabs.would_need_fresh_memory():

@@ -134,7 +134,7 @@ def populate_in_background(mapping: mmap.mmap, address: int, nbytes: int) -> Pre
     def work() -> int:
         if huge:
             _madvise(address, nbytes, MADV_HUGEPAGE)
-        return int(populate(address, nbytes, write=True))
+        return int(populate(address, nbytes, write=False))
 
     return Preparation(work, mapping, "pipeload-slab-populate")
 

@@ -59,6 +59,8 @@ class SlabCounts:
     Attributes:
         slabs_made: slabs created (each costs its pages once, and page-locking when pinned).
         slabs_retired: slabs retired (surplus, too small, refused, or the pool closed).
+        slab_mappings: slabs announced to a producer, which maps it (page-table entries for every
+            page, in that producer, for as long as it lives).
         batches_in_shared_memory: messages that needed shared memory outside the message.
         batches_in_slabs: ... of which were written into their granted slab.
         late: grants whose slab was not released in time (the batch used fresh memory).
@@ -67,6 +69,7 @@ class SlabCounts:
 
     slabs_made: int = 0
     slabs_retired: int = 0
+    slab_mappings: int = 0
     batches_in_shared_memory: int = 0
     batches_in_slabs: int = 0
     late: int = 0
@@ -136,6 +139,7 @@ class SlabPool:
         self._batches_in_flight = batches_in_flight  # at most, for the /dev/shm comparison
         self._max_bytes = max_bytes
         self._slab_limit = 0
+        self._in_flight = 0  # batches the engine keeps in flight (see set_in_flight)
         self._surplus_grants = 0  # grants in a row made while the pool held more than its limit
         self._wanted_size = 0
         self._largest_batch = 0
@@ -180,8 +184,16 @@ class SlabPool:
         return sum(slab.size for slab in self._slabs.values())
 
     def set_slab_limit(self, slabs: int) -> None:
-        """How many slabs the pool may hold (the engine keeps it at batches in flight + 2)."""
+        """How many slabs the pool may hold (see ``set_in_flight``)."""
         self._slab_limit = max(0, slabs)
+
+    def set_in_flight(self, batches: int, early_writes: bool = False) -> None:
+        """The engine keeps ``batches`` in flight now: the pool may hold a slab for each, one for
+        the batch the consumer holds and (unless grants ahead work) one for the batch it drops.
+        ``early_writes``: producers write into a slab as soon as they start on a batch (economic
+        mode's item workers), so only the slab of the batch being dropped is granted ahead."""
+        self._in_flight = 0 if early_writes else batches
+        self.set_slab_limit(batches + (1 if self.defers_releases else 2))
 
     @property
     def batch_bytes(self) -> int:
@@ -278,19 +290,29 @@ class SlabPool:
             return False
         if any(self._is_free(s) and s.size >= self._wanted_size for s in self._slabs.values()):
             return False
-        return self._about_to_be_released(peek=True) is None
+        return not self._about_to_be_released(peek=True)  # (the latest's counts: its wait is short)
 
     def _choose(self, producer: int) -> tuple[_Slab | None, int]:
+        """The slab for ``producer``'s next message, and the board count it must wait for.
+
+        A slab the producer has mapped already costs it nothing; any other costs it a mapping
+        (a page-table entry per page, set up now and torn down when it exits), which a new set
+        of workers pays for every slab it touches. So the producer's own slabs come first, free
+        or about to be released, then a new slab, then anyone's.
+        """
         free = [s for s in self._slabs.values() if self._is_free(s) and s.size >= self._wanted_size]
-        if free:
-            # Prefer one the producer has mapped already: no control message, no page faults.
-            slab = max(free, key=lambda s: producer in s.mapped_by)
-            return slab, slab.leases_made
+        deferred = self._about_to_be_released()
+        for slab in (*free, *deferred):
+            if producer in slab.mapped_by:
+                return slab, slab.leases_made
         if self._may_grow():
             return self._make_slab(), 0
-        deferred = self._about_to_be_released()
-        if deferred is not None:
-            return deferred, deferred.leases_made
+        if free:
+            return free[0], free[0].leases_made
+        dropped = [s for s in deferred if len(self._handed_out) == 2
+                   and s.lease_token == self._handed_out[0]]
+        if dropped:
+            return dropped[0], dropped[0].leases_made
         return None, 0
 
     def _make_slab(self) -> _Slab:
@@ -302,19 +324,28 @@ class SlabPool:
         self.counts.slabs_made += 1
         return slab
 
-    def _about_to_be_released(self, peek: bool = False) -> _Slab | None:
-        """The slab of the batch handed out before the latest one, which a ``for`` loop is about
-        to drop: granted now, written once its release lands."""
-        if self._late_pause > 0 or len(self._handed_out) < 2:
+    def _about_to_be_released(self, peek: bool = False) -> list[_Slab]:
+        """Slabs that may be granted before they are free, best first: the one of the batch
+        handed out before the latest, which a ``for`` loop drops as it takes the next (released
+        a moment from now); and, while three or more batches are in flight, the latest's, which
+        it drops one step later (by the time a worker has fetched a batch's samples, which takes
+        several steps then). With round-robin workers and ``prefetch_factor * num_workers`` in
+        flight, the latest batch came from the worker the next task goes to: it writes again
+        into its own slab, which it has mapped."""
+        if self._late_pause > 0 or not self._handed_out:
             if not peek:
                 self._late_pause = max(0, self._late_pause - 1)
-            return None
-        previous = self._handed_out[0]
-        for slab in self._slabs.values():
-            if (slab.lease_token == previous and slab.granted_to is None
-                    and slab.size >= self._wanted_size and not self._is_free(slab)):
-                return slab
-        return None
+            return []
+        tokens = [self._handed_out[0]] if len(self._handed_out) == 2 else []
+        if self._in_flight >= 3:
+            tokens.append(self._handed_out[-1])
+        found = []
+        for token in tokens:
+            for slab in self._slabs.values():
+                if (slab.lease_token == token and slab.granted_to is None
+                        and slab.size >= self._wanted_size and not self._is_free(slab)):
+                    found.append(slab)
+        return found
 
     def _may_grow(self) -> bool:
         return (len(self._slabs) < self._slab_limit
@@ -385,6 +416,7 @@ class SlabPool:
                         [self._board_fd])
         self._queue(producer, SlabControl(SlabControlKind.MAP, slab.slab_id, slab.size), [slab.fd])
         slab.mapped_by.add(producer)
+        self.counts.slab_mappings += 1
 
     def _queue(self, producer: int, control: SlabControl, fds: list[int]) -> None:
         self._controls.setdefault(producer, []).append((control, fds))
