@@ -338,7 +338,7 @@ class EconomicEngine:
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping. Free slabs beyond it are retired.
-            slabs.set_in_flight(allowed, early_writes=True)
+            slabs.set_in_flight(allowed, grants_ahead=1)  # item workers write at once
         while not self._supply.done and self._ledger.outstanding < allowed:
             if self._unopened is None:
                 task = self._supply.take()

@@ -140,6 +140,7 @@ class SlabPool:
         self._max_bytes = max_bytes
         self._slab_limit = 0
         self._in_flight = 0  # batches the engine keeps in flight (see set_in_flight)
+        self._grants_ahead = 2
         self._surplus_grants = 0  # grants in a row made while the pool held more than its limit
         self._wanted_size = 0
         self._largest_batch = 0
@@ -187,13 +188,20 @@ class SlabPool:
         """How many slabs the pool may hold (see ``set_in_flight``)."""
         self._slab_limit = max(0, slabs)
 
-    def set_in_flight(self, batches: int, early_writes: bool = False) -> None:
+    def set_in_flight(self, batches: int, grants_ahead: int = 2) -> None:
         """The engine keeps ``batches`` in flight now: the pool may hold a slab for each, one for
         the batch the consumer holds and (unless grants ahead work) one for the batch it drops.
-        ``early_writes``: producers write into a slab as soon as they start on a batch (economic
-        mode's item workers), so only the slab of the batch being dropped is granted ahead."""
-        self._in_flight = 0 if early_writes else batches
-        self.set_slab_limit(batches + (1 if self.defers_releases else 2))
+
+        ``grants_ahead``: which slabs may be granted before they are free (see
+        ``_about_to_be_released``): 2, the dropped batch's and the latest's; 1, the dropped
+        batch's only (producers that write as soon as they start, as economic item workers
+        do); 0, none (a consumer that may hold many messages at once, as a pipe downstream of a
+        queue boundary batching them).
+        """
+        self._grants_ahead = grants_ahead
+        self._in_flight = batches
+        ahead = self.defers_releases and grants_ahead > 0
+        self.set_slab_limit(batches + (1 if ahead else 2))
 
     @property
     def batch_bytes(self) -> int:
@@ -332,12 +340,12 @@ class SlabPool:
         several steps then). With round-robin workers and ``prefetch_factor * num_workers`` in
         flight, the latest batch came from the worker the next task goes to: it writes again
         into its own slab, which it has mapped."""
-        if self._late_pause > 0 or not self._handed_out:
+        if self._late_pause > 0 or not self._handed_out or self._grants_ahead == 0:
             if not peek:
                 self._late_pause = max(0, self._late_pause - 1)
             return []
         tokens = [self._handed_out[0]] if len(self._handed_out) == 2 else []
-        if self._in_flight >= 3:
+        if self._in_flight >= 3 and self._grants_ahead >= 2:
             tokens.append(self._handed_out[-1])
         found = []
         for token in tokens:

@@ -3,8 +3,14 @@
 Everything the boundary sends or receives across processes goes through :class:`ProcessLink`:
 credits and STOP one way on a task pipe, items, failures and the end the other way on a result
 socket, through the transport's Sender/Receiver pair: small tensors inside the message, large ones
-as shared-memory descriptors (no pickle of their bytes). It uses the engine's own channels and
-typed messages; a faster transport replaces this class, not the boundary.
+in shared memory (no pickle of their bytes): in a slab of the boundary's pool when one is free,
+else in a one-shot buffer. It uses the engine's own channels and typed messages; a faster
+transport replaces this class, not the boundary.
+
+The slab pool is borrowed from the boundary pipe's ``SlabKeeper`` (the same owner a loader keeps
+for its workers), so each run of the boundary finds the slabs of the run before it. Each item
+the consumer credits gets its own grant; none is granted ahead of its release (the consumer
+downstream may hold many items at once, a ``batch`` pipe collecting them).
 
 How the messages are used here: ``FETCH`` with ``batch_number=n`` grants the upstream the right
 to send items numbered below ``n`` (a credit window, so at most ``buffer_size`` items are ever
@@ -14,10 +20,12 @@ in flight); ``BATCH`` carries item ``batch_number``; ``EXHAUSTED`` says the upst
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from pipeload.transport.channel import ProcessChannels
 from pipeload.transport.messages import Command, WorkerCommand, WorkerReport
+from pipeload.transport.slab_pool import SlabPool
 
 UPSTREAM_ID = 0  # the one "worker" of a boundary's channels
 
@@ -34,12 +42,19 @@ class ProcessLink:
     """Task pipe and result socket to one upstream process; owned by the process upstream.
 
     Only the consumer side sends (credits from the consuming thread, STOP when closing; each is
-    one small write, atomic on a pipe); only the receiver thread receives.
+    one small write, atomic on a pipe); only the receiver thread receives. The consuming thread
+    grants slabs and the receiver thread decodes against them, each under ``_pool_lock``.
     """
 
-    def __init__(self, ctx: Any) -> None:
-        self._channels = ProcessChannels(ctx, 1)
+    def __init__(self, ctx: Any, pool: SlabPool | None = None, capacity: int = 1) -> None:
+        self._pool = pool
+        self._pool_lock = threading.Lock()
+        self._channels = ProcessChannels(ctx, 1, pool, self._pool_lock)
+        self._credited = 0  # items the upstream may send: those numbered below this
         self._closed = False
+        if pool is not None:
+            # The credited items, plus the one being taken (credit is topped up as it is).
+            pool.set_in_flight(capacity + 1, grants_ahead=0)
 
     def upstream_ends(self) -> tuple[Any, Any]:
         """(inbox, outbox) to hand to the upstream process."""
@@ -50,8 +65,25 @@ class ProcessLink:
         self._channels.forget_worker_ends()
 
     def grant(self, up_to: int) -> None:
-        """Allow the upstream to send items numbered below ``up_to``."""
-        self._channels.send(UPSTREAM_ID, WorkerCommand(Command.FETCH, batch_number=up_to))
+        """Allow the upstream to send items numbered below ``up_to`` (each with a slab, when
+        the pool has one free and the item's size is known)."""
+        if self._pool is None:
+            self._channels.send(UPSTREAM_ID, WorkerCommand(Command.FETCH, batch_number=up_to))
+            self._credited = up_to
+            return
+        with self._pool_lock:
+            while self._credited < up_to:
+                number = self._credited
+                slab = self._pool.grant(UPSTREAM_ID, number)
+                self._channels.send(UPSTREAM_ID, WorkerCommand(Command.FETCH, batch_number=number + 1,
+                                                               grant=slab))
+                self._credited = number + 1
+
+    def handed_out(self, number: int) -> None:
+        """Item ``number`` went to the consumer."""
+        if self._pool is not None:
+            with self._pool_lock:
+                self._pool.handed_out(number)
 
     def ask_to_stop(self, _worker_id: int = UPSTREAM_ID) -> None:
         try:

@@ -32,6 +32,7 @@ class Mailbox:
         self._items: deque[Any] = deque()
         self._ended = False
         self._error: BaseException | None = None
+        self.failed = False  # fail() was called (the error itself goes to the consumer once)
         self._closed = False
 
     def put(self, item: Any, should_stop: Callable[[], bool]) -> bool:
@@ -71,6 +72,7 @@ class Mailbox:
         with self._room:
             if not self._ended:
                 self._error, self._ended = error, True
+                self.failed = True
         self.notifier.notify()
 
     def take_nowait(self) -> Any:

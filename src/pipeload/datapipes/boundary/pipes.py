@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -12,6 +13,7 @@ from pipeload.datapipes.boundary.process import ProcessUpstream
 from pipeload.datapipes.boundary.thread import ThreadUpstream
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
+from pipeload.transport.slab_keeper import SlabKeeper
 
 T_co = TypeVar("T_co", covariant=True)
 WORKER_TYPES = ("thread", "process")
@@ -30,8 +32,9 @@ class QueueBoundary(IterDataPipe[T_co]):
     traceback; an upstream process that dies is a ``WorkerDiedError`` naming how it ended.
     Closing (or dropping) the iterator stops the upstream at once.
 
-    Across a process boundary tensors travel as shared-memory descriptors, not pickled bytes;
-    other items are pickled. The upstream process seeds its random generators from one number
+    Across a process boundary tensors travel in shared memory, not as pickled bytes (in slabs the
+    boundary keeps from one run to the next, freed with the pipe or by
+    ``release_shared_memory()``); other items are pickled. The upstream process seeds its random generators from one number
     drawn from torch's global generator when the run starts. A process boundary cannot start
     inside a DataLoader process worker (daemon processes may not have children): use threads
     there.
@@ -77,8 +80,26 @@ class QueueBoundary(IterDataPipe[T_co]):
         name = f"pipeload-{type(self).__name__.lower()}-{next(_names)}"
         if self.worker_type == "thread":
             return _BoundaryIterator(ThreadUpstream(self.datapipe, self.buffer_size, name))
-        upstream = ProcessUpstream(self.datapipe, self.buffer_size, self.multiprocessing_context, name)
+        upstream = ProcessUpstream(self.datapipe, self.buffer_size, self.multiprocessing_context, name,
+                                   self._slab_keeper())
         return _BoundaryIterator(upstream)
+
+    def _slab_keeper(self) -> SlabKeeper:
+        # The process boundary's slabs belong to the pipe (a description), not to one run: each
+        # run finds them ready. Transient: a copy or a pickle of the pipe keeps its own.
+        keeper = self.__dict__.get("_transient_slabs")
+        if keeper is None:
+            keeper = self._transient_slabs = SlabKeeper()
+            weakref.finalize(self, keeper.close).atexit = False
+        return keeper
+
+    def release_shared_memory(self) -> None:
+        """Free the shared memory a process boundary keeps between its runs (the slabs large
+        tensors cross in). A run in progress keeps them until it ends. See
+        ``DataLoader.release_shared_memory``."""
+        keeper = self.__dict__.get("_transient_slabs")
+        if keeper is not None:
+            keeper.release()
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)

@@ -2,7 +2,8 @@
 
 The upstream process iterates the upstream part of the graph and sends each item as soon as the
 consumer's credit allows; a receiver thread in this process moves arriving items into the same
-kind of mailbox a thread boundary fills. The process is started, watched and stopped by the
+kind of mailbox a thread boundary fills. Large tensors travel in slabs of a pool borrowed from
+the boundary pipe's ``SlabKeeper`` (see link.py), given back when the run ends. The process is started, watched and stopped by the
 engine's lifecycle helpers, like a DataLoader worker: it leaves when its parent dies, ignores
 Ctrl-C, and is stopped by asking, then terminating, then killing.
 """
@@ -21,6 +22,7 @@ import torch
 from pipeload.datapipes.boundary.link import UPSTREAM_ID, ProcessLink
 from pipeload.datapipes.boundary.mailbox import Mailbox
 from pipeload.datapipes.protocol import as_nonblocking
+from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
     exit_now,
@@ -32,7 +34,8 @@ from pipeload.engine.lifecycle import (
 )
 from pipeload.engine.worker_info import seed_process_worker
 from pipeload.errors import RemoteFailure, WorkerDiedError, describe_exit
-from pipeload.transport.messages import Command, Report, WorkerReport
+from pipeload.transport.messages import Command, Report, SlabGrant, WorkerReport
+from pipeload.transport.slab_keeper import SlabKeeper, SlabSettings
 
 RECEIVE_SLICE_S = 0.1
 COMMAND_POLL_S = 0.1
@@ -47,19 +50,25 @@ class ProcessUpstream:
     thread is the only caller of :meth:`take_nowait`.
     """
 
-    def __init__(self, upstream_pipe: Any, capacity: int, context: Any, name: str) -> None:
+    def __init__(self, upstream_pipe: Any, capacity: int, context: Any, name: str,
+                 keeper: SlabKeeper | None = None) -> None:
+        """``keeper``: where the run borrows its slab pool (None: one of its own)."""
         ctx = multiprocessing.get_context(context) if isinstance(context, str) or context is None else context
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": upstream_pipe}, ctx.get_start_method(), sender="A queue boundary")
         self.mailbox = Mailbox(capacity)
         self._capacity = capacity
-        self._link = ProcessLink(ctx)
+        keeper = keeper if keeper is not None else SlabKeeper(keep=False)
+        settings = SlabSettings(False, shm_budget_bytes(None, keeper.held_bytes), capacity + 2)
+        pool = keeper.lend(settings)
+        self._link = ProcessLink(ctx, pool, capacity)
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         inbox, outbox = self._link.upstream_ends()
         try:
             self._process = start_process(ctx, run_upstream_process, (upstream_pipe, seed, inbox, outbox), name)
         except BaseException:
             self._link.close()
+            keeper.give_back(pool)
             raise
         self._link.upstream_started()
         self._granted = capacity
@@ -72,7 +81,7 @@ class ProcessUpstream:
         )
         self._receiver.start()
         self._finalizer = weakref.finalize(self, _shut_down, self._link, self._process, self._receiver,
-                                           self._stop, self.mailbox)
+                                           self._stop, self.mailbox, (keeper, pool))
 
     @property
     def pid(self) -> int:
@@ -83,6 +92,7 @@ class ProcessUpstream:
 
     def take_nowait(self) -> Any:
         item = self.mailbox.take_nowait()
+        self._link.handed_out(self._taken)
         self._taken += 1
         if self._granted - self._taken <= self._capacity // 2:  # top the window up in one message
             self._granted = self._taken + self._capacity
@@ -94,12 +104,16 @@ class ProcessUpstream:
         self._finalizer()
 
 
-def _shut_down(link: ProcessLink, process: Any, receiver: threading.Thread, stop: threading.Event, mailbox: Mailbox) -> None:
+def _shut_down(link: ProcessLink, process: Any, receiver: threading.Thread, stop: threading.Event,
+               mailbox: Mailbox, slabs: tuple[SlabKeeper, Any]) -> None:
     stop.set()
+    failed = mailbox.failed  # an error's traceback may keep the boundary alive: keep no slabs
     mailbox.close()
     receiver.join(RECEIVER_JOIN_S)  # it wakes every RECEIVE_SLICE_S; it must be off the link first
     stop_workers([process], ask=link.ask_to_stop)
     link.close()
+    keeper, pool = slabs
+    keeper.give_back(pool, release=failed)
     release_finished([process])
 
 
@@ -171,6 +185,7 @@ class _UpstreamLoop:
         self._outbox = outbox
         self._iterator: Any = None
         self._allowed = 0
+        self._grants: dict[int, SlabGrant] = {}  # item number -> the slab it may travel in
         self._sent = 0
         self._done = False
         self._place = f"in the upstream process of a queue boundary (pid {os.getpid()})"
@@ -183,6 +198,8 @@ class _UpstreamLoop:
                 if command.command is Command.STOP:
                     return
                 self._allowed = max(self._allowed, command.batch_number)
+                if command.grant is not None:  # credit for one item, with its slab
+                    self._grants[command.batch_number - 1] = command.grant
             elif can_send:
                 self._send_next()
 
@@ -191,6 +208,7 @@ class _UpstreamLoop:
         try:
             if self._iterator is None:
                 self._iterator = as_nonblocking(self._pipe)
+            self._outbox.prepare(self._grants.pop(self._sent, None))  # collation may write there
             item = next(self._iterator)
             stage = "sending an item to the consumer"
             self._outbox.send(WorkerReport(Report.BATCH, UPSTREAM_ID, self._sent, item))
