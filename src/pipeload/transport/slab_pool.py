@@ -303,24 +303,25 @@ class SlabPool:
     def _choose(self, producer: int) -> tuple[_Slab | None, int]:
         """The slab for ``producer``'s next message, and the board count it must wait for.
 
-        A slab the producer has mapped already costs it nothing; any other costs it a mapping
-        (a page-table entry per page, set up now and torn down when it exits), which a new set
-        of workers pays for every slab it touches. So the producer's own slabs come first, free
-        or about to be released, then a new slab, then anyone's.
+        A slab the producer has mapped already costs it nothing; any other costs it a mapping (a
+        page-table entry per page, set up now and torn down when it exits, which a new set of
+        workers pays for each slab it touches); a new slab costs its pages, zeroed, and memory
+        for as long as the pool lives. So: the producer's own slab, free or about to be released;
+        then anyone's free slab; then the slab of the batch being dropped; then a new one.
         """
         free = [s for s in self._slabs.values() if self._is_free(s) and s.size >= self._wanted_size]
         deferred = self._about_to_be_released()
         for slab in (*free, *deferred):
             if producer in slab.mapped_by:
                 return slab, slab.leases_made
-        if self._may_grow():
-            return self._make_slab(), 0
         if free:
             return free[0], free[0].leases_made
         dropped = [s for s in deferred if len(self._handed_out) == 2
                    and s.lease_token == self._handed_out[0]]
         if dropped:
             return dropped[0], dropped[0].leases_made
+        if self._may_grow():
+            return self._make_slab(), 0
         return None, 0
 
     def _make_slab(self) -> _Slab:
