@@ -36,9 +36,11 @@ def can_register() -> bool:
 
 
 def current_device() -> int:
-    """The calling thread's current CUDA device (initialises CUDA in this process)."""
+    """The calling thread's current CUDA device, without initialising CUDA here: until CUDA is
+    initialised no thread has chosen a device, and the first is the one torch will use. (Making
+    the CUDA context takes a moment; the slab's preparation thread does it, not the loop's.)"""
     try:
-        return int(torch.cuda.current_device())
+        return int(torch.cuda.current_device()) if torch.cuda.is_initialized() else 0
     except Exception:
         return 0
 

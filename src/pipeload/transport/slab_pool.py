@@ -26,22 +26,23 @@ already; ``fit`` shrinks the pool to what the next set may use.
 from __future__ import annotations
 
 import collections
-import functools
-import mmap
-import os
 import threading
 import weakref
-from dataclasses import dataclass
-
-import numpy as np
 
 from pipeload.transport import host_pinning
 from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
-from pipeload.transport.shared_memory import create_buffer, warn_if_dev_shm_too_small
-from pipeload.transport.slab_memory import SlabMemory, slab_size_for
+from pipeload.transport.shared_memory import warn_if_dev_shm_too_small
+from pipeload.transport.slab_memory import slab_size_for
+from pipeload.transport.slab_records import (
+    MAX_SLABS,
+    ControlQueues,
+    ReleaseBoard,
+    SlabCounts,
+    SlabRecord,
+    release_callback,
+)
 
-MAX_SLABS = 4096
-BOARD_BYTES = MAX_SLABS * 8
+__all__ = ["SlabCounts", "SlabPool"]
 SLAB_HEADROOM_BYTES = 256 * 1024  # alignment padding and small extras beyond the largest batch
 SIZE_STEP_BYTES = 64 * 1024
 LATE_PAUSE_GRANTS = 64  # after a deferred grant came too late, grant only free slabs this long
@@ -50,62 +51,6 @@ LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters
 # this many grants in a row: the in-flight budget moves by one now and then (a slow build on a
 # busy machine), and a slab retired on one grant and made again a few later costs its pages twice.
 SURPLUS_PATIENCE_GRANTS = 16
-
-
-@dataclass
-class SlabCounts:
-    """What the pool has done so far (for benchmarks and tests; cheap to keep).
-
-    Attributes:
-        slabs_made: slabs created (each costs its pages once, and page-locking when pinned).
-        slabs_retired: slabs retired (surplus, too small, refused, or the pool closed).
-        slab_mappings: slabs announced to a producer, which maps it (page-table entries for every
-            page, in that producer, for as long as it lives).
-        batches_in_shared_memory: messages that needed shared memory outside the message.
-        batches_in_slabs: ... of which were written into their granted slab.
-        late: grants whose slab was not released in time (the batch used fresh memory).
-        busy: grants refused because the producer still viewed the slab.
-    """
-
-    slabs_made: int = 0
-    slabs_retired: int = 0
-    slab_mappings: int = 0
-    batches_in_shared_memory: int = 0
-    batches_in_slabs: int = 0
-    late: int = 0
-    busy: int = 0
-
-    @property
-    def batches_in_fresh_memory(self) -> int:
-        """Messages that needed shared memory and travelled in one-shot buffers."""
-        return self.batches_in_shared_memory - self.batches_in_slabs
-
-
-class _Slab:
-    """One slab as the owner sees it: its memory (see slab_memory.py) and its book-keeping.
-
-    Written only on the owner's thread, except ``retired`` and unpinning, which release callbacks
-    on other threads do under the pool's ``pin_lock``.
-    """
-
-    __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
-                 "granted_releases", "lease_token", "mapped_by", "retired", "__weakref__")
-
-    def __init__(self, slab_id: int, size: int, pin_device: int | None) -> None:
-        self.slab_id = slab_id
-        self.size = size
-        self.memory = SlabMemory(size, pin_device)
-        self.leases_made = 0
-        self.granted_to: int | None = None  # the token (batch number) of the outstanding grant
-        self.granted_producer = -1
-        self.granted_releases = 0  # the board count its outstanding grant names
-        self.lease_token: int | None = None  # the token of the batch that last viewed it
-        self.mapped_by: set[int] = set()
-        self.retired = False
-
-    @property
-    def fd(self) -> int:
-        return self.memory.fd
 
 
 class SlabPool:
@@ -120,8 +65,8 @@ class SlabPool:
         ``leases_made``;
       - a slab has at most one grant outstanding, and a producer writes into it only after the
         board shows the count its grant names;
-      - ``controls_queued[p]`` counts every control ever queued for producer ``p`` since it was
-        last forgotten; a grant tells the producer how many it must have applied before writing;
+      - a grant tells the producer how many controls it must have applied before writing (see
+        ``ControlQueues`` in slab_records.py);
       - never more than ``max_bytes`` of slabs; more than the slab limit only while the surplus
         is younger than ``SURPLUS_PATIENCE_GRANTS`` grants.
 
@@ -145,16 +90,13 @@ class SlabPool:
         self._wanted_size = 0
         self._largest_batch = 0
         self._batches_seen = False
-        self._slabs: dict[int, _Slab] = {}
-        self._retired_in_use: dict[int, _Slab] = {}  # ids not reused until their views are gone
-        self._grants: dict[int, _Slab] = {}  # token -> slab
-        self._controls: dict[int, list[tuple[SlabControl, list[int]]]] = {}
-        self.controls_queued: dict[int, int] = {}
+        self._slabs: dict[int, SlabRecord] = {}
+        self._retired_in_use: dict[int, SlabRecord] = {}  # ids not reused until their views are gone
+        self._grants: dict[int, SlabRecord] = {}  # token -> slab
+        self._controls = ControlQueues()
         self._handed_out: collections.deque[int] = collections.deque(maxlen=2)
         self._late_pause = 0
-        self._board_fd = create_buffer(BOARD_BYTES, allocate=True)
-        self._board_mapping = mmap.mmap(self._board_fd, BOARD_BYTES)
-        self._board = np.frombuffer(self._board_mapping, dtype=np.uint64)
+        self._board = ReleaseBoard()
         self._watcher: host_pinning.ReleaseWatcher | None = None  # made with the first pinned slab
         self.pin_lock = threading.Lock()
         self.counts = SlabCounts()
@@ -248,7 +190,6 @@ class SlabPool:
         slab it is granted are announced afresh). Slabs, their pages and page-locking stay."""
         self.cancel_all_grants()
         self._controls.clear()
-        self.controls_queued.clear()
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.clear()
 
@@ -269,7 +210,7 @@ class SlabPool:
         self._grants[token] = slab
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
-        return SlabGrant(slab.slab_id, releases, self.controls_queued.get(producer, 0))
+        return SlabGrant(slab.slab_id, releases, self._controls.sent(producer))
 
     def share_grant(self, token: int, producer: int) -> tuple[SlabGrant, int] | None:
         """Let ``producer`` write into the slab granted for message ``token`` too, and its size;
@@ -283,7 +224,7 @@ class SlabPool:
             return None
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
-        controls = self.controls_queued.get(producer, 0)
+        controls = self._controls.sent(producer)
         return SlabGrant(slab.slab_id, slab.granted_releases, controls), slab.size
 
     def granted_size(self, token: int) -> int:
@@ -300,7 +241,7 @@ class SlabPool:
             return False
         return not self._about_to_be_released(peek=True)  # (the latest's counts: its wait is short)
 
-    def _choose(self, producer: int) -> tuple[_Slab | None, int]:
+    def _choose(self, producer: int) -> tuple[SlabRecord | None, int]:
         """The slab for ``producer``'s next message, and the board count it must wait for.
 
         A slab the producer has mapped already costs it nothing; any other costs it a mapping (a
@@ -324,16 +265,16 @@ class SlabPool:
             return self._make_slab(), 0
         return None, 0
 
-    def _make_slab(self) -> _Slab:
+    def _make_slab(self) -> SlabRecord:
         if self._pin and self._pin_device is None:
             self._pin_device = host_pinning.current_device()
-        slab = _Slab(self._next_id(), self._wanted_size, self._pin_device if self._pin else None)
-        self._board[slab.slab_id] = 0
+        slab = SlabRecord(self._next_id(), self._wanted_size, self._pin_device if self._pin else None)
+        self._board.counts[slab.slab_id] = 0
         self._slabs[slab.slab_id] = slab
         self.counts.slabs_made += 1
         return slab
 
-    def _about_to_be_released(self, peek: bool = False) -> list[_Slab]:
+    def _about_to_be_released(self, peek: bool = False) -> list[SlabRecord]:
         """Slabs that may be granted before they are free, best first: the one of the batch
         handed out before the latest, which a ``for`` loop drops as it takes the next (released
         a moment from now); and, while three or more batches are in flight, the latest's, which
@@ -365,13 +306,13 @@ class SlabPool:
         # A retired slab's id is reused only once its last batch is released: a late release
         # must never count towards the slab that took its place.
         for slab_id, slab in list(self._retired_in_use.items()):
-            if int(self._board[slab_id]) == slab.leases_made:
+            if self._board.released(slab_id) == slab.leases_made:
                 del self._retired_in_use[slab_id]
         taken = self._slabs.keys() | self._retired_in_use.keys()
         return next(i for i in range(MAX_SLABS) if i not in taken)
 
-    def _is_free(self, slab: _Slab) -> bool:
-        return slab.granted_to is None and int(self._board[slab.slab_id]) == slab.leases_made
+    def _is_free(self, slab: SlabRecord) -> bool:
+        return slab.granted_to is None and self._board.released(slab.slab_id) == slab.leases_made
 
     def settle(self, token: int, outcome: GrantOutcome) -> None:
         """The message ``token`` has arrived (or failed): its grant is over."""
@@ -408,8 +349,7 @@ class SlabPool:
         """``producer`` has stopped (a pool shrinking in place): a later producer that takes its
         number starts with nothing mapped, so the board and every slab are announced afresh."""
         self.cancel_grants_of(producer)
-        self._controls.pop(producer, None)
-        self.controls_queued.pop(producer, None)
+        self._controls.forget(producer)
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.discard(producer)
 
@@ -419,24 +359,20 @@ class SlabPool:
 
     # -- controls to producers ---------------------------------------------------------
 
-    def _announce(self, producer: int, slab: _Slab) -> None:
-        if producer not in self.controls_queued:
-            self._queue(producer, SlabControl(SlabControlKind.BOARD, size=BOARD_BYTES),
-                        [self._board_fd])
-        self._queue(producer, SlabControl(SlabControlKind.MAP, slab.slab_id, slab.size), [slab.fd])
+    def _announce(self, producer: int, slab: SlabRecord) -> None:
+        if not self._controls.knows(producer):
+            self._controls.queue(producer, *self._board.announce())
+        self._controls.queue(producer, SlabControl(SlabControlKind.MAP, slab.slab_id, slab.size),
+                             [slab.fd])
         slab.mapped_by.add(producer)
         self.counts.slab_mappings += 1
-
-    def _queue(self, producer: int, control: SlabControl, fds: list[int]) -> None:
-        self._controls.setdefault(producer, []).append((control, fds))
-        self.controls_queued[producer] = self.controls_queued.get(producer, 0) + 1
 
     def take_controls(self, producer: int) -> list[tuple[SlabControl, list[int]]]:
         """Controls to send to ``producer`` now, before the command carrying its next grant.
 
         The descriptors stay owned by the pool; the sender only passes copies through the socket.
         """
-        return self._controls.pop(producer, [])
+        return self._controls.take(producer)
 
     # -- leases (decoding side) ------------------------------------------------------------
 
@@ -459,7 +395,8 @@ class SlabPool:
                 self._watcher = host_pinning.ReleaseWatcher(self._pin_device)
         lease = slab.memory.array[:]
         slab.leases_made += 1
-        finalizer = weakref.finalize(lease, _released, slab, self._board, self._watcher, self.pin_lock)
+        finalizer = weakref.finalize(lease, *release_callback(slab, self._board, self._watcher,
+                                                              self.pin_lock))
         finalizer.atexit = False
         return memoryview(lease)
 
@@ -480,19 +417,19 @@ class SlabPool:
             self._retire(slab)
         self._surplus_grants = 0
 
-    def _retire(self, slab: _Slab) -> None:
+    def _retire(self, slab: SlabRecord) -> None:
         """Stop using ``slab``: producers forget it; it is unmapped when its last view dies."""
         self._slabs.pop(slab.slab_id, None)
         self.counts.slabs_retired += 1
-        if int(self._board[slab.slab_id]) != slab.leases_made:
+        if self._board.released(slab.slab_id) != slab.leases_made:
             self._retired_in_use[slab.slab_id] = slab
         for producer in sorted(slab.mapped_by):
-            self._queue(producer, SlabControl(SlabControlKind.FORGET, slab.slab_id), [])
+            self._controls.queue(producer, SlabControl(SlabControlKind.FORGET, slab.slab_id), [])
         slab.memory.close_fd()
         slab.memory.wait_prepared()  # no preparation thread outlives its slab's pool
         with self.pin_lock:
             slab.retired = True
-            if self._pin and int(self._board[slab.slab_id]) == slab.leases_made:
+            if self._pin and self._board.released(slab.slab_id) == slab.leases_made:
                 slab.memory.unpin()
 
     def close(self) -> None:
@@ -507,26 +444,7 @@ class SlabPool:
         self._grants.clear()
         self._controls.clear()
         self._retired_in_use.clear()
-        if self._board_fd >= 0:
-            os.close(self._board_fd)
-            self._board_fd = -1
         # A closed pool may live on (an exception's traceback holds the engine): let go of the
         # mappings now; batches still alive keep theirs through their leases.
-        self._board = self._board_mapping = None  # type: ignore[assignment]
+        self._board.close()
 
-
-def _released(slab: _Slab, board: np.ndarray, watcher: host_pinning.ReleaseWatcher | None,
-              pin_lock: threading.Lock) -> None:
-    """The last view of one batch on ``slab`` died (any thread): count the release, at once, or
-    (pinned) once the copies queued before now are done."""
-    if watcher is None:
-        board[slab.slab_id] += 1
-        return
-    watcher.submit(host_pinning.release_marker(), functools.partial(_land_pinned, slab, board, pin_lock))
-
-
-def _land_pinned(slab: _Slab, board: np.ndarray, pin_lock: threading.Lock) -> None:
-    with pin_lock:
-        board[slab.slab_id] += 1
-        if slab.retired and int(board[slab.slab_id]) == slab.leases_made:
-            slab.memory.unpin()  # torn down: nobody will reuse it

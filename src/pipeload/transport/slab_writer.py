@@ -31,7 +31,7 @@ from pipeload.transport.messages import (
     SlabGrant,
 )
 from pipeload.transport.shared_memory import create_buffer
-from pipeload.transport.slab_memory import POPULATE_FROM_BYTES, Preparation, populate_in_background
+from pipeload.transport.slab_memory import Preparation, populate_in_background
 
 RELEASE_WAIT_S = 0.1
 RELEASE_POLL_S = 0.0002
