@@ -11,16 +11,18 @@ Three ways a training script meets its loader's epochs, each run with both loade
 
 For every epoch it prints the set-up time (the ``iter()`` call), the first-batch time (from
 ``iter()`` to the first batch in hand), samples/s over the whole epoch (from ``iter()`` to the
-end, workers stopped), and two counters that do not depend on the machine's load: the training
+end, workers stopped), and figures that depend little on the machine's load: the CPU time of the
+whole process tree in the epoch (main process and workers, stopped ones included), the training
 loop thread's minor page faults per batch (``getrusage(RUSAGE_THREAD)``) and, for pipeload, what
-its slab pool did (slabs made; batches that travelled in one-shot buffers instead of slabs).
+its slab pool did (slabs made; slabs mapped by workers, each a page-table entry per page in that
+worker; batches that travelled in one-shot buffers instead of slabs).
 
 The training loop reads each batch as a copy would: one value per 4 KiB page. ``--gpu-copy``
 loads with ``pin_memory=True`` instead, copies each batch to the GPU with ``non_blocking=True``
 (one copy in flight) and counts the batches that were ``is_pinned()``; without CUDA it says so and
-stops. The loaders' epochs alternate (pipeload's epoch 1, torch's epoch 1, torch's epoch 2,
-pipeload's epoch 2, ...), so that a machine whose load drifts weighs on both alike; ratios compare
-the same epoch of the same run.
+stops. Every scenario's loaders run side by side, epoch by epoch (epoch 1 of each, then epoch 2
+of each, the order turning each time), so that a machine whose load drifts weighs on all alike;
+ratios compare the same epoch of the same run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 import torch.utils.data
 
@@ -83,7 +86,9 @@ class Epoch:
     first_batch_s: float
     samples_per_s: float
     faults_per_batch: float
+    tree_cpu_s: float = 0.0
     slabs_made: int | None = None
+    slab_maps: int | None = None
     fresh_batches: int | None = None
     pinned: int | None = None
     batches: int = 0
@@ -130,6 +135,20 @@ def make_loader(name: str, options: Options, persistent: bool) -> Iterable[Any]:
     return torch.utils.data.DataLoader(dataset, **arguments)
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process, its children waited for (stopped workers) and its live
+    children (persistent workers)."""
+    times = os.times()
+    total = times.user + times.system + times.children_user + times.children_system
+    for child in psutil.Process().children():
+        try:
+            child_times = child.cpu_times()
+        except psutil.Error:
+            continue  # it ended meanwhile: counted with the children waited for, or not at all
+        total += child_times.user + child_times.system
+    return total
+
+
 def _slab_counts(loader: Any) -> Any:
     keeper = getattr(loader, "_slab_keeper", None)  # pipeload's only
     return keeper.counts() if keeper is not None else None
@@ -140,6 +159,7 @@ def run_epoch(loader: Any, scenario: str, name: str, number: int, options: Optio
     loop = TrainingLoop(options.gpu_copy)
     counts_before = _slab_counts(loader)
     faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    cpu_before = tree_cpu_s()
     started = time.perf_counter()
     iterator = iter(loader)
     set_up = time.perf_counter()
@@ -156,37 +176,40 @@ def run_epoch(loader: Any, scenario: str, name: str, number: int, options: Optio
     ended = time.perf_counter()
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults_before
     epoch = Epoch(scenario, name, number, set_up - started, (first or ended) - started,
-                  samples / (ended - started), faults / max(1, batches), batches=batches)
+                  samples / (ended - started), faults / max(1, batches),
+                  tree_cpu_s() - cpu_before, batches=batches)
     counts = _slab_counts(loader)
     if counts is not None:
         epoch.slabs_made = counts.slabs_made - counts_before.slabs_made
+        epoch.slab_maps = counts.slab_mappings - counts_before.slab_mappings
         epoch.fresh_batches = counts.batches_in_fresh_memory - counts_before.batches_in_fresh_memory
     if options.gpu_copy:
         epoch.pinned = loop.pinned
     return epoch
 
 
-def run_scenario(scenario: str, options: Options) -> list[Epoch]:
-    """Both loaders through ``options.epochs`` epochs of ``scenario``, epochs alternating."""
-    persistent = scenario == "persistent"
-    loaders: dict[str, Any] = {name: None for name in LOADERS}
+def run_all(options: Options) -> list[Epoch]:
+    """Every scenario with both loaders, ``options.epochs`` epochs each, epoch by epoch: epoch 1
+    of each, then epoch 2 of each, and so on, the order turning each time."""
+    runs = [(scenario, name) for scenario in options.scenarios for name in LOADERS]
+    loaders: dict[tuple[str, str], Any] = {}
     epochs = []
     for number in range(1, options.epochs + 1):
-        order = LOADERS if number % 2 else LOADERS[::-1]
-        for name in order:
-            if loaders[name] is None or scenario == "new-loader":
-                loaders[name] = None
+        shift = (number - 1) % len(runs)
+        for scenario, name in runs[shift:] + runs[:shift]:
+            if (scenario, name) not in loaders or scenario == "new-loader":
+                loaders.pop((scenario, name), None)
                 gc.collect()  # the loader before is gone, workers and all, before the next starts
-                loaders[name] = make_loader(name, options, persistent)
-            epochs.append(run_epoch(loaders[name], scenario, name, number, options))
+                loaders[scenario, name] = make_loader(name, options, scenario == "persistent")
+            epochs.append(run_epoch(loaders[scenario, name], scenario, name, number, options))
             _log(_describe(epochs[-1]))
     loaders.clear()
     gc.collect()
-    return epochs
+    return sorted(epochs, key=lambda e: (options.scenarios.index(e.scenario), e.number))
 
 
 HEADERS = ("scenario", "epoch", "loader", "set-up ms", "first batch ms", "samples/s",
-           "faults/batch", "slabs made", "fresh batches")
+           "tree CPU ms", "faults/batch", "slabs made", "slab maps", "fresh batches")
 
 
 def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
@@ -199,7 +222,8 @@ def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
             if epoch is not None:
                 rows.append((scenario, str(number), epoch.loader, f"{epoch.setup_s * 1e3:.1f}",
                              f"{epoch.first_batch_s * 1e3:.1f}", f"{epoch.samples_per_s:,.0f}",
-                             f"{epoch.faults_per_batch:.0f}", _maybe(epoch.slabs_made),
+                             f"{epoch.tree_cpu_s * 1e3:,.0f}", f"{epoch.faults_per_batch:.0f}",
+                             _maybe(epoch.slabs_made), _maybe(epoch.slab_maps),
                              _maybe(epoch.fresh_batches)))
         ours, theirs = pair
         if ours is not None and theirs is not None:
@@ -207,28 +231,32 @@ def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
                          _ratio(ours.setup_s, theirs.setup_s),
                          _ratio(ours.first_batch_s, theirs.first_batch_s),
                          _ratio(ours.samples_per_s, theirs.samples_per_s),
-                         _ratio(ours.faults_per_batch, theirs.faults_per_batch), "", ""))
+                         _ratio(ours.tree_cpu_s, theirs.tree_cpu_s),
+                         _ratio(ours.faults_per_batch, theirs.faults_per_batch), "", "", ""))
     return rows
 
 
 def summary_lines(epochs: Sequence[Epoch]) -> list[str]:
     """Medians over epochs 2 and later: each scenario against torch, and pipeload's scenarios
     against its own persistent loader."""
-    def median(scenario: str, loader: str) -> float | None:
-        rates = [e.samples_per_s for e in epochs
-                 if e.scenario == scenario and e.loader == loader and e.number >= 2]
-        return statistics.median(rates) if rates else None
+    def median(scenario: str, loader: str, field: str = "samples_per_s") -> float | None:
+        values = [getattr(e, field) for e in epochs
+                  if e.scenario == scenario and e.loader == loader and e.number >= 2]
+        return statistics.median(values) if values else None
 
     lines = []
     persistent = median("persistent", "pipeload")
+    persistent_cpu = median("persistent", "pipeload", "tree_cpu_s")
     for scenario in dict.fromkeys(e.scenario for e in epochs):
         ours, theirs = median(scenario, "pipeload"), median(scenario, "torch")
         if ours is None or theirs is None:
             continue
         line = (f"{scenario}, epochs 2+: pipeload {ours:,.0f}/s, torch {theirs:,.0f}/s, "
                 f"{ours / theirs:.2f}x torch")
-        if persistent and scenario != "persistent":
-            line += f", {ours / persistent:.2f}x pipeload persistent"
+        cpu = median(scenario, "pipeload", "tree_cpu_s")
+        if persistent and persistent_cpu and cpu and scenario != "persistent":
+            line += (f", {ours / persistent:.2f}x pipeload persistent (tree CPU an epoch "
+                     f"{cpu / persistent_cpu:.2f}x persistent's)")
         lines.append(line)
     return lines
 
@@ -265,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--gpu-copy needs CUDA, which is not available here: nothing was measured.")
         return 0
     print(describe_machine(options))
-    epochs = [epoch for scenario in options.scenarios for epoch in run_scenario(scenario, options)]
+    epochs = run_all(options)
     print(format_table(table_rows(epochs), args.markdown))
     for line in summary_lines(epochs):
         print(line)
