@@ -30,6 +30,7 @@ from pipeload.engine.lifecycle import (
     release_finished,
     schedule_as_batch_work,
     start_process,
+    steady_heap,
     stop_workers,
 )
 from pipeload.engine.worker_info import seed_process_worker
@@ -164,6 +165,7 @@ def run_upstream_process(upstream_pipe: Any, seed: int, inbox: Any, outbox: Any)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     exit_when_parent_dies(os.getppid())
     schedule_as_batch_work()  # woken by the consumer, it must not preempt it
+    steady_heap()
     torch.set_num_threads(1)
     seed_process_worker(seed, 0)  # its own random streams, fixed by the parent's generator
     try:
