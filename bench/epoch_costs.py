@@ -43,6 +43,7 @@ import torch
 import torch.utils.data
 
 import pipeload
+from bench.run import _positive_int
 
 LOADERS = ("pipeload", "torch")
 SCENARIOS = ("persistent", "per-epoch", "new-loader")
@@ -327,12 +328,6 @@ def _shape(text: str) -> tuple[int, ...]:
     if not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
     return shape
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:

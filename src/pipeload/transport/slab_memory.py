@@ -7,8 +7,12 @@ pages for reads, unless the mapping is populated in one call). With CUDA, page-l
 worker about to collate into the slab:
 
 * the owner (the main process) maps a new slab and hands the rest to a short-lived thread, which
-  populates the mapping (``MADV_POPULATE_WRITE``: every page allocated and mapped in one kernel
-  loop) and then page-locks it, while the grant is already on its way to a worker;
+  allocates (and so zeroes) its pages through a mapping of its own, dropped at once
+  (``MADV_POPULATE_READ``: in one kernel loop), while the grant is already on its way to a
+  worker; a pinned slab's thread populates the owner's mapping instead and page-locks it
+  (page-locking makes every page resident in the owner anyway). The owner's mapping of an
+  unpinned slab stays unpopulated: a training loop that never reads a batch (one that only hands
+  it on) does not hold every slab in its resident set;
 * a producer that writes whole batches populates its own mapping the same way on a thread of its
   own, while it fetches the samples that will fill it (``populate_in_background``);
 * huge pages are asked for where the kernel lets shared memory have them
@@ -139,6 +143,22 @@ def populate_in_background(mapping: mmap.mmap, address: int, nbytes: int) -> Pre
     return Preparation(work, mapping, "pipeload-slab-populate")
 
 
+def _allocate_pages(fd: int, size: int, huge: int) -> None:
+    """Allocate (and zero) every page of the file ``fd`` through a mapping dropped at once."""
+    try:
+        mapping = mmap.mmap(fd, size)
+    except (OSError, ValueError):
+        return  # the pool already let go of the slab
+    try:
+        array = np.frombuffer(mapping, dtype=np.uint8)
+        if huge:
+            _madvise(array.ctypes.data, size, MADV_HUGEPAGE)
+        populate(array.ctypes.data, size, write=False)
+        del array
+    finally:
+        mapping.close()
+
+
 class SlabMemory:
     """The owner's mapping of one slab: its descriptor, its bytes as a numpy array, and the
     preparation (populate, page-lock) running or done for it.
@@ -162,16 +182,17 @@ class SlabMemory:
         large = self.size >= POPULATE_FROM_BYTES
         if not large and pin_device is None:
             return None
-        address, size, huge = self.array.ctypes.data, self.size, huge_page_bytes()
+        address, size, huge, fd = self.array.ctypes.data, self.size, huge_page_bytes(), self.fd
+        if huge:
+            _madvise(address, size, MADV_HUGEPAGE)
 
         def work() -> int:
+            if pin_device is None:
+                _allocate_pages(fd, size, huge)
+                return 0
             if large:
-                if huge:
-                    _madvise(address, size, MADV_HUGEPAGE)
-                populate(address, size, write=True)
-            if pin_device is not None and host_pinning.register(address, size, pin_device):
-                return address
-            return 0
+                populate(address, size, write=False)
+            return address if host_pinning.register(address, size, pin_device) else 0
 
         return Preparation(work, self.array, "pipeload-slab-prepare")
 
