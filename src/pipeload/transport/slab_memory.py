@@ -7,12 +7,11 @@ pages for reads, unless the mapping is populated in one call). With CUDA, page-l
 worker about to collate into the slab:
 
 * the owner (the main process) maps a new slab and hands the rest to a short-lived thread, which
-  allocates (and so zeroes) its pages through a mapping of its own, dropped at once
-  (``MADV_POPULATE_READ``: in one kernel loop), while the grant is already on its way to a
-  worker; a pinned slab's thread populates the owner's mapping instead and page-locks it
-  (page-locking makes every page resident in the owner anyway). The owner's mapping of an
-  unpinned slab stays unpopulated: a training loop that never reads a batch (one that only hands
-  it on) does not hold every slab in its resident set;
+  populates the owner's mapping (``MADV_POPULATE_READ``: every page allocated, zeroed and mapped
+  in one kernel loop) while the grant is already on its way to a worker, then page-locks it for
+  CUDA, or (unpinned) drops the mapping's page-table entries again (``MADV_DONTNEED``: the pages
+  stay in the file): a training loop that never reads a batch (one that only hands it on) then
+  does not hold every slab in its resident set;
 * a producer that writes whole batches populates its own mapping the same way on a thread of its
   own, while it fetches the samples that will fill it (``populate_in_background``);
 * huge pages are asked for where the kernel lets shared memory have them
@@ -45,6 +44,7 @@ POPULATE_FROM_BYTES = 4 << 20  # smaller slabs are faulted in on use: their head
 MADV_POPULATE_READ = 22  # Linux 5.14: fault every page in for reading, in one call
 MADV_POPULATE_WRITE = 23  # ... for writing (shared memory: allocated and mapped writable)
 MADV_HUGEPAGE = 14
+MADV_DONTNEED = 4  # on a shared mapping: drop the page-table entries, keep the file's pages
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _THP_MODES_FOR_MEMFD = ("always", "within_size", "advise", "force")
@@ -143,22 +143,6 @@ def populate_in_background(mapping: mmap.mmap, address: int, nbytes: int) -> Pre
     return Preparation(work, mapping, "pipeload-slab-populate")
 
 
-def _allocate_pages(fd: int, size: int, huge: int) -> None:
-    """Allocate (and zero) every page of the file ``fd`` through a mapping dropped at once."""
-    try:
-        mapping = mmap.mmap(fd, size)
-    except (OSError, ValueError):
-        return  # the pool already let go of the slab
-    try:
-        array = np.frombuffer(mapping, dtype=np.uint8)
-        if huge:
-            _madvise(array.ctypes.data, size, MADV_HUGEPAGE)
-        populate(array.ctypes.data, size, write=False)
-        del array
-    finally:
-        mapping.close()
-
-
 class SlabMemory:
     """The owner's mapping of one slab: its descriptor, its bytes as a numpy array, and the
     preparation (populate, page-lock) running or done for it.
@@ -182,16 +166,16 @@ class SlabMemory:
         large = self.size >= POPULATE_FROM_BYTES
         if not large and pin_device is None:
             return None
-        address, size, huge, fd = self.array.ctypes.data, self.size, huge_page_bytes(), self.fd
+        address, size, huge = self.array.ctypes.data, self.size, huge_page_bytes()
         if huge:
             _madvise(address, size, MADV_HUGEPAGE)
 
         def work() -> int:
-            if pin_device is None:
-                _allocate_pages(fd, size, huge)
-                return 0
             if large:
                 populate(address, size, write=False)
+            if pin_device is None:
+                _madvise(address, size, MADV_DONTNEED)
+                return 0
             return address if host_pinning.register(address, size, pin_device) else 0
 
         return Preparation(work, self.array, "pipeload-slab-prepare")
