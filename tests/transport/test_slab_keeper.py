@@ -146,28 +146,36 @@ def test_the_huge_page_setting_is_read_from_the_kernel():
     assert size >= 5 * MIB + 1 and (not allowed or size % slab_memory.huge_page_bytes() == 0)
 
 
-def test_a_large_slab_gets_its_pages_off_the_caller_thread():
-    import mmap
+def test_a_writer_populates_a_large_slab_off_its_thread_and_takes_no_fault_writing_it():
     import resource
 
-    import numpy as np
+    from pipeload.transport.slab_writer import SlabWriter
 
-    memory = slab_memory.SlabMemory(BATCH_BYTES, pin_device=None)
+    keeper = SlabKeeper()
+    pool = keeper.lend(SETTINGS)
+    pool.observe_batch(BATCH_BYTES)
+    pool.set_slab_limit(1)
+    writer = SlabWriter()  # a whole-batch producer: it populates the slabs it maps
     try:
-        memory.wait_prepared()
-        assert not memory.pinned  # no device asked for
-        # A worker's mapping of it: its pages exist, zeroed; read faults map 16 of them at once.
-        mapping = mmap.mmap(memory.fd, BATCH_BYTES)
-        view = np.frombuffer(mapping, dtype=np.uint8)
+        grant = pool.grant(0, 0)
+        for control, fds in pool.take_controls(0):
+            writer.apply(control, [os.dup(fd) for fd in fds])
+        writer.begin(grant)
+        writer.wait_populated()
+        storage = writer.slab_storage()
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        assert int(view[::4096].sum()) == 0
+        import torch
+
+        torch.empty((0,), dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)).fill_(7)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-        del view
-        mapping.close()
-        if slab_memory.populate(memory.array.ctypes.data, 4096):  # Linux 5.14 and later
-            assert faults < BATCH_BYTES // 4096 // 4  # not one (allocating) fault per page
+        if slab_memory.populate(pool._slabs[grant.slab_id].memory.array.ctypes.data, 4096):
+            assert faults < 16  # every page mapped, writable, by the populating thread
+        writer.finish()
+        pool.settle(0, GrantOutcome.UNUSED)
     finally:
-        memory.close_fd()
+        writer.close()
+        keeper.give_back(pool)
+        keeper.close()
 
 
 # -- landing pinned releases -------------------------------------------------------------------

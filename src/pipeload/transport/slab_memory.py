@@ -6,23 +6,24 @@ pages for reads, unless the mapping is populated in one call). With CUDA, page-l
 (``cudaHostRegister``) touches every page too. None of that has to stop the training loop or the
 worker about to collate into the slab:
 
-* the owner (the main process) maps a new slab and hands the rest to a short-lived thread, which
-  populates the owner's mapping (``MADV_POPULATE_READ``: every page allocated, zeroed and mapped
-  in one kernel loop) while the grant is already on its way to a worker, then page-locks it for
-  CUDA, or (unpinned) drops the mapping's page-table entries again (``MADV_DONTNEED``: the pages
-  stay in the file): a training loop that never reads a batch (one that only hands it on) then
-  does not hold every slab in its resident set;
-* a producer that writes whole batches populates its own mapping the same way on a thread of its
-  own, while it fetches the samples that will fill it (``populate_in_background``);
+* a producer that writes whole batches populates its mapping on a thread of its own
+  (``populate_in_background``: ``MADV_POPULATE_READ``, every page allocated, zeroed and mapped in
+  one kernel loop), started when the slab is announced, while it fetches the samples that will
+  fill it;
+* the owner (the main process) maps a new slab and, to page-lock it for CUDA, hands it to a
+  short-lived thread that populates and registers it while the grant is already on its way to a
+  worker. An unpinned slab is not populated in the owner: a training loop that never reads a
+  batch (one that only hands it on) then does not hold every slab in its resident set, and one
+  that reads it faults 16 pages at a time;
 * huge pages are asked for where the kernel lets shared memory have them
   (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` set to ``advise``, ``within_size``,
   ``always`` or ``force``): slabs are then sized in whole huge pages and advised
   ``MADV_HUGEPAGE``, so a slab costs a fault per 2 MiB instead of per 4 KiB.
 
-Populating never changes what a page holds (it only does what a first write or read would do), so
-it may run while a producer writes into the slab. The owner waits for a slab's preparation only
-where it matters: before handing out a batch of a pinned slab (it must answer ``is_pinned()``),
-and before unpinning or unmapping it. Where ``MADV_POPULATE_*`` is missing (Linux before 5.14),
+Populating never changes what a page holds (it only does what a first read would do), so it may
+run while another process writes into the slab. The owner waits for a pinned slab's preparation
+only where it matters: before handing out a batch of it (it must answer ``is_pinned()``), and
+before unpinning it. Where ``MADV_POPULATE_*`` is missing (Linux before 5.14),
 pages are simply faulted in on first use, as before.
 """
 
@@ -44,7 +45,6 @@ POPULATE_FROM_BYTES = 4 << 20  # smaller slabs are faulted in on use: their head
 MADV_POPULATE_READ = 22  # Linux 5.14: fault every page in for reading, in one call
 MADV_POPULATE_WRITE = 23  # ... for writing (shared memory: allocated and mapped writable)
 MADV_HUGEPAGE = 14
-MADV_DONTNEED = 4  # on a shared mapping: drop the page-table entries, keep the file's pages
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _THP_MODES_FOR_MEMFD = ("always", "within_size", "advise", "force")
@@ -163,19 +163,14 @@ class SlabMemory:
         self._preparation = self._prepare(pin_device)
 
     def _prepare(self, pin_device: int | None) -> Preparation | None:
-        large = self.size >= POPULATE_FROM_BYTES
-        if not large and pin_device is None:
-            return None
         address, size, huge = self.array.ctypes.data, self.size, huge_page_bytes()
-        if huge:
+        if huge and size >= POPULATE_FROM_BYTES:
             _madvise(address, size, MADV_HUGEPAGE)
+        if pin_device is None:
+            return None
 
         def work() -> int:
-            if large:
-                populate(address, size, write=False)
-            if pin_device is None:
-                _madvise(address, size, MADV_DONTNEED)
-                return 0
+            populate(address, size, write=False)  # page-locking faults every page in anyway
             return address if host_pinning.register(address, size, pin_device) else 0
 
         return Preparation(work, self.array, "pipeload-slab-prepare")
