@@ -206,8 +206,8 @@ class EconomicEngine:
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
         # batches in flight and the one the consumer holds. The batch a ``for`` loop is dropping
         # needs no slab of its own: the next batch is granted its slab, and written once it is
-        # released (see slab_pool.py); pinned slabs are released by this thread, so there the
-        # dropped batch keeps one more. ``_top_up`` follows the budget.
+        # released (see slab_pool.py), pinned slabs too (their releases land from a watcher
+        # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), the batch workers right after (see start_epoch).
