@@ -182,3 +182,19 @@ def test_a_smaller_byte_budget_shrinks_the_kept_slabs_before_the_next_epoch():
     run_epoch(loader)
     assert loader._slab_keeper.held_bytes <= loader.max_shm_bytes
     del loader
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+def test_fewer_workers_next_epoch_shrink_the_kept_slabs_to_what_they_may_use():
+    loader = DataLoader(MakesTensors(ITEMS, BIG), batch_size=4, num_workers=4, prefetch_factor=2,
+                        multiprocessing_context="fork")
+    for batch in loader:  # the training loop keeps nothing, and is fast: 8 fly, 9 slabs at most
+        del batch
+    made = loader._slab_keeper.counts().slabs_made
+    assert made > 4
+    loader.num_workers = 1  # at most 2 batches in flight from now on: 2, one held, one more
+    run_epoch(loader)
+    keeper = loader._slab_keeper
+    with keeper._lock:
+        assert keeper._pool.slab_count <= 4
+    del loader
