@@ -142,9 +142,9 @@ def steady_heap() -> bool:
     trim threshold to twice that. Whether a batch's freed samples (64 images of 600 KB, say) then
     stay in the heap or are trimmed away at once, to be faulted in (zeroed) again for the next
     batch, depends on what else lies at the top of the heap, which a forked worker inherits from
-    the main process as it was at the fork: measured on the development box, a worker faulted in
-    either ~26,000 pages an epoch or ~550,000, by the luck of the fork, nearly tripling the CPU
-    time of a non-persistent epoch. Fixed thresholds (allocations up to 32 MiB from the heap, up
+    the main process as it was at the fork: measured on the development box, the two workers of a
+    non-persistent epoch faulted in either ~40,000 pages or ~550,000, by the luck of the fork,
+    nearly tripling the CPU time of the epoch (~26,000 with the thresholds fixed). Fixed thresholds (allocations up to 32 MiB from the heap, up
     to 64 MiB of free heap kept between batches) make every worker reuse its memory. Set
     ``PIPELOAD_WORKER_HEAP=dynamic``, or glibc's ``MALLOC_MMAP_THRESHOLD_`` /
     ``MALLOC_TRIM_THRESHOLD_``, to keep glibc's own behaviour.
