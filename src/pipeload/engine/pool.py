@@ -151,13 +151,9 @@ class PoolEngine:
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
         # Workers' tasks are counted by the ledger, which counts each worker's answers anyway.
         self._ledger_counts = self._stats is not None
-        # Worker 0 starts now, each other one as its first task goes out, so that the first ones
-        # fetch while the main thread forks the rest (each fork copies this process's page
-        # tables: ~8 ms on the 2-core dev box); start_epoch starts any left over.
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
-                                    start_first=1, counted_by_engine=self._ledger_counts,
-                                    keeper=keeper)
+                                    counted_by_engine=self._ledger_counts, keeper=keeper)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -247,8 +243,6 @@ class PoolEngine:
             self._top_up()
         except WorkerDiedError:
             pass  # said by the first next(), as torch's loader says it: the task waits unsent
-        finally:
-            self._workers.start_all()  # every worker runs once iter() returns, as torch's do
 
     def _send_what_torch_sends_ahead(self) -> None:
         """Before a persistent session's next epoch: if the last one was left early, send the
