@@ -6,8 +6,11 @@ it ends. It waits on those conditions with a deadline instead of sleeping, and n
 
 Some long-lived helpers are not leaks and are left out of the comparison: the multiprocessing
 resource tracker and the forkserver (Python starts each once per process, the first time a spawn
-or forkserver context needs it, and keeps it and one fd to it until exit), and the arenas of
-multiprocessing's shared heap, which it keeps mapped for reuse.
+or forkserver context needs it, and keeps it and one fd to it until exit), the arenas of
+multiprocessing's shared heap, which it keeps mapped for reuse, and what the CUDA runtime opens
+for itself once a test has initialised it (``/dev/nvidia*`` devices, eventfds, epoll and timer
+descriptors): CUDA keeps them for the life of the process. pipeload's own shared memory
+(``/memfd:pipeload-*``) always counts, as descriptors and as mappings.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +28,10 @@ import psutil
 import pytest
 
 SHM_DIR = "/dev/shm"
+OUR_MEMORY = "/memfd:pipeload-"  # every shared buffer pipeload makes has this name
+# What the CUDA runtime and driver open for themselves, for the life of the process.
+CUDA_OWN_DESCRIPTORS = ("/dev/nvidia", "/dev/dri/", "anon_inode:[eventfd]", "anon_inode:[eventpoll]",
+                        "anon_inode:[timerfd]", "anon_inode:[dmabuf]", "/dev/shm/cuda.shm")
 LEAK_DEADLINE_S = 5.0  # generous: a loaded 2-core machine may take a while to reap and unmap
 POLL_INTERVAL_S = 0.02
 _HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
@@ -95,19 +103,34 @@ def _helper_fds() -> set[str]:
     return {str(fd) for fd in fds if fd is not None}
 
 
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def _open_fds() -> dict[str, str]:
     fds = {}
+    cuda = _cuda_initialised()
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # the fd listdir itself used, already closed
         # multiprocessing's heap (Value, Array) keeps small arenas mapped for reuse, for good.
-        if not target.startswith(f"{SHM_DIR}/pym-"):
-            fds[fd] = target
+        if target.startswith(f"{SHM_DIR}/pym-"):
+            continue
+        if cuda and target.startswith(CUDA_OWN_DESCRIPTORS):
+            continue  # CUDA's, not ours (ours are memfds named pipeload-*, pipes and sockets)
+        fds[fd] = target
     for fd in _helper_fds():
         fds.pop(fd, None)
     return fds
+
+
+def our_mappings() -> int:
+    """How many mappings of pipeload's shared memory this process has (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(OUR_MEMORY in line for line in maps)
 
 
 def _shm_entries() -> set[str]:
@@ -145,10 +168,12 @@ class _Snapshot:
     threads: set[threading.Thread]
     fds: dict[str, str]
     shm: set[str]
+    mappings: int
 
     @classmethod
     def take(cls) -> _Snapshot:
-        return cls(_children(), set(threading.enumerate()), _open_fds(), _shm_entries())
+        return cls(_children(), set(threading.enumerate()), _open_fds(), _shm_entries(),
+                   our_mappings())
 
 
 class LeakGuard:
@@ -191,11 +216,16 @@ class LeakGuard:
                 fresh -= _shm_in_use_elsewhere(fresh, {os.getpid()})
             return sorted(fresh)
 
+        def new_mappings() -> str:
+            extra = our_mappings() - before.mappings
+            return f"{extra} more mappings of {OUR_MEMORY}* than before" if extra > 0 else ""
+
         checks = {
             "child processes outlived the test": new_children,
             "threads outlived the test": new_threads,
             "file descriptors left open": new_fds,
             "/dev/shm entries left behind": new_shm,
+            "shared memory still mapped": new_mappings,
         }
         wait_until(lambda: not any(check() for check in checks.values()), LEAK_DEADLINE_S)
         return [f"{what}: {found}" for what, check in checks.items() if (found := check())]

@@ -73,3 +73,46 @@ def test_a_forked_worker_still_starts_and_ends():
     process = lifecycle.start_process(multiprocessing.get_context("fork"), time.sleep, (0,), "w")
     process.join(10)
     assert process.exitcode == 0
+
+
+def _faults_of_the_third_round(_index: int) -> int:
+    """In a worker: take and free a batch's worth of 600 KB samples three times; the minor page
+    faults of the third round (the memory of the first two is there to be reused)."""
+    import resource
+
+    import numpy as np
+
+    faults = 0
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        samples = [np.ones(150_000, dtype=np.float32) for _ in range(16)]
+        del samples
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return faults
+
+
+class _ThirdRoundFaults:
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return _faults_of_the_third_round(index)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.usefixtures("leak_guard")
+def test_a_worker_reuses_the_heap_its_samples_freed():
+    from pipeload import DataLoader
+
+    # 16 samples of 600 KB are 2,400 pages: faulted in again every round if glibc trims them.
+    faults = list(DataLoader(_ThirdRoundFaults(), batch_size=None, num_workers=1,
+                             multiprocessing_context="fork"))
+    assert max(faults) < 200, faults
+
+
+def test_the_heap_thresholds_are_left_alone_when_asked(monkeypatch):
+    monkeypatch.setenv(lifecycle.WORKER_HEAP_ENV, "dynamic")
+    assert lifecycle.steady_heap() is False
+    monkeypatch.delenv(lifecycle.WORKER_HEAP_ENV)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert lifecycle.steady_heap() is False

@@ -30,6 +30,11 @@ build (another program took the CPU for a moment) does not leave a slab behind.
 
 The budget only ever lowers what is in flight: ``prefetch_factor * num_workers`` stays the most,
 and one batch the least, so ordering, ``in_order=False`` and persistent workers are unaffected.
+
+What a budget has learnt (its :class:`Pace`) outlives it: a loader keeps the last one with its
+slab pool (``transport/slab_keeper.py``), and the budget of its next set of workers (the next
+epoch without persistent workers, the next iterator) starts from it: at the depth the last one
+ended with, instead of one task per worker and one batch in flight until the pace is known.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pipeload.transport import shared_memory
 
@@ -57,13 +63,26 @@ DEFAULT_SHM_SHARE = 0.5  # of what the backing memory can still take, when max_s
 UNKNOWN_SHM_BYTES = 1 << 62
 
 
-def shm_budget_bytes(max_shm_bytes: int | None) -> int:
+def shm_budget_bytes(max_shm_bytes: int | None, held_bytes: int = 0) -> int:
     """The byte budget for slabs and batches in flight: ``max_shm_bytes`` when the user gave
-    one, else half of what the memory behind shared buffers can still take."""
+    one, else half of what the memory behind shared buffers can still take, counting the
+    ``held_bytes`` of slabs the loader keeps already as memory it may use again."""
     if max_shm_bytes is not None:
         return max_shm_bytes
     available = shared_memory.available_bytes()
-    return UNKNOWN_SHM_BYTES if available is None else max(1, int(available * DEFAULT_SHM_SHARE))
+    if available is None:
+        return UNKNOWN_SHM_BYTES
+    return max(1, int((available + held_bytes) * DEFAULT_SHM_SHARE))
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What a budget learnt about its loader: the smoothed build and consumer times, and the
+    batches in flight it ended with (see :meth:`InFlightBudget.pace`)."""
+
+    build_s: float
+    consume_s: float
+    in_flight: int
 
 
 class InFlightBudget:
@@ -81,7 +100,9 @@ class InFlightBudget:
     def __init__(
         self, max_batches: int, num_workers: int, max_bytes: int,
         clock: Callable[[], float] = time.perf_counter, tolerated_wait: float = TOLERATED_WAIT,
+        pace: Pace | None = None,
     ) -> None:
+        """``pace``: what an earlier budget of the same loader learnt (None: start afresh)."""
         self.max_batches = max_batches
         self._clock = clock
         self._tolerated_wait = tolerated_wait  # large batches' (see POOL_TOLERATED_WAIT)
@@ -96,6 +117,15 @@ class InFlightBudget:
         self._needed = self._first_wave
         self._large = False
         self._asked_more = 0  # requests in a row whose estimate asked for more than it had
+        if pace is not None:
+            self._build_s, self._consume_s = pace.build_s, pace.consume_s
+            self._needed = max(1, min(max_batches, pace.in_flight))
+
+    def pace(self) -> Pace | None:
+        """What this budget has learnt, for the next set of workers (None: nothing yet)."""
+        if not self._model_known():
+            return None
+        return Pace(self._build_s, self._consume_s, self._needed)  # type: ignore[arg-type]
 
     def set_max_batches(self, max_batches: int) -> None:
         """A new ceiling (``prefetch_factor="auto"`` deepening or thinning the pool)."""

@@ -44,6 +44,7 @@ from pipeload.errors import LoaderTimeoutError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.codec import INLINE_MAX_BYTES
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
+from pipeload.transport.slab_keeper import SlabKeeper
 from pipeload.transport.messages import (
     Command,
     ItemPlacement,
@@ -73,6 +74,8 @@ class EconomicConfig:
         numbered: with ``in_order=False``, hand each batch out as a ``NumberedBatch`` (and
             attach its number to a failed batch's error): which batches an out-of-order epoch
             has handed out is then a set, which the loader's checkpoints record.
+        slab_keeper: the loader's ``SlabKeeper``, which keeps its slab pool and the budget's
+            pace between the sets of workers it starts (None: the pool is the engine's own).
     """
 
     setup: EconomicSetup
@@ -85,6 +88,7 @@ class EconomicConfig:
     max_shm_bytes: int | None = None
     pin_slabs: bool = False
     numbered: bool = False
+    slab_keeper: SlabKeeper | None = None
 
 
 class EconomicLaunch:
@@ -193,20 +197,23 @@ class EconomicEngine:
         # wave is one batch, built by every item worker (a second one would only hold a slab
         # before the first is out); more go out once the consumer's pace is known. Out of order,
         # batches in flight are what lets the others overtake a slow one: all of them fly.
-        max_bytes = shm_budget_bytes(config.max_shm_bytes)
+        keeper = self._keeper = config.slab_keeper if config.worker_type == "process" else None
+        max_bytes = shm_budget_bytes(config.max_shm_bytes, keeper.held_bytes if keeper else 0)
         first_wave = 1 if config.in_order else config.prefetch_factor
         self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes,
-                                      tolerated_wait=POOL_TOLERATED_WAIT)
+                                      tolerated_wait=POOL_TOLERATED_WAIT,
+                                      pace=keeper.pace if keeper is not None else None)
         # Batch workers collate into slabs, as classic workers do (item workers fill them): the
         # batches in flight and the one the consumer holds. The batch a ``for`` loop is dropping
         # needs no slab of its own: the next batch is granted its slab, and written once it is
-        # released (see slab_pool.py); pinned slabs are released by this thread, so there the
-        # dropped batch keeps one more. ``_top_up`` follows the budget.
+        # released (see slab_pool.py), pinned slabs too (their releases land from a watcher
+        # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), the batch workers right after (see start_epoch).
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
-                                    config.timeout_s, slab_settings, self._stats, start_first=1)
+                                    config.timeout_s, slab_settings, self._stats, start_first=1,
+                                    keeper=keeper)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -249,9 +256,12 @@ class EconomicEngine:
         when its turn comes, and the next call goes on with the following batch; a timeout leaves
         everything as it was; anything else (a dead worker, Ctrl-C) closes the engine first.
         """
-        return hand_out(self._next_report, self.close, self._supply, self._numbered)
+        return hand_out(self._next_report, self.close, self._supply, self._numbered,
+                        self._workers.mark_failed)
 
     def close(self) -> None:
+        if self._keeper is not None and not self.closed:
+            self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
@@ -328,7 +338,7 @@ class EconomicEngine:
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping. Free slabs beyond it are retired.
-            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+            slabs.set_in_flight(allowed, grants_ahead=1)  # item workers write at once
         while not self._supply.done and self._ledger.outstanding < allowed:
             if self._unopened is None:
                 task = self._supply.take()

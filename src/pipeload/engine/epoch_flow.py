@@ -56,6 +56,11 @@ class TaskSupply:
             self._error = error
         return None
 
+    @property
+    def failed(self) -> bool:
+        """Whether the sampler raised (and the error waits for its turn)."""
+        return self._error is not None
+
     def end_epoch(self) -> NoReturn:
         """Raise StopIteration, or first the sampler's error if it failed."""
         error, self._error = self._error, None
@@ -69,23 +74,32 @@ class TaskSupply:
 
 def hand_out(
     next_report: Callable[[], WorkerReport | None], close: Callable[[], None], supply: TaskSupply,
-    numbered: bool = False,
+    numbered: bool = False, errored: Callable[[], None] = lambda: None,
 ) -> Any:
     """``next_batch`` for a pooled engine: the next report's batch, by the rules above.
 
     ``next_report`` returns the next report to hand out, or None once every batch sent has been
     handed out. ``numbered``: batches come out of order; each says its number (a
     :class:`NumberedBatch`, or the number attached to the error a failed one raises).
+    ``errored`` is called before any error but the end of the epoch is raised (before ``close``
+    when it closes): the error's traceback may keep the loader alive for as long as it is kept,
+    so its workers' set must not leave shared memory behind for a next one.
     """
     try:
         report = next_report()
     except LoaderTimeoutError:
+        errored()
         raise
     except BaseException:
+        errored()
         close()
         raise
     if report is None:
+        if supply.failed:
+            errored()
         supply.end_epoch()
+    if report.report is Report.FAILED:
+        errored()
     if not numbered:
         return batch_or_raise(report)
     return NumberedBatch(batch_or_raise(report, numbered), report.batch_number)

@@ -24,6 +24,7 @@ from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+from pipeload.transport.slab_keeper import SlabKeeper
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class PoolConfig:
             has handed out is then a set, which the loader's checkpoints record.
         batch_sizes: what each epoch's batches hold (``samplers.batch_sizes``), read as each
             later epoch of a persistent session starts: see ``WorkerSetup.batch_sizes``.
+        slab_keeper: the loader's ``SlabKeeper``, which keeps its slab pool and the budget's
+            pace between the sets of workers it starts (None: the pool is the engine's own).
     """
 
     setup: WorkerSetup
@@ -60,6 +63,7 @@ class PoolConfig:
     pin_slabs: bool = False
     numbered: bool = False
     batch_sizes: Callable[[], tuple[int, int | None] | None] = lambda: None
+    slab_keeper: SlabKeeper | None = None
 
 
 class ClassicLaunch:
@@ -135,8 +139,10 @@ class PoolEngine:
         self._numbered = config.numbered and not config.in_order
         num_workers = config.setup.num_workers
         max_batches = config.prefetch_factor * num_workers
-        max_bytes = shm_budget_bytes(config.max_shm_bytes)
-        self._budget = InFlightBudget(max_batches, num_workers, max_bytes)
+        keeper = self._keeper = config.slab_keeper if config.worker_type == "process" else None
+        max_bytes = shm_budget_bytes(config.max_shm_bytes, keeper.held_bytes if keeper else 0)
+        self._budget = InFlightBudget(max_batches, num_workers, max_bytes,
+                                      pace=keeper.pace if keeper is not None else None)
         self._stats = config.stats.new_session(max_batches) if config.stats else None
         # The batch number at which the stats look at the queue next (see _hand_over): kept
         # here, not on the stats, so that an untimed hand-out costs one comparison whether stats
@@ -147,7 +153,7 @@ class PoolEngine:
         self._ledger_counts = self._stats is not None
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
-                                    counted_by_engine=self._ledger_counts)
+                                    counted_by_engine=self._ledger_counts, keeper=keeper)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -262,9 +268,12 @@ class PoolEngine:
         else (a dead worker, a broken channel, Ctrl-C) closes the engine before it propagates:
         the epoch is over, and the next call raises StopIteration.
         """
-        return hand_out(self._next_report, self.close, self._supply, self._numbered)
+        return hand_out(self._next_report, self.close, self._supply, self._numbered,
+                        self._workers.mark_failed)
 
     def close(self) -> None:
+        if self._keeper is not None and not self.closed:
+            self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
         self._finalizer()
         # A closed engine can live on for a long time (an exception's traceback holds it): drop
         # the batches it still holds, so their shared memory is freed now, and end the epoch.
@@ -344,7 +353,7 @@ class PoolEngine:
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping.
-            slabs.set_slab_limit(allowed + (1 if slabs.defers_releases else 2))
+            slabs.set_in_flight(allowed)
         while ledger.outstanding < allowed:
             if self._unsent is None:
                 if handing_out and slabs is not None and slabs.would_need_fresh_memory():

@@ -24,7 +24,12 @@ import torch
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
-from pipeload.engine.lifecycle import exit_now, exit_when_parent_dies, schedule_as_batch_work
+from pipeload.engine.lifecycle import (
+    exit_now,
+    exit_when_parent_dies,
+    schedule_as_batch_work,
+    steady_heap,
+)
 from pipeload.engine.plan import DatasetKind, WorkerSetup
 from pipeload.engine.worker_info import (
     WorkerInfo,
@@ -400,8 +405,8 @@ def run_process_worker(setup: WorkerSetup, worker_id: int, inbox: Any, outbox: A
 def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     """A worker process's first steps: leave Ctrl-C to the main process, keep the collector off
     the inherited objects, leave when the parent dies, never preempt the main process when woken
-    (``schedule_as_batch_work``), one torch thread, seeded generators. Returns the seed,
-    ``base_seed + seed_offset``."""
+    (``schedule_as_batch_work``), reuse the heap samples free (``steady_heap``), one torch
+    thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     # The cyclic collector never again visits what was here at the start (under fork, the main
     # process's objects): a full collection writes to every object it visits, which would copy
@@ -409,6 +414,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     gc.freeze()
     exit_when_parent_dies(os.getppid())
     schedule_as_batch_work()
+    steady_heap()  # the luck of the fork must not decide whether a batch's memory is reused
     torch.set_num_threads(1)
     return seed_process_worker(base_seed, seed_offset)
 

@@ -28,7 +28,10 @@ from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_mes
 from pipeload.stats.recorder import carries_totals, count_by_worker
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+from pipeload.transport.slab_keeper import SlabKeeper, SlabSettings
 from pipeload.transport.slab_pool import SlabPool
+
+__all__ = ["SlabSettings", "WorkerGroup", "WorkerLabel"]
 
 WAIT_SLICE_S = 1.0
 EXIT_STATUS_WAIT_S = 1.0
@@ -47,21 +50,6 @@ class WorkerLabel:
     def name(self, what: str = "worker") -> str:
         """E.g. "worker 3", "item worker 3", "batch worker thread 1"."""
         return f"{self.kind} {what} {self.id}".lstrip()
-
-
-@dataclass(frozen=True)
-class SlabSettings:
-    """The slab pool behind process workers' result channels (see ``transport/slab_pool.py``).
-
-    Attributes:
-        pin: page-lock slabs for CUDA, so batches come out pinned with no copy.
-        max_bytes: the most shared memory the slabs may hold.
-        batches_in_flight: the most batches ever in flight, plus one; bounds the number of slabs.
-    """
-
-    pin: bool
-    max_bytes: int
-    batches_in_flight: int
 
 
 class LaunchPlan(Protocol):
@@ -101,9 +89,11 @@ class GrowingPlan(LaunchPlan, Protocol):
 class WorkerGroup:
     """Owns the workers' handles and channels; closing it stops and releases everything.
 
-    Process workers send their results through the transport: the group owns the slab pool
-    (``slabs``) their batches are written into, and the main process's ends of the channels that
-    decode against it. Thread workers pass objects as they are (``slabs`` is None).
+    Process workers send their results through the transport: the group borrows the slab pool
+    (``slabs``) their batches are written into from the loader's :class:`SlabKeeper`, and gives
+    it back when it stops (the next set of workers finds the slabs ready); it owns the main
+    process's ends of the channels that decode against it. Thread workers pass objects as they
+    are (``slabs`` is None).
 
     Kept apart from the engines so an engine's finalizer can hold the group without holding the
     engine. Used by one thread at a time (whoever drives the engine), and by ``close()``.
@@ -112,15 +102,17 @@ class WorkerGroup:
     def __init__(
         self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
         slab_settings: SlabSettings, stats: Any = None, start_first: int | None = None,
-        counted_by_engine: bool = False,
+        counted_by_engine: bool = False, keeper: SlabKeeper | None = None,
     ) -> None:
         """``start_first``: process workers of the first slots to start now (None: all); the
         others start on the first command sent to them, or ``start_all()``. Economic mode forks
         its item workers one by one as their first pieces go out, so that the first ones fetch
         while the rest are forked. ``counted_by_engine``: the engine counts each worker's
         answers itself and records the reports with totals (a classic pool's ledger); the group
-        records only those it reads itself, between epochs."""
+        records only those it reads itself, between epochs. ``keeper``: where the slab pool is
+        borrowed from (None: a pool of the group's own, closed with it)."""
         self.plan = plan
+        self._keeper = keeper if keeper is not None else SlabKeeper(keep=False)
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
         # ... except by thread workers that lend their clocks to it (a classic pool's): their
         # reports carry nothing for it.
@@ -134,6 +126,7 @@ class WorkerGroup:
         self.stop_event: threading.Event | None = None
         self.slabs: SlabPool | None = None
         self.closed = False
+        self.failed = False  # an error was raised from this set: its slab pool goes with it
         self._unstarted: list[WorkerLaunch] = []  # process workers of the last slots, in order
         self._ctx: Any = None
         count = len(self.labels)
@@ -156,8 +149,7 @@ class WorkerGroup:
         ctx = self._ctx = mp_context or multiprocessing.get_context()
         if ctx.get_start_method() != "fork":
             check_picklable(plan.picklable_parts(), ctx.get_start_method())
-        self.slabs = SlabPool(pin=settings.pin, max_bytes=settings.max_bytes,
-                              batches_in_flight=settings.batches_in_flight)
+        self.slabs = self._keeper.lend(settings)
         self.channels = ProcessChannels(ctx, count, self.slabs)
         self.handles = []
         try:
@@ -166,7 +158,7 @@ class WorkerGroup:
         except BaseException:
             self.channels.forget_worker_ends()
             self.channels.close()
-            self.slabs.close()
+            self._keeper.give_back(self.slabs)
             raise
 
     def start_all(self) -> None:
@@ -338,6 +330,12 @@ class WorkerGroup:
 
     # -- stopping --------------------------------------------------------------------------
 
+    def mark_failed(self) -> None:
+        """An error was raised to the training loop from this set (a failed batch, a timeout, a
+        dead worker, Ctrl-C). Its traceback may keep the loader alive for as long as it is kept:
+        when the set stops, its slab pool is released rather than kept for a next set."""
+        self.failed = True
+
     def close(self) -> None:
         if self.closed:
             return
@@ -349,7 +347,9 @@ class WorkerGroup:
         self.channels.forget_worker_ends()  # the ends of workers that never started
         self.channels.close()
         if self.slabs is not None:
-            self.slabs.close()
+            # The workers are gone: their grants are over.
+            self._keeper.give_back(self.slabs, release=self.failed)
+            self.slabs = None  # the next set may borrow it now
         self.plan.close()
         release_finished(self.handles)
 

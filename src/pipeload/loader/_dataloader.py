@@ -38,6 +38,7 @@ from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usab
 from pipeload.stats import skips
 from pipeload.stats.report import LoaderStats
 from pipeload.stats.tuner import AutoTuner
+from pipeload.transport.slab_keeper import SlabKeeper
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -209,6 +210,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
         self._resume_point: resume.ResumePoint | None = None
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
+        self._keep_slabs()
         self.__initialized = True
         arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
 
@@ -289,12 +291,42 @@ class DataLoader(torch_data.DataLoader[T_co]):
         state = dict(self.__dict__)
         state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None,
                      _failure_board=None, _failures_checked=False,
-                     _stats=self._stats is not None)  # a flag: the copy makes its own
+                     _stats=self._stats is not None,  # a flag: the copy makes its own
+                     _slab_keeper=None)  # and keeps its own slabs
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)  # not through __setattr__: the frozen ones are restored
         self._stats = self._new_stats() if state["_stats"] else None
+        self._keep_slabs()
+
+    # -- shared memory kept between epochs ---------------------------------------------------
+
+    def _keep_slabs(self) -> None:
+        # The slab pool process workers write batches into belongs to the loader, not to one set
+        # of workers: each epoch without persistent workers, each new iterator, finds it ready.
+        # It goes with the loader (or on release_shared_memory()).
+        keeper = self._slab_keeper = SlabKeeper()
+        weakref.finalize(self, keeper.close).atexit = False
+
+    def release_shared_memory(self) -> None:
+        """Free the shared memory this loader keeps between epochs for its workers' batches.
+
+        With process workers, batches are written into shared-memory slabs that the loader keeps
+        from one set of workers to the next (each epoch without ``persistent_workers``, each new
+        iterator), mapped and (with ``pin_memory``) page-locked, so that no epoch pays for them
+        again. They are freed when the loader is garbage-collected; call this to free them
+        earlier, for example between training and a long evaluation. Workers running now keep
+        theirs until they stop; the next epoch makes new ones. Batches you still hold stay
+        valid. Not a torch ``DataLoader`` method: an addition of pipeload's.
+
+        Example:
+            >>> for epoch in range(3):  # doctest: +SKIP
+            ...     for batch in loader:
+            ...         train_step(batch)
+            >>> loader.release_shared_memory()  # doctest: +SKIP
+        """
+        self._slab_keeper.release()
 
     # -- running an epoch ------------------------------------------------------------------
 

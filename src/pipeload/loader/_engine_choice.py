@@ -162,6 +162,7 @@ def _engine_settings(loader: Any) -> dict[str, Any]:
         "max_shm_bytes": loader.max_shm_bytes,
         "pin_slabs": loader.pin_memory and pinning_available(),  # page-locked in place: no copy
         "numbered": _numbers_batches(loader),
+        "slab_keeper": loader._slab_keeper,  # its slabs outlive each set of workers
     }
 
 def _numbers_batches(loader: Any) -> bool:

@@ -24,6 +24,7 @@ import select
 import socket
 import struct
 import termios
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing import connection
@@ -142,8 +143,12 @@ class ProcessChannels:
     even with large index lists; the main process's write ends are non-blocking.
     """
 
-    def __init__(self, ctx: Any, num_workers: int, pool: Any = None) -> None:
+    def __init__(self, ctx: Any, num_workers: int, pool: Any = None,
+                 pool_lock: threading.Lock | None = None) -> None:
+        """``pool_lock``: taken while reports are decoded against ``pool``, for a consumer that
+        grants slabs on another thread than the one reading reports (a queue boundary)."""
         self.pool = pool
+        self._pool_lock = pool_lock
         self._ctx = ctx
         self.task_readers: list[PipeEnd] = []
         self.task_writers: list[PipeEnd] = []
@@ -238,8 +243,11 @@ class ProcessChannels:
             reader = readers.get(fd)
             if reader is None:
                 fired.append(fd)
-            else:
+            elif self._pool_lock is None:
                 reports.extend(self._drain(reader))
+            else:
+                with self._pool_lock:
+                    reports.extend(self._drain(reader))
         return reports, fired
 
     def _drain(self, reader: Receiver) -> list[WorkerReport]:

@@ -13,80 +13,62 @@ file every producer maps read-only. A slab is free when its counter has caught u
 of leases made on it. A grant names the count the producer must see before writing, which lets
 the owner grant a slab whose previous batch is about to be freed (the batch a ``for`` loop drops
 when it takes the next one): the producer starts fetching at once and waits, at the moment it
-first writes, for the release to land. Pinned slabs are released by the owner instead, once a CUDA
-event recorded at release time shows that asynchronous copies out of the slab are done.
+first writes, for the release to land. A pinned slab's release lands once a CUDA event recorded
+at release time shows that asynchronous copies out of the slab are done (a watcher thread waits
+for it, see host_pinning.py), so pinned slabs are granted ahead the same way.
+
+The pool may outlive the producers it serves: a loader keeps one pool for the worker sets it
+starts one after another (see slab_keeper.py). ``detach_producers`` forgets the producers of a set
+that has stopped, and the next set is announced the slabs it is granted, mapped and page-locked
+already; ``fit`` shrinks the pool to what the next set may use.
 """
 
 from __future__ import annotations
 
 import collections
-import mmap
-import os
 import threading
 import weakref
-from typing import Any
-
-import numpy as np
 
 from pipeload.transport import host_pinning
 from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
-from pipeload.transport.shared_memory import (
-    Backing,
-    create_buffer,
-    current_backing,
-    note_received,
-    warn_if_dev_shm_too_small,
+from pipeload.transport.shared_memory import warn_if_dev_shm_too_small
+from pipeload.transport.slab_memory import slab_size_for
+from pipeload.transport.slab_records import (
+    MAX_SLABS,
+    ControlQueues,
+    ReleaseBoard,
+    SlabCounts,
+    SlabRecord,
+    release_callback,
 )
 
-MAX_SLABS = 4096
-BOARD_BYTES = MAX_SLABS * 8
+__all__ = ["SlabCounts", "SlabPool"]
 SLAB_HEADROOM_BYTES = 256 * 1024  # alignment padding and small extras beyond the largest batch
 SIZE_STEP_BYTES = 64 * 1024
 LATE_PAUSE_GRANTS = 64  # after a deferred grant came too late, grant only free slabs this long
 LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters for the peak
-
-
-class _Slab:
-    """One slab as the owner sees it.
-
-    Written only on the owner's thread, except ``retired``/``pinned_address`` teardown, which
-    release finalizers on other threads do under the pool's ``pin_lock``.
-    """
-
-    __slots__ = ("slab_id", "size", "fd", "mapping", "array", "pinned_address", "leases_made",
-                 "granted_to", "granted_producer", "granted_releases", "lease_token", "mapped_by",
-                 "retired", "__weakref__")
-
-    def __init__(self, slab_id: int, size: int) -> None:
-        self.slab_id = slab_id
-        self.size = size
-        self.fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
-        note_received(self.fd)
-        self.mapping = mmap.mmap(self.fd, size)
-        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
-        self.pinned_address = 0
-        self.leases_made = 0
-        self.granted_to: int | None = None  # the token (batch number) of the outstanding grant
-        self.granted_producer = -1
-        self.granted_releases = 0  # the board count its outstanding grant names
-        self.lease_token: int | None = None  # the token of the batch that last viewed it
-        self.mapped_by: set[int] = set()
-        self.retired = False
+# A free slab beyond the limit is retired only once the pool has held more than its limit for
+# this many grants in a row: the in-flight budget moves by one now and then (a slow build on a
+# busy machine), and a slab retired on one grant and made again a few later costs its pages twice.
+SURPLUS_PATIENCE_GRANTS = 16
 
 
 class SlabPool:
     """Slabs owned by one consumer, granted to its producers one message at a time.
 
     Driven by one thread (the engine's); release finalizers may run on any thread and touch only
-    the board (unpinned) or the pinned-release queue.
+    the board (unpinned) or hand the release to the watcher (pinned), whose thread touches the
+    board and unpins under ``pin_lock``.
 
     Invariants between calls:
       - a slab is free exactly when ``granted_to is None`` and its board count equals
         ``leases_made``;
       - a slab has at most one grant outstanding, and a producer writes into it only after the
         board shows the count its grant names;
-      - ``controls_queued[p]`` counts every control ever queued for producer ``p``; a grant tells
-        the producer how many it must have applied before writing.
+      - a grant tells the producer how many controls it must have applied before writing (see
+        ``ControlQueues`` in slab_records.py);
+      - never more than ``max_bytes`` of slabs; more than the slab limit only while the surplus
+        is younger than ``SURPLUS_PATIENCE_GRANTS`` grants.
 
     Example:
         >>> pool = SlabPool(pin=False, max_bytes=1 << 30)
@@ -98,25 +80,26 @@ class SlabPool:
 
     def __init__(self, *, pin: bool, max_bytes: int, batches_in_flight: int = 1) -> None:
         self._pin = pin and host_pinning.can_register()
+        self._pin_device: int | None = None  # the main thread's device, read at the first slab
         self._batches_in_flight = batches_in_flight  # at most, for the /dev/shm comparison
         self._max_bytes = max_bytes
         self._slab_limit = 0
+        self._in_flight = 0  # batches the engine keeps in flight (see set_in_flight)
+        self._grants_ahead = 2
+        self._surplus_grants = 0  # grants in a row made while the pool held more than its limit
         self._wanted_size = 0
         self._largest_batch = 0
         self._batches_seen = False
-        self._slabs: dict[int, _Slab] = {}
-        self._retired_in_use: dict[int, _Slab] = {}  # ids not reused until their views are gone
-        self._grants: dict[int, _Slab] = {}  # token -> slab
-        self._controls: dict[int, list[tuple[SlabControl, list[int]]]] = {}
-        self.controls_queued: dict[int, int] = {}
+        self._slabs: dict[int, SlabRecord] = {}
+        self._retired_in_use: dict[int, SlabRecord] = {}  # ids not reused until their views are gone
+        self._grants: dict[int, SlabRecord] = {}  # token -> slab
+        self._controls = ControlQueues()
         self._handed_out: collections.deque[int] = collections.deque(maxlen=2)
         self._late_pause = 0
-        self._board_fd = create_buffer(BOARD_BYTES, allocate=True)
-        self._board_mapping = mmap.mmap(self._board_fd, BOARD_BYTES)
-        self._board = np.frombuffer(self._board_mapping, dtype=np.uint64)
-        self._pinned_releases: collections.deque[tuple[_Slab, Any]] | None = (
-            collections.deque() if self._pin else None)
+        self._board = ReleaseBoard()
+        self._watcher: host_pinning.ReleaseWatcher | None = None  # made with the first pinned slab
         self.pin_lock = threading.Lock()
+        self.counts = SlabCounts()
         self._closed = False
 
     @property
@@ -125,9 +108,13 @@ class SlabPool:
         return self._pin
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def defers_releases(self) -> bool:
         """Whether a slab may be granted before its previous batch is freed (see the module)."""
-        return not self._pin and self._late_pause == 0
+        return self._late_pause == 0
 
     @property
     def slab_count(self) -> int:
@@ -140,8 +127,23 @@ class SlabPool:
         return sum(slab.size for slab in self._slabs.values())
 
     def set_slab_limit(self, slabs: int) -> None:
-        """How many slabs the pool may hold (the engine keeps it at batches in flight + 2)."""
+        """How many slabs the pool may hold (see ``set_in_flight``)."""
         self._slab_limit = max(0, slabs)
+
+    def set_in_flight(self, batches: int, grants_ahead: int = 2) -> None:
+        """The engine keeps ``batches`` in flight now: the pool may hold a slab for each, one for
+        the batch the consumer holds and (unless grants ahead work) one for the batch it drops.
+
+        ``grants_ahead``: which slabs may be granted before they are free (see
+        ``_about_to_be_released``): 2, the dropped batch's and the latest's; 1, the dropped
+        batch's only (producers that write as soon as they start, as economic item workers
+        do); 0, none (a consumer that may hold many messages at once, as a pipe downstream of a
+        queue boundary batching them).
+        """
+        self._grants_ahead = grants_ahead
+        self._in_flight = batches
+        ahead = self.defers_releases and grants_ahead > 0
+        self.set_slab_limit(batches + (1 if ahead else 2))
 
     @property
     def batch_bytes(self) -> int:
@@ -157,13 +159,39 @@ class SlabPool:
     def observe_batch(self, shared_bytes: int) -> None:
         """A batch needed ``shared_bytes`` outside its message; slabs are sized to fit the largest."""
         self._batches_seen = True
+        if shared_bytes > 0:
+            self.counts.batches_in_shared_memory += 1
         if shared_bytes <= self._largest_batch:
             return
         if self._largest_batch == 0:
             warn_if_dev_shm_too_small(shared_bytes, self._batches_in_flight)
         self._largest_batch = shared_bytes
-        wanted = _round_up(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
+        wanted = slab_size_for(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
         self._wanted_size = max(self._wanted_size, wanted)
+
+    # -- between worker sets -------------------------------------------------------------
+
+    def fit(self, max_bytes: int, batches_in_flight: int) -> None:
+        """Serve a new set of producers that may keep ``batches_in_flight`` batches in flight
+        (plus one held) within ``max_bytes``: free slabs beyond what it can use go now."""
+        self._max_bytes = max_bytes
+        self._batches_in_flight = batches_in_flight
+        most = batches_in_flight + 1  # in flight, held, and (until grants ahead work) one more
+        for slab in sorted(self._slabs.values(), key=lambda s: -s.slab_id):
+            if len(self._slabs) <= most and self.slab_bytes <= max_bytes:
+                break
+            if self._is_free(slab):
+                self._retire(slab)
+        self._surplus_grants = 0
+
+    def detach_producers(self) -> None:
+        """Every producer has stopped (a worker set's end): open grants are settled as unused,
+        and a later producer with the same number starts with nothing mapped (the board and each
+        slab it is granted are announced afresh). Slabs, their pages and page-locking stay."""
+        self.cancel_all_grants()
+        self._controls.clear()
+        for slab in (*self._slabs.values(), *self._retired_in_use.values()):
+            slab.mapped_by.clear()
 
     # -- granting ------------------------------------------------------------------------
 
@@ -171,7 +199,6 @@ class SlabPool:
         """A slab for the message ``token`` that ``producer`` builds next, or None (fresh memory)."""
         if self._closed or self._wanted_size == 0:
             return None
-        self._apply_pinned_releases()
         self._retire_surplus()
         slab, releases = self._choose(producer)
         if slab is None:
@@ -183,7 +210,7 @@ class SlabPool:
         self._grants[token] = slab
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
-        return SlabGrant(slab.slab_id, releases, self.controls_queued.get(producer, 0))
+        return SlabGrant(slab.slab_id, releases, self._controls.sent(producer))
 
     def share_grant(self, token: int, producer: int) -> tuple[SlabGrant, int] | None:
         """Let ``producer`` write into the slab granted for message ``token`` too, and its size;
@@ -197,7 +224,7 @@ class SlabPool:
             return None
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
-        controls = self.controls_queued.get(producer, 0)
+        controls = self._controls.sent(producer)
         return SlabGrant(slab.slab_id, slab.granted_releases, controls), slab.size
 
     def granted_size(self, token: int) -> int:
@@ -212,40 +239,63 @@ class SlabPool:
             return False
         if any(self._is_free(s) and s.size >= self._wanted_size for s in self._slabs.values()):
             return False
-        return self._about_to_be_released(peek=True) is None
+        return not self._about_to_be_released(peek=True)  # (the latest's counts: its wait is short)
 
-    def _choose(self, producer: int) -> tuple[_Slab | None, int]:
+    def _choose(self, producer: int) -> tuple[SlabRecord | None, int]:
+        """The slab for ``producer``'s next message, and the board count it must wait for.
+
+        A slab the producer has mapped already costs it nothing; any other costs it a mapping (a
+        page-table entry per page, set up now and torn down when it exits, which a new set of
+        workers pays for each slab it touches); a new slab costs its pages, zeroed, and memory
+        for as long as the pool lives. So: the producer's own slab, free or about to be released;
+        then anyone's free slab; then the slab of the batch being dropped; then a new one.
+        """
         free = [s for s in self._slabs.values() if self._is_free(s) and s.size >= self._wanted_size]
-        if free:
-            # Prefer one the producer has mapped already: no control message, no page faults.
-            slab = max(free, key=lambda s: producer in s.mapped_by)
-            return slab, slab.leases_made
-        if self._may_grow():
-            slab = _Slab(self._next_id(), self._wanted_size)
-            if self._pin:
-                self._pin_slab(slab)
-            self._board[slab.slab_id] = 0
-            self._slabs[slab.slab_id] = slab
-            return slab, 0
         deferred = self._about_to_be_released()
-        if deferred is not None:
-            return deferred, deferred.leases_made
+        for slab in (*free, *deferred):
+            if producer in slab.mapped_by:
+                return slab, slab.leases_made
+        if free:
+            return free[0], free[0].leases_made
+        dropped = [s for s in deferred if len(self._handed_out) == 2
+                   and s.lease_token == self._handed_out[0]]
+        if dropped:
+            return dropped[0], dropped[0].leases_made
+        if self._may_grow():
+            return self._make_slab(), 0
         return None, 0
 
-    def _about_to_be_released(self, peek: bool = False) -> _Slab | None:
-        """The slab of the batch handed out before the latest one, which a ``for`` loop is about
-        to drop: granted now, written once its release lands (never with pinned slabs, whose
-        release waits for the owner's thread)."""
-        if self._pin or self._late_pause > 0 or len(self._handed_out) < 2:
+    def _make_slab(self) -> SlabRecord:
+        if self._pin and self._pin_device is None:
+            self._pin_device = host_pinning.current_device()
+        slab = SlabRecord(self._next_id(), self._wanted_size, self._pin_device if self._pin else None)
+        self._board.counts[slab.slab_id] = 0
+        self._slabs[slab.slab_id] = slab
+        self.counts.slabs_made += 1
+        return slab
+
+    def _about_to_be_released(self, peek: bool = False) -> list[SlabRecord]:
+        """Slabs that may be granted before they are free, best first: the one of the batch
+        handed out before the latest, which a ``for`` loop drops as it takes the next (released
+        a moment from now); and, while three or more batches are in flight, the latest's, which
+        it drops one step later (by the time a worker has fetched a batch's samples, which takes
+        several steps then). With round-robin workers and ``prefetch_factor * num_workers`` in
+        flight, the latest batch came from the worker the next task goes to: it writes again
+        into its own slab, which it has mapped."""
+        if self._late_pause > 0 or not self._handed_out or self._grants_ahead == 0:
             if not peek:
                 self._late_pause = max(0, self._late_pause - 1)
-            return None
-        previous = self._handed_out[0]
-        for slab in self._slabs.values():
-            if (slab.lease_token == previous and slab.granted_to is None
-                    and slab.size >= self._wanted_size and not self._is_free(slab)):
-                return slab
-        return None
+            return []
+        tokens = [self._handed_out[0]] if len(self._handed_out) == 2 else []
+        if self._in_flight >= 3 and self._grants_ahead >= 2:
+            tokens.append(self._handed_out[-1])
+        found = []
+        for token in tokens:
+            for slab in self._slabs.values():
+                if (slab.lease_token == token and slab.granted_to is None
+                        and slab.size >= self._wanted_size and not self._is_free(slab)):
+                    found.append(slab)
+        return found
 
     def _may_grow(self) -> bool:
         return (len(self._slabs) < self._slab_limit
@@ -256,13 +306,13 @@ class SlabPool:
         # A retired slab's id is reused only once its last batch is released: a late release
         # must never count towards the slab that took its place.
         for slab_id, slab in list(self._retired_in_use.items()):
-            if int(self._board[slab_id]) == slab.leases_made:
+            if self._board.released(slab_id) == slab.leases_made:
                 del self._retired_in_use[slab_id]
         taken = self._slabs.keys() | self._retired_in_use.keys()
         return next(i for i in range(MAX_SLABS) if i not in taken)
 
-    def _is_free(self, slab: _Slab) -> bool:
-        return slab.granted_to is None and int(self._board[slab.slab_id]) == slab.leases_made
+    def _is_free(self, slab: SlabRecord) -> bool:
+        return slab.granted_to is None and self._board.released(slab.slab_id) == slab.leases_made
 
     def settle(self, token: int, outcome: GrantOutcome) -> None:
         """The message ``token`` has arrived (or failed): its grant is over."""
@@ -272,9 +322,12 @@ class SlabPool:
         slab.granted_to = None
         if outcome is GrantOutcome.USED:
             slab.lease_token = token
+            self.counts.batches_in_slabs += 1
         elif outcome is GrantOutcome.BUSY:
+            self.counts.busy += 1
             self._retire(slab)  # the producer still views it: never write into it again
         elif outcome is GrantOutcome.LATE:
+            self.counts.late += 1
             self._late_pause = LATE_PAUSE_GRANTS  # the consumer keeps batches: stop deferring
 
     def cancel_all_grants(self) -> None:
@@ -296,8 +349,7 @@ class SlabPool:
         """``producer`` has stopped (a pool shrinking in place): a later producer that takes its
         number starts with nothing mapped, so the board and every slab are announced afresh."""
         self.cancel_grants_of(producer)
-        self._controls.pop(producer, None)
-        self.controls_queued.pop(producer, None)
+        self._controls.forget(producer)
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.discard(producer)
 
@@ -307,28 +359,29 @@ class SlabPool:
 
     # -- controls to producers ---------------------------------------------------------
 
-    def _announce(self, producer: int, slab: _Slab) -> None:
-        if producer not in self.controls_queued:
-            self._queue(producer, SlabControl(SlabControlKind.BOARD, size=BOARD_BYTES),
-                        [self._board_fd])
-        self._queue(producer, SlabControl(SlabControlKind.MAP, slab.slab_id, slab.size), [slab.fd])
+    def _announce(self, producer: int, slab: SlabRecord) -> None:
+        if not self._controls.knows(producer):
+            self._controls.queue(producer, *self._board.announce())
+        self._controls.queue(producer, SlabControl(SlabControlKind.MAP, slab.slab_id, slab.size),
+                             [slab.fd])
         slab.mapped_by.add(producer)
-
-    def _queue(self, producer: int, control: SlabControl, fds: list[int]) -> None:
-        self._controls.setdefault(producer, []).append((control, fds))
-        self.controls_queued[producer] = self.controls_queued.get(producer, 0) + 1
+        self.counts.slab_mappings += 1
 
     def take_controls(self, producer: int) -> list[tuple[SlabControl, list[int]]]:
         """Controls to send to ``producer`` now, before the command carrying its next grant.
 
         The descriptors stay owned by the pool; the sender only passes copies through the socket.
         """
-        return self._controls.pop(producer, [])
+        return self._controls.take(producer)
 
     # -- leases (decoding side) ------------------------------------------------------------
 
     def open_lease(self, slab_id: int) -> memoryview:
         """A fresh per-batch view of slab ``slab_id``; the slab is released when it dies.
+
+        A pinned slab's batch waits here until the slab's page-locking is done (it usually is
+        long before: it runs while the producer builds the batch), so that it answers
+        ``is_pinned()`` as the training loop expects.
 
         Raises:
             ValueError: if the slab is unknown or not granted (a corrupt or stale message).
@@ -336,112 +389,62 @@ class SlabPool:
         slab = self._slabs.get(slab_id)
         if slab is None or slab.granted_to is None:
             raise ValueError(f"a message refers to slab {slab_id}, which was not granted")
-        lease = slab.array[:]
+        if self._pin:
+            slab.memory.wait_prepared()
+            if self._watcher is None:
+                self._watcher = host_pinning.ReleaseWatcher(self._pin_device)
+        lease = slab.memory.array[:]
         slab.leases_made += 1
-        finalizer = weakref.finalize(lease, _released, slab, self._board, self._pinned_releases,
-                                     self.pin_lock)
+        finalizer = weakref.finalize(lease, *release_callback(slab, self._board, self._watcher,
+                                                              self.pin_lock))
         finalizer.atexit = False
         return memoryview(lease)
-
-    # -- pinning ------------------------------------------------------------------------
-
-    def _pin_slab(self, slab: _Slab) -> None:
-        address = slab.array.ctypes.data
-        if host_pinning.register(address, slab.size):
-            slab.pinned_address = address
-
-    def _apply_pinned_releases(self) -> None:
-        queue = self._pinned_releases
-        if not queue:
-            return
-        waiting = []
-        while queue:
-            slab, marker = queue.popleft()
-            if host_pinning.marker_done(marker):
-                self._board[slab.slab_id] += 1
-            else:
-                waiting.append((slab, marker))
-        queue.extend(waiting)
-
-    def _wait_for_pinned_releases(self) -> None:
-        # Tearing down: copies still reading a pinned slab must end before it is unregistered.
-        queue = self._pinned_releases
-        while queue:
-            slab, marker = queue.popleft()
-            host_pinning.wait_for_marker(marker)
-            self._board[slab.slab_id] += 1
 
     # -- retiring ---------------------------------------------------------------------------
 
     def _retire_surplus(self) -> None:
-        """Retire free slabs that are too small now, or more than the limit allows."""
+        """Retire free slabs that are too small now, and the free ones beyond the limit once the
+        pool has held more than its limit for ``SURPLUS_PATIENCE_GRANTS`` grants in a row."""
         free = [s for s in self._slabs.values() if self._is_free(s)]
         for slab in free:
             if slab.size < self._wanted_size:
                 self._retire(slab)
         excess = len(self._slabs) - self._slab_limit
+        self._surplus_grants = self._surplus_grants + 1 if excess > 0 else 0
+        if self._surplus_grants < SURPLUS_PATIENCE_GRANTS:
+            return
         for slab in [s for s in free if not s.retired][:max(0, excess)]:
             self._retire(slab)
+        self._surplus_grants = 0
 
-    def _retire(self, slab: _Slab) -> None:
+    def _retire(self, slab: SlabRecord) -> None:
         """Stop using ``slab``: producers forget it; it is unmapped when its last view dies."""
         self._slabs.pop(slab.slab_id, None)
-        if int(self._board[slab.slab_id]) != slab.leases_made:
+        self.counts.slabs_retired += 1
+        if self._board.released(slab.slab_id) != slab.leases_made:
             self._retired_in_use[slab.slab_id] = slab
         for producer in sorted(slab.mapped_by):
-            self._queue(producer, SlabControl(SlabControlKind.FORGET, slab.slab_id), [])
-        _close_fd(slab)
+            self._controls.queue(producer, SlabControl(SlabControlKind.FORGET, slab.slab_id), [])
+        slab.memory.close_fd()
+        slab.memory.wait_prepared()  # no preparation thread outlives its slab's pool
         with self.pin_lock:
             slab.retired = True
-            if slab.pinned_address and int(self._board[slab.slab_id]) == slab.leases_made:
-                _unpin(slab)
+            if self._pin and self._board.released(slab.slab_id) == slab.leases_made:
+                slab.memory.unpin()
 
     def close(self) -> None:
         """Retire every slab; slabs still viewed by batches are unmapped when those die."""
         if self._closed:
             return
         self._closed = True
-        self._wait_for_pinned_releases()
+        if self._watcher is not None:
+            self._watcher.close()  # copies still reading a pinned slab end before it is unpinned
         for slab in list(self._slabs.values()):
             self._retire(slab)
         self._grants.clear()
         self._controls.clear()
         self._retired_in_use.clear()
-        if self._board_fd >= 0:
-            os.close(self._board_fd)
-            self._board_fd = -1
         # A closed pool may live on (an exception's traceback holds the engine): let go of the
         # mappings now; batches still alive keep theirs through their leases.
-        self._board = self._board_mapping = None  # type: ignore[assignment]
+        self._board.close()
 
-
-def _released(slab: _Slab, board: np.ndarray, pinned: collections.deque | None,
-              pin_lock: threading.Lock) -> None:
-    """The last view of one batch on ``slab`` died (any thread): count the release."""
-    if pinned is None:
-        board[slab.slab_id] += 1
-        return
-    marker = host_pinning.release_marker()
-    with pin_lock:
-        if not slab.retired:
-            pinned.append((slab, marker))
-            return
-    host_pinning.wait_for_marker(marker)  # torn down: nobody will reuse it, just unpin it safely
-    with pin_lock:
-        _unpin(slab)
-
-
-def _unpin(slab: _Slab) -> None:
-    if slab.pinned_address:
-        host_pinning.unregister(slab.pinned_address)
-        slab.pinned_address = 0
-
-
-def _close_fd(slab: _Slab) -> None:
-    if slab.fd >= 0:
-        os.close(slab.fd)
-        slab.fd = -1
-
-
-def _round_up(value: int, step: int) -> int:
-    return -(-value // step) * step

@@ -1,7 +1,9 @@
 """The producer's side of the slab transport: the slabs it has mapped, and the one it may fill now.
 
 A producer (a worker process) maps each slab once, when the owner announces it, and keeps the
-mapping until told to forget it, so a reused slab costs no page faults. For each message the owner
+mapping until told to forget it, so a reused slab costs no page faults. A producer that writes
+whole large batches has the mapping populated on a thread of its own (slab_memory.py) while it
+fetches the samples that will fill it. For each message the owner
 may grant one slab; tensors are placed in it with a bump allocator (64-byte aligned) until it is
 full, and whatever does not fit goes to a fresh one-shot buffer instead.
 
@@ -30,32 +32,31 @@ from pipeload.transport.messages import (
     SlabGrant,
 )
 from pipeload.transport.shared_memory import create_buffer
+from pipeload.transport.slab_memory import Preparation, populate_in_background
 
 RELEASE_WAIT_S = 0.1
 RELEASE_POLL_S = 0.0002
 ALIGN_BYTES = 64
 PAGE = mmap.PAGESIZE
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-POPULATE_FROM_BYTES = 4 << 20  # slabs this large are mapped with every page faulted in at once
 
 
 class _MappedSlab:
-    __slots__ = ("slab_id", "size", "mapping", "storage", "baseline_uses")
+    __slots__ = ("slab_id", "size", "mapping", "storage", "baseline_uses", "populating")
 
     def __init__(self, slab_id: int, size: int, fd: int, populate: bool) -> None:
         self.slab_id = slab_id
         self.size = size
-        # A producer that writes whole large batches gets the slab populated at once: one kernel
-        # loop is cheaper than a fault per page. One that writes a few rows (an economic item
-        # worker) or reads what others wrote (a batch worker) faults in only the pages it
-        # touches, or each of them would hold every slab in its resident set. A small slab is
-        # not populated either: its faults cost little, and populating would make its headroom
-        # (beyond the largest batch so far) resident in every producer for nothing.
-        populate = populate and size >= POPULATE_FROM_BYTES
-        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-        self.mapping = mapping = mmap.mmap(fd, size, flags=flags)
+        self.mapping = mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         self.storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
         self.baseline_uses = _uses(self.storage)
+        # A producer that writes whole large batches gets the slab populated in one kernel loop,
+        # cheaper than a fault per page, on a thread while it fetches. One that writes a few rows
+        # (an economic item worker) or reads what others wrote (a batch worker) faults in only
+        # the pages it touches, or each of them would hold every slab in its resident set. A
+        # small slab is not populated either: its faults cost little, and populating would make
+        # its headroom (beyond the largest batch so far) resident in every producer for nothing.
+        self.populating: Preparation | None = (
+            populate_in_background(mapping, self.storage.data_ptr(), size) if populate else None)
 
 
 def in_place(part: torch.Tensor, address: int) -> bool:
@@ -291,6 +292,11 @@ class SlabWriter:
         """The granted slab's storage while this message may write into it."""
         return self._slab.storage if self._slab is not None else None
 
+    def wait_populated(self) -> None:
+        """Block until the granted slab's mapping is populated (when it is being populated)."""
+        if self._slab is not None and self._slab.populating is not None:
+            self._slab.populating.wait()
+
     def view(self, slab_id: int) -> memoryview | None:
         """All of mapped slab ``slab_id``, for reading what another producer wrote into it."""
         slab = self._slabs.get(slab_id)
@@ -324,6 +330,9 @@ class SlabWriter:
         return result
 
     def close(self) -> None:
+        for slab in self._slabs.values():
+            if slab.populating is not None:
+                slab.populating.wait()
         self._slabs.clear()
         self._board = None
 

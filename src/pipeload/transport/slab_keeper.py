@@ -1,0 +1,152 @@
+"""A loader's slab pool, kept between the sets of workers it starts one after another.
+
+Each epoch of a loader without persistent workers (torch's default), each new iterator, starts a
+new set of worker processes. If the slab pool belonged to the set, every set would start with no
+slabs and no idea how large a batch is: its first batches would travel in one-shot buffers, and
+its slabs would be made, faulted in and page-locked again. The :class:`SlabKeeper` is the one
+place a loader's pool lives instead. A set of workers borrows it when it starts (``lend``) and
+gives it back when it stops (``give_back``); the next set finds the slabs mapped, faulted in and
+page-locked, and the batch size known. The classic pool, economic mode and the DataPipes process
+boundary all borrow through it (``engine/workers.py``'s group, and ``datapipes/boundary``).
+
+The pool goes:
+
+* when its owner goes: the loader is collected or deleted (a ``weakref.finalize`` calls
+  :meth:`close`), or is pickled or deep-copied (the copy gets a keeper of its own, with no pool);
+* on request (:meth:`release`, ``DataLoader.release_shared_memory()``), and when a set of workers
+  ends in a failure (a dead worker, Ctrl-C: the error may keep the loader alive for long);
+* in part when memory runs short: a set that may use fewer slabs, or fewer bytes (``max_shm_bytes``,
+  or half of what memory can still take, counting the pool's own slabs), than the pool holds gets
+  it trimmed to what it can use before it starts (``SlabPool.fit``).
+
+A pool lent to a running set is never closed under it: a release or close that comes meanwhile
+takes effect when the set gives it back. A second set that starts while the first still runs
+(two live iterators of one loader) borrows a pool of its own, closed when it stops.
+
+It also keeps what the last set's in-flight budget learnt about the batches' pace (``pace``,
+``engine/budget.py``), so that the next set starts at the depth the last one ended with instead of
+finding it again.
+
+Example:
+    >>> keeper = SlabKeeper()
+    >>> pool = keeper.lend(SlabSettings(pin=False, max_bytes=1 << 30, batches_in_flight=5))
+    >>> keeper.give_back(pool)   # kept: the next lend returns it, producers forgotten
+    >>> keeper.close()           # the pool goes now
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from pipeload.transport.slab_pool import SlabCounts, SlabPool
+
+
+@dataclass(frozen=True)
+class SlabSettings:
+    """What a set of workers asks of the slab pool behind their result channels.
+
+    Attributes:
+        pin: page-lock slabs for CUDA, so batches come out pinned with no copy.
+        max_bytes: the most shared memory the slabs may hold.
+        batches_in_flight: the most batches ever in flight, plus one; bounds the number of slabs.
+    """
+
+    pin: bool
+    max_bytes: int
+    batches_in_flight: int
+
+
+class SlabKeeper:
+    """Owns one slab pool between the worker sets that borrow it, one set at a time.
+
+    Any thread may call any method (a loader's finalizer runs on whichever thread dropped it);
+    a lock guards the fields. Invariants: ``_pool`` is None or open; while ``_lent``, only the
+    borrowing set's engine thread uses it; a closed keeper keeps no pool (each lend makes one
+    that is closed when given back).
+    """
+
+    def __init__(self, keep: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._pool: SlabPool | None = None
+        self._pin = False  # what the kept pool was made for
+        self._lent = False
+        self._release_when_returned = False
+        self._keeping = keep
+        self.pace: Any = None  # the last set's budget estimates (engine/budget.py's Pace)
+        self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the slabs kept now (counted as memory the pool may use again)."""
+        with self._lock:
+            return self._pool.slab_bytes if self._pool is not None else 0
+
+    def counts(self) -> SlabCounts:
+        """What every pool this keeper lent has done so far (see ``SlabCounts``)."""
+        with self._lock:
+            total = SlabCounts(**vars(self._counts))
+            if self._pool is not None:
+                for name, value in vars(self._pool.counts).items():
+                    setattr(total, name, getattr(total, name) + value)
+            return total
+
+    def lend(self, settings: SlabSettings) -> SlabPool:
+        """The pool for a set of workers about to start, fitted to what it may use."""
+        with self._lock:
+            if self._pool is not None and not self._lent and self._pin != settings.pin:
+                self._close_kept()  # pin_memory changed: slabs are page-locked, or not, for good
+            if self._lent or not self._keeping:
+                return self._new_pool(settings)  # a set of its own, closed when it stops
+            if self._pool is None:
+                self._pool, self._pin = self._new_pool(settings), settings.pin
+            self._lent = True
+            self._pool.fit(settings.max_bytes, settings.batches_in_flight)
+            return self._pool
+
+    def give_back(self, pool: SlabPool, release: bool = False) -> None:
+        """The set that borrowed ``pool`` has stopped (its workers are gone). ``release``: it
+        ended in a failure (a dead worker, Ctrl-C): the pool goes too, as when released; the
+        error that ended it may keep the loader alive for a long time, and a worker killed
+        mid-batch may have left a slab half-written."""
+        with self._lock:
+            if pool is not self._pool:
+                self._absorb(pool)
+                return
+            self._lent = False
+            if release or self._release_when_returned or not self._keeping:
+                self._close_kept()
+            else:
+                pool.detach_producers()
+
+    def release(self) -> None:
+        """Let go of the kept pool: now if no set uses it, else when that set stops. The next
+        set starts a new one. Idempotent."""
+        with self._lock:
+            if self._lent:
+                self._release_when_returned = True
+            elif self._pool is not None:
+                self._close_kept()
+
+    def close(self) -> None:
+        """Release the pool and keep none from now on (the owner is gone). Idempotent."""
+        with self._lock:
+            self._keeping = False
+        self.release()
+
+    def _new_pool(self, settings: SlabSettings) -> SlabPool:
+        return SlabPool(pin=settings.pin, max_bytes=settings.max_bytes,
+                        batches_in_flight=settings.batches_in_flight)
+
+    def _close_kept(self) -> None:
+        pool, self._pool = self._pool, None
+        self._release_when_returned = False
+        if pool is not None:
+            self._absorb(pool)
+
+    def _absorb(self, pool: SlabPool) -> None:
+        """Close ``pool`` and add what it did to the counts."""
+        pool.close()
+        for name, value in vars(pool.counts).items():
+            setattr(self._counts, name, getattr(self._counts, name) + value)
