@@ -186,6 +186,8 @@ class ProcessLink:
             self._grant_window()
 
     def _grant_window(self) -> None:
+        if self._inbox.ending is not None:
+            return  # the far end has closed (or died), or this end has: nothing more comes
         up_to = self._granted_to_far
         try:
             self._receiving.grant_until(up_to, functools.partial(self._send_credit, up_to))

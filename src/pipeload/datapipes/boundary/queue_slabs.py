@@ -153,6 +153,10 @@ class GrantedSlabs:
         """The slab granted for item ``number`` (None: none, or not usable), with every control
         received so far applied to ``writer`` first. ``take``: the item is being sent now; the
         grant, and any left for earlier items (sent before theirs came), are dropped."""
+        if not self._controls and not self._grants:
+            # Nothing granted (small items): no lock. A grant added meanwhile for this item is
+            # dropped with the next item's; its slab is settled by this item's arrival.
+            return None
         with self._lock:
             controls, self._controls = self._controls, []
             if take:
