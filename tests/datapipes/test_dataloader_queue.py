@@ -97,6 +97,20 @@ def test_a_process_queue_travels_to_a_process_under_every_start_method(method: s
     child.close()  # its pipes now, not when a traceback's cycle is collected
 
 
+def test_a_forked_far_end_puts_tensors_after_this_process_used_torchs_threads() -> None:
+    # A large copy runs on torch's OpenMP threads; a child forked afterwards hangs in its first
+    # parallel region. The queue's own copies into shared memory must not be one.
+    torch.empty(1 << 23).copy_(torch.ones(1 << 23))
+    queue = DataLoaderQueue(kind="process", maxsize=3)
+    child = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 12))
+    child.start()
+    items, end = drain(queue)
+    child.join(DEADLINE_S)
+    assert as_numbers(items) == list(range(12)) and end.reason == QueueError.CLOSED
+    queue.close()
+    child.close()
+
+
 def test_requests_and_answers_over_two_queues_and_the_consumer_closing_stops_the_far_end() -> None:
     context = multiprocessing.get_context("fork")  # spawn: test_rfc_examples.py
     requests, answers = DataLoaderQueue(kind="process", maxsize=2), DataLoaderQueue(kind="process", maxsize=2)

@@ -265,10 +265,10 @@ def _place(storage: torch.UntypedStorage, nbytes: int, out: _Outgoing) -> tuple[
     room = writer.allocate(nbytes) if writer is not None and not writer.carries_items else None
     if room is not None:
         slab_storage, offset = room
-        _byte_view(slab_storage, offset, nbytes).copy_(_byte_view(storage))
+        _copy_bytes(slab_storage, offset, storage, nbytes)
         return Placement.REGION, (writer.slab_id, offset, nbytes)
     fresh = writer.one_shot(nbytes) if writer is not None else one_shot_storage(nbytes)
-    _byte_view(fresh).copy_(_byte_view(storage))
+    _copy_bytes(fresh, 0, storage, nbytes)
     return Placement.DESCRIPTOR, (_pass_descriptor(fresh, out), nbytes)
 
 
@@ -284,6 +284,16 @@ def _pass_descriptor(storage: torch.UntypedStorage, out: _Outgoing) -> int:
     out.fds.append(fd)
     out.keep_alive.append(storage)
     return len(out.fds) - 1
+
+
+def _copy_bytes(target: torch.UntypedStorage, offset: int, source: torch.UntypedStorage, nbytes: int) -> None:
+    """Copy ``nbytes`` of ``source`` into ``target`` at ``offset``, on this thread alone.
+
+    Not ``Tensor.copy_``: a large copy there runs on torch's OpenMP threads, and a process forked
+    from one that has used them (a user's ``multiprocessing.Process`` putting tensors into a
+    ``DataLoaderQueue``) hangs in its first parallel region. ``memmove`` releases the GIL too.
+    """
+    ctypes.memmove(target.data_ptr() + offset, source.data_ptr(), nbytes)
 
 
 def _byte_view(storage: torch.UntypedStorage, offset: int = 0, nbytes: int | None = None) -> Any:
