@@ -3,6 +3,7 @@ under torch.utils.data, in one run.
 
     python -m bench.datapipes [--items 3000] [--num-workers 2] [--repeats 3] [--work-ms 1.0]
     python -m bench.datapipes --cpu-per-item [--repeats 5]
+    python -m bench.datapipes --large-items [--megabytes 1 38] [--items 200] [--repeats 3]
 
 pipeload: ``IterableWrapper(range(items)).sharding_filter().map(work).batch(64).collate()``
 through ``pipeload.DataLoader(pipe, batch_size=None, num_workers=k)``.
@@ -16,11 +17,24 @@ runs both loaders, alternating which goes first; the table gives median samples/
 per item of a cheap graph, ``IterableWrapper(range(200_000)).sharding_filter().map(inc)
 .batch(64)``, iterated directly and through ``DataLoader(pipe, batch_size=None)`` without workers
 (median of ``--repeats``). Run it with two trees' ``PYTHONPATH`` to compare them.
+
+``--large-items`` sends tensors of each ``--megabytes`` size through ``queue_boundary("process",
+buffer_size=8)`` (torch has no such boundary to compare with): ``IterableWrapper(range(items))
+.map(make)`` builds each tensor upstream ("built"), or ``.map(make_row).batch(64).collate()``
+stacks it from 64 rows there ("collated"). The consumer reads one value per 4 KiB page of every
+item, as a copy would. Per size and way, after a first run (whose shared memory the pipe may keep
+for the next), the median over ``--repeats`` runs of: items/s from the first item to the last;
+CPU per item of both processes (``getrusage``: this process, and the upstream process once it is
+reaped at the run's end, its start included); minor page faults per item in the consumer and in
+the upstream process. Fewer items are sent of large sizes (``--items`` MiB in all, at least 20).
+Load-independent figures are the CPU and fault columns. Run it with two trees' ``PYTHONPATH`` to
+compare them.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -80,8 +94,100 @@ def cpu_per_item(repeats: int) -> tuple[float, float]:
     return statistics.median(direct), statistics.median(inline)
 
 
+PAGE_BYTES = 4096
+ROWS = 64  # a collated item is stacked from this many rows
+BUFFER_SIZE = 8
+
+
+@dataclass(frozen=True)
+class MakeTensor:
+    """Item ``i``: ``nbytes`` of float32 holding ``i`` (module level: it pickles)."""
+
+    nbytes: int
+
+    def __call__(self, index: int) -> torch.Tensor:
+        return torch.full((self.nbytes // 4,), float(index))
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    items_per_s: float
+    consumer_cpu_ms: float  # per item, first item to last
+    upstream_cpu_ms: float  # per item, the whole upstream process (its start included)
+    consumer_faults: float  # per item, first item to last
+    upstream_faults: float  # per item, the whole upstream process
+
+
+def large_item_pipe(nbytes: int, items: int, collated: bool) -> Any:
+    if collated:
+        rows = IterableWrapper(range(items * ROWS)).map(MakeTensor(nbytes // ROWS))
+        upstream = rows.batch(ROWS).collate()
+    else:
+        upstream = IterableWrapper(range(items)).map(MakeTensor(nbytes))
+    return upstream.queue_boundary("process", buffer_size=BUFFER_SIZE)
+
+
+def _cpu_s(after: Any, before: Any) -> float:
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def one_run(pipe: Any, items: int) -> RunFigures:
+    """Read every item of one run of ``pipe``, one value per page, and say what it cost. The
+    consumer is measured from its first item to its last (a run's start forks the upstream
+    process, and this process then takes a copy-on-write fault for each page it writes)."""
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    iterator = iter(pipe)
+    count, started, first = 0, 0.0, None
+    for item in iterator:
+        float(item.view(-1)[:: PAGE_BYTES // item.element_size()].sum())
+        count += 1
+        if count == 1:
+            started, first = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    elapsed, last = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
+    del item, iterator  # the run ends: its upstream process is stopped and reaped
+    if count != items:
+        raise RuntimeError(f"read {count} items, expected {items}")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    later = count - 1
+    return RunFigures(later / elapsed, _cpu_s(last, first) / later * 1e3,
+                      _cpu_s(children, children_before) / count * 1e3,
+                      (last.ru_minflt - first.ru_minflt) / later,
+                      (children.ru_minflt - children_before.ru_minflt) / count)
+
+
+def large_items(megabytes: Sequence[float], total_mb: int, repeats: int) -> None:
+    print(f"queue_boundary('process', buffer_size={BUFFER_SIZE}); median of {repeats} runs after a "
+          "first; per item: CPU ms and minor faults of the consumer (first item to last) and of "
+          "the upstream process (its whole life)")
+    print(f"{'MiB':>6} {'how':9} {'items':>5} {'items/s':>9} {'CPU here':>9} {'upstream':>9} "
+          f"{'faults here':>12} {'upstream':>9}  slabs made, items in one-shot buffers")
+    for size in megabytes:
+        nbytes = int(size * (1 << 20)) // (ROWS * 4) * ROWS * 4
+        items = max(20, int(total_mb / size))
+        for collated in (False, True):
+            pipe = large_item_pipe(nbytes, items, collated)
+            one_run(pipe, items)  # the first run: whatever it sets up may stay for the next
+            runs = [one_run(pipe, items) for _ in range(repeats)]
+            keeper = getattr(pipe, "_transient_slabs", None)  # none before issue 24's queue slabs
+            slabs = "-" if keeper is None else (
+                f"{keeper.counts().slabs_made}, {keeper.counts().batches_in_fresh_memory}")
+            m = {field: statistics.median(getattr(r, field) for r in runs)
+                 for field in RunFigures.__dataclass_fields__}
+            print(f"{size:6g} {'collated' if collated else 'built':9} {items:5d} "
+                  f"{m['items_per_s']:9.1f} {m['consumer_cpu_ms']:9.2f} {m['upstream_cpu_ms']:9.2f} "
+                  f"{m['consumer_faults']:12.1f} {m['upstream_faults']:9.1f}  {slabs}")
+            release = getattr(pipe, "release_shared_memory", None)
+            if release is not None:
+                release()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.large_items:
+        large_items(args.megabytes, 200 if args.items is None else args.items, args.repeats)
+        return 0
+    if args.items is None:
+        args.items = 3000
     if args.cpu_per_item:
         direct, inline = cpu_per_item(args.repeats)
         print(f"CPU per item, median of {args.repeats}: directly {direct:.0f} ns, "
@@ -114,12 +220,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=3000)
+    parser.add_argument("--items", type=int, default=None,
+                        help="items (default 3000); with --large-items, MiB sent per run (default 200)")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work-ms", type=float, default=1.0)
     parser.add_argument("--cpu-per-item", action="store_true",
                         help="CPU time per item of a cheap graph instead (less disturbed by load)")
+    parser.add_argument("--large-items", action="store_true",
+                        help="large tensors through a process queue boundary instead")
+    parser.add_argument("--megabytes", type=float, nargs="+", default=[1.0, 38.0],
+                        help="with --large-items: tensor sizes in MiB (default: 1 38)")
     return parser
 
 

@@ -47,6 +47,24 @@ def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
     return True
 
 
+def backing_of(tensor) -> str:
+    """What holds a tensor's memory: the path of its mapping in /proc/self/maps ('' if anonymous)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else ""
+    return ""
+
+
+def in_shared_memory(tensor) -> bool:
+    """Whether a tensor's bytes lie in shared memory (a memfd slab or buffer, a /dev/shm file);
+    a slab view answers ``is_shared()`` with False, so tests ask the mapping instead."""
+    return backing_of(tensor).startswith(("/memfd:", "/dev/shm/"))
+
+
 def pid_gone(pid: int) -> bool:
     """True once ``pid`` no longer runs: exited and reaped, or a zombie nobody has reaped yet."""
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import pid_gone, wait_until
+from conftest import in_shared_memory, pid_gone, wait_until
 from pipes_for_tests import (
     Counting,
     add_one,
@@ -141,10 +141,10 @@ def test_closing_or_dropping_a_run_stops_its_upstream(kind: str) -> None:
 def test_large_tensors_cross_a_process_boundary_as_shared_memory_small_ones_inline() -> None:
     large = list(IterableWrapper(range(5)).map(as_large_tensor).queue_boundary("process"))
     assert [(t[0].item(), t[-1].item()) for t in large] == [(i, i) for i in range(5)]
-    assert all(t.is_shared() for t in large)  # mapped from shared memory, not unpickled bytes
+    assert all(in_shared_memory(t) for t in large)  # mapped from shared memory, not unpickled bytes
     small = list(IterableWrapper(range(5)).map(as_tensor).queue_boundary("process"))
     assert [t.tolist() for t in small] == [[i] * 4 for i in range(5)]
-    assert not any(t.is_shared() for t in small)  # inside the message: no shared-memory set-up
+    assert not any(in_shared_memory(t) for t in small)  # inside the message: no shared-memory set-up
 
 
 def test_spawn_sends_the_description_and_refuses_what_cannot_travel() -> None:

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import in_shared_memory, wait_until
 
 from pipeload.datapipes import DataLoaderQueue, NotAvailable, QueueError
 
@@ -90,7 +90,7 @@ def test_a_process_queue_travels_to_a_process_under_every_start_method(method: s
     items, end = drain(queue)
     child.join(DEADLINE_S)
     assert as_numbers(items) == list(range(40))  # each once, in order, tensors whole
-    assert isinstance(items[4], torch.Tensor) and items[4].is_shared()  # shared memory, not bytes
+    assert isinstance(items[4], torch.Tensor) and in_shared_memory(items[4])  # not pickled bytes
     assert (end.reason, end.by_this_end, end.far_end) == (QueueError.CLOSED, False, f"process {child.pid}")
     assert f"the far end (process {child.pid}) closed the queue" in str(end)
     queue.close()

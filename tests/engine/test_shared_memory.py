@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from conftest import backing_of, in_shared_memory
 from faults import (
     ECONOMIC,
     ECONOMIC_SPAWN,
@@ -42,22 +43,6 @@ from pipeload.pin import pinning_available
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
 
 BIG = 1 << 16  # floats per item: 256 KiB, far above what travels inside a message
-
-
-def backing_of(tensor: torch.Tensor) -> str:
-    """What holds a tensor's memory: the path of its mapping in /proc/self/maps ('' if anonymous)."""
-    address = tensor.data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            if start <= address < end:
-                return fields[5].strip() if len(fields) == 6 else ""
-    return ""
-
-
-def in_shared_memory(tensor: torch.Tensor) -> bool:
-    return backing_of(tensor).startswith(("/memfd:", "/dev/shm/"))
 
 
 def expected_rows(batch_number: int, batch_size: int) -> list[float]:

@@ -4,6 +4,11 @@ Whatever runs the far end (a thread, a process, an actor) calls :func:`feed`: it
 upstream iterator, puts each item, and closes the queue at the end, or with the error when the
 upstream fails, so the consumer gets every item, then the end or the error. The iterator is
 made, used and closed by the calling thread alone, so nothing upstream is touched from two.
+
+A queue that can take an item's tensors where it will travel (a process queue's slabs) is told
+before each item is taken (``prepare_put``), so that ``default_collate`` upstream stacks into
+that memory and nothing is copied; the item is dropped once put, as a slab it views could not
+be granted again while this process still viewed it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,17 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str) -> None:
     """
     iterator = None
     stage = "iterating the upstream pipe"
+    prepare = getattr(queue, "prepare_put", None)
     try:
         iterator = as_nonblocking(pipe)
         while True:
+            if prepare is not None:
+                prepare()
             stage = "iterating the upstream pipe"
             item = _next_unless_closed(iterator, queue)
             stage = "sending an item to the consumer"
             queue.put(item)
+            del item
     except StopIteration:
         queue.close()
     except (QueueError, WaitCancelled):

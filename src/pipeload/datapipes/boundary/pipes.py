@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -12,6 +14,7 @@ from pipeload.datapipes.boundary.queue_interface import KIND_MODULES, DataLoader
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
 from pipeload.errors import WorkerDiedError
+from pipeload.transport.slab_keeper import SlabKeeper
 
 T_co = TypeVar("T_co", covariant=True)
 _names = itertools.count()
@@ -30,8 +33,10 @@ class QueueBoundary(IterDataPipe[T_co]):
     ``WorkerDiedError`` naming how it ended. Closing (or dropping) the iterator stops the
     upstream at once.
 
-    Across a process boundary tensors travel as shared-memory descriptors, not pickled bytes;
-    other items are pickled. The upstream process seeds its random generators from one number
+    Across a process boundary large tensors travel in shared memory, not as pickled bytes: in
+    slabs the pipe keeps from one run to the next (a copy or a pickle of the pipe keeps none),
+    freed with the pipe, after a run that fails, or by :meth:`release_shared_memory`; other
+    items are pickled. The upstream process seeds its random generators from one number
     drawn from torch's global generator when the run starts. A process boundary cannot start
     inside a DataLoader process worker (daemon processes may not have children): use threads
     there.
@@ -83,12 +88,40 @@ class QueueBoundary(IterDataPipe[T_co]):
         kind = DataLoaderQueue.kind_class(self.worker_type)
         queue = kind(maxsize=self.buffer_size)
         options = {"multiprocessing_context": self.multiprocessing_context, **self.options}
+        if self.worker_type == "process":
+            options["slab_keeper"] = self._slab_keeper()
         try:
             producer = kind.start_producer(self.datapipe, queue, name, options)
         except BaseException:
             queue.close()
             raise
         return _BoundaryIterator(queue, producer, f"the upstream {self.worker_type} of a queue boundary")
+
+    def _slab_keeper(self) -> SlabKeeper:
+        # The slabs belong to the pipe (a description), not to one run: each run finds them
+        # mapped and the items' size known. Transient: a copy or a pickle keeps its own; a
+        # fork's copy (a process that inherited this pipe) must not grant slabs the original
+        # grants too, so it makes its own as well.
+        keeper = self.__dict__.get("_transient_slabs")
+        if keeper is None or self.__dict__.get("_transient_slabs_pid") != os.getpid():
+            keeper = self._transient_slabs = SlabKeeper()
+            self._transient_slabs_pid = os.getpid()
+            weakref.finalize(self, keeper.close).atexit = False
+        return keeper
+
+    def release_shared_memory(self) -> None:
+        """Free the shared memory a process boundary keeps between its runs (the slabs large
+        tensors cross in) now; the next run makes new ones. A run in progress keeps its slabs
+        until it ends. They also go with the pipe. See ``DataLoader.release_shared_memory``.
+
+        Example:
+            >>> pipe = IterableWrapper(paths).map(decode).queue_boundary("process")
+            >>> images = list(pipe)                # the slabs stay for the next run
+            >>> pipe.release_shared_memory()       # ...unless you let them go
+        """
+        keeper = self.__dict__.get("_transient_slabs")
+        if keeper is not None and self.__dict__.get("_transient_slabs_pid") == os.getpid():
+            keeper.release()
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)

@@ -4,6 +4,11 @@ The upstream process iterates the upstream part of the graph into the far end of
 ``DataLoaderQueue``. It is started, watched and stopped by the engine's lifecycle helpers, like
 a DataLoader worker: it leaves when its parent dies, ignores Ctrl-C, and is stopped by closing
 the queue, then terminating, then killing.
+
+Large tensors cross in slabs of a pool the boundary pipe keeps between its runs (its
+``SlabKeeper``): each run borrows it, lends it to its queue, and gives it back once the upstream
+process is gone, so that no process still writes into a slab the next run may be granted. A run
+that ends in a failure (the upstream died or raised) lets the pool go instead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from pipeload.datapipes.boundary.feed import feed
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
+from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
     exit_now,
@@ -28,26 +34,38 @@ from pipeload.engine.lifecycle import (
     stop_workers,
 )
 from pipeload.engine.worker_info import seed_process_worker
+from pipeload.transport.slab_keeper import SlabKeeper, SlabSettings
+from pipeload.transport.slab_pool import SlabPool
+
+Lent = tuple[SlabKeeper, SlabPool] | None
 
 
 class ProcessProducer:
     """Owns the upstream process of one run of a process boundary.
 
     The queue watches the process, so a death is read as one (with its exit status), not as
-    a hang.
+    a hang. ``keeper``: where the run borrows the slab pool its queue decodes against (None:
+    the queue makes one of its own).
     """
 
-    def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str, context: Any) -> None:
+    def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str, context: Any,
+                 keeper: SlabKeeper | None = None) -> None:
         ctx = multiprocessing.get_context(context) if isinstance(context, str) or context is None else context
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        # It leaves when its parent dies, so it may be started from a process worker too, a daemon
-        # (replica.separate_processes places boundaries there).
-        self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue), name,
-                                      leaves_with_parent=True)
+        lent = _lend_slabs(keeper, queue)
+        try:
+            # It leaves when its parent dies, so it may be started from a process worker too, a
+            # daemon (replica.separate_processes places boundaries there).
+            self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue), name,
+                                          leaves_with_parent=True)
+        except BaseException:
+            if lent is not None:
+                lent[0].give_back(lent[1])
+            raise
         queue.watch(self._process)
-        self._finalizer = weakref.finalize(self, _stop_process, queue, self._process)
+        self._finalizer = weakref.finalize(self, _stop_process, queue, self._process, lent)
 
     @property
     def pid(self) -> int:
@@ -58,10 +76,28 @@ class ProcessProducer:
         self._finalizer()
 
 
-def _stop_process(queue: DataLoaderQueue, process: Any) -> None:
-    queue.close()
-    stop_workers([process])
-    release_finished([process])
+def _lend_slabs(keeper: SlabKeeper | None, queue: DataLoaderQueue) -> Lent:
+    """Borrow the keeper's pool for this run and lend it to the queue's getting end."""
+    lend = getattr(queue, "lend_slabs", None)
+    if keeper is None or lend is None:
+        return None
+    in_flight = queue.maxsize + 2  # in flight or waiting, the one the consumer holds, one more
+    pool = keeper.lend(SlabSettings(False, shm_budget_bytes(None, keeper.held_bytes), in_flight))
+    lend(pool)
+    return keeper, pool
+
+
+def _stop_process(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
+    failed, stopped = getattr(queue, "ended_in_failure", False), False
+    try:
+        queue.close()
+        stop_workers([process])
+        release_finished([process])
+        stopped = True
+    finally:
+        if lent is not None:  # nobody writes into its slabs any more (or they are let go)
+            keeper, pool = lent
+            keeper.give_back(pool, release=failed or not stopped)
 
 
 def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue) -> None:

@@ -6,6 +6,11 @@ forkserver) or by a fork, is the *joining* end: on first use it connects and int
 with the queue's secret token. So the queue travels as an argument to ``multiprocessing.Process``
 under every start method, and the accepting end holds only its end of the connection: when the
 far process dies, its end closes with it and the survivor reads that as a death, not a hang.
+
+Large tensors cross in shared-memory slabs that the getting end owns and grants with its
+credits (see queue_slabs.py): a queue made by a user makes its pool once large items arrive and
+closes it with the queue; a queue boundary lends each run's queue the pool its pipe keeps
+(:meth:`ProcessQueue.lend_slabs`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pipeload.datapipes.boundary.queue_interface import (
 )
 from pipeload.datapipes.protocol import NotAvailable
 from pipeload.errors import describe_exit
+from pipeload.transport.slab_pool import SlabCounts, SlabPool
 
 REAP_S = 0.5  # how long a dead far end's exit status is waited for, to say how it ended
 
@@ -41,8 +47,10 @@ class ProcessQueue(InboxQueue, kind="process"):
     """A bounded, ordered queue between two processes (``DataLoaderQueue(kind="process")``).
 
     Make it in one process and pass it to the other (as a ``multiprocessing.Process`` argument,
-    or inherited by a fork); the copy there is the far end. Items are pickled on the way, large
-    tensors as shared-memory descriptors. A queue joins exactly one far end: a second process
+    or inherited by a fork); the copy there is the far end. Items are pickled on the way; large
+    tensors travel in shared-memory slabs that the getting end grants and reuses (a one-shot
+    shared buffer before the first large item has shown their size, or when none is free), and
+    the slabs go when the queue is closed. A queue joins exactly one far end: a second process
     trying to join is refused.
 
     Invariants: ``_link`` is None until the ends have met; every call but ``close()`` is made by
@@ -73,6 +81,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         # this end alive (it would never be released when dropped unclosed).
         self._inbox = Inbox(self._maxsize, _weakly(self._far_end_name, "the far end"))
         self._link: ProcessLink | None = None
+        self._lent_pool: SlabPool | None = None  # see lend_slabs
         self._lock = threading.Lock()  # connecting and closing take turns
         self._state: dict[str, Any] = {"listener": self._listener, "link": None, "address": self._address,
                                        "pid": self._pid}
@@ -92,6 +101,18 @@ class ProcessQueue(InboxQueue, kind="process"):
             raise QueueError(f"DataLoaderQueue: the far end ({link.far_end}) died", far_end=link.far_end,
                              reason=QueueError.DIED) from None
 
+    def prepare_put(self) -> None:
+        """Say that this thread is about to build the item it puts next (``feed()`` does, before
+        it takes each item from the upstream pipe): if the far end has room for it, tensors that
+        ``default_collate`` stacks in this thread meanwhile are written straight into the shared
+        memory the item will travel in (its slab), not copied there by ``put``. Put the item (or
+        close the queue) next, from this thread, and keep no reference to it after the put.
+
+        Raises:
+            QueueError: the queue is closed or the far end could not be joined.
+        """
+        self._connected(True, None).prepare_next()
+
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
         deadline = deadline_after(timeout)
         link = self._connected(blocking, deadline)
@@ -109,6 +130,32 @@ class ProcessQueue(InboxQueue, kind="process"):
             if self._link is not None:
                 self._link.close(error, self._where())
             self._finalizer()
+
+    def lend_slabs(self, pool: SlabPool) -> None:
+        """Make this the getting end, decoding against ``pool`` and granting its slabs from the
+        first window on. The caller owns the pool: it gives it back after closing this queue
+        and stopping the far end (no producer writes into its slabs any more). Call before the
+        ends meet.
+
+        Raises:
+            RuntimeError: the ends have met already.
+        """
+        if self._link is not None:
+            raise RuntimeError("lend_slabs() comes before the ends of a DataLoaderQueue meet")
+        self._lent_pool = pool
+
+    @property
+    def ended_in_failure(self) -> bool:
+        """Whether the far end died, or closed with an error (a queue boundary then lets go of
+        its slabs: the error may keep the pipe alive for long)."""
+        ending = self._inbox.ending
+        return ending is not None and (ending.reason == QueueError.DIED or ending.cause is not None)
+
+    @property
+    def slab_counts(self) -> SlabCounts | None:
+        """What this (getting) end's own slab pool has done so far; None before it has one."""
+        pool = self._link.slab_pool if self._link is not None else None
+        return None if pool is None else pool.counts
 
     def name_this_end(self, words: str) -> None:
         """Say what this end is ("the upstream process of a queue boundary (pid 4711)"), for
@@ -143,7 +190,8 @@ class ProcessQueue(InboxQueue, kind="process"):
     def start_producer(cls, pipe: Any, queue: DataLoaderQueue, name: str, options: dict[str, Any]) -> Producer:
         from pipeload.datapipes.boundary.process import ProcessProducer
 
-        return ProcessProducer(pipe, queue, name, options.get("multiprocessing_context"))
+        return ProcessProducer(pipe, queue, name, options.get("multiprocessing_context"),
+                               options.get("slab_keeper"))
 
     # -- meeting the far end ------------------------------------------------------------------
 
@@ -191,7 +239,8 @@ class ProcessQueue(InboxQueue, kind="process"):
         return link
 
     def _make_link(self, sock: socket.socket, far_end: str, token: str | None) -> ProcessLink:
-        link = ProcessLink(sock, self._maxsize, self._inbox, far_end, _weakly(self._describe_death, ""), token)
+        link = ProcessLink(sock, self._maxsize, self._inbox, far_end, _weakly(self._describe_death, ""), token,
+                           self._lent_pool)
         self._state["link"] = link
         return link
 

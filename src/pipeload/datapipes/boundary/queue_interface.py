@@ -17,7 +17,8 @@ another machine. Every kind keeps the same promises:
   the reason; a far end that closed with an error hands that error over as ``cause``.
 
 Each kind also picks its serialisation: the thread kind passes object references, the process
-kind pickles (large tensors as shared-memory descriptors), a Ray kind its object store.
+kind pickles (large tensors in shared-memory slabs the getting end reuses), a Ray kind its
+object store.
 
 Adding a kind: subclass :class:`DataLoaderQueue` with ``kind="name"`` in the class statement; it
 is then made by ``DataLoaderQueue(kind="name", maxsize=N, **options)``. Its ``__init__`` takes
@@ -142,8 +143,8 @@ class DataLoaderQueue(abc.ABC):
       at both ends, items pass as references. It cannot be sent to another process.
     - ``"process"``: hand the queue to a ``multiprocessing.Process`` (as an argument: it
       pickles under fork, spawn and forkserver) and use it there; the copy over there is the
-      far end of this one. Items are pickled; large tensors travel as shared-memory
-      descriptors.
+      far end of this one. Items are pickled; large tensors travel in shared-memory slabs
+      that the getting end owns and reuses, freed when the queue is closed.
 
     One end puts, the other gets. ``close()`` at either end ends the queue: the far end still
     gets every item put before, then :class:`QueueError`; a put after it raises at once.
