@@ -152,3 +152,30 @@ def test_worker_dying_between_epochs_is_reported_when_the_next_starts(leak_guard
         list(loader)
     leak_guard.assert_exited(pids, within_s=1.0)
     assert flatten(list(loader)) == list(range(8))  # a fresh session
+
+
+# -- without persistent workers, a worker with nothing left to do leaves at once ------------
+
+
+def test_without_persistent_workers_each_worker_exits_once_its_last_task_is_answered() -> None:
+    # 4 batches, 2 workers, 2 in flight each: every task goes out at iter(). Once the loop has
+    # the last batch's answer, both workers have nothing left and are asked to stop, so they exit
+    # while the loop still holds batches it has not taken (what a training step would overlap),
+    # not when StopIteration comes; their exit is no death: the epoch ends as usual.
+    loader = DataLoader(Numbers(16), batch_size=4, num_workers=2, prefetch_factor=2)
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    taken = [next(iterator) for _ in range(4)]  # the last one's answer is in by the 4th
+    assert wait_until(lambda: all(pid_gone(pid) for pid in pids), 10.0), "workers still running"
+    assert [batch.tolist() for batch in taken] == [[4 * b + i for i in range(4)] for b in range(4)]
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_persistent_workers_stay_after_their_last_task() -> None:
+    loader = DataLoader(Numbers(16), batch_size=4, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    assert len(list(iterator)) == 4
+    assert not any(pid_gone(pid) for pid in pids)
+    assert len(list(loader)) == 4 and worker_pids(iter(loader)) == pids

@@ -50,6 +50,9 @@ class PoolConfig:
             later epoch of a persistent session starts: see ``WorkerSetup.batch_sizes``.
         slab_keeper: the loader's ``SlabKeeper``, which keeps its slab pool and the budget's
             pace between the sets of workers it starts (None: the pool is the engine's own).
+        stop_when_done: this engine serves one epoch (no persistent workers): a process worker
+            that will get no more tasks is asked to stop as soon as it has answered them all,
+            so that it exits while the loop takes the last batches (see ``_let_done_workers_go``).
     """
 
     setup: WorkerSetup
@@ -64,6 +67,7 @@ class PoolConfig:
     numbered: bool = False
     batch_sizes: Callable[[], tuple[int, int | None] | None] = lambda: None
     slab_keeper: SlabKeeper | None = None
+    stop_when_done: bool = False
 
 
 class ClassicLaunch:
@@ -164,6 +168,7 @@ class PoolEngine:
         self._num_workers = num_workers  # those that take new tasks (see resize)
         self._shrinking = False  # workers beyond them still run, to be stopped once idle
         self._prefetch_factor = config.prefetch_factor
+        self._stop_when_done = config.stop_when_done and config.worker_type == "process"
 
     @property
     def workers(self) -> list[Any]:
@@ -315,6 +320,23 @@ class PoolEngine:
                 if report.totals is not None:
                     self._stats.record_answered(report)  # type: ignore[union-attr]
             self._top_up()
+            if self._stop_when_done and self._supply.done:
+                self._let_done_workers_go()
+
+    def _let_done_workers_go(self) -> None:
+        """Ask every worker that has answered all its tasks, now that no task is left to send, to
+        stop. A worker's exit tears down its address space (the pages inherited at the fork, its
+        heap, its slab mappings: 6 to 12 ms from its last step to reaped for a 38 MiB-batch
+        worker on the 2-core box); asked only at ``StopIteration``, the loop waits for that. Asked
+        here, a worker exits while the loop still takes the batches it left: all of the wait when
+        the training step is the slower side, none when the workers are (their last answers
+        come just as the loop needs them)."""
+        if self._unsent is not None:
+            return  # a task still goes out (to its worker) first
+        ledger = self._ledger
+        for worker_id in range(len(self._workers.handles)):
+            if ledger.in_flight(worker_id) == 0:
+                self._workers.retire(worker_id)
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         if report.batch_number >= self._next_look:  # sampled: see SessionStats.handing_out
@@ -378,6 +400,8 @@ class PoolEngine:
             return False
         indices = self._supply.take()
         if self._supply.done:
+            if self._stop_when_done:
+                self._let_done_workers_go()  # those whose answers are all in; the rest as they come
             return False
         number = self._ledger.next_to_send
         slabs = self._workers.slabs

@@ -128,6 +128,7 @@ class WorkerGroup:
         self.closed = False
         self.failed = False  # an error was raised from this set: its slab pool goes with it
         self._unstarted: list[WorkerLaunch] = []  # process workers of the last slots, in order
+        self._retired: set[int] = set()  # slots asked to stop early: their exit is no death
         self._ctx: Any = None
         count = len(self.labels)
         try:
@@ -183,8 +184,22 @@ class WorkerGroup:
         return THREAD_CHECK_INTERVAL_S if self.stop_event is not None else WAIT_SLICE_S
 
     def sentinels(self) -> list[int]:
-        """Exit sentinels of the process workers (empty for threads)."""
-        return [h.sentinel for h in self.handles if getattr(h, "sentinel", None) is not None]
+        """Exit sentinels of the process workers (empty for threads), less the retired ones'."""
+        handles = self._living_handles() if self._retired else self.handles
+        return [h.sentinel for h in handles if getattr(h, "sentinel", None) is not None]
+
+    def _living_handles(self) -> list[Any]:
+        return [h for slot, h in enumerate(self.handles) if slot not in self._retired]
+
+    def retire(self, slot: int) -> None:
+        """Ask the process worker in ``slot``, which has answered every task it was sent and will
+        be sent no more, to stop now (once): it exits while the others finish, and its exit is
+        not a death. ``close()`` still waits for it."""
+        if slot in self._retired or self.stop_event is not None or slot >= len(self.handles):
+            return
+        self._retired.add(slot)
+        if self.handles[slot].is_alive():
+            self._ask_to_stop(slot)
 
     def all_alive(self) -> bool:
         if self.stop_event is None:
@@ -254,8 +269,8 @@ class WorkerGroup:
         """Raise WorkerDiedError naming every worker that is no longer running, if any: torch's
         sentence first for processes, then which workers and how they ended."""
         dead = []
-        for label, handle in zip(self.labels, self.handles):
-            if not handle.is_alive():
+        for slot, (label, handle) in enumerate(zip(self.labels, self.handles)):
+            if slot not in self._retired and not handle.is_alive():
                 handle.join(REAP_WAIT_S)  # reap it, so its exit code is known
                 dead.append((label, handle))
         if not dead:

@@ -148,7 +148,8 @@ def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup
 
 def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
     return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup),
-                      batch_sizes=_batch_sizes(loader), **_engine_settings(loader))
+                      batch_sizes=_batch_sizes(loader), stop_when_done=not loader.persistent_workers,
+                      **_engine_settings(loader))
 
 def _engine_settings(loader: Any) -> dict[str, Any]:
     """What both worker engines (classic and economic) take from the loader alike."""
