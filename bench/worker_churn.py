@@ -1,0 +1,113 @@
+"""What a new set of workers costs an epoch: where a loader without persistent workers loses time.
+
+    PYTHONPATH=src:. python -m bench.worker_churn [--epochs 6] [--num-workers 2] [--step-ms 0]
+
+First the floor no loader can go under: ``fork`` + ``_exit`` + ``waitpid`` of this very process
+(torch imported), best and median of 20. Then one pipeload loader with ``persistent_workers=False``
+and one with ``True`` (``bench.epoch_costs``'s float32 3x224x224 items, batch 64, 4096 an epoch),
+epoch by epoch and turn by turn (the order flips each epoch), the loop reading one value per 4 KiB page (plus ``--step-ms`` of busy work per
+batch, as a training step), each epoch split into: ``iter()`` (the forks), the first batch after
+it, the first and second halves of the batches, and the time from the last batch to
+``StopIteration`` (waiting for the workers to exit). Epochs 2+ are what a training script sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import pipeload
+from bench.epoch_costs import FloatItems
+
+
+@dataclass(frozen=True)
+class EpochSplit:
+    iter_ms: float
+    first_ms: float
+    first_half_ms: float
+    second_half_ms: float
+    stop_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.iter_ms + self.first_ms + self.first_half_ms + self.second_half_ms + self.stop_ms
+
+
+def fork_exit_wait_ms(times: int = 20) -> list[float]:
+    """How long this process takes to fork a child that exits at once, and to reap it."""
+    spent = []
+    for _ in range(times):
+        started = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        spent.append((time.perf_counter() - started) * 1e3)
+    return spent
+
+
+def busy_for(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def one_epoch(loader: pipeload.DataLoader, step_s: float) -> EpochSplit:
+    started = time.perf_counter()
+    iterator = iter(loader)
+    made = time.perf_counter()
+    stamps = []
+    for batch in iterator:
+        stamps.append(time.perf_counter())
+        float(batch.reshape(-1)[::1024].sum())
+        busy_for(step_s)
+    ended = time.perf_counter()
+    del batch, iterator
+    half = len(stamps) // 2
+    return EpochSplit((made - started) * 1e3, (stamps[0] - made) * 1e3,
+                      (stamps[half] - stamps[0]) * 1e3, (stamps[-1] - stamps[half]) * 1e3,
+                      (ended - stamps[-1]) * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="busy work per batch")
+    args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the first epoch is not what later ones cost")
+    forks = fork_exit_wait_ms()
+    print(f"fork + _exit + waitpid of this process: best {min(forks):.1f} ms, "
+          f"median {statistics.median(forks):.1f} ms ({os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f})")
+    dataset = FloatItems(4096, (3, 224, 224))
+    print(f"{'loader':<15}{'epoch':>6}{'iter()':>9}{'first':>9}{'1st half':>10}{'2nd half':>10}"
+          f"{'stop':>8}{'total':>9}  (ms)")
+    loaders = {name: pipeload.DataLoader(dataset, batch_size=64, num_workers=args.num_workers,
+                                         persistent_workers=name == "persistent")
+               for name in ("per-epoch", "persistent")}
+    splits: dict[str, list[EpochSplit]] = {name: [] for name in loaders}
+    for number in range(1, args.epochs + 1):
+        order = list(loaders) if number % 2 else list(reversed(loaders))  # turn by turn
+        for name in order:
+            split = one_epoch(loaders[name], args.step_ms / 1e3)
+            splits[name].append(split)
+            print(f"{name:<15}{number:>6}{split.iter_ms:>9.1f}{split.first_ms:>9.1f}"
+                  f"{split.first_half_ms:>10.1f}{split.second_half_ms:>10.1f}{split.stop_ms:>8.1f}"
+                  f"{split.total_ms:>9.1f}")
+    medians = {name: {field: statistics.median(getattr(s, field) for s in runs[1:])
+                      for field in ("iter_ms", "first_ms", "first_half_ms", "second_half_ms",
+                                    "stop_ms", "total_ms")}
+               for name, runs in splits.items()}
+    ours, kept = medians["per-epoch"], medians["persistent"]
+    print("epochs 2+, medians, per-epoch minus persistent: " + ", ".join(
+        f"{field[:-3].replace('_', ' ')} {ours[field] - kept[field]:+.1f} ms" for field in ours))
+    print(f"per-epoch / persistent samples/s: {kept['total_ms'] / ours['total_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
