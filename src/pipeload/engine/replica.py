@@ -221,9 +221,9 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
 
 
 def stages_without_checkpoint(dataset: Any) -> list[str]:
-    """The queue boundaries (``prefetch``, ``queue_boundary``) of a pipeload DataPipe graph, by
-    class name: a run across one keeps no checkpoint of its position yet, so a replica with one
-    resumes by re-reading. Empty for anything else."""
+    """The queue boundaries of a pipeload DataPipe graph whose kind keeps no checkpoint (any but
+    thread and process boundaries, ``prefetch`` included: see ``boundary/positions.py``), by class
+    name and kind: a replica with one resumes by re-reading. Empty for anything else."""
     rules = graph_rules(dataset)
     if rules is None or rules.list_pipes is None or "pipeload.datapipes" not in sys.modules:
         return []
@@ -233,7 +233,8 @@ def stages_without_checkpoint(dataset: Any) -> list[str]:
         return []
     with _GRAPH_WALK:
         pipes = rules.list_pipes(dataset)
-    return sorted({type(pipe).__name__ for pipe in pipes if isinstance(pipe, QueueBoundary)})
+    return sorted({f"{type(pipe).__name__} ({pipe.worker_type!r})" for pipe in pipes
+                   if isinstance(pipe, QueueBoundary) and not pipe.keeps_checkpoints})
 
 
 def _known_families() -> tuple[GraphRules, ...]:

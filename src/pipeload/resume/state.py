@@ -302,10 +302,11 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
 
 
 def _stage_without_state(loader: Any) -> str:
-    """The stage a resume warning names: a queue boundary in the dataset's graph (its run keeps
-    no position yet), else the dataset itself."""
+    """The stage a resume warning names: a queue boundary of a kind that keeps no checkpoint in
+    the dataset's graph, else the dataset itself (a pipe: one of its stages keeps no state)."""
     boundaries = replica.stages_without_checkpoint(loader.dataset)
     if boundaries:
-        return f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary keeps no checkpoint yet)"
+        return (f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary of that "
+                "kind keeps no checkpoint)")
     return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
-            "its iterator)")
+            "its iterator, or on a stage of its graph: a plain iterator or generator inside)")

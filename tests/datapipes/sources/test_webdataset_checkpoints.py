@@ -1,7 +1,7 @@
-"""A WebDataset pipeline checkpointed mid-epoch resumes where it stood: the shards already read
-are not requested again from the (real, local) HTTP server, the remaining samples come exactly
-as an uninterrupted epoch's, with no warning; a pipeline that cannot say where it stands (a
-read-ahead thread) is resumed by re-reading, and the warning names that stage."""
+"""A WebDataset pipeline checkpointed mid-epoch resumes where it stood, with or without its
+read-ahead thread: the shards already read are not requested again from the (real, local) HTTP
+server (with read-ahead, at most the one its latest state lay in), and the remaining samples
+come exactly as an uninterrupted epoch's, with no warning."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def make_loader(server: ShardServer, num_workers: int, read_ahead: int = 0) -> p
                                generator=torch.Generator().manual_seed(7))
 
 
+@pytest.mark.parametrize("read_ahead", [0, 64], ids=["no read-ahead", "read-ahead"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_checkpointed_pipeline_resumes_without_reading_finished_shards_again(
-    server: ShardServer, num_workers: int
+    server: ShardServer, num_workers: int, read_ahead: int
 ) -> None:
-    expected = [key for batch in make_loader(server, num_workers) for key in batch]
-    loader = make_loader(server, num_workers)
+    expected = [key for batch in make_loader(server, num_workers, read_ahead) for key in batch]
+    loader = make_loader(server, num_workers, read_ahead)
     iterator = iter(loader)
     head = [key for _ in range(TAKEN) for key in next(iterator)]
     state = json.loads(json.dumps(loader.state_dict()))
@@ -63,27 +64,15 @@ def test_a_checkpointed_pipeline_resumes_without_reading_finished_shards_again(
             if {f"s{shard:02d}_{index:03d}" for index in range(SAMPLES)} <= set(head)}
     assert len(done) >= 4  # the checkpoint comes after several whole shards
     before = dict(server.requests)
-    resumed = make_loader(server, num_workers)
+    resumed = make_loader(server, num_workers, read_ahead)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # re-reading would say so
         resumed.load_state_dict(state)
         rest = [key for batch in resumed for key in batch]
     assert head + rest == expected
     again = {name: server.requests[name] - before.get(name, 0) for name in server.requests}
-    assert all(again.get(f"shard-{shard:04d}.tar", 0) == 0 for shard in done)
-
-
-def test_a_pipeline_that_cannot_say_where_it_stands_is_re_read_and_the_warning_names_the_stage(
-    server: ShardServer,
-) -> None:
-    loader = make_loader(server, 0, read_ahead=4)
-    iterator = iter(loader)
-    head = [key for _ in range(3) for key in next(iterator)]
-    state = loader.state_dict()
-    del iterator
-    resumed = make_loader(server, 0, read_ahead=4)
-    with pytest.warns(UserWarning, match="Prefetcher cannot say where it stands") as caught:
-        resumed.load_state_dict(state)
-    assert not any("Mapper" in str(w.message) or "Decoder" in str(w.message) for w in caught)
-    expected = [key for batch in make_loader(server, 0, read_ahead=4) for key in batch]
-    assert head + [key for batch in resumed for key in batch] == expected
+    read_again = [shard for shard in done if again.get(f"shard-{shard:04d}.tar", 0)]
+    # Without read-ahead the checkpoint is exact. A read-ahead thread's state crosses its queue
+    # with the samples, every one or two here (positions.py): the resume may read again the
+    # last state's shard (this server answers no Range: the whole of it), never one before.
+    assert len(read_again) <= (1 if read_ahead else 0), read_again

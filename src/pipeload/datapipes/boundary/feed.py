@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeload.datapipes.boundary.positions import Carrying, Resume, StateLog, StateTaker, UpstreamState, resumed
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
 from pipeload.datapipes.protocol import NotAvailable, WaitCancelled, as_nonblocking, wait_for_next
 
 
-def feed(pipe: Any, queue: DataLoaderQueue, where: str) -> None:
+def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = None,
+         states: StateLog | bool = False) -> None:
     """Put every item of ``pipe`` into ``queue``, then close it (with the error, on a failure).
 
     Returns early, quietly, when the consumer closes the queue (or dies): nobody wants the
@@ -30,17 +32,40 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str) -> None:
         queue: the producing end.
         where: where this runs, for the note added to an upstream error ("upstream of a thread
             queue boundary (pipeload-queueboundary-3)").
+        resume: where a resumed run starts (see ``positions.py``); None: at the start.
+        states: take the upstream's state after items (``positions.StateTaker``), for a queue
+            boundary's checkpoint: into this ``StateLog`` (a thread consumer reads it), or, when
+            True, into the queue after the item (a process consumer); False: none.
     """
     iterator = None
     stage = "iterating the upstream pipe"
     prepare = getattr(queue, "prepare_put", None)
+    # A thread consumer's log gets the state before the item is put (so it is there when the
+    # item is taken); a process consumer's state rides with its item.
+    carried: list[UpstreamState] = []
+    taker = None
+    if isinstance(states, StateLog):
+        taker = StateTaker(states.record, states.no_state)
+    elif states:
+        taker = StateTaker(lambda _count, state: carried.append(UpstreamState.of(state)),
+                           lambda why: carried.append(UpstreamState(unavailable=why)))
     try:
         iterator = as_nonblocking(pipe)
+        if resume is not None:
+            stage = "resuming the upstream pipe from its checkpoint"
+            resumed(iterator, resume, lambda: _next_unless_closed(iterator, queue))
         while True:
             if prepare is not None:
                 prepare()
             stage = "iterating the upstream pipe"
             item = _next_unless_closed(iterator, queue)
+            if taker is not None:
+                taker.left -= 1
+                if taker.left == 0:
+                    stage = "taking the upstream pipe's state"
+                    taker.take(iterator)
+                    if carried:
+                        item = Carrying(item, carried.pop())
             stage = "sending an item to the consumer"
             queue.put(item)
             del item

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.queue_interface import KIND_MODULES, DataLoaderQueue, Producer, QueueError
 from pipeload.datapipes.iter._columns import check_positive, length_of
-from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
-from pipeload.errors import WorkerDiedError
+from pipeload._state_fields import StateFields
+from pipeload.datapipes.boundary.positions import START, Carrying, Resume, StateLog, UpstreamState
+from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, StateLoad, as_nonblocking
+from pipeload.errors import WorkerDiedError, bad_state_field
 from pipeload.transport.slab_keeper import SlabKeeper
 
 T_co = TypeVar("T_co", covariant=True)
@@ -37,7 +39,13 @@ class QueueBoundary(IterDataPipe[T_co]):
     slabs the pipe keeps from one run to the next (a copy or a pickle of the pipe keeps none),
     freed with the pipe, after a run that fails, or by :meth:`release_shared_memory`; other
     items are pickled. The upstream process seeds its random generators from one number
-    drawn from torch's global generator when the run starts. A process boundary cannot start
+    drawn from torch's global generator when the run starts.
+
+    A run keeps a checkpoint (thread and process kinds): ``state_dict()`` of the downstream
+    iterator is the latest state of the upstream pipe that crossed the queue and the items handed
+    out since; loaded into a fresh iterator, the run starts its upstream there, makes again and
+    drops those items. An upstream without a state (a plain generator) makes ``state_dict()``
+    raise ``NotImplementedError``, as other pipes do (a loader then resumes by re-reading). A process boundary cannot start
     inside a DataLoader process worker (daemon processes may not have children): use threads
     there.
 
@@ -84,18 +92,39 @@ class QueueBoundary(IterDataPipe[T_co]):
         self.options = options
 
     def __iter__(self) -> Iterator[T_co]:
+        # The run starts at its first item (or wait), so that a checkpoint loaded into the
+        # fresh iterator first can start its upstream where the checkpoint says.
+        return _BoundaryIterator(self, f"the upstream {self.worker_type} of a queue boundary",
+                                 checkpoints=self.keeps_checkpoints)
+
+    def _start_run(self, resume: Resume | None) -> tuple[DataLoaderQueue, Producer, StateLog | None]:
+        """Start one run's queue and upstream, at ``resume`` (None: the start); the log of the
+        upstream's states a thread producer keeps for the consumer (None: other kinds)."""
         name = f"pipeload-{type(self).__name__.lower()}-{next(_names)}"
         kind = DataLoaderQueue.kind_class(self.worker_type)
         queue = kind(maxsize=self.buffer_size)
         options = {"multiprocessing_context": self.multiprocessing_context, **self.options}
         if self.worker_type == "process":
             options["slab_keeper"] = self._slab_keeper()
+        log = None
+        if self.worker_type == "thread":
+            # The consumer lags the producer by the queue's items and one in each thread's hands.
+            log = StateLog(lag=self.buffer_size + 2)
+            options.update(resume=resume, states=log)
+        elif self.keeps_checkpoints:
+            options.update(resume=resume, states=True)
         try:
             producer = kind.start_producer(self.datapipe, queue, name, options)
         except BaseException:
             queue.close()
             raise
-        return _BoundaryIterator(queue, producer, f"the upstream {self.worker_type} of a queue boundary")
+        return queue, producer, log
+
+    @property
+    def keeps_checkpoints(self) -> bool:
+        """Whether a run across this boundary keeps a checkpoint (thread and process kinds, when
+        the upstream pipe keeps a state; see ``positions.py``)."""
+        return self.worker_type in _KINDS_WITH_CHECKPOINTS
 
     def _slab_keeper(self) -> SlabKeeper:
         # The slabs belong to the pipe (a description), not to one run: each run finds them
@@ -144,38 +173,70 @@ class Prefetcher(QueueBoundary[T_co]):
         super().__init__(source_datapipe, "thread", buffer_size)
 
 
+# The kinds whose producers put the upstream's state into the queue now and then (feed's
+# ``states``): a run across them keeps a checkpoint (see positions.py).
+_KINDS_WITH_CHECKPOINTS = ("thread", "process")
+
+
 class _BoundaryIterator(PipeIterator[Any]):
     """The downstream end of one run: takes from the queue, never waits itself.
 
-    The end of the run (the upstream closed the queue) is StopIteration; an upstream failure is
-    raised as itself; a death is a WorkerDiedError. Any of them releases the upstream at once,
-    before the exception propagates (a traceback may keep this iterator alive for long).
+    The run (queue and upstream) starts at the first item asked for. The end of the run (the
+    upstream closed the queue) is StopIteration; an upstream failure is raised as itself; a
+    death is a WorkerDiedError. Any of them releases the upstream at once, before the exception
+    propagates (a traceback may keep this iterator alive for long).
+
+    Its checkpoint (``checkpoints``) is the latest upstream state the producer put into the
+    queue and the items handed downstream since (positions.py); loading one before the first
+    item starts the upstream there.
     """
 
-    def __init__(self, queue: DataLoaderQueue, producer: Producer, upstream: str) -> None:
+    def __init__(self, boundary: QueueBoundary[Any], upstream: str, checkpoints: bool) -> None:
         super().__init__()
-        self._queue = queue
-        self._producer = producer
+        self._boundary: QueueBoundary[Any] | None = boundary  # until the run starts
+        self._kind = boundary.worker_type
+        self._queue: DataLoaderQueue | None = None
+        self._producer: Producer | None = None
         self._upstream = upstream
+        self._checkpoints = checkpoints
+        self._resume: Resume | None = None
+        # Where the run stands: a process producer's latest state passed and how many items had
+        # been handed downstream then (``_taken`` less that: the items since); a thread
+        # producer's log, read at ``_taken``. One run per iterator: ``_taken`` counts its items.
+        self._position = START
+        self._position_at = 0
+        self._log: StateLog | None = None
         self._taken = 0
         self._over = False  # the end or an error has been raised: later calls are the end
+
+    def _started(self) -> DataLoaderQueue:
+        if self._queue is None:
+            self._queue, self._producer, self._log = self._boundary._start_run(self._resume)  # type: ignore[union-attr]
+            # A started run no longer needs its pipe: an upstream thread that outlives the
+            # consumer for a moment must not keep the pipe (and its kept slabs) alive with it.
+            self._boundary = None
+        return self._queue
 
     def nonblocking_next(self) -> Any:
         if self._over:
             raise StopIteration
+        queue = self._queue if self._queue is not None else self._started()
         try:
-            item = self._queue.get(blocking=False)
+            item = queue.get(blocking=False)
         except NotAvailable:
             raise
         except QueueError as ending:
             self._over = True
-            self._producer.close()
+            self._producer.close()  # type: ignore[union-attr]
             raise self._translated(ending) from None
         except BaseException:
             self._over = True
-            self._producer.close()
+            self._producer.close()  # type: ignore[union-attr]
             raise
         self._taken += 1
+        if type(item) is Carrying:  # a process producer's state after this very item
+            self._position, self._position_at = item.state, self._taken
+            return item.item
         return item
 
     def _translated(self, ending: QueueError) -> BaseException:
@@ -192,10 +253,69 @@ class _BoundaryIterator(PipeIterator[Any]):
         return ending
 
     def notifiers(self) -> list[Notifier]:
-        return self._queue.notifiers()
+        if self._over:
+            return []
+        return self._started().notifiers()
 
     def close(self) -> None:
-        self._producer.close()
+        self._over = self._over or self._queue is None  # never started: nothing to start later
+        if self._producer is not None:
+            self._producer.close()
+
+    # -- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("a run across a queue boundary cannot be checkpointed yet")
+        """The latest upstream state the producer sent and the items handed out since.
+
+        Raises:
+            NotImplementedError: this kind of boundary keeps no checkpoint, or the upstream pipe
+                keeps no state (a plain generator): the run can only be re-read from its start.
+        """
+        if not self._checkpoints:
+            raise NotImplementedError(f"a run across a {self._kind!r} queue boundary "
+                                      "keeps no checkpoint")
+        log = self._log
+        unavailable = log.unavailable if log is not None else self._position.unavailable
+        if unavailable is not None:
+            raise NotImplementedError(f"the pipe upstream of a queue boundary keeps no state: {unavailable}")
+        if log is None:
+            upstream, skip = self._position.state(), self._taken - self._position_at
+        else:
+            count, upstream = log.at(self._taken)
+            skip = self._taken - count
+            if upstream is None and self._resume is not None:  # the run's start was a resume
+                upstream, skip = self._resume.upstream_state, self._resume.skip + skip
+        return {"own": {"upstream": upstream, "skip": skip}, "upstream": []}
+
+    def check_state(self, state: Any, path: str, load: StateLoad) -> None:
+        fields = StateFields(state, path)
+        fields.sequence("upstream", "an empty list (the upstream runs beyond the boundary)", length=0)
+        own = fields.fields("own")
+        skip = own.integer("skip", 0)  # type: ignore[union-attr]
+        upstream_state = own.raw("upstream", "the upstream pipe's state, or None")  # type: ignore[union-attr]
+        own.finish()  # type: ignore[union-attr]
+        fields.finish()
+        if not self._checkpoints:
+            raise bad_state_field(path or "the state", state, "no state",
+                                  f"a {self._kind!r} queue boundary keeps no checkpoint")
+        if self._boundary is None:
+            raise RuntimeError("load_state_dict() comes before the first item of a run across a queue "
+                               "boundary: this run has started; load the state into a new iterator")
+        if upstream_state is not None:
+            self._check_upstream_state(upstream_state, own.name("upstream"))  # type: ignore[union-attr]
+
+        def apply() -> None:
+            self._resume = Resume(upstream_state, skip)
+            self._position, self._position_at = UpstreamState.of(upstream_state), -skip
+        load.then(apply)
+
+    def _check_upstream_state(self, upstream_state: Any, path: str) -> None:
+        """Check the upstream's part of a state on a fresh iterator of the upstream pipe, made
+        here only for that and never started (the run will make its own where it runs)."""
+        probe = as_nonblocking(self._boundary.datapipe)  # type: ignore[union-attr]
+        probing = StateLoad()
+        probing.made(probe)
+        try:
+            probe.check_state(upstream_state, path, probing)
+        finally:
+            probing.discard()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pipeload.datapipes.boundary.feed import feed
+from pipeload.datapipes.boundary.positions import Resume
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
@@ -49,7 +50,8 @@ class ProcessProducer:
     """
 
     def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str, context: Any,
-                 keeper: SlabKeeper | None = None) -> None:
+                 keeper: SlabKeeper | None = None, resume: Resume | None = None,
+                 states: bool = False) -> None:
         ctx = multiprocessing.get_context(context) if isinstance(context, str) or context is None else context
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
@@ -58,8 +60,8 @@ class ProcessProducer:
         try:
             # It leaves when its parent dies, so it may be started from a process worker too, a
             # daemon (replica.separate_processes places boundaries there).
-            self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue), name,
-                                          leaves_with_parent=True)
+            self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue, resume, states),
+                                          name, leaves_with_parent=True)
         except BaseException:
             if lent is not None:
                 lent[0].give_back(lent[1])
@@ -100,8 +102,9 @@ def _stop_process(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
             keeper.give_back(pool, release=failed or not stopped)
 
 
-def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue) -> None:
-    """Entry point of a boundary's upstream process."""
+def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue,
+                         resume: Resume | None = None, states: bool = False) -> None:
+    """Entry point of a boundary's upstream process (``resume``, ``states``: see ``feed``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     exit_when_parent_dies(os.getppid())
     schedule_as_batch_work()  # woken by the consumer, it must not preempt it
@@ -112,7 +115,7 @@ def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue) 
     if name_this_end is not None:
         name_this_end(where)
     try:
-        feed(upstream_pipe, queue, f"in {where}")
+        feed(upstream_pipe, queue, f"in {where}", resume, states)
     finally:
         queue.close()
     exit_now()

@@ -191,7 +191,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         from pipeload.datapipes.boundary.process import ProcessProducer
 
         return ProcessProducer(pipe, queue, name, options.get("multiprocessing_context"),
-                               options.get("slab_keeper"))
+                               options.get("slab_keeper"), options.get("resume"), bool(options.get("states")))
 
     # -- meeting the far end ------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import weakref
 from typing import Any
 
 from pipeload.datapipes.boundary.feed import feed
+from pipeload.datapipes.boundary.positions import Resume, StateLog
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
 from pipeload.engine.lifecycle import ThreadWorkerHandle, stop_workers
 
@@ -19,9 +20,13 @@ class ThreadProducer:
     stuck in user code is left behind, as a daemon.
     """
 
-    def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str) -> None:
+    def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str, resume: Resume | None = None,
+                 states: StateLog | None = None) -> None:
+        """``resume``: where the run starts (None: at the start); ``states``: put the upstream's
+        state after items, for the consumer (see ``positions.py``)."""
         thread = threading.Thread(
-            target=feed, args=(pipe, queue, f"upstream of a thread queue boundary ({name})"),
+            target=feed, args=(pipe, queue, f"upstream of a thread queue boundary ({name})", resume,
+                                       states if states is not None else False),
             name=name, daemon=True,
         )
         self._handle = ThreadWorkerHandle(thread, threading.Event())

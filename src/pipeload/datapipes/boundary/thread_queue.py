@@ -84,7 +84,7 @@ class ThreadQueue(InboxQueue, kind="thread"):
     def start_producer(cls, pipe: Any, queue: DataLoaderQueue, name: str, options: dict[str, Any]) -> Producer:
         from pipeload.datapipes.boundary.thread import ThreadProducer
 
-        return ThreadProducer(pipe, queue, name)
+        return ThreadProducer(pipe, queue, name, options.get("resume"), options.get("states"))
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -126,9 +126,9 @@ def webdataset_pipeline(
             ``pipeload.datapipes.sources.on_error``.
         retry: how transient remote failures are retried.
         read_ahead: samples read (not yet decoded) ahead by a background thread in each worker,
-            so waiting for the network overlaps decoding; 0 reads in the worker's own thread
-            (and lets a checkpoint record where each worker's reading stands: a read-ahead
-            thread's queue keeps no checkpoint yet, so resuming re-reads the epoch's start).
+            so waiting for the network overlaps decoding; 0 reads in the worker's own thread.
+            Either way a checkpoint records where each worker's reading stands (the read-ahead
+            thread sends its reader's state along with the samples now and then).
         hold_until_checked: compressed shards yield no sample before the decompressor has
             checked the whole stream's checksum (see ``load_from_tar``); costs holding one
             shard's samples in memory per worker.
