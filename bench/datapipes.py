@@ -4,6 +4,7 @@ under torch.utils.data, in one run.
     python -m bench.datapipes [--items 3000] [--num-workers 2] [--repeats 3] [--work-ms 1.0]
     python -m bench.datapipes --cpu-per-item [--repeats 5]
     python -m bench.datapipes --large-items [--megabytes 1 38] [--items 200] [--repeats 3]
+    python -m bench.datapipes --boundary-states [--repeats 9]
 
 pipeload: ``IterableWrapper(range(items)).sharding_filter().map(work).batch(64).collate()``
 through ``pipeload.DataLoader(pipe, batch_size=None, num_workers=k)``.
@@ -29,6 +30,12 @@ reaped at the run's end, its start included); minor page faults per item in the 
 the upstream process. Fewer items are sent of large sizes (``--items`` MiB in all, at least 20).
 Load-independent figures are the CPU and fault columns. Run it with two trees' ``PYTHONPATH`` to
 compare them.
+
+``--boundary-states`` measures what a thread boundary's checkpoints cost its pipe
+(``boundary/positions.py``): ``IterableWrapper(range(n)).shuffle(buffer_size=100).map(work)
+.prefetch(64)`` iterated directly, with work of ~0 and ~25 us an item, with the upstream's
+states taken as usual and with them taken once only (``COST_RATIO`` set to infinity), the two
+interleaved; median items/s of ``--repeats`` and the ratio.
 """
 
 from __future__ import annotations
@@ -181,8 +188,39 @@ def large_items(megabytes: Sequence[float], total_mb: int, repeats: int) -> None
                 release()
 
 
+def boundary_states(repeats: int) -> None:
+    """Items/s through a thread boundary with its upstream's states taken as usual, and once."""
+    import math
+
+    from pipeload.datapipes.boundary import positions
+
+    usual = positions.COST_RATIO
+    for label, work_s, items in (("~0 us", 0.0, 100_000), ("~25 us", 25e-6, 20_000)):
+        iterations = python_work_iterations(work_s) if work_s else 0
+        rates: dict[str, list[float]] = {"states as usual": [], "states once": []}
+        for repeat in range(repeats):
+            order = list(rates) if repeat % 2 == 0 else list(reversed(rates))
+            for name in order:
+                positions.COST_RATIO = usual if name == "states as usual" else math.inf
+                try:
+                    pipe = (IterableWrapper(range(items)).shuffle(buffer_size=100)
+                            .map(Work(iterations) if iterations else _increment).prefetch(64))
+                    started = time.perf_counter()
+                    count = sum(1 for _ in pipe)
+                    rates[name].append(count / (time.perf_counter() - started))
+                finally:
+                    positions.COST_RATIO = usual
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        print(f"{label} of work an item, {items} items, median of {repeats}: "
+              + ", ".join(f"{name} {rate:,.0f} items/s" for name, rate in medians.items())
+              + f"; ratio {medians['states as usual'] / medians['states once']:.2f}x")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.boundary_states:
+        boundary_states(args.repeats)
+        return 0
     if args.large_items:
         large_items(args.megabytes, 200 if args.items is None else args.items, args.repeats)
         return 0
@@ -229,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="CPU time per item of a cheap graph instead (less disturbed by load)")
     parser.add_argument("--large-items", action="store_true",
                         help="large tensors through a process queue boundary instead")
+    parser.add_argument("--boundary-states", action="store_true",
+                        help="what a thread boundary's checkpoints cost its pipe instead")
     parser.add_argument("--megabytes", type=float, nargs="+", default=[1.0, 38.0],
                         help="with --large-items: tensor sizes in MiB (default: 1 38)")
     return parser

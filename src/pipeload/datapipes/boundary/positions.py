@@ -14,12 +14,13 @@ buffer, as pipeload's pipes do); a process producer pickles it (timed with the s
 counts) and sends it with the item (:class:`Carrying`).
 
 How often (:class:`StateTaker`): once the time since the last state is ``COST_RATIO`` times
-what that state cost to take (and, for a process consumer, to pickle), so states cost about 2%
+what that state cost to take (and, for a process consumer, to pickle), so states take about 2%
 of the producer's time. A cheap state (a webdataset reader's: ~1 us beside ~40 us a raw sample)
 comes after every item or two, and a resume makes again, and drops, that many; a dear one (a
-shuffle buffer of 100 copied, ~10 us beside 1 us items) comes every few dozen. A pipe of 1 us
-items behind a thread boundary ran ~4% slower for it here (2 CPUs; the two threads share the
-GIL), one of ~25 us items no slower than the noise.
+shuffle buffer of 100 copied with its generator, ~10 us) comes every few dozen cheap items.
+Behind a thread boundary the two threads share the GIL, so a pipe of nearly free items read
+straight through runs up to ~7% slower for it, one of ~25 us items 2% to 6% (``python -m
+bench.datapipes --boundary-states``); a pipe that decodes images, none that a run can see.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 COST_RATIO = 50  # states cost at most ~2% of the producer's time
+_FAR = float(1 << 40)  # items "never" to wait, for a ratio made infinite (bench.datapipes)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class StateTaker:
         wanted = COST_RATIO * self._cost_s
         if elapsed < wanted:  # not yet: look again when the items' rate says it will be due
             per_item = elapsed / self._items_since
-            self._wait(math.ceil((wanted - elapsed) / per_item) if per_item > 0 else 1)
+            self._wait((wanted - elapsed) / per_item if per_item > 0 else 1)
             return
         try:
             state = iterator.state_dict()
@@ -154,10 +156,10 @@ class StateTaker:
         self._cost_s = min(self._costs)
         per_item = elapsed / self._items_since
         self._since, self._items_since = ended, 0
-        self._wait(math.ceil(COST_RATIO * self._cost_s / per_item) if per_item > 0 else 1)
+        self._wait(COST_RATIO * self._cost_s / per_item if per_item > 0 else 1)
 
-    def _wait(self, items: int) -> None:
-        self._asked = self.left = max(1, items)
+    def _wait(self, items: float) -> None:
+        self._asked = self.left = max(1, math.ceil(min(items, _FAR)))
 
 
 def resumed(iterator: Any, resume: Resume | None, take: Callable[[], Any]) -> None:
