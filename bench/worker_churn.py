@@ -1,6 +1,7 @@
 """What a new set of workers costs an epoch: where a loader without persistent workers loses time.
 
     PYTHONPATH=src:. python -m bench.worker_churn [--epochs 6] [--num-workers 2] [--step-ms 0]
+                                                  [--with-late-stop]
 
 First the floor no loader can go under: ``fork`` + ``_exit`` + ``waitpid`` of this very process
 (torch imported), best and median of 20. Then one pipeload loader with ``persistent_workers=False``
@@ -9,18 +10,28 @@ epoch by epoch and turn by turn (the order flips each epoch), the loop reading o
 batch, as a training step), each epoch split into: ``iter()`` (the forks), the first batch after
 it, the first and second halves of the batches, and the time from the last batch to
 ``StopIteration`` (waiting for the workers to exit). Epochs 2+ are what a training script sees.
+
+``--with-late-stop`` adds a third per-epoch loader whose workers are asked to stop only at
+``StopIteration``, as before workers with nothing left to do were let go at once
+(``PoolConfig.stop_when_done`` turned off for it alone): its "stop" column against the
+per-epoch loader's is what letting them go early saves (with ``--step-ms``, where the loop is
+the slower side; with the workers the slower side, nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pipeload
 from bench.epoch_costs import FloatItems
+from pipeload.loader import _engine_choice
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,21 @@ def busy_for(seconds: float) -> None:
         pass
 
 
+@contextlib.contextmanager
+def workers_stopped_late() -> Iterator[None]:
+    """Engines built meanwhile ask their workers to stop only when the epoch ends."""
+    usual = _engine_choice._pool_config
+
+    def late(*args: object, **kwargs: object) -> object:
+        return dataclasses.replace(usual(*args, **kwargs), stop_when_done=False)
+
+    _engine_choice._pool_config = late
+    try:
+        yield
+    finally:
+        _engine_choice._pool_config = usual
+
+
 def one_epoch(loader: pipeload.DataLoader, step_s: float) -> EpochSplit:
     started = time.perf_counter()
     iterator = iter(loader)
@@ -77,6 +103,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=0.0, help="busy work per batch")
+    parser.add_argument("--with-late-stop", action="store_true",
+                        help="add a per-epoch loader whose workers stop only at StopIteration")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the first epoch is not what later ones cost")
@@ -87,14 +115,16 @@ def main() -> None:
     dataset = FloatItems(4096, (3, 224, 224))
     print(f"{'loader':<15}{'epoch':>6}{'iter()':>9}{'first':>9}{'1st half':>10}{'2nd half':>10}"
           f"{'stop':>8}{'total':>9}  (ms)")
+    names = ("per-epoch", "persistent") + (("late-stop",) if args.with_late_stop else ())
     loaders = {name: pipeload.DataLoader(dataset, batch_size=64, num_workers=args.num_workers,
                                          persistent_workers=name == "persistent")
-               for name in ("per-epoch", "persistent")}
+               for name in names}
     splits: dict[str, list[EpochSplit]] = {name: [] for name in loaders}
     for number in range(1, args.epochs + 1):
         order = list(loaders) if number % 2 else list(reversed(loaders))  # turn by turn
         for name in order:
-            split = one_epoch(loaders[name], args.step_ms / 1e3)
+            with workers_stopped_late() if name == "late-stop" else contextlib.nullcontext():
+                split = one_epoch(loaders[name], args.step_ms / 1e3)
             splits[name].append(split)
             print(f"{name:<15}{number:>6}{split.iter_ms:>9.1f}{split.first_ms:>9.1f}"
                   f"{split.first_half_ms:>10.1f}{split.second_half_ms:>10.1f}{split.stop_ms:>8.1f}"
@@ -107,6 +137,10 @@ def main() -> None:
     print("epochs 2+, medians, per-epoch minus persistent: " + ", ".join(
         f"{field[:-3].replace('_', ' ')} {ours[field] - kept[field]:+.1f} ms" for field in ours))
     print(f"per-epoch / persistent samples/s: {kept['total_ms'] / ours['total_ms']:.2f}x")
+    if "late-stop" in medians:
+        late = medians["late-stop"]
+        print(f"last batch to StopIteration, epochs 2+, medians: workers let go when done "
+              f"{ours['stop_ms']:.1f} ms, asked only at the end {late['stop_ms']:.1f} ms")
 
 
 if __name__ == "__main__":
