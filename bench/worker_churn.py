@@ -1,11 +1,12 @@
 """What a new set of workers costs an epoch: where a loader without persistent workers loses time.
 
     PYTHONPATH=src:. python -m bench.worker_churn [--epochs 6] [--num-workers 2] [--step-ms 0]
-                                                  [--with-late-stop]
+                                                  [--items 4096] [--with-late-stop]
 
 First the floor no loader can go under: ``fork`` + ``_exit`` + ``waitpid`` of this very process
 (torch imported), best and median of 20. Then one pipeload loader with ``persistent_workers=False``
-and one with ``True`` (``bench.epoch_costs``'s float32 3x224x224 items, batch 64, 4096 an epoch),
+and one with ``True`` (``bench.epoch_costs``'s float32 3x224x224 items, batch 64, ``--items`` an
+epoch, 4096 by default),
 epoch by epoch and turn by turn (the order flips each epoch), the loop reading one value per 4 KiB page (plus ``--step-ms`` of busy work per
 batch, as a training step), each epoch split into: ``iter()`` (the forks), the first batch after
 it, the first and second halves of the batches, and the time from the last batch to
@@ -103,6 +104,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=0.0, help="busy work per batch")
+    parser.add_argument("--items", type=int, default=4096,
+                        help="items an epoch: a new set of workers costs the same whatever it is")
     parser.add_argument("--with-late-stop", action="store_true",
                         help="add a per-epoch loader whose workers stop only at StopIteration")
     args = parser.parse_args()
@@ -112,7 +115,9 @@ def main() -> None:
     print(f"fork + _exit + waitpid of this process: best {min(forks):.1f} ms, "
           f"median {statistics.median(forks):.1f} ms ({os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f})")
-    dataset = FloatItems(4096, (3, 224, 224))
+    if args.items < 64:
+        parser.error("--items must be at least one batch (64)")
+    dataset = FloatItems(args.items, (3, 224, 224))
     print(f"{'loader':<15}{'epoch':>6}{'iter()':>9}{'first':>9}{'1st half':>10}{'2nd half':>10}"
           f"{'stop':>8}{'total':>9}  (ms)")
     names = ("per-epoch", "persistent") + (("late-stop",) if args.with_late_stop else ())
