@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What a GPU host checks (issue 24), in one run that fits a short lease: the tests that need CUDA,
+# then the large-batch benchmarks, most wanted first. Each step has a time limit of its own, so
+# a lease that ends early still leaves the steps done so far.
+#
+#   bench/gpu_checks.sh [OUTDIR]        # default: $OUT, else bench/out/gpu
+#   PYTHON=.venv/bin/python bench/gpu_checks.sh
+#
+# Writes OUTDIR/<step>.txt (the whole output) and OUTDIR/summary.txt (each step's exit status,
+# time and last lines). Where CUDA is missing, the tests skip and the GPU benchmarks say so.
+set -u
+
+out=${1:-${OUT:-bench/out/gpu}}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
+summary="$out/summary.txt"
+: > "$summary"
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2 started rc
+    shift 2
+    echo "== $name (limit ${limit}s): $*" >> "$summary"
+    started=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.txt" 2>&1
+    rc=$?
+    echo "   exit $rc after $(( $(date +%s) - started )) s$([ "$rc" = 124 ] && echo ' (time limit)')" \
+        >> "$summary"
+    tail -n 6 "$out/$name.txt" | sed 's/^/   | /' >> "$summary"
+}
+
+{
+    date -u
+    nproc
+    "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -3
+} > "$out/host.txt" 2>&1
+
+# The GPU paths' tests: pinned slabs, CUDA's descriptors told apart by the leak guard.
+step tests 150 "$py" -m pytest tests -k "pin or cuda or slab" -q -p no:cacheprovider
+# Issue 24's 16-core targets: per-epoch workers pinned and copied to the GPU (>= 1.8x torch),
+# a new loader per epoch (>= 1.2x), gpu_copy with 4 workers (>= 1.8x).
+step epoch_costs_gpu_8 120 "$py" -m bench.epoch_costs --num-workers 8 --gpu-copy
+step gpu_copy_4 90 "$py" -m bench.run --workload gpu_copy --num-workers 4 --repeats 3
+step epoch_costs_8 90 "$py" -m bench.epoch_costs --num-workers 8
+step epoch_costs_gpu_4 60 "$py" -m bench.epoch_costs --num-workers 4 --gpu-copy \
+    --scenario per-epoch --scenario persistent
+# Where a new set of workers spends its time when eight are forked.
+step worker_churn_8 45 "$py" -m bench.worker_churn --num-workers 8 --epochs 6
+
+cat "$summary"
