@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 
 import torch.autograd.profiler as _torch_profiler
 
+from pipeload.collate import default_collate
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import StageClock, now, profiling, span
+from pipeload.transport.sample_rows import rows_for
 
 
 class DatasetExhausted(Exception):
@@ -56,12 +58,16 @@ class MapFetcher:
     """Indexes a map-style dataset; whole batches go to ``__getitems__`` when it is defined."""
 
     def __init__(self, spec: FetchSpec, clock: StageClock | None = None,
-                 seeding: BatchSeeding | None = None) -> None:
+                 seeding: BatchSeeding | None = None, place_rows: bool = False) -> None:
+        """``place_rows``: write each sample into its rows of the batch's slab as it is fetched,
+        when ``default_collate`` will stack them there (a classic process worker: see
+        transport/sample_rows.py)."""
         self._spec = spec
         self._clock = clock
         self._seeding = seeding
         getitems = getattr(spec.dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
+        self._places_rows = place_rows and spec.collate_fn is default_collate
         # A numbered clock (the inline engine, a process worker) is driven by the batch numbers;
         # chosen once here.
         numbered = clock is not None and clock.numbered
@@ -162,7 +168,15 @@ class MapFetcher:
         """The samples at ``indices``, uncollated (economic mode's item workers stop here)."""
         if self._getitems is not None:
             return self._getitems(indices)
-        return [self._spec.dataset[i] for i in indices]
+        dataset = self._spec.dataset
+        rows = rows_for(len(indices)) if self._places_rows else None
+        if rows is None:
+            return [dataset[i] for i in indices]
+        samples: list[Any] = []
+        for index in indices:
+            samples.append(dataset[index])
+            rows.place(samples)
+        return samples
 
     @property
     def has_getitems(self) -> bool:
@@ -173,11 +187,14 @@ class IterableFetcher:
     """Pulls from one replica of an iterable dataset; a task's index list only sets the batch size."""
 
     def __init__(self, spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
-                 worker_id: int = 0, resume_from: StreamPosition | None = None) -> None:
+                 worker_id: int = 0, resume_from: StreamPosition | None = None,
+                 place_rows: bool = False) -> None:
+        """``place_rows``: see MapFetcher."""
         self._spec = spec
         self._clock = clock
         self._seeding = seeding
         self._worker_id = worker_id
+        self._places_rows = place_rows and spec.collate_fn is default_collate
         self._made = 0
         self._to_drop = 0  # batches made before the checkpoint since the snapshot resumed from
         self._ended = False
@@ -270,13 +287,16 @@ class IterableFetcher:
         return DatasetExhausted()
 
     def _take(self, count: int) -> list[Any]:
-        samples = []
+        samples: list[Any] = []
+        rows = rows_for(count) if self._places_rows else None
         for _ in range(count):
             try:
                 samples.append(next(self._samples))
             except StopIteration:
                 self._ended = True
                 break
+            if rows is not None:
+                rows.place(samples)
         return samples
 
 
@@ -327,8 +347,10 @@ def resumed_iterator(dataset: Any, state: Any) -> Any:
 
 
 def make_fetcher(spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
-                 worker_id: int = 0, resume_from: StreamPosition | None = None) -> MapFetcher | IterableFetcher:
-    """Build the fetcher for ``spec``; for iterable datasets this calls ``iter(dataset)``."""
+                 worker_id: int = 0, resume_from: StreamPosition | None = None,
+                 place_rows: bool = False) -> MapFetcher | IterableFetcher:
+    """Build the fetcher for ``spec``; for iterable datasets this calls ``iter(dataset)``.
+    ``place_rows``: see MapFetcher."""
     if spec.kind is DatasetKind.ITERABLE:
-        return IterableFetcher(spec, clock, seeding, worker_id, resume_from)
-    return MapFetcher(spec, clock, seeding)
+        return IterableFetcher(spec, clock, seeding, worker_id, resume_from, place_rows)
+    return MapFetcher(spec, clock, seeding, place_rows)

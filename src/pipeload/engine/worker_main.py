@@ -180,7 +180,9 @@ class WorkerLoop:
             replica.reseed(fetch.dataset, shared_seed)
             # Before the iterator is made: a read-ahead thread it starts counts from the first.
             skips.bind(fetch.dataset, fetch.failures, skips.worker_row(self._id))
-            self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id, resume_from)
+            # A classic worker writes each sample into its rows of the batch's slab as it comes.
+            self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id,
+                                         resume_from, place_rows=self.kind == "")
             if self._clock is not None and self._clock.count_ray_stage is None:
                 self._clock.count_ray_stage = ray_stage_counter(fetch.dataset, self._clock.ray_stage)
         except Exception:

@@ -33,6 +33,11 @@ def set_writer(writer: SlabWriter | None) -> None:
     _current.writer = writer
 
 
+def current_writer() -> SlabWriter | None:
+    """The writer of the message this thread is building (None: not in a process worker)."""
+    return _current.writer
+
+
 def copied_into_message() -> bool:
     """Whether what this thread collates now is copied into a message (a process worker's batch)
     rather than handed to the caller as it is: then any memory will do, even memory that torch

@@ -117,6 +117,8 @@ class SlabWriter:
         # place, whatever its size (see place_items).
         self.carries_items = False
         self._claimed: set[int] = set()
+        # A classic worker's samples, written into their rows as they were fetched (take_rows).
+        self._rows: ItemPlacement | None = None
         # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown),
         # worked out on first use (see occupied_from).
         self._occupied: list[tuple[int, int]] | None = None
@@ -156,6 +158,7 @@ class SlabWriter:
         self.used_bytes = 0 if grant is None or grant.items is None else grant.items.area_bytes
         self.one_shot_bytes = 0
         self._placing = None
+        self._rows = None
         self.carries_items = False
         if self._claimed:  # left as they are when empty: no allocation per tiny message
             self._claimed = set()
@@ -248,8 +251,59 @@ class SlabWriter:
 
     @property
     def expects_items(self) -> bool:
-        """Whether item workers may have placed this message's items in its slab."""
-        return self._slab is not None and self._grant is not None and self._grant.items is not None
+        """Whether item workers (or this worker, see ``take_rows``) may have placed this
+        message's items in its slab."""
+        return self._slab is not None and self._item_area() is not None
+
+    def _item_area(self) -> ItemPlacement | None:
+        grant = self._grant
+        if grant is None:
+            return None
+        return grant.items if grant.items is not None else self._rows
+
+    @property
+    def may_place_rows(self) -> bool:
+        """Whether this message may take rows (``rows_area``, ``take_rows``): a slab is granted,
+        with no economic item area, and nothing has been put in it yet."""
+        grant = self._grant
+        return (self._slab is not None and grant is not None and grant.items is None
+                and self._rows is None and self._placing is None and not self.used_bytes)
+
+    def rows_area(self, leaf_bytes: tuple[int, ...], count: int) -> ItemPlacement | None:
+        """An item area for ``count`` samples whose large tensors take ``leaf_bytes`` each, at
+        the start of the granted slab, for a classic worker that writes each sample into its
+        rows as it fetches it (transport/sample_rows.py); None when there is none to lay out:
+        no grant, an economic one, something already in the slab, an area too large for it.
+        Nothing may be written there before ``take_rows(area)`` says so."""
+        slab = self._slab
+        if slab is None or not self.may_place_rows:
+            return None
+        offsets, end = [], 0
+        for nbytes in leaf_bytes:
+            start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+            offsets.append(start)
+            end = start + count * nbytes
+        return ItemPlacement(tuple(offsets), tuple(leaf_bytes), end) if end <= slab.size else None
+
+    def take_rows(self, area: ItemPlacement) -> bool:
+        """Whether ``area`` (from ``rows_area``) may be written now: the slab has been released
+        by every batch that viewed it. Not waited for: the caller asks again with its next
+        sample, and the stack at the end waits as usual. Once it says yes, the batch's other
+        outputs go after the area."""
+        slab = self._slab
+        if slab is None or not self.may_place_rows or not self._released_now(slab):
+            return False
+        self._checked = True
+        self._rows = area
+        self.used_bytes = area.area_bytes
+        return True
+
+    def _released_now(self, slab: _MappedSlab) -> bool:
+        """``_may_write``'s checks, without waiting and without recording an outcome."""
+        board, grant = self._board, self._grant
+        return (board is not None and grant is not None
+                and _uses(slab.storage) == slab.baseline_uses
+                and int(board[slab.slab_id]) >= grant.releases)
 
     def claim_items(self, parts: list[torch.Tensor]) -> int | None:
         """The byte offset of the leaf run in the item area where ``parts`` (one tensor per item
@@ -257,10 +311,9 @@ class SlabWriter:
         part that is elsewhere could not be copied into its place without writing over bytes
         that some item still views (``occupied``). A run is claimed once per message: its
         stacked view is then the batch's tensor."""
-        slab, grant = self._slab, self._grant
-        if slab is None or grant is None or grant.items is None or not parts:
+        slab, items = self._slab, self._item_area()
+        if slab is None or items is None or not parts:
             return None
-        items = grant.items
         nbytes = parts[0].numel() * parts[0].element_size()
         base = slab.storage.data_ptr()
         for leaf, (start, size) in enumerate(zip(items.leaf_offsets, items.leaf_bytes)):
