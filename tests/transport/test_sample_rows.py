@@ -196,3 +196,34 @@ def test_a_sample_of_another_dtype_is_stacked_as_the_main_process_would():
         assert len(ours) == len(theirs)
         for mine, other in zip(ours, theirs):
             assert mine.dtype == other.dtype and torch.equal(mine, other)
+
+
+class NestedFrom(torch.utils.data.Dataset):
+    """Plain samples, then large nested tensors (a strided layout, but no one shape) from the
+    third batch on, once slabs are granted."""
+
+    def __len__(self) -> int:
+        return BATCH * 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < BATCH * 2:
+            return torch.full((BIG,), float(index))
+        return torch.nested.nested_tensor([torch.full((BIG // 2,), float(index)),
+                                           torch.full((BIG // 2 + 1,), -float(index))])
+
+
+def _last_lines_of_errors(num_workers: int) -> list[str]:
+    iterator = iter(DataLoader(NestedFrom(), batch_size=BATCH, num_workers=num_workers))
+    lines = []
+    for _ in range(4):
+        try:
+            next(iterator)
+            lines.append("a batch")
+        except RuntimeError as error:
+            lines.append(str(error).strip().splitlines()[-1].removeprefix("RuntimeError: "))
+    return lines
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_fail_in_default_collate_with_torchs_words():
+    assert _last_lines_of_errors(2) == _last_lines_of_errors(0)

@@ -132,9 +132,10 @@ class SampleRows:
 
 
 def _placeable(value: Any, count: int) -> bool:
+    # A nested tensor is a plain Tensor with a strided layout too, but has no one shape.
     return (type(value) is torch.Tensor and value.layout is torch.strided
-            and value.device.type == "cpu" and not value.requires_grad and not value.is_conj()
-            and not value.is_neg() and not value.is_quantized
+            and not value.is_nested and value.device.type == "cpu" and not value.requires_grad
+            and not value.is_conj() and not value.is_neg() and not value.is_quantized
             and value.nbytes * count > INLINE_MAX_BYTES)
 
 
