@@ -281,16 +281,20 @@ _SMALL_SHM_SCRIPT = textwrap.dedent(
         def __len__(self): return 8
         def __getitem__(self, index): return torch.full((self.floats,), float(index))
 
-    floats, batch_size = int(sys.argv[2]), sys.argv[3]
-    batch_size = None if batch_size == "none" else int(batch_size)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        loader = DataLoader(Big(floats), batch_size=batch_size, num_workers=2,
-                            multiprocessing_context=sys.argv[1])
-        firsts = [float(b.reshape(-1, floats)[:, 0].sum()) for b in loader]
-        del loader
-    print(json.dumps({"firsts": firsts, "warnings": [str(w.message) for w in caught],
-                      "left_in_shm": sorted(os.listdir("/dev/shm"))}))
+    def main():
+        floats, batch_size = int(sys.argv[2]), sys.argv[3]
+        batch_size = None if batch_size == "none" else int(batch_size)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            loader = DataLoader(Big(floats), batch_size=batch_size, num_workers=2,
+                                multiprocessing_context=sys.argv[1])
+            firsts = [float(b.reshape(-1, floats)[:, 0].sum()) for b in loader]
+            del loader
+        print(json.dumps({"firsts": firsts, "warnings": [str(w.message) for w in caught],
+                          "left_in_shm": sorted(os.listdir("/dev/shm"))}))
+
+    if __name__ == "__main__":  # spawn's workers import this script again
+        main()
     """
 )
 

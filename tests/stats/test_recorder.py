@@ -114,3 +114,24 @@ def test_economic_workers_of_either_kind_are_counted_apart_under_the_same_id() -
             count_by_worker(session.lag, map(session.count_key, burst))
     workers = {(w.kind, w.worker_id): (w.tasks, w.samples) for w in recorder.snapshot().workers}
     assert workers == {("item", 0): (5, 20), ("batch", 0): (4, 21)}  # 3 + 1 since, scaled
+
+
+def test_a_closed_sessions_workers_are_folded_into_one_line_each() -> None:
+    """A loader that makes a new pool every epoch keeps one line per worker, not one per worker
+    and epoch (thread workers lend live clocks: kept, they grew the loader without bound)."""
+    import torch
+
+    from pipeload import DataLoader
+
+    data = torch.arange(40.0).reshape(20, 2)
+    for mode in ("classic", "economic"):
+        loader = DataLoader(data, batch_size=4, num_workers=2, worker_type="thread", mode=mode)
+        for _ in range(12):
+            assert torch.equal(torch.cat(list(loader)), data)
+        stats = loader.stats()
+        recorder = loader._stats
+        assert recorder._seen == {} and recorder._lags == {}  # every session closed and folded
+        kinds = {(line.kind, line.worker_id) for line in stats.workers}
+        assert len(kinds) == len(stats.workers)
+        fetching = [line for line in stats.workers if line.kind in ("", "item")]
+        assert sum(line.samples for line in fetching) == 12 * 20

@@ -265,6 +265,8 @@ class EconomicEngine:
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
+        if self._stats is not None:
+            self._stats.close()
 
     def _reset_epoch_state(self, supply: TaskSupply, start: EpochStart = EpochStart()) -> None:
         self._supply = supply

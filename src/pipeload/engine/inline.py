@@ -34,7 +34,8 @@ class InlineEngine:
         self._epoch = epoch  # seeds per batch name it: a resumed session's epoch, else 1
         self._batch_sizes = batch_sizes
         # With stats on (the loader's StatsRecorder), the fetching here is timed as a worker's.
-        self._clock = stats.new_session(1).local_clock() if stats is not None else None
+        self._session = stats.new_session(1) if stats is not None else None
+        self._clock = self._session.local_clock() if self._session is not None else None
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._tasks: Iterator[Any] = iter(())
         self._next_number = 0
@@ -102,3 +103,5 @@ class InlineEngine:
         self._closed = True
         if self._clock is not None:
             self._clock.stop_counting_ray_stage()
+        if self._session is not None:
+            self._session.close()

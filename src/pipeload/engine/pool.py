@@ -286,6 +286,8 @@ class PoolEngine:
         self._count_answers()
         self._supply = TaskSupply()
         self._unsent = None
+        if self._stats is not None:
+            self._stats.close()  # after the ledger's last count: its workers' lines are final
 
     def _count_answers(self) -> None:
         """A new ledger: the stats count the workers' tasks from its answers (SessionStats)."""

@@ -228,6 +228,7 @@ class SessionStats:
         self._gaps = gaps(LOOK_EVERY)
         self._consumer = recorder._consumer  # its stretch spaces the queue looks too
         self._retired = -1_000_000 * session  # see retire()
+        self._recorder = recorder
 
     def local_clock(self) -> StageClock:
         """A clock for fetching in the main process (no workers); read at every snapshot."""
@@ -311,6 +312,11 @@ class SessionStats:
             self._seen[(self._session, kind, worker_id)] = (clock, None)
 
         return lend
+
+    def close(self) -> None:
+        """The session's engine has closed and its workers are gone: what they did is folded
+        into the loader's totals (``StatsRecorder.session_ended``)."""
+        self._recorder.session_ended(self._session)
 
     def resized(self, capacity: int) -> None:
         """The pool was resized in place and now holds up to ``capacity`` batches in flight."""
@@ -417,6 +423,11 @@ class StatsRecorder:
         # The loader's failure board (stats/skips.py), where its on_error pipes count: read live.
         self.failures: Any = None
         self._decisions: list[TuningDecision] = []
+        # Closed sessions' workers, one line per (kind, worker id), and what their Ray stages
+        # measured: a loader that makes a new pool every epoch keeps one line per worker, not
+        # one per worker and epoch (each a lent clock for thread workers).
+        self._ended: dict[tuple[str, int], WorkerStats] = {}
+        self._ended_ray: RayStageStats | None = None
         self._lock = threading.Lock()  # only for the rare writers from several threads
 
     # -- hooks -------------------------------------------------------------------------------
@@ -461,6 +472,26 @@ class StatsRecorder:
         with self._lock:
             self._decisions.append(decision)
 
+    def session_ended(self, session: int) -> None:
+        """Fold the closed ``session``'s workers into ``_ended`` and forget the session."""
+        with self._lock:
+            lags = self._lags_by_kind()
+            at = now()
+            for key in [key for key in self._seen if key[0] == session]:
+                raw, arrived = self._seen[key]
+                _, kind, worker_id = key
+                totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
+                one = _stats_of(kind, worker_id, _extrapolated(totals, lag), arrived, at)
+                previous = self._ended.get((kind, worker_id))
+                self._ended[(kind, worker_id)] = one if previous is None else previous.plus(one)
+                if totals.ray_stage:
+                    ray = RayStageStats.from_tuple(totals.ray_stage)
+                    self._ended_ray = ray if self._ended_ray is None else self._ended_ray.plus(ray)
+                del self._seen[key]
+            self._lags.pop(session, None)
+            self._lag_kinds.pop(session, None)
+            self._answering.pop(session, None)
+
     # -- reading -----------------------------------------------------------------------------
 
     def _lags_by_kind(self) -> dict[tuple[int, str], dict[int, int]]:
@@ -482,7 +513,10 @@ class StatsRecorder:
     def snapshot(self) -> LoaderStats:
         """Everything so far, as a frozen :class:`LoaderStats`."""
         consumer, queue = self._consumer, self._queue
-        workers = _per_worker(self._seen.copy(), now(), self._lags_by_kind())
+        with self._lock:  # not halfway through folding a session into _ended
+            seen, ended, ended_ray = self._seen.copy(), dict(self._ended), self._ended_ray
+            lags = self._lags_by_kind()
+        workers = _per_worker(seen, now(), lags, ended)
         samples = queue.samples or 1
         failures = self.failures.totals() if self.failures is not None else Counts()
         return LoaderStats(
@@ -502,7 +536,7 @@ class StatsRecorder:
             skipped_samples=self._skipped_samples + failures.samples,
             skipped_files=failures.files,
             decisions=tuple(self._decisions),
-            ray=_ray_stage_of_workers(self._seen.copy()),
+            ray=_ray_stage_of_workers(seen, ended_ray),
             separate_processes=self._separate_processes,
         )
 
@@ -512,14 +546,15 @@ class StatsRecorder:
 
 
 def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,
-                lags: dict[tuple[int, str], dict[int, int]]) -> tuple[WorkerStats, ...]:
+                lags: dict[tuple[int, str], dict[int, int]],
+                ended: dict[tuple[str, int], WorkerStats]) -> tuple[WorkerStats, ...]:
     """Sum each worker's totals over the sessions it lived in (a new pool per epoch restarts
-    every worker's totals), each brought up to the tasks it reported since its latest totals."""
-    merged: dict[tuple[str, int], WorkerStats] = {}
+    every worker's totals), each brought up to the tasks it reported since its latest totals;
+    ``ended``: the closed sessions', already summed."""
+    merged = dict(ended)
     for (session, kind, worker_id), (raw, arrived) in seen.items():
         totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
-        alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
-        one = _worker_stats(kind, worker_id, _extrapolated(totals, lag), alive_s)
+        one = _stats_of(kind, worker_id, _extrapolated(totals, lag), arrived, at)
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
@@ -535,12 +570,15 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
                            send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
 
 
-def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]]) -> RayStageStats | None:
-    """What the workers' (and the main process's) Ray boundaries measured; None without any."""
-    measured = [_read(raw, 0)[0].ray_stage for raw, _ in seen.values()]
-    if not any(measured):
+def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]],
+                          ended: RayStageStats | None = None) -> RayStageStats | None:
+    """What the workers' (and the main process's) Ray boundaries measured, ``ended`` (the
+    closed sessions') included; None without any."""
+    measured = [values for values in (_read(raw, 0)[0].ray_stage for raw, _ in seen.values())
+                if values]
+    if not measured and ended is None:
         return None
-    total = RayStageStats()
+    total = ended if ended is not None else RayStageStats()
     for values in measured:
         total = total.plus(RayStageStats.from_tuple(values))
     return total
@@ -558,6 +596,14 @@ def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     if len(sums) == SUMS_LENGTH:
         return WorkerTotals._make(complete_totals(sums, lag)), 0
     return WorkerTotals._make(sums), 0
+
+
+def _stats_of(kind: str, worker_id: int, totals: WorkerTotals, arrived: float | None,
+              at: float) -> WorkerStats:
+    """One session's line for a worker whose latest totals arrived at ``arrived`` (None: a
+    live clock, read ``at``)."""
+    alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
+    return _worker_stats(kind, worker_id, totals, alive_s)
 
 
 def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:
