@@ -443,7 +443,7 @@ def run_item_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: A
     seed = enter_worker_process(common.base_seed, worker_id)
     info = WorkerInfo(worker_id, common.num_workers, seed, common.fetch.dataset, kind=ITEM)
     loop = ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, lambda: False, None)
-    serve_in_process(info, loop, (outbox, inbox, deliveries))
+    serve_in_process(info, loop)
 
 
 def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any,
@@ -457,7 +457,7 @@ def run_batch_process(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: 
     seed = enter_worker_process(common.base_seed, common.num_workers + worker_id)
     info = WorkerInfo(worker_id, setup.num_batch_workers, seed, common.fetch.dataset, kind=BATCH)
     loop = BatchWorkerLoop(common, worker_id, inbox, outbox, lambda: False, None)
-    serve_in_process(info, loop, (outbox, inbox))
+    serve_in_process(info, loop)
 
 
 def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,
