@@ -48,5 +48,7 @@ step epoch_costs_gpu_4 60 "$py" -m bench.epoch_costs --num-workers 4 --gpu-copy 
     --scenario per-epoch --scenario persistent
 # Where a new set of workers spends its time when eight are forked.
 step worker_churn_8 45 "$py" -m bench.worker_churn --num-workers 8 --epochs 6
+# What writing samples into their rows as they are fetched is worth with eight workers.
+step sample_rows_8 60 "$py" -m bench.sample_rows --num-workers 8 --sizes-kib 64,600 --items 4096
 
 cat "$summary"
