@@ -227,7 +227,6 @@ class SessionStats:
         self._answering = recorder._answering
         self._gaps = gaps(LOOK_EVERY)
         self._consumer = recorder._consumer  # its stretch spaces the queue looks too
-        self._retired = -1_000_000 * session  # see retire()
         self._recorder = recorder
 
     def local_clock(self) -> StageClock:
@@ -324,21 +323,12 @@ class SessionStats:
 
     def retire(self, worker_id: int) -> None:
         """Classic worker ``worker_id`` has stopped (a pool shrinking in place). Its totals,
-        brought up to the tasks it reported since, are kept apart, so that a worker started
-        later under the same id adds to them rather than replacing them."""
-        entry = self._seen.pop((self._session, "", worker_id), None)
+        brought up to the tasks it reported since, join its line among the finished workers'
+        (``StatsRecorder._ended``), so that a worker started later under the same id adds to
+        them rather than replacing them."""
         lag = self._unreported(worker_id)
         self._settle(worker_id)
-        if entry is None:
-            return
-        raw, arrived = entry
-        if isinstance(raw, StageClock):  # a lent clock: its final totals
-            arrived = now()
-        totals, lag = _read(raw, lag)
-        # Keyed under a session number of its own (negative: no engine session has it), which
-        # _per_worker sums into the worker's line with every other session's totals.
-        self._retired -= 1
-        self._seen[(self._retired, "", worker_id)] = (tuple(_extrapolated(totals, lag)), arrived)
+        self._recorder.finish((self._session, "", worker_id), lag)
 
     def handing_out(self, ready: int, in_flight: int, number: int = 0) -> int:
         """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
@@ -404,7 +394,9 @@ class StatsRecorder:
 
     Invariants: ``_seen`` maps (session, kind, worker id) to the latest totals of that worker
     and when they arrived (a main-process clock is kept live, with no arrival time); totals
-    only grow, so keeping the latest is keeping everything.
+    only grow, so keeping the latest is keeping everything. ``_seen`` holds only live workers:
+    a finished one (its session closed, or retired from a shrinking pool) has moved, under the
+    lock, into its line in ``_ended``, one per (kind, worker id) however many pools it lived in.
     """
 
     def __init__(self, setup: LoaderSetup, time_every_batch: bool = False) -> None:
@@ -474,23 +466,32 @@ class StatsRecorder:
 
     def session_ended(self, session: int) -> None:
         """Fold the closed ``session``'s workers into ``_ended`` and forget the session."""
+        lags = self._lags_by_kind()
+        for key in [key for key in list(self._seen) if key[0] == session]:
+            _, kind, worker_id = key
+            self.finish(key, lags.get((session, kind), {}).get(worker_id, 0))
         with self._lock:
-            lags = self._lags_by_kind()
-            at = now()
-            for key in [key for key in self._seen if key[0] == session]:
-                raw, arrived = self._seen[key]
-                _, kind, worker_id = key
-                totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
-                one = _stats_of(kind, worker_id, _extrapolated(totals, lag), arrived, at)
-                previous = self._ended.get((kind, worker_id))
-                self._ended[(kind, worker_id)] = one if previous is None else previous.plus(one)
-                if totals.ray_stage:
-                    ray = RayStageStats.from_tuple(totals.ray_stage)
-                    self._ended_ray = ray if self._ended_ray is None else self._ended_ray.plus(ray)
-                del self._seen[key]
             self._lags.pop(session, None)
             self._lag_kinds.pop(session, None)
             self._answering.pop(session, None)
+
+    def finish(self, key: tuple[int, str, int], lag: int) -> None:
+        """Move worker ``key``'s latest totals, brought up to the ``lag`` tasks it reported
+        since, from the live ones to its line in ``_ended`` (a lent clock is read now)."""
+        with self._lock:  # a snapshot sees them in one place or the other, never both or none
+            entry = self._seen.pop(key, None)
+            if entry is None:
+                return
+            raw, arrived = entry
+            totals, lag = _read(raw, lag)
+            totals = _extrapolated(totals, lag)
+            _, kind, worker_id = key
+            one = _stats_of(kind, worker_id, totals, arrived, now())
+            previous = self._ended.get((kind, worker_id))
+            self._ended[(kind, worker_id)] = one if previous is None else previous.plus(one)
+            if totals.ray_stage:
+                ray = RayStageStats.from_tuple(totals.ray_stage)
+                self._ended_ray = ray if self._ended_ray is None else self._ended_ray.plus(ray)
 
     # -- reading -----------------------------------------------------------------------------
 
