@@ -1,7 +1,7 @@
 """A WebDataset pipeline checkpointed mid-epoch resumes where it stood, with or without its
 read-ahead thread: the shards already read are not requested again from the (real, local) HTTP
-server (with read-ahead, at most the one each reader's latest state lay in), and the remaining samples
-come exactly as an uninterrupted epoch's, with no warning."""
+server (with read-ahead, only those since each reader's latest state), and the remaining
+samples come exactly as an uninterrupted epoch's, with no warning."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pipeload.datapipes import webdataset_pipeline
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(120)]
 
-SHARDS, SAMPLES, BATCH = 10, 5, 2
-TAKEN = 16  # batches before the checkpoint: where every replica's latest snapshot was taken
+SHARDS, SAMPLES, BATCH = 12, 10, 2
+TAKEN = 32  # batches before the checkpoint: where every replica's latest snapshot was taken
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +73,12 @@ def test_a_checkpointed_pipeline_resumes_without_reading_finished_shards_again(
     again = {name: server.requests[name] - before.get(name, 0) for name in server.requests}
     read_again = [shard for shard in done if again.get(f"shard-{shard:04d}.tar", 0)]
     # Without read-ahead the checkpoint is exact. A read-ahead thread's state crosses its queue
-    # with the samples, every one or two here (positions.py): each replica's resume may read
-    # again the shard its latest state lay in (this server answers no Range: the whole of it),
-    # never one before that.
-    assert len(read_again) <= (max(1, num_workers) if read_ahead else 0), read_again
+    # with the samples now and then (positions.py: taken once the time since the last one is 50
+    # times what it cost), so each replica's resume may read again the shards since its latest
+    # state (this server answers no Range: the whole of each): none here, as a rule, but a
+    # state that came late (a busy machine, a fast run of samples) has meant 3 of the 6 done.
+    # Before queue boundaries kept checkpoints, every one was read again.
+    if read_ahead:
+        assert len(read_again) < len(done), (read_again, done)
+    else:
+        assert read_again == [], read_again
