@@ -142,6 +142,13 @@ class ProcessLink:
         """Whether the reader thread still reads (it stops at the far end's close or death)."""
         return self._reader.is_alive()
 
+    def read_to_the_end(self, timeout_s: float = READER_JOIN_S) -> None:
+        """Wait until the reader thread has read all the far end sent (at most ``timeout_s``):
+        a send refused by a closed socket does not say whether the far end closed the queue
+        or died; its last message, if it sent one, is still to be read."""
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout_s)
+
     def introduce(self, token: str) -> None:
         """The joining end's first message: who it is, and the queue's secret."""
         with self._send_lock:

@@ -41,6 +41,9 @@ from pipeload.errors import describe_exit
 from pipeload.transport.slab_pool import SlabCounts, SlabPool
 
 REAP_S = 0.5  # how long a dead far end's exit status is waited for, to say how it ended
+# How long a put refused by a closed socket waits for the reader to read a close message the far
+# end may have sent just before (it is in our socket already: microseconds, unless preempted).
+CLOSE_NOTICE_S = 0.05
 
 
 class ProcessQueue(InboxQueue, kind="process"):
@@ -97,6 +100,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         try:
             link.send_item(data)
         except (BrokenPipeError, ConnectionResetError):
+            link.read_to_the_end(CLOSE_NOTICE_S)  # a close message may be on its way: CLOSED, not DIED
             self._raise_if_over(None)
             raise QueueError(f"DataLoaderQueue: the far end ({link.far_end}) died", far_end=link.far_end,
                              reason=QueueError.DIED) from None
