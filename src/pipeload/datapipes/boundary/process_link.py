@@ -142,7 +142,7 @@ class ProcessLink:
         """Whether the reader thread still reads (it stops at the far end's close or death)."""
         return self._reader.is_alive()
 
-    def read_to_the_end(self, timeout_s: float = READER_JOIN_S) -> None:
+    def read_to_the_end(self, timeout_s: float) -> None:
         """Wait until the reader thread has read all the far end sent (at most ``timeout_s``):
         a send refused by a closed socket does not say whether the far end closed the queue
         or died; its last message, if it sent one, is still to be read."""
