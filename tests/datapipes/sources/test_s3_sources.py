@@ -174,3 +174,29 @@ def test_a_reopened_read_of_an_overwritten_key_is_refused(fresh_s3_clients: str)
     _overwrite(key, tar_bytes(members[1:] + members[:1]))  # the same length, other bytes
     with pytest.raises(SourceChangedError, match="ETag"):
         _storage.open_remote(url, SMALL_BLOCKS, 4096, first)
+
+
+def test_a_key_overwritten_between_a_checkpoint_and_its_resume_is_refused(fresh_s3_clients: str) -> None:
+    # The resume opens the key afresh and seeks to the byte the checkpoint recorded: without
+    # the version in the checkpoint, a same-length rewrite was read on from there, spliced.
+    members = [(f"k{index:03d}.bin", bytes([index]) * 3000) for index in range(6)]
+    key = "changing/checkpointed.tar"
+    _overwrite(key, tar_bytes(members))
+    url = f"s3://{BUCKET}/{key}"
+    def make() -> Iterator:
+        return iter(IterableWrapper([url]).open_files(mode="b").load_from_tar())
+
+    iterator = make()
+    [next(iterator) for _ in range(3)]
+    state = iterator.state_dict()
+    iterator.close()
+    unchanged = make()
+    unchanged.load_state_dict(state)
+    assert [(m.name, m[1]) for m in unchanged] == members[3:]
+    _overwrite(key, tar_bytes([(name, bytes(len(data))) for name, data in members]))
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.raises(SourceChangedError, match=rf"{re.escape(repr(url))} changed since the checkpoint "
+                                                 r"was taken \(its ETag was"):
+        next(resumed)
+    resumed.close()

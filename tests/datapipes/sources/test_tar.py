@@ -5,6 +5,8 @@ archive and member, raised or skipped by the on_error policy."""
 from __future__ import annotations
 
 import gzip
+import os
+import re
 import sys
 import tarfile
 import warnings
@@ -21,6 +23,7 @@ from pipeload.datapipes.sources import (
     FailureBudgetExceeded,
     FailureCounts,
     SkippedSampleWarning,
+    SourceChangedError,
     failure_counts,
 )
 
@@ -289,3 +292,82 @@ def test_long_and_non_ascii_names_in_every_tar_format(tmp_path: Path, tar_format
     (tmp_path / "names.tar").write_bytes(buffer.getvalue())
     got = members_of(tmp_path / "names.tar")
     assert [(m.name, m[1]) for m in got] == [(name, bytes(i + 1)) for i, name in enumerate(names)]
+
+
+def _same_layout_other_bytes(path: Path) -> None:
+    """``path`` rewritten as a shard regenerated in place: the same member names and sizes (so
+    the same offsets), other bytes, written a second later."""
+    before = path.stat()
+    path.write_bytes(tar_bytes([(name, bytes(len(data))) for name, data in MEMBERS]))
+    assert path.stat().st_size == before.st_size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+
+
+def _checkpoint_after(path: Path, members: int, **policy: object) -> tuple[list[bytes], dict]:
+    iterator = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(**policy))
+    head = [next(iterator)[1] for _ in range(members)]
+    state = iterator.state_dict()
+    iterator.close()
+    return head, state
+
+
+def test_a_checkpoint_does_not_resume_in_an_archive_replaced_since(tmp_path: Path) -> None:
+    # Resuming seeks to the byte the checkpoint recorded: in a regenerated shard with the same
+    # layout that splices the new version's members to the old one's, without a word.
+    path = tmp_path / "a.tar"
+    path.write_bytes(tar_bytes(MEMBERS))
+    head, state = _checkpoint_after(path, 5)
+    _same_layout_other_bytes(path)
+    resumed = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    resumed.load_state_dict(state)
+    with pytest.raises(SourceChangedError, match=rf"{re.escape(repr(str(path)))} changed since the "
+                                                 r"checkpoint was taken \(its modification time"):
+        next(resumed)
+    resumed.close()
+
+
+def test_an_archive_replaced_since_the_checkpoint_is_skipped_and_counted_under_skip(tmp_path: Path) -> None:
+    path, other = tmp_path / "a.tar", tmp_path / "b.tar"
+    path.write_bytes(tar_bytes(MEMBERS))
+    other.write_bytes(tar_bytes(MEMBERS[:2]))
+    pipe = IterableWrapper([str(path), str(other)]).open_files(mode="b").load_from_tar(on_error="skip")
+    iterator = iter(pipe)
+    [next(iterator) for _ in range(5)]
+    state = iterator.state_dict()
+    iterator.close()
+    _same_layout_other_bytes(path)
+    resumed = iter(pipe)
+    resumed.load_state_dict(state)
+    with pytest.warns(SkippedSampleWarning, match="changed since the checkpoint"):
+        rest = [data for _, data in resumed]
+    assert rest == [data for _, data in MEMBERS[:2]]  # only the next archive's
+    assert pipe.failure_counts() == FailureCounts(skipped=1, files=1)
+
+
+def test_an_unchanged_archive_resumes_and_a_state_without_its_version_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(tar_bytes(MEMBERS))
+    head, state = _checkpoint_after(path, 5)
+    offset, members, version = state["own"]
+    assert version == {"size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns}
+    for saved in (state, {**state, "own": [offset, members]}):  # the previous version's: no check
+        resumed = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+        resumed.load_state_dict(saved)
+        assert head + [data for _, data in resumed] == [data for _, data in MEMBERS]
+
+
+@pytest.mark.parametrize(("version", "named"), [
+    ("size 9", "own.2 should be a dict or None"),
+    ({"size": "9"}, "own.2.size should be an int >= 0"),
+    ({"etag": 5}, "own.2.etag should be text"),
+    ({"crc": 5}, "own.2.crc should be absent"),
+])
+def test_a_damaged_archive_version_in_a_checkpoint_is_refused_by_name(tmp_path: Path, version: object,
+                                                                      named: str) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(tar_bytes(MEMBERS))
+    _, state = _checkpoint_after(path, 5)
+    resumed = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    with pytest.raises(pipeload.IncompatibleStateError, match=re.escape(named)):
+        resumed.load_state_dict({**state, "own": [*state["own"][:2], version]})
+    resumed.close()

@@ -9,11 +9,17 @@ object is still that one (``If-Match`` and ``If-Range``), and every reopened rea
 with the first: a difference is a :class:`SourceChangedError` naming the URL and what changed.
 
 A server that sends neither an ETag nor a Last-Modified can be checked by length only.
+
+A checkpoint taken inside an archive keeps the version too (:func:`stream_version`: a remote
+stream's pinned one, a local file's length and modification time): resuming at a byte of an
+archive replaced since is the same splice, across processes instead of across a reconnect.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +48,7 @@ class ObjectVersion:
     last_modified: str | None = None
     size: int | None = None
     version_id: str | None = None
+    mtime_ns: int | None = None  # a local file's modification time
 
     @property
     def strong_etag(self) -> str | None:
@@ -58,7 +65,9 @@ class ObjectVersion:
         return changed
 
 
-_LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "version_id": "version id"}
+_LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "version_id": "version id",
+           "mtime_ns": "modification time (ns)"}
+TEXT_FIELDS = ("etag", "last_modified", "version_id")  # in a checkpoint: text; the rest, counts
 
 
 def changed_error(url: str, what: str) -> SourceChangedError:
@@ -72,6 +81,46 @@ def check_unchanged(url: str, first: ObjectVersion, now: ObjectVersion) -> None:
     changes = now.changes_since(first)
     if changes:
         raise changed_error(url, "; ".join(changes))
+
+
+def stream_version(stream: Any) -> ObjectVersion | None:
+    """The version of the object an opened stream reads: a remote stream's (``open_stream``
+    pins it at its first response), a local file's length and modification time; None for a
+    stream that cannot say (a buffer in memory, a pipe)."""
+    version = getattr(getattr(stream, "raw", None), "version", None)  # open_stream's RetryingReader
+    if isinstance(version, ObjectVersion):
+        return version
+    try:
+        status = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        return None
+    return ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns)
+
+
+def version_state(version: ObjectVersion | None) -> dict[str, Any] | None:
+    """``version`` for a checkpoint: its known fields (plain JSON types); None for none."""
+    if version is None:
+        return None
+    return {field.name: getattr(version, field.name) for field in fields(version)
+            if getattr(version, field.name) is not None}
+
+
+def changed_since_checkpoint_error(url: str, what: str, offset: int) -> SourceChangedError:
+    return SourceChangedError(
+        f"{url!r} changed since the checkpoint was taken ({what}): resuming at byte {offset} "
+        "of it would splice the new version's members to the old version's, so it is not "
+        "resumed", url)
+
+
+def check_unchanged_since_checkpoint(url: str, saved: ObjectVersion, now: ObjectVersion | None,
+                                     offset: int) -> None:
+    """Raise :class:`SourceChangedError` if the archive opened to resume a checkpoint at
+    ``offset`` is not the version the checkpoint was taken on (only what both tell is compared)."""
+    changes = (now or ObjectVersion()).changes_since(saved)
+    if changes:
+        raise changed_since_checkpoint_error(url, "; ".join(changes), offset)
 
 
 def is_expired(error: BaseException) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import tarfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -11,7 +12,8 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
-from pipeload.datapipes.sources import _tar_stream
+from pipeload.datapipes.sources import _tar_stream, _versions
+from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 from pipeload.errors import bad_state_field
@@ -125,6 +127,7 @@ class _OpenArchive:
         self.url = url
         self.stream = stream
         self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
+        self.version = _versions.stream_version(stream)  # what a checkpoint resumes only on
         self.outcome = ArchiveOutcome()
         self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
         self._hold = hold and self.reader.compressed
@@ -208,7 +211,8 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         self._hold = hold
         self._current: _OpenArchive | None = None
         self._before_current: Any = None  # the upstream's state before the current archive
-        self._resume_at: tuple[int, int] | None = None  # (bytes, members) into the next archive
+        # (bytes, members, version or None) into the next archive, from a checkpoint
+        self._resume_at: tuple[int, int, ObjectVersion | None] | None = None
         self._upstream_has_state: bool | None = None  # asked once, with the first archive
 
     def nonblocking_next(self) -> ArchiveMember:
@@ -247,24 +251,39 @@ class _TarIterator(PipeIterator[ArchiveMember]):
                 f"({type(self._archives).__name__}): it can only be resumed by skipping items")
         if self._current is None:
             return {"own": None, "upstream": [self._archives.state_dict()]}
-        return {"own": list(self._current.position()), "upstream": [self._before_current]}
+        return {"own": self._own(self._current.position()), "upstream": [self._before_current]}
 
     def state_before_last(self) -> dict[str, Any]:
         """The checkpoint as it stood before the latest member was handed out (asked right
         after it, before the next): resuming from it hands that member out again."""
         if not self._tracks_state() or self._current is None:
             return self.state_dict()
-        return {"own": list(self._current.last_member_at()), "upstream": [self._before_current]}
+        return {"own": self._own(self._current.last_member_at()), "upstream": [self._before_current]}
+
+    def _own(self, at: tuple[int, int]) -> list[Any]:
+        """[bytes, members read, the archive's version]: a resume that finds another version
+        of the archive there must not carry on at that byte (see ``_versions.py``)."""
+        assert self._current is not None
+        return [*at, _versions.version_state(self._current.version)]
 
     def _check_own_state(self, fields: StateFields) -> Any:
-        own = fields.listed("own", "None or [bytes into the archive, members read]", length=2, none=True)
-        if own is None:
+        # [bytes, members, version] (a state of the previous version has no version: unchecked)
+        expected = "None or [bytes into the archive, members read, the archive's version or None]"
+        items = fields.sequence("own", expected, none=True)
+        if items is None:
             return None  # between archives
+        if len(items) not in (2, 3):
+            raise bad_state_field(fields.name("own"), items, expected)
+        own = fields.listed("own", expected)
+        assert own is not None
         offset = own.integer(0)
         # a checkpoint is taken between members, on a 512-byte block, each member a block or more
         if offset % _tar_stream.BLOCK_BYTES:
             raise bad_state_field(own.name(0), offset, f"a multiple of {_tar_stream.BLOCK_BYTES} (a tar block)")
-        return offset, own.integer(1, 0, offset // _tar_stream.BLOCK_BYTES)
+        members = own.integer(1, 0, offset // _tar_stream.BLOCK_BYTES)
+        version = _read_version(own.fields(2, none=True)) if len(items) == 3 else None
+        own.finish()
+        return offset, members, version
 
     def _load_own_state(self, state: Any) -> None:
         self._resume_at = state
@@ -274,7 +293,10 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         try:
             archive = _OpenArchive(url, stream, self._hold)
             if resume_at is not None:
-                archive.reader.move_to(*resume_at)
+                offset, members, saved = resume_at
+                if saved is not None:
+                    _versions.check_unchanged_since_checkpoint(url, saved, archive.version, offset)
+                archive.reader.move_to(offset, members)
             return archive
         except Exception as error:  # noqa: BLE001
             stream.close()
@@ -306,6 +328,25 @@ class _TarIterator(PipeIterator[ArchiveMember]):
             _close_quietly(self._current)
             self._current = None
         super().close()
+
+
+def _read_version(fields: StateFields | None) -> ObjectVersion | None:
+    """An archive's version as ``_versions.version_state`` wrote it in a checkpoint."""
+    if fields is None:
+        return None  # a stream that could not say which version it read
+    found: dict[str, Any] = {}
+    for field in dataclasses.fields(ObjectVersion):
+        if field.name not in fields.state:
+            continue
+        if field.name in _versions.TEXT_FIELDS:
+            value = fields.raw(field.name, "text")
+            if not isinstance(value, str):
+                raise bad_state_field(fields.name(field.name), value, "text")
+            found[field.name] = value
+        else:
+            found[field.name] = fields.integer(field.name)
+    fields.finish()
+    return ObjectVersion(**found)
 
 
 def _close_quietly(archive: _OpenArchive) -> None:
