@@ -210,7 +210,8 @@ def test_a_state_of_the_previous_version_still_resumes_exactly(name: str, tmp_pa
     assert resume(case, None, old) == resume(case, None, state)
 
 
-V1_OPTIONAL = {"padded", "handed_out_above", "repeat_from"}  # written later within version 1
+# written later within version 1; a replica position's "failed" later still (in both versions)
+V1_OPTIONAL = {"padded", "handed_out_above", "repeat_from", "failed"}
 
 
 def our_fields(state: Any, opaque: set[str], path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -292,3 +293,19 @@ def test_json_and_torch_save_keep_the_digest(name: str, tmp_path: Path) -> None:
     for kept in (json.loads(json.dumps(state)), torch.load(buffer, weights_only=True)):
         assert kept["digest"] == digest_of(kept) == state["digest"]
         loader_of(case, shards).load_state_dict(kept)
+
+
+@pytest.mark.parametrize(("failed", "named"), [
+    ([1], "epoch.streams.0.failed should be a list of distinct batch numbers from 2 to 2, ascending"),
+    ([3], "but got epoch.streams.0.failed=[3]"),
+    ([2, 2], "but got epoch.streams.0.failed=[2, 2]"),
+    ("1", "but got epoch.streams.0.failed='1'"),
+])
+def test_a_replicas_failed_batches_out_of_its_range_are_refused_by_name(failed: Any, named: str) -> None:
+    # (a previous version's state: without a digest, the field check is all there is)
+    iterable = CASES["iterable-own-state"].build
+    state = as_version_1(mid_epoch_state(iterable))
+    position = state["epoch"]["streams"]["0"]
+    assert (position["batches"], position["snapshot"][0], position["failed"]) == (2, 1, [])  # batch 2: since
+    assert named in refused(with_change(state, lambda s: s["epoch"]["streams"]["0"].update(failed=failed)),
+                            iterable)

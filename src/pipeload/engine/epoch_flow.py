@@ -25,12 +25,25 @@ class NumberedBatch(NamedTuple):
 
 
 _BATCH_NUMBER = "_pipeload_batch_number"
+_WORKER_ID = "_pipeload_worker_id"
 
 
 def batch_number_of(error: BaseException) -> int | None:
     """The number of the batch whose building raised ``error``, when it was handed out out of
     order (None otherwise)."""
     return getattr(error, _BATCH_NUMBER, None)
+
+
+def worker_of(error: BaseException) -> int | None:
+    """The worker (0 without workers) whose building of a batch raised ``error``; None for an
+    error that is not one batch's (a pin thread's, a dead worker)."""
+    return getattr(error, _WORKER_ID, None)
+
+
+def mark_worker(error: BaseException, worker_id: int) -> None:
+    """Note that worker ``worker_id``'s building of a batch raised ``error``: an iterable
+    replica's position counts the batch (``pipeload/resume``)."""
+    setattr(error, _WORKER_ID, worker_id)
 
 
 class TaskSupply:
@@ -110,6 +123,7 @@ def batch_or_raise(report: WorkerReport, numbered: bool = False) -> Any:
     (carrying the batch's number when ``numbered``)."""
     if report.report is Report.FAILED:
         error = report.failure.to_exception()
+        mark_worker(error, report.worker_id)
         if numbered:
             setattr(error, _BATCH_NUMBER, report.batch_number)
         try:

@@ -35,16 +35,23 @@ class StreamPosition(NamedTuple):
     every few batches only; resuming loads the latest one and makes (and drops) the batches made
     since. A replica without a state starts over and drops every batch it had made.
 
+    A batch whose building raised counts as made (its turn passed, as the loader hands its error
+    out in its place); ``failed`` says which, so that a resume expects them to raise again and
+    refuses to drop, unseen, an error that did not happen before the checkpoint.
+
     Attributes:
         worker_id: the replica's worker (0 without workers).
         batches: how many batches it has made this epoch, this one included.
         snapshot: None, or ``(batches made when it was taken, the iterator's state_dict() or the
             dataset's, or None when it has none)``.
+        failed: the numbers (counted as ``batches``, from 1) of the batches made since the
+            snapshot's state (since the start, without one) whose building raised.
     """
 
     worker_id: int
     batches: int
     snapshot: tuple[int, Any] | None = None
+    failed: tuple[int, ...] = ()
 
 
 class StreamBatch(NamedTuple):
@@ -195,32 +202,45 @@ class IterableFetcher:
         self._seeding = seeding
         self._worker_id = worker_id
         self._places_rows = place_rows and spec.collate_fn is default_collate
-        self._made = 0
+        self._made = 0  # batches made this epoch, those whose building raised included
         self._to_drop = 0  # batches made before the checkpoint since the snapshot resumed from
+        self._failed_before: frozenset[int] = frozenset()  # those of them that raised then
         self._ended = False
         self._stateless = False
         snapshot = resume_from.snapshot if resume_from is not None else None
         self._samples = resumed_iterator(spec.dataset, snapshot[1] if snapshot else None)
+        self._snapshot_sent = snapshot is not None and snapshot[1] is not None
         if resume_from is not None:
             self._made = snapshot[0] if snapshot and snapshot[1] is not None else 0
             self._to_drop = resume_from.batches - self._made
+            self._failed_before = frozenset(resume_from.failed)
 
     def fetch(self, index: Any, batch_number: int = 0) -> Any:
         while self._to_drop:  # made before the checkpoint: made again, as then, and dropped
             self._to_drop -= 1
+            number = self._made + 1
             try:
                 self._make(index)
             except DatasetExhausted:
                 raise
-            except Exception:
-                pass  # it raised the first time too: its turn is what counts
+            except Exception as error:
+                if number in self._failed_before:
+                    continue  # it raised the first time too: its turn is what counts
+                # Dropping it would drop what the failure left out (the rest of a shard deleted,
+                # replaced or unreadable since), unseen: the batches would not be those of then.
+                error.add_note(f"pipeload: raised while making again batch {number} of this "
+                               "replica, made before the checkpoint without an error, to resume "
+                               "from it: the data changed since, and the rest of the epoch "
+                               "would not be what it was")
+                raise
         batch = self._make(index)
         every = self._spec.stream_snapshot_every
         if not every:
             return batch
-        # The first batch's snapshot also says at once whether the replica has a state at all.
-        due = self._made == 1 or self._made % every == 0
+        # The first snapshot also says at once whether the replica has a state at all.
+        due = not self._snapshot_sent or self._made % every == 0
         snapshot = (self._made, self._state()) if due else None
+        self._snapshot_sent = self._snapshot_sent or due
         return StreamBatch(batch, StreamPosition(self._worker_id, self._made, snapshot))
 
     def _make(self, index: Any) -> Any:
@@ -228,8 +248,14 @@ class IterableFetcher:
             raise DatasetExhausted
         seeding = self._seeding
         seeded = seeding.for_stream_batch(self._worker_id, self._made) if seeding else contextlib.nullcontext()
-        with seeded:
-            batch = self._next_batch(index)
+        try:
+            with seeded:
+                batch = self._next_batch(index)
+        except DatasetExhausted:
+            raise
+        except Exception:
+            self._made += 1  # its turn passed (its error is handed out): a resume makes it again
+            raise
         self._made += 1
         return batch
 

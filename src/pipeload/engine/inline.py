@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
+from pipeload.engine.epoch_flow import mark_worker
 from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
 from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
 from pipeload.stats import skips
@@ -97,6 +98,9 @@ class InlineEngine:
             batch = self._fetcher.fetch(index, number)
         except DatasetExhausted:
             raise StopIteration from None
+        except Exception as error:
+            mark_worker(error, 0)  # the batch's turn passed: its replica's position counts it
+            raise
         return batch
 
     def close(self) -> None:

@@ -359,7 +359,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine.close()
             raise
         count = self._stats.epoch_started() if self._stats is not None else EpochCount()
-        progress = resume.progress_from(point)
+        progress = resume.progress_from(point, self._dataset_kind is DatasetKind.ITERABLE)
         self._epoch_notes = (record, progress)
         iterator = _EpochIterator(self, engine, owned, progress, count)
         if not owned:

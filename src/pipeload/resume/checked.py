@@ -219,8 +219,16 @@ def _read_position(fields: StateFields, worker: int) -> StreamPosition:
     if snapshot is not None and not (is_int(snapshot[0]) and 0 <= snapshot[0] <= batches):
         raise bad_state_field(fields.name("snapshot"), snapshot,
                               f"[batches made when it was taken (an int from 0 to {batches}), the replica's state]")
+    # The batches since the snapshot's state that raised (absent from states written before
+    # they were kept: none then).
+    since = snapshot[0] if snapshot is not None and snapshot[1] is not None else 0
+    expected = f"a list of distinct batch numbers from {since + 1} to {batches}, ascending"
+    failed = fields.sequence("failed", expected, default=[])
+    if not (all(is_int(n) and since < n <= batches for n in failed)
+            and all(a < b for a, b in zip(failed, failed[1:]))):
+        raise bad_state_field(fields.name("failed"), failed, expected)
     fields.finish()
-    return StreamPosition(worker, batches, tuple(snapshot) if snapshot is not None else None)
+    return StreamPosition(worker, batches, tuple(snapshot) if snapshot is not None else None, tuple(failed))
 
 
 def _read_last_worker(fields: StateFields, streams: dict[int, StreamPosition], workers: int) -> int | None:

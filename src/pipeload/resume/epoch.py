@@ -19,7 +19,7 @@ import torch
 # batches per replica from the latest snapshot.
 STREAM_SNAPSHOT_EVERY = 8
 
-from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of
+from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of, worker_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
@@ -88,6 +88,8 @@ class EpochProgress:
         ended: the epoch reached its end (StopIteration).
         sampler_started: the sampler was asked for its first task before this epoch's engine
             began (a resumed epoch that replayed that draw), whatever the engine does now.
+        iterable: the epoch's batches come from iterable replicas, whose positions count a
+            batch that raised too (``streams``).
     """
 
     consumed: int = 0
@@ -98,6 +100,7 @@ class EpochProgress:
     handed_out_above: set[int] = field(default_factory=set)
     ended: bool = False
     sampler_started: bool = False
+    iterable: bool = False
 
     def handed_out(self, batch: Any) -> Any:
         """Note a batch handed out; returns it without its position and padding marks."""
@@ -118,7 +121,10 @@ class EpochProgress:
         self.repeat_from = RepeatFrom(self.consumed, previous, self.last_worker)
         if position.snapshot is None and previous is not None:
             # not taken with this batch: the replica's latest snapshot stands
-            position = position._replace(snapshot=previous.snapshot)
+            position = position._replace(snapshot=previous.snapshot, failed=previous.failed)
+        elif previous is not None and position.snapshot is not None and position.snapshot[1] is None:
+            # a replica without a state is made again from its start on resuming
+            position = position._replace(failed=previous.failed)
         self.streams[position.worker_id] = position
         self.last_worker = position.worker_id
         self.consumed += 1
@@ -128,7 +134,20 @@ class EpochProgress:
         """A batch raised in its turn: it counts as handed out; a timeout does not (it comes)."""
         if isinstance(error, Exception) and not isinstance(error, LoaderTimeoutError):
             number = batch_number_of(error)
+            worker = worker_of(error)
+            if self.iterable and worker is not None:
+                self._replica_failed(worker)
             self._mark(self.consumed if number is None else number)
+
+    def _replica_failed(self, worker: int) -> None:
+        """Worker ``worker``'s replica raised building its next batch: that batch's turn passed
+        (its replica counts it as made), so its position moves on by one, noted as failed."""
+        previous = self.streams.get(worker)
+        batches = (previous.batches if previous is not None else 0) + 1
+        failed = (previous.failed if previous is not None else ()) + (batches,)
+        snapshot = previous.snapshot if previous is not None else None
+        self.streams[worker] = StreamPosition(worker, batches, snapshot, failed)
+        self.last_worker = worker
 
     def _mark(self, number: int) -> None:
         """Batch ``number`` was handed out (in order, it is ``consumed``)."""

@@ -90,14 +90,15 @@ def resumed_streams(point: ResumePoint | None) -> dict[int, StreamPosition] | No
     return point.engine_view()[1]
 
 
-def progress_from(point: ResumePoint | None) -> EpochProgress:
+def progress_from(point: ResumePoint | None, iterable: bool = False) -> EpochProgress:
     """A new epoch's progress: from zero, or where a resumed epoch stood (so a checkpoint
-    taken after resuming says where the whole epoch stands)."""
+    taken after resuming says where the whole epoch stands). ``iterable``: its batches come
+    from iterable replicas."""
     if point is None or point.record is None:
-        return EpochProgress()
+        return EpochProgress(iterable=iterable)
     return EpochProgress(point.consumed, dict(point.streams or {}), point.last_worker, point.padded,
                          point.repeat_from, set(point.handed_out_above),
-                         sampler_started=point.sampler_started)
+                         sampler_started=point.sampler_started, iterable=iterable)
 
 
 def stream_start(point: ResumePoint | None, num_workers: int) -> EpochStart:

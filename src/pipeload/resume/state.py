@@ -140,7 +140,7 @@ def _pads_across_ranks(loader: Any) -> bool:
 
 def _position_state(position: StreamPosition) -> dict[str, Any]:
     snapshot = list(position.snapshot) if position.snapshot is not None else None
-    return {"batches": position.batches, "snapshot": snapshot}
+    return {"batches": position.batches, "snapshot": snapshot, "failed": list(position.failed)}
 
 
 def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> dict[str, Any]:

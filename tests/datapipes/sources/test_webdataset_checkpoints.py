@@ -6,6 +6,7 @@ samples come exactly as an uninterrupted epoch's, with no warning."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,3 +83,34 @@ def test_a_checkpointed_pipeline_resumes_without_reading_finished_shards_again(
         assert len(read_again) < len(done), (read_again, done)
     else:
         assert read_again == [], read_again
+
+
+def sample_keys(batch: list[dict[str, Any]]) -> list[str]:
+    return [sample["__key__"] for sample in batch]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shard_deleted_between_checkpoint_and_resume_is_an_error_not_a_gap(tmp_path: Path,
+                                                                             num_workers: int) -> None:
+    # Resuming makes again the batches each replica made since its latest snapshot (its first
+    # batch) from the shard it was reading, and drops them. That shard gone, the read failed,
+    # the failure was dropped with the batch, and the replica went on with its next shard: the
+    # rest of the deleted one left out under on_error="raise", unseen.
+    paths = write_shards(tmp_path, 2 * max(num_workers, 1), SAMPLES)
+    def make() -> pipeload.DataLoader:
+        pipe = webdataset_pipeline([str(p) for p in paths], shuffle_shards=False, shuffle_buffer=0,
+                                   read_ahead=0, image="numpy")
+        return pipeload.DataLoader(pipe, batch_size=BATCH, collate_fn=sample_keys,
+                                   num_workers=num_workers)
+
+    loader = make()
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(3 * max(num_workers, 1))]  # 3 batches from each worker
+    assert ["s00_004", "s00_005"] in head  # made since worker 0's snapshot: made again on resuming
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator, loader
+    resumed = make()  # the shards are all there when the pipeline is built
+    paths[0].unlink()
+    resumed.load_state_dict(state)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(paths[0]))):
+        list(resumed)
