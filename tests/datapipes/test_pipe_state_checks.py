@@ -236,15 +236,15 @@ def member_text(member: Any) -> str:
     ([-512, 1], r"{f} should be an int >= 0, but got {f}=-512"),
     (["1024", 1], r"{f} should be an int >= 0, but got {f}='1024'"),
     ([1024, 3], r"{g} should be an int from 0 to 2, but got {g}=3"),
-    ([1024], r"{o} should be None or \[bytes into the archive, members read, the archive's version or None\]"),
-    ([1024, 1, None, 0], r"{o} should be None or \[bytes into the archive, members read, the archive's version or None\]"),
-    ([1024, 1, {"size": -1}], r"{v}\.size should be an int >= 0, but got {v}\.size=-1"),
+    ([1024], r"{o} should be None or \[bytes into the archive, members read, the archive's URL, its version or None\]"),
+    ([1024, 1, None], r"{o} should be None or \[bytes into the archive, members read, the archive's URL, its version or None\]"),
+    ([1024, 1, "a.tar", {"size": -1}], r"{v}\.size should be an int >= 0, but got {v}\.size=-1"),
 ])
 def test_a_tar_offset_is_checked_when_it_is_loaded(tmp_path: Path, own: Any, expected: str) -> None:
     shard = tar_shard(tmp_path)
     make = lambda: IterableWrapper([shard]).open_files("b").load_from_tar().map(member_text)  # noqa: E731
     _, state = taken(make(), 1)
-    assert state["upstream"][0]["own"][:2] == [1024, 1]  # then the archive's version
+    assert state["upstream"][0]["own"][:2] == [1024, 1]  # then the archive's URL and version
     state["upstream"][0]["own"] = own
     o = r"upstream\.0\.own"
-    refused_unchanged(make, state, expected.format(f=o + r"\.0", g=o + r"\.1", o=o, v=o + r"\.2"))
+    refused_unchanged(make, state, expected.format(f=o + r"\.0", g=o + r"\.1", o=o, v=o + r"\.3"))

@@ -15,8 +15,8 @@ of the same graph. Each one must be
   digest, but it must not fail from deep inside either. Two exceptions, by necessity: a tar offset
   moved to another block boundary inside a member is refused by the archive when it is read there
   (its header fails the checksum), as an ``ArchiveError`` naming that byte; and a tar checkpoint
-  whose archive version (length, modification time) or whose source's position (which then opens
-  another archive) changed in a well-formed way is refused when the archive is opened, as a
+  whose archive URL or version (length, modification time) or whose source's position (which then
+  opens another archive) changed in a well-formed way is refused when the archive is opened, as a
   ``SourceChangedError`` saying what differs: it cannot be told from a replaced archive.
 
 A value of another type (``5.0`` or ``"5"`` for a count, a dict for a list, ``1`` for a flag) is
@@ -114,11 +114,11 @@ def points_into_a_member(state: Any, error: ArchiveError) -> bool:
 
 
 def damaged_archive_version(what: str) -> bool:
-    """A damage of the archive version a tar checkpoint keeps (``upstream.0.own.2``) or of the
-    position of the source feeding it (``upstream.0.upstream``, which opens another archive):
-    well-formed, it reads as a replaced archive when the archive is opened, a SourceChangedError
-    saying what differs."""
-    return " at upstream.0.own.2" in what or " at upstream.0.upstream." in what
+    """A damage of the archive URL or version a tar checkpoint keeps (``upstream.0.own.2``,
+    ``.3``) or of the position of the source feeding it (``upstream.0.upstream``, which opens
+    another archive): well-formed, it reads as a replaced archive when the archive is opened, a
+    SourceChangedError saying what differs."""
+    return any(f" at upstream.0.{place}" in what for place in ("own.2", "own.3", "upstream."))
 
 
 def fuzz(make: Callable[[], Any], taken: int, count: int, seed: int) -> tuple[int, list[str]]:

@@ -14,7 +14,7 @@ from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _tar_stream, _versions
 from pipeload.datapipes.sources._versions import ObjectVersion
-from pipeload.datapipes.sources.errors import ArchiveError, SourceError, describe_failure
+from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 from pipeload.errors import bad_state_field
 
@@ -211,8 +211,8 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         self._hold = hold
         self._current: _OpenArchive | None = None
         self._before_current: Any = None  # the upstream's state before the current archive
-        # (bytes, members, version or None) into the next archive, from a checkpoint
-        self._resume_at: tuple[int, int, ObjectVersion | None] | None = None
+        # (bytes, members, URL or None, version or None) into the next archive, from a checkpoint
+        self._resume_at: tuple[int, int, str | None, ObjectVersion | None] | None = None
         self._upstream_has_state: bool | None = None  # asked once, with the first archive
 
     def nonblocking_next(self) -> ArchiveMember:
@@ -261,18 +261,19 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         return {"own": self._own(self._current.last_member_at()), "upstream": [self._before_current]}
 
     def _own(self, at: tuple[int, int]) -> list[Any]:
-        """[bytes, members read, the archive's version]: a resume that finds another version
-        of the archive there must not carry on at that byte (see ``_versions.py``)."""
+        """[bytes, members read, the archive's URL, its version]: a resume that finds another
+        archive there (the list of archives changed), or another version of it, must not carry
+        on at that byte (see ``_versions.py``)."""
         assert self._current is not None
-        return [*at, _versions.version_state(self._current.version)]
+        return [*at, self._current.url, _versions.version_state(self._current.version)]
 
     def _check_own_state(self, fields: StateFields) -> Any:
-        # [bytes, members, version] (a state of the previous version has no version: unchecked)
-        expected = "None or [bytes into the archive, members read, the archive's version or None]"
+        # [bytes, members, url, version] (a state of the previous form has neither: unchecked)
+        expected = "None or [bytes into the archive, members read, the archive's URL, its version or None]"
         items = fields.sequence("own", expected, none=True)
         if items is None:
             return None  # between archives
-        if len(items) not in (2, 3):
+        if len(items) not in (2, 4):
             raise bad_state_field(fields.name("own"), items, expected)
         own = fields.listed("own", expected)
         assert own is not None
@@ -281,9 +282,14 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         if offset % _tar_stream.BLOCK_BYTES:
             raise bad_state_field(own.name(0), offset, f"a multiple of {_tar_stream.BLOCK_BYTES} (a tar block)")
         members = own.integer(1, 0, offset // _tar_stream.BLOCK_BYTES)
-        version = _read_version(own.fields(2, none=True)) if len(items) == 3 else None
+        url = version = None
+        if len(items) == 4:
+            url = own.raw(2, "the archive's URL (text)")
+            if not isinstance(url, str):
+                raise bad_state_field(own.name(2), url, "the archive's URL (text)")
+            version = _read_version(own.fields(3, none=True))
         own.finish()
-        return offset, members, version
+        return offset, members, url, version
 
     def _load_own_state(self, state: Any) -> None:
         self._resume_at = state
@@ -293,7 +299,9 @@ class _TarIterator(PipeIterator[ArchiveMember]):
         try:
             archive = _OpenArchive(url, stream, self._hold)
             if resume_at is not None:
-                offset, members, saved = resume_at
+                offset, members, saved_url, saved = resume_at
+                if saved_url is not None:
+                    _check_same_archive(url, saved_url, offset)
                 if saved is not None:
                     _versions.check_unchanged_since_checkpoint(url, saved, archive.version, offset)
                 archive.reader.move_to(offset, members)
@@ -328,6 +336,17 @@ class _TarIterator(PipeIterator[ArchiveMember]):
             _close_quietly(self._current)
             self._current = None
         super().close()
+
+
+def _check_same_archive(url: str, saved_url: str, offset: int) -> None:
+    """Refuse to resume at ``offset`` of an archive other than the one the checkpoint was taken
+    in: the upstream replayed to another (a file added to, or removed from, the list before it).
+    Compared by file name, so a dataset moved to another directory still resumes."""
+    if url.rstrip("/").rsplit("/", 1)[-1] != saved_url.rstrip("/").rsplit("/", 1)[-1]:
+        raise SourceChangedError(
+            f"resuming from the checkpoint opened {url!r}, but the checkpoint was taken {offset} "
+            f"bytes into {saved_url!r}: the archives given changed since (one added, removed or "
+            "renamed before it), so it is not read on from that byte of another archive", url)
 
 
 def _read_version(fields: StateFields | None) -> ObjectVersion | None:
