@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pipeload
 import pipeload.datapipes.iter as ours_iter
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.map import FileReader
-from pipeload.datapipes.sources import expand_urls, open_stream
+from pipeload.datapipes.sources import SourceChangedError, expand_urls, open_stream
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
 
@@ -170,3 +171,55 @@ def test_a_remote_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyP
     assert "s3://bucket/shard.tar" in str(raised.value)
     with pytest.raises(ImportError, match=r"pipeload\[remote\]"):
         list(FileLister("http://example.invalid/shards", "*.tar"))
+
+
+def test_a_checkpointed_listing_resumes_where_it_stood(tmp_path: Path) -> None:
+    for name in ("b.txt", "c.txt", "d.txt"):
+        (tmp_path / name).write_text(name)
+    iterator = iter(FileLister(str(tmp_path), "*.txt"))
+    head = [next(iterator) for _ in range(2)]
+    state = iterator.state_dict()
+    (tmp_path / "e.txt").write_text("e")  # added after the paths handed out: the listing goes on
+    resumed = iter(FileLister(str(tmp_path), "*.txt"))
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == [str(tmp_path / n) for n in ("b.txt", "c.txt", "d.txt", "e.txt")]
+    previous_form = iter(FileLister(str(tmp_path), "*.txt"))  # a count alone still loads
+    previous_form.load_state_dict({**state, "own": 2})
+    assert list(previous_form) == [str(tmp_path / n) for n in ("d.txt", "e.txt")]
+
+
+@pytest.mark.parametrize("change", ["added before", "removed before"])
+def test_a_listing_changed_before_the_checkpoints_place_is_refused_not_skipped_by_count(
+        tmp_path: Path, change: str) -> None:
+    # The checkpoint kept a count: a file added before it made a path handed out come again
+    # (c.txt twice, a.txt never), one removed made a path never handed out be skipped (d.txt).
+    for name in ("b.txt", "c.txt", "d.txt"):
+        (tmp_path / name).write_text(name)
+    iterator = iter(FileLister(str(tmp_path), "*.txt"))
+    [next(iterator) for _ in range(2)]
+    state = iterator.state_dict()
+    if change == "added before":
+        (tmp_path / "a.txt").write_text("a")
+    else:
+        (tmp_path / "b.txt").unlink()
+    resumed = iter(FileLister(str(tmp_path), "*.txt"))
+    resumed.load_state_dict(state)
+    with pytest.raises(SourceChangedError, match=r"the listing of .* changed since the checkpoint was "
+                                                 r"taken: its path 2 was '.*c\.txt' and it is now"):
+        next(resumed)
+
+
+@pytest.mark.parametrize(("own", "named"), [
+    ([2, None], "own.1 should be the last path handed out (text), None when none was"),
+    ([0, "x.txt"], "own.1 should be the last path handed out"),
+    ([2, 5], "own.1 should be the last path handed out"),
+    (["2", "x"], "own.0 should be an int >= 0"),
+    ([2], "own should be [paths of the root handed out, the last of them (None when none)]"),
+])
+def test_a_damaged_listing_checkpoint_is_refused_by_name(tmp_path: Path, own: Any, named: str) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    iterator = iter(FileLister(str(tmp_path), "*.txt"))
+    next(iterator)
+    state = iterator.state_dict()
+    with pytest.raises(pipeload.IncompatibleStateError, match=re.escape(named)):
+        iter(FileLister(str(tmp_path), "*.txt")).load_state_dict({**state, "own": own})

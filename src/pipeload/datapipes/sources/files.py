@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
-from pipeload._state_fields import StateFields
+from pipeload._state_fields import StateFields, is_int
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
@@ -18,7 +18,8 @@ from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
-from pipeload.datapipes.sources.errors import SourceError, describe_failure
+from pipeload.datapipes.sources.errors import SourceChangedError, SourceError, describe_failure
+from pipeload.errors import bad_state_field
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
@@ -136,8 +137,9 @@ class FileLister(IterDataPipe[str]):
 
 class _ListingIterator(PipeIterator[str]):
     """Lists each root as it comes. Its checkpoint: the upstream's state before the current
-    root, and how many of that root's paths were handed out (resuming lists the root again, a
-    metadata read, and skips them)."""
+    root, how many of that root's paths were handed out and the last of them (resuming lists
+    the root again, a metadata read, checks that the listing still reaches that path there,
+    and skips them)."""
 
     def __init__(self, pipe: FileLister, roots: Any) -> None:
         super().__init__(roots)
@@ -146,28 +148,66 @@ class _ListingIterator(PipeIterator[str]):
         self._pending: Iterator[str] = iter(())
         self._before_root: Any = None  # the upstream's state before the current root
         self._handed_out = 0  # paths of the current root handed out
-        self._skip = 0  # resuming: paths of the next root already handed out
+        self._last: str | None = None  # the last of them
+        self._skip: tuple[int, str | None] = (0, None)  # resuming: paths of the next root handed out, the last
 
     def nonblocking_next(self) -> str:
         while True:
             for path in self._pending:
                 self._handed_out += 1
+                self._last = path
                 return path
             before = _state_or_none(self._roots)
-            listed = self._pipe.list_root(self._roots.nonblocking_next())
-            skip, self._skip = self._skip, 0
-            self._pending, self._before_root, self._handed_out = iter(listed[skip:]), before, skip
+            root = self._roots.nonblocking_next()
+            listed = self._pipe.list_root(root)
+            (skip, last), self._skip = self._skip, (0, None)
+            _check_listed_the_same(root, listed, skip, last)
+            self._pending, self._before_root = iter(listed[skip:]), before
+            self._handed_out, self._last = skip, listed[skip - 1] if skip else None
 
     def state_dict(self) -> dict[str, Any]:
         if self._before_root is None:  # before the first root, or roots without a checkpoint
             return {"own": 0, "upstream": [self._roots.state_dict()]}
-        return {"own": self._handed_out, "upstream": [self._before_root]}
+        return {"own": [self._handed_out, self._last], "upstream": [self._before_root]}
 
     def _check_own_state(self, fields: StateFields) -> Any:
-        return fields.integer("own")  # paths of the root handed out
+        # [paths of the root handed out, the last of them]; a count alone (the previous form,
+        # and before the first root): not checked against the listing
+        if is_int(fields.state.get("own")):
+            return fields.integer("own"), None
+        expected = "[paths of the root handed out, the last of them (None when none)]"
+        own = fields.listed("own", expected, length=2)
+        assert own is not None
+        count = own.integer(0)
+        last = own.raw(1, expected)
+        if (count == 0) != (last is None) or not (last is None or isinstance(last, str)):
+            raise bad_state_field(own.name(1), last, "the last path handed out (text), None when none was")
+        return count, last
 
     def _load_own_state(self, state: Any) -> None:
         self._skip = state
+
+
+def _check_listed_the_same(root: str, listed: list[str], skip: int, last: str | None) -> None:
+    """Refuse to skip ``skip`` paths of a listing that no longer has ``last`` (by name: a
+    dataset moved elsewhere still resumes) as its ``skip``-th, or has fewer: files were added
+    or removed before it since the checkpoint, and skipping by count would hand some out twice
+    and leave others out, unseen. (``last`` None: a state of the previous form, a count only.)"""
+    if not skip:
+        return
+    now = listed[skip - 1] if len(listed) >= skip else None
+    if now is None or (last is not None and _name(now) != _name(last)):
+        was = f"its path {skip} was {last!r} and " if last is not None else ""
+        found = f"it is now {now!r}" if now is not None else (
+            f"it now lists {len(listed)} files, fewer than the {skip} handed out before")
+        raise SourceChangedError(
+            f"the listing of {root!r} changed since the checkpoint was taken: {was}{found} (a "
+            "file added or removed before it), so the paths handed out before the checkpoint "
+            "cannot be skipped by count", root)
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _state_or_none(iterator: PipeIterator[Any]) -> Any:
