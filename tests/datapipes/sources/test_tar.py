@@ -398,3 +398,29 @@ def test_a_checkpoint_does_not_resume_in_another_archive_than_its_own(tmp_path: 
     resumed = iter(IterableWrapper([str(moved / "b.tar")]).open_files(mode="b").load_from_tar())
     resumed.load_state_dict(state)
     assert [data for _, data in resumed] == [data for _, data in MEMBERS[5:]]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_local_archive_rewritten_while_it_is_read_is_never_spliced(tmp_path: Path, on_error: str) -> None:
+    # A local file is read through the OS: rewritten in place, its new bytes followed the old
+    # ones already buffered, and the rest of the archive came from the new version unseen.
+    old = [(f"k{index:04d}.bin", b"old-%04d" % index) for index in range(500)]
+    path = tmp_path / "a.tar"
+    path.write_bytes(tar_bytes(old))
+    before = path.stat()
+    pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(on_error=on_error)
+    iterator = iter(pipe)
+    got = [next(iterator) for _ in range(3)]
+    with open(path, "r+b") as rewrite:  # the same layout, other bytes, as a regenerating job would
+        rewrite.write(tar_bytes([(name, data.replace(b"old", b"new")) for name, data in old]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    if on_error == "raise":
+        with pytest.raises(SourceChangedError, match=rf"{re.escape(repr(str(path)))} changed while it "
+                                                     r"was read \(its modification time"):
+            got.extend(iterator)
+    else:
+        with pytest.warns(SkippedSampleWarning, match="changed while it was read"):
+            got.extend(iterator)
+        assert pipe.failure_counts().skipped == 1
+    iterator.close()
+    assert [(m.name, m[1]) for m in got] == old[:len(got)]  # the old version's, and only whole

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import tarfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -126,8 +127,11 @@ class _OpenArchive:
     def __init__(self, url: str, stream: IO[bytes], hold: bool) -> None:
         self.url = url
         self.stream = stream
-        self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
         self.version = _versions.stream_version(stream)  # what a checkpoint resumes only on
+        # A local file is read through the OS: rewritten in place while it is read, its new
+        # bytes follow the old ones already buffered (remote reads are pinned to a version).
+        self._local_fd = stream.fileno() if self.version is not None and self.version.mtime_ns is not None else None
+        self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
         self.outcome = ArchiveOutcome()
         self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
         self._hold = hold and self.reader.compressed
@@ -139,13 +143,30 @@ class _OpenArchive:
         if self._hold:
             return self._next_held()
         found = self.reader.next_member()
-        return None if found is None else ArchiveMember(self.url, found[0], found[1], self.outcome)
+        if found is None:
+            return None
+        self._check_unchanged()
+        return ArchiveMember(self.url, found[0], found[1], self.outcome)
+
+    def _check_unchanged(self) -> None:
+        """Raise SourceChangedError if a local archive changed since it was opened (its length
+        or modification time): checked after each member is read and before it is handed out,
+        so a member read across a rewrite never goes out (one fstat, about a microsecond)."""
+        if self._local_fd is None:
+            return
+        status = os.fstat(self._local_fd)
+        version = self.version
+        assert version is not None
+        if status.st_mtime_ns != version.mtime_ns or status.st_size != version.size:
+            now = ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns)
+            _versions.check_unchanged(self.url, version, now)
 
     def _next_held(self) -> ArchiveMember | None:
         if self._held is None:
             self._position = (self.reader.offset, self.reader.members_read)
             held = collections.deque()
             while (found := self.reader.next_member()) is not None:
+                self._check_unchanged()
                 member = ArchiveMember(self.url, found[0], found[1], self.outcome)
                 held.append((member, (self.reader.offset, self.reader.members_read)))
             self._held = held  # the whole stream read and its checksum checked
