@@ -602,7 +602,7 @@ def batches_catching(iterator: Any, limit: int | None = None) -> list[Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", ["inline", "processes", "threads"])
+@pytest.mark.parametrize("engine", ["inline", "processes", "persistent", "threads"])
 def test_an_iterable_resumes_exactly_past_a_batch_that_raised(engine: str, leak_guard: LeakGuard) -> None:
     # A batch that raised was not counted in its replica's position: resuming made a batch
     # handed out before the checkpoint again (a duplicate), or raised the error a second time
