@@ -15,7 +15,7 @@ of the same graph. Each one must be
   digest, but it must not fail from deep inside either. Two exceptions, by necessity: a tar offset
   moved to another block boundary inside a member is refused by the archive when it is read there
   (its header fails the checksum), as an ``ArchiveError`` naming that byte; and a tar checkpoint
-  whose archive URL or version (length, modification time) or whose source's position (which then
+  whose archive URL or version (length, content digest) or whose source's position (which then
   opens another archive) changed in a well-formed way is refused when the archive is opened, as a
   ``SourceChangedError`` saying what differs: it cannot be told from a replaced archive.
 
