@@ -12,7 +12,7 @@ shards and seeds whole graphs. ``sources`` reads files, tar shards and WebDatase
 local or remote; ``webdataset_pipeline`` builds the common graph in one call. The design note (docs/design/datapipes.md in the source repository) explains the execution model.
 """
 
-from pipeload.datapipes import graph, iter, map, sources
+from pipeload.datapipes import datapipe, graph, iter, map, sources  # datapipe: torch's path, reachable as an attribute
 from pipeload.datapipes.base import (
     IterDataPipe,
     MapDataPipe,
