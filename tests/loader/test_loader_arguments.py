@@ -63,7 +63,8 @@ BAD_CALLS: dict[str, BadCall] = {
     ),
     "batch-sampler-with-batch-size": BadCall(
         lambda m: m.DataLoader(numbers(m), batch_size=3, batch_sampler=[[0, 1]]),
-        lambda m: ["batch_size=3", "leave those four out, or pass batch_size, shuffle and drop_last to the batch sampler"],
+        lambda m: ["batch_size=3",
+                   "leave those four out, or pass batch_size, shuffle and drop_last to the batch sampler"],
     ),
     "batch-sampler-with-batch-size-none": BadCall(
         lambda m: m.DataLoader(numbers(m), batch_size=None, batch_sampler=[[0, 1]]),

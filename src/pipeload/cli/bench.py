@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 import pipeload
-from pipeload.cli.images import CROP_SIDE, OUTPUT_SIDE, SOURCE_SIDE, TarImages, cache_dir, ensure_images, shard_pipe
+from pipeload.cli.images import (CROP_SIDE, OUTPUT_SIDE, SOURCE_SIDE, TarImages, cache_dir, ensure_images,
+                                  shard_pipe)
 from pipeload.cli.measure import Run, time_one_pass
 from pipeload.cli.profile import CommandError
 
