@@ -15,6 +15,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,12 @@ def _torch(images: TarImages, options: BenchOptions) -> Iterable[Any]:
 def _economic(images: TarImages, options: BenchOptions) -> Iterable[Any]:
     if options.workers == 0:
         raise LookupError("economic mode needs workers (--workers 0 was given)")
-    return _pipeload(mode="economic")(images, options)
+    # Its batch workers start besides the --workers item workers: more processes than CPUs on a
+    # small machine, which torch's warning says in the middle of the runs on every pass. The
+    # header says it once instead (see run).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        return _pipeload(mode="economic")(images, options)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ LOADERS: dict[str, LoaderKind] = {
     "pipes": LoaderKind(_pipes, "pipeload over a DataPipe graph reading whole shards",
                         "streaming from shards or remote storage, sharded per worker and rank"),
 }
+ECONOMIC_BATCH_WORKERS = 2  # economic mode's default: one per batch in flight (prefetch_factor 2)
 # Fewer batches than this per pass: the rate is mostly start-up (workers, first batch).
 MIN_RATE_BATCHES = 10
 # What the table's columns measured, and where a newcomer goes from here (after the chart).
@@ -183,7 +190,10 @@ def run(options: BenchOptions) -> int:
          f"batch {options.batch_size}, {options.workers} workers, {options.repeats} repeats, "
          f"loaders: {', '.join(names)}")
     for name in names:
-        _say(f"  {name:<9} {LOADERS[name].how}")
+        extra = (f" ({options.workers} item worker{'s' * (options.workers != 1)} and "
+                 f"{ECONOMIC_BATCH_WORKERS} batch workers)"
+                 if name == "economic" else "")
+        _say(f"  {name:<9} {LOADERS[name].how}{extra}")
     runs = []
     for repeat in range(options.repeats):
         shift = repeat % len(names)
