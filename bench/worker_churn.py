@@ -142,6 +142,11 @@ def main() -> None:
     print("epochs 2+, medians, per-epoch minus persistent: " + ", ".join(
         f"{field[:-3].replace('_', ' ')} {ours[field] - kept[field]:+.1f} ms" for field in ours))
     print(f"per-epoch / persistent samples/s: {kept['total_ms'] / ours['total_ms']:.2f}x")
+    # Each new worker costs at least what this process's bare fork, exit and reap cost (copying
+    # and then tearing down the page tables of torch's import), whatever the loader does.
+    floor_ms = args.num_workers * statistics.median(forks)
+    print(f"ceiling from the forks alone ({args.num_workers} x {statistics.median(forks):.1f} ms "
+          f"an epoch): {kept['total_ms'] / (kept['total_ms'] + floor_ms):.2f}x")
     if "late-stop" in medians:
         late = medians["late-stop"]
         print(f"last batch to StopIteration, epochs 2+, medians: workers let go when done "

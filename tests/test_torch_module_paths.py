@@ -9,13 +9,19 @@ lists the same).
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch.utils.data as tud
 
 import pipeload
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Submodules of torch.utils.data with no namesake under pipeload, and why.
 MODULES_LEFT_OUT = {
@@ -107,6 +113,26 @@ def test_submodules_are_attributes_once_pipeload_is_imported() -> None:
     assert pipeload._utils.worker.get_worker_info is pipeload.get_worker_info
     for name in ("dataloader", "dataset", "sampler", "distributed", "graph", "graph_settings", "datapipes"):
         assert isinstance(getattr(pipeload, name), types.ModuleType), name
+
+
+def test_every_submodule_torchs_import_makes_reachable_pipeloads_import_makes_reachable() -> None:
+    # `import torch.utils.data.datapipes as dp; dp.datapipe.IterDataPipe` ran with torch and
+    # failed with pipeload (AttributeError): `datapipe` was importable but not yet imported. A fresh
+    # process, as each test here has imported the submodules already.
+    probe = (
+        "import functools, torch.utils.data, pipeload\n"
+        "def reach(root, path):\n"
+        "    try:\n"
+        "        functools.reduce(getattr, path.split('.'), root)\n"
+        "    except AttributeError:\n"
+        "        return False\n"
+        "    return True\n"
+        f"print([p for p in {COVERED!r} if reach(torch.utils.data, p) and not reach(pipeload, p)])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_distributed_keeps_its_own_helpers_beside_the_sampler() -> None:

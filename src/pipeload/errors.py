@@ -215,9 +215,10 @@ def _small(indices: object, limit: int = 64) -> object:
     return indices
 
 
-def worker_died_message(deaths: list[tuple[str, int | None, int | None]]) -> str:
+def worker_died_message(deaths: list[tuple[str, int | None, int | None]], cause: str = "") -> str:
     """The message for worker processes that ended on their own: ``(name, pid, exitcode)``,
-    where ``name`` says which worker ("worker 3", or in economic mode "item worker 3").
+    where ``name`` says which worker ("worker 3", or in economic mode "item worker 3");
+    ``cause``: what is known of why, said last.
 
     torch raises one of two sentences, depending on whether its SIGCHLD handler or its liveness
     check saw the death first: "DataLoader worker (pid 7) is killed by signal: Killed." (or
@@ -232,6 +233,7 @@ def worker_died_message(deaths: list[tuple[str, int | None, int | None]]) -> str
     return (
         f"{_torch_death_sentence(first_pid, first_code)}"
         f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}"
+        + (f". {cause}." if cause else "")
     )
 
 

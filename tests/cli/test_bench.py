@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeload.cli.bench import LOADERS, BenchOptions, Row, check_options, degenerate, format_table
+from pipeload.cli import build_parser
+from pipeload.cli.bench import LOADERS, NEXT_STEP, BenchOptions, Row, check_options, degenerate, format_table
 from pipeload.cli.profile import CommandError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -56,3 +57,11 @@ def test_a_single_run_shows_no_spread() -> None:
     table = format_table([one, three])
     assert "(one run)" in table.splitlines()[1] and "100..100" not in table
     assert "90..110" in table.splitlines()[2]
+
+
+def test_the_demo_ends_with_a_next_step_that_exists() -> None:
+    # `make demo` ended on the chart's path: what to do with one's own loader was left to find.
+    section = re.search(r'README: "([^"]+)"', NEXT_STEP).group(1)
+    assert f"## {section}" in README.read_text()
+    command = re.search(r"`pipeload (profile [^`]+)`", NEXT_STEP).group(1).split()
+    assert build_parser().parse_args(command).command == "profile"

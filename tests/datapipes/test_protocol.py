@@ -79,6 +79,26 @@ def test_next_waits_by_sleeping_not_spinning() -> None:
     assert gate.polls < 60, gate.polls
 
 
+def raise_on_two(x: int) -> int:
+    if x == 2:
+        raise ValueError("bad sample 2")
+    return x
+
+
+def test_an_error_raised_after_a_wait_carries_no_not_available_context() -> None:
+    # A sample's error behind a queue boundary reached the training loop (and a worker's
+    # traceback text) as "NotAvailable ... During handling of the above exception, another
+    # exception occurred": the wait ran inside the `except NotAvailable` that began it.
+    gate = Gate()
+    it = iter(GatedPipe(gate).map(raise_on_two))
+    gate.release(1)
+    assert next(it) == 1
+    release_later(gate, [2], end=True)
+    with pytest.raises(ValueError, match="bad sample 2") as raised:
+        next(it)  # NotAvailable first: the error comes from the wait
+    assert raised.value.__context__ is None and not raised.value.__suppress_context__
+
+
 def test_a_wait_can_be_cancelled() -> None:
     it = iter(GatedPipe(Gate()))
     with pytest.raises(WaitCancelled):

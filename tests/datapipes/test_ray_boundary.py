@@ -211,8 +211,9 @@ def test_the_loaders_stats_show_the_ray_stage(clean):
 def test_an_actor_the_cluster_cannot_place_is_an_error_not_a_hang(clean):
     boundary = IterableWrapper(range(4)).queue_boundary("ray", 2, resources={"no_such_thing": 1}, start_timeout_s=2)
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"Ray actor 0 of 1 .* did not start within 2 s.*no_such_thing"):
-        list(boundary)
+    with pytest.warns(UserWarning, match=r"asks for 1 actor with resources=\{'no_such_thing': 1\}"):
+        with pytest.raises(TimeoutError, match=r"Ray actor 0 of 1 .* did not start within 2 s.*no_such_thing"):
+            list(boundary)
     assert time.monotonic() - started < 10
 
 
@@ -284,3 +285,30 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address():
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ConnectionError: could not reach the Ray cluster at '127.0.0.1:{port}'"), last
+
+
+def test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers(clean):
+    # The module's cluster was started by the test, not by the boundary: it might grow (an
+    # autoscaler), so the boundary warns at once and waits start_timeout_s, as before.
+    boundary = (IterableWrapper(range(6)).sharding_filter()
+                .queue_boundary("ray", 6, num_actors=3, num_cpus=1, start_timeout_s=2))
+    with pytest.warns(UserWarning, match=r"asks for 3 actors with num_cpus=1: 3 x 1 CPU = 3, "
+                                         r"the cluster has 2 now\. The actors beyond what fits wait"):
+        with pytest.raises(TimeoutError, match="did not start within 2 s"):
+            list(boundary)
+
+
+def test_a_local_cluster_the_boundary_started_that_cannot_fit_its_actors_fails_at_once():
+    started = time.monotonic()
+    done = _run_python(
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        "pipe = IterableWrapper(range(4)).sharding_filter().queue_boundary(\n"
+        "    'ray', 4, num_actors=2, num_cpus=1,\n"
+        "    init_options={'num_cpus': 1, 'include_dashboard': False, 'log_to_driver': False})\n"
+        "list(pipe)"
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: queue_boundary('ray') asks for 2 actors with num_cpus=1: "
+                           "2 x 1 CPU = 2, the cluster has 1. This process started"), last
+    assert time.monotonic() - started < 60  # not start_timeout_s (300 s)

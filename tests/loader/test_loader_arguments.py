@@ -59,11 +59,12 @@ def iterate(loader: Any) -> object:
 BAD_CALLS: dict[str, BadCall] = {
     "shuffle-with-sampler": BadCall(
         lambda m: m.DataLoader(numbers(m), shuffle=True, sampler=m.SequentialSampler(range(6))),
-        lambda m: ["shuffle=True"],
+        lambda m: ["shuffle=True", "leave shuffle out, or give a sampler that shuffles (RandomSampler"],
     ),
     "batch-sampler-with-batch-size": BadCall(
         lambda m: m.DataLoader(numbers(m), batch_size=3, batch_sampler=[[0, 1]]),
-        lambda m: ["batch_size=3"],
+        lambda m: ["batch_size=3",
+                   "leave those four out, or pass batch_size, shuffle and drop_last to the batch sampler"],
     ),
     "batch-sampler-with-batch-size-none": BadCall(
         lambda m: m.DataLoader(numbers(m), batch_size=None, batch_sampler=[[0, 1]]),

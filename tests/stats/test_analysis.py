@@ -312,6 +312,19 @@ def test_workers_that_outnumber_shards_are_named() -> None:
     assert "shards" not in _verdict(map_style)
 
 
+def test_workers_that_built_no_batch_are_marked_before_there_is_enough_to_judge() -> None:
+    # The README's 4 shards read by 8 workers: one epoch is 4 batches, never enough for a verdict,
+    # and the worker line gave the 4 idle workers a busy share like the others and no other word.
+    working = tuple(_worker("", i, fetch_s=0.9, tasks=1) for i in range(4))
+    idle = tuple(_worker("", i, fetch_s=0.1, tasks=0) for i in range(4, 12))
+    stats = _stats("classic", working + idle, 0.9, dataset="pipe", batches=4)
+    line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+    assert "worker 3 91%, worker 4 11% (built no batch)," in line, line
+    assert line.count("(built no batch)") == 4 and "and 4 more (4 of them built no batch)" in line, line
+    assert _verdict(stats).startswith("verdict: too little to judge yet")
+    assert "built no batch" not in _stats("classic", working, 0.9, dataset="pipe").summary()
+
+
 def test_the_setup_line_says_prefetch_factor_once_under_auto() -> None:
     stats = dataclasses.replace(_stats("classic", _busy(2, 0.9, 0.9), 0.9), decisions=(
         TuningDecision(0, 2, 2, 0.0, "start"), TuningDecision(40, 4, 2, 100.0, "faster")))

@@ -15,6 +15,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 import pipeload
-from pipeload.cli.images import TarImages, cache_dir, ensure_images, shard_pipe
+from pipeload.cli.images import (CROP_SIDE, OUTPUT_SIDE, SOURCE_SIDE, TarImages, cache_dir, ensure_images,
+                                  shard_pipe)
 from pipeload.cli.measure import Run, time_one_pass
 from pipeload.cli.profile import CommandError
 
@@ -73,7 +75,12 @@ def _torch(images: TarImages, options: BenchOptions) -> Iterable[Any]:
 def _economic(images: TarImages, options: BenchOptions) -> Iterable[Any]:
     if options.workers == 0:
         raise LookupError("economic mode needs workers (--workers 0 was given)")
-    return _pipeload(mode="economic")(images, options)
+    # Its batch workers start besides the --workers item workers: more processes than CPUs on a
+    # small machine, which torch's warning says in the middle of the runs on every pass. The
+    # header says it once instead (see run).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        return _pipeload(mode="economic")(images, options)
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,15 @@ LOADERS: dict[str, LoaderKind] = {
     "pipes": LoaderKind(_pipes, "pipeload over a DataPipe graph reading whole shards",
                         "streaming from shards or remote storage, sharded per worker and rank"),
 }
+ECONOMIC_BATCH_WORKERS = 2  # economic mode's default: one per batch in flight (prefetch_factor 2)
 # Fewer batches than this per pass: the rate is mostly start-up (workers, first batch).
 MIN_RATE_BATCHES = 10
+# What the table's columns measured, and where a newcomer goes from here (after the chart).
+COLUMNS = ("columns: samples/s, the median over the runs (spread: slowest..fastest run); first batch: "
+           "from iter(loader) to the first batch; peak RSS: resident memory of the loader's "
+           "processes, summed; peak shm: the shared memory they map or hold, each segment once")
+NEXT_STEP = ("next: to see what limits your own loader, print(loader.stats()) after an epoch or "
+             "run `pipeload profile yourmodule:make_dataset` (README: \"See what your loader is doing\")")
 
 
 def _load_baseline() -> Any:
@@ -171,10 +185,15 @@ def run(options: BenchOptions) -> int:
         _check_chart_path(options.chart)
     names = available(options.loaders)
     images = TarImages(_dataset(options.size))
-    _say(f"{len(images)} JPEG images ({images.directory}), batch {options.batch_size}, "
-         f"{options.workers} workers, {options.repeats} repeats, loaders: {', '.join(names)}")
+    _say(f"{len(images)} JPEG images ({images.directory}; each {SOURCE_SIDE}x{SOURCE_SIDE}, decoded, "
+         f"cropped to {CROP_SIDE}, resized to {OUTPUT_SIDE}x{OUTPUT_SIDE}, flipped at random), "
+         f"batch {options.batch_size}, {options.workers} workers, {options.repeats} repeats, "
+         f"loaders: {', '.join(names)}")
     for name in names:
-        _say(f"  {name:<9} {LOADERS[name].how}")
+        extra = (f" ({options.workers} item worker{'s' * (options.workers != 1)} and "
+                 f"{ECONOMIC_BATCH_WORKERS} batch workers)"
+                 if name == "economic" else "")
+        _say(f"  {name:<9} {LOADERS[name].how}{extra}")
     runs = []
     for repeat in range(options.repeats):
         shift = repeat % len(names)
@@ -182,6 +201,7 @@ def run(options: BenchOptions) -> int:
             runs.append(_one_run(name, repeat, images, options))
     rows = summarise(runs, names)
     print(format_table(rows))
+    print(COLUMNS)
     print(_machine_line(options))
     for note in degenerate(options):
         print(f"note: {note}")
@@ -191,6 +211,7 @@ def run(options: BenchOptions) -> int:
     chart = write_chart(rows, options)
     if chart is not None:
         print(f"chart: {chart}")
+    print(NEXT_STEP)
     return 0
 
 

@@ -12,7 +12,8 @@ shards and seeds whole graphs. ``sources`` reads files, tar shards and WebDatase
 local or remote; ``webdataset_pipeline`` builds the common graph in one call. The design note (docs/design/datapipes.md in the source repository) explains the execution model.
 """
 
-from pipeload.datapipes import graph, iter, map, sources
+# datapipe: torch's path (torch.utils.data.datapipes.datapipe), reachable as an attribute as there
+from pipeload.datapipes import datapipe, graph, iter, map, sources
 from pipeload.datapipes.base import (
     IterDataPipe,
     MapDataPipe,

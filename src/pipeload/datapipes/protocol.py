@@ -90,7 +90,10 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         try:
             return self.nonblocking_next()
         except NotAvailable:
-            return wait_for_next(self)
+            pass
+        # Wait outside the except block: an error raised while waiting (a sample's, a worker's)
+        # would otherwise come with "During handling of NotAvailable, another exception occurred".
+        return wait_for_next(self)
 
     def notifiers(self) -> list[Notifier]:
         """The asynchronous sources whose progress can make this iterator ready."""

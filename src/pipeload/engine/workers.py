@@ -24,6 +24,7 @@ from pipeload.engine.lifecycle import (
     start_threads,
     stop_workers,
 )
+from pipeload.engine.main_module import unreachable_in_workers
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
 from pipeload.stats.recorder import carries_totals, count_by_worker
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
@@ -277,7 +278,18 @@ class WorkerGroup:
             return
         if isinstance(dead[0][1], ThreadWorkerHandle):
             raise WorkerDiedError("DataLoader " + "; ".join(_how_thread_ended(label) for label, _ in dead))
-        raise WorkerDiedError(worker_died_message([(label.name(), h.pid, h.exitcode) for label, h in dead]))
+        deaths = [(label.name(), h.pid, h.exitcode) for label, h in dead]
+        raise WorkerDiedError(worker_died_message(deaths, self._why_workers_could_not_start(deaths)))
+
+    def _why_workers_could_not_start(self, deaths: list[tuple[str, int | None, int | None]]) -> str:
+        """What is known of why a 'spawn' or 'forkserver' worker ended with exit code 1, the
+        code of a worker that could not unpickle what it was sent: a class or function the main
+        script defines where a worker importing it does not look ("" if not that)."""
+        if self._ctx is None or self._ctx.get_start_method() == "fork":
+            return ""
+        if not any(code == 1 for _, _, code in deaths):
+            return ""
+        return unreachable_in_workers(self.plan.picklable_parts())
 
     def start_epoch(self, epoch: int, shared_seed: int | None = None, last_batch: int = -1) -> None:
         """Persistent workers: tell every worker that epoch ``epoch`` begins (``shared_seed``

@@ -238,13 +238,19 @@ def check_batching(
     batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool
 ) -> tuple[int | None, bool]:
     if sampler is not None and shuffle:
-        raise ValueError(f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r})")
+        raise ValueError(
+            f"sampler option is mutually exclusive with shuffle (got shuffle={shuffle!r}): the "
+            "sampler decides the order; leave shuffle out, or give a sampler that shuffles "
+            "(RandomSampler, or DistributedSampler(..., shuffle=True))"
+        )
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             raise ValueError(
                 "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
                 f"and drop_last (got batch_size={batch_size!r}, shuffle={shuffle!r}, "
-                f"sampler={sampler!r}, drop_last={drop_last!r})"
+                f"sampler={sampler!r}, drop_last={drop_last!r}): the batch sampler makes every "
+                "batch; leave those four out, or pass batch_size, shuffle and drop_last to the "
+                "batch sampler you build"
             )
         return None, False
     if batch_size is None and drop_last:

@@ -44,6 +44,7 @@ class _EpochIterator:
         self._num_workers = loader.num_workers
         self._dataset = loader.dataset
         self._failures = loader._failure_board
+        self._slab_keeper = loader._slab_keeper  # the loader's slabs, released by a failed epoch
         self._ended = False
         # Batches handed out, and when the stats time the next (never, with stats off).
         self._count = count if count is not None else EpochCount()
@@ -74,6 +75,9 @@ class _EpochIterator:
                 self._stats.ended(asked or closing)
             failed = self._failed_epoch()
             if failed is not None:
+                # As after any failure (slab_keeper.py): the error may keep the loader, and with
+                # it the slabs, alive for as long as it is kept.
+                self._slab_keeper.release()
                 raise failed from None
             raise
         except Exception as error:

@@ -91,8 +91,11 @@ def _worker_line(stats: LoaderStats) -> str:
     """How busy the workers were, and what their busy time was made of: on a CPU, ready but
     queued for one (other jobs had the CPUs), or neither (waiting inside the dataset)."""
     workers = [w for w in stats.workers if w.kind != "main"]
-    each = ", ".join(f"{w.name} {w.busy_fraction:.0%}" for w in workers[:SHOWN_WORKERS])
-    more = f", and {len(workers) - SHOWN_WORKERS} more" if len(workers) > SHOWN_WORKERS else ""
+    each = ", ".join(f"{w.name} {w.busy_fraction:.0%}{_no_batch(w)}" for w in workers[:SHOWN_WORKERS])
+    hidden = workers[SHOWN_WORKERS:]
+    idle_hidden = sum(1 for w in hidden if _no_batch(w))
+    more = f", and {len(hidden)} more" if hidden else ""
+    more += f" ({idle_hidden} of them built no batch)" if idle_hidden else ""
     busy = sum(w.busy_s for w in workers)
     if busy <= 0:
         return f"{_busy_words(workers)} of the time ({each}{more})"
@@ -101,6 +104,12 @@ def _worker_line(stats: LoaderStats) -> str:
     return (f"{_busy_words(workers)} of the time ({each}{more}); of that busy time, {on_cpu:.0%} on "
             f"a CPU, {queued:.0%} ready but queued for one (other work had the CPUs), "
             f"{1 - on_cpu - queued:.0%} waiting inside the work (I/O, sleeps, locks)")
+
+
+def _no_batch(worker: WorkerStats) -> str:
+    """Words for a classic worker that has built no batch: a count, exact before any verdict (an
+    iterable dataset with fewer shards than workers leaves the rest with nothing to build)."""
+    return " (built no batch)" if worker.kind == "" and worker.tasks == 0 else ""
 
 
 def _queue_line(stats: LoaderStats) -> str:

@@ -135,6 +135,8 @@ def test_an_epoch_in_which_every_shard_failed_is_an_error(tmp_path: Path, engine
     with pytest.raises(SourceError, match=r"ended without a batch: every file read failed \(4 left out") as raised:
         list(loader)
     assert "typo-" in str(raised.value)  # the latest failure is named
+    # The error is kept here (and its traceback keeps this frame and the loader): the loader's
+    # slabs go with the failed epoch anyway, as after any failure (the leak guard checks).
 
 
 def test_a_pipe_read_outside_a_loader_keeps_the_budget_of_one_run(tmp_path: Path) -> None:

@@ -87,4 +87,5 @@ def _next_unless_closed(iterator: Any, queue: DataLoaderQueue) -> Any:
     try:
         return iterator.nonblocking_next()
     except NotAvailable:  # a boundary further upstream has nothing yet
-        return wait_for_next(iterator, lambda: queue.closed)
+        pass
+    return wait_for_next(iterator, lambda: queue.closed)  # outside the except: no NotAvailable context

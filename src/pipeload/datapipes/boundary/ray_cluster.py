@@ -23,12 +23,16 @@ import multiprocessing
 import os
 import socket
 import sys
+import warnings
 from typing import Any
+
+from pipeload._user_frame import first_frame_outside_pipeload
 
 INSTALL_HINT = "pip install 'pipeload[ray]'"
 PROBE_TIMEOUT_S = 5.0  # an address nobody answers fails within this, not after Ray's retries
 _forked_from_driver = False
 _connected_here = False  # this process has been connected to Ray (through this module)
+_started_here = False  # ... to a local cluster it started (or found) with ray.init(), no address
 
 
 def import_ray() -> Any:
@@ -82,7 +86,7 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
             DataLoader worker with no address to connect to.
         ConnectionError: nothing answers at the address (one line naming it).
     """
-    global _connected_here
+    global _connected_here, _started_here
     ray = import_ray()
     if _forked_from_driver:
         raise RuntimeError(
@@ -108,7 +112,57 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
     except ConnectionError as error:
         raise ConnectionError(f"could not join the Ray cluster at {address!r}: {error}") from None
     _connected_here = True
+    _started_here = address is None
     return ray
+
+
+# What an actor's options ask of each node resource, by the names cluster_resources() uses.
+_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], start_timeout_s: float) -> None:
+    """Say at once when ``num_actors`` actors with ``actor_options`` ask for more of a resource
+    than the whole cluster has (only what the options name: an actor that names none needs a CPU
+    to be placed, not one each). Such actors would wait for ``start_timeout_s`` and fail.
+
+    Raises:
+        ValueError: the cluster is the local one this process started (or found) with
+            ``ray.init()`` and no address: it cannot grow, so the wait would be for nothing.
+
+    Warns:
+        UserWarning: any other cluster (an autoscaler may add nodes while the actors wait).
+    """
+    asked = {_RESOURCE_NAMES[key]: float(value) for key, value in actor_options.items()
+             if key in _RESOURCE_NAMES and value}
+    asked.update({name: float(value) for name, value in (actor_options.get("resources") or {}).items()})
+    try:
+        total = ray.cluster_resources()
+    except Exception:  # a client connection, or an old Ray: Ray's own wait says it later
+        return
+    short = [f"{num_actors} x {amount:g} {name} = {num_actors * amount:g}, the cluster has "
+             f"{total.get(name, 0):g}" for name, amount in asked.items()
+             if num_actors * amount > total.get(name, 0) + 1e-9]
+    if not short:
+        return
+    what = (f"queue_boundary('ray') asks for {num_actors} actor{'s' * (num_actors != 1)} with "
+            f"{_named(actor_options)}: "
+            f"{'; '.join(short)}")
+    if _started_here and not _forked_from_driver:
+        raise ValueError(
+            f"{what}. This process started (or found) that local cluster with ray.init() and it "
+            "cannot grow: give fewer actors (num_actors) or ask less of each, start it larger "
+            "(init_options=), or join a larger cluster (address= or RAY_ADDRESS)"
+        )
+    warnings.warn(
+        f"{what} now. The actors beyond what fits wait for the cluster to grow (an autoscaler), "
+        f"for at most start_timeout_s={start_timeout_s:g} s, then the run fails",
+        stacklevel=first_frame_outside_pipeload(),
+    )
+
+
+def _named(actor_options: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in actor_options.items()
+                     if key in _RESOURCE_NAMES or key == "resources")
 
 
 def _probe(address: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
-from pipeload.datapipes.boundary.ray_cluster import connect
+from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 from pipeload.errors import IncompatibleStateError
@@ -89,6 +89,7 @@ class RayUpstream:
         self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
         share = max(1, capacity // options.num_actors)
         chunk = min(options.chunk_size or max(1, share // 2), share)
+        check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
         handles = pool.take(self._ray, options.num_actors) if pool is not None else []
         made = actor_class(self._ray).options(**dict(options.actor_options))
         handles += [made.remote() for _ in range(options.num_actors - len(handles))]

@@ -1,0 +1,110 @@
+"""A 'spawn' worker that cannot find the dataset's class in the main script: the error says which
+class, where it is defined, and what to do, after torch's words (which alone send the reader to
+``num_workers=0``, where the same code works)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeload.engine.main_module import _top_level_names
+
+pytestmark = pytest.mark.timeout(120)
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+SCRIPT = """
+import os, sys
+import torch
+import pipeload
+
+{top}
+
+def main():
+    try:
+        for batch in pipeload.DataLoader(Numbers(), batch_size=2, num_workers=1,
+                                         multiprocessing_context="spawn"):
+            print("batch", batch.tolist())
+    except RuntimeError as error:
+        print("ERROR", error)
+
+if __name__ == "__main__":
+{guarded}
+    main()
+"""
+
+NUMBERS = """
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        {body}
+        return index
+"""
+
+
+def _run(tmp_path: Path, top: str, guarded: str) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(top=top, guarded=textwrap.indent(guarded, "    ")))
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=90, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_dataset_class_defined_under_the_main_guard_is_named_with_where_and_what_to_do(tmp_path):
+    out = _run(tmp_path, top="", guarded=NUMBERS.format(body="pass"))
+    assert out.startswith("ERROR DataLoader worker (pid "), out  # torch's words first
+    assert "exited unexpectedly with exit code 1" in out
+    assert (f"dataset: Numbers is defined in {tmp_path / 'train.py'} inside "
+            "`if __name__ == '__main__':`") in out
+    assert "Can't get attribute 'Numbers'" in out
+    assert "Define Numbers at the top level of the script or in a module of its own" in out
+
+
+def test_a_worker_that_exits_with_code_1_for_another_reason_blames_no_class(tmp_path):
+    out = _run(tmp_path, top=NUMBERS.format(body="os._exit(1)"), guarded="")
+    assert "exited unexpectedly with exit code 1" in out
+    assert "is defined in" not in out and "Define Numbers" not in out
+
+
+def test_the_names_a_worker_finds_are_those_bound_outside_the_main_guard(tmp_path):
+    script = tmp_path / "names.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, os.path
+        from torch.utils.data import Dataset as Base
+        try:
+            import yaml
+        except ImportError:
+            fallback = None
+        with open(__file__) as source:
+            pass
+        for index in range(2):
+            pass
+        if True:
+            class Kept(Base): pass
+        else:
+            def other(): pass
+        if "__main__" == __name__:
+            class Guarded(Base): pass
+        else:
+            class ImportedOnly(Base): pass
+        def top(): local = 1
+        total: int = 0
+    """))
+    assert _top_level_names(str(script)) == {
+        "np", "os", "Base", "yaml", "fallback", "source", "index", "Kept", "other",
+        "ImportedOnly", "top", "total"}
+
+
+def test_a_script_that_cannot_be_read_gives_no_names(tmp_path):
+    assert _top_level_names(str(tmp_path / "missing.py")) is None
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n")
+    assert _top_level_names(str(broken)) is None
