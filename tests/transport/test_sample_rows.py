@@ -227,3 +227,61 @@ def _last_lines_of_errors(num_workers: int) -> list[str]:
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_nested_tensors_fail_in_default_collate_with_torchs_words():
     assert _last_lines_of_errors(2) == _last_lines_of_errors(0)
+
+
+class RefillsOneBuffer(torch.utils.data.Dataset):
+    """Every sample is the same tensor, filled with its index when it is asked for."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(BIG)
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.buffer.fill_(float(index))
+
+
+class RefillsARing(torch.utils.data.Dataset):
+    """Sample ``i`` is a fresh view of slot ``i % 3`` of one tensor, filled with ``i`` first: the
+    view is let go once placed, the tensor it views is not."""
+
+    def __init__(self) -> None:
+        self.ring = torch.zeros(3, BIG)
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.ring[index % 3] = float(index)
+        return self.ring[index % 3]
+
+
+class RefillsAndViewsAsInts(RefillsOneBuffer):
+    """The buffer seen as int32: a view that names no base, but shares the buffer's memory."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return super().__getitem__(index).view(torch.int32)
+
+
+class StreamRefillsOneBuffer(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        buffer = torch.zeros(BIG)
+        for index in range(first, BATCH * 6, step):
+            yield buffer.fill_(float(index))
+
+
+@pytest.mark.parametrize("dataset", [RefillsOneBuffer, RefillsARing, RefillsAndViewsAsInts,
+                                     StreamRefillsOneBuffer])
+def test_samples_changed_in_place_after_they_were_fetched_batch_as_torch_stacks_them(dataset):
+    # torch stacks what the samples hold once the batch is complete (here: repeats of the last
+    # fills), not what they held when each was fetched.
+    theirs = list(torch.utils.data.DataLoader(dataset(), batch_size=BATCH, num_workers=2))
+    ours = list(DataLoader(dataset(), batch_size=BATCH, num_workers=2))
+    assert [batch[:, 0].tolist() for batch in ours] == [batch[:, 0].tolist() for batch in theirs]
+    for mine, other in zip(ours, theirs):
+        assert mine.dtype == other.dtype and torch.equal(mine, other)
+    assert any(backing_of(batch).startswith("/memfd:") for batch in ours[2:])
+

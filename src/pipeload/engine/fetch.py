@@ -176,6 +176,7 @@ class MapFetcher:
         for index in indices:
             samples.append(dataset[index])
             rows.place(samples)
+        rows.settle()
         return samples
 
     @property
@@ -297,6 +298,8 @@ class IterableFetcher:
                 break
             if rows is not None:
                 rows.place(samples)
+        if rows is not None:
+            rows.settle()
         return samples
 
 
