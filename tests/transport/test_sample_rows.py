@@ -15,6 +15,7 @@ import torch.utils.data
 from conftest import backing_of
 
 from pipeload import DataLoader, TensorDataset, get_worker_info
+from pipeload.collate import default_collate_fn_map
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -284,4 +285,25 @@ def test_samples_changed_in_place_after_they_were_fetched_batch_as_torch_stacks_
     for mine, other in zip(ours, theirs):
         assert mine.dtype == other.dtype and torch.equal(mine, other)
     assert any(backing_of(batch).startswith("/memfd:") for batch in ours[2:])
+
+
+class KeepsWhatItMadeLonger(KeepsWhatItMade):
+    def __len__(self) -> int:
+        return BATCH * 6
+
+
+def stacks_and_tells_whose_tensors(batch, *, collate_fn_map=None):
+    """A tensor handler for default_collate_fn_map: the stack (large, so that slabs are granted)
+    and, per sample, whether it was the dataset's own tensor."""
+    made = get_worker_info().dataset.made.values()
+    return torch.stack(batch), torch.tensor([any(part is kept for kept in made) for part in batch])
+
+
+def test_a_tensor_handler_put_in_default_collate_fn_map_gets_the_datasets_own_tensors(monkeypatch):
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, stacks_and_tells_whose_tensors)
+    batches = list(DataLoader(KeepsWhatItMadeLonger(), batch_size=BATCH, num_workers=2))
+    assert len(batches) == 6
+    for number, (stacked, owned) in enumerate(batches):
+        assert stacked[:, 0].tolist() == [float(number * BATCH + k) for k in range(BATCH)]
+        assert owned.all()
 
