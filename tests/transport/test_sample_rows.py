@@ -307,3 +307,27 @@ def test_a_tensor_handler_put_in_default_collate_fn_map_gets_the_datasets_own_te
         assert stacked[:, 0].tolist() == [float(number * BATCH + k) for k in range(BATCH)]
         assert owned.all()
 
+
+class NumberAt(torch.utils.data.Dataset):
+    """Tensors, but a number for one sample in the middle of a batch placed in its rows."""
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor | int:
+        return 3 if index == BATCH * 4 + 2 else torch.full((BIG,), float(index))
+
+
+def test_a_number_among_placed_tensors_fails_with_torchs_words():
+    def outcomes(num_workers: int) -> list[str]:
+        iterator = iter(DataLoader(NumberAt(), batch_size=BATCH, num_workers=num_workers))
+        lines = []
+        for _ in range(6):
+            try:
+                next(iterator)
+                lines.append("a batch")
+            except TypeError as error:  # torch.stack's, as in the main process
+                lines.append(str(error).strip().splitlines()[-1].removeprefix("TypeError: "))
+        return lines
+
+    assert outcomes(2) == outcomes(0)

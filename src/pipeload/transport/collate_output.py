@@ -71,8 +71,10 @@ def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
     if writer is None or not writer.expects_items:
         return None
     first = parts[0]
-    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device
-           or p.requires_grad for p in parts):
+    # A part that is no tensor at all (a sample that gave a number where the others gave a
+    # tensor) is asked nothing either: torch.stack refuses it with its own TypeError.
+    if any(not isinstance(p, torch.Tensor) or p.shape != first.shape or p.dtype != first.dtype
+           or p.device != first.device or p.requires_grad for p in parts):
         return None  # torch.stack decides, and says what is wrong
     offset = writer.claim_items(parts)
     storage = writer.slab_storage()
