@@ -263,7 +263,7 @@ def _collate_sequences(
 
 def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Inside a worker process, room for the stacked batch in the memory it will travel in
-    (None elsewhere, or when it is small enough to travel inside the message)."""
+    (ordinary memory when it is small enough to travel inside the message; None elsewhere)."""
     elem = batch[0]
     if elem.device.type != "cpu":
         return None

@@ -46,15 +46,18 @@ def copied_into_message() -> bool:
 
 
 def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialised contiguous tensor in the memory the current message travels in, or None
-    when it should be made in ordinary memory (not in a worker, or small enough to go inline)."""
+    """An uninitialised contiguous tensor in the memory the current message travels in (in
+    ordinary memory when it is small enough to go inline), or None when not in a worker."""
     writer = _current.writer
     if writer is None:
         return None
     itemsize = dtype.itemsize
     nbytes = math.prod(shape) * itemsize
     if nbytes <= INLINE_MAX_BYTES:
-        return None
+        # Contiguous all the same: a torch worker stacks every batch into a fresh contiguous
+        # tensor, so its strides (channels-last samples) and its refusal of samples that
+        # require grad (no out= under autograd) do not depend on the batch's size.
+        return torch.empty(shape, dtype=dtype)
     room = writer.allocate(nbytes)
     if room is None:
         storage, offset = writer.one_shot(nbytes), 0
