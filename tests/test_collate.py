@@ -16,11 +16,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+import torch.utils.data
 from torch.utils.data import default_collate as torch_default_collate
 from torch.utils.data import default_convert as torch_default_convert
 from torch.utils.data._utils.collate import collate as torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map as torch_default_map
 
+import pipeload
 from pipeload.collate import (
     collate,
     collate_tensor_fn,
@@ -442,6 +444,54 @@ def test_worker_process_stacks_large_tensors_into_shared_memory(as_worker: None)
     assert ours["img"].is_shared() and not ours["label"].is_shared()
     assert_same(ours, torch_default_collate(batch))
     assert not collate_tensor_fn([torch.ones(2, dtype=torch.int16)] * 3).is_shared()
+
+
+class SmallSamples(torch.utils.data.Dataset):
+    """Samples whose batches of 4 travel inside the message: channels-last images, or vectors
+    that require grad."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.kind == "channels_last":
+            image = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8) + index
+            return image.contiguous(memory_format=torch.channels_last)
+        return torch.ones(4, requires_grad=True)
+
+
+def _loader_outcome(make_loader: Any, kind: str) -> list[Any] | str:
+    """Every batch, or the last line of the error the loader raised."""
+    try:
+        return list(make_loader(SmallSamples(kind), batch_size=4, num_workers=2))
+    except RuntimeError as error:
+        # torch's re-raised error and the frame that raised it hold each other, and that frame
+        # holds the iterator: without its traceback the error lets go of the iterator at once,
+        # which stops its workers now, not when the collector gets round to it.
+        error.__traceback__ = None
+        return str(error).strip().splitlines()[-1].removeprefix("RuntimeError: ")
+
+
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.timeout(60)
+def test_worker_processes_stack_small_batches_contiguous_as_torchs_do() -> None:
+    # A torch worker stacks every batch into a fresh contiguous tensor, small ones too.
+    theirs = _loader_outcome(torch.utils.data.DataLoader, "channels_last")
+    ours = _loader_outcome(pipeload.DataLoader, "channels_last")
+    assert [batch.stride() for batch in ours] == [batch.stride() for batch in theirs]
+    assert all(torch.equal(mine, other) for mine, other in zip(ours, theirs))
+
+
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.timeout(60)
+def test_worker_processes_refuse_small_samples_that_require_grad_with_torchs_words() -> None:
+    theirs = _loader_outcome(torch.utils.data.DataLoader, "requires_grad")
+    ours = _loader_outcome(pipeload.DataLoader, "requires_grad")
+    assert isinstance(theirs, str) and isinstance(ours, str)
+    assert ours.startswith(theirs)
 
 
 def test_worker_process_small_structures_match_torch(as_worker: None) -> None:

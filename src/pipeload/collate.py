@@ -263,7 +263,7 @@ def _collate_sequences(
 
 def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Inside a worker process, room for the stacked batch in the memory it will travel in
-    (None elsewhere, or when it is small enough to travel inside the message)."""
+    (ordinary memory when it is small enough to travel inside the message; None elsewhere)."""
     elem = batch[0]
     if elem.device.type != "cpu":
         return None
@@ -372,6 +372,19 @@ default_collate_fn_map: CollateFnMap = {
     str: collate_str_fn,
     bytes: collate_str_fn,
 }
+
+# What default_collate_fn_map holds until a user changes it (see collates_as_shipped).
+_SHIPPED_HANDLERS: CollateFnMap = dict(default_collate_fn_map)
+
+
+def collates_as_shipped() -> bool:
+    """Whether ``default_collate_fn_map`` holds exactly the handlers pipeload ships with.
+
+    A classic worker writes samples into their rows of the batch's slab as it fetches them only
+    while this holds: a handler a user adds or swaps in (torch's way to extend
+    ``default_collate``) must be given the dataset's own objects, as torch gives it.
+    """
+    return default_collate_fn_map == _SHIPPED_HANDLERS
 
 
 def default_collate(batch: Sequence[Any]) -> Any:

@@ -15,6 +15,7 @@ import torch.utils.data
 from conftest import backing_of
 
 from pipeload import DataLoader, TensorDataset, get_worker_info
+from pipeload.collate import default_collate_fn_map
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -227,3 +228,106 @@ def _last_lines_of_errors(num_workers: int) -> list[str]:
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_nested_tensors_fail_in_default_collate_with_torchs_words():
     assert _last_lines_of_errors(2) == _last_lines_of_errors(0)
+
+
+class RefillsOneBuffer(torch.utils.data.Dataset):
+    """Every sample is the same tensor, filled with its index when it is asked for."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(BIG)
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.buffer.fill_(float(index))
+
+
+class RefillsARing(torch.utils.data.Dataset):
+    """Sample ``i`` is a fresh view of slot ``i % 3`` of one tensor, filled with ``i`` first: the
+    view is let go once placed, the tensor it views is not."""
+
+    def __init__(self) -> None:
+        self.ring = torch.zeros(3, BIG)
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.ring[index % 3] = float(index)
+        return self.ring[index % 3]
+
+
+class RefillsAndViewsAsInts(RefillsOneBuffer):
+    """The buffer seen as int32: a view that names no base, but shares the buffer's memory."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return super().__getitem__(index).view(torch.int32)
+
+
+class StreamRefillsOneBuffer(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        buffer = torch.zeros(BIG)
+        for index in range(first, BATCH * 6, step):
+            yield buffer.fill_(float(index))
+
+
+@pytest.mark.parametrize("dataset", [RefillsOneBuffer, RefillsARing, RefillsAndViewsAsInts,
+                                     StreamRefillsOneBuffer])
+def test_samples_changed_in_place_after_they_were_fetched_batch_as_torch_stacks_them(dataset):
+    # torch stacks what the samples hold once the batch is complete (here: repeats of the last
+    # fills), not what they held when each was fetched.
+    theirs = list(torch.utils.data.DataLoader(dataset(), batch_size=BATCH, num_workers=2))
+    ours = list(DataLoader(dataset(), batch_size=BATCH, num_workers=2))
+    assert [batch[:, 0].tolist() for batch in ours] == [batch[:, 0].tolist() for batch in theirs]
+    for mine, other in zip(ours, theirs):
+        assert mine.dtype == other.dtype and torch.equal(mine, other)
+    assert any(backing_of(batch).startswith("/memfd:") for batch in ours[2:])
+
+
+class KeepsWhatItMadeLonger(KeepsWhatItMade):
+    def __len__(self) -> int:
+        return BATCH * 6
+
+
+def stacks_and_tells_whose_tensors(batch, *, collate_fn_map=None):
+    """A tensor handler for default_collate_fn_map: the stack (large, so that slabs are granted)
+    and, per sample, whether it was the dataset's own tensor."""
+    made = get_worker_info().dataset.made.values()
+    return torch.stack(batch), torch.tensor([any(part is kept for kept in made) for part in batch])
+
+
+def test_a_tensor_handler_put_in_default_collate_fn_map_gets_the_datasets_own_tensors(monkeypatch):
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, stacks_and_tells_whose_tensors)
+    batches = list(DataLoader(KeepsWhatItMadeLonger(), batch_size=BATCH, num_workers=2))
+    assert len(batches) == 6
+    for number, (stacked, owned) in enumerate(batches):
+        assert stacked[:, 0].tolist() == [float(number * BATCH + k) for k in range(BATCH)]
+        assert owned.all()
+
+
+class NumberAt(torch.utils.data.Dataset):
+    """Tensors, but a number for one sample in the middle of a batch placed in its rows."""
+
+    def __len__(self) -> int:
+        return BATCH * 6
+
+    def __getitem__(self, index: int) -> torch.Tensor | int:
+        return 3 if index == BATCH * 4 + 2 else torch.full((BIG,), float(index))
+
+
+def test_a_number_among_placed_tensors_fails_with_torchs_words():
+    def outcomes(num_workers: int) -> list[str]:
+        iterator = iter(DataLoader(NumberAt(), batch_size=BATCH, num_workers=num_workers))
+        lines = []
+        for _ in range(6):
+            try:
+                next(iterator)
+                lines.append("a batch")
+            except TypeError as error:  # torch.stack's, as in the main process
+                lines.append(str(error).strip().splitlines()[-1].removeprefix("TypeError: "))
+        return lines
+
+    assert outcomes(2) == outcomes(0)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch.autograd.profiler as _torch_profiler
 
-from pipeload.collate import default_collate
+from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
 from pipeload.stats.clock import StageClock, now, profiling, span
@@ -176,13 +176,14 @@ class MapFetcher:
         if self._getitems is not None:
             return self._getitems(indices)
         dataset = self._spec.dataset
-        rows = rows_for(len(indices)) if self._places_rows else None
+        rows = rows_for(len(indices)) if self._places_rows and collates_as_shipped() else None
         if rows is None:
             return [dataset[i] for i in indices]
         samples: list[Any] = []
         for index in indices:
             samples.append(dataset[index])
             rows.place(samples)
+        rows.settle()
         return samples
 
     @property
@@ -314,7 +315,7 @@ class IterableFetcher:
 
     def _take(self, count: int) -> list[Any]:
         samples: list[Any] = []
-        rows = rows_for(count) if self._places_rows else None
+        rows = rows_for(count) if self._places_rows and collates_as_shipped() else None
         for _ in range(count):
             try:
                 samples.append(next(self._samples))
@@ -323,6 +324,8 @@ class IterableFetcher:
                 break
             if rows is not None:
                 rows.place(samples)
+        if rows is not None:
+            rows.settle()
         return samples
 
 

@@ -46,15 +46,18 @@ def copied_into_message() -> bool:
 
 
 def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialised contiguous tensor in the memory the current message travels in, or None
-    when it should be made in ordinary memory (not in a worker, or small enough to go inline)."""
+    """An uninitialised contiguous tensor in the memory the current message travels in (in
+    ordinary memory when it is small enough to go inline), or None when not in a worker."""
     writer = _current.writer
     if writer is None:
         return None
     itemsize = dtype.itemsize
     nbytes = math.prod(shape) * itemsize
     if nbytes <= INLINE_MAX_BYTES:
-        return None
+        # Contiguous all the same: a torch worker stacks every batch into a fresh contiguous
+        # tensor, so its strides (channels-last samples) and its refusal of samples that
+        # require grad (no out= under autograd) do not depend on the batch's size.
+        return torch.empty(shape, dtype=dtype)
     room = writer.allocate(nbytes)
     if room is None:
         storage, offset = writer.one_shot(nbytes), 0
@@ -71,8 +74,10 @@ def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:
     if writer is None or not writer.expects_items:
         return None
     first = parts[0]
-    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device
-           or p.requires_grad for p in parts):
+    # A part that is no tensor at all (a sample that gave a number where the others gave a
+    # tensor) is asked nothing either: torch.stack refuses it with its own TypeError.
+    if any(not isinstance(p, torch.Tensor) or p.shape != first.shape or p.dtype != first.dtype
+           or p.device != first.device or p.requires_grad for p in parts):
         return None  # torch.stack decides, and says what is wrong
     offset = writer.claim_items(parts)
     storage = writer.slab_storage()

@@ -16,10 +16,20 @@ travel inline, found in the sample itself or inside plain tuples, lists and dict
 rebuilt around the rows (same types, same order). Anything else stays as the dataset returned
 it, and so does every sample from the first one whose large tensors differ from the first
 sample's: ``default_collate`` then stacks as usual, and says what is wrong if anything is.
+
+torch stacks what the samples hold when ``collate_fn`` runs, not when they were fetched: a
+dataset that returns one buffer refilled for every index, or that changes a tensor it returned
+earlier, gets that buffer's last contents in every row. So that the rows hold the same,
+``settle`` copies again, just before collation, every placed tensor changed in place since it
+was placed (its version counter moved), and any whose memory is still held where no counter can
+be read. Not caught: writes that leave the counter alone (through numpy or ``.data``) into a
+tensor still held, a tensor changed and then let go before the batch is complete, a container
+filled anew with other tensors.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -45,6 +55,7 @@ def rows_for(count: int) -> SampleRows | None:
         for index in indices:
             samples.append(dataset[index])
             rows.place(samples)
+        rows.settle()
     """
     writer = collate_output.current_writer()
     if writer is None or not writer.may_place_rows:
@@ -60,10 +71,12 @@ class SampleRows:
     Owned by the fetching thread for one batch. Invariants: rows are written only into the area
     the writer laid out and only once it let them be (``take_rows``), sample ``i``'s leaf ``k``
     at ``leaf_offsets[k] + i * leaf_bytes[k]``, and only a leaf of the first sample's dtype and
-    shape; the first ``placed`` samples are in their rows.
+    shape; the first ``placed`` samples are in their rows; ``_sources`` holds, for each tensor
+    written into a row, what ``settle`` needs to copy it again.
     """
 
-    __slots__ = ("_writer", "_count", "_area", "_kinds", "_runs", "_placed", "_stopped")
+    __slots__ = ("_writer", "_count", "_area", "_kinds", "_runs", "_placed", "_stopped",
+                 "_sources")
 
     def __init__(self, writer: SlabWriter, count: int) -> None:
         self._writer = writer
@@ -73,6 +86,7 @@ class SampleRows:
         self._runs: list[torch.Tensor] | None = None  # each leaf's rows, once they may be written
         self._placed = 0
         self._stopped = False
+        self._sources: list[_Source] = []
 
     def place(self, samples: list[Any]) -> None:
         """Write the samples not yet in their rows into them, replacing each in ``samples`` by
@@ -90,6 +104,15 @@ class SampleRows:
                 return
             samples[self._placed] = placed
             self._placed += 1
+
+    def settle(self) -> None:
+        """Copy again into its row each placed tensor that may have changed since it was placed
+        (see the module's notes), so that the rows hold what the samples hold now, as torch's
+        stack at collation reads them.
+        Call it once every sample of the batch is fetched, before ``collate_fn``."""
+        for source in self._sources:
+            source.copy_if_changed()
+        self._sources.clear()
 
     def _lay_out(self, first: Any) -> bool:
         leaves: list[torch.Tensor] = []
@@ -128,7 +151,45 @@ class SampleRows:
             row = run[position]
             row.copy_(leaf)
             rows.append(row)
+            self._sources.append(_Source(leaf, row))
         return _rebuilt(sample, self._count, iter(rows))
+
+
+class _Source:
+    """Where a placed tensor came from, all held weakly: its memory (the storage), the tensor
+    whose version counter it shares (its base when it is a view), where in the memory and as
+    what dtype, and the version it was copied at."""
+
+    __slots__ = ("_storage", "_owner", "_version", "_dtype", "_size", "_stride", "_offset", "_row")
+
+    def __init__(self, leaf: torch.Tensor, row: torch.Tensor) -> None:
+        # torch keeps one storage object per storage while any tensor uses it, so this weak
+        # reference lives exactly as long as the memory does.
+        self._storage = weakref.ref(leaf.untyped_storage())
+        owner = leaf if leaf._base is None else leaf._base
+        self._owner = weakref.ref(owner)
+        # An inference tensor keeps no version counter: see copy_if_changed.
+        self._version = None if owner.is_inference() else owner._version
+        # The base may be of another dtype (``.real``): the leaf's own, in its own units.
+        self._dtype, self._size, self._stride = leaf.dtype, leaf.shape, leaf.stride()
+        self._offset = leaf.storage_offset()
+        self._row = row
+
+    def copy_if_changed(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            if self._version is not None and owner._version == self._version:
+                return
+            storage = owner.untyped_storage()  # changed (or an inference tensor: unknown)
+        else:
+            # Its memory may still be held through a tensor that cannot be asked (a
+            # ``view(dtype)`` shares the counter but names no base): copied again if it is.
+            storage = self._storage()
+            if storage is None:
+                return  # gone: nothing can change it now (a change before it went is missed)
+        now = torch.empty((0,), dtype=self._dtype).set_(storage, self._offset, self._size,
+                                                         self._stride)
+        self._row.copy_(now)
 
 
 def _placeable(value: Any, count: int) -> bool:
