@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from faults import (
     THREAD,
     Numbers,
     Stalls,
+    StallsAndSaysSo,
     engine_params,
     loader_kwargs,
     worker_pids,
@@ -153,6 +155,58 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, l
     proc.kill()
     proc.communicate()
     gone_or_fail(pids, ORPHAN_EXIT_S, "orphaned workers")
+
+
+def _main_thread_is_in(function_name: str) -> bool:
+    """Whether the main thread is running ``function_name`` (anywhere on its stack) right now."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_main_thread() -> None:
+    """Ctrl-C to this process, taken by the main thread (as a terminal's is): the calling thread
+    blocks SIGINT for itself, so the kernel wakes the main thread out of its wait."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_a_second_ctrl_c_while_the_first_one_stops_the_workers_still_stops_them(
+        engine, tmp_path, leak_guard, ctrl_c_raises):
+    # A user who presses Ctrl-C twice: the first one stops the workers, and one of them, stuck in
+    # user code, is waited for; the second one comes during that wait. It must not cut the
+    # stopping short: the workers, their pipes and the slabs would be left for as long as the
+    # process lives (an interactive session), since the finalizer that stops them has fired.
+    notice = tmp_path / "stalled"
+    loader = DataLoader(StallsAndSaysSo(64, stall_index=4, notice=str(notice)), batch_size=2,
+                        num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    pids = child_pids()
+    sent: list[float] = []
+
+    def press_ctrl_c_twice() -> None:
+        if not wait_until(lambda: notice.exists() and _main_thread_is_in("receive"), STARTUP_S):
+            return  # the test fails below: no KeyboardInterrupt
+        sent.append(time.monotonic())
+        _interrupt_main_thread()
+        if wait_until(lambda: _main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
+            _interrupt_main_thread()
+            sent.append(time.monotonic())
+
+    presser = threading.Thread(target=press_ctrl_c_twice)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in iterator:
+            pass
+    raised_after_s = time.monotonic() - sent[0]
+    presser.join(INTERRUPTED_EXIT_S)
+    assert len(sent) == 2, "the second Ctrl-C found nothing being stopped"
+    assert raised_after_s < 3.0, f"KeyboardInterrupt came {raised_after_s:.2f} s after Ctrl-C"
+    leak_guard.assert_exited(pids, within_s=1.0)
 
 
 # -- early exits in this process ---------------------------------------------------------

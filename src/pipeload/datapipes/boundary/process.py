@@ -27,6 +27,7 @@ from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
+    ctrl_c_held,
     exit_now,
     exit_when_parent_dies,
     release_finished,
@@ -90,6 +91,13 @@ def _lend_slabs(keeper: SlabKeeper | None, queue: DataLoaderQueue) -> Lent:
 
 
 def _stop_process(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
+    # Ctrl-C waits until the process is stopped and its slabs given back: this finalizer does
+    # not run twice (see ``ctrl_c_held``).
+    with ctrl_c_held():
+        _stop_and_give_back(queue, process, lent)
+
+
+def _stop_and_give_back(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
     failed, stopped = getattr(queue, "ended_in_failure", False), False
     try:
         queue.close()
