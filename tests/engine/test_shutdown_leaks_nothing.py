@@ -209,6 +209,70 @@ def test_a_second_ctrl_c_while_the_first_one_stops_the_workers_still_stops_them(
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
+# A Ctrl-C that comes while a worker is forked: the kernel holds the signal until fork() returns,
+# and Python raises it at its next chance, inside multiprocessing's start of that worker (or in an
+# at-fork hook, where it is printed and dropped). The script makes that happen every time: a
+# before-fork hook blocks SIGINT and sends it, an after-fork hook in C unblocks it, so that the
+# first Python code to run after the fork raises it.
+_FORK_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, functools, json, os, signal, sys, threading, time
+    import psutil
+    from pipeload import DataLoader
+
+    which_fork, loader_mode = int(sys.argv[1]), sys.argv[2]
+    forks = [0]
+
+    def before_fork():
+        forks[0] += 1
+        if forks[0] == which_fork:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # pending until unblocked
+
+    if __name__ == "__main__":
+        libc = ctypes.CDLL(None)
+        sigint_only = (ctypes.c_ulong * 16)()
+        sigint_only[0] = 1 << (signal.SIGINT - 1)
+        # A C function called from C: no Python code runs between the unblock and multiprocessing's.
+        unblock = functools.partial(libc.pthread_sigmask, signal.SIG_UNBLOCK, ctypes.byref(sigint_only), None)
+        if loader_mode == "boundary":  # a pipe's process boundary, in the main process
+            from pipeload.datapipes.iter import IterableWrapper
+
+            pipe = IterableWrapper(range(64)).queue_boundary("process", multiprocessing_context="fork")
+            loader = DataLoader(pipe, batch_size=2)
+        else:
+            loader = DataLoader(list(range(64)), batch_size=2, num_workers=2,
+                                multiprocessing_context="fork", mode=loader_mode)
+        os.register_at_fork(before=before_fork, after_in_parent=unblock)
+        try:
+            batches = len(list(loader))
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        end = time.monotonic() + 3.0
+        while psutil.Process().children() and time.monotonic() < end:
+            time.sleep(0.02)
+        left = [f"{c.pid} {c.status()}" for c in psutil.Process().children()]
+        print(json.dumps({"interrupted": interrupted, "forks": forks[0], "children_left": left}))
+    """
+)
+
+
+@pytest.mark.parametrize(("loader_mode", "which_fork"), [("classic", 1), ("classic", 2), ("economic", 1),
+                                                         ("economic", 2), ("boundary", 1)])
+def test_ctrl_c_while_a_worker_is_forked_stops_that_worker_too(tmp_path, which_fork, loader_mode, ctrl_c_raises):
+    script = tmp_path / "fork_interrupted.py"
+    script.write_text(_FORK_INTERRUPT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(which_fork), loader_mode],
+                         capture_output=True, text=True, timeout=STARTUP_S)
+    assert run.returncode == 0, run.stderr
+    outcome = json.loads(run.stdout.splitlines()[-1])
+    assert outcome["forks"] >= which_fork
+    assert outcome["interrupted"], f"the Ctrl-C was lost:\n{run.stderr}"
+    assert outcome["children_left"] == [], "a worker forked as Ctrl-C came outlived it"
+    assert "Exception ignored" not in run.stderr, run.stderr
+
+
 # -- early exits in this process ---------------------------------------------------------
 
 

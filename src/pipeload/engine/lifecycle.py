@@ -214,8 +214,9 @@ def start_processes(
     workers: list[Any] = []
     try:
         for launch in launches:
-            process = start_process(ctx, launch.target, launch.args, launch.name)
-            workers.append(process)
+            with held_over_a_fork(ctx):
+                process = start_process(ctx, launch.target, launch.args, launch.name)
+                workers.append(process)  # before a held Ctrl-C is raised: the except stops it
             # Drop our copies of this worker's ends now, not after the last start: a worker forked
             # later would inherit them, and a task pipe that another process also reads never
             # breaks when its worker dies, so a send to the dead worker could block for ever.
@@ -227,6 +228,22 @@ def start_processes(
     finally:
         forget_unstarted()
     return workers
+
+
+def held_over_a_fork(ctx: Any) -> contextlib.AbstractContextManager[None]:
+    """Ctrl-C held (:func:`ctrl_c_held`) while a fork start method starts a process, until the
+    caller has recorded it; nothing is held for spawn and forkserver.
+
+    The kernel holds a signal that comes during ``fork()`` (milliseconds for a process with
+    torch loaded) until it returns, and Python raises it at the first Python code after it: an
+    at-fork hook, which prints it as "Exception ignored" and drops it (the Ctrl-C is lost), or
+    multiprocessing's start, before it has recorded the child (the worker is lost: it holds its
+    own copy of its task pipe's writing end, so it waits for tasks until this process exits).
+    A fork start is quick and bounded. A spawn or forkserver start also writes the process's
+    pickled arguments to the child, which may wait until the child has imported the main
+    module: holding Ctrl-C over that could hold it for as long as that import takes.
+    """
+    return ctrl_c_held() if ctx.get_start_method() == "fork" else contextlib.nullcontext()
 
 
 def start_threads(launches: Sequence[WorkerLaunch], stop: threading.Event) -> list[ThreadWorkerHandle]:
