@@ -185,6 +185,16 @@ def test_a_far_end_that_dies_is_a_queue_error_after_what_it_sent(how: str) -> No
     child.close()
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_closing_twice_before_a_far_end_joined_is_harmless(kind: str) -> None:
+    queue = DataLoaderQueue(kind=kind)
+    queue.close()
+    queue.close()  # a process queue's listener is gone by now: nothing is accepted on it again
+    with pytest.raises(QueueError) as end:
+        queue.get(blocking=False)
+    assert end.value.reason == QueueError.CLOSED and end.value.by_this_end
+
+
 def test_a_process_queue_joins_exactly_two_processes() -> None:
     queue = DataLoaderQueue(kind="process")
     first = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 1))

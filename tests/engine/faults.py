@@ -165,6 +165,20 @@ class Stalls(Numbers):
         return index
 
 
+class StallsAndSaysSo(Stalls):
+    """Stalls (see there), and first creates the file ``notice`` when it reaches ``stall_index``,
+    so that a test can tell the worker is stuck in user code."""
+
+    def __init__(self, length: int, stall_index: int, notice: str) -> None:
+        super().__init__(length, stall_index)
+        self.notice = notice
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.stall_index:
+            open(self.notice, "w").close()
+        return super().__getitem__(index)
+
+
 class BrokenIter(IterableDataset):
     """``__iter__`` itself raises."""
 

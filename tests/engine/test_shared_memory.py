@@ -346,3 +346,42 @@ def test_without_memfd_a_full_dev_shm_falls_back_to_a_file_with_one_warning(tmp_
     assert str(tmp_path) in fallback[0]
     assert result["left_in_shm"] == []
     assert [p.name for p in tmp_path.iterdir()] == ["small_shm.py"]  # nothing left there either
+
+
+# A custom collate_fn built on torch's own default_collate: in a worker, torch makes the stacked
+# batch in its own shared memory (a /dev/shm file), which travels to us as a descriptor.
+_TORCH_COLLATE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import torch, torch.utils.data
+    from pipeload import DataLoader
+
+    class Big:
+        def __len__(self): return 8
+        def __getitem__(self, index): return torch.full((1 << 16,), float(index))
+
+    def collate_with_torchs(samples):
+        return torch.utils.data.default_collate(samples)
+
+    if __name__ == "__main__":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = DataLoader(Big(), batch_size=4, num_workers=2, multiprocessing_context="fork",
+                                collate_fn=collate_with_torchs)
+            firsts = [b[:, 0].tolist() for b in loader]
+        print(json.dumps({"firsts": firsts, "warnings": [str(w.message) for w in caught]}))
+    """
+)
+
+
+def test_torchs_own_shared_memory_in_a_batch_is_not_taken_for_ours_running_short(tmp_path):
+    # The warning that our memfd could not be made (and batches fell back to /dev/shm) is for
+    # buffers we made; torch's, which user code made, say nothing about ours. It told users to
+    # give the container more shared memory when nothing was short.
+    script = tmp_path / "torch_collate.py"
+    script.write_text(_TORCH_COLLATE_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["firsts"] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    assert not [w for w in result["warnings"] if "could not make shared memory" in w], result["warnings"]

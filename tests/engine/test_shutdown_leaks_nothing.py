@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from faults import (
     THREAD,
     Numbers,
     Stalls,
+    StallsAndSaysSo,
     engine_params,
     loader_kwargs,
     worker_pids,
@@ -153,6 +155,122 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, l
     proc.kill()
     proc.communicate()
     gone_or_fail(pids, ORPHAN_EXIT_S, "orphaned workers")
+
+
+def _main_thread_is_in(function_name: str) -> bool:
+    """Whether the main thread is running ``function_name`` (anywhere on its stack) right now."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_main_thread() -> None:
+    """Ctrl-C to this process, taken by the main thread (as a terminal's is): the calling thread
+    blocks SIGINT for itself, so the kernel wakes the main thread out of its wait."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_a_second_ctrl_c_while_the_first_one_stops_the_workers_still_stops_them(
+        engine, tmp_path, leak_guard, ctrl_c_raises):
+    # A user who presses Ctrl-C twice: the first one stops the workers, and one of them, stuck in
+    # user code, is waited for; the second one comes during that wait. It must not cut the
+    # stopping short: the workers, their pipes and the slabs would be left for as long as the
+    # process lives (an interactive session), since the finalizer that stops them has fired.
+    notice = tmp_path / "stalled"
+    loader = DataLoader(StallsAndSaysSo(64, stall_index=4, notice=str(notice)), batch_size=2,
+                        num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    pids = child_pids()
+    sent: list[float] = []
+
+    def press_ctrl_c_twice() -> None:
+        if not wait_until(lambda: notice.exists() and _main_thread_is_in("receive"), STARTUP_S):
+            return  # the test fails below: no KeyboardInterrupt
+        sent.append(time.monotonic())
+        _interrupt_main_thread()
+        if wait_until(lambda: _main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
+            _interrupt_main_thread()
+            sent.append(time.monotonic())
+
+    presser = threading.Thread(target=press_ctrl_c_twice)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in iterator:
+            pass
+    raised_after_s = time.monotonic() - sent[0]
+    presser.join(INTERRUPTED_EXIT_S)
+    assert len(sent) == 2, "the second Ctrl-C found nothing being stopped"
+    assert raised_after_s < 3.0, f"KeyboardInterrupt came {raised_after_s:.2f} s after Ctrl-C"
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+# A Ctrl-C that comes while a worker is forked: the kernel holds the signal until fork() returns,
+# and Python raises it at its next chance, inside multiprocessing's start of that worker (or in an
+# at-fork hook, where it is printed and dropped). The script makes that happen every time: a
+# before-fork hook blocks SIGINT and sends it, an after-fork hook in C unblocks it, so that the
+# first Python code to run after the fork raises it.
+_FORK_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, functools, json, os, signal, sys, threading, time
+    import psutil
+    from pipeload import DataLoader
+
+    which_fork, loader_mode = int(sys.argv[1]), sys.argv[2]
+    forks = [0]
+
+    def before_fork():
+        forks[0] += 1
+        if forks[0] == which_fork:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # pending until unblocked
+
+    if __name__ == "__main__":
+        libc = ctypes.CDLL(None)
+        sigint_only = (ctypes.c_ulong * 16)()
+        sigint_only[0] = 1 << (signal.SIGINT - 1)
+        # A C function called from C: no Python code runs between the unblock and multiprocessing's.
+        unblock = functools.partial(libc.pthread_sigmask, signal.SIG_UNBLOCK, ctypes.byref(sigint_only), None)
+        if loader_mode == "boundary":  # a pipe's process boundary, in the main process
+            from pipeload.datapipes.iter import IterableWrapper
+
+            pipe = IterableWrapper(range(64)).queue_boundary("process", multiprocessing_context="fork")
+            loader = DataLoader(pipe, batch_size=2)
+        else:
+            loader = DataLoader(list(range(64)), batch_size=2, num_workers=2,
+                                multiprocessing_context="fork", mode=loader_mode)
+        os.register_at_fork(before=before_fork, after_in_parent=unblock)
+        try:
+            batches = len(list(loader))
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        end = time.monotonic() + 3.0
+        while psutil.Process().children() and time.monotonic() < end:
+            time.sleep(0.02)
+        left = [f"{c.pid} {c.status()}" for c in psutil.Process().children()]
+        print(json.dumps({"interrupted": interrupted, "forks": forks[0], "children_left": left}))
+    """
+)
+
+
+@pytest.mark.parametrize(("loader_mode", "which_fork"), [("classic", 1), ("classic", 2), ("economic", 1),
+                                                         ("economic", 2), ("boundary", 1)])
+def test_ctrl_c_while_a_worker_is_forked_stops_that_worker_too(tmp_path, which_fork, loader_mode, ctrl_c_raises):
+    script = tmp_path / "fork_interrupted.py"
+    script.write_text(_FORK_INTERRUPT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(which_fork), loader_mode],
+                         capture_output=True, text=True, timeout=STARTUP_S)
+    assert run.returncode == 0, run.stderr
+    outcome = json.loads(run.stdout.splitlines()[-1])
+    assert outcome["forks"] >= which_fork
+    assert outcome["interrupted"], f"the Ctrl-C was lost:\n{run.stderr}"
+    assert outcome["children_left"] == [], "a worker forked as Ctrl-C came outlived it"
+    assert "Exception ignored" not in run.stderr, run.stderr
 
 
 # -- early exits in this process ---------------------------------------------------------

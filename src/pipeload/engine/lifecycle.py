@@ -12,6 +12,7 @@ import os
 import pickle
 import reprlib
 import select
+import signal
 import sys
 import threading
 import time
@@ -213,8 +214,9 @@ def start_processes(
     workers: list[Any] = []
     try:
         for launch in launches:
-            process = start_process(ctx, launch.target, launch.args, launch.name)
-            workers.append(process)
+            with held_over_a_fork(ctx):
+                process = start_process(ctx, launch.target, launch.args, launch.name)
+                workers.append(process)  # before a held Ctrl-C is raised: the except stops it
             # Drop our copies of this worker's ends now, not after the last start: a worker forked
             # later would inherit them, and a task pipe that another process also reads never
             # breaks when its worker dies, so a send to the dead worker could block for ever.
@@ -228,6 +230,22 @@ def start_processes(
     return workers
 
 
+def held_over_a_fork(ctx: Any) -> contextlib.AbstractContextManager[None]:
+    """Ctrl-C held (:func:`ctrl_c_held`) while a fork start method starts a process, until the
+    caller has recorded it; nothing is held for spawn and forkserver.
+
+    The kernel holds a signal that comes during ``fork()`` (milliseconds for a process with
+    torch loaded) until it returns, and Python raises it at the first Python code after it: an
+    at-fork hook, which prints it as "Exception ignored" and drops it (the Ctrl-C is lost), or
+    multiprocessing's start, before it has recorded the child (the worker is lost: it holds its
+    own copy of its task pipe's writing end, so it waits for tasks until this process exits).
+    A fork start is quick and bounded. A spawn or forkserver start also writes the process's
+    pickled arguments to the child, which may wait until the child has imported the main
+    module: holding Ctrl-C over that could hold it for as long as that import takes.
+    """
+    return ctrl_c_held() if ctx.get_start_method() == "fork" else contextlib.nullcontext()
+
+
 def start_threads(launches: Sequence[WorkerLaunch], stop: threading.Event) -> list[ThreadWorkerHandle]:
     """Start one daemon thread per launch; they all stop when ``stop`` is set."""
     handles = []
@@ -238,6 +256,40 @@ def start_threads(launches: Sequence[WorkerLaunch], stop: threading.Event) -> li
     return handles
 
 
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while the block runs, then deliver it: stopping is finished
+    before the KeyboardInterrupt is raised (or the handler in place runs).
+
+    Stopping is where a second Ctrl-C lands when a user presses it twice: the first one's
+    stopping waits (up to a second or two) for a worker stuck in user code. Raised there, it
+    would leave the rest undone for good (workers running, their pipes and slabs held for as
+    long as the process lives), because the finalizer that stops them has already fired and
+    does not fire twice. Stopping is bounded (``JOIN_GRACE_S + TERMINATE_GRACE_S + KILL_GRACE_S``),
+    so the interrupt comes that much later at most. Only the main thread takes signals and may
+    set handlers; elsewhere, where SIGINT is ignored or not handled in Python, and inside an
+    outer hold, the block runs as it is.
+    """
+    previous = (signal.getsignal(signal.SIGINT)
+                if threading.current_thread() is threading.main_thread() else None)
+    if not callable(previous) or getattr(previous, "holds_ctrl_c", False):
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append((signum, frame))
+
+    hold.holds_ctrl_c = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(*held[0])  # the default handler raises KeyboardInterrupt here
+
+
 def stop_workers(
     workers: Sequence[Any], ask: Callable[[int], None] | None = None, force: bool = True
 ) -> None:
@@ -245,7 +297,13 @@ def stop_workers(
 
     ``force=False`` stops after the join: threads cannot be terminated, so waiting on through
     the escalation steps would only hold the caller up (a stuck daemon thread is left behind).
+    Ctrl-C waits until they are stopped (see :func:`ctrl_c_held`).
     """
+    with ctrl_c_held():
+        _stop_workers(workers, ask, force)
+
+
+def _stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None, force: bool) -> None:
     if ask is not None:
         for worker_id, worker in enumerate(workers):
             if worker.is_alive():

@@ -19,6 +19,7 @@ from pipeload.engine.lifecycle import (
     ThreadWorkerHandle,
     WorkerLaunch,
     check_picklable,
+    ctrl_c_held,
     release_finished,
     start_processes,
     start_threads,
@@ -364,6 +365,12 @@ class WorkerGroup:
         self.failed = True
 
     def close(self) -> None:
+        # Ctrl-C waits until everything below is done: once ``closed`` is set nothing would
+        # finish the rest (see ``ctrl_c_held``).
+        with ctrl_c_held():
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True

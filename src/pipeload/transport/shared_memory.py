@@ -130,12 +130,15 @@ def create_buffer(nbytes: int, *, allocate: bool) -> int:
                 raise
 
 
+BUFFER_PREFIX = "pipeload-"  # the name of every buffer made here, whatever its backing
+
+
 def _create_in(backing: Backing, nbytes: int, allocate: bool) -> int:
     if backing is Backing.MEMFD:
-        fd = os.memfd_create("pipeload-batch", os.MFD_CLOEXEC)
+        fd = os.memfd_create(BUFFER_PREFIX + "batch", os.MFD_CLOEXEC)
     else:
         directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix="pipeload-", dir=directory)
+        fd, path = tempfile.mkstemp(prefix=BUFFER_PREFIX, dir=directory)
         os.unlink(path)  # nameless from here on: nothing to leak
     try:
         os.ftruncate(fd, nbytes)
@@ -161,11 +164,16 @@ def backing_of_descriptor(fd: int) -> Backing | None:
 
 
 def note_received(fd: int) -> None:
-    """Warn once per process when a buffer arrives in a backing below the preferred one."""
+    """Warn once per process when a buffer made here arrives in a backing below the preferred
+    one. Shared memory that user code made says nothing about ours: torch's ``default_collate``
+    in a worker (a custom ``collate_fn`` built on it) stacks a batch into torch's own /dev/shm
+    file, which reaches us as a descriptor too."""
     if _choice.warned:
         return
     backing = backing_of_descriptor(fd)
     if backing is None or backing is _choice.preferred or backing is Backing.MEMFD:
+        return
+    if not _made_here(fd):
         return
     _choice.warned = True
     warnings.warn(
@@ -175,6 +183,15 @@ def note_received(fd: int) -> None:
         RuntimeWarning,
         stacklevel=first_frame_outside_pipeload(),
     )
+
+
+def _made_here(fd: int) -> bool:
+    """Whether a descriptor's file is one of our buffers (by its name, see ``BUFFER_PREFIX``)."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return os.path.basename(target).startswith(BUFFER_PREFIX)
 
 
 def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:

@@ -27,8 +27,10 @@ from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
+    ctrl_c_held,
     exit_now,
     exit_when_parent_dies,
+    held_over_a_fork,
     release_finished,
     schedule_as_batch_work,
     start_process,
@@ -57,17 +59,20 @@ class ProcessProducer:
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         lent = _lend_slabs(keeper, queue)
-        try:
-            # It leaves when its parent dies, so it may be started from a process worker too, a
-            # daemon (replica.separate_processes places boundaries there).
-            self._process = start_process(ctx, run_upstream_process, (pipe, seed, queue, resume, states),
-                                          name, leaves_with_parent=True)
-        except BaseException:
-            if lent is not None:
-                lent[0].give_back(lent[1])
-            raise
-        queue.watch(self._process)
-        self._finalizer = weakref.finalize(self, _stop_process, queue, self._process, lent)
+        # A Ctrl-C during the fork comes once the finalizer that stops the process is in place.
+        with held_over_a_fork(ctx):
+            try:
+                # It leaves when its parent dies, so it may be started from a process worker too,
+                # a daemon (replica.separate_processes places boundaries there).
+                self._process = start_process(ctx, run_upstream_process,
+                                              (pipe, seed, queue, resume, states), name,
+                                              leaves_with_parent=True)
+            except BaseException:
+                if lent is not None:
+                    lent[0].give_back(lent[1])
+                raise
+            queue.watch(self._process)
+            self._finalizer = weakref.finalize(self, _stop_process, queue, self._process, lent)
 
     @property
     def pid(self) -> int:
@@ -90,6 +95,13 @@ def _lend_slabs(keeper: SlabKeeper | None, queue: DataLoaderQueue) -> Lent:
 
 
 def _stop_process(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
+    # Ctrl-C waits until the process is stopped and its slabs given back: this finalizer does
+    # not run twice (see ``ctrl_c_held``).
+    with ctrl_c_held():
+        _stop_and_give_back(queue, process, lent)
+
+
+def _stop_and_give_back(queue: DataLoaderQueue, process: Any, lent: Lent) -> None:
     failed, stopped = getattr(queue, "ended_in_failure", False), False
     try:
         queue.close()

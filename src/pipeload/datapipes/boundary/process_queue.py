@@ -128,7 +128,10 @@ class ProcessQueue(InboxQueue, kind="process"):
         with self._lock:
             if self._pid != os.getpid():
                 return  # a forked copy never used: the original's resources are not ours
-            if self._link is None and self._accepting:
+            # A closed queue's listener is closed (``_release``): accepting on it again would
+            # raise, and close() must be safe to call twice (a boundary's failed start closes
+            # the queue, then the stopping of its half-started producer closes it again).
+            if self._link is None and self._accepting and self._finalizer.alive:
                 self._link = self._accept_now()  # a far end waiting to be accepted hears of it
             self._inbox.discard(Ending(QueueError.CLOSED, process_name(), here=True, cause=error))
             if self._link is not None:
