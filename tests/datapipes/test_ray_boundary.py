@@ -298,6 +298,7 @@ def test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers(cl
             list(boundary)
 
 
+@pytest.mark.slow  # starts a Ray cluster of its own (~7 s); the warning above runs the same check
 def test_a_local_cluster_the_boundary_started_that_cannot_fit_its_actors_fails_at_once():
     started = time.monotonic()
     done = _run_python(

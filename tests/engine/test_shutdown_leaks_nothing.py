@@ -258,8 +258,10 @@ _FORK_INTERRUPT_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("loader_mode", "which_fork"), [("classic", 1), ("classic", 2), ("economic", 1),
-                                                         ("economic", 2), ("boundary", 1)])
+@pytest.mark.parametrize(("loader_mode", "which_fork"), [
+    ("classic", 2), ("economic", 1), ("boundary", 1),
+    # The same hold around every fork: the first worker's, or the second item worker's.
+    pytest.param("classic", 1, marks=pytest.mark.slow), pytest.param("economic", 2, marks=pytest.mark.slow)])
 def test_ctrl_c_while_a_worker_is_forked_stops_that_worker_too(tmp_path, which_fork, loader_mode, ctrl_c_raises):
     script = tmp_path / "fork_interrupted.py"
     script.write_text(_FORK_INTERRUPT_SCRIPT)
