@@ -152,9 +152,18 @@ def _create_in(backing: Backing, nbytes: int, allocate: bool) -> int:
 
 def backing_of_descriptor(fd: int) -> Backing | None:
     """Which backing a descriptor's file lives in (from its /proc link), or None if unknown."""
+    return _backing_of(_link_of(fd))
+
+
+def _link_of(fd: int) -> str | None:
     try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
+        return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
+        return None
+
+
+def _backing_of(target: str | None) -> Backing | None:
+    if target is None:
         return None
     if target.startswith("/memfd:"):
         return Backing.MEMFD
@@ -170,11 +179,12 @@ def note_received(fd: int) -> None:
     file, which reaches us as a descriptor too."""
     if _choice.warned:
         return
-    backing = backing_of_descriptor(fd)
+    target = _link_of(fd)  # one readlink per batch received by descriptor (torch's, say)
+    backing = _backing_of(target)
     if backing is None or backing is _choice.preferred or backing is Backing.MEMFD:
         return
-    if not _made_here(fd):
-        return
+    if not os.path.basename(target or "").startswith(BUFFER_PREFIX):
+        return  # not one of our buffers (see BUFFER_PREFIX)
     _choice.warned = True
     warnings.warn(
         f"pipeload: could not make shared memory in {_describe(_choice.preferred)} (full, or not "
@@ -183,15 +193,6 @@ def note_received(fd: int) -> None:
         RuntimeWarning,
         stacklevel=first_frame_outside_pipeload(),
     )
-
-
-def _made_here(fd: int) -> bool:
-    """Whether a descriptor's file is one of our buffers (by its name, see ``BUFFER_PREFIX``)."""
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False
-    return os.path.basename(target).startswith(BUFFER_PREFIX)
 
 
 def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:
