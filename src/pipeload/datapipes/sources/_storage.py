@@ -199,9 +199,14 @@ def _expand_local(root: str, masks: list[str], recursive: bool) -> list[str]:
     return sorted(path for path in found if _matches(path, masks))
 
 
+def file_name(path: str) -> str:
+    """The last part of a local path or URL (what a checkpoint compares to tell files apart
+    wherever the dataset was moved)."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _matches(path: str, masks: list[str]) -> bool:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    return any(fnmatch.fnmatch(name, mask) for mask in masks)
+    return any(fnmatch.fnmatch(file_name(path), mask) for mask in masks)
 
 
 def _with_protocol(path: str, protocol: str) -> str:

@@ -19,8 +19,8 @@ from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceChangedError, SourceError, describe_failure
-from pipeload.errors import bad_state_field
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
+from pipeload.errors import bad_state_field
 
 # Each read of a remote file is a hop to fsspec's IO thread and back: read in large pieces.
 REMOTE_BUFFER_BYTES = 1 << 20
@@ -196,7 +196,7 @@ def _check_listed_the_same(root: str, listed: list[str], skip: int, last: str | 
     if not skip:
         return
     now = listed[skip - 1] if len(listed) >= skip else None
-    if now is None or (last is not None and _name(now) != _name(last)):
+    if now is None or (last is not None and _storage.file_name(now) != _storage.file_name(last)):
         was = f"its path {skip} was {last!r} and " if last is not None else ""
         found = f"it is now {now!r}" if now is not None else (
             f"it now lists {len(listed)} files, fewer than the {skip} handed out before")
@@ -204,10 +204,6 @@ def _check_listed_the_same(root: str, listed: list[str], skip: int, last: str | 
             f"the listing of {root!r} changed since the checkpoint was taken: {was}{found} (a "
             "file added or removed before it), so the paths handed out before the checkpoint "
             "cannot be skipped by count", root)
-
-
-def _name(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _state_or_none(iterator: PipeIterator[Any]) -> Any:

@@ -13,7 +13,7 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
-from pipeload.datapipes.sources import _tar_stream, _versions
+from pipeload.datapipes.sources import _storage, _tar_stream, _versions
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
@@ -363,7 +363,7 @@ def _check_same_archive(url: str, saved_url: str, offset: int) -> None:
     """Refuse to resume at ``offset`` of an archive other than the one the checkpoint was taken
     in: the upstream replayed to another (a file added to, or removed from, the list before it).
     Compared by file name, so a dataset moved to another directory still resumes."""
-    if url.rstrip("/").rsplit("/", 1)[-1] != saved_url.rstrip("/").rsplit("/", 1)[-1]:
+    if _storage.file_name(url) != _storage.file_name(saved_url):
         raise SourceChangedError(
             f"resuming from the checkpoint opened {url!r}, but the checkpoint was taken {offset} "
             f"bytes into {saved_url!r}: the archives given changed since (one added, removed or "
