@@ -6,6 +6,8 @@ is not a tensor (numbers, strings, custom objects) is pickled as usual. Each sto
 whatever the number of tensors viewing it, in the first way that applies:
 
 1. the slab granted for this message, when collation already wrote it there: no copy at all;
+   each output arrives over its own piece of the slab (the room it was written into), a storage
+   of its size as torch's outputs have, not a view of the whole slab;
 2. inline, when it is at most ``INLINE_MAX_BYTES`` (and the message's inline budget allows): its
    bytes ride inside the message, which beats any shared-memory set-up for small batches;
 3. its own descriptor, when it already lives in descriptor-backed shared memory;
@@ -126,6 +128,7 @@ def _dispatch_table() -> dict[Any, Any]:
         table.update(ForkingPickler._extra_reducers)
         table[torch.Tensor] = _reduce_tensor
         table[torch.UntypedStorage] = _reduce_storage
+        table[_SlabPiece] = _reduce_piece
         _table_cache.update(size=size, table=table)
     return _table_cache["table"]
 
@@ -152,11 +155,47 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     storage = tensor.untyped_storage()
     dtype_index = _DTYPE_INDEX[tensor.dtype]
     shape = tuple(tensor.shape)
+    if writer is not None and writer.owns(storage) and (piece := _piece_of_slab(tensor, writer)):
+        offset, nbytes = piece
+        return (_rebuild_tensor, (_SlabPiece(offset, nbytes), dtype_index, shape, tensor.stride(),
+                                  tensor.storage_offset() - offset // tensor.element_size()))
     inline = _whole_inline_tensor(tensor, storage)
     if inline is not None:
         return (_inline_tensor, (inline[0], inline[1], dtype_index, shape))
     return (_rebuild_tensor, (storage, dtype_index, shape, tensor.stride(),
                               tensor.storage_offset()))
+
+
+class _SlabPiece:
+    """A piece of the granted slab that one output (or a run of rows) was written into, standing
+    for the tensor's storage in the message: it arrives as a storage of exactly that piece."""
+
+    __slots__ = ("offset", "nbytes")
+
+    def __init__(self, offset: int, nbytes: int) -> None:
+        self.offset = offset
+        self.nbytes = nbytes
+
+
+def _piece_of_slab(tensor: torch.Tensor, writer: SlabWriter) -> tuple[int, int] | None:
+    """The piece of the slab (``SlabWriter.region_of``) holding every byte ``tensor`` views."""
+    if tensor.numel() == 0:
+        return None
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return writer.region_of(start, start + (last + 1) * itemsize)
+
+
+def _reduce_piece(piece: _SlabPiece) -> Any:
+    out = _outgoing
+    writer = out.writer
+    key = (writer.slab_storage().data_ptr() + piece.offset, piece.nbytes)
+    slot = out.slots.get(key)
+    if slot is not None:
+        return (_storage_at, (slot, Placement.CACHED, None))
+    slot = out.slots[key] = len(out.slots)
+    return (_storage_at, (slot, Placement.REGION, (writer.slab_id, piece.offset, piece.nbytes)))
 
 
 _QUANTIZED_SCHEMES = (torch.per_tensor_affine, torch.per_channel_affine,

@@ -117,6 +117,9 @@ class SlabWriter:
         # place, whatever its size (see place_items).
         self.carries_items = False
         self._claimed: set[int] = set()
+        # The pieces of the granted slab handed out in this message, (offset, bytes): an output's
+        # room, a claimed run of rows. Each arrives as a storage of its own (see region_of).
+        self._regions: list[tuple[int, int]] = []
         # A classic worker's samples, written into their rows as they were fetched (take_rows).
         self._rows: ItemPlacement | None = None
         # Batch worker: the slab's byte ranges the batch's decoded items view (None: unknown),
@@ -162,6 +165,8 @@ class SlabWriter:
         self.carries_items = False
         if self._claimed:  # left as they are when empty: no allocation per tiny message
             self._claimed = set()
+        if self._regions:
+            self._regions = []
         self._occupied, self._occupied_source = None, None
         self.large_sizes = []
 
@@ -217,6 +222,7 @@ class SlabWriter:
                 return None
             self._outcome = GrantOutcome.USED
             self.used_bytes = max(self.used_bytes, offset + nbytes)
+            self._regions.append((offset, nbytes))
             return slab.storage, offset
         if not self._checked and not self._may_write(slab):
             self._slab = None
@@ -226,6 +232,7 @@ class SlabWriter:
             return None
         self.used_bytes = offset + nbytes
         self._outcome = GrantOutcome.USED
+        self._regions.append((offset, nbytes))
         return slab.storage, offset
 
     def _may_write(self, slab: _MappedSlab) -> bool:
@@ -331,6 +338,7 @@ class SlabWriter:
                 return None
             self._claimed.add(leaf)
             self._outcome = GrantOutcome.USED
+            self._regions.append((start, len(parts) * size))
             return start
         return None
 
@@ -340,6 +348,19 @@ class SlabWriter:
             return False
         return not any(low < run + (i + 1) * size and run + i * size < high
                        for i in places for low, high in occupied)
+
+    def region_of(self, start: int, end: int) -> tuple[int, int] | None:
+        """The piece of the granted slab handed out in this message (``allocate``'s room, a run
+        ``claim_items`` claimed) that holds its bytes ``[start, end)``: (offset, bytes), or None
+        when no one piece holds them all.
+
+        A tensor the consumer receives gets that piece as its storage, not the whole slab: what
+        torch's loader gives (a storage per output, of its size), so that ``torch.save`` writes
+        the tensor's bytes alone and ``resize_`` cannot grow it over its neighbours."""
+        for offset, nbytes in self._regions:
+            if offset <= start and end <= offset + nbytes:
+                return offset, nbytes
+        return None
 
     def slab_storage(self) -> torch.UntypedStorage | None:
         """The granted slab's storage while this message may write into it."""

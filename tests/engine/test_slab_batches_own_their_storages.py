@@ -1,0 +1,85 @@
+"""Every tensor of a batch that travels in a slab has a storage of its own, as torch's have.
+
+torch's workers collate each output into a shared storage of exactly its size. Ours write all of
+a batch into one slab; before this, each tensor arrived as a view of a storage spanning the whole
+slab: ``torch.save`` of one tensor wrote the slab (the other outputs' bytes too), two outputs of
+one batch shared a storage, and ``resize_`` could grow a tensor over its neighbours. Each output
+now arrives over its own piece of the slab: the same no-copy transport, torch's storages.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from faults import ECONOMIC, FORK, engine_params, loader_kwargs
+
+from pipeload import DataLoader
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
+
+ITEMS = 48
+BATCH = 4
+
+
+class ImageAndVector(torch.utils.data.Dataset):
+    """Item i: a 3x64x64 image, a label and a 64 Ki-float vector, all derived from i."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        return torch.full((3, 64, 64), float(index)), index, torch.full((1 << 16,), -float(index))
+
+
+def saved_bytes(tensor: torch.Tensor) -> int:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return len(buffer.getvalue())
+
+
+def expected(number: int) -> list[float]:
+    return [float(number * BATCH + k) for k in range(BATCH)]
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_each_output_of_a_slab_batch_has_a_storage_of_exactly_its_size(engine) -> None:
+    loader = DataLoader(ImageAndVector(), batch_size=BATCH, num_workers=2, **loader_kwargs(engine))
+    in_slabs = 0
+    for number, (images, labels, vectors) in enumerate(loader):
+        assert images[:, 0, 0, 0].tolist() == expected(number)
+        assert vectors[:, -1].tolist() == [-v for v in expected(number)]
+        assert labels.tolist() == list(range(number * BATCH, number * BATCH + BATCH))
+        in_slabs += not vectors.is_shared()  # a slab piece (a one-shot buffer answers True)
+        storages = set()
+        for tensor in (images, labels, vectors):
+            assert tensor.storage_offset() == 0
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes
+            storages.add(tensor.untyped_storage().data_ptr())
+        assert len(storages) == 3
+        # torch.save writes the tensor's bytes, not the slab's (a small header besides).
+        assert saved_bytes(vectors) < vectors.nbytes + 4096
+        with pytest.raises(RuntimeError, match="not resizable"):
+            images.resize_(images.numel() + 1)  # torch refuses it the same way
+    assert in_slabs >= 6  # after the first few batches, which go out before a slab is sized
+
+
+class StackAndItsFirstRow:
+    """A collate_fn returning a stacked batch and a view of it: they share one storage in
+    torch, and must still share one here."""
+
+    def __call__(self, samples: list[tuple[torch.Tensor, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        stacked = torch.stack([vector for _, _, vector in samples])
+        return stacked, stacked[0]
+
+
+def test_views_of_one_output_still_share_its_storage() -> None:
+    loader = DataLoader(ImageAndVector(), batch_size=BATCH, num_workers=2,
+                        collate_fn=StackAndItsFirstRow(), **loader_kwargs(FORK))
+    for number, (stacked, first) in enumerate(loader):
+        assert first[-1].item() == -expected(number)[0]
+        assert first.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        assert stacked.untyped_storage().nbytes() == stacked.nbytes
+        stacked[0, 0] = 7.0
+        assert first[0].item() == 7.0
