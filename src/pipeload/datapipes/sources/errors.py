@@ -30,6 +30,12 @@ class ArchiveError(SourceError):
     """An archive is corrupt or truncated: names the archive and the member where it broke."""
 
 
+class SampleGroupingError(ArchiveError, ValueError):
+    """An archive's members do not make whole samples: a key whose members are not adjacent (it
+    comes back after another key's), or one key with the same extension twice. A ``ValueError``
+    too, as a repeated extension was before it was named an archive's fault."""
+
+
 class SourceChangedError(SourceError):
     """A remote object changed while it was being read (another ETag, Last-Modified, length or
     version after a reconnect): carrying on would splice two versions' bytes, so the read stops."""
