@@ -13,6 +13,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryPolicy
 from pipeload.datapipes.sources.decoders import ImageOutput
+from pipeload.datapipes.sources.errors import redact_url
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.on_error import OnError
 
@@ -167,8 +168,9 @@ def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mappi
     anyway, in a worker, long after the typo was made)."""
     remote = [url for url in shard_urls if not _storage.is_local(url)][:REMOTE_PROBES]
     if remote and not any(_exists(url, storage_options) for url in remote):
-        raise ValueError(f"no shard matches urls={urls!r}: none of the first {len(remote)} shards it "
-                         f"names exists (the first: {remote[0]!r})")
+        shown = redact_url(urls) if isinstance(urls, str) else [redact_url(str(url)) for url in urls]
+        raise ValueError(f"no shard matches urls={shown!r}: none of the first {len(remote)} shards it "
+                         f"names exists (the first: {redact_url(remote[0])!r})")
     missing = [url for url in shard_urls if _storage.is_local(url) and not os.path.exists(_storage.local_path(url))]
     if missing and on_error == "raise":
         others = ", ".join(repr(url) for url in missing[1:5]) + (", ..." if len(missing) > 5 else "")
