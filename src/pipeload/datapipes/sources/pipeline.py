@@ -45,7 +45,7 @@ def expand_urls(urls: str | Sequence[str], storage_options: Mapping[str, Any] | 
     found: list[str] = []
     for pattern in patterns:
         for url in _expand_braces(pattern):
-            found.extend(_expand_glob(url, storage_options) if _GLOB_CHARACTERS & set(url) else [url])
+            found.extend(_expand_glob(url, storage_options) if _is_glob(url) else [url])
     if not found:
         raise ValueError(f"no shard matches urls={urls!r}")
     _check_local(found, urls)
@@ -83,6 +83,16 @@ def _brace_choices(inside: str) -> list[str] | None:
         width = len(first) if first.startswith("0") else 0
         return [f"{number:0{width}d}" for number in range(int(first), int(last) + 1)]
     return inside.split(",") if "," in inside else None
+
+
+def _is_glob(url: str) -> bool:
+    """Whether ``url`` is a pattern to match. In an HTTP URL ``?`` starts the query (a presigned
+    URL's signature, ``?download=true``), as fsspec reads it too: only ``*`` and ``[`` before it
+    make a pattern. Matched as one, such a URL was fetched whole at build time, and silently left
+    out of the list when missing."""
+    if url.startswith(("http://", "https://")):
+        return bool(set("*[") & set(url.split("?", 1)[0]))
+    return bool(_GLOB_CHARACTERS & set(url))
 
 
 def _expand_glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
