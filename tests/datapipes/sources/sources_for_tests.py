@@ -95,7 +95,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
         super().__init__(*args, **kwargs)
 
     def do_HEAD(self) -> None:  # noqa: N802  (whether a shard is there: no body, not counted as a read)
-        path = self.shards.root / self.path.lstrip("/")
+        path = self.shards.root / self._name()
         if not path.is_file():
             self.send_error(404)
             return
@@ -103,8 +103,12 @@ class _ShardHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(path.stat().st_size))
         self.end_headers()
 
+    def _name(self) -> str:
+        """The file asked for; a query string (a signed URL's) does not choose the file."""
+        return self.path.lstrip("/").split("?", 1)[0]
+
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
-        name = self.path.lstrip("/")
+        name = self._name()
         path = self.shards.root / name
         self.shards.note_request(name)
         if not path.is_file():

@@ -117,6 +117,43 @@ def test_a_missing_shard_is_a_file_not_found_naming_the_url(server: ShardServer)
         list(FileLister(server.url("no-such-folder"), "*.tar"))
 
 
+PASSWORD, SIGNATURE, CREDENTIAL = "hunter2pw", "c2lnbmF0dXJlLXNlY3JldA", "AKIAEXAMPLE/20240101"
+
+
+def _signed(url: str) -> str:
+    """``url`` with a password and a presigned URL's query string written into it."""
+    with_password = url.replace("http://", f"http://reader:{PASSWORD}@")
+    return f"{with_password}?X-Amz-Credential={CREDENTIAL.replace('/', '%2F')}&X-Amz-Signature={SIGNATURE}&part=1"
+
+
+def _assert_secret_free(text: str) -> None:
+    for secret in (PASSWORD, SIGNATURE, CREDENTIAL, CREDENTIAL.replace("/", "%2F")):
+        assert secret not in text, f"{secret!r} shown in: {text}"
+
+
+def test_errors_and_warnings_name_the_url_but_not_the_secrets_in_it(server: ShardServer) -> None:
+    server.drop("shard-0001.tar", times=100)  # every response cut half-way
+    cut, missing = _signed(server.url("shard-0001.tar")), _signed(server.url("no-such-shard.tar"))
+    tar = IterableWrapper([cut]).open_files(mode="b", retry=FAST_RETRY).load_from_tar()
+    with pytest.raises(SourceError) as raised:
+        list(tar)
+    shown = str(raised.value)
+    assert "reader:***@127.0.0.1" in shown and "shard-0001.tar?X-Amz-Credential=***&X-Amz-Signature=***&part=1" in shown
+    _assert_secret_free(shown)
+    assert raised.value.url == cut  # the attribute keeps the URL as given
+    with pytest.raises(FileNotFoundError) as not_found:
+        list(IterableWrapper([missing]).open_files(mode="b"))
+    assert "no-such-shard.tar" in str(not_found.value)
+    _assert_secret_free(str(not_found.value))
+    skipping = IterableWrapper([cut, missing]).open_files(mode="b", retry=FAST_RETRY, on_error="skip",
+                                                          max_failures=0).load_from_tar(on_error="skip")
+    with pytest.warns(SkippedSampleWarning) as warned, pytest.raises(pipeload.datapipes.sources.FailureBudgetExceeded) as over:
+        list(skipping)
+    assert warned and "shard-0001.tar" in str(warned[0].message)
+    for text in [str(w.message) for w in warned] + [str(over.value)]:
+        _assert_secret_free(text)
+
+
 @pytest.mark.timeout(30)
 def test_a_stalled_response_is_a_transient_error_not_a_five_minute_wait(
     server: ShardServer, monkeypatch: pytest.MonkeyPatch

@@ -63,6 +63,19 @@ def test_remote_shards_none_of_which_exists_are_refused_when_built(server: Shard
     assert not any(name.startswith("shard-") for name in server.requests)  # a HEAD: nothing read
 
 
+def test_a_url_with_a_query_string_is_a_shard_not_a_glob(server: ShardServer) -> None:
+    # "?" starts an HTTP URL's query (a presigned URL's signature, ?download=true), as fsspec
+    # reads it too: such a URL is kept as given, not matched as a pattern, which had fetched each
+    # shard whole at build time and silently left a missing one out of the list
+    urls = [server.url(f"shard-{shard:04d}.tar") + "?download=true" for shard in (0, 1, 7)]
+    assert expand_urls(urls) == urls
+    assert not server.requests  # nothing read
+    pipe = webdataset_pipeline(urls, shuffle_shards=False, shuffle_buffer=0)
+    with pytest.raises(FileNotFoundError, match=r"shard-0007\.tar\?download=true"):
+        list(pipe)  # the missing shard is named when read, not dropped
+    assert server.requests["shard-0000.tar"] == server.requests["shard-0001.tar"] == 1
+
+
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_a_shard_gone_missing_is_named_in_one_line_before_the_traceback(
     server: ShardServer, tmp_path: Path, worker_type: str

@@ -4,6 +4,7 @@ skipped; the grouping survives NotAvailable from upstream."""
 from __future__ import annotations
 
 import io
+import pickle
 import tarfile
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from sources_for_tests import Gate, GatedPipe, tar_bytes
 
 from pipeload.datapipes import NotAvailable
 from pipeload.datapipes.iter import IterableWrapper
-from pipeload.datapipes.sources import ArchiveMember, FailureCounts, SkippedSampleWarning, split_key
+from pipeload.datapipes.sources import (ArchiveError, ArchiveMember, FailureBudgetExceeded, FailureCounts,
+                                        SkippedSampleWarning, SourceError, split_key)
 
 
 # every stream opened is closed when its archive ends, fails or is dropped
@@ -45,7 +47,7 @@ def test_plain_path_pairs_group_by_their_paths() -> None:
 
 def test_a_repeated_extension_is_refused_or_skipped() -> None:
     members = [ArchiveMember("u", name, b"") for name in ("a.jpg", "a.jpg", "b.jpg", "c.jpg", "c.jpg", "d.jpg")]
-    with pytest.raises(ValueError, match="'a' of 'u' has two files with extension 'jpg'"):
+    with pytest.raises(ValueError, match="'a' of archive 'u' has two files with extension 'jpg'"):
         list(IterableWrapper(members).webdataset())
     grouped = IterableWrapper(members).webdataset(on_error="skip")
     with pytest.warns(SkippedSampleWarning):
@@ -90,3 +92,46 @@ def test_a_sample_its_archive_cut_short_is_dropped_and_counted(tmp_path: Path) -
     assert [(s["__key__"], s["__url__"]) for s in samples] == [("k0", urls[0]), ("k1", urls[0]), ("k2", urls[1])]
     assert grouped.failure_counts() == FailureCounts(samples=1)
     assert tar.failure_counts() == FailureCounts(skipped=1, files=1)
+
+
+def _interleaved_shard(path: Path) -> str:
+    """A mis-packed shard: sample a's members split by sample b's (a.jpg, b.jpg, a.cls, b.cls)."""
+    path.write_bytes(tar_bytes([("a.jpg", b"ja"), ("b.jpg", b"jb"), ("a.cls", b"0"), ("b.cls", b"1")]))
+    return str(path)
+
+
+def test_a_key_that_comes_back_after_another_keys_members_is_an_error(tmp_path: Path) -> None:
+    url = _interleaved_shard(tmp_path / "mixed.tar")
+    run = iter(IterableWrapper([url]).open_files(mode="b").load_from_tar().webdataset())
+    first = next(run)  # a.jpg alone: nothing has shown yet that the shard is mis-packed
+    assert first == {"__key__": "a", "__url__": url, "jpg": b"ja"}
+    with pytest.raises(SourceError, match=r"key 'a' of archive '.*mixed\.tar' comes back") as caught:
+        next(run)
+    run.close()  # the error leaves the run open, as any error raised by a later stage does
+    assert isinstance(caught.value, ArchiveError) and caught.value.url == url and caught.value.member == "a"
+
+
+def test_a_returning_key_is_skipped_and_counted_under_on_error_skip(tmp_path: Path) -> None:
+    url = _interleaved_shard(tmp_path / "mixed.tar")
+    grouped = IterableWrapper([url]).open_files(mode="b").load_from_tar().webdataset(on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match="comes back after another key's members"):
+        samples = list(grouped)
+    # a.jpg and b.jpg went out before the shard showed it was mis-packed; the returning members
+    # (a.cls, then b.cls) are refused, never yielded as samples of their own
+    assert [sorted(s) for s in samples] == [["__key__", "__url__", "jpg"]] * 2
+    assert grouped.failure_counts() == FailureCounts(skipped=2, samples=2)
+    budgeted = IterableWrapper([url]).open_files(mode="b").load_from_tar().webdataset(on_error="skip", max_failures=1)
+    run = iter(budgeted)
+    with pytest.warns(SkippedSampleWarning), pytest.raises(FailureBudgetExceeded, match="key 'b'"):
+        list(run)
+    run.close()
+
+
+def test_the_same_shard_twice_in_a_row_is_two_readings_not_a_returning_key(tmp_path: Path) -> None:
+    (tmp_path / "s.tar").write_bytes(tar_bytes([("a.jpg", b"1"), ("a.cls", b"0"), ("b.jpg", b"2")]))
+    urls = [str(tmp_path / "s.tar")] * 2
+    samples = list(IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset())
+    assert [s["__key__"] for s in samples] == ["a", "b", "a", "b"]
+    # also when the members crossed a process boundary (their reading's outcome is not pickled)
+    pickled = [pickle.loads(pickle.dumps(m)) for m in IterableWrapper(urls).open_files(mode="b").load_from_tar()]
+    assert [s["__key__"] for s in IterableWrapper(pickled).webdataset()] == ["a", "b", "a", "b"]

@@ -11,7 +11,7 @@ repository).
 
 from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
 from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
-from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError
+from pipeload.datapipes.sources.errors import ArchiveError, SampleGroupingError, SourceChangedError, SourceError
 from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, StreamReader, open_stream
 from pipeload.datapipes.sources.memory import IterableWrapper, SequenceWrapper
 from pipeload.datapipes.sources.on_error import (
@@ -38,6 +38,7 @@ __all__ = [
     "IterableWrapper",
     "RetryPolicy",
     "SampleDecodeError",
+    "SampleGroupingError",
     "SequenceWrapper",
     "StreamReader",
     "SkippedSampleWarning",

@@ -20,7 +20,7 @@ import torch
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import PipeIterator
-from pipeload.datapipes.sources.errors import describe_failure
+from pipeload.datapipes.sources.errors import describe_failure, redact_url
 from pipeload.datapipes.sources.on_error import SAMPLE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 
 ImageOutput = Literal["pil", "numpy", "tensor"]
@@ -154,8 +154,9 @@ class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
             return self.decode_field(field, data)
         except Exception as error:
             url, key = _where(sample)
+            shown = redact_url(url) if isinstance(url, str) else url
             raise SampleDecodeError(f"decode: cannot decode field {field!r} of sample {key!r} in "
-                                    f"{url!r}: {describe_failure(error)}") from error
+                                    f"{shown!r}: {describe_failure(error)}") from error
 
     def __iter__(self) -> Iterator[Any]:
         return _DecodeIterator(self, self._failure_handler("decode", "the sample", SAMPLE))

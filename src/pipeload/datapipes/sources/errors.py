@@ -2,6 +2,72 @@
 
 from __future__ import annotations
 
+import re
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+REDACTED = "***"
+# Query parameters that carry secrets in signed or tokened URLs: S3's and GCS's presigned URLs
+# (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token, X-Goog-Signature), Azure SAS (sig),
+# and the usual token/key/password names.
+_SECRET_PARAMETER = re.compile(r"sig|signature|credential|token|secret|password|passwd|key|auth|session",
+                               re.IGNORECASE)
+_SHORTEST_SECRET = 4  # shorter values are replaced only where the whole URL is quoted
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets written into ``url``: the password of ``user:password@``, and the values of
+    query parameters whose names say they are secrets. Both as written and percent-decoded."""
+    if "://" not in url:  # a local path holds no secret
+        return []
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+        query = parse_qsl(parts.query, keep_blank_values=False)
+    except ValueError:  # not a URL that parses: nothing recognisable to hide
+        return []
+    found = [password] if password else []
+    found.extend(value for name, value in query if _SECRET_PARAMETER.search(name))
+    variants = {form for secret in found for form in (secret, unquote(secret))}
+    raw_query = parts.query.split("&")
+    variants.update(item.split("=", 1)[1] for item in raw_query
+                    if "=" in item and _SECRET_PARAMETER.search(item.split("=", 1)[0]))
+    return sorted((v for v in variants if v), key=len, reverse=True)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as an error message may show it: its secrets (``url_secrets``) replaced by ``***``.
+
+    Example:
+        >>> redact_url("https://u:pw@host/a.tar?X-Amz-Signature=abc123&part=1")
+        'https://u:***@host/a.tar?X-Amz-Signature=***&part=1'
+    """
+    if not url_secrets(url):
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}"
+    query = "&".join(
+        f"{item.split('=', 1)[0]}={REDACTED}" if "=" in item and _SECRET_PARAMETER.search(item.split("=", 1)[0])
+        else item for item in parts.query.split("&")) if parts.query else ""
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def hide_url_secrets(text: str, url: str | None) -> str:
+    """``text`` with ``url`` shown redacted and its secrets replaced wherever else they appear
+    (a network library's own message names the URL its way, query string included)."""
+    if not url:
+        return text
+    secrets = url_secrets(url)
+    if not secrets:
+        return text
+    text = text.replace(url, redact_url(url))
+    for secret in secrets:
+        if len(secret) >= _SHORTEST_SECRET:
+            text = text.replace(secret, REDACTED)
+    return text
+
 
 class SourceError(OSError):
     """A file or URL could not be opened or read (after any retries).
@@ -11,11 +77,13 @@ class SourceError(OSError):
             error in the main process from its type and message alone, and the message names it).
         member: the archive member being read, when there was one.
 
-    The underlying error is the ``__cause__``.
+    The underlying error is the ``__cause__``. The message never shows a secret written into
+    the URL (a password, a presigned URL's signature): it is ``***`` there (``redact_url``);
+    ``url`` keeps the URL as given.
     """
 
     def __init__(self, message: str, url: str | None = None, member: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(hide_url_secrets(message, url))
         self.url = url
         self.member = member
 
@@ -28,6 +96,12 @@ class SourceError(OSError):
 
 class ArchiveError(SourceError):
     """An archive is corrupt or truncated: names the archive and the member where it broke."""
+
+
+class SampleGroupingError(ArchiveError, ValueError):
+    """An archive's members do not make whole samples: a key whose members are not adjacent (it
+    comes back after another key's), or one key with the same extension twice. A ``ValueError``
+    too, as a repeated extension was before it was named an archive's fault."""
 
 
 class SourceChangedError(SourceError):

@@ -18,7 +18,7 @@ from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
-from pipeload.datapipes.sources.errors import SourceChangedError, SourceError, describe_failure
+from pipeload.datapipes.sources.errors import SourceChangedError, SourceError, describe_failure, redact_url, url_secrets
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
 from pipeload.errors import bad_state_field
 
@@ -51,7 +51,7 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
 
         reader = RetryingReader(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
-        if error.errno is not None and url in str(error):
+        if error.errno is not None and url in str(error) and not url_secrets(url):
             raise  # the operating system's words, naming the path
         raise _naming(error, url) from error
     except (ImportError, SourceError):
@@ -68,7 +68,7 @@ def _naming(error: OSError, url: str) -> OSError:
     """The same kind of error as ``error``, naming ``url`` (s3fs names an object by its path in
     the store, without ``s3://``: not something the user could open or grep for)."""
     code = error.errno or _ERRNOS.get(type(error), errno.EIO)
-    return type(error)(code, error.strerror if error.errno else os.strerror(code), url)
+    return type(error)(code, error.strerror if error.errno else os.strerror(code), redact_url(url))
 
 
 def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:

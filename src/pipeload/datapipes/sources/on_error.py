@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeload.datapipes.sources.errors import SourceError
+from pipeload.datapipes.sources.errors import SourceError, redact_url
 from pipeload.stats.skips import BoardSlot, Counts
 from pipeload._user_frame import first_frame_outside_pipeload
 
@@ -57,7 +57,7 @@ class FailureSite:
     member: str | None = None
 
     def describe(self) -> str:
-        where = repr(self.url)
+        where = repr(redact_url(self.url) if self.url is not None else None)
         return f"member {self.member!r} of {where}" if self.member is not None else where
 
 

@@ -13,6 +13,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryPolicy
 from pipeload.datapipes.sources.decoders import ImageOutput
+from pipeload.datapipes.sources.errors import redact_url
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.on_error import OnError
 
@@ -44,7 +45,7 @@ def expand_urls(urls: str | Sequence[str], storage_options: Mapping[str, Any] | 
     found: list[str] = []
     for pattern in patterns:
         for url in _expand_braces(pattern):
-            found.extend(_expand_glob(url, storage_options) if _GLOB_CHARACTERS & set(url) else [url])
+            found.extend(_expand_glob(url, storage_options) if _is_glob(url) else [url])
     if not found:
         raise ValueError(f"no shard matches urls={urls!r}")
     _check_local(found, urls)
@@ -82,6 +83,16 @@ def _brace_choices(inside: str) -> list[str] | None:
         width = len(first) if first.startswith("0") else 0
         return [f"{number:0{width}d}" for number in range(int(first), int(last) + 1)]
     return inside.split(",") if "," in inside else None
+
+
+def _is_glob(url: str) -> bool:
+    """Whether ``url`` is a pattern to match. In an HTTP URL ``?`` starts the query (a presigned
+    URL's signature, ``?download=true``), as fsspec reads it too: only ``*`` and ``[`` before it
+    make a pattern. Matched as one, such a URL was fetched whole at build time, and silently left
+    out of the list when missing."""
+    if url.startswith(("http://", "https://")):
+        return bool(set("*[") & set(url.split("?", 1)[0]))
+    return bool(_GLOB_CHARACTERS & set(url))
 
 
 def _expand_glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
@@ -167,8 +178,9 @@ def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mappi
     anyway, in a worker, long after the typo was made)."""
     remote = [url for url in shard_urls if not _storage.is_local(url)][:REMOTE_PROBES]
     if remote and not any(_exists(url, storage_options) for url in remote):
-        raise ValueError(f"no shard matches urls={urls!r}: none of the first {len(remote)} shards it "
-                         f"names exists (the first: {remote[0]!r})")
+        shown = redact_url(urls) if isinstance(urls, str) else [redact_url(str(url)) for url in urls]
+        raise ValueError(f"no shard matches urls={shown!r}: none of the first {len(remote)} shards it "
+                         f"names exists (the first: {redact_url(remote[0])!r})")
     missing = [url for url in shard_urls if _storage.is_local(url) and not os.path.exists(_storage.local_path(url))]
     if missing and on_error == "raise":
         others = ", ".join(repr(url) for url in missing[1:5]) + (", ..." if len(missing) > 5 else "")

@@ -39,26 +39,30 @@ class ArchiveMember(tuple):
     """One archive member as ``(path, data)``: ``path`` is ``"<archive url>/<member name>"``.
 
     ``archive`` and ``name`` keep the two parts apart (``webdataset`` groups by them);
-    ``outcome`` is how the reading it came from ended (None once pickled).
+    ``outcome`` is how the reading it came from ended (None once pickled); ``index`` is the
+    member's number among its archive's regular files, from 0 (None: not known), which tells
+    ``webdataset`` where a new reading of an archive begins even after pickling.
     """
 
     archive: str
     name: str
     outcome: ArchiveOutcome | None
+    index: int | None
 
     def __new__(cls, archive: str, name: str, data: bytes,
-                outcome: ArchiveOutcome | None = None) -> ArchiveMember:
+                outcome: ArchiveOutcome | None = None, index: int | None = None) -> ArchiveMember:
         member = super().__new__(cls, (f"{archive}/{name}", data))
         member.archive = archive
         member.name = name
         member.outcome = outcome
+        member.index = index
         return member
 
     def __getnewargs__(self) -> tuple[str, str, bytes]:  # type: ignore[override]
         return self.archive, self.name, self[1]
 
     def __reduce__(self) -> Any:
-        return (ArchiveMember, (self.archive, self.name, self[1]))
+        return (ArchiveMember, (self.archive, self.name, self[1], None, self.index))
 
 
 class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
@@ -146,7 +150,7 @@ class _OpenArchive:
         if found is None:
             return None
         self._check_unchanged()
-        return ArchiveMember(self.url, found[0], found[1], self.outcome)
+        return ArchiveMember(self.url, found[0], found[1], self.outcome, self.reader.members_read - 1)
 
     def _check_unchanged(self) -> None:
         """Raise SourceChangedError if a local archive changed since it was opened (its length
@@ -167,7 +171,7 @@ class _OpenArchive:
             held = collections.deque()
             while (found := self.reader.next_member()) is not None:
                 self._check_unchanged()
-                member = ArchiveMember(self.url, found[0], found[1], self.outcome)
+                member = ArchiveMember(self.url, found[0], found[1], self.outcome, self.reader.members_read - 1)
                 held.append((member, (self.reader.offset, self.reader.members_read)))
             self._held = held  # the whole stream read and its checksum checked
         if not self._held:

@@ -10,6 +10,7 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.sources.errors import SampleGroupingError
 from pipeload.datapipes.sources.on_error import SAMPLE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
 
 # WebDataset's convention: the key runs to the first dot of the file's own name (directories
@@ -96,6 +97,10 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
         self._broken = False  # the sample being filled had a duplicate and is to be skipped
         self._ended = False
         self._before_sample: Any = None  # the upstream's checkpoint before the sample's first member
+        # The keys of the archive reading being grouped, so that a key coming back after another
+        # key's members is seen (a mis-packed shard); bounded by one archive's samples.
+        self._reading: tuple[Any, Any] | None = None  # (url, outcome) of that reading
+        self._keys_in_reading: set[str] = set()
 
     def nonblocking_next(self) -> dict[str, Any]:
         while True:
@@ -115,25 +120,49 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
 
     def _add(self, member: Any) -> dict[str, Any] | None:
         url, name = _url_and_name(member)
+        outcome = getattr(member, "outcome", None)
+        self._note_reading(url, outcome, getattr(member, "index", None))
         parts = split_key(name)
         if parts is None:
             return None
         key, extension = parts[0], parts[1].lower()
         finished = None
-        outcome = getattr(member, "outcome", None)
         if (self._sample is None or self._sample["__key__"] != key or self._sample.get("__url__") != url
                 or outcome is not self._outcome):
             finished = self._take_sample(outcome)
             self._sample = {"__key__": key, "__url__": url} if url is not None else {"__key__": key}
             self._outcome = outcome
             self._before_sample = self._upstream_before_last()
+            self._check_key_is_new(url, key)
         if extension in self._sample:
-            self._broken = True
-            error = ValueError(f"webdataset: sample {key!r} of {url!r} has two files with extension "
-                               f"{extension!r}; keys must be unique and members of one sample adjacent")
-            self.failures.handle(error, self.failures.site(url, key))
+            self._refuse(url, key, f"has two files with extension {extension!r}")
         self._sample[extension] = member[1]
         return finished
+
+    def _note_reading(self, url: str | None, outcome: Any, index: int | None) -> None:
+        """Forget the previous reading's keys where a new reading of an archive begins: another
+        archive, another reading's outcome, or its first member (the same shard listed twice
+        in a row is read twice, and its keys come again rightly)."""
+        if (url, outcome) != self._reading or index == 0:
+            self._reading = (url, outcome)
+            self._keys_in_reading.clear()
+
+    def _check_key_is_new(self, url: str | None, key: str) -> None:
+        if url is None:  # plain (path, data) pairs: no archive to hold the keys of
+            return
+        if key in self._keys_in_reading:
+            self._refuse(url, key, "comes back after another key's members: the members of one "
+                         "sample must be adjacent in the shard (it is mis-packed); its earlier "
+                         "members went out as a sample without these")
+        self._keys_in_reading.add(key)
+
+    def _refuse(self, url: str | None, key: str, what: str) -> None:
+        """The sample being filled is not whole: an error naming the archive and the key, or
+        (``on_error``) the sample is dropped."""
+        self._broken = True
+        where = f" of archive {url!r}" if url is not None else ""
+        error = SampleGroupingError(f"webdataset: sample key {key!r}{where} {what}", url, key)
+        self.failures.handle(error, self.failures.site(url, key))
 
     def _take_sample(self, next_outcome: Any) -> dict[str, Any] | None:
         """The sample filled so far, now that a member with ``next_outcome`` (None: the end, or
