@@ -294,10 +294,27 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             f"{type(sampler).__name__} has no state_dict(): resuming iterates it again from its "
             "start and skips the batches already handed out. That gives the same keys only if it "
             "draws no random numbers, or draws them from torch's global generator when its "
-            "iteration starts; give it state_dict()/load_state_dict() otherwise.",
+            f"iteration starts; give it state_dict()/load_state_dict() otherwise.{_ours_instead(sampler)}",
             stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
         return
+
+
+def _ours_instead(sampler: Any) -> str:
+    """torch's own samplers (a generator of their own is not in the state): ours of the same
+    name take the same arguments, draw the same numbers and keep a state."""
+    from pipeload import samplers  # the package: the names it exports
+
+    theirs = [s for s in (sampler, getattr(sampler, "sampler", None))
+              if type(s).__module__.startswith("torch.utils.data") and type(s).__name__ in samplers.__all__]
+    if not theirs:
+        return ""
+    names = " and ".join(f"pipeload.{type(s).__name__}" for s in theirs)
+    if len(theirs) == 1:
+        return (f" {names} takes the same arguments as torch's, draws the same numbers and keeps "
+                "a state_dict(): use it to resume exactly.")
+    return (f" {names} take the same arguments as torch's, draw the same numbers and keep a "
+            "state_dict(): use them to resume exactly.")
 
 
 def _stage_without_state(loader: Any) -> str:
