@@ -70,22 +70,33 @@ class EqualBatches:
         if start.epoch_batches is not None:  # a collective every rank makes as its epoch starts
             fewest, most = all_ranks_range(start.epoch_batches)
             self._steps_left = (fewest if self._policy == "drop" else most) - start.steps_done
-        for _ in range(start.remake):
-            self._make_again()
+        for turn in range(start.remake):
+            self._make_again(raised_before=turn > 0)
 
-    def _make_again(self) -> None:
+    def _make_again(self, raised_before: bool) -> None:
         """A resumed epoch begins before this rank's latest good batch (what ``"pad"`` repeats
-        once the rank's own batches are spent): make it again and keep it, with any batch that
-        raised after it; all were handed out before the checkpoint. No collective: the other
-        ranks take no step meanwhile."""
+        once the rank's own batches are spent): make it again and keep it, with the batches
+        that raised after it (``raised_before``); all were handed out before the checkpoint. No
+        collective: the other ranks take no step meanwhile.
+
+        Raises:
+            Exception: the good batch raised now, with a note: the data changed since the
+                checkpoint (skipping it would pad with another batch, or fail to pad at all).
+        """
         try:
             batch = self._engine.next_batch()
         except StopIteration:
             return
         except LoaderTimeoutError:
             raise
-        except Exception:  # it raised before the checkpoint too; its turn was counted then
-            return
+        except Exception as error:
+            if raised_before:
+                return  # it raised before the checkpoint too; its turn was counted then
+            error.add_note("pipeload: raised while making again the batch equal_batches='pad' "
+                           "repeats on this rank, handed out before the checkpoint without an "
+                           "error, to resume from it: the data changed since the checkpoint, "
+                           "and the rest of the epoch would not be what it was")
+            raise
         if self._policy == "pad":
             self._last = batch
         self._handed_out += 1

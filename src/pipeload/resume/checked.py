@@ -178,17 +178,18 @@ def _read_epoch(fields: StateFields | None, version: int, iterable: bool, num_wo
     consumed = fields.integer("consumed")
     optional = {} if version >= 2 else {"default": None}  # version 1: written later, may be absent
     streams = _read_streams(fields, workers)
-    last_worker = _read_last_worker(fields, streams, workers)
+    last_worker = _read_last_worker(fields, streams)
     padded = fields.integer("padded", **({} if version >= 2 else {"default": 0}))
     above = _read_handed_out_above(fields, consumed, iterable, optional)
-    repeat = _read_repeat_from(fields, consumed, last_worker, workers, optional)
+    repeat = _read_repeat_from(fields, consumed, streams, last_worker, workers, optional)
     started = fields.boolean("sampler_started")
     fields.finish()
     return CheckedEpoch(record, consumed, streams, last_worker, padded, repeat, above, started)
 
 
 def _read_streams(fields: StateFields, workers: int) -> dict[int, StreamPosition]:
-    """Iterable datasets: each replica's position after its latest batch handed out."""
+    """Iterable datasets: each replica's position after its latest batch handed out (or, in
+    ``repeat_from``, before the latest good one)."""
     streams = fields.fields("streams")
     assert streams is not None
     positions = {}
@@ -231,7 +232,7 @@ def _read_position(fields: StateFields, worker: int) -> StreamPosition:
     return StreamPosition(worker, batches, tuple(snapshot) if snapshot is not None else None, tuple(failed))
 
 
-def _read_last_worker(fields: StateFields, streams: dict[int, StreamPosition], workers: int) -> int | None:
+def _read_last_worker(fields: StateFields, streams: dict[int, StreamPosition]) -> int | None:
     """The worker of the latest batch handed out: one with a position (None: no position yet)."""
     last = fields.raw("last_worker", "None or a worker id")
     if (last is None and not streams) or (is_int(last) and last in streams):
@@ -253,12 +254,30 @@ def _read_handed_out_above(fields: StateFields, consumed: int, iterable: bool, o
     return frozenset(above)
 
 
-def _read_repeat_from(fields: StateFields, consumed: int, last_worker: int | None, workers: int,
-                      optional: dict[str, Any]) -> RepeatFrom | None:
+def _read_repeat_from(fields: StateFields, consumed: int, streams: dict[int, StreamPosition],
+                      last_worker: int | None, workers: int, optional: dict[str, Any]) -> RepeatFrom | None:
     repeat = fields.fields("repeat_from", none=True, **optional)
     if repeat is None:
         return None
     before = repeat.integer("consumed", high=consumed)
+    if "position" in repeat.state and "streams" not in repeat.state:
+        return _read_repeat_position(repeat, before, streams, last_worker, workers)
+    earlier = _read_streams(repeat, workers)
+    worker = _read_last_worker(repeat, earlier)
+    for key, position in earlier.items():  # a replica's position only moves on
+        now = streams.get(key)
+        if now is None or position.batches > now.batches:
+            raise bad_state_field(join(join(repeat.name("streams"), str(key)), "batches"), position.batches,
+                                  f"at most the batches of epoch.streams.{key} "
+                                  f"({now.batches if now is not None else 'absent there'})")
+    repeat.finish()
+    return RepeatFrom(before, earlier, worker)
+
+
+def _read_repeat_position(repeat: StateFields, before: int, streams: dict[int, StreamPosition],
+                          last_worker: int | None, workers: int) -> RepeatFrom:
+    """A state written before ``repeat_from`` kept every replica's position: it kept the one of
+    the latest batch's replica, before that batch (None: it had made nothing yet)."""
     if workers:
         worker = repeat.integer("last_worker", high=workers - 1, none=True)
     elif (worker := repeat.raw("last_worker", "None")) is not None:
@@ -266,6 +285,10 @@ def _read_repeat_from(fields: StateFields, consumed: int, last_worker: int | Non
     position = repeat.fields("position", none=True)
     if position is not None and last_worker is None:
         raise bad_state_field(position.path, position.state, "None (no batch was handed out with a position)")
-    at = _read_position(position, last_worker) if position is not None else None  # type: ignore[arg-type]
+    earlier = dict(streams)
+    if last_worker is not None:
+        earlier.pop(last_worker, None)
+        if position is not None:
+            earlier[last_worker] = _read_position(position, last_worker)
     repeat.finish()
-    return RepeatFrom(before, at, worker)
+    return RepeatFrom(before, earlier, worker)

@@ -59,13 +59,14 @@ class RepeatFrom(NamedTuple):
 
     Attributes:
         consumed: batches handed out before it.
-        position: iterable datasets: the position its replica had before it (None: that replica
-            had made nothing yet, or map-style).
+        streams: iterable datasets: every replica's position before it (empty for map-style).
+            Not only its own replica's: a batch that raised after it moved its replica on, and
+            the round-robin makes it again too, in its turn.
         last_worker: the worker of the batch handed out before it.
     """
 
     consumed: int
-    position: StreamPosition | None
+    streams: dict[int, StreamPosition]
     last_worker: int | None
 
 
@@ -113,12 +114,12 @@ class EpochProgress:
             self._mark(batch.number)
             return batch.batch
         if not isinstance(batch, StreamBatch):
-            self.repeat_from = RepeatFrom(self.consumed, None, self.last_worker)
+            self.repeat_from = RepeatFrom(self.consumed, {}, self.last_worker)
             self._mark(self.consumed)
             return batch
         position = batch.position
         previous = self.streams.get(position.worker_id)
-        self.repeat_from = RepeatFrom(self.consumed, previous, self.last_worker)
+        self.repeat_from = RepeatFrom(self.consumed, dict(self.streams), self.last_worker)
         if position.snapshot is None and previous is not None:
             # not taken with this batch: the replica's latest snapshot stands
             position = position._replace(snapshot=previous.snapshot, failed=previous.failed)

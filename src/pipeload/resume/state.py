@@ -63,15 +63,10 @@ class ResumePoint:
     def engine_view(self) -> tuple[int, dict[int, StreamPosition], int | None, int]:
         """(batches to skip, replica positions, worker of the batch before, batches the engine
         makes again without handing them out) where the engine resumes."""
-        streams = dict(self.streams or {})
         if self.repeat_from is None:
-            return self.consumed, streams, self.last_worker, 0
+            return self.consumed, dict(self.streams or {}), self.last_worker, 0
         before = self.repeat_from
-        if self.last_worker is not None:
-            streams.pop(self.last_worker, None)
-            if before.position is not None:
-                streams[self.last_worker] = before.position
-        return before.consumed, streams, before.last_worker, self.consumed - before.consumed
+        return before.consumed, dict(before.streams), before.last_worker, self.consumed - before.consumed
 
 
 def config_of(loader: Any) -> dict[str, Any]:
@@ -143,8 +138,12 @@ def _position_state(position: StreamPosition) -> dict[str, Any]:
     return {"batches": position.batches, "snapshot": snapshot, "failed": list(position.failed)}
 
 
+def _streams_state(streams: dict[int, StreamPosition]) -> dict[str, Any]:
+    return {str(w): _position_state(p) for w, p in streams.items()}
+
+
 def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> dict[str, Any]:
-    streams = {str(w): _position_state(p) for w, p in progress.streams.items()}
+    streams = _streams_state(progress.streams)
     repeat = progress.repeat_from if pads else None
     return {
         "global_rng": encode_state(record.global_rng),
@@ -160,7 +159,7 @@ def _epoch_state(record: EpochRecord, progress: EpochProgress, pads: bool) -> di
         "handed_out_above": sorted(progress.handed_out_above),
         "repeat_from": None if repeat is None else {
             "consumed": repeat.consumed, "last_worker": repeat.last_worker,
-            "position": _position_state(repeat.position) if repeat.position is not None else None},
+            "streams": _streams_state(repeat.streams)},
     }
 
 
@@ -295,10 +294,27 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
             f"{type(sampler).__name__} has no state_dict(): resuming iterates it again from its "
             "start and skips the batches already handed out. That gives the same keys only if it "
             "draws no random numbers, or draws them from torch's global generator when its "
-            "iteration starts; give it state_dict()/load_state_dict() otherwise.",
+            f"iteration starts; give it state_dict()/load_state_dict() otherwise.{_ours_instead(sampler)}",
             stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
         return
+
+
+def _ours_instead(sampler: Any) -> str:
+    """torch's own samplers (a generator of their own is not in the state): ours of the same
+    name take the same arguments, draw the same numbers and keep a state."""
+    from pipeload import samplers  # the package: the names it exports
+
+    theirs = [s for s in (sampler, getattr(sampler, "sampler", None))
+              if type(s).__module__.startswith("torch.utils.data") and type(s).__name__ in samplers.__all__]
+    if not theirs:
+        return ""
+    names = " and ".join(f"pipeload.{type(s).__name__}" for s in theirs)
+    if len(theirs) == 1:
+        return (f" {names} takes the same arguments as torch's, draws the same numbers and keeps "
+                "a state_dict(): use it to resume exactly.")
+    return (f" {names} take the same arguments as torch's, draw the same numbers and keep a "
+            "state_dict(): use them to resume exactly.")
 
 
 def _stage_without_state(loader: Any) -> str:
