@@ -1,9 +1,18 @@
-"""torch's own samplers handed to the loader: one with a generator of its own cannot resume a
-later epoch (its generator is the user's, not in the state); the warning says so and names
-pipeload's sampler of the same name, which resumes exactly with the same draws."""
+"""torch's own samplers handed to the loader resume exactly.
+
+One given a generator of its own (``RandomSampler(generator=g)``, ``SubsetRandomSampler``,
+``WeightedRandomSampler``, a ``BatchSampler`` over one) has no ``state_dict()``, and its order
+depends on where that generator stood as its iteration began: the checkpoint keeps the
+generator's state, and a resumed epoch, any epoch, gives the batches of the uninterrupted run
+(before, a later epoch resumed replayed the first epoch's order). A sampler that keeps nothing and
+draws from nothing of its own is iterated again from its start, with a warning; for torch's
+samplers the warning names pipeload's of the same name.
+"""
 
 from __future__ import annotations
 
+import json
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,56 +21,127 @@ import torch
 import torch.utils.data as torch_data
 
 import pipeload
+from pipeload.errors import IncompatibleStateError
 
 DATA = list(range(11))
+EPOCHS = 3
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(5)
 
 
 def _torch_random() -> dict[str, Any]:
-    return {"sampler": torch_data.RandomSampler(DATA, generator=torch.Generator().manual_seed(5)),
-            "batch_size": 3}
+    return {"sampler": torch_data.RandomSampler(DATA, generator=_generator()), "batch_size": 3}
+
+
+def _torch_random_with_replacement() -> dict[str, Any]:
+    return {"sampler": torch_data.RandomSampler(DATA, replacement=True, num_samples=13,
+                                                generator=_generator()), "batch_size": 3}
+
+
+def _torch_subset() -> dict[str, Any]:
+    return {"sampler": torch_data.SubsetRandomSampler(DATA[2:], generator=_generator()), "batch_size": 3}
+
+
+def _torch_weighted() -> dict[str, Any]:
+    weights = [float(k + 1) for k in DATA]
+    return {"sampler": torch_data.WeightedRandomSampler(weights, 12, generator=_generator()), "batch_size": 3}
 
 
 def _torch_batches() -> dict[str, Any]:
-    inner = torch_data.RandomSampler(DATA, generator=torch.Generator().manual_seed(5))
+    inner = torch_data.RandomSampler(DATA, generator=_generator())
     return {"batch_sampler": torch_data.BatchSampler(inner, 3, drop_last=False)}
 
 
+def _torch_random_unbatched() -> dict[str, Any]:
+    return {"sampler": torch_data.RandomSampler(DATA, generator=_generator()), "batch_size": None}
+
+
 def _ours_random() -> dict[str, Any]:
-    return {"sampler": pipeload.RandomSampler(DATA, generator=torch.Generator().manual_seed(5)),
-            "batch_size": 3}
+    return {"sampler": pipeload.RandomSampler(DATA, generator=_generator()), "batch_size": 3}
 
 
-def _epochs(loader: pipeload.DataLoader, count: int) -> list[list[list[int]]]:
-    return [[batch.tolist() for batch in loader] for _ in range(count)]
+ARRANGEMENTS = [_torch_random, _torch_random_with_replacement, _torch_subset, _torch_weighted,
+                _torch_batches, _torch_random_unbatched]
 
 
-def _state_in_second_epoch(arguments: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], list[list[int]]]:
+def _batches(loader: pipeload.DataLoader) -> list[Any]:
+    return [batch.tolist() if isinstance(batch, torch.Tensor) else batch for batch in loader]
+
+
+def _uninterrupted(arguments: Callable[[], dict[str, Any]]) -> list[list[Any]]:
     loader = pipeload.DataLoader(DATA, **arguments())
-    _epochs(loader, 1)
-    iterator = iter(loader)
-    taken = [next(iterator).tolist()]
-    return loader.state_dict(), taken
+    return [_batches(loader) for _ in range(EPOCHS)]
 
 
-@pytest.mark.parametrize(("arguments", "names"), [
-    (_torch_random, "pipeload.RandomSampler takes"),
-    (_torch_batches, "pipeload.BatchSampler and pipeload.RandomSampler take"),
-])
-def test_a_torch_sampler_with_its_own_generator_is_warned_with_ours_named(
-        arguments: Callable[[], dict[str, Any]], names: str) -> None:
-    state, _ = _state_in_second_epoch(arguments)
-    with pytest.warns(UserWarning, match="has no state_dict") as caught:
-        pipeload.DataLoader(DATA, **arguments()).load_state_dict(state)
-    assert len(caught) == 1
-    assert f"{names} the same arguments as torch's" in str(caught[0].message)
+def _checkpoint(arguments: Callable[[], dict[str, Any]], epoch: int, taken: int) -> dict[str, Any]:
+    """The loader's state after ``taken`` batches of epoch ``epoch`` (0: between epochs), as
+    it comes back from a JSON file."""
+    loader = pipeload.DataLoader(DATA, **arguments())
+    for _ in range(epoch):
+        _batches(loader)
+    if taken:
+        iterator = iter(loader)
+        for _ in range(taken):
+            next(iterator)
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+def _resumed(arguments: Callable[[], dict[str, Any]], state: dict[str, Any], epochs: int) -> list[list[Any]]:
+    loader = pipeload.DataLoader(DATA, **arguments())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its generators are kept: nothing to warn about
+        loader.load_state_dict(state)
+    return [_batches(loader) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("arguments", ARRANGEMENTS, ids=lambda a: a.__name__.strip("_"))
+def test_a_torch_sampler_with_its_own_generator_resumes_every_epoch_exactly(
+        arguments: Callable[[], dict[str, Any]]) -> None:
+    expected = _uninterrupted(arguments)
+    for epoch in (1, 2):
+        for taken in (0, 2):
+            state = _checkpoint(arguments, epoch, taken)
+            resumed = _resumed(arguments, state, EPOCHS - epoch)
+            assert resumed[0] == expected[epoch][taken:], (epoch, taken)
+            assert resumed[1:] == expected[epoch + 1:], (epoch, taken)
+
+
+def test_a_damaged_generator_state_of_a_torch_sampler_is_refused_by_name() -> None:
+    state = _checkpoint(_torch_random, 1, 2)
+    generators = state["epoch"]["sampler"]["sampler"]["generators"]
+    generators["generator"] = generators["generator"][:-8]
+    loader = pipeload.DataLoader(DATA, **_torch_random())
+    with pytest.raises(IncompatibleStateError, match=r"epoch\.sampler\.sampler\.generators\.generator"):
+        loader.load_state_dict(state)
+
+
+def test_a_state_without_the_generators_state_loads_with_the_warning_of_before() -> None:
+    # Written before generator states were kept (or for a sampler drawing from torch's global
+    # generator): it loads, and the sampler is iterated again from its start, as then, with the
+    # warning that says what that means.
+    state = _checkpoint(lambda: {"sampler": torch_data.RandomSampler(DATA), "batch_size": 3}, 1, 2)
+    loader = pipeload.DataLoader(DATA, **_torch_random())
+    with pytest.warns(UserWarning, match="RandomSampler has no state_dict"):
+        loader.load_state_dict(state)
 
 
 def test_ours_of_the_same_name_resumes_a_later_epoch_exactly_with_torchs_draws() -> None:
-    torchs = _epochs(torch_data.DataLoader(DATA, **_torch_random()), 2)
-    state, taken = _state_in_second_epoch(_ours_random)
-    resumed = pipeload.DataLoader(DATA, **_ours_random())
-    resumed.load_state_dict(state)
-    assert taken + _epochs(resumed, 1)[0] == torchs[1]
+    loader = torch_data.DataLoader(DATA, **_torch_random())
+    torchs = [[b.tolist() for b in loader] for _ in range(2)]
+    state = _checkpoint(_ours_random, 1, 1)
+    resumed = _resumed(_ours_random, state, 1)
+    assert torchs[1][1:] == resumed[0]
+
+
+def test_torchs_sampler_drawing_from_the_global_generator_is_warned_with_ours_named() -> None:
+    arguments = lambda: {"sampler": torch_data.RandomSampler(DATA), "batch_size": 3}  # noqa: E731
+    state = _checkpoint(arguments, 1, 1)
+    with pytest.warns(UserWarning, match="RandomSampler has no state_dict") as caught:
+        pipeload.DataLoader(DATA, **arguments()).load_state_dict(state)
+    assert len(caught) == 1
+    assert "pipeload.RandomSampler takes the same arguments as torch's" in str(caught[0].message)
 
 
 def test_a_users_sampler_is_warned_without_ours_named() -> None:
@@ -72,7 +152,7 @@ def test_a_users_sampler_is_warned_without_ours_named() -> None:
         def __len__(self) -> int:
             return len(DATA)
 
-    state, _ = _state_in_second_epoch(lambda: {"sampler": OwnOrder(), "batch_size": 3})
+    state = _checkpoint(lambda: {"sampler": OwnOrder(), "batch_size": 3}, 1, 1)
     with pytest.warns(UserWarning, match="OwnOrder has no state_dict") as caught:
         pipeload.DataLoader(DATA, sampler=OwnOrder(), batch_size=3).load_state_dict(state)
     assert "pipeload." not in str(caught[0].message)

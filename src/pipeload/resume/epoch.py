@@ -23,6 +23,7 @@ from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of, worker_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
+from pipeload.samplers._own_generators import generators_state
 from pipeload.samplers._state import fresh_state
 
 
@@ -180,8 +181,9 @@ def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
 
 
 def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
-    """``sampler.state_dict()`` as for an iteration not yet begun, or None without one."""
+    """``sampler.state_dict()`` as for an iteration not yet begun; without one, the states of
+    the generators it draws from itself (samplers/_own_generators.py), or None."""
     state_dict = getattr(sampler, "state_dict", None)
     if not callable(state_dict):
-        return None
+        return generators_state(sampler)
     return fresh_state(state_dict())

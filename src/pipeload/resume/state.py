@@ -24,6 +24,7 @@ from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState,
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
 from pipeload.resume.trial import try_replica_states
 from pipeload.samplers import StatefulSampler, exact_length
+from pipeload.samplers._own_generators import own_generators, read_generators_state, set_generators
 from pipeload.samplers._state import load_users_state
 
 
@@ -190,7 +191,7 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
         session = checked.next.session if loader.persistent_workers else None  # type: ignore[union-attr]
         point = ResumePoint(None, session=session)
     if loader._dataset_kind.label == "map":
-        _warn_if_sampler_cannot_resume(loader)
+        _warn_if_sampler_cannot_resume(loader, checked.sampler)
     return point
 
 
@@ -215,6 +216,10 @@ def _check_sampler(loader: Any, saved: Any, path: str) -> None:
     sampler = loader._index_sampler
     keeps_one = loader._dataset_kind.label == "map" and callable(getattr(sampler, "state_dict", None))
     name = type(sampler).__name__
+    if loader._dataset_kind.label == "map" and own_generators(sampler):
+        if saved is not None:  # None: written before these states were kept (it resumes as then)
+            read_generators_state(sampler, saved, path)
+        return
     if not keeps_one:
         if saved is not None:
             why = "an iterable dataset has no sampler" if loader._dataset_kind.label != "map" else f"this loader's {name} has no state_dict()"
@@ -262,6 +267,8 @@ def _load_sampler(loader: Any, saved: Any, path: str) -> None:
     sampler = loader._index_sampler
     if isinstance(sampler, StatefulSampler):
         sampler._load_state_at(saved, path)
+    elif own_generators(sampler):
+        set_generators(sampler, read_generators_state(sampler, saved, path))
     else:
         load_users_state(sampler, saved, path)
 
@@ -284,11 +291,15 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
         )
 
 
-def _warn_if_sampler_cannot_resume(loader: Any) -> None:
+def _warn_if_sampler_cannot_resume(loader: Any, saved: Any) -> None:
     """A sampler of the user's own without state_dict() is iterated again from its start: right
-    if it draws nothing, or draws from torch's global generator as its iteration starts."""
+    if it draws nothing, or draws from torch's global generator as its iteration starts, or if
+    the state holds the states of the generators it draws from itself (``saved``: the index
+    sampler's state)."""
+    kept = _generators_kept(loader._index_sampler, saved)
     for sampler in (loader.batch_sampler, loader.sampler):
-        if sampler is None or isinstance(sampler, Sequence) or callable(getattr(sampler, "state_dict", None)):
+        if (sampler is None or isinstance(sampler, Sequence) or callable(getattr(sampler, "state_dict", None))
+                or any(sampler is k for k in kept)):
             continue
         warnings.warn(
             f"{type(sampler).__name__} has no state_dict(): resuming iterates it again from its "
@@ -300,9 +311,21 @@ def _warn_if_sampler_cannot_resume(loader: Any) -> None:
         return
 
 
+def _generators_kept(index_sampler: Any, saved: Any) -> list[Any]:
+    """The samplers whose own generators' states ``saved`` holds: the index sampler's, or the
+    sampler's inside our BatchSampler (none in a state written before they were kept)."""
+    if own_generators(index_sampler):
+        return [index_sampler] if saved is not None else []
+    inner = getattr(index_sampler, "sampler", None)
+    if (isinstance(index_sampler, StatefulSampler) and isinstance(saved, dict)
+            and saved.get("sampler") is not None and own_generators(inner)):
+        return [inner]
+    return []
+
+
 def _ours_instead(sampler: Any) -> str:
-    """torch's own samplers (a generator of their own is not in the state): ours of the same
-    name take the same arguments, draw the same numbers and keep a state."""
+    """torch's own samplers, which keep no state: ours of the same name take the same arguments,
+    draw the same numbers and keep one (no warning, and a user's subclass of ours keeps it too)."""
     from pipeload import samplers  # the package: the names it exports
 
     theirs = [s for s in (sampler, getattr(sampler, "sampler", None))

@@ -12,6 +12,12 @@ import torch.utils.data as torch_data  # torch's classes: bases for identity, ne
 from pipeload.errors import bad_state_field, exact_value
 from pipeload.samplers._base import Sampler
 from pipeload.samplers._distributed import DistributedSampler
+from pipeload.samplers._own_generators import (
+    generators_state,
+    own_generators,
+    read_generators_state,
+    set_generators,
+)
 from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from pipeload.samplers._sequential import SequentialSampler
 from pipeload._state_fields import StateFields
@@ -35,7 +41,9 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         [[0, 1], [2, 3], [4]]
     """
 
-    _user_inner_start: Any = None  # a user's stateful sampler inside: its state as the latest iteration began
+    # A user's sampler inside with a state of its own, or one drawing from a generator of its own
+    # (torch's RandomSampler(generator=g)): that state as the latest iteration began.
+    _user_inner_start: Any = None
 
     def __init__(
         self,
@@ -63,6 +71,8 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
             # A user's sampler with a state of its own: where it stood as this iteration began
             # is what a checkpoint of the iteration replays it from.
             self._user_inner_start = copy.deepcopy(inner.state_dict())
+        elif not isinstance(inner, StatefulSampler):
+            self._user_inner_start = generators_state(inner)
         keys = inner._uncounted_iter() if isinstance(inner, StatefulSampler) else iter(inner)
         while batch := list(itertools.islice(keys, self.batch_size)):
             if self.drop_last and len(batch) < self.batch_size:
@@ -82,7 +92,7 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
             return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
         if callable(getattr(inner, "state_dict", None)):
             return {"sampler": self._user_inner_start if in_progress else inner.state_dict()}
-        return {"sampler": None}
+        return {"sampler": self._user_inner_start if in_progress else generators_state(inner)}
 
     def _read_inner_state(self, fields: StateFields) -> Any:
         """The sampler inside: ours is checked whole; a user's state is its own business (its
@@ -93,16 +103,20 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
             state = fields.raw("sampler", f"the state of a {type(inner).__name__}")
             return inner._read_state(state, path)
         state = fields.raw("sampler", "its sampler's state, or None")
-        if state is not None and not callable(getattr(inner, "load_state_dict", None)):
-            raise bad_state_field(path, state, f"None ({type(inner).__name__} keeps no state)")
-        return (state, path)
+        if state is None or callable(getattr(inner, "load_state_dict", None)):
+            return (state, path)
+        if own_generators(inner):
+            return (read_generators_state(inner, state, path), None)
+        raise bad_state_field(path, state, f"None ({type(inner).__name__} keeps no state)")
 
     def _load_inner_state(self, inner: Any, replay: bool) -> None:
         if isinstance(self.sampler, StatefulSampler):
             self.sampler._apply(inner)
             return
         state, path = inner
-        if state is not None:
+        if path is None:  # the states of its own generators
+            set_generators(self.sampler, state)
+        elif state is not None:
             load_users_state(self.sampler, state, path)
 
     def __len__(self) -> int:
