@@ -156,3 +156,25 @@ def test_a_users_sampler_is_warned_without_ours_named() -> None:
     with pytest.warns(UserWarning, match="OwnOrder has no state_dict") as caught:
         pipeload.DataLoader(DATA, sampler=OwnOrder(), batch_size=3).load_state_dict(state)
     assert "pipeload." not in str(caught[0].message)
+
+
+@pytest.mark.parametrize("arguments", [_torch_random, _torch_batches], ids=["sampler", "batch_sampler"])
+def test_an_epoch_after_one_left_unfinished_resumes_exactly(arguments: Callable[[], dict[str, Any]]) -> None:
+    """The loop broke out of an epoch; the next one began where the generator then stood, not
+    where the unfinished one began (what the checkpoint kept before)."""
+    def run(state: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any] | None]:
+        loader = pipeload.DataLoader(DATA, **arguments())
+        if state is not None:
+            loader.load_state_dict(state)
+            return _batches(loader), None
+        next(iter(loader))  # an epoch left after one batch
+        handed, saved = [], None
+        for batch in loader:
+            handed.append(batch.tolist())
+            if len(handed) == 2:
+                saved = json.loads(json.dumps(loader.state_dict()))
+        return handed, saved
+
+    uninterrupted, state = run()
+    resumed, _ = run(state)
+    assert resumed == uninterrupted[2:]

@@ -24,7 +24,7 @@ from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
 from pipeload.samplers._own_generators import generators_state
-from pipeload.samplers._state import fresh_state
+from pipeload.samplers._state import StatefulSampler, fresh_state
 
 
 @dataclass
@@ -183,6 +183,8 @@ def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
 def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
     """``sampler.state_dict()`` as for an iteration not yet begun; without one, the states of
     the generators it draws from itself (samplers/_own_generators.py), or None."""
+    if isinstance(sampler, StatefulSampler):
+        return sampler.fresh_state_dict()
     state_dict = getattr(sampler, "state_dict", None)
     if not callable(state_dict):
         return generators_state(sampler)

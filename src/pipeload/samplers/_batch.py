@@ -82,12 +82,14 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
     def _config(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "drop_last": self.drop_last}
 
-    def _inner_state(self) -> dict[str, Any]:
+    def _inner_state(self, fresh: bool = False) -> dict[str, Any]:
         # Mid-iteration, the keys inside are replayed from their start and regrouped; the sampler
         # inside has often finished already (batches are taken ahead), so ask for its start.
+        # Fresh, it is where the sampler inside is now (an iteration left unfinished began
+        # earlier: the next one begins here).
         inner = self.sampler
         latest = self._latest
-        in_progress = latest is not None and not latest.finished
+        in_progress = not fresh and latest is not None and not latest.finished
         if isinstance(inner, StatefulSampler):
             return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
         if callable(getattr(inner, "state_dict", None)):

@@ -79,7 +79,7 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
         return {"length": len(self.dataset), "num_replicas": self.num_replicas, "rank": self.rank,
                 "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
 
-    def _inner_state(self) -> dict[str, Any]:
+    def _inner_state(self, fresh: bool = False) -> dict[str, Any]:
         return {"epoch": self.epoch}
 
     def _read_inner_state(self, fields: StateFields) -> int:

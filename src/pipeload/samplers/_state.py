@@ -78,8 +78,10 @@ class StatefulSampler:
         """(whether iterations draw random numbers, from which generator: None is the global one)."""
         return False, None
 
-    def _inner_state(self) -> dict[str, Any]:
-        return {}  # extra fields (a DistributedSampler's epoch, a BatchSampler's sampler)
+    def _inner_state(self, fresh: bool = False) -> dict[str, Any]:
+        # Extra fields (a DistributedSampler's epoch, a BatchSampler's sampler); ``fresh``: as
+        # for an iteration not yet begun, whatever the latest one did (see fresh_state_dict).
+        return {}
 
     def _load_inner_state(self, inner: Any, replay: bool) -> None:
         pass  # ``inner``: what _read_inner_state gave
@@ -142,6 +144,12 @@ class StatefulSampler:
             generator.set_state(read.generator)
         self._pending = dict(read.iteration) if read.iteration is not None else None
 
+    def fresh_state_dict(self) -> dict[str, Any]:
+        """The state as for an iteration not yet begun: where the next ``iter()`` starts, even
+        when the latest iteration was left unfinished (a loop that broke out of its epoch). What
+        the loader records as an epoch begins."""
+        return fresh_state(self._state_with(None, fresh=True))
+
     def _replay_state(self) -> dict[str, Any] | None:
         """The latest iteration from its start (finished or not): what a BatchSampler needs of
         the sampler inside it, which often finishes before the batches do."""
@@ -150,11 +158,11 @@ class StatefulSampler:
             return None
         return self._state_with({"start": latest.start, "yielded": 0})
 
-    def _state_with(self, iteration: dict[str, Any] | None) -> dict[str, Any]:
+    def _state_with(self, iteration: dict[str, Any] | None, fresh: bool = False) -> dict[str, Any]:
         draws, generator = self._draws_from()
         own = generator_state(generator) if draws and generator is not None else None
         return sealed({"version": STATE_VERSION, "type": type(self).__name__, "config": self._config(),
-                       "generator": own, "iteration": iteration, **self._inner_state()})
+                       "generator": own, "iteration": iteration, **self._inner_state(fresh)})
 
     # -- reading a state: every field checked before anything is set ------------------------
 
