@@ -166,6 +166,26 @@ def test_a_compressed_archive_is_checked_to_its_checksum(tmp_path: Path) -> None
         members_of(cut)
 
 
+def test_a_zstd_archive_cut_inside_a_frame_is_truncated_not_short(tmp_path: Path) -> None:
+    # zstandard's stream reader ends quietly inside a frame: cut inside the last frame's checksum
+    # (every content byte there, the check gone) the shard read as whole; cut inside a frame's
+    # data, as a shorter shard
+    import zstandard
+
+    whole = tar_bytes(MEMBERS)
+    first = zstandard.ZstdCompressor(write_checksum=True).compress(whole[:2048])
+    second = zstandard.ZstdCompressor(write_checksum=True).compress(whole[2048:])
+    two_frames = tmp_path / "two-frames.tar.zst"
+    two_frames.write_bytes(first + second)
+    assert [(m.name, m[1]) for m in members_of(two_frames)] == MEMBERS  # frames one after another
+    cases = {"cut-in-its-checksum": (first + second)[:-2], "cut-between-frames-data": first + second[:40]}
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.tar.zst"
+        path.write_bytes(data)
+        with pytest.raises(ArchiveError, match=f"{name}.tar.zst'.*zstd data ends inside a frame"):
+            members_of(path)
+
+
 def _flipped_gzip(tmp_path: Path) -> Path:
     """A .tar.gz whose stored block has a flipped byte in member 3: it decompresses, and only the
     CRC-32 at the end of the stream tells."""

@@ -74,10 +74,55 @@ def _zstd_reader(source: Any) -> Any:
     except ImportError as error:
         raise ImportError(f"reading a zstd-compressed tar (.tar.zst) needs zstandard, which is not "
                           f"installed: {ZSTD_EXTRA_HINT}") from error
-    return zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+    return _ZstdFrames(source, zstandard.ZstdDecompressor())
+
+
+class _ZstdFrames:
+    """zstd frames one after another, decompressed as they are read; data that ends inside a
+    frame is truncated.
+
+    Not ``zstandard``'s stream reader: at the end of its input it ends quietly inside a frame,
+    so a shard cut inside its last frame's checksum (every content byte there, the check gone),
+    or inside a frame's data at a tar block boundary, read as whole. Each frame here goes
+    through a decompression object of its own, which says when its frame has ended (checksum
+    checked, if the frame has one)."""
+
+    def __init__(self, source: Any, decompressor: Any) -> None:
+        self._source = source
+        self._decompressor = decompressor
+        self._frame = decompressor.decompressobj()
+        self._in_frame = False  # bytes fed to the current frame, and its end not reached
+        self._ready = bytearray()
+
+    def read(self, size: int = -1) -> bytes:
+        while (size < 0 or len(self._ready) < size) and self._decompress_more():
+            pass
+        if size < 0:
+            size = len(self._ready)
+        data = bytes(self._ready[:size])
+        del self._ready[:size]
+        return data
+
+    def _decompress_more(self) -> bool:
+        """Decompress the next chunk of input; False at the end of the input."""
+        chunk = self._source.read(_ZSTD_CHUNK_BYTES)
+        if not chunk:
+            if self._in_frame:
+                raise TarFormatError("truncated: the zstd data ends inside a frame")
+            return False
+        while chunk:
+            self._in_frame = True
+            self._ready += self._frame.decompress(chunk)
+            if not self._frame.eof:
+                break
+            chunk = self._frame.unused_data  # the next frame's first bytes
+            self._frame = self._decompressor.decompressobj()
+            self._in_frame = False
+        return True
 
 
 _SKIP_CHUNK_BYTES = 1 << 20
+_ZSTD_CHUNK_BYTES = 1 << 17
 _MAX_READ_BYTES = 1 << 26
 
 
