@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from pipeload._user_frame import first_frame_outside_pipeload
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import length_of
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
@@ -330,6 +330,7 @@ class _DemuxRun(_Run):
 
     def __init__(self, pipe: _DemuxSource) -> None:
         super().__init__(pipe.main_datapipe, pipe.num_instances)
+        self._pipe = pipe
         self._classify = pipe.classifier_fn
         self._drop_none = pipe.drop_none
         self._limit = pipe.buffer_size
@@ -350,7 +351,10 @@ class _DemuxRun(_Run):
                 except StopIteration:
                     self._source_done = True
                     raise
-                branch = self._classify(value)
+                try:
+                    branch = self._classify(value)
+                except Exception as error:
+                    raise raised_by_function(error, self._pipe, "classifier_fn")
                 if branch is None and self._drop_none:
                     continue
                 if branch is None or not 0 <= branch < self.num_instances:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload._state_fields import StateFields
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of, no_length
@@ -244,7 +244,10 @@ class _GrouperIterator(SkipToResume, PipeIterator[Any]):
 
     def _add(self, item: Any) -> None:
         pipe = self._pipe
-        key = pipe.group_key_fn(item)
+        try:
+            key = pipe.group_key_fn(item)
+        except Exception as error:
+            raise raised_by_function(error, pipe, "group_key_fn")
         group = self._groups[key]
         group.append(item)
         self._buffered += 1
