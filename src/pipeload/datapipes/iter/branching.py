@@ -22,13 +22,14 @@ from typing import Any, Literal
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
 
 _JOIN_LOCK = threading.Lock()  # joining runs is rare; one lock for every fork keeps pipes picklable
 
 
 def _check_instances(num_instances: int) -> None:
+    check_int(num_instances, "num_instances")
     if num_instances < 1:
         raise ValueError(f"Expected `num_instances` larger than 0, but {num_instances} is found")
 
@@ -193,6 +194,7 @@ class _ForkSource(_SharedSource):
             raise ValueError(
                 f"Unknown copy method `{copy}` requested, choose one of None, `shallow` or `deep`."
             )
+        check_int(buffer_size, "buffer_size")
         _warn_if_unlimited(buffer_size, "fork")
         self.main_datapipe = datapipe
         self.num_instances = num_instances
@@ -306,6 +308,7 @@ class _DemuxSource(_SharedSource):
     def __init__(
         self, datapipe: IterDataPipe, num_instances: int, classifier_fn: Any, drop_none: bool, buffer_size: int
     ) -> None:
+        check_int(buffer_size, "buffer_size")
         _warn_if_unlimited(buffer_size, "demux")
         self.main_datapipe = datapipe
         self.num_instances = num_instances
