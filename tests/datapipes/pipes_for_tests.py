@@ -167,5 +167,28 @@ class MadeWhereUsed(IterDataPipe):
         return (self.resource for _ in self.source)
 
 
+class ListsWhereUsed(IterDataPipe):
+    """The RFC's lazy initialisation: its ``lazy_init()`` makes the list (and notes the pid)
+    before the first ``__iter__`` or ``__len__`` of each copy; ``__init__`` lists nothing."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.numbers: list[int] | None = None
+        self.lazy_inits = 0
+
+    def lazy_init(self) -> None:
+        self.numbers = list(range(self.count))
+        self.listed_in = os.getpid()
+        self.lazy_inits += 1
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        assert self.numbers is not None, "lazy_init() was not called before __iter__"
+        return ((number, self.listed_in) for number in self.numbers)
+
+    def __len__(self) -> int:
+        assert self.numbers is not None, "lazy_init() was not called before __len__"
+        return len(self.numbers)
+
+
 def unpicklable_item(x: int) -> Any:
     return (i for i in range(x))  # a generator cannot be pickled

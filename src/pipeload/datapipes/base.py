@@ -9,6 +9,8 @@ iterators over one pipe do not disturb each other. Attributes whose name starts 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -37,6 +39,11 @@ class _DescribedPipe:
     # A user's subclass need not: its attributes are scanned for pipes instead. A source's ``()``
     # means its data may hold pipes (IterableWrapper over a map pipe): it is scanned, cheaply.
     _parent_fields: tuple[str, ...] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if inspect.isfunction(getattr(cls, "lazy_init", None)):
+            _call_lazy_init_first(cls)
 
     def parents(self) -> tuple[Any, ...]:
         """The pipes this one reads from, in order."""
@@ -76,6 +83,34 @@ class _DescribedPipe:
         ``pipeload.datapipes.graph.place_separate_processes``); ``loader.stats()`` lists where.
         """
         return False
+
+
+# The RFC's lazy initialisation: a pipe class that defines a ``lazy_init(self)`` method has it
+# called once before the first ``__iter__``, ``__len__`` or ``__getitem__`` of each copy of the
+# pipe (the flag is transient: a copy pickled to a worker, or a thread worker's copy, calls it
+# again there, which is the point: a file listing is made after the workers start, not before).
+_LAZY_HOOKED = ("__iter__", "__len__", "__getitem__")
+_LAZY_DONE = TRANSIENT_PREFIX + "lazy_init_done"
+
+
+def _call_lazy_init_first(cls: type) -> None:
+    for name in _LAZY_HOOKED:
+        method = getattr(cls, name, None)
+        if method is None or getattr(method, "_calls_lazy_init_first", False):
+            continue
+        setattr(cls, name, _after_lazy_init(method))
+
+
+def _after_lazy_init(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def hooked(self: Any, *args: Any) -> Any:
+        if not self.__dict__.get(_LAZY_DONE):
+            self.lazy_init()
+            self.__dict__[_LAZY_DONE] = True  # after it returned: a failed lazy_init runs again
+        return method(self, *args)
+
+    hooked._calls_lazy_init_first = True  # type: ignore[attr-defined]
+    return hooked
 
 
 class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
