@@ -167,6 +167,25 @@ class MadeWhereUsed(IterDataPipe):
         return (self.resource for _ in self.source)
 
 
+class CountsDown(IterDataPipe):
+    """A pipe that is its own iterator, as IterDataPipe's default ``__iter__`` (return self)
+    invites: ``__iter__`` starts again, ``__next__`` reads."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.left = start
+
+    def __iter__(self) -> CountsDown:
+        self.left = self.start
+        return self
+
+    def __next__(self) -> int:
+        if self.left == 0:
+            raise StopIteration
+        self.left -= 1
+        return self.left
+
+
 class ListsWhereUsed(IterDataPipe):
     """The RFC's lazy initialisation: its ``lazy_init()`` makes the list (and notes the pid)
     before the first ``__iter__`` or ``__len__`` of each copy; ``__init__`` lists nothing."""

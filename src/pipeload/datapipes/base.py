@@ -21,7 +21,7 @@ from torch.utils.data.datapipes.datapipe import MapDataPipe as _TorchMapDataPipe
 
 from pipeload.datapipes._iter_ops import IterOperations
 from pipeload.datapipes._map_ops import MapOperations
-from pipeload.datapipes.protocol import NotAvailable, as_nonblocking
+from pipeload.datapipes.protocol import STARTS_A_RUN, NotAvailable, as_nonblocking
 from pipeload.datasets import Dataset, IterableDataset
 
 T_co = TypeVar("T_co", covariant=True)
@@ -151,6 +151,8 @@ class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
         if run is None:
             run = self._transient_own_run = as_nonblocking(self)
         return run.nonblocking_next()
+
+    setattr(nonblocking_next, STARTS_A_RUN, True)  # noqa: B010  (as_nonblocking reads it)
 
     def reset(self) -> None:
         """Drop this pipe's own run (the one :meth:`nonblocking_next` reads), releasing what it
