@@ -165,6 +165,39 @@ def add_one_to_first(pair: tuple[int, int]) -> tuple[int, int]:
     return pair[0] + 1, pair[1]
 
 
+def _pipe_with_reset(base: type) -> Any:
+    """A pipe written for torch: its per-run state is set in reset(), which torch's
+    IterDataPipe calls each time the pipe is iterated."""
+
+    class Remaining(base):  # type: ignore[misc, valid-type]
+        def __init__(self, count: int) -> None:
+            self.count, self.resets = count, 0
+
+        def reset(self) -> None:
+            self.left = self.count
+            self.resets += 1
+
+        def __iter__(self) -> Iterator[int]:
+            while self.left:
+                self.left -= 1
+                yield self.left
+
+    return Remaining
+
+
+@pytest.mark.parametrize("base", [tud.IterDataPipe, IterDataPipe], ids=["torch", "pipeload"])
+def test_a_subclass_reset_is_called_each_time_the_pipe_is_iterated_as_torchs(base: type) -> None:
+    pipe = _pipe_with_reset(base)(3)
+    assert list(pipe) == [2, 1, 0] and list(pipe) == [2, 1, 0] and pipe.resets == 2
+    assert list(_pipe_with_reset(base)(2).map(add_one)) == [2, 1]
+
+
+def test_a_reset_subclass_in_the_loader_and_read_without_blocking() -> None:
+    pipe = _pipe_with_reset(IterDataPipe)(4)
+    assert sorted(pipeload.DataLoader(pipe, batch_size=None)) == [0, 1, 2, 3]
+    assert [pipe.nonblocking_next(), pipe.nonblocking_next()] == [3, 2]
+
+
 def test_parents_are_explicit() -> None:
     a, b = IterableWrapper(range(3)), IterableWrapper(range(4))
     zipped = a.zip(b)

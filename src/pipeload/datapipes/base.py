@@ -113,6 +113,23 @@ def _after_lazy_init(method: Callable[..., Any]) -> Callable[..., Any]:
     return hooked
 
 
+def _reset_on_iter(cls: type) -> None:
+    """torch's IterDataPipe calls a subclass's ``reset()`` every time it is iterated (the
+    subclass puts its per-run state there); a pipe written for torch keeps working here."""
+    method = cls.__iter__  # type: ignore[attr-defined]
+    if getattr(method, "_calls_reset", False):
+        return
+
+    @functools.wraps(method)
+    def iter_then_reset(self: Any) -> Any:
+        iterator = method(self)
+        self.reset()  # after: as torch's order (a generator's body has not started yet)
+        return iterator
+
+    iter_then_reset._calls_reset = True  # type: ignore[attr-defined]
+    cls.__iter__ = iter_then_reset  # type: ignore[attr-defined]
+
+
 class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
     """An iterable-style pipe: ``iter(pipe)`` starts a run; chain operations as methods.
 
@@ -126,6 +143,13 @@ class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
     """
 
     functions: dict[str, Callable[..., Any]] = {}
+    # Whether this class's own __iter__ calls reset() (NonBlockingIterDataPipe's does).
+    _iter_calls_reset = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reset is not IterDataPipe.reset and not cls._iter_calls_reset:
+            _reset_on_iter(cls)
 
     def __iter__(self) -> Iterator[T_co]:
         return self  # type: ignore[return-value]  # a pipe that is its own iterator (defines __next__)
