@@ -19,7 +19,9 @@ import pipeload
 import pipeload.datapipes.iter as ours
 import pipeload.datapipes.map as ours_map
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+# The builders wrap the functions under test in lambdas (which warn that they do not pickle).
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:(Lambda|Local) function is not supported by pickle")]
 
 FAILING_ITEM = 3
 
@@ -93,7 +95,6 @@ BUILDERS = {"map": _map, "filter": _filter, "flatmap": _flatmap, "collate": _col
             "map-style map": _map_style_map}
 
 
-@pytest.mark.filterwarnings("ignore:Lambda function is not supported by pickle")
 @pytest.mark.parametrize("operation", BUILDERS)
 def test_a_stopiteration_escaping_the_function_fails_the_run_instead_of_ending_it(operation: str) -> None:
     pipe, argument = BUILDERS[operation](stops_early)
@@ -107,7 +108,6 @@ def test_torchs_pipes_fail_on_that_stopiteration_too() -> None:
         list(theirs.IterableWrapper(range(8)).map(stops_early))
 
 
-@pytest.mark.filterwarnings("ignore:Lambda function is not supported by pickle")
 @pytest.mark.parametrize("operation", BUILDERS)
 def test_the_users_exception_arrives_as_itself_naming_the_pipe(operation: str) -> None:
     pipe, argument = BUILDERS[operation](fails)
