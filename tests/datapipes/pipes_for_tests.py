@@ -167,5 +167,47 @@ class MadeWhereUsed(IterDataPipe):
         return (self.resource for _ in self.source)
 
 
+class CountsDown(IterDataPipe):
+    """A pipe that is its own iterator, as IterDataPipe's default ``__iter__`` (return self)
+    invites: ``__iter__`` starts again, ``__next__`` reads."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.left = start
+
+    def __iter__(self) -> CountsDown:
+        self.left = self.start
+        return self
+
+    def __next__(self) -> int:
+        if self.left == 0:
+            raise StopIteration
+        self.left -= 1
+        return self.left
+
+
+class ListsWhereUsed(IterDataPipe):
+    """The RFC's lazy initialisation: its ``lazy_init()`` makes the list (and notes the pid)
+    before the first ``__iter__`` or ``__len__`` of each copy; ``__init__`` lists nothing."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.numbers: list[int] | None = None
+        self.lazy_inits = 0
+
+    def lazy_init(self) -> None:
+        self.numbers = list(range(self.count))
+        self.listed_in = os.getpid()
+        self.lazy_inits += 1
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        assert self.numbers is not None, "lazy_init() was not called before __iter__"
+        return ((number, self.listed_in) for number in self.numbers)
+
+    def __len__(self) -> int:
+        assert self.numbers is not None, "lazy_init() was not called before __len__"
+        return len(self.numbers)
+
+
 def unpicklable_item(x: int) -> Any:
     return (i for i in range(x))  # a generator cannot be pickled

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch.utils.data as tud
-from pipes_for_tests import add_one
+from pipes_for_tests import ListsWhereUsed, add_one
 
 import pipeload
 from pipeload.datapipes import IterDataPipe, MapDataPipe, functional_datapipe, lazy_init
@@ -119,6 +119,83 @@ def test_lazy_init_runs_on_first_use_and_is_never_pickled_or_copied() -> None:
     restored = pickle.loads(pickle.dumps(pipe))
     assert not Lookup.table.is_ready(restored) and not Lookup.table.is_ready(copy.copy(pipe))
     assert list(restored) == [10, 11, 12] and Lookup.made == [10, 10]
+
+
+class Listing(MapDataPipe):
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.lazy_inits = 0
+
+    def lazy_init(self) -> None:
+        self.items = [10 * i for i in range(self.count)]
+        self.lazy_inits += 1
+
+    def __getitem__(self, index: int) -> int:
+        return self.items[index]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class ListsTens(ListsWhereUsed):
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((10 * number, pid) for number, pid in super().__iter__())
+
+
+def test_the_rfcs_lazy_init_method_is_called_once_before_the_first_iter_or_len() -> None:
+    pipe = ListsWhereUsed(3)
+    assert pipe.numbers is None  # nothing at construction
+    assert len(pipe) == 3 and [n for n, _ in pipe] == [0, 1, 2] and [n for n, _ in pipe] == [0, 1, 2]
+    assert pipe.lazy_inits == 1
+    assert [n for n, _ in ListsWhereUsed(2).map(add_one_to_first)] == [1, 2]  # through a chain
+    assert [n for n, _ in ListsTens(3)] == [0, 10, 20]  # a subclass overriding __iter__
+    listing = Listing(4)
+    assert listing[2] == 20 and len(listing) == 4 and listing.lazy_inits == 1
+
+
+def test_the_rfcs_lazy_init_runs_again_in_each_copy() -> None:
+    pipe = ListsWhereUsed(3)
+    list(pipe)
+    restored, copied = pickle.loads(pickle.dumps(pipe)), copy.copy(pipe)
+    list(restored), list(copied)
+    assert (restored.lazy_inits, copied.lazy_inits) == (2, 2)
+
+
+def add_one_to_first(pair: tuple[int, int]) -> tuple[int, int]:
+    return pair[0] + 1, pair[1]
+
+
+def _pipe_with_reset(base: type) -> Any:
+    """A pipe written for torch: its per-run state is set in reset(), which torch's
+    IterDataPipe calls each time the pipe is iterated."""
+
+    class Remaining(base):  # type: ignore[misc, valid-type]
+        def __init__(self, count: int) -> None:
+            self.count, self.resets = count, 0
+
+        def reset(self) -> None:
+            self.left = self.count
+            self.resets += 1
+
+        def __iter__(self) -> Iterator[int]:
+            while self.left:
+                self.left -= 1
+                yield self.left
+
+    return Remaining
+
+
+@pytest.mark.parametrize("base", [tud.IterDataPipe, IterDataPipe], ids=["torch", "pipeload"])
+def test_a_subclass_reset_is_called_each_time_the_pipe_is_iterated_as_torchs(base: type) -> None:
+    pipe = _pipe_with_reset(base)(3)
+    assert list(pipe) == [2, 1, 0] and list(pipe) == [2, 1, 0] and pipe.resets == 2
+    assert list(_pipe_with_reset(base)(2).map(add_one)) == [2, 1]
+
+
+def test_a_reset_subclass_in_the_loader_and_read_without_blocking() -> None:
+    pipe = _pipe_with_reset(IterDataPipe)(4)
+    assert sorted(pipeload.DataLoader(pipe, batch_size=None)) == [0, 1, 2, 3]
+    assert [pipe.nonblocking_next(), pipe.nonblocking_next()] == [3, 2]
 
 
 def test_parents_are_explicit() -> None:

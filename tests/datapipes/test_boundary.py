@@ -138,6 +138,19 @@ def test_closing_or_dropping_a_run_stops_its_upstream(kind: str) -> None:
         pass  # a run that ends early is released when the loop drops it
 
 
+@pytest.mark.parametrize("combine", ["zip", "mux"])
+def test_a_zip_or_mux_that_ends_stops_the_boundaries_of_its_other_inputs(combine: str) -> None:
+    # the iterator is still held (a persistent worker holds its run until the next epoch):
+    # the upstream process is read no further, so it must not idle until the run is dropped
+    long_one = IterableWrapper(range(10**6)).map(pid_and_item).queue_boundary("process", buffer_size=2)
+    short_one = IterableWrapper([(0, "a"), (0, "b")])
+    it = iter(getattr(short_one, combine)(long_one))
+    items = [item for item in it]  # noqa: C416  (the run itself is kept below)
+    pid = items[0][1][0] if combine == "zip" else items[1][0]
+    assert wait_until(lambda: pid_gone(pid), DEADLINE_S)
+    assert it is not None
+
+
 def test_large_tensors_cross_a_process_boundary_as_shared_memory_small_ones_inline() -> None:
     large = list(IterableWrapper(range(5)).map(as_large_tensor).queue_boundary("process"))
     assert [(t[0].item(), t[-1].item()) for t in large] == [(i, i) for i in range(5)]

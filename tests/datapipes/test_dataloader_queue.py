@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import threading
 
@@ -279,6 +280,27 @@ def test_arguments_are_checked() -> None:
     assert queue.kind == "thread" and queue.maxsize == 8 and isinstance(queue, DataLoaderQueue)
     with pytest.raises(ValueError, match="timeout should be None or at least 0"):
         queue.get(timeout=-1)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+@pytest.mark.parametrize("call", ["get", "put"])
+def test_a_nan_timeout_is_refused_instead_of_waiting_for_ever(kind: str, call: str) -> None:
+    # a NaN deadline compares False with every clock reading: the wait never ended
+    with DataLoaderQueue(kind=kind, maxsize=1) as queue:
+        wait = queue.get if call == "get" else lambda timeout: queue.put(0, timeout=timeout)
+        with pytest.raises(ValueError, match="timeout should be None or at least 0, but got timeout=nan"):
+            wait(timeout=float("nan"))
+
+
+@pytest.mark.parametrize("kind", ["thread", "process", "ray"])
+@pytest.mark.parametrize("timeout", ["1", True, [1], float("nan")])
+def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_by_name(kind: str, timeout: object) -> None:
+    with DataLoaderQueue(kind=kind) as queue:
+        error, expected = ((ValueError, "timeout should be None or at least 0, but got timeout=nan")
+                           if timeout != timeout else  # NaN
+                           (TypeError, f"timeout should be None or a number of seconds, but got timeout={timeout!r}"))
+        with pytest.raises(error, match=re.escape(expected)):
+            queue.get(timeout=timeout)
 
 
 def test_queue_errors_pickle_whole() -> None:

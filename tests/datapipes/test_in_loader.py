@@ -16,7 +16,7 @@ import torch
 import torch.utils.data as tud
 import torch.utils.data.datapipes.iter as theirs_iter
 import torch.utils.data.datapipes.map as theirs_map
-from pipes_for_tests import MadeWhereUsed, double, is_even, normalise
+from pipes_for_tests import ListsWhereUsed, MadeWhereUsed, double, is_even, normalise
 
 import pipeload
 import pipeload.datapipes.iter as ours_iter
@@ -146,6 +146,17 @@ def test_lazy_setup_happens_in_the_worker_not_the_main_process() -> None:
     pids = set(pipeload.DataLoader(pipe, batch_size=None, num_workers=2))
     assert len(pids) == 2 and os.getpid() not in pids
     assert not MadeWhereUsed.resource.is_ready(pipe)
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_the_rfcs_lazy_init_lists_in_each_worker_after_it_started(worker_type: str) -> None:
+    pipe = ListsWhereUsed(8).sharding_filter()
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type)
+    loaded = [pair for pair in loader]  # not list(loader): its len() would list the files here  # noqa: C416
+    assert sorted(number for number, _ in loaded) == list(range(8))
+    if worker_type == "process":
+        assert len({pid for _, pid in loaded}) == 2 and os.getpid() not in {pid for _, pid in loaded}
+    assert pipe.source_datapipe.numbers is None  # the loader's own copy was never listed
 
 
 @pytest.mark.parametrize("workers", [0, 2])

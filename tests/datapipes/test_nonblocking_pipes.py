@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch.utils.data.datapipes.iter as theirs_iter
-from pipes_for_tests import add_one, double, is_even, normalise, parity
+from pipes_for_tests import CountsDown, add_one, double, is_even, normalise, parity
 
 import pipeload
 from pipeload.datapipes import (
@@ -88,6 +88,19 @@ def test_every_built_in_pipe_reads_through_its_own_nonblocking_next(name: str) -
     first = pipe.nonblocking_next()
     assert normalise(first) == normalise(next(iter(BUILT_IN[name]())))
     pipe.reset()
+
+
+@pytest.mark.parametrize("engine", [{"num_workers": 0}, {"num_workers": 2, "worker_type": "thread"}],
+                         ids=["inline", "threads"])
+def test_a_pipe_that_is_its_own_iterator_chains_and_loads(engine: dict[str, Any]) -> None:
+    # its inherited nonblocking_next() starts a run over the pipe: reading that run through
+    # nonblocking_next() again recursed until RecursionError
+    assert list(CountsDown(4).map(double)) == [6, 4, 2, 0]
+    assert list(CountsDown(3).batch(2)) == [[2, 1], [0]]
+    pipe = CountsDown(3)
+    assert [pipe.nonblocking_next(), pipe.nonblocking_next()] == [2, 1]
+    loaded = list(pipeload.DataLoader(CountsDown(4).sharding_filter().map(double), batch_size=None, **engine))
+    assert sorted(loaded) == [0, 2, 4, 6]
 
 
 def test_the_own_run_is_independent_of_other_iterators_and_never_pickled() -> None:

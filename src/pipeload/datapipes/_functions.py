@@ -51,3 +51,31 @@ def _unpicklable_kind(fn: Any) -> str | None:
 
 def _name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def raised_by_function(error: Exception, pipe: Any, argument: str) -> Exception:
+    """What a pipe raises when the function it was given (``argument``) raised ``error``.
+
+    The same exception, with a note naming the pipe and the argument, since a traceback shows
+    only pipeload's frames between the loop and the user's function. A ``StopIteration``
+    becomes a ``RuntimeError`` (as PEP 479 makes it in a generator, which torch's pipes are):
+    leaving ``nonblocking_next()`` as it is, it would end the pipe's run there and silently
+    drop the rest of the epoch.
+
+    Example:
+        >>> try:
+        ...     item = self._fn(data)
+        ... except Exception as error:
+        ...     raise raised_by_function(error, self._pipe, "fn")
+    """
+    from pipeload.datapipes.base import describe_pipe  # base imports the pipes that import this
+
+    if isinstance(error, StopIteration):
+        replaced = RuntimeError(f"`{argument}` raised StopIteration")
+        replaced.__cause__ = error
+        replaced.__traceback__ = error.__traceback__
+        error = replaced
+    note = f"pipeload: raised by `{argument}` of {describe_pipe(pipe, ancestors=1)}"
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+    return error

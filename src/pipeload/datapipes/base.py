@@ -9,6 +9,8 @@ iterators over one pipe do not disturb each other. Attributes whose name starts 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -19,7 +21,7 @@ from torch.utils.data.datapipes.datapipe import MapDataPipe as _TorchMapDataPipe
 
 from pipeload.datapipes._iter_ops import IterOperations
 from pipeload.datapipes._map_ops import MapOperations
-from pipeload.datapipes.protocol import NotAvailable, as_nonblocking
+from pipeload.datapipes.protocol import STARTS_A_RUN, NotAvailable, as_nonblocking
 from pipeload.datasets import Dataset, IterableDataset
 
 T_co = TypeVar("T_co", covariant=True)
@@ -37,6 +39,11 @@ class _DescribedPipe:
     # A user's subclass need not: its attributes are scanned for pipes instead. A source's ``()``
     # means its data may hold pipes (IterableWrapper over a map pipe): it is scanned, cheaply.
     _parent_fields: tuple[str, ...] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if inspect.isfunction(getattr(cls, "lazy_init", None)):
+            _call_lazy_init_first(cls)
 
     def parents(self) -> tuple[Any, ...]:
         """The pipes this one reads from, in order."""
@@ -78,6 +85,51 @@ class _DescribedPipe:
         return False
 
 
+# The RFC's lazy initialisation: a pipe class that defines a ``lazy_init(self)`` method has it
+# called once before the first ``__iter__``, ``__len__`` or ``__getitem__`` of each copy of the
+# pipe (the flag is transient: a copy pickled to a worker, or a thread worker's copy, calls it
+# again there, which is the point: a file listing is made after the workers start, not before).
+_LAZY_HOOKED = ("__iter__", "__len__", "__getitem__")
+_LAZY_DONE = TRANSIENT_PREFIX + "lazy_init_done"
+
+
+def _call_lazy_init_first(cls: type) -> None:
+    for name in _LAZY_HOOKED:
+        method = getattr(cls, name, None)
+        if method is None or getattr(method, "_calls_lazy_init_first", False):
+            continue
+        setattr(cls, name, _after_lazy_init(method))
+
+
+def _after_lazy_init(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def hooked(self: Any, *args: Any) -> Any:
+        if not self.__dict__.get(_LAZY_DONE):
+            self.lazy_init()
+            self.__dict__[_LAZY_DONE] = True  # after it returned: a failed lazy_init runs again
+        return method(self, *args)
+
+    hooked._calls_lazy_init_first = True  # type: ignore[attr-defined]
+    return hooked
+
+
+def _reset_on_iter(cls: type) -> None:
+    """torch's IterDataPipe calls a subclass's ``reset()`` every time it is iterated (the
+    subclass puts its per-run state there); a pipe written for torch keeps working here."""
+    method = cls.__iter__  # type: ignore[attr-defined]
+    if getattr(method, "_calls_reset", False):
+        return
+
+    @functools.wraps(method)
+    def iter_then_reset(self: Any) -> Any:
+        iterator = method(self)
+        self.reset()  # after: as torch's order (a generator's body has not started yet)
+        return iterator
+
+    iter_then_reset._calls_reset = True  # type: ignore[attr-defined]
+    cls.__iter__ = iter_then_reset  # type: ignore[attr-defined]
+
+
 class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
     """An iterable-style pipe: ``iter(pipe)`` starts a run; chain operations as methods.
 
@@ -91,6 +143,13 @@ class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
     """
 
     functions: dict[str, Callable[..., Any]] = {}
+    # Whether this class's own __iter__ calls reset() (NonBlockingIterDataPipe's does).
+    _iter_calls_reset = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reset is not IterDataPipe.reset and not cls._iter_calls_reset:
+            _reset_on_iter(cls)
 
     def __iter__(self) -> Iterator[T_co]:
         return self  # type: ignore[return-value]  # a pipe that is its own iterator (defines __next__)
@@ -116,6 +175,8 @@ class IterDataPipe(_DescribedPipe, IterableDataset[T_co], IterOperations):
         if run is None:
             run = self._transient_own_run = as_nonblocking(self)
         return run.nonblocking_next()
+
+    setattr(nonblocking_next, STARTS_A_RUN, True)  # noqa: B010  (as_nonblocking reads it)
 
     def reset(self) -> None:
         """Drop this pipe's own run (the one :meth:`nonblocking_next` reads), releasing what it

@@ -55,6 +55,8 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
         ['0', '1', '2', '3', '4']
     """
 
+    _iter_calls_reset = True
+
     def __iter__(self) -> Iterator[T_co]:
         self.reset()
         return self

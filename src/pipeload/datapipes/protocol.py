@@ -309,9 +309,23 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
     source = iter(source)
     if isinstance(source, PipeIterator):
         return source
-    if callable(getattr(source, "nonblocking_next", None)):
+    if _reads_itself_without_blocking(source):
         return _ForeignNonblocking(source)
     return BlockingAdapter(source)
+
+
+STARTS_A_RUN = "_starts_a_run"  # marks IterDataPipe.nonblocking_next (see below)
+
+
+def _reads_itself_without_blocking(iterator: Any) -> bool:
+    """Whether ``iterator``'s ``nonblocking_next()`` reads the iterator itself.
+
+    An IterDataPipe that is its own iterator (``__iter__`` returns self, ``__next__`` reads)
+    inherits the pipe's ``nonblocking_next()``, which starts a run over the pipe, that is,
+    calls this function again: it is read through ``next()`` instead.
+    """
+    method = getattr(iterator, "nonblocking_next", None)
+    return callable(method) and not getattr(method, STARTS_A_RUN, False)
 
 
 class _ForeignNonblocking(PipeIterator[T_co]):

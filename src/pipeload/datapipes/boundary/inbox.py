@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, FarEnd, QueueError
+from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, FarEnd, QueueError, check_timeout
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 
 WAIT_SLICE_S = 0.1  # a waiter re-checks the far end's liveness and its deadline this often
@@ -184,9 +184,10 @@ class InboxQueue(DataLoaderQueue):
 
 
 def deadline_after(timeout: float | None) -> float | None:
-    """The monotonic time a wait of ``timeout`` seconds ends (None: never)."""
-    if timeout is None:
-        return None
-    if timeout < 0:
-        raise ValueError(f"timeout should be None or at least 0, but got timeout={timeout!r}")
-    return time.monotonic() + timeout
+    """The monotonic time a wait of ``timeout`` seconds ends (None: never).
+
+    Raises:
+        TypeError, ValueError: ``timeout`` is not None or a number of seconds of at least 0.
+    """
+    seconds = check_timeout(timeout)
+    return None if seconds is None else time.monotonic() + seconds

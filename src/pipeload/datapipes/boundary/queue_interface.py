@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import abc
 import importlib
+import math
+import numbers
 from typing import Any, ClassVar, Protocol
 
 from pipeload.datapipes.protocol import NotAvailable, Notifier
@@ -45,6 +47,7 @@ __all__ = [
     "Producer",
     "QueueError",
     "check_maxsize",
+    "check_timeout",
 ]
 
 DEFAULT_MAXSIZE = 8
@@ -115,6 +118,24 @@ def check_maxsize(maxsize: Any) -> int:
     if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
         raise ValueError(f"DataLoaderQueue maxsize should be an int of at least 1, but got maxsize={maxsize!r}")
     return maxsize
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` (seconds) as None or a number of at least 0.
+
+    Raises:
+        TypeError: not None and not a real number (a bool included), named with the value.
+        ValueError: negative or NaN (a NaN deadline is never reached: the wait would never end).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout should be None or a number of seconds, but got timeout={timeout!r} "
+                        f"({type(timeout).__name__})")
+    seconds = float(timeout)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"timeout should be None or at least 0, but got timeout={timeout!r}")
+    return seconds
 
 
 class FarEnd(Protocol):

@@ -26,6 +26,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     DataLoaderQueue,
     QueueError,
     check_maxsize,
+    check_timeout,
 )
 from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, WaitCancelled, wait_for_next
@@ -74,11 +75,12 @@ class RayQueue(DataLoaderQueue, kind="ray"):
         )
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
+        seconds = check_timeout(timeout)
         reading = _Reading(self._reading_end())
         try:
             if not blocking:
                 return reading.nonblocking_next()
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = None if seconds is None else time.monotonic() + seconds
             timed_out = None if deadline is None else (lambda: time.monotonic() >= deadline)
             return wait_for_next(reading, timed_out)
         except NotAvailable:

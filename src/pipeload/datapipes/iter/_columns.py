@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Sized
 from typing import Any
 
@@ -109,6 +110,21 @@ def _name_of(fn: Callable[..., Any]) -> str:
 
 
 def check_positive(value: Any, name: str, what: str) -> None:
-    """AssertionError (torch's type for these) unless ``value`` > 0."""
+    """AssertionError (torch's type for these) unless ``value`` > 0; TypeError unless it is an
+    integer (see :func:`check_int`)."""
+    check_int(value, name)
     if value <= 0:
         raise AssertionError(f"{what} is required to be larger than 0! (got {name}={value!r})")
+
+
+def check_int(value: Any, name: str) -> None:
+    """TypeError unless ``value`` is an integer (an int, a numpy or 0-d tensor integer).
+
+    torch's pipes take a float count and silently make something else of it (``batch(2.5)``
+    one batch of everything, ours batches of 3; ``header(2.5)`` three items), so it is refused
+    where the pipe is built, by name.
+    """
+    try:
+        operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} should be an int, but got {name}={value!r} ({type(value).__name__})") from None

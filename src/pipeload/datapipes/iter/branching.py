@@ -20,15 +20,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from pipeload._user_frame import first_frame_outside_pipeload
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
 
 _JOIN_LOCK = threading.Lock()  # joining runs is rare; one lock for every fork keeps pipes picklable
 
 
 def _check_instances(num_instances: int) -> None:
+    check_int(num_instances, "num_instances")
     if num_instances < 1:
         raise ValueError(f"Expected `num_instances` larger than 0, but {num_instances} is found")
 
@@ -193,6 +194,7 @@ class _ForkSource(_SharedSource):
             raise ValueError(
                 f"Unknown copy method `{copy}` requested, choose one of None, `shallow` or `deep`."
             )
+        check_int(buffer_size, "buffer_size")
         _warn_if_unlimited(buffer_size, "fork")
         self.main_datapipe = datapipe
         self.num_instances = num_instances
@@ -306,6 +308,7 @@ class _DemuxSource(_SharedSource):
     def __init__(
         self, datapipe: IterDataPipe, num_instances: int, classifier_fn: Any, drop_none: bool, buffer_size: int
     ) -> None:
+        check_int(buffer_size, "buffer_size")
         _warn_if_unlimited(buffer_size, "demux")
         self.main_datapipe = datapipe
         self.num_instances = num_instances
@@ -330,6 +333,7 @@ class _DemuxRun(_Run):
 
     def __init__(self, pipe: _DemuxSource) -> None:
         super().__init__(pipe.main_datapipe, pipe.num_instances)
+        self._pipe = pipe
         self._classify = pipe.classifier_fn
         self._drop_none = pipe.drop_none
         self._limit = pipe.buffer_size
@@ -350,7 +354,10 @@ class _DemuxRun(_Run):
                 except StopIteration:
                     self._source_done = True
                     raise
-                branch = self._classify(value)
+                try:
+                    branch = self._classify(value)
+                except Exception as error:
+                    raise raised_by_function(error, self._pipe, "classifier_fn")
                 if branch is None and self._drop_none:
                     continue
                 if branch is None or not 0 <= branch < self.num_instances:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pipeload._state_fields import StateFields
 from pipeload.collate import default_collate
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import (
     apply_to_columns,
@@ -74,20 +74,25 @@ class Mapper(IterDataPipe[T_co]):
 
     def __iter__(self) -> Iterator[T_co]:
         apply = self.fn if self.input_col is None else self._apply_fn
-        return _MapperIterator(apply, self.datapipe)
+        return _MapperIterator(self, apply, self.datapipe)
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)
 
 
 class _MapperIterator(PipeIterator[Any]):
-    def __init__(self, apply: Callable[[Any], Any], source: Any) -> None:
+    def __init__(self, pipe: Mapper[Any], apply: Callable[[Any], Any], source: Any) -> None:
         super().__init__(source)
+        self._pipe = pipe
         self._apply = apply
         (self._source,) = self.upstream
 
     def nonblocking_next(self) -> Any:
-        return self._apply(self._source.nonblocking_next())
+        item = self._source.nonblocking_next()
+        try:
+            return self._apply(item)
+        except Exception as error:
+            raise raised_by_function(error, self._pipe, self._pipe._function_argument)
 
 
 class Collator(Mapper[T_co]):
@@ -150,7 +155,8 @@ class FlatMapper(IterDataPipe[T_co]):
         check_fn_fits_columns(fn, input_col)
 
     def __iter__(self) -> Iterator[T_co]:
-        return _FlatMapperIterator(functools.partial(apply_to_columns, self.fn, input_col=self.input_col), self.datapipe)
+        return _FlatMapperIterator(self, functools.partial(apply_to_columns, self.fn, input_col=self.input_col),
+                                   self.datapipe)
 
 
 def _identity(data: Any) -> Any:
@@ -164,8 +170,9 @@ class _FlatMapperIterator(PipeIterator[Any]):
 
     _NOTHING = object()
 
-    def __init__(self, expand: Callable[[Any], Any], source: Any) -> None:
+    def __init__(self, pipe: FlatMapper[Any], expand: Callable[[Any], Any], source: Any) -> None:
         super().__init__(source)
+        self._pipe = pipe
         self._expand = expand
         (self._source,) = self.upstream
         self._current: Iterator[Any] = iter(())
@@ -174,11 +181,17 @@ class _FlatMapperIterator(PipeIterator[Any]):
 
     def nonblocking_next(self) -> Any:
         while True:
-            for element in self._current:
-                self._taken += 1
-                return element
+            try:
+                for element in self._current:
+                    self._taken += 1
+                    return element
+            except Exception as error:  # the iterable fn returned failed part-way
+                raise raised_by_function(error, self._pipe, "fn")
             item = self._source.nonblocking_next()
-            self._current = iter(self._expand(item))
+            try:
+                self._current = iter(self._expand(item))
+            except Exception as error:
+                raise raised_by_function(error, self._pipe, "fn")
             self._item, self._taken = item, 0
 
     def _own_state(self) -> Any:

@@ -12,7 +12,7 @@ import torch
 from pipeload._state_fields import StateFields, is_int
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
-from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.errors import bad_state_field
 from pipeload import samplers
@@ -78,6 +78,7 @@ class Shuffler(SeededPipe, IterDataPipe[T_co]):
     _parent_fields = ("datapipe",)
 
     def __init__(self, datapipe: IterDataPipe, *, buffer_size: int = 10000, unbatch_level: int = 0) -> None:
+        check_int(buffer_size, "buffer_size")
         if buffer_size <= 0:
             raise AssertionError(f"buffer_size should be larger than 0 (got buffer_size={buffer_size!r})")
         self.datapipe = datapipe if unbatch_level == 0 else datapipe.unbatch(unbatch_level=unbatch_level)

@@ -152,7 +152,7 @@ class _RoundIterator(SkipToResume, PipeIterator[Any]):
     """Collects one item from every source per round; a partial round survives NotAvailable.
 
     zip yields each round as a tuple; mux yields its items one by one. Either ends for good when
-    any source ends, discarding that unfinished round.
+    any source ends, discarding that unfinished round and closing every source.
     """
 
     def __init__(self, datapipes: tuple[Any, ...], as_tuples: bool) -> None:
@@ -172,6 +172,7 @@ class _RoundIterator(SkipToResume, PipeIterator[Any]):
                 self._round.append(self.upstream[len(self._round)].nonblocking_next())
             except StopIteration:
                 self._ended, self._round = True, []
+                self.close()  # the other sources are read no further: stop their threads and processes now
                 raise
         completed, self._round = self._round, []
         if self._as_tuples:

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload._state_fields import StateFields
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
-from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of, no_length
+from pipeload.datapipes.iter._columns import batch_count, check_int, check_positive, length_of, no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.errors import bad_state_field
 
@@ -104,6 +104,7 @@ class UnBatcher(IterDataPipe[Any]):
     _parent_fields = ("datapipe",)
 
     def __init__(self, datapipe: IterDataPipe, unbatch_level: int = 1) -> None:
+        check_int(unbatch_level, "unbatch_level")
         if unbatch_level < -1:
             raise ValueError(f"unbatch_level must be -1 or >= 0 (got unbatch_level={unbatch_level!r})")
         self.datapipe = datapipe
@@ -186,6 +187,10 @@ class Grouper(IterDataPipe[DataChunk]):
         drop_remaining: bool = False,
     ) -> None:
         check_function(group_key_fn, "group_key_fn")
+        for name, value in (("buffer_size", buffer_size), ("group_size", group_size),
+                            ("guaranteed_group_size", guaranteed_group_size)):
+            if value is not None:
+                check_int(value, name)
         self.datapipe = datapipe
         self.group_key_fn = group_key_fn
         self.keep_key = keep_key
@@ -244,7 +249,10 @@ class _GrouperIterator(SkipToResume, PipeIterator[Any]):
 
     def _add(self, item: Any) -> None:
         pipe = self._pipe
-        key = pipe.group_key_fn(item)
+        try:
+            key = pipe.group_key_fn(item)
+        except Exception as error:
+            raise raised_by_function(error, pipe, "group_key_fn")
         group = self._groups[key]
         group.append(item)
         self._buffered += 1

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pipeload.datapipes._functions import raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import batch_count, check_positive, length_of
@@ -213,7 +214,10 @@ class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):
             rng.shuffle(pool)
         if pipe.sort_key is not None:
             size = pipe.bucket_size
-            pool = [item for start in range(0, len(pool), size) for item in pipe.sort_key(pool[start:start + size])]
+            try:
+                pool = [item for start in range(0, len(pool), size) for item in pipe.sort_key(pool[start:start + size])]
+            except Exception as error:
+                raise raised_by_function(error, pipe, "sort_key")
         size = pipe.batch_size
         batches = [DataChunk(pool[start:start + size]) for start in range(0, len(pool), size)]
         if batches and pipe.drop_last and len(batches[-1]) < size:

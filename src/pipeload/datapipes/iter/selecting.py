@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import apply_to_columns, check_fn_fits_columns
 from pipeload.datapipes.protocol import PipeIterator
@@ -36,7 +36,10 @@ class Filter(IterDataPipe[T_co]):
         check_fn_fits_columns(filter_fn, input_col)
 
     def _keeps(self, data: Any) -> bool:
-        condition = apply_to_columns(self.filter_fn, data, self.input_col)
+        try:
+            condition = apply_to_columns(self.filter_fn, data, self.input_col)
+        except Exception as error:
+            raise raised_by_function(error, self, "filter_fn")
         if not isinstance(condition, bool):
             raise ValueError(
                 "Boolean output is required for `filter_fn` of FilterIterDataPipe, got",

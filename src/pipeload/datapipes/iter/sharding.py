@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import no_length
+from pipeload.datapipes.iter._columns import check_int, no_length
 from pipeload.datapipes.protocol import PipeIterator
 
 T_co = TypeVar("T_co", covariant=True)
@@ -59,13 +59,18 @@ class ShardingFilter(IterDataPipe[T_co]):
         """Make this pipe yield shard ``instance_id`` of ``num_of_instances`` for ``sharding_group``.
 
         Raises:
-            ValueError: ``instance_id`` is not below ``num_of_instances``.
+            ValueError: ``instance_id`` is not below ``num_of_instances``, or is negative.
+            TypeError: either is not an int.
             RuntimeError: the DEFAULT group mixed with other groups.
         """
+        check_int(num_of_instances, "num_of_instances")
+        check_int(instance_id, "instance_id")
         if instance_id >= num_of_instances:
             raise ValueError(
                 f"instance_id({instance_id}) should be smaller than num_of_instances({num_of_instances})"
             )
+        if instance_id < 0:  # torch lets it through: every item is then dropped, silently
+            raise ValueError(f"instance_id({instance_id}) should be at least 0")
         default = SHARDING_PRIORITIES.DEFAULT
         has_default = default in self.groups
         has_others = any(group != default for group in self.groups)

@@ -12,7 +12,7 @@ import torch
 
 from pipeload._state_fields import StateFields, join
 from pipeload.datapipes.base import IterDataPipe
-from pipeload.datapipes.iter._columns import length_of
+from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume, StateLoad, as_nonblocking
 from pipeload.errors import bad_state_field
 
@@ -36,8 +36,10 @@ class Cycler(IterDataPipe[T_co]):
     _parent_fields = ("source_datapipe",)
 
     def __init__(self, source_datapipe: IterDataPipe, count: int | None = None) -> None:
-        if count is not None and count < 0:
-            raise ValueError(f"Expected non-negative count, got {count}")
+        if count is not None:
+            check_int(count, "count")
+            if count < 0:
+                raise ValueError(f"Expected non-negative count, got {count}")
         self.source_datapipe = source_datapipe
         self.count = count
 
@@ -120,6 +122,10 @@ class Header(IterDataPipe[T_co]):
     _parent_fields = ("source_datapipe",)
 
     def __init__(self, source_datapipe: IterDataPipe, limit: int | None = 10) -> None:
+        if limit is not None:
+            check_int(limit, "limit")
+            if limit < 0:
+                raise ValueError(f"limit should be None (no limit) or at least 0, but got limit={limit!r}")
         self.source_datapipe = source_datapipe
         self.limit = limit
 
@@ -180,6 +186,7 @@ class Enumerator(IterDataPipe[tuple[int, Any]]):
     _parent_fields = ("source_datapipe",)
 
     def __init__(self, source_datapipe: IterDataPipe, starting_index: int = 0) -> None:
+        check_int(starting_index, "starting_index")
         self.source_datapipe = source_datapipe
         self.starting_index = starting_index
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pipeload.datapipes._functions import check_function
+from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes._map_ops import default_fn
 from pipeload.datapipes.base import MapDataPipe, get_nowait
 
@@ -32,10 +32,16 @@ class Mapper(MapDataPipe[T_co]):
         self.fn = fn
 
     def __getitem__(self, index: Any) -> T_co:
-        return self.fn(self.datapipe[index])
+        return self._apply(self.datapipe[index])
 
     def nonblocking_get(self, index: Any) -> T_co:
-        return self.fn(get_nowait(self.datapipe, index))
+        return self._apply(get_nowait(self.datapipe, index))
+
+    def _apply(self, item: Any) -> T_co:
+        try:
+            return self.fn(item)
+        except Exception as error:
+            raise raised_by_function(error, self, "fn")
 
     def __len__(self) -> int:
         return len(self.datapipe)  # type: ignore[arg-type]

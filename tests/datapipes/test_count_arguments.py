@@ -1,0 +1,92 @@
+"""Count arguments (sizes, limits, numbers of branches, shard numbers) must be integers.
+
+torch's pipes take a float where they compare a count (``batch(2.5)`` makes one batch of the
+whole source; ``header(2.5)`` yields three items) and a negative shard number (every item is
+dropped): each a wrong epoch with no error. pipeload refuses them where the pipe is built, naming
+the argument and the value. Integers of other types (numpy, 0-d tensors) and torch's own error
+for a count below its minimum are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data.datapipes.iter as theirs
+
+import pipeload.datapipes.iter as ours
+import pipeload.datapipes.map as ours_map
+
+
+def numbers() -> Any:
+    return ours.IterableWrapper(range(10))
+
+
+def by_parity(x: int) -> int:
+    return x % 2
+
+
+# Each takes the count under test and builds (and for lazy checks, runs) a pipe with it.
+COUNTS: dict[str, Callable[[Any], Any]] = {
+    "batch_size": lambda n: numbers().batch(n),
+    "padded_batch batch_size": lambda n: numbers().padded_batch(n),
+    "bucketbatch batch_num": lambda n: numbers().bucketbatch(2, batch_num=n),
+    "bucketbatch bucket_num": lambda n: numbers().bucketbatch(2, bucket_num=n),
+    "shuffle buffer_size": lambda n: numbers().shuffle(buffer_size=n),
+    "fork num_instances": lambda n: numbers().fork(n),
+    "fork buffer_size": lambda n: numbers().fork(2, buffer_size=n),
+    "demux buffer_size": lambda n: numbers().demux(2, by_parity, buffer_size=n),
+    "groupby buffer_size": lambda n: numbers().groupby(by_parity, buffer_size=n),
+    "groupby group_size": lambda n: numbers().groupby(by_parity, group_size=n),
+    "unbatch unbatch_level": lambda n: numbers().batch(2).unbatch(n),
+    "header limit": lambda n: numbers().header(n),
+    "cycle count": lambda n: numbers().cycle(n),
+    "enumerate starting_index": lambda n: numbers().enumerate(n),
+    "sharding num_of_instances": lambda n: numbers().sharding_filter().apply_sharding(n, 0),
+    "sharding instance_id": lambda n: numbers().sharding_filter().apply_sharding(4, n),
+    "map-style batch_size": lambda n: ours_map.SequenceWrapper(range(10)).batch(n),
+}
+
+
+@pytest.mark.parametrize("argument", COUNTS)
+def test_a_float_count_is_refused_by_name(argument: str) -> None:
+    name = argument.split()[-1]
+    with pytest.raises(TypeError, match=rf"^{name} should be an int, but got {name}=2\.0 \(float\)$"):
+        COUNTS[argument](2.0)
+
+
+@pytest.mark.parametrize("argument", COUNTS)
+@pytest.mark.parametrize("integer", [np.int64(2), torch.tensor(2)], ids=["numpy", "tensor"])
+def test_integers_of_other_types_are_accepted(argument: str, integer: Any) -> None:
+    COUNTS[argument](integer)
+
+
+def test_torchs_batch_takes_a_float_and_makes_one_batch_of_everything() -> None:
+    # what a float count does to torch's pipe: the reason it is refused here
+    assert list(theirs.IterableWrapper(range(10)).batch(2.5)) == [list(range(10))]
+
+
+def test_a_negative_shard_number_is_refused_instead_of_yielding_nothing() -> None:
+    torchs = theirs.IterableWrapper(range(10)).sharding_filter()
+    torchs.apply_sharding(4, -1)
+    assert list(torchs) == []
+    with pytest.raises(ValueError, match=r"instance_id\(-1\) should be at least 0"):
+        numbers().sharding_filter().apply_sharding(4, -1)
+
+
+def test_a_negative_header_limit_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"limit should be None \(no limit\) or at least 0, but got limit=-1"):
+        numbers().header(-1)
+    assert list(numbers().header(0)) == []
+
+
+def test_counts_below_their_minimum_keep_torchs_errors() -> None:
+    with pytest.raises(AssertionError, match=r"^Batch size is required to be larger than 0! \(got batch_size=0\)"):
+        numbers().batch(0)
+    with pytest.raises(AssertionError, match=r"^buffer_size should be larger than 0 \(got buffer_size=0\)"):
+        numbers().shuffle(buffer_size=0)
+    with pytest.raises(ValueError, match="^Expected `num_instances` larger than 0, but 0 is found"):
+        numbers().fork(0)
