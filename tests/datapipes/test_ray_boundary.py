@@ -313,3 +313,35 @@ def test_a_local_cluster_the_boundary_started_that_cannot_fit_its_actors_fails_a
     assert last.startswith("ValueError: queue_boundary('ray') asks for 2 actors with num_cpus=1: "
                            "2 x 1 CPU = 2, the cluster has 1. This process started"), last
     assert time.monotonic() - started < 60  # not start_timeout_s (300 s)
+
+
+def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself(clean):
+    # The checkpoint of a run that went well, resumed on a pipe that now fails at an item the
+    # actor makes again (and drops) on its way to the resume point.
+    good = iter(IterableWrapper(range(20)).sharding_filter().map(square).queue_boundary("ray", 4, num_actors=2))
+    head = [next(good) for _ in range(10)]
+    state = good.state_dict()
+    good.close()
+    assert head == [x * x for x in range(10)]
+    failing = iter(IterableWrapper(range(20)).sharding_filter().map(fail_at_7).queue_boundary("ray", 4, num_actors=2))
+    failing.load_state_dict(state)
+    with pytest.raises(ValueError, match="bad item 7") as raised:
+        list(failing)
+    assert "making again the items before its resume point" in str(raised.value)
+
+
+def test_a_shard_that_ends_before_its_resume_point_says_the_state_does_not_fit(clean):
+    from pipeload.errors import IncompatibleStateError
+
+    boundary = IterableWrapper(range(20)).sharding_filter().queue_boundary("ray", 4, num_actors=2)
+    first = iter(boundary)
+    [next(first) for _ in range(4)]
+    state = first.state_dict()
+    first.close()
+    state["own"]["shards"][1]["skip"] = 50  # shard 1 has 10 items
+    resumed = iter(boundary)
+    resumed.load_state_dict(state)
+    with pytest.raises(IncompatibleStateError, match=r"ended after 10 items.*resume point.*50"):
+        list(resumed)
+    boundary.release_actors()
+

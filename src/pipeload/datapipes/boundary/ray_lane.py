@@ -153,7 +153,9 @@ class Lane:
             self._accept(chunk, request)
 
     def _accept(self, chunk: Chunk, request: _Request) -> None:
-        if chunk.start != self.delivered:
+        # A run that failed before its resume point (making again the items before it) says
+        # where it stopped: its failure is the news, not the position.
+        if chunk.start != self.delivered and not (chunk.failure is not None and not chunk.items):
             raise RuntimeError(
                 f"Ray queue boundary protocol error: {self.describe()} sent items from "
                 f"{chunk.start}, expected {self.delivered}"

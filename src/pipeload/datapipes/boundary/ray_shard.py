@@ -30,7 +30,7 @@ from pipeload.datapipes.boundary.ray_payload import pack
 from pipeload.datapipes.graph import is_random_datapipe, is_sharding_datapipe, list_dps
 from pipeload.datapipes.protocol import as_nonblocking
 from pipeload.engine.worker_info import seed_process_worker
-from pipeload.errors import RemoteFailure
+from pipeload.errors import IncompatibleStateError, RemoteFailure
 
 
 class Chunk(NamedTuple):
@@ -175,13 +175,25 @@ class _ShardRun:
                 stage = "loading the upstream pipe's state"
                 self._iterator.load_state_dict(state)
             stage = "making again the items before its resume point"
-            while self._position < skip_to:
-                next(self._iterator)
-                self._position += 1
+            self._make_again_up_to(skip_to)
         except StopIteration:
             self._ended = True
         except Exception:
             self._failure = RemoteFailure.capture(self._index, stage, where=self._where)
+
+    def _make_again_up_to(self, skip_to: int) -> None:
+        """Make and drop the items before ``skip_to``: they were handed out before the resume."""
+        while self._position < skip_to:
+            try:
+                next(self._iterator)
+            except StopIteration:
+                # A checkpoint of another pipe (or a damaged one): the shard has fewer items.
+                raise IncompatibleStateError(
+                    f"cannot resume {self._where}: its shard of the upstream pipe ended after "
+                    f"{self._position} items, before its resume point ({skip_to} items handed "
+                    "out); the state does not belong to this pipe"
+                ) from None
+            self._position += 1
 
     def next_chunk(self, generation: int, count: int) -> Chunk:
         if self._failure is not None or self._ended:
