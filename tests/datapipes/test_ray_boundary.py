@@ -345,3 +345,27 @@ def test_a_shard_that_ends_before_its_resume_point_says_the_state_does_not_fit(c
         list(resumed)
     boundary.release_actors()
 
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda own: own.update(turn=9), r"own\.turn should be an int from 0 to 1, but got own\.turn=9"),
+    (lambda own: own.update(active=[0, 5]), r"own\.active\.1 should be an int from 0 to 1, but got own\.active\.1=5"),
+    (lambda own: own["shards"][0].update(skip=-3), r"own\.shards\.0\.skip should be an int >= 0"),
+    (lambda own: own.pop("shards"), r"it has no own\.shards"),
+    (lambda own: own.update(shards=own["shards"][:1]), r"own\.shards should be a list of 2"),
+    (lambda own: own.update(stray=1), r"own\.stray should be absent"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_field(clean, damage, named):
+    from pipeload.errors import IncompatibleStateError
+
+    boundary = IterableWrapper(range(20)).sharding_filter().queue_boundary("ray", 4, num_actors=2)
+    first = iter(boundary)
+    [next(first) for _ in range(5)]
+    state = first.state_dict()
+    first.close()
+    damage(state["own"])
+    resumed = iter(boundary)
+    with pytest.raises(IncompatibleStateError, match=named):
+        resumed.load_state_dict(state)
+    resumed.close()
+    boundary.release_actors()
+

@@ -169,5 +169,8 @@ class _RayBoundaryIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return self._upstream.state_dict()
 
+    def _check_own_state(self, fields: Any) -> Any:
+        return self._upstream.checked_state(fields.fields("own"))
+
     def _load_own_state(self, state: Any) -> None:
         self._upstream.load_state_dict(state)

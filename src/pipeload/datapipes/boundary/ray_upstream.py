@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.protocol import NotAvailable, Notifier
-from pipeload.errors import IncompatibleStateError
+from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
 
 STATE_KIND = "pipeload.ray_boundary"
@@ -190,17 +191,42 @@ class RayUpstream:
         return {"kind": STATE_KIND, "num_actors": len(self._lanes), "active": list(self._active),
                 "turn": self._turn, "shards": shards}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: call before the first item."""
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-            raise ValueError(f"a Ray queue boundary cannot load this state: {str(state)[:200]}")
-        if state["num_actors"] != len(self._lanes):
+    def checked_state(self, fields: StateFields) -> dict[str, Any]:
+        """The state in ``fields``, checked against this run (nothing is set).
+
+        Raises:
+            IncompatibleStateError: a field is missing, of another type or out of range; the
+                message names it by its path and the value received.
+            RuntimeError: this run has handed out an item already.
+        """
+        fields.choice("kind", [STATE_KIND])
+        num_actors = fields.integer("num_actors", 1)
+        if num_actors != len(self._lanes):
             raise IncompatibleStateError(
-                f"Ray queue boundary state: num_actors differs (state: {state['num_actors']}, "
+                f"Ray queue boundary state: num_actors differs (state: {num_actors}, "
                 f"here: {len(self._lanes)})"
             )
+        last = num_actors - 1
+        listed = fields.listed("active", f"a list of actor indices in [0, {last}]")
+        active = [listed.integer(index, 0, last) for index in range(len(listed.state))]  # type: ignore[union-attr]
+        if len(set(active)) != len(active):
+            raise bad_state_field(fields.name("active"), active, "a list of different actor indices")
+        turn = fields.integer("turn", 0, max(0, len(active) - 1))
+        shards = fields.listed("shards", f"a list of {num_actors} shard positions", length=num_actors)
+        positions = []
+        for index in range(num_actors):
+            shard = shards.fields(index)  # type: ignore[union-attr]
+            positions.append({"state": shard.raw("state", "the shard's upstream state, or None"),  # type: ignore[union-attr]
+                              "skip": shard.integer("skip", 0)})  # type: ignore[union-attr]
+            shard.finish()  # type: ignore[union-attr]
+        fields.finish()
         if self._started:
             raise RuntimeError("load_state_dict() must come before the Ray boundary's first item")
+        return {"kind": STATE_KIND, "num_actors": num_actors, "active": active, "turn": turn, "shards": positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: call before the first item (checked as :meth:`checked_state`)."""
+        state = self.checked_state(StateFields(state, ""))
         self._resume = state
         self._active = list(state["active"])
         self._turn = state["turn"]
