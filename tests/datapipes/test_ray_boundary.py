@@ -369,3 +369,12 @@ def test_a_damaged_checkpoint_is_refused_naming_the_field(clean, damage, named):
     resumed.close()
     boundary.release_actors()
 
+
+def test_closing_a_run_lets_go_of_its_replies_in_the_object_store(clean):
+    iterator = iter(IterableWrapper(range(40)).sharding_filter().map(big_tensor).queue_boundary("ray", 8, num_actors=2))
+    [next(iterator) for _ in range(3)]
+    iterator.close()  # the iterator itself is still referenced: what it asked for goes anyway
+    assert wait_for(lambda: ray_testing.objects_held() == 0), ray_testing._refs()
+    with pytest.raises(StopIteration):  # a closed run hands out nothing more
+        next(iterator)
+

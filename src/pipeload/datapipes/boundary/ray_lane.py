@@ -253,6 +253,12 @@ class Lane:
             self._owner.failed()
             raise RuntimeError(f"{self.describe()} could not begin its shard: {error}") from error
 
+    def let_go(self) -> None:
+        """Drop the replies held and asked for (the run ended): the store frees them now."""
+        self.describe()  # where the actor ran, kept for messages
+        self._requests.clear()
+        self._chunk, self._started = None, None
+
     # -- what the run reads --------------------------------------------------------------------
 
     def position(self) -> dict[str, Any]:

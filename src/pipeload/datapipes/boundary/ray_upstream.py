@@ -98,7 +98,7 @@ class RayUpstream:
         self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk) for index, handle in enumerate(handles)]
         self._active = list(range(options.num_actors))
         self._turn = 0
-        self._started = False
+        self._started = self._closed = False
         self._resume: dict[str, Any] | None = None
         self._graph_ref: Any = None
         self._waiting_since: float | None = None
@@ -110,6 +110,8 @@ class RayUpstream:
 
     def take_nowait(self) -> Any:
         """The next item in order; NotAvailable if it is not here yet; StopIteration at the end."""
+        if self._closed:
+            raise StopIteration
         if not self._started:
             self._start()
         while self._active:
@@ -242,6 +244,11 @@ class RayUpstream:
         return total
 
     def close(self) -> None:
-        """End the run: its actors go back to the pipe's pool (or are killed, after a failure).
-        Idempotent."""
+        """End the run: its actors go back to the pipe's pool (or are killed, after a failure),
+        and the replies it holds leave the object store now, not when this object is freed.
+        Idempotent; the run hands out nothing more."""
+        self._closed = True
         self._finalizer()
+        self._graph_ref = None
+        for lane in self._lanes:
+            lane.let_go()
