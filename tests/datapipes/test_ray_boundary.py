@@ -378,3 +378,29 @@ def test_closing_a_run_lets_go_of_its_replies_in_the_object_store(clean):
     with pytest.raises(StopIteration):  # a closed run hands out nothing more
         next(iterator)
 
+
+def test_a_seed_given_with_set_seed_seeds_the_next_run_only_as_without_ray(clean):
+    shuffle = IterableWrapper(range(30)).shuffle()
+    boundary = shuffle.sharding_filter().queue_boundary("ray", 6, num_actors=3)
+    shuffle.set_seed(7)
+    first, second = list(boundary), list(boundary)
+    assert first == list(IterableWrapper(range(30)).shuffle().set_seed(7))
+    assert sorted(second) == list(range(30)) and second != first  # the next run draws its own
+
+
+def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_same_graph_without_ray(clean):
+    import pipeload
+
+    def epochs(graph):
+        torch.manual_seed(0)
+        loader = pipeload.DataLoader(graph, batch_size=5)
+        got = [batch.tolist() for _ in range(3) for batch in loader]
+        return got, torch.rand(3)
+
+    local = IterableWrapper(range(20)).shuffle().sharding_filter().map(square)
+    boundary = IterableWrapper(range(20)).shuffle().sharding_filter().map(square).queue_boundary("ray", 4, num_actors=2)
+    (expected, expected_after), (got, got_after) = epochs(local), epochs(boundary)
+    assert got == expected
+    assert torch.equal(got_after, expected_after)  # the training loop's random numbers too
+    boundary.release_actors()
+

@@ -32,7 +32,9 @@ class RayQueueBoundary(IterDataPipe[T_co]):
 
     Random pipes upstream that have no seed get one drawn (the same in every actor) from a
     number taken from torch's global generator when the run starts; the DataLoader's seeds,
-    when it set them, are kept.
+    when it set them, are kept, and then the run draws nothing from the global generator (the
+    loop's random numbers are those of the same graph without the boundary). A seed given
+    with ``set_seed`` seeds the next run only, as in one process.
 
     Args:
         datapipe: the upstream part of the graph (it needs a ``sharding_filter()`` when

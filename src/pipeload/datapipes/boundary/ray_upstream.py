@@ -25,12 +25,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
+from pipeload.datapipes.boundary.ray_shard import run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
@@ -87,7 +86,7 @@ class RayUpstream:
         self.tally = tally if tally is not None else RayTally()
         self._pipe = upstream_pipe
         self._options = options
-        self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._seed = run_seed(upstream_pipe)
         share = max(1, capacity // options.num_actors)
         chunk = min(options.chunk_size or max(1, share // 2), share)
         check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
@@ -145,6 +144,7 @@ class RayUpstream:
             raise TypeError(
                 f"queue_boundary('ray') could not send its upstream pipe to the Ray actors: {error}"
             ) from error
+        take_seeds(self._pipe)
         shards = self._resume["shards"] if self._resume is not None else None
         for lane in self._lanes:
             if shards is None:
