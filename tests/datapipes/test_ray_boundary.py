@@ -404,3 +404,23 @@ def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_sam
     assert torch.equal(got_after, expected_after)  # the training loop's random numbers too
     boundary.release_actors()
 
+
+@pytest.mark.parametrize("arguments, error, named", [
+    ({"buffer_size": "8"}, TypeError, r"buffer_size should be an int, but got buffer_size='8'"),
+    ({"num_actors": 2.5}, TypeError, r"num_actors should be an int, but got num_actors=2\.5"),
+    ({"num_actors": True}, TypeError, r"num_actors should be an int, but got num_actors=True"),
+    ({"chunk_size": 1.5}, TypeError, r"chunk_size should be an int or None, but got chunk_size=1\.5"),
+    ({"start_timeout_s": -1}, ValueError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s=-1"),
+    ({"start_timeout_s": "x"}, TypeError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s='x'"),
+    ({"init_options": 5}, TypeError, r"init_options should be a dict of ray\.init\(\) keyword arguments or None, but got init_options=5"),
+    ({"address": 5}, TypeError, r"address should be a str or None, but got address=5"),
+])
+def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments, error, named):
+    from pipeload.datapipes import DataLoaderQueue
+
+    pipe = IterableWrapper(range(4)).sharding_filter()
+    with pytest.raises(error, match=named):
+        pipe.queue_boundary("ray", **{"buffer_size": 4, **arguments})
+    if "buffer_size" not in arguments:  # the queue's own maxsize has its own check
+        with pytest.raises(error, match=named):
+            DataLoaderQueue(kind="ray", maxsize=4, **arguments)
