@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -148,6 +149,18 @@ def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
             got.append(item)
     assert got == [0, 1, 2, 3, 4, 5, 6]
     assert "Ray actor 1 of 2" in str(raised.value) and "fail_at_7" in str(raised.value)
+
+
+
+def a_lock(x: int) -> threading.Lock:
+    return threading.Lock()
+
+
+def test_an_item_ray_cannot_pickle_is_a_type_error_naming_the_actor_as_across_a_process(clean):
+    # The process boundary says the same: TypeError: cannot pickle '_thread.lock' object.
+    with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object") as raised:
+        list(IterableWrapper(range(4)).map(a_lock).queue_boundary("ray", 2))
+    assert "Caught TypeError in Ray actor 0 of 1" in str(raised.value)
 
 
 def test_a_killed_actor_is_an_error_naming_it_within_seconds(clean):

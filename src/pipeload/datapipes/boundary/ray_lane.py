@@ -23,7 +23,7 @@ from typing import Any
 from pipeload.datapipes.boundary.ray_payload import unpack
 from pipeload.datapipes.boundary.ray_shard import Chunk
 from pipeload.datapipes.protocol import NotAvailable, Notifier
-from pipeload.errors import WorkerDiedError
+from pipeload.errors import RemoteFailure, WorkerDiedError
 
 MAX_IN_FLIGHT = 3  # requests queued at one actor: one being made, one travelling, one waiting
 RESTART_TIMEOUT_S = 60.0  # a restarting actor not back by then is an error
@@ -184,7 +184,7 @@ class Lane:
         when restarts are allowed, else raise an error naming it and what it was doing."""
         self._owner.failed()
         if error is not None and not _is_actor_loss(error):
-            raise RuntimeError(f"{self.describe()} failed while {doing}: {error}") from error
+            raise self._failed_in_ray(doing, error) from error
         allowed = self._owner.restarts_allowed
         if self._recovery is None:
             if allowed == 0 or (allowed > 0 and self.restarts >= allowed):
@@ -220,6 +220,18 @@ class Lane:
             self._lost(recovery.doing, error)
             raise NotAvailable
         raise self._died(recovery.doing, error)
+
+    def _failed_in_ray(self, doing: str, error: BaseException) -> BaseException:
+        """A request that failed in Ray rather than in the pipe (whose errors come inside the
+        reply): most often an item Ray could not pickle for the trip here. The error has the
+        type of Ray's cause (a ``TypeError`` for that), as the process boundary's has."""
+        cause = getattr(error, "cause", None)
+        if not isinstance(cause, Exception):
+            return RuntimeError(f"{self.describe()} failed while {doing}: {error}")
+        failure = RemoteFailure(type(cause), str(cause), str(error), self.index,
+                                f"{doing}, or sending them to the reading side",
+                                where=f"in {self.describe()}")
+        return failure.to_exception()
 
     def _died(self, doing: str, error: BaseException | None, more: str = "") -> WorkerDiedError:
         allowed = self._owner.restarts_allowed
