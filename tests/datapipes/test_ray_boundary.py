@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -148,6 +149,18 @@ def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
             got.append(item)
     assert got == [0, 1, 2, 3, 4, 5, 6]
     assert "Ray actor 1 of 2" in str(raised.value) and "fail_at_7" in str(raised.value)
+
+
+
+def a_lock(x: int) -> threading.Lock:
+    return threading.Lock()
+
+
+def test_an_item_ray_cannot_pickle_is_a_type_error_naming_the_actor_as_across_a_process(clean):
+    # The process boundary says the same: TypeError: cannot pickle '_thread.lock' object.
+    with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object") as raised:
+        list(IterableWrapper(range(4)).map(a_lock).queue_boundary("ray", 2))
+    assert "Caught TypeError in Ray actor 0 of 1" in str(raised.value)
 
 
 def test_a_killed_actor_is_an_error_naming_it_within_seconds(clean):
@@ -313,3 +326,134 @@ def test_a_local_cluster_the_boundary_started_that_cannot_fit_its_actors_fails_a
     assert last.startswith("ValueError: queue_boundary('ray') asks for 2 actors with num_cpus=1: "
                            "2 x 1 CPU = 2, the cluster has 1. This process started"), last
     assert time.monotonic() - started < 60  # not start_timeout_s (300 s)
+
+
+class FailAt:
+    """Squares its items, failing at ``at`` once it is set (set between two runs of one pipe:
+    each run sends the pipe as it is then)."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+
+    def __call__(self, x: int) -> int:
+        if x == self.at:
+            raise ValueError(f"bad item {x}")
+        return x * x
+
+
+def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself(clean):
+    # The checkpoint of a run that went well, resumed by a run that fails at an item the actor
+    # makes again (and drops) on its way to the resume point.
+    fails = FailAt()
+    boundary = IterableWrapper(range(20)).sharding_filter().map(fails).queue_boundary("ray", 4, num_actors=2)
+    good = iter(boundary)
+    head = [next(good) for _ in range(10)]
+    state = good.state_dict()
+    good.close()
+    assert head == [x * x for x in range(10)]
+    fails.at = 7
+    failing = iter(boundary)
+    failing.load_state_dict(state)
+    with pytest.raises(ValueError, match="bad item 7") as raised:
+        list(failing)
+    assert "making again the items before its resume point" in str(raised.value)
+
+
+def test_a_shard_that_ends_before_its_resume_point_says_the_state_does_not_fit(clean):
+    from pipeload.errors import IncompatibleStateError
+
+    boundary = IterableWrapper(range(20)).sharding_filter().queue_boundary("ray", 4, num_actors=2)
+    first = iter(boundary)
+    [next(first) for _ in range(4)]
+    state = first.state_dict()
+    first.close()
+    state["own"]["shards"][1]["skip"] = 50  # shard 1 has 10 items
+    resumed = iter(boundary)
+    resumed.load_state_dict(state)
+    with pytest.raises(IncompatibleStateError, match=r"ended after 10 items.*resume point.*50"):
+        list(resumed)
+    boundary.release_actors()
+
+
+DAMAGES = [
+    (lambda own: own.update(turn=9), r"own\.turn should be an int from 0 to 1, but got own\.turn=9"),
+    (lambda own: own.update(active=[0, 5]), r"own\.active\.1 should be an int from 0 to 1, but got own\.active\.1=5"),
+    (lambda own: own["shards"][0].update(skip=-3), r"own\.shards\.0\.skip should be an int >= 0"),
+    (lambda own: own.pop("shards"), r"it has no own\.shards"),
+    (lambda own: own.update(shards=own["shards"][:1]), r"own\.shards should be a list of 2"),
+    (lambda own: own.update(stray=1), r"own\.stray should be absent"),
+]
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_field(clean):
+    import copy
+
+    from pipeload.errors import IncompatibleStateError
+
+    boundary = IterableWrapper(range(20)).sharding_filter().queue_boundary("ray", 4, num_actors=2)
+    fresh = iter(boundary)  # a refused state sets nothing: one fresh run refuses them all
+    state = fresh.state_dict()
+    for damage, named in DAMAGES:
+        damaged = copy.deepcopy(state)
+        damage(damaged["own"])
+        with pytest.raises(IncompatibleStateError, match=named):
+            fresh.load_state_dict(damaged)
+    fresh.load_state_dict(state)  # and the state as it was still loads
+    assert list(fresh) == list(range(20))
+    boundary.release_actors()
+
+
+def test_closing_a_run_lets_go_of_its_replies_in_the_object_store(clean):
+    iterator = iter(IterableWrapper(range(40)).sharding_filter().map(big_tensor).queue_boundary("ray", 8, num_actors=2))
+    [next(iterator) for _ in range(3)]
+    iterator.close()  # the iterator itself is still referenced: what it asked for goes anyway
+    assert wait_for(lambda: ray_testing.objects_held() == 0), ray_testing._refs()
+    with pytest.raises(StopIteration):  # a closed run hands out nothing more
+        next(iterator)
+
+
+def test_a_seed_given_with_set_seed_seeds_the_next_run_only_as_without_ray(clean):
+    shuffle = IterableWrapper(range(30)).shuffle()
+    boundary = shuffle.sharding_filter().queue_boundary("ray", 6, num_actors=2)
+    shuffle.set_seed(7)
+    first, second = list(boundary), list(boundary)
+    assert first == list(IterableWrapper(range(30)).shuffle().set_seed(7))
+    assert sorted(second) == list(range(30)) and second != first  # the next run draws its own
+
+
+def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_same_graph_without_ray(clean):
+    import pipeload
+
+    def epochs(graph):
+        torch.manual_seed(0)
+        loader = pipeload.DataLoader(graph, batch_size=5)
+        got = [batch.tolist() for _ in range(3) for batch in loader]
+        return got, torch.rand(3)
+
+    local = IterableWrapper(range(20)).shuffle().sharding_filter().map(square)
+    boundary = IterableWrapper(range(20)).shuffle().sharding_filter().map(square).queue_boundary("ray", 4, num_actors=2)
+    (expected, expected_after), (got, got_after) = epochs(local), epochs(boundary)
+    assert got == expected
+    assert torch.equal(got_after, expected_after)  # the training loop's random numbers too
+    boundary.release_actors()
+
+
+@pytest.mark.parametrize("arguments, error, named", [
+    ({"buffer_size": "8"}, TypeError, r"buffer_size should be an int, but got buffer_size='8'"),
+    ({"num_actors": 2.5}, TypeError, r"num_actors should be an int, but got num_actors=2\.5"),
+    ({"num_actors": True}, TypeError, r"num_actors should be an int, but got num_actors=True"),
+    ({"chunk_size": 1.5}, TypeError, r"chunk_size should be an int or None, but got chunk_size=1\.5"),
+    ({"start_timeout_s": -1}, ValueError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s=-1"),
+    ({"start_timeout_s": "x"}, TypeError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s='x'"),
+    ({"init_options": 5}, TypeError, r"init_options should be a dict of ray\.init\(\) keyword arguments or None, but got init_options=5"),
+    ({"address": 5}, TypeError, r"address should be a str or None, but got address=5"),
+])
+def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments, error, named):
+    from pipeload.datapipes import DataLoaderQueue
+
+    pipe = IterableWrapper(range(4)).sharding_filter()
+    with pytest.raises(error, match=named):
+        pipe.queue_boundary("ray", **{"buffer_size": 4, **arguments})
+    if "buffer_size" not in arguments:  # the queue's own maxsize has its own check
+        with pytest.raises(error, match=named):
+            DataLoaderQueue(kind="ray", maxsize=4, **arguments)

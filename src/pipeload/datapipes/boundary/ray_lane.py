@@ -23,7 +23,7 @@ from typing import Any
 from pipeload.datapipes.boundary.ray_payload import unpack
 from pipeload.datapipes.boundary.ray_shard import Chunk
 from pipeload.datapipes.protocol import NotAvailable, Notifier
-from pipeload.errors import WorkerDiedError
+from pipeload.errors import RemoteFailure, WorkerDiedError
 
 MAX_IN_FLIGHT = 3  # requests queued at one actor: one being made, one travelling, one waiting
 RESTART_TIMEOUT_S = 60.0  # a restarting actor not back by then is an error
@@ -153,7 +153,9 @@ class Lane:
             self._accept(chunk, request)
 
     def _accept(self, chunk: Chunk, request: _Request) -> None:
-        if chunk.start != self.delivered:
+        # A run that failed before its resume point (making again the items before it) says
+        # where it stopped: its failure is the news, not the position.
+        if chunk.start != self.delivered and not (chunk.failure is not None and not chunk.items):
             raise RuntimeError(
                 f"Ray queue boundary protocol error: {self.describe()} sent items from "
                 f"{chunk.start}, expected {self.delivered}"
@@ -182,7 +184,7 @@ class Lane:
         when restarts are allowed, else raise an error naming it and what it was doing."""
         self._owner.failed()
         if error is not None and not _is_actor_loss(error):
-            raise RuntimeError(f"{self.describe()} failed while {doing}: {error}") from error
+            raise self._failed_in_ray(doing, error) from error
         allowed = self._owner.restarts_allowed
         if self._recovery is None:
             if allowed == 0 or (allowed > 0 and self.restarts >= allowed):
@@ -219,6 +221,18 @@ class Lane:
             raise NotAvailable
         raise self._died(recovery.doing, error)
 
+    def _failed_in_ray(self, doing: str, error: BaseException) -> BaseException:
+        """A request that failed in Ray rather than in the pipe (whose errors come inside the
+        reply): most often an item Ray could not pickle for the trip here. The error has the
+        type of Ray's cause (a ``TypeError`` for that), as the process boundary's has."""
+        cause = getattr(error, "cause", None)
+        if not isinstance(cause, Exception):
+            return RuntimeError(f"{self.describe()} failed while {doing}: {error}")
+        failure = RemoteFailure(type(cause), str(cause), str(error), self.index,
+                                f"{doing}, or sending them to the reading side",
+                                where=f"in {self.describe()}")
+        return failure.to_exception()
+
     def _died(self, doing: str, error: BaseException | None, more: str = "") -> WorkerDiedError:
         allowed = self._owner.restarts_allowed
         why = "" if error is None else f": {_first_line(error)}"
@@ -250,6 +264,12 @@ class Lane:
         if error is not None and not _is_actor_loss(error):
             self._owner.failed()
             raise RuntimeError(f"{self.describe()} could not begin its shard: {error}") from error
+
+    def let_go(self) -> None:
+        """Drop the replies held and asked for (the run ended): the store frees them now."""
+        self.describe()  # where the actor ran, kept for messages
+        self._requests.clear()
+        self._chunk, self._started = None, None
 
     # -- what the run reads --------------------------------------------------------------------
 

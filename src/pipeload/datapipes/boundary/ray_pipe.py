@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -32,7 +33,9 @@ class RayQueueBoundary(IterDataPipe[T_co]):
 
     Random pipes upstream that have no seed get one drawn (the same in every actor) from a
     number taken from torch's global generator when the run starts; the DataLoader's seeds,
-    when it set them, are kept.
+    when it set them, are kept, and then the run draws nothing from the global generator (the
+    loop's random numbers are those of the same graph without the boundary). A seed given
+    with ``set_seed`` seeds the next run only, as in one process.
 
     Args:
         datapipe: the upstream part of the graph (it needs a ``sharding_filter()`` when
@@ -68,10 +71,9 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         start_timeout_s: float = 300.0,
         **actor_options: Any,
     ) -> None:
+        check_int(buffer_size, "buffer_size")
         check_positive(buffer_size, "buffer_size", "Buffer size")
-        check_positive(num_actors, "num_actors", "Number of actors")
-        if chunk_size is not None:
-            check_positive(chunk_size, "chunk_size", "Chunk size")
+        check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
         if buffer_size < num_actors:
             raise ValueError(
                 f"queue_boundary('ray') needs buffer_size >= num_actors (each actor is asked for at "
@@ -138,6 +140,37 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         return state
 
 
+def check_int(value: Any, name: str, none: bool = False) -> None:
+    """TypeError naming ``name`` unless ``value`` is an int (not a bool; or None when ``none``)."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"queue_boundary('ray') {name} should be an int{' or None' * none}, "
+                        f"but got {name}={value!r}")
+
+
+def check_ray_arguments(num_actors: Any, chunk_size: Any, address: Any, init_options: Any,
+                        start_timeout_s: Any) -> None:
+    """Refuse, naming it, an argument of a Ray boundary (or queue) that cannot work, before
+    anything connects or starts."""
+    check_int(num_actors, "num_actors")
+    check_positive(num_actors, "num_actors", "Number of actors")
+    check_int(chunk_size, "chunk_size", none=True)
+    if chunk_size is not None:
+        check_positive(chunk_size, "chunk_size", "Chunk size")
+    if address is not None and not isinstance(address, str):
+        raise TypeError(f"queue_boundary('ray') address should be a str or None, but got address={address!r}")
+    if init_options is not None and not isinstance(init_options, dict):
+        raise TypeError("queue_boundary('ray') init_options should be a dict of ray.init() keyword "
+                        f"arguments or None, but got init_options={init_options!r}")
+    timeout_ok = isinstance(start_timeout_s, (int, float)) and not isinstance(start_timeout_s, bool)
+    expected = f"start_timeout_s should be a number of seconds > 0, but got start_timeout_s={start_timeout_s!r}"
+    if not timeout_ok:
+        raise TypeError(f"queue_boundary('ray') {expected}")
+    if not 0 < start_timeout_s < math.inf:
+        raise ValueError(f"queue_boundary('ray') {expected}")
+
+
 class _RayBoundaryIterator(PipeIterator[Any]):
     """The downstream end of one run: takes from the actors' replies, never waits itself, and
     can say where each shard stands."""
@@ -168,6 +201,9 @@ class _RayBoundaryIterator(PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return self._upstream.state_dict()
+
+    def _check_own_state(self, fields: Any) -> Any:
+        return self._upstream.checked_state(fields.fields("own"))
 
     def _load_own_state(self, state: Any) -> None:
         self._upstream.load_state_dict(state)

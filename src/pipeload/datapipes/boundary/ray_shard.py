@@ -30,7 +30,7 @@ from pipeload.datapipes.boundary.ray_payload import pack
 from pipeload.datapipes.graph import is_random_datapipe, is_sharding_datapipe, list_dps
 from pipeload.datapipes.protocol import as_nonblocking
 from pipeload.engine.worker_info import seed_process_worker
-from pipeload.errors import RemoteFailure
+from pipeload.errors import IncompatibleStateError, RemoteFailure
 
 
 class Chunk(NamedTuple):
@@ -87,6 +87,35 @@ def split_shards(graph: Any, parts: int, part: int) -> None:
         if hasattr(pipe, "sharding_group_filter"):
             pipe.sharding_group_filter = None
         pipe.apply_sharding(count * parts, part * count + index)
+
+
+def run_seed(graph: Any) -> int:
+    """The number a run's actors seed from (see :func:`seed_unseeded`).
+
+    When every random pipe of ``graph`` has its seed already (the DataLoader sets them every
+    epoch), it is made from those seeds: the run draws nothing from torch's global generator,
+    so the loop's random numbers and the next epoch's seeds are those of the same graph without
+    the boundary. Otherwise it is one number drawn from torch's global generator.
+    """
+    seeds = [getattr(pipe, "_seed", None) for pipe in list_dps(graph) if is_random_datapipe(pipe)]
+    if not seeds or not all(isinstance(seed, int) for seed in seeds):
+        return int(torch.empty((), dtype=torch.int64).random_().item())
+    mixed = 0
+    for seed in seeds:
+        mixed = (mixed * _SEED_MIX + seed) % _SEED_RANGE
+    return mixed
+
+
+_SEED_MIX = 1_000_003  # a prime: different seed lists make different numbers
+_SEED_RANGE = 2 ** 63
+
+
+def take_seeds(graph: Any) -> None:
+    """Forget the seeds of ``graph``'s random pipes once a run was sent with them: as in one
+    process, a seed given with ``set_seed`` seeds the next run only (later runs draw theirs)."""
+    for pipe in list_dps(graph):
+        if is_random_datapipe(pipe) and getattr(pipe, "_seed", None) is not None:
+            pipe._seed = None
 
 
 def seed_unseeded(graph: Any, seed: int) -> None:
@@ -175,13 +204,25 @@ class _ShardRun:
                 stage = "loading the upstream pipe's state"
                 self._iterator.load_state_dict(state)
             stage = "making again the items before its resume point"
-            while self._position < skip_to:
-                next(self._iterator)
-                self._position += 1
+            self._make_again_up_to(skip_to)
         except StopIteration:
             self._ended = True
         except Exception:
             self._failure = RemoteFailure.capture(self._index, stage, where=self._where)
+
+    def _make_again_up_to(self, skip_to: int) -> None:
+        """Make and drop the items before ``skip_to``: they were handed out before the resume."""
+        while self._position < skip_to:
+            try:
+                next(self._iterator)
+            except StopIteration:
+                # A checkpoint of another pipe (or a damaged one): the shard has fewer items.
+                raise IncompatibleStateError(
+                    f"cannot resume {self._where}: its shard of the upstream pipe ended after "
+                    f"{self._position} items, before its resume point ({skip_to} items handed "
+                    "out); the state does not belong to this pipe"
+                ) from None
+            self._position += 1
 
     def next_chunk(self, generation: int, count: int) -> Chunk:
         if self._failure is not None or self._ended:

@@ -25,13 +25,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
+from pipeload.datapipes.boundary.ray_shard import run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
-from pipeload.errors import IncompatibleStateError
+from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
 
 STATE_KIND = "pipeload.ray_boundary"
@@ -86,7 +86,7 @@ class RayUpstream:
         self.tally = tally if tally is not None else RayTally()
         self._pipe = upstream_pipe
         self._options = options
-        self._seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._seed = run_seed(upstream_pipe)
         share = max(1, capacity // options.num_actors)
         chunk = min(options.chunk_size or max(1, share // 2), share)
         check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
@@ -97,7 +97,7 @@ class RayUpstream:
         self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk) for index, handle in enumerate(handles)]
         self._active = list(range(options.num_actors))
         self._turn = 0
-        self._started = False
+        self._started = self._closed = False
         self._resume: dict[str, Any] | None = None
         self._graph_ref: Any = None
         self._waiting_since: float | None = None
@@ -109,6 +109,8 @@ class RayUpstream:
 
     def take_nowait(self) -> Any:
         """The next item in order; NotAvailable if it is not here yet; StopIteration at the end."""
+        if self._closed:
+            raise StopIteration
         if not self._started:
             self._start()
         while self._active:
@@ -142,6 +144,7 @@ class RayUpstream:
             raise TypeError(
                 f"queue_boundary('ray') could not send its upstream pipe to the Ray actors: {error}"
             ) from error
+        take_seeds(self._pipe)
         shards = self._resume["shards"] if self._resume is not None else None
         for lane in self._lanes:
             if shards is None:
@@ -190,17 +193,42 @@ class RayUpstream:
         return {"kind": STATE_KIND, "num_actors": len(self._lanes), "active": list(self._active),
                 "turn": self._turn, "shards": shards}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: call before the first item."""
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-            raise ValueError(f"a Ray queue boundary cannot load this state: {str(state)[:200]}")
-        if state["num_actors"] != len(self._lanes):
+    def checked_state(self, fields: StateFields) -> dict[str, Any]:
+        """The state in ``fields``, checked against this run (nothing is set).
+
+        Raises:
+            IncompatibleStateError: a field is missing, of another type or out of range; the
+                message names it by its path and the value received.
+            RuntimeError: this run has handed out an item already.
+        """
+        fields.choice("kind", [STATE_KIND])
+        num_actors = fields.integer("num_actors", 1)
+        if num_actors != len(self._lanes):
             raise IncompatibleStateError(
-                f"Ray queue boundary state: num_actors differs (state: {state['num_actors']}, "
+                f"Ray queue boundary state: num_actors differs (state: {num_actors}, "
                 f"here: {len(self._lanes)})"
             )
+        last = num_actors - 1
+        listed = fields.listed("active", f"a list of actor indices in [0, {last}]")
+        active = [listed.integer(index, 0, last) for index in range(len(listed.state))]  # type: ignore[union-attr]
+        if len(set(active)) != len(active):
+            raise bad_state_field(fields.name("active"), active, "a list of different actor indices")
+        turn = fields.integer("turn", 0, max(0, len(active) - 1))
+        shards = fields.listed("shards", f"a list of {num_actors} shard positions", length=num_actors)
+        positions = []
+        for index in range(num_actors):
+            shard = shards.fields(index)  # type: ignore[union-attr]
+            positions.append({"state": shard.raw("state", "the shard's upstream state, or None"),  # type: ignore[union-attr]
+                              "skip": shard.integer("skip", 0)})  # type: ignore[union-attr]
+            shard.finish()  # type: ignore[union-attr]
+        fields.finish()
         if self._started:
             raise RuntimeError("load_state_dict() must come before the Ray boundary's first item")
+        return {"kind": STATE_KIND, "num_actors": num_actors, "active": active, "turn": turn, "shards": positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: call before the first item (checked as :meth:`checked_state`)."""
+        state = self.checked_state(StateFields(state, ""))
         self._resume = state
         self._active = list(state["active"])
         self._turn = state["turn"]
@@ -216,6 +244,11 @@ class RayUpstream:
         return total
 
     def close(self) -> None:
-        """End the run: its actors go back to the pipe's pool (or are killed, after a failure).
-        Idempotent."""
+        """End the run: its actors go back to the pipe's pool (or are killed, after a failure),
+        and the replies it holds leave the object store now, not when this object is freed.
+        Idempotent; the run hands out nothing more."""
+        self._closed = True
         self._finalizer()
+        self._graph_ref = None
+        for lane in self._lanes:
+            lane.let_go()
