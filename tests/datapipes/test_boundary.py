@@ -178,6 +178,34 @@ def test_the_upstream_process_is_seeded_from_the_parent_generator() -> None:
     assert first == run() and sorted(first) == list(range(8))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_same_graph_without_it(
+        kind: str) -> None:
+    # The loader seeds the shuffle each epoch; a process boundary drew one more number from
+    # torch's global generator every run, so epoch 2 on and the loop's own random numbers
+    # differed from the same graph without the boundary.
+    def epochs(graph: Any) -> tuple[list[list[int]], torch.Tensor]:
+        torch.manual_seed(0)
+        loader = pipeload.DataLoader(graph, batch_size=5)
+        return [batch.tolist() for _ in range(3) for batch in loader], torch.rand(3)
+
+    local = IterableWrapper(range(20)).shuffle().sharding_filter().map(add_one)
+    across = IterableWrapper(range(20)).shuffle().sharding_filter().map(add_one).queue_boundary(kind, 4)
+    (expected, expected_after), (got, got_after) = epochs(local), epochs(across)
+    assert got == expected
+    assert torch.equal(got_after, expected_after)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_seed_given_with_set_seed_seeds_the_next_run_only_as_without_a_boundary(kind: str) -> None:
+    shuffle = IterableWrapper(range(30)).shuffle()
+    across = shuffle.queue_boundary(kind, 6)
+    shuffle.set_seed(7)
+    first, second = list(across), list(across)
+    assert first == list(IterableWrapper(range(30)).shuffle().set_seed(7))
+    assert sorted(second) == list(range(30)) and second != first  # the next run draws its own
+
+
 def test_boundaries_nest_and_join_greedily() -> None:
     left = IterableWrapper(range(50)).queue_boundary("process", buffer_size=3)
     right = IterableWrapper(range(100, 150)).prefetch(4).queue_boundary("thread")

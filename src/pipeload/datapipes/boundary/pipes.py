@@ -38,8 +38,11 @@ class QueueBoundary(IterDataPipe[T_co]):
     Across a process boundary large tensors travel in shared memory, not as pickled bytes: in
     slabs the pipe keeps from one run to the next (a copy or a pickle of the pipe keeps none),
     freed with the pipe, after a run that fails, or by :meth:`release_shared_memory`; other
-    items are pickled. The upstream process seeds its random generators from one number
-    drawn from torch's global generator when the run starts.
+    items are pickled. The upstream process seeds its global generators from the seeds of the
+    random pipes upstream when they all have one (the DataLoader sets them every epoch: the run
+    then draws nothing from torch's global generator, as the same graph without the boundary),
+    else from one number drawn from it when the run starts. A seed given with ``set_seed``
+    seeds the next run only, as in one process.
 
     A run keeps a checkpoint (thread and process kinds): ``state_dict()`` of the downstream
     iterator is the latest state of the upstream pipe that crossed the queue and the items handed

@@ -24,6 +24,7 @@ import torch
 from pipeload.datapipes.boundary.feed import feed
 from pipeload.datapipes.boundary.positions import Resume
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
+from pipeload.datapipes.boundary.seeds import run_seed, take_seeds
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
@@ -57,7 +58,7 @@ class ProcessProducer:
         ctx = multiprocessing.get_context(context) if isinstance(context, str) or context is None else context
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        seed = run_seed(pipe)
         lent = _lend_slabs(keeper, queue)
         # A Ctrl-C during the fork comes once the finalizer that stops the process is in place.
         with held_over_a_fork(ctx):
@@ -71,6 +72,7 @@ class ProcessProducer:
                 if lent is not None:
                     lent[0].give_back(lent[1])
                 raise
+            take_seeds(pipe)  # the process has its copy of them
             queue.watch(self._process)
             self._finalizer = weakref.finalize(self, _stop_process, queue, self._process, lent)
 

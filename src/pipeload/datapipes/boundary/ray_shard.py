@@ -89,35 +89,6 @@ def split_shards(graph: Any, parts: int, part: int) -> None:
         pipe.apply_sharding(count * parts, part * count + index)
 
 
-def run_seed(graph: Any) -> int:
-    """The number a run's actors seed from (see :func:`seed_unseeded`).
-
-    When every random pipe of ``graph`` has its seed already (the DataLoader sets them every
-    epoch), it is made from those seeds: the run draws nothing from torch's global generator,
-    so the loop's random numbers and the next epoch's seeds are those of the same graph without
-    the boundary. Otherwise it is one number drawn from torch's global generator.
-    """
-    seeds = [getattr(pipe, "_seed", None) for pipe in list_dps(graph) if is_random_datapipe(pipe)]
-    if not seeds or not all(isinstance(seed, int) for seed in seeds):
-        return int(torch.empty((), dtype=torch.int64).random_().item())
-    mixed = 0
-    for seed in seeds:
-        mixed = (mixed * _SEED_MIX + seed) % _SEED_RANGE
-    return mixed
-
-
-_SEED_MIX = 1_000_003  # a prime: different seed lists make different numbers
-_SEED_RANGE = 2 ** 63
-
-
-def take_seeds(graph: Any) -> None:
-    """Forget the seeds of ``graph``'s random pipes once a run was sent with them: as in one
-    process, a seed given with ``set_seed`` seeds the next run only (later runs draw theirs)."""
-    for pipe in list_dps(graph):
-        if is_random_datapipe(pipe) and getattr(pipe, "_seed", None) is not None:
-            pipe._seed = None
-
-
 def seed_unseeded(graph: Any, seed: int) -> None:
     """Give every random pipe that has no seed yet one drawn from ``seed``, in graph order.
 

@@ -29,7 +29,7 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
-from pipeload.datapipes.boundary.ray_shard import run_seed, take_seeds
+from pipeload.datapipes.boundary.seeds import run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
