@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeload import DataLoader, IterableDataset, get_worker_info
 from pipeload.engine.worker_info import numpy_seed_words, seed_process_worker
 
 
@@ -50,3 +51,25 @@ def test_a_torch_without_its_accelerator_module_still_seeds_workers(global_gener
     monkeypatch.delattr(torch, "accelerator")
     assert seed_process_worker(100, 3) == 103
     assert torch.initial_seed() == 103
+
+
+class _InfoReprs(IterableDataset):
+    """Yields, once per worker, the repr of the worker's own info."""
+
+    def __iter__(self):
+        yield repr(get_worker_info())
+
+    def __repr__(self) -> str:
+        return "InfoReprs()"
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_workers_info_repr_names_every_field_as_torchs_does(worker_type, leak_guard):
+    # torch's WorkerInfo repr shows id, num_workers, seed, dataset and rng; a worker that logs
+    # its info must see which copy of the dataset it holds.
+    loader = DataLoader(_InfoReprs(), batch_size=None, num_workers=2, worker_type=worker_type)
+    reprs = list(loader)
+    assert len(reprs) == 2
+    for text in reprs:
+        for name in ("id=", "num_workers=", "seed=", "dataset=InfoReprs()", "rng="):
+            assert name in text, text

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ class WorkerInfo:
     id: int
     num_workers: int
     seed: int
-    dataset: Any = field(repr=False)
+    dataset: Any  # in the repr, as torch's: code that logs a worker's info names its dataset
     rng: WorkerRNG | None = None
     worker_method: str = "multiprocessing"
     kind: str = "classic"
