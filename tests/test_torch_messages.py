@@ -39,7 +39,6 @@ import torch
 import torch.utils.data as tud
 
 import pipeload
-from pipeload.engine.lifecycle import FORKSERVER_BY_DEFAULT
 from pipeload.pin import pinning_available
 
 pytestmark = [
@@ -323,13 +322,7 @@ def test_our_message_keeps_torchs_words(name: str) -> None:
         assert isinstance(ours.error, type(theirs.error)), f"torch: {theirs.error!r}, ours: {ours.error!r}"
         assert_keeps(case.relevant(str(theirs.error)), str(ours.error), case.first)
     else:
-        torch_warnings = [w for w in theirs.warnings if "nested tensors" not in w
-                          and not (w.startswith("Got pickle error") and not FORKSERVER_BY_DEFAULT)]
-        if name == "unpicklable under spawn (warning)" and not FORKSERVER_BY_DEFAULT:
-            # torch's warning blames Python 3.14's new default start method; ours is given only
-            # where that default holds (before, the error that follows says what to do)
-            assert not any(w.startswith("Got pickle error") for w in ours.warnings), ours.warnings
-            return
+        torch_warnings = [w for w in theirs.warnings if "nested tensors" not in w]
         assert torch_warnings, "the case must make torch warn"
         for text in torch_warnings:
             relevant = normalise(case.relevant(text))

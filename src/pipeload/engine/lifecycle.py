@@ -482,17 +482,16 @@ def check_picklable(
         try:
             _PicklabilityProbe(_Discard(), pickle.HIGHEST_PROTOCOL).dump(obj)
         except Exception as exc:
-            if sender == "DataLoader" and FORKSERVER_BY_DEFAULT:  # torch's warning, where it applies
+            if sender == "DataLoader" and isinstance(exc, _ERRORS_TORCH_WARNS_ABOUT):
                 warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
             raise _unpicklable(exc, name, obj, start_method, sender) from exc
         finally:
             set_spawning_popen(None)
 
 
-# torch's warning, word for word. It blames Python 3.14's new default start method, so it is
-# given only where that default holds (torch gives it everywhere); elsewhere the error that
-# follows says what could not be sent and why.
-FORKSERVER_BY_DEFAULT = sys.version_info >= (3, 14) and sys.platform not in ("darwin", "win32")
+# torch's warning, word for word, given where torch gives it (the errors its worker start
+# catches, on every Python), then the error, which says what could not be sent and why.
+_ERRORS_TORCH_WARNS_ABOUT = (TypeError, AttributeError, pickle.PicklingError)
 PICKLE_WARNING = (
     "Got pickle error when attempting to start a worker Process. This might be because the "
     "worker Process arguments are not picklable. Python 3.14+ changed the multiprocessing start "
