@@ -17,7 +17,9 @@ from faults import ECONOMIC, FORK, engine_params, loader_kwargs
 
 from pipeload import DataLoader
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90),
+              pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
 ITEMS = 48
 BATCH = 4
@@ -43,11 +45,19 @@ def expected(number: int) -> list[float]:
     return [float(number * BATCH + k) for k in range(BATCH)]
 
 
+@pytest.mark.parametrize("pin_memory", [False, True], ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
-def test_each_output_of_a_slab_batch_has_a_storage_of_exactly_its_size(engine) -> None:
-    loader = DataLoader(ImageAndVector(), batch_size=BATCH, num_workers=2, **loader_kwargs(engine))
+def test_each_output_of_a_slab_batch_has_a_storage_of_exactly_its_size(engine, pin_memory: bool) -> None:
+    # Pinned (with CUDA: slabs page-locked in place), each piece still answers is_pinned() and
+    # copies to the device; without CUDA pin_memory=True loads through plain slabs.
+    loader = DataLoader(ImageAndVector(), batch_size=BATCH, num_workers=2, pin_memory=pin_memory,
+                        **loader_kwargs(engine))
+    pinned = pin_memory and torch.cuda.is_available()
     in_slabs = 0
     for number, (images, labels, vectors) in enumerate(loader):
+        if pinned:
+            assert images.is_pinned() and vectors.is_pinned()
+            assert torch.equal(vectors.cuda(non_blocking=True).cpu(), vectors)
         assert images[:, 0, 0, 0].tolist() == expected(number)
         assert vectors[:, -1].tolist() == [-v for v in expected(number)]
         assert labels.tolist() == list(range(number * BATCH, number * BATCH + BATCH))
