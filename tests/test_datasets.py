@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
+import pipeload
 import pipeload.datasets as ours
 from oracle import generator, raises_like_torch
 
@@ -265,13 +266,35 @@ def test_subset_passes_list_index_through() -> None:
     assert mine[[0, 2]].equal(theirs[[0, 2]])
 
 
-def test_subset_subclass_overriding_getitem_is_honoured_in_batches() -> None:
-    # torch refuses such a subclass at construction; we route batched fetches through it.
+def test_a_subset_subclass_overriding_getitem_alone_is_refused_as_torch_refuses_it() -> None:
     class Doubled(ours.Subset[int]):
         def __getitem__(self, idx: int) -> int:
             return 2 * super().__getitem__(idx)
 
-    assert Doubled(Batched(5), [1, 2]).__getitems__([0, 1]) == [2002, 2004]
+    class TorchDoubled(tud.Subset[int]):
+        def __getitem__(self, idx: int) -> int:
+            return 2 * super().__getitem__(idx)
+
+    with pytest.raises(NotImplementedError) as theirs:
+        TorchDoubled(Batched(5), [1, 2])
+    with pytest.raises(NotImplementedError) as mine:
+        Doubled(Batched(5), [1, 2])
+    first_sentence = str(theirs.value).split(". ")[0].replace("TorchDoubled", "Doubled")
+    assert str(mine.value).startswith(first_sentence + ".")
+    assert "def __getitems__(self, indices)" in str(mine.value)
+
+
+def test_a_subset_subclass_overriding_both_methods_is_fetched_through_them() -> None:
+    class Doubled(ours.Subset[int]):
+        def __getitem__(self, idx: int) -> int:
+            return 2 * super().__getitem__(idx)
+
+        def __getitems__(self, indices: list[int]) -> list[int]:
+            return [self[index] for index in indices]
+
+    doubled = Doubled(Batched(5), [1, 2])
+    assert doubled.__getitems__([0, 1]) == [2002, 2004]
+    assert [b.tolist() for b in pipeload.DataLoader(doubled, batch_size=2)] == [[2002, 2004]]
 
 
 # ---------------------------------------------------------------- StackDataset

@@ -311,6 +311,7 @@ class Subset(Dataset[T_co], torch_data.Subset):
     def __init__(self, dataset: Dataset[T_co], indices: Sequence[int]) -> None:
         self.dataset = dataset
         self.indices = indices
+        _check_getitems_follows_getitem(type(self))
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, list):
@@ -325,6 +326,22 @@ class Subset(Dataset[T_co], torch_data.Subset):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def _check_getitems_follows_getitem(kind: type) -> None:
+    """torch refuses a Subset subclass that customises ``__getitem__`` alone (the loader fetches
+    batches through ``__getitems__``, which would pass it by): so do we, in torch's words.
+
+    Raises:
+        NotImplementedError: naming the class and both methods, with the one-line fix.
+    """
+    if kind.__getitem__ is not Subset.__getitem__ and kind.__getitems__ is Subset.__getitems__:
+        raise NotImplementedError(
+            f"{kind.__name__} overrides __getitem__ but not __getitems__. The DataLoader fetches "
+            f"a batch of a Subset with one __getitems__ call, so give {kind.__name__} one that "
+            "goes through your __getitem__:\n\n"
+            "    def __getitems__(self, indices):\n"
+            "        return [self[index] for index in indices]")
 
 
 def random_split(
