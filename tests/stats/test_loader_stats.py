@@ -542,3 +542,15 @@ def test_workers_grown_and_shrunk_in_place_count_exactly_per_worker(engine: dict
     assert sum(worker.tasks for worker in workers) == 500
     assert [worker.tasks for worker in workers] == list(dataset.tasks)
     del batches, loader
+
+
+def test_epochs_of_one_batch_are_said_to_give_nothing_to_judge(leak_guard) -> None:
+    # Each epoch's first batch is start-up and never judged: epochs of one batch leave nothing
+    # to judge however many there are, yet the verdict asked for "about 50 more batches".
+    loader = pipeload.DataLoader(Squares(), batch_size=ITEMS, num_workers=2, multiprocessing_context="fork")
+    for _ in range(3):
+        assert len(list(loader)) == 1
+    stats = loader.stats()
+    verdict = stats.summary().splitlines()[-1]
+    assert "none of the 3 epochs handed out more than one batch" in verdict, verdict
+    assert "about" not in verdict and stats.suggested_settings() == {}
