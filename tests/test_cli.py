@@ -164,6 +164,48 @@ def test_profile_loads_until_it_can_judge_by_default(tmp_path: Path) -> None:
     assert "too little" not in out
 
 
+def _profile_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, items: int,
+                        args: list[str]) -> int:
+    """``pipeload profile`` on a TensorDataset of ``items`` numbers, loaded in this process."""
+    from pipeload import cli
+
+    (tmp_path / "made.py").write_text(
+        f"import torch\n\ndef make():\n    return torch.utils.data.TensorDataset(torch.arange({items}))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        return cli.main(["profile", "made:make", "--num-workers", "0", *args])
+    finally:
+        sys.modules.pop("made", None)
+
+
+@pytest.mark.timeout(60)
+def test_profile_stops_on_epochs_of_one_batch_and_says_why_it_cannot_judge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # An epoch's first batch is never judged: epochs of one batch were loaded until
+    # --max-seconds (60 s by default) for nothing, then told to "give --batches more".
+    returned = _profile_in_process(tmp_path, monkeypatch, 8, ["--batch-size", "8", "--max-seconds", "20"])
+    out = capsys.readouterr().out
+    assert returned == 0
+    assert "profiled 3 batches (3 epoch(s))" in out, out
+    assert "none of the 3 epochs handed out more than one batch" in out
+    assert "suggested settings: none yet (too little to judge; its epochs hold one batch each" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_profile_stopped_by_its_time_limit_says_to_give_it_more_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It said "give --batches more, or leave it out" to a run that gave no --batches.
+    returned = _profile_in_process(tmp_path, monkeypatch, 400, ["--batch-size", "4", "--step-ms", "20",
+                                                                   "--max-seconds", "0.5"])
+    out = capsys.readouterr().out
+    assert returned == 0
+    assert "verdict: too little to judge yet" in out, out
+    assert "suggested settings: none yet (too little to judge; it stopped at --max-seconds 0.5: give more)" in out, out
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cache, words", [
     ("a_file", "the cache {cache} is not a directory; set PIPELOAD_CACHE"),

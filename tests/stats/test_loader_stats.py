@@ -190,6 +190,19 @@ def test_thread_workers_time_on_a_cpu_is_read(engine: dict) -> None:
     assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.1 * sum(w.fetch_s for w in fetching)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["process"], ENGINES["economic"]], ids=["process", "economic"])
+def test_short_lived_workers_time_on_a_cpu_is_read(engine: dict, leak_guard) -> None:
+    # Workers that live under 0.1 s (short epochs, workers not persistent) never refreshed their
+    # scheduler counters: "0% on a CPU, 100% waiting inside the work (I/O, sleeps, locks)" for a
+    # dataset that only computes, and a verdict asking for more workers than CPUs.
+    loader = pipeload.DataLoader(Slow(8, 0.004), batch_size=2, **engine)
+    for _ in range(4):
+        assert len(list(loader)) == 4
+    fetching = [w for w in loader.stats().workers if w.kind in ("", "item")]
+    assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.5 * sum(w.fetch_s for w in fetching)
+
+
 def test_stats_off() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
                                  stats=False)
@@ -529,3 +542,15 @@ def test_workers_grown_and_shrunk_in_place_count_exactly_per_worker(engine: dict
     assert sum(worker.tasks for worker in workers) == 500
     assert [worker.tasks for worker in workers] == list(dataset.tasks)
     del batches, loader
+
+
+def test_epochs_of_one_batch_are_said_to_give_nothing_to_judge(leak_guard) -> None:
+    # Each epoch's first batch is start-up and never judged: epochs of one batch leave nothing
+    # to judge however many there are, yet the verdict asked for "about 50 more batches".
+    loader = pipeload.DataLoader(Squares(), batch_size=ITEMS, num_workers=2, multiprocessing_context="fork")
+    for _ in range(3):
+        assert len(list(loader)) == 1
+    stats = loader.stats()
+    verdict = stats.summary().splitlines()[-1]
+    assert "none of the 3 epochs handed out more than one batch" in verdict, verdict
+    assert "about" not in verdict and stats.suggested_settings() == {}

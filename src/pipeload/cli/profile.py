@@ -23,7 +23,7 @@ from typing import Any
 import torch.utils.data as torch_data
 
 import pipeload
-from pipeload.stats.analysis import evidence_shortfall
+from pipeload.stats.analysis import evidence_shortfall, steady
 
 
 class CommandError(Exception):
@@ -37,6 +37,7 @@ class CommandError(Exception):
 # Load until the stats hold this many times what a verdict needs (analysis.evidence_shortfall).
 EVIDENCE_MARGIN = 2.0
 CHECK_EVERY = 8  # batches between looks at the evidence (a snapshot walks every worker's totals)
+ONE_BATCH_EPOCHS = 3  # epochs of one batch each after which loading more cannot help a verdict
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,24 @@ def run(options: ProfileOptions) -> int:
         settings = ", ".join(f"{key}={value!r}" for key, value in suggestions.items())
         print(f"suggested settings: DataLoader(..., {settings})")
     elif evidence_shortfall(stats) is not None:
-        print("suggested settings: none yet (too little to judge; give --batches more, or leave it out)")
+        print(f"suggested settings: none yet (too little to judge; {_more_evidence(stats, options)})")
     else:
         print("suggested settings: keep these")
     return 0
+
+
+def _more_evidence(stats: Any, options: ProfileOptions) -> str:
+    """What would give the stats enough to judge, by what stopped the loading."""
+    if options.batches is not None:
+        return "give --batches more, or leave it out"
+    if _one_batch_epochs(stats):
+        return "its epochs hold one batch each, and an epoch's first is never judged"
+    return f"it stopped at --max-seconds {options.max_seconds:g}: give more"
+
+
+def _one_batch_epochs(stats: Any) -> bool:
+    """Several epochs and no batch past an epoch's first: more such epochs add nothing to judge."""
+    return stats.epochs >= ONE_BATCH_EPOCHS and steady(stats)[0] == 0
 
 
 def call_factory(target: str) -> Any:
@@ -166,6 +181,8 @@ def load(loader: pipeload.DataLoader, options: ProfileOptions) -> int:
         batches += in_epoch
         if in_epoch == 0 or _enough(loader, options, batches) or time.perf_counter() >= deadline:
             break
+        if options.batches is None and _one_batch_epochs(loader.stats()):
+            break  # loading on until the deadline would judge nothing more
     if batches == 0:
         raise CommandError(f"{options.target} gave no batches", status=1)
     return batches

@@ -102,6 +102,10 @@ def evidence_shortfall(stats: LoaderStats, factor: float = 1.0) -> str | None:
     need_batches, need_s = math.ceil(factor * MIN_STEADY_BATCHES), factor * MIN_STEADY_S
     if batches >= need_batches and seconds >= need_s:
         return None
+    if batches == 0 and stats.epochs > 1:  # more epochs like these would add nothing to judge
+        return (f"too little to judge: none of the {stats.epochs} epochs handed out more than one "
+                "batch, and an epoch's first batch is start-up, never judged; a verdict needs epochs "
+                f"of two or more batches, {need_batches} of them after the epochs' first and {need_s:.0f} s")
     rate = batches / seconds if batches and seconds > 0 else 0.0
     more = max(need_batches - batches, math.ceil((need_s - seconds) * rate) if rate else 0)
     return (f"too little to judge yet: {batches} batches after each epoch's first, in {seconds:.1f} s; "

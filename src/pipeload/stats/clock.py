@@ -47,7 +47,8 @@ class WorkerTotals(NamedTuple):
         queued_s: seconds its thread was ready to run but waited for a CPU (others had them).
             With ``cpu_s``, set beside the busy time, it tells computing (or being crowded out)
             from waiting (I/O, sleep, locks). Both are read from the kernel's scheduler counters
-            at most every ``SCHED_READ_EVERY_S``, so they may lag a little.
+            at most every ``SCHED_READ_EVERY_S`` (sooner early in a worker's life: see
+            ``SCHED_LAG_SHARE``), so they may lag a little.
         ray_stage: what its copy of the dataset's Ray queue boundaries measured, as
             :meth:`~pipeload.stats.report.RayStageStats.as_tuple` gives it; () without one.
     """
@@ -65,6 +66,12 @@ class WorkerTotals(NamedTuple):
 
 
 SCHED_READ_EVERY_S = 0.1
+# ... or sooner, once the unread stretch is this share of the clock's life: a worker that lives
+# under SCHED_READ_EVERY_S (short epochs, workers not persistent) read its counters never, and
+# a dataset that only computes read "0% on a CPU, 100% waiting (I/O, sleeps, locks)". Its
+# reads come at its timed tasks, each at least 1.1 times the life of the last: a few dozen
+# at most before SCHED_READ_EVERY_S takes over.
+SCHED_LAG_SHARE = 0.1
 SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns waiting for one, timeslices
 
 
@@ -360,7 +367,8 @@ class StageClock:
         # Another thread reads a lent clock (stats/recorder.py), whose owner never takes a
         # snapshot: it reads the owner's counters by its thread id (kept as they were once the
         # thread has ended).
-        if at - self._sched_read_at >= SCHED_READ_EVERY_S:
+        unread_s = at - self._sched_read_at
+        if unread_s >= SCHED_READ_EVERY_S or unread_s >= SCHED_LAG_SHARE * (at - self.started_at):
             read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
             if read is not None:
                 self._sched, self._sched_read_at = read, at
