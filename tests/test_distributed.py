@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.utils.data as tud
 
 import pipeload
+from pipeload.datapipes.iter import IterableWrapper
 from pipeload.distributed import Placement, current_placement
 
 WORLD_SIZE = 2
@@ -113,4 +114,24 @@ def test_a_malformed_environment_names_both_variables(monkeypatch: pytest.Monkey
     monkeypatch.setenv("RANK", "zero")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="RANK='zero', WORLD_SIZE='2'"):
+        current_placement()
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [("2", "2"), ("-1", "2"), ("0", "0"), ("0", "-3")])
+def test_an_environment_whose_rank_is_outside_the_world_names_both_variables(
+    monkeypatch: pytest.MonkeyPatch, rank: str, world_size: str
+) -> None:
+    # Before, the placement was taken as it was and a DataPipe loader failed later, blaming a
+    # sharding_filter's instance_id; a DistributedSampler would have refused such a rank.
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(ValueError, match=f"RANK={rank!r}, WORLD_SIZE={world_size!r}"):
+        current_placement()
+    with pytest.raises(ValueError, match="RANK"):
+        list(pipeload.DataLoader(IterableWrapper(range(4)).sharding_filter(), batch_size=2))
+
+
+def test_a_negative_local_rank_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(ValueError, match="LOCAL_RANK='-1'"):
         current_placement()

@@ -77,7 +77,8 @@ def current_placement() -> Placement:
     ranks must then seed their generators alike for their shuffles to agree.
 
     Raises:
-        ValueError: RANK or WORLD_SIZE is set but is not an integer.
+        ValueError: RANK or WORLD_SIZE is set but is not an integer, or RANK is not in
+            ``[0, WORLD_SIZE)``; LOCAL_RANK is set but is not an integer of at least 0.
     """
     local_rank = _local_rank()
     dist = _dist()
@@ -87,20 +88,32 @@ def current_placement() -> Placement:
     if rank is None or world_size is None:
         return Placement(local_rank=local_rank)
     try:
-        return Placement(int(rank), int(world_size), local_rank)
+        placement = Placement(int(rank), int(world_size), local_rank)
     except ValueError:
         raise ValueError(
             "RANK and WORLD_SIZE should be integers (as torchrun sets them), but got "
             f"RANK={rank!r}, WORLD_SIZE={world_size!r}"
         ) from None
+    # Caught here, where both variables can be named; later, a DataPipe loader's sharding would
+    # blame an instance_id the user never wrote.
+    if not 0 <= placement.rank < placement.world_size:
+        raise ValueError(
+            "RANK should be in the interval [0, WORLD_SIZE - 1] and WORLD_SIZE at least 1 (as "
+            f"torchrun sets them), but got RANK={rank!r}, WORLD_SIZE={world_size!r}"
+        )
+    return placement
 
 
 def _local_rank() -> int:
     text = os.environ.get("LOCAL_RANK", "0")
     try:
-        return int(text)
+        local_rank = int(text)
     except ValueError:
-        raise ValueError(f"LOCAL_RANK should be an integer (as torchrun sets it), but got LOCAL_RANK={text!r}") from None
+        local_rank = -1
+    if local_rank < 0:
+        raise ValueError(
+            f"LOCAL_RANK should be an integer of at least 0 (as torchrun sets it), but got LOCAL_RANK={text!r}")
+    return local_rank
 
 
 class _GlooGroupCache:

@@ -102,6 +102,24 @@ def test_an_unsharded_graph_read_by_several_workers_warns() -> None:
         list(pipeload.DataLoader(unsharded.sharding_filter(), batch_size=None, num_workers=2))
 
 
+@pytest.mark.parametrize("family", [ours_iter, theirs_iter], ids=["ours", "torchs"])
+@pytest.mark.parametrize("group", ["MULTIPROCESSING", "DISTRIBUTED"])
+def test_a_sharding_filter_that_obeys_only_a_group_the_loader_never_splits_warns(family: Any, group: str) -> None:
+    # The loader splits with the DEFAULT group, as torch's does; a filter told to obey only
+    # another group ignores that split, so every copy yields everything (torch's loader too,
+    # without a word). It was taken for a sharded graph and nothing was said.
+    only_group = getattr(tud.datapipes.iter.sharding.SHARDING_PRIORITIES, group)
+    pipe = family.IterableWrapper(range(6)).sharding_filter(only_group)
+    with pytest.warns(UserWarning, match=f"obeys only SHARDING_PRIORITIES.{group}.*loaded 2 times per epoch"):
+        samples = list(pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type="thread"))
+    assert sorted(samples) == sorted(tud.DataLoader(pipe, batch_size=None, num_workers=2)) == sorted(2 * list(range(6)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = tud.datapipes.iter.sharding.SHARDING_PRIORITIES.DEFAULT
+        obeys_default = family.IterableWrapper(range(6)).sharding_filter(default)
+        assert sorted(pipeload.DataLoader(obeys_default, batch_size=None, num_workers=2, worker_type="thread")) == list(range(6))
+
+
 def test_the_loaders_shuffle_argument_switches_the_graphs_shuffles() -> None:
     pipe = ours_iter.IterableWrapper(range(10)).shuffle().sharding_filter()
     assert list(pipeload.DataLoader(pipe, batch_size=None, shuffle=False)) == list(range(10))

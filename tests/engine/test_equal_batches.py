@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import warnings
 from pathlib import Path
@@ -188,3 +189,35 @@ def test_a_torchrun_environment_without_a_group_is_refused(monkeypatch: pytest.M
 def test_the_argument_names_its_choices() -> None:
     with pytest.raises(ValueError, match=r"equal_batches should be one of .*'even'"):
         pipeload.DataLoader(range(5), equal_batches="even")
+
+
+def _rank_that_outlives_the_other(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    loader = pipeload.DataLoader(RankShare(), batch_size=1, equal_batches="pad")
+    iterator = iter(loader)
+    next(iterator)
+    if rank == 1:
+        os._exit(0)  # a rank that dies mid-epoch (a crash, an OOM kill)
+    try:
+        for _ in iterator:
+            pass
+    except RuntimeError as error:
+        found = {"notes": getattr(error, "__notes__", []), "after": [b.tolist() for b in iterator]}
+        Path(out_dir, "0.json").write_text(json.dumps(found))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_mid_epoch_ends_the_others_epoch_with_an_error_naming_the_stage(tmp_path: Path) -> None:
+    # gloo notices the closed connection at once; the error said nothing of the loader, and a
+    # further next() asked the ranks again. Now it names the stage and the epoch is over.
+    context = multiprocessing.get_context("fork")  # quick: the ranks start no process of their own
+    ranks = [context.Process(target=_rank_that_outlives_the_other, args=(rank, str(tmp_path / "init"), str(tmp_path)))
+             for rank in range(WORLD_SIZE)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(30)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    found = json.loads((tmp_path / "0.json").read_text())
+    assert any("equal_batches='pad'" in note and "rank 0 of 2" in note for note in found["notes"]), found
+    assert found["after"] == []

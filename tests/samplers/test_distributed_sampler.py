@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,78 @@ def test_rank_and_world_come_from_the_process_group_and_match_torch(tmp_path: Pa
             assert len(everything) == DATASET_LENGTH - 1 and not shards[0] & shards[1]
         else:  # 12 each: every sample is seen, one of them twice (padding)
             assert everything == set(range(DATASET_LENGTH))
+
+
+# -- set_epoch after loading a state ------------------------------------------------------------
+
+
+def _sampler() -> Any:
+    import pipeload
+
+    return pipeload.DistributedSampler(range(20), num_replicas=2, rank=1, seed=3)
+
+
+def _fresh_epoch(epoch: int) -> list[int]:
+    sampler = _sampler()
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["sampler", "batch-sampler"])
+def test_set_epoch_to_another_epoch_after_loading_a_mid_epoch_state_begins_that_epoch_whole(batched: bool) -> None:
+    # The state of epoch 3, 4 keys in, loaded, then set_epoch(4): epoch 4 used to skip its own
+    # first 4 keys (the count belonged to epoch 3's order). The same epoch still resumes.
+    import pipeload
+
+    def made() -> Any:
+        sampler = _sampler()
+        return pipeload.BatchSampler(sampler, 2, False) if batched else sampler
+
+    def keys(sampler: Any) -> list[int]:
+        return [k for batch in sampler for k in batch] if batched else list(sampler)
+
+    def inner(sampler: Any) -> Any:
+        return sampler.sampler if batched else sampler
+
+    original = made()
+    inner(original).set_epoch(3)
+    iterator = iter(original)
+    taken = [next(iterator) for _ in range(2)]
+    state = json.loads(json.dumps(original.state_dict()))
+    moved = made()
+    moved.load_state_dict(state)
+    inner(moved).set_epoch(4)
+    assert keys(moved) == _fresh_epoch(4)
+    same = made()
+    same.load_state_dict(state)
+    inner(same).set_epoch(3)
+    assert (sum(taken, []) if batched else taken) + keys(same) == _fresh_epoch(3)
+
+
+@pytest.mark.parametrize("taken", [2, 5], ids=["mid-epoch", "after-its-last-batch"])
+def test_a_loader_resumed_then_moved_to_the_next_epoch_yields_that_epoch_whole(taken: int) -> None:
+    # A checkpoint after the last batch of epoch 3, loaded by a loop that goes on with
+    # set_epoch(4): the loader skipped epoch 4's first 5 batches, all of them, and the epoch was
+    # empty without a word. Now epoch 4 comes whole, with a warning that epoch 3 is not resumed.
+    import pipeload
+
+    def made() -> tuple[Any, Any]:
+        sampler = _sampler()
+        return sampler, pipeload.DataLoader(range(20), batch_size=2, sampler=sampler)
+
+    sampler, loader = made()
+    sampler.set_epoch(3)
+    iterator = iter(loader)
+    for _ in range(taken):
+        next(iterator)
+    state = json.loads(json.dumps(loader.state_dict()))
+    sampler, resumed = made()
+    resumed.load_state_dict(state)
+    sampler.set_epoch(4)
+    with pytest.warns(UserWarning, match=r"set_epoch\(4\).*epoch 3.*not resumed"):
+        batches = [batch.tolist() for batch in resumed]
+    assert sum(batches, []) == _fresh_epoch(4)
+    sampler, resumed = made()
+    resumed.load_state_dict(state)
+    sampler.set_epoch(3)
+    assert len(list(resumed)) == 5 - taken

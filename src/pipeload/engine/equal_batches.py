@@ -22,10 +22,11 @@ most for ``"pad"``), and then count their steps without asking again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from pipeload.distributed import all_ranks_agree, all_ranks_range
+from pipeload.distributed import all_ranks_agree, all_ranks_range, current_placement
 from pipeload.engine.plan import EpochStart
 from pipeload.errors import LoaderTimeoutError
 
@@ -68,7 +69,8 @@ class EqualBatches:
         self._ended = False
         self._steps_left = None
         if start.epoch_batches is not None:  # a collective every rank makes as its epoch starts
-            fewest, most = all_ranks_range(start.epoch_batches)
+            fewest, most = self._ask_ranks(all_ranks_range, start.epoch_batches,
+                                           "how many batches its epoch has")
             self._steps_left = (fewest if self._policy == "drop" else most) - start.steps_done
         for turn in range(start.remake):
             self._make_again(raised_before=turn > 0)
@@ -121,7 +123,8 @@ class EqualBatches:
             raise
         except Exception as exc:  # one batch's error: the step still happened
             error, batch = exc, None
-        go_on = all_ranks_agree(have, every=self._policy == "drop")
+        go_on = self._ask_ranks(functools.partial(all_ranks_agree, every=self._policy == "drop"), have,
+                                "whether it has another batch")
         if not go_on:
             self._end_epoch()
             raise StopIteration
@@ -136,6 +139,20 @@ class EqualBatches:
         if self._policy == "pad":
             self._last = batch
         return batch
+
+    def _ask_ranks(self, collective: Callable[[Any], Any], value: Any, question: str) -> Any:
+        """``collective(value)``; when it fails (gloo: another rank's connection closed), the
+        epoch is over here, and the error says which question the ranks were asked."""
+        try:
+            return collective(value)
+        except RuntimeError as error:
+            self._end_epoch()  # asking again would fail again, or wait for a rank that is gone
+            placement = current_placement()
+            error.add_note(
+                f"pipeload: raised while equal_batches={self._policy!r} asked every rank {question} "
+                f"(this process is rank {placement.rank} of {placement.world_size}): another rank "
+                "has probably stopped (crashed, killed, or left the epoch); its own log says why")
+            raise
 
     def _next_counted(self) -> Any:
         """The next batch when the ranks agreed on the count as the epoch began: no collective."""

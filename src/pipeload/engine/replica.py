@@ -210,14 +210,38 @@ def unsharded_warning(dataset: Any, copies_per_rank: int, world_size: int) -> st
         return None
     with _GRAPH_WALK:
         pipes = rules.list_pipes(dataset)
-    if any(callable(getattr(pipe, "apply_sharding", None)) or _asks(pipe, "is_shardable") for pipe in pipes):
+    sharding = [pipe for pipe in pipes if callable(getattr(pipe, "apply_sharding", None)) or _asks(pipe, "is_shardable")]
+    deaf = [pipe for pipe in sharding if _ignores_default_group(pipe)]
+    if sharding and len(deaf) < len(sharding):
         return None
+    copies_said = (f"This DataPipe graph is read by {copies} copies at once ({copies_per_rank} per rank × "
+                   f"{world_size} ranks)")
+    loaded = f"every copy yields every sample, so each sample is loaded {copies} times per epoch"
+    if deaf:
+        group = _group_name(deaf[0].sharding_group_filter)
+        return (
+            f"{copies_said}, but its sharding_filter obeys only SHARDING_PRIORITIES.{group}, "
+            f"while the DataLoader splits a graph with the DEFAULT group (as torch's does): {loaded}. "
+            "Use .sharding_filter() without a group."
+        )
     return (
-        f"This DataPipe graph is read by {copies} copies at once ({copies_per_rank} per rank × "
-        f"{world_size} ranks) but has no sharding_filter(): every copy yields every sample, so "
-        f"each sample is loaded {copies} times per epoch. Add .sharding_filter() after the "
+        f"{copies_said} but has no sharding_filter(): {loaded}. Add .sharding_filter() after the "
         "shuffle and before the expensive steps."
     )
+
+
+def _ignores_default_group(pipe: Any) -> bool:
+    """A sharding filter told to obey one group only (``sharding_filter(MULTIPROCESSING)``):
+    the loader's split, in the DEFAULT group, leaves it passing everything through."""
+    only = getattr(pipe, "sharding_group_filter", None)
+    return only is not None and int(only) != _DEFAULT_GROUP
+
+
+def _group_name(group: Any) -> str:
+    return getattr(group, "name", str(group))
+
+
+_DEFAULT_GROUP = 1  # SHARDING_PRIORITIES.DEFAULT, in torch's family and ours
 
 
 def stages_without_checkpoint(dataset: Any) -> list[str]:

@@ -341,6 +341,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
 
     def __iter__(self) -> _EpochIterator:
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
+        point = resume.unless_sampler_moved_on(self, point)
         self._count_failures_anew()
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()

@@ -24,6 +24,7 @@ from pipeload.resume.replay import (
     resumed_streams,
     skip_handed_out,
     stream_start,
+    unless_sampler_moved_on,
 )
 from pipeload.resume.state import ResumePoint, build_state, check_can_checkpoint, read_state
 
@@ -43,4 +44,5 @@ __all__ = [
     "resumed_streams",
     "skip_handed_out",
     "stream_start",
+    "unless_sampler_moved_on",
 ]

@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload._rng_state import borrowed_global_rng
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine.fetch import StreamPosition
 from pipeload.engine.plan import EpochStart
 from pipeload.errors import IncompatibleStateError
@@ -38,6 +40,25 @@ def epoch_start_draws(point: ResumePoint | None) -> contextlib.AbstractContextMa
     if point is None or point.record is None:
         return contextlib.nullcontext()
     return borrowed_global_rng(point.record.global_rng)
+
+
+def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoint | None:
+    """``point``, or None when the loader's sampler was moved to another epoch since the state
+    was loaded (``set_epoch``): the batches the state counts belong to the loaded epoch's order,
+    and skipping as many of another epoch's would lose them. That epoch then begins whole."""
+    if point is None or point.record is None:
+        return point
+    ask = getattr(loader._index_sampler, "_replay_abandoned_because", None)
+    why = ask() if callable(ask) else None
+    if why is None:
+        return point
+    warnings.warn(
+        f"{why}, taken {point.consumed} batches into that epoch: this iteration begins the new "
+        "epoch from its start, and what was left of the loaded epoch is not resumed (call "
+        "set_epoch with the loaded epoch before iterating to resume it)",
+        stacklevel=first_frame_outside_pipeload(),
+    )
+    return None
 
 
 def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None) -> tuple[Iterator[Any], EpochStart]:

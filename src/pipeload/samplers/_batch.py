@@ -82,6 +82,10 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
     def _config(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "drop_last": self.drop_last}
 
+    def _replay_abandoned_because(self) -> str | None:
+        inner = self.sampler
+        return inner._replay_abandoned_because() if isinstance(inner, StatefulSampler) else None
+
     def _inner_state(self, fresh: bool = False) -> dict[str, Any]:
         # Mid-iteration, the keys inside are replayed from their start and regrouped; the sampler
         # inside has often finished already (batches are taken ahead), so ask for its start.

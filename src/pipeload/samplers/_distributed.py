@@ -65,6 +65,7 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
         self.num_replicas = num_replicas
         self.rank = rank
         self.epoch = 0
+        self._loaded_epoch: int | None = None  # the epoch a loaded state set, until iterated
         self.drop_last = drop_last
         self.shuffle = shuffle
         self.seed = seed
@@ -87,8 +88,18 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
 
     def _load_inner_state(self, inner: int, replay: bool) -> None:
         self.epoch = inner
+        self._loaded_epoch = inner
+
+    def _replay_abandoned_because(self) -> str | None:
+        # Counts of keys handed out belong to the loaded epoch's order: skipping them from
+        # another epoch's order would lose keys of that epoch.
+        loaded = self._loaded_epoch
+        if loaded is None or loaded == self.epoch:
+            return None
+        return f"set_epoch({self.epoch}) was called after loading a state of epoch {loaded}"
 
     def _keys(self) -> Iterator[int]:
+        self._loaded_epoch = None  # an iteration begins: what was loaded is used, or left
         size = len(self.dataset)
         if self.shuffle:
             generator = torch.Generator()

@@ -86,8 +86,17 @@ class StatefulSampler:
     def _load_inner_state(self, inner: Any, replay: bool) -> None:
         pass  # ``inner``: what _read_inner_state gave
 
-    def __iter__(self) -> Iterator[Any]:
+    def _replay_abandoned_because(self) -> str | None:
+        """Why a loaded iteration no longer describes the next one (a DistributedSampler moved to
+        another epoch since), or None while it does. Asked before ``_keys()``."""
+        return None
+
+    def _take_pending(self) -> dict[str, Any] | None:
         pending, self._pending = self._pending, None
+        return None if self._replay_abandoned_because() is not None else pending
+
+    def __iter__(self) -> Iterator[Any]:
+        pending = self._take_pending()
         # What torch computes when ``iter()`` is called (a DistributedSampler's order, for one)
         # is computed now too; random samplers draw when their first key is asked for.
         return self._iterate(self._keys(), pending, counted=True)
@@ -95,7 +104,7 @@ class StatefulSampler:
     def _uncounted_iter(self) -> Iterator[Any]:
         """``iter(self)`` for a BatchSampler around it: the batches are counted, not the keys
         (the BatchSampler replays this sampler from its start), which saves a step per key."""
-        pending, self._pending = self._pending, None
+        pending = self._take_pending()
         return self._iterate(self._keys(), pending, counted=False)
 
     def state_dict(self) -> dict[str, Any]:
