@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch.utils.data
 from conftest import pid_gone, wait_until
-from shared_datasets import PathsAndLabels, ReadsEverything, Windows, as_is, holders_of, memfd_names
+from shared_datasets import (
+    PathsAndLabels,
+    ReadsEverything,
+    ShellsOut,
+    Windows,
+    as_is,
+    holders_of,
+    memfd_names,
+)
 
 from pipeload import DataLoader, SharedMapping, SharedSequence
 
@@ -148,3 +156,14 @@ def test_a_slice_a_worker_returns_carries_its_items_not_the_whole_segment() -> N
     assert all(window.nbytes < 4096 for window in windows), [window.nbytes for window in windows]
     del windows, loader
     tokens.close()
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_program_a_worker_runs_does_not_inherit_the_segment(context: str) -> None:
+    paths = SharedSequence(["a", "b"])
+    loader = DataLoader(ShellsOut(paths), batch_size=None, num_workers=1, collate_fn=as_is,
+                        multiprocessing_context=context)
+    # An inherited descriptor would keep the segment alive for as long as that program runs.
+    assert list(loader) == [[]]
+    del loader
+    paths.close()
