@@ -147,3 +147,53 @@ def test_no_warning_without_process_workers_or_after_converting(how: str) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(DataLoader(dataset, batch_size=2, **kwargs))) == 2
+
+
+class HoldsLoadedJson:
+    """Keeps its index the way ``json.load`` returns it: a small dict of large lists."""
+
+    def __init__(self, count: int) -> None:
+        self.data = {"paths": [f"/data/{i}.jpg" for i in range(count)],
+                     "labels": [(i % 3, i) for i in range(count)], "root": "/data"}
+
+    def __len__(self) -> int:
+        return len(self.data["paths"])
+
+    def __getitem__(self, index: int) -> tuple[str, tuple[int, int]]:
+        return self.data["paths"][index], self.data["labels"][index]
+
+
+def test_large_containers_inside_a_small_dict_attribute_are_converted_where_they_sit() -> None:
+    dataset = HoldsLoadedJson(20_000)
+    holder, expected = dataset.data, [dataset[i] for i in range(len(dataset))]
+    dataset.same_data = holder  # held twice: still converted once, and never as a whole
+    assert share_containers(dataset, min_items=2) == ["dataset.data['paths']", "dataset.data['labels']"]
+    assert dataset.data is holder and type(holder) is dict  # the user's dict, its values replaced
+    assert isinstance(holder["paths"], SharedSequence) and isinstance(holder["labels"], SharedSequence)
+    assert [dataset[i] for i in range(len(dataset))] == expected
+
+
+def test_large_containers_in_a_tuple_attribute_are_left_with_a_warning_saying_why() -> None:
+    dataset = HoldsTable((list(range(20_000)), "small"))
+    with pytest.warns(UserWarning, match=r"left dataset.table\[0\] as it is: .*tuple.*pipeload.SharedSequence"):
+        assert share_containers(dataset) == []
+    assert type(dataset.table[0]) is list
+
+
+def test_a_list_of_datasets_stays_a_list_whose_datasets_are_converted() -> None:
+    first, second = HoldsTable(list(range(300))), HoldsTable(list(range(300, 600)))
+    dataset = ConcatDataset([first, second])
+    converted = share_containers(dataset, min_items=0)
+    assert "dataset.datasets" not in converted  # pickling the datasets would copy them on every read
+    assert dataset.datasets[0] is first and isinstance(first.table, SharedSequence)
+    assert isinstance(second.table, SharedSequence) and dataset.datasets[1].table[1] == 301
+
+
+def test_process_workers_warn_about_a_large_list_inside_a_dict_until_it_is_converted() -> None:
+    warned, converted = (HoldsTable({"rows": _big_table(), "name": "big"}) for _ in range(2))
+    with pytest.warns(CopyOnReadWarning, match=r"dataset.table\['rows'\] is a list of 500,001 items"):
+        list(DataLoader(warned, batch_size=2, num_workers=1, multiprocessing_context="fork"))
+    assert share_containers(converted) == ["dataset.table['rows']"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(DataLoader(converted, batch_size=2, num_workers=1, multiprocessing_context="fork"))

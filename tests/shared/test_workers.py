@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch.utils.data
 from conftest import pid_gone, wait_until
-from shared_datasets import PathsAndLabels, ReadsEverything, holders_of, memfd_names
+from shared_datasets import (
+    PathsAndLabels,
+    ReadsEverything,
+    ShellsOut,
+    Windows,
+    as_is,
+    holders_of,
+    memfd_names,
+)
 
 from pipeload import DataLoader, SharedMapping, SharedSequence
 
@@ -136,3 +144,26 @@ def test_sigkill_of_the_main_process_leaves_no_memory_behind(tmp_path: Path, con
             main.kill()
             main.wait(10)
         main.stderr.close()
+
+
+def test_a_slice_a_worker_returns_carries_its_items_not_the_whole_segment() -> None:
+    tokens = SharedSequence(list(range(200_000)))  # 1.6 MB of int64
+    loader = DataLoader(Windows(tokens), batch_size=None, num_workers=1, collate_fn=as_is,
+                        multiprocessing_context="fork")
+    windows = list(loader)
+    assert [list(window) for window in windows] == [list(range(i * 4, i * 4 + 4)) for i in range(6)]
+    # A list slice is a new small list; a view sent to the main process must not be 1.6 MB each.
+    assert all(window.nbytes < 4096 for window in windows), [window.nbytes for window in windows]
+    del windows, loader
+    tokens.close()
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_program_a_worker_runs_does_not_inherit_the_segment(context: str) -> None:
+    paths = SharedSequence(["a", "b"])
+    loader = DataLoader(ShellsOut(paths), batch_size=None, num_workers=1, collate_fn=as_is,
+                        multiprocessing_context=context)
+    # An inherited descriptor would keep the segment alive for as long as that program runs.
+    assert list(loader) == [[]]
+    del loader
+    paths.close()

@@ -1,10 +1,13 @@
 """Finding the large lists and dicts a dataset holds: to share them, or to warn about them.
 
 The search starts at the dataset and follows attributes (``vars()``) into anything that looks
-like a dataset (an object with ``__getitem__`` or ``__iter__`` and a ``__dict__``), including the
-members of small lists such as ``ConcatDataset.datasets``, a few levels deep. Only exact
-``list``, ``tuple`` and ``dict`` objects are considered: a subclass (``defaultdict``, a custom
-list) may behave in ways a read-only copy would not.
+like a dataset (an object with ``__getitem__`` or ``__iter__`` and a ``__dict__``), a few levels
+deep. A small container that holds datasets (``ConcatDataset.datasets``) or large containers (the
+dict ``json.load`` returns: ``{"images": [...], "annotations": [...]}``) is a *holder*: the search
+goes into it, and what it holds is converted where it sits, never the holder itself (a shared
+copy of it would pickle its members, then unpickle a whole dataset or list on every read). Only
+exact ``list``, ``tuple`` and ``dict`` objects are considered: a subclass (``defaultdict``, a
+custom list) may behave in ways a read-only copy would not.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ WARN_MIN_OBJECTS = 1_000_000
 """Estimated Python objects in one container above which process workers get a warning."""
 SAMPLE_ITEMS = 64  # items looked at to estimate how many objects each one holds
 MAX_DEPTH = 4
-MAX_DATASETS_IN_LIST = 64
+MAX_HOLDER_ITEMS = 64  # a container this small may be a holder; a member this large is not small
 _CONTAINERS = (list, tuple, dict)
 
 
@@ -36,10 +39,21 @@ class CopyOnReadWarning(UserWarning):
 
 @dataclass(frozen=True)
 class _Found:
-    path: str  # how a user would spell it: "dataset.samples", "dataset.datasets[0].paths"
-    owner: Any  # the object whose attribute holds it; None for the dataset itself
-    name: str
+    path: str  # how a user would spell it: "dataset.samples", "dataset.data['paths']"
+    owner: Any  # the object whose attribute (or the holder whose item) it is; None for the dataset
+    name: Any  # the attribute's name, or its key or index in the holder
     container: Any
+    in_holder: bool = False
+
+    def replace_with(self, shared: Any) -> None:
+        """Put ``shared`` where the container was (TypeError/AttributeError if it cannot go there)."""
+        if not self.in_holder:
+            setattr(self.owner, self.name, shared)
+        elif type(self.owner) is tuple:
+            raise TypeError(f"it sits in a tuple, whose items cannot be replaced; build it as "
+                            f"{_shared_name(self.container)} instead")
+        else:
+            self.owner[self.name] = shared
 
 
 def share_containers(dataset: Any, *, min_items: int = CONVERT_MIN_ITEMS) -> list[str]:
@@ -84,7 +98,7 @@ def share_containers(dataset: Any, *, min_items: int = CONVERT_MIN_ITEMS) -> lis
             shared = shared_by_id.get(id(found.container))
             if shared is None:
                 shared = shared_by_id[id(found.container)] = _to_shared(found.container)
-            setattr(found.owner, found.name, shared)
+            found.replace_with(shared)
         except (TypeError, AttributeError) as exc:
             warnings.warn(f"share_containers left {found.path} as it is: {exc}",
                           stacklevel=first_frame_outside_pipeload())
@@ -119,15 +133,32 @@ def _visit(obj: Any, path: str, depth: int, found: list[_Found], seen: set[int])
     if not isinstance(attributes, dict):
         return  # a range, a tensor, a class with __slots__: no attributes of ours to look at
     for name, value in list(attributes.items()):
-        where = f"{path}.{name}"
-        if type(value) in _CONTAINERS:
-            found.append(_Found(where, obj, name, value))
-            if type(value) is not dict and len(value) <= MAX_DATASETS_IN_LIST:
-                for number, member in enumerate(value):
-                    if _looks_like_dataset(member):
-                        _visit(member, f"{where}[{number}]", depth + 1, found, seen)
-        elif _looks_like_dataset(value):
-            _visit(value, where, depth + 1, found, seen)
+        _consider(value, _Found(f"{path}.{name}", obj, name, value), depth, found, seen)
+
+
+def _consider(value: Any, place: _Found, depth: int, found: list[_Found], seen: set[int]) -> None:
+    """Record a container (or go into it, if it is a holder); go into a dataset."""
+    if type(value) in _CONTAINERS:
+        if not _visit_holder(value, place.path, depth, found, seen):
+            found.append(place)
+    elif _looks_like_dataset(value):
+        _visit(value, place.path, depth + 1, found, seen)
+
+
+def _visit_holder(container: Any, path: str, depth: int, found: list[_Found], seen: set[int]) -> bool:
+    """Go into ``container`` if it is a holder (small, holding datasets or large containers)."""
+    if id(container) in seen:
+        return True  # a holder gone into already: held twice, or holding itself
+    if len(container) > MAX_HOLDER_ITEMS or depth >= MAX_DEPTH:
+        return False
+    members = list(container.items() if type(container) is dict else enumerate(container))
+    if not any(_looks_like_dataset(member) or (type(member) in _CONTAINERS and len(member) > MAX_HOLDER_ITEMS)
+               for _, member in members):
+        return False  # a small table of small things: converted (or not) as one container
+    seen.add(id(container))
+    for key, member in members:
+        _consider(member, _Found(f"{path}[{key!r}]", container, key, member, in_holder=True), depth + 1, found, seen)
+    return True
 
 
 def _looks_like_dataset(value: Any) -> bool:

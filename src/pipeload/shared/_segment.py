@@ -205,7 +205,11 @@ def _release(data: mmap.mmap, fd: int, arrays: dict[tuple[int, int, str], memory
 
 
 def _attach(handle: Any, size: int) -> Segment:
-    return Segment(handle.detach(), size)
+    fd = handle.detach()
+    # Spawn and forkserver hand the descriptor over inheritable; a program the worker runs
+    # (os.system, say) would then hold the segment for as long as it lives.
+    os.set_inheritable(fd, False)
+    return Segment(fd, size)
 
 
 def _from_bytes(content: bytes) -> Segment:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import reprlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar, overload
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
@@ -145,9 +146,21 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         return f"SharedSequence({text})" if len(self) <= 5 else f"SharedSequence({text}, len={len(self)})"
 
     def __reduce__(self) -> Any:
-        # The segment pickles as a handle while a worker process starts, as bytes otherwise.
-        return (_rebuild, (type(self), self._segment, self._layout, self._positions))
+        # The segment pickles as a handle while a worker process starts, as bytes otherwise. A
+        # view sent any other way (a slice a worker returns as its item) carries only its own
+        # items: the whole segment's bytes could be thousands of times more.
+        whole = self._positions == range(self._layout.length)
+        if whole or get_spawning_popen() is not None:
+            return (_rebuild, (type(self), self._segment, self._layout, self._positions))
+        self._check_open()
+        return (_from_items, (type(self), list(self)))
 
 
 def _rebuild(cls: type[SharedSequence[Any]], segment: Segment, layout: ColumnLayout, positions: range) -> Any:
     return cls._view(segment, layout, positions)
+
+
+def _from_items(cls: type[SharedSequence[Any]], items: list[Any]) -> Any:
+    sequence = cls.__new__(cls)
+    SharedSequence.__init__(sequence, items)
+    return sequence
