@@ -349,6 +349,29 @@ def schedule_as_batch_work() -> bool:
     return True
 
 
+def keep_descriptors_from_programs() -> None:
+    """In a child process: mark every descriptor past stderr close-on-exec.
+
+    A spawn or forkserver child receives its channels (pipes, sockets, shared memory) as
+    inheritable descriptors, which is how they cross ``exec``; left so, a program the user's
+    code runs from the worker (``os.system``, ``subprocess`` with ``close_fds=False``) would hold
+    them open for as long as it runs: a channel the main process waits on to close, a segment
+    it has freed. Python makes its own descriptors non-inheritable (PEP 446); this makes the
+    inherited ones so too. ``subprocess``'s ``pass_fds`` still passes what it is given.
+    """
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return  # no /proc: nothing to mark by name
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 def exit_when_parent_dies(parent_pid: int) -> None:
     """In a child process: leave at once if the parent dies, even while user code is busy.
 

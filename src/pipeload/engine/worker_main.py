@@ -27,6 +27,7 @@ from pipeload.engine.fetch import DatasetExhausted, make_fetcher
 from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_parent_dies,
+    keep_descriptors_from_programs,
     schedule_as_batch_work,
     steady_heap,
 )
@@ -410,6 +411,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     (``schedule_as_batch_work``), reuse the heap samples free (``steady_heap``), one torch
     thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    keep_descriptors_from_programs()
     # The cyclic collector never again visits what was here at the start (under fork, the main
     # process's objects): a full collection writes to every object it visits, which would copy
     # each page of the inherited heap into this worker (about 40 MiB with torch imported).

@@ -32,6 +32,7 @@ from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_parent_dies,
     held_over_a_fork,
+    keep_descriptors_from_programs,
     release_finished,
     schedule_as_batch_work,
     start_process,
@@ -120,6 +121,7 @@ def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue,
                          resume: Resume | None = None, states: bool = False) -> None:
     """Entry point of a boundary's upstream process (``resume``, ``states``: see ``feed``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    keep_descriptors_from_programs()
     exit_when_parent_dies(os.getppid())
     schedule_as_batch_work()  # woken by the consumer, it must not preempt it
     torch.set_num_threads(1)
