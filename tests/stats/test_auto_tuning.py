@@ -143,6 +143,19 @@ def test_auto_in_economic_mode_keeps_its_starting_count(leak_guard) -> None:
     assert decision.num_workers == loader.num_workers and "kept" in decision.reason
 
 
+def test_auto_gives_no_warning_about_a_worker_count_nobody_chose() -> None:
+    # torch's "This DataLoader will create N worker processes" tells the user to lower a count
+    # they chose; "auto" in economic mode starts its item workers and 2 batch workers itself.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = pipeload.DataLoader(RemoteReads(8, 0.0), batch_size=4, num_workers="auto", mode="economic")
+    assert loader.num_workers + loader.num_batch_workers > 0
+    with pytest.warns(UserWarning, match="This DataLoader will create"):
+        pipeload.DataLoader(RemoteReads(8, 0.0), batch_size=4, num_workers=64, mode="economic")
+
+
 def test_auto_needs_stats_and_prefetch_auto_needs_workers() -> None:
     with pytest.raises(ValueError, match="num_workers='auto' tunes itself from the loader's stats"):
         pipeload.DataLoader(range(4), num_workers="auto", stats=False)

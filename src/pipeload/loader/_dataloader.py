@@ -212,7 +212,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
         self._keep_slabs()
         self.__initialized = True
-        arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
+        if not auto[0]:  # "auto" chose the count: torch's warning is about a count one chose
+            arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
