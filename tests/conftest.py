@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import pytest
@@ -45,6 +46,22 @@ def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
             return False
         time.sleep(POLL_INTERVAL_S)
     return True
+
+
+def run_rank_processes(target: Callable[..., None], args: tuple[Any, ...], world_size: int = 2,
+                       start_method: str = "spawn", join_s: float = 100.0) -> None:
+    """Run ``target(rank, *args)`` in ``world_size`` real processes (a gloo job's ranks) and
+    check that every one exited with 0. ``fork`` starts them in a fraction of spawn's time,
+    where the ranks start no process of their own."""
+    import multiprocessing
+
+    context = multiprocessing.get_context(start_method)
+    ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(join_s)
+    assert [process.exitcode for process in ranks] == [0] * world_size
 
 
 def backing_of(tensor) -> str:

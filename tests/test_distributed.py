@@ -4,7 +4,6 @@ split by rank makes every rank load the whole dataset."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 import torch.utils.data as tud
+from conftest import run_rank_processes
 
 import pipeload
 from pipeload.datapipes.iter import IterableWrapper
@@ -64,14 +64,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_warns_once_per_loader_that_every_rank_loads_everything(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_run_rank, args=(rank, str(tmp_path / "init"), str(tmp_path)))
-             for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(100)
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    run_rank_processes(_run_rank, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE)
     for rank in range(WORLD_SIZE):
         found = json.loads((tmp_path / f"{rank}.json").read_text())
         for name, messages in found.items():

@@ -5,7 +5,6 @@ persistent or not; and the same samples as iterating the pipe directly."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.utils.data as tud
 import torch.utils.data.datapipes.iter as theirs_iter
 import torch.utils.data.datapipes.map as theirs_map
+from conftest import run_rank_processes
 from pipes_for_tests import ListsWhereUsed, MadeWhereUsed, double, is_even, normalise
 
 import pipeload
@@ -212,14 +212,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow  # ~15 s on the shared box; tests/engine/test_replica.py runs the same hook over gloo
 @pytest.mark.timeout(120)
 def test_a_gloo_group_shards_by_rank_times_worker_with_rank_zeros_seed(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_run_rank, args=(r, str(tmp_path / "init"), str(tmp_path)))
-             for r in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(100)
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    run_rank_processes(_run_rank, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE)
     seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD_SIZE)]
     for epoch in range(2):
         rank0, rank1 = seen[0][epoch], seen[1][epoch]

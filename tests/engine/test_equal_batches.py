@@ -4,7 +4,6 @@ padding, whatever each rank's share holds."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import warnings
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from conftest import run_rank_processes
 from state_damage import damaged
 
 import pipeload
@@ -131,14 +131,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_drop_and_pad_give_every_rank_the_same_count(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_run_rank, args=(rank, str(tmp_path / "init"), str(tmp_path)))
-             for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(150)
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    run_rank_processes(_run_rank, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE, join_s=150)
     rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(WORLD_SIZE))
     # Rank 0 has 3 batches alone, 4 with two workers (each worker's last one partial); rank 1 has 5.
     for workers, fewer in ((0, 3), (2, 4)):
@@ -210,14 +203,9 @@ def _rank_that_outlives_the_other(rank: int, init_file: str, out_dir: str) -> No
 def test_a_rank_that_dies_mid_epoch_ends_the_others_epoch_with_an_error_naming_the_stage(tmp_path: Path) -> None:
     # gloo notices the closed connection at once; the error said nothing of the loader, and a
     # further next() asked the ranks again. Now it names the stage and the epoch is over.
-    context = multiprocessing.get_context("fork")  # quick: the ranks start no process of their own
-    ranks = [context.Process(target=_rank_that_outlives_the_other, args=(rank, str(tmp_path / "init"), str(tmp_path)))
-             for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(30)
-    assert [process.exitcode for process in ranks] == [0, 0]
+    # fork is quick, and the ranks start no process of their own
+    run_rank_processes(_rank_that_outlives_the_other, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE,
+                       start_method="fork", join_s=30)
     found = json.loads((tmp_path / "0.json").read_text())
     assert any("equal_batches='pad'" in note and "rank 0 of 2" in note for note in found["notes"]), found
     assert found["after"] == []

@@ -6,7 +6,6 @@ data changed since the checkpoint."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from conftest import run_rank_processes
 
 import pipeload
 from pipeload._state_digest import sealed
@@ -148,13 +148,8 @@ def _run_iterable_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def _run(target: Callable[..., None], *args: str) -> None:
-    context = multiprocessing.get_context("fork")  # quick: the ranks start no process of their own
-    ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(100)
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    # fork is quick, and the ranks start no process of their own
+    run_rank_processes(target, args, WORLD_SIZE, start_method="fork")
 
 
 def _run_rank(rank: int, init_file: str, folder: str, out_dir: str) -> None:

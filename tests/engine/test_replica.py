@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import sys
 import warnings
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import LeakGuard
+from conftest import LeakGuard, run_rank_processes
 from torch.utils.data.datapipes.iter import IterableWrapper
 from torch.utils.data.datapipes.map import SequenceWrapper
 
@@ -189,14 +188,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_ranks_take_disjoint_shards_of_one_shared_order(tmp_path: Path, leak_guard: LeakGuard) -> None:
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_run_rank, args=(rank, str(tmp_path / "init"), str(tmp_path)))
-             for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(100)
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    run_rank_processes(_run_rank, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE)
     records = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for session, options in enumerate(RANK_SESSIONS):
         per_rank = [record[session] for record in records]
