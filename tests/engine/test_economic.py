@@ -497,3 +497,22 @@ def test_uneven_items_still_come_in_sampler_order():
 def test_classic_workers_say_they_are_classic():
     loader = DataLoader(_WhoFetches(4), batch_size=2, num_workers=2, **loader_kwargs(FORK))
     assert {kind for batch in loader for kind in batch["kind"]} == {"classic"}
+
+
+@pytest.mark.parametrize("engine", BOTH)
+def test_out_of_order_batches_overtake_one_stuck_at_the_start_of_an_epoch(engine):
+    # Item 5 (batch 1) never comes back (a process worker stays stuck until it is stopped). With
+    # in_order=False the other batches must keep coming while the training loop waits for it.
+    # They did not: the pool's build time is measured from the batch before's arrival, so none
+    # was known, the budget kept one batch in flight until it was, and nothing more opened.
+    dataset = Stalls(32, stall_index=5)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=3, in_order=False,
+                        timeout=5, **loader_kwargs(engine))
+    iterator = iter(loader)
+    try:
+        # The stuck worker may also hold one piece of another batch: six of the seven others come.
+        firsts = [next(iterator).tolist()[0] for _ in range(6)]
+    finally:
+        dataset.release.set()  # thread workers share it; process workers are stopped below
+        del iterator
+    assert len(set(firsts)) == 6 and 4 not in firsts, firsts

@@ -187,6 +187,13 @@ class InFlightBudget:
             needed = min(needed, max(1, self._max_bytes // batch_bytes))
         return needed
 
+    def most(self, batch_bytes: int) -> int:
+        """The ceiling alone: ``max_batches``, or fewer if batches of ``batch_bytes`` (0:
+        unknown) would not fit the byte budget; what flies whatever the estimate says."""
+        if batch_bytes > 0:
+            return max(1, min(self.max_batches, self._max_bytes // batch_bytes))
+        return self.max_batches
+
     def _model_known(self) -> bool:
         return self._build_s is not None and self._consume_s is not None
 

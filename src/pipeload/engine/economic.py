@@ -299,9 +299,13 @@ class EconomicEngine:
             if self._ledger.nothing_left():
                 return None
             waited_since = waited_since or time.perf_counter()
+            # Out of order, the loop takes whichever batch is done first: while it waits, every
+            # batch the ceiling allows flies, so that the others overtake a late one. The budget
+            # cannot see the need: the pool's build times stop with the late batch, which can
+            # leave it at one batch in flight (the one the loop is waiting for) for good.
+            self._top_up(loop_waits=not self._config.in_order)
             for report in self._workers.receive(deadline):
                 self._record(report)
-            self._top_up()
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         """Book-keeping as batch ``report`` goes to the consumer; then open what the budget allows."""
@@ -333,10 +337,12 @@ class EconomicEngine:
                 self._budget.batch_built(build_s)
             self._ledger.record_report(report)
 
-    def _top_up(self) -> None:
-        """Open batches while the budget allows, then give waiting pieces to item workers."""
+    def _top_up(self, loop_waits: bool = False) -> None:
+        """Open batches while the budget allows (``loop_waits``: as many as its ceiling allows),
+        then give waiting pieces to item workers."""
         slabs = self._workers.slabs
-        allowed = self._budget.allowed(slabs.batch_bytes if slabs is not None else 0)
+        batch_bytes = slabs.batch_bytes if slabs is not None else 0
+        allowed = self._budget.most(batch_bytes) if loop_waits else self._budget.allowed(batch_bytes)
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping. Free slabs beyond it are retired.
