@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info as _torch_worker_info
 
 from pipeload.transport.collate_output import copied_into_message, shared_output, stacked_in_place
 
@@ -267,7 +268,24 @@ def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     elem = batch[0]
     if elem.device.type != "cpu":
         return None
-    return shared_output((len(batch), *elem.shape), elem.dtype)
+    shape = (len(batch), *elem.shape)
+    out = shared_output(shape, elem.dtype)
+    if out is None and _torch_worker_info() is not None:
+        out = _fresh_shared_output(shape, elem.dtype)
+    return out
+
+
+def _fresh_shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor in new shared memory: where torch's collate stacks inside torch's own
+    worker processes (pipeload's collate given to torch's DataLoader, as accelerate rebuilds a
+    loader). Its batches then have torch's strides (contiguous, whatever the samples' memory
+    format), samples that require grad are refused with torch's words instead of making a batch
+    torch's result queue cannot send, and the queue moves no memory."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 
 def _first_shape_mismatch(batch: Sequence[Any]) -> int | None:
