@@ -56,7 +56,9 @@ def counts_along_an_epoch(module: ModuleType, **options: Any) -> list[Any]:
     "options",
     [{}, {"batch_size": 2}, {"batch_size": None},
      {"num_workers": 2, "multiprocessing_context": "fork"},
-     {"num_workers": 1, "persistent_workers": True, "multiprocessing_context": "fork"}],
+     # ~5 s, torch's side: its persistent workers take their time to stop
+     pytest.param({"num_workers": 1, "persistent_workers": True, "multiprocessing_context": "fork"},
+                  marks=pytest.mark.slow)],
     ids=["inline", "batches-of-2", "unbatched", "workers", "persistent-workers"],
 )
 def test_num_yielded_counts_as_torchs(options: dict[str, Any]) -> None:
