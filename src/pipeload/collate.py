@@ -18,6 +18,7 @@ travels in (see ``transport/collate_output.py``), so the engine hands them over 
 from __future__ import annotations
 
 import copy
+import math
 import re
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
@@ -281,10 +282,7 @@ def _fresh_shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     loader). Its batches then have torch's strides (contiguous, whatever the samples' memory
     format), samples that require grad are refused with torch's words instead of making a batch
     torch's result queue cannot send, and the queue moves no memory."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 

@@ -303,9 +303,11 @@ class EconomicEngine:
             # batch the ceiling allows flies, so that the others overtake a late one. The budget
             # cannot see the need: the pool's build times stop with the late batch, which can
             # leave it at one batch in flight (the one the loop is waiting for) for good.
-            self._top_up(loop_waits=not self._config.in_order)
+            if not self._config.in_order:
+                self._top_up(loop_waits=True)
             for report in self._workers.receive(deadline):
                 self._record(report)
+            self._top_up()
 
     def _hand_over(self, report: WorkerReport, starved: bool, waited_s: float) -> None:
         """Book-keeping as batch ``report`` goes to the consumer; then open what the budget allows."""

@@ -16,6 +16,9 @@ import torch
 
 from pipeload.datapipes.graph import is_random_datapipe, list_dps
 
+_SEED_MIX = 1_000_003  # a prime: different seed lists make different numbers
+_SEED_RANGE = 2 ** 63
+
 
 def run_seed(graph: Any) -> int:
     """The number a run's far side seeds from: a process boundary's upstream process its
@@ -33,10 +36,6 @@ def run_seed(graph: Any) -> int:
     for seed in seeds:
         mixed = (mixed * _SEED_MIX + seed) % _SEED_RANGE
     return mixed
-
-
-_SEED_MIX = 1_000_003  # a prime: different seed lists make different numbers
-_SEED_RANGE = 2 ** 63
 
 
 def take_seeds(graph: Any) -> None:
