@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from pipeload.engine.item_seeds import ItemSeeds
-from pipeload.engine.worker_info import item_seed, make_thread_rng, numpy_seed_words, reseed
+from pipeload.engine.worker_info import item_seed, make_thread_rng, numpy_seed_of, reseed
 
 
 @pytest.mark.parametrize(("base_seed", "epoch", "first"), [
     (0, 0, 0), (1, 0, 63), ((1 << 64) - 1, 3, 10**9), (0x9E3779B97F4A7C15, 1 << 40, (1 << 63) - 40),
 ])
-def test_a_run_s_seeds_and_numpy_words_are_the_one_at_a_time_ones(base_seed, epoch, first):
+def test_a_run_s_seeds_are_the_one_at_a_time_ones(base_seed, epoch, first):
     seeds = ItemSeeds(base_seed, epoch, first, 33)
     for offset in range(33):
         expected = item_seed(base_seed, epoch, first + offset)
         assert seeds.seed(offset) == expected
-        assert [int(w) for w in seeds._words[offset]] == numpy_seed_words(expected, 0)
+        assert seeds._numpy_seeds[offset] == numpy_seed_of(expected)
 
 
 def test_many_random_runs_agree_with_the_one_at_a_time_functions():
@@ -33,7 +33,7 @@ def test_many_random_runs_agree_with_the_one_at_a_time_functions():
         offset = draw.randrange(count)
         expected = item_seed(base, epoch, first + offset)
         assert seeds.seed(offset) == expected
-        assert [int(w) for w in seeds._words[offset]] == numpy_seed_words(expected, 0)
+        assert seeds._numpy_seeds[offset] == numpy_seed_of(expected)
 
 
 def _draws(rng=None) -> tuple:
@@ -54,3 +54,17 @@ def test_applying_a_seed_draws_as_reseed_does_for_process_and_thread_generators(
     ours = _draws(rng)
     reseed(item_seed(77, 2, 501), rng)
     assert ours == _draws(rng)
+
+
+def test_numpy_is_told_items_apart_by_the_bits_torch_keeps():
+    """numpy gets the seed's low 32 bits, the bits torch's CPU generator keeps: two seeds torch
+    tells apart numpy tells apart too, and two torch draws alike from, numpy draws alike from."""
+    def draws(seed):
+        reseed(seed, None)
+        return float(torch.rand(())), float(np.random.rand())
+
+    seed = item_seed(5, 0, 12)
+    torch_a, numpy_a = draws(seed)
+    torch_b, numpy_b = draws(seed ^ 1)
+    assert torch_a != torch_b and numpy_a != numpy_b
+    assert draws(seed ^ (1 << 40)) == (torch_a, numpy_a)
