@@ -64,6 +64,7 @@ def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
     assert len(shards) == 1
 
 
+@pytest.mark.slow  # ~5 s; test_bench_compares_every_loader_and_writes_a_chart runs the command fast
 @pytest.mark.timeout(200)
 def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> None:
     args = ["bench", "--size", "32", "--batch-size", "16", "--workers", "0", "--repeats", "2",

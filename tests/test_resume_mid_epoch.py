@@ -347,7 +347,9 @@ def out_of_order_loader(**options: Any) -> pipeload.DataLoader:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", ["processes", "threads", "economic", "to-inline"])
+# threads and to-inline: slow tests (~2 s each); process and economic workers run in the fast suite
+@pytest.mark.parametrize("engine", ["processes", pytest.param("threads", marks=pytest.mark.slow), "economic",
+                                    pytest.param("to-inline", marks=pytest.mark.slow)])
 def test_out_of_order_loading_resumes_the_batches_not_handed_out(engine: str, leak_guard: LeakGuard) -> None:
     options = {"processes": {}, "threads": {"worker_type": "thread"},
                "economic": {"mode": "economic", "num_batch_workers": 2}, "to-inline": {}}[engine]

@@ -58,7 +58,7 @@ class DieAt:
 # -- a queue boundary keeps its slabs from one run to the next ---------------------------------
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: ~3.5 s
 def test_a_process_boundary_keeps_its_slabs_from_one_run_to_the_next(method: str) -> None:
     pipe = IterableWrapper(range(24)).map(random_item).queue_boundary(
         "process", buffer_size=4, multiprocessing_context=method)

@@ -221,6 +221,7 @@ def test_the_loaders_stats_show_the_ray_stage(clean):
     assert loader.stats().ray.items == 48
 
 
+@pytest.mark.slow  # test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers runs fast
 def test_an_actor_the_cluster_cannot_place_is_an_error_not_a_hang(clean):
     boundary = IterableWrapper(range(4)).queue_boundary("ray", 2, resources={"no_such_thing": 1}, start_timeout_s=2)
     started = time.monotonic()
@@ -412,6 +413,7 @@ def test_closing_a_run_lets_go_of_its_replies_in_the_object_store(clean):
         next(iterator)
 
 
+@pytest.mark.slow  # the seeding is boundary/seeds.py's, which the process boundary's tests run fast
 def test_a_seed_given_with_set_seed_seeds_the_next_run_only_as_without_ray(clean):
     shuffle = IterableWrapper(range(30)).shuffle()
     boundary = shuffle.sharding_filter().queue_boundary("ray", 6, num_actors=2)

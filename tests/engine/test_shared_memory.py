@@ -49,7 +49,7 @@ def expected_rows(batch_number: int, batch_size: int) -> list[float]:
     return [float(batch_number * batch_size + k) for k in range(batch_size)]
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(ECONOMIC_SPAWN,)))
 @pytest.mark.timeout(90)
 def test_small_batches_travel_inside_the_message(engine):
     loader = DataLoader(MakesTensors(8), batch_size=4, num_workers=2, **loader_kwargs(engine))

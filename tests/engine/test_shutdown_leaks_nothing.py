@@ -129,7 +129,9 @@ def _ctrl_c(tmp_path: Path, context: str, whole_group: bool, loader_mode: str = 
     assert all(pid_gone(pid) for pid in pids), "workers outlived the interrupted main process"
 
 
-@pytest.mark.parametrize("loader_mode", ["classic", "economic"])
+# economic: slow tests (~2.4 s each); the same worker group stops both modes, and economic
+# mode's Ctrl-C is under test in the fast suite with thread workers and during a fork
+@pytest.mark.parametrize("loader_mode", ["classic", pytest.param("economic", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("whole_group", [False, True], ids=["main-only", "process-group"])
 def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode, ctrl_c_raises):
     _ctrl_c(tmp_path, "fork", whole_group, loader_mode)

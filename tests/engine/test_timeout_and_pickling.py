@@ -12,6 +12,7 @@ import pickle
 import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -53,8 +54,18 @@ def release_at_end():
 # -- timeout -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, THREAD, ECONOMIC, ECONOMIC_THREAD))
-@pytest.mark.parametrize("stall_index", [0, 6], ids=["first-batch", "later-batch"])
+def _timeout_cases() -> list[Any]:
+    """(engine, stall index) pairs. Each case waits out the timeout twice: classic process
+    workers run both stalls in the fast suite, the other engines one each (economic workers the
+    first batch, thread workers the first, economic threads a later one), the rest with -m slow."""
+    fast = {(FORK, 0), (FORK, 6), (ECONOMIC, 0), (THREAD, 0), (ECONOMIC_THREAD, 6)}
+    stalls = {0: "first-batch", 6: "later-batch"}
+    return [pytest.param(engine, stall, id=f"{label}-{engine.name}",
+                         marks=[] if (engine, stall) in fast else [pytest.mark.slow])
+            for stall, label in stalls.items() for engine in (FORK, THREAD, ECONOMIC, ECONOMIC_THREAD)]
+
+
+@pytest.mark.parametrize(("engine", "stall_index"), _timeout_cases())
 def test_no_batch_within_timeout_raises(engine, stall_index, leak_guard, release_at_end):
     dataset = Stalls(16, stall_index=stall_index)
     release_at_end(dataset)

@@ -27,7 +27,9 @@ def distinct_ids(batches: list[list[int]]) -> set[int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("data", ["map", "shards"])
+# shards: a slow test (a torchrun job, ~6 s); the map-style job runs in the fast suite, and
+# tests/test_distributed.py splits shards over gloo ranks there
+@pytest.mark.parametrize("data", ["map", pytest.param("shards", marks=pytest.mark.slow)])
 def test_ranks_split_every_epoch_and_take_equal_steps(data: str, tmp_path: Path, leak_guard: LeakGuard) -> None:
     command = torchrun("--data", data, "--shards", str(tmp_path / "shards"), "--record", str(tmp_path))
     records = run_ranks(command, tmp_path, WORLD_SIZE)

@@ -54,6 +54,7 @@ def test_lightning_sees_our_shuffle() -> None:
     assert not lightning_data._is_dataloader_shuffled(pipeload.DataLoader(Witness()))
 
 
+@pytest.mark.slow  # ~11 s of DDP processes; the two tests above run Lightning's rebuild in the fast suite
 @pytest.mark.timeout(300)
 def test_ddp_ranks_see_disjoint_shuffled_halves_loaded_by_our_workers(
     tmp_path: Path, leak_guard: LeakGuard

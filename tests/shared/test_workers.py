@@ -118,7 +118,7 @@ _KILLED_MAIN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: ~3 s
 def test_sigkill_of_the_main_process_leaves_no_memory_behind(tmp_path: Path, context: str) -> None:
     out = tmp_path / "report.json"
     here = str(Path(__file__).parent)
