@@ -1,11 +1,11 @@
-"""The seeds of a run of consecutive items, computed at once (economic mode's item workers).
+"""The seeds of a run of consecutive items, computed once per piece (economic mode's item workers).
 
 An item worker reseeds ``random``, torch's CPU generator and numpy's global generator before every
 item it fetches, from ``item_seed(base seed, epoch, position)`` (numpy from its low 32 bits,
-``worker_info.numpy_seed_of``). Computed one item at a time in Python, the seed's hash costs a
-few microseconds an item; here it is computed for a whole piece of a batch with numpy's integer
-arithmetic on arrays: exactly the values of the one-at-a-time function, which remains the
-definition (``tests/engine/test_item_seeds.py`` checks that they agree).
+``worker_info.numpy_seed_of``). A piece's seeds share their first hashes (base seed, stream,
+epoch), so they are computed together: one finalising hash an item, the same values as the
+one-at-a-time function, which remains the definition (``tests/engine/test_item_seeds.py`` checks
+that they agree).
 """
 
 from __future__ import annotations
@@ -15,17 +15,7 @@ import random
 import numpy as np
 import torch
 
-from pipeload.engine.worker_info import ITEM_STREAM, WorkerRNG, derive_seed
-
-_M32 = np.uint64(0xFFFFFFFF)
-
-
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on every element (uint64 arithmetic wraps as the scalar masks)."""
-    values = values + np.uint64(0x9E3779B97F4A7C15)
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
+from pipeload.engine.worker_info import ITEM_STREAM, WorkerRNG, derive_seed, numpy_seed_of, splitmix64
 
 
 class ItemSeeds:
@@ -37,11 +27,13 @@ class ItemSeeds:
     """
 
     def __init__(self, base_seed: int, epoch: int, first_position: int, count: int) -> None:
-        prefix = np.uint64(derive_seed(base_seed, ITEM_STREAM, epoch))
-        positions = np.arange(first_position, first_position + count, dtype=np.uint64)
-        seeds = _splitmix64(prefix ^ positions)
-        self._seeds = seeds.tolist()
-        self._numpy_seeds = (seeds & _M32).tolist()
+        # item_seed's hashes up to the position, once; then the position's, for each item. (In
+        # plain Python: numpy's array arithmetic took as long for a piece, and longer in a worker
+        # whose caches the previous item's decoding has filled.)
+        prefix = derive_seed(base_seed, ITEM_STREAM, epoch)
+        self._seeds = [splitmix64(prefix ^ position)
+                       for position in range(first_position, first_position + count)]
+        self._numpy_seeds = [numpy_seed_of(seed) for seed in self._seeds]
 
     def seed(self, offset: int) -> int:
         """``item_seed`` of the ``offset``-th item of the run."""

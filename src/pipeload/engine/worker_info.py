@@ -138,7 +138,7 @@ ITEM_STREAM = 1  # tells item seeds and batch seeds apart when their other words
 BATCH_STREAM = 2
 
 
-def _splitmix64(value: int) -> int:
+def splitmix64(value: int) -> int:
     """One step of the SplitMix64 finaliser: a cheap, well-spread 64-bit hash."""
     value = (value + 0x9E3779B97F4A7C15) & _MASK64
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -148,9 +148,9 @@ def _splitmix64(value: int) -> int:
 
 def derive_seed(base_seed: int, *words: int) -> int:
     """A 64-bit seed mixed from ``base_seed`` and ``words``: equal inputs, equal seed, anywhere."""
-    value = _splitmix64(base_seed & _MASK64)
+    value = splitmix64(base_seed & _MASK64)
     for word in words:
-        value = _splitmix64(value ^ (word & _MASK64))
+        value = splitmix64(value ^ (word & _MASK64))
     return value
 
 
