@@ -170,6 +170,51 @@ def _same(ours: Any, theirs: Any) -> bool:
     return len(ours) == len(theirs) and all(_same(a, b) for a, b in zip(ours, theirs))
 
 
+class _FlatSamples(torch.utils.data.Dataset):
+    """Flat samples (a tensor, or a tuple, list or dict of tensors and every scalar kind), large
+    enough to be written into their batch's slab: item workers send them as columns."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 44
+
+    def __getitem__(self, index: int) -> Any:
+        image = torch.arange(3 * 40 * 40, dtype=torch.float32).reshape(3, 40, 40) + index
+        if self.kind == "tensor":
+            return image
+        fields = [image, torch.full((1600,), index % 3, dtype=torch.uint8), f"img/{index}.jpg",
+                  index / 4, index % 2 == 0, index]
+        if self.kind == "dict":
+            return dict(zip(("image", "mask", "path", "weight", "flip", "label"), fields))
+        return tuple(fields) if self.kind == "tuple" else fields
+
+
+def _same_typed(ours: Any, theirs: Any) -> bool:
+    """Equal, and of the same types all the way down (a tuple of strings is no list of them)."""
+    if type(ours) is not type(theirs):
+        return False
+    if isinstance(theirs, torch.Tensor):
+        return ours.dtype == theirs.dtype and ours.shape == theirs.shape and torch.equal(ours, theirs)
+    if isinstance(theirs, dict):
+        return list(ours) == list(theirs) and all(_same_typed(ours[k], theirs[k]) for k in theirs)
+    if isinstance(theirs, (list, tuple)):
+        return len(ours) == len(theirs) and all(_same_typed(a, b) for a, b in zip(ours, theirs))
+    return ours == theirs
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "tensor"])
+def test_flat_samples_sent_as_columns_give_torchs_batches(kind: str) -> None:
+    expected = list(torch.utils.data.DataLoader(_FlatSamples(kind), batch_size=8))
+    loader = DataLoader(_FlatSamples(kind), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == len(expected)  # the last batch holds 4
+    for number, (ours, theirs) in enumerate(zip(got, expected)):
+        assert _same_typed(ours, theirs), f"batch {number} differs"
+
+
 class _SubBatches(Numbers):
     """Defines ``__getitems__``; each call's size is recorded with its first item."""
 

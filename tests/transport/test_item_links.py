@@ -9,6 +9,8 @@ import pickle
 import pytest
 import torch
 
+from slab_hop import LEAF, SlabHop, flat_item
+
 from pipeload.transport.channel import PipeEnd
 from pipeload.transport.collate_output import note_items
 from pipeload.transport.item_links import ItemLinks
@@ -97,73 +99,15 @@ def test_the_outbox_refuses_what_cannot_be_pickled_before_writing_anything():
 # -- items written straight into their batch's slab ------------------------------------------
 
 
-LEAF = 1 << 16  # floats in one item's large tensor: 256 KiB, well above the inline limit
-
-
-def _item(value: float, leaf: int = LEAF) -> dict:
-    return {"x": torch.full((leaf,), value), "label": int(value)}
-
-
-class _Hop:
-    """One slab pool (the main process), a batch worker's and an item worker's result channels,
-    and the link between them: every end a real socket, all in this process, one step at a time."""
-
-    def __init__(self) -> None:
-        import socket
-
-        from pipeload.transport.endpoints import Receiver, Sender
-        from pipeload.transport.item_links import GrantedSlabs
-        from pipeload.transport.slab_pool import SlabPool
-
-        self.pool = SlabPool(pin=False, max_bytes=1 << 30)
-        self.pool.set_slab_limit(2)
-        pairs = [socket.socketpair() for _ in range(3)]
-        self.batch_main, self.batch = Receiver(pairs[0][0], self.pool, 1), Sender(pairs[0][1])
-        self.item_main, self.item = Receiver(pairs[1][0], self.pool, 0), Sender(pairs[1][1])
-        self.link_out, self.link_in = Sender(pairs[2][0]), Receiver(pairs[2][1], None, 0)
-        self.link_in.pool = GrantedSlabs(self.batch)
-
-    def grants(self, token: int, count: int, item_bytes: tuple[int, ...] = (LEAF * 4,)):
-        import dataclasses
-
-        from pipeload.engine.item_scheduler import item_placement
-
-        placement = item_placement(item_bytes, count, 1 << 30)
-        self.pool.observe_batch(placement.area_bytes)
-        batch_grant = self.pool.grant(1, token)
-        placement = item_placement(item_bytes, count, self.pool.granted_size(token))
-        self.batch_main.send_controls()
-        share, _ = self.pool.share_grant(token, 0)
-        self.item_main.send_controls()
-        return (dataclasses.replace(batch_grant, items=placement),
-                lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
-
-    def hand_over(self, grant, items: list, first: int = 0) -> list:
-        """Send ``items``, the piece's from its ``first``-th on, as one message."""
-        from pipeload.transport.item_links import ItemOutbox
-
-        self.item.prepare(grant)
-        self.item.writer.place_items(first=first)
-        slot = grant.items.first_item + first
-        delivery = ItemDelivery(Delivery.ITEMS, 0, 1, 0, slot, len(items), items)
-        ItemOutbox([self.link_out]).send(0, delivery, self.item.writer)
-        return self.link_in.receive()[0].payload
-
-    def close(self) -> None:
-        for end in (self.batch_main, self.batch, self.item_main, self.item, self.link_out, self.link_in):
-            end.close()
-        self.pool.close()
-
-
 def test_items_placed_in_the_batch_slab_are_stacked_without_a_copy():
     from pipeload.collate import default_collate
 
-    hop = _Hop()
+    hop = SlabHop()
     try:
         batch_grant, item_grant = hop.grants(token=0, count=4)
         # Two pieces of two items, placed by the item worker at their rows of the stacked batch.
-        samples = hop.hand_over(item_grant(0), [_item(0.0), _item(1.0)])
-        samples += hop.hand_over(item_grant(2), [_item(2.0), _item(3.0)])
+        samples = hop.hand_over(item_grant(0), [flat_item(0.0), flat_item(1.0)])
+        samples += hop.hand_over(item_grant(2), [flat_item(2.0), flat_item(3.0)])
         assert hop.item.writer.last_large_sizes == [LEAF * 4, LEAF * 4]
         hop.batch.prepare(batch_grant)
         batch = default_collate(samples)
@@ -184,14 +128,14 @@ def test_items_placed_in_the_batch_slab_are_stacked_without_a_copy():
 def test_a_piece_handed_over_item_by_item_lands_at_its_rows_as_a_whole_piece_does():
     from pipeload.collate import default_collate
 
-    hop = _Hop()
+    hop = SlabHop()
     try:
         batch_grant, item_grant = hop.grants(token=0, count=5)
         # One piece of four items from slot 1 on, each item in a message of its own (an item
         # worker sends each as soon as it is fetched), and item 0 in a piece of its own.
         samples = [sample for j in range(4)
-                   for sample in hop.hand_over(item_grant(1), [_item(1.0 + j)], j)]
-        samples = hop.hand_over(item_grant(0), [_item(0.0)]) + samples
+                   for sample in hop.hand_over(item_grant(1), [flat_item(1.0 + j)], j)]
+        samples = hop.hand_over(item_grant(0), [flat_item(0.0)]) + samples
         hop.batch.prepare(batch_grant)
         batch = default_collate(samples)
         assert [batch["x"][i].data_ptr() for i in range(5)] == [s["x"].data_ptr() for s in samples]
@@ -205,13 +149,13 @@ def test_a_piece_handed_over_item_by_item_lands_at_its_rows_as_a_whole_piece_doe
 def test_an_item_that_does_not_fit_its_place_is_copied_in_and_overwrites_nothing():
     from pipeload.collate import default_collate
 
-    hop = _Hop()
+    hop = SlabHop()
     try:
         batch_grant, item_grant = hop.grants(token=0, count=3)
-        rest = hop.hand_over(item_grant(2), [_item(2.0)])
+        rest = hop.hand_over(item_grant(2), [flat_item(2.0)])
         # Item 1 is twice as long as its place: written there, it would cover item 2's place.
         # Placing stops at it; it travels in fresh memory.
-        piece = hop.hand_over(item_grant(0), [_item(0.0), {"x": torch.full((LEAF * 2,), 9.0), "label": 9}])
+        piece = hop.hand_over(item_grant(0), [flat_item(0.0), {"x": torch.full((LEAF * 2,), 9.0), "label": 9}])
         assert hop.item.writer.last_large_sizes == [LEAF * 4, LEAF * 8]
         hop.batch.prepare(batch_grant)
         samples = [piece[0], {"x": piece[1]["x"][:LEAF].clone(), "label": 9}, rest[0]]
@@ -238,7 +182,7 @@ def test_items_whose_structure_differs_are_never_written_over_each_other():
             item["z"] = torch.full((LEAF,), -1.0)  # default_collate ignores keys item 0 lacks
         return item
 
-    hop = _Hop()
+    hop = SlabHop()
     try:
         batch_grant, item_grant = hop.grants(token=0, count=4, item_bytes=(LEAF * 4, LEAF * 4))
         # Item 1 has one large tensor too many, item 2 its keys the other way round: placed by
@@ -273,7 +217,7 @@ def test_small_and_permuted_items_are_written_as_rows_of_the_stack_and_stacked_i
         return channels_last.permute(2, 0, 1), int(value)
 
     originals = [image(float(10 * i)) for i in range(4)]
-    hop = _Hop()
+    hop = SlabHop()
     try:
         batch_grant, item_grant = hop.grants(token=0, count=4, item_bytes=(48 * 4,))
         samples = hop.hand_over(item_grant(0), originals[:2]) + hop.hand_over(item_grant(2), originals[2:])
@@ -299,7 +243,7 @@ def test_items_without_a_place_still_say_their_sizes_and_travel_inside_the_messa
     # learns the layout), small ones ride inline as before, and nothing goes to shared memory.
     from pipeload.transport.item_links import ItemOutbox
 
-    hop = _Hop()
+    hop = SlabHop()
     try:
         hop.item.prepare(None)
         items = [(torch.arange(12.0).reshape(3, 4).t(), 1), (torch.arange(12.0).reshape(3, 4).t() + 1, 2)]

@@ -44,7 +44,9 @@ from pipeload.engine.worker_main import (
 )
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import now, profiling, span, tensor_bytes
+from pipeload.collate import collate, collates_as_shipped, default_collate, default_collate_fn_map
 from pipeload.transport import collate_output
+from pipeload.transport.item_columns import ItemColumns, collate_columns, place_as_columns
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
@@ -239,12 +241,18 @@ class ItemWorkerLoop(WorkerLoop):
         # Process workers place the items with their result channel's slab writer: the grant (a
         # share of the batch's slab) came on that channel, and its slabs are mapped there.
         writer = getattr(self._outbox, "writer", None)
+        placing = False
         if writer is not None:
             placing = command.grant is not None and delivery.delivery is Delivery.ITEMS
             self._outbox.prepare(command.grant if placing else None)
             if placing:
                 writer.place_items(first=offset)
         try:
+            if placing and writer.placing:
+                # Flat samples go as columns, their tensors written at their places now.
+                columns = place_as_columns(delivery.payload, writer)
+                if columns is not None:
+                    delivery = dataclasses.replace(delivery, payload=columns)
             self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
             return False  # that batch worker is gone; the main process sees it exit and says so
@@ -290,7 +298,8 @@ class _Gathering:
 
     indices: list[Any] | None = None  # known once the COLLATE command has arrived
     grant: SlabGrant | None = None  # where to collate it (from the COLLATE command)
-    pieces: dict[int, list[Any]] = dataclasses.field(default_factory=dict)  # slot -> samples
+    # slot -> the samples that begin there (a list, or an ItemColumns whose tensors are in the slab)
+    pieces: dict[int, list[Any] | ItemColumns] = dataclasses.field(default_factory=dict)
     failures: dict[int, RemoteFailure] = dataclasses.field(default_factory=dict)  # slot -> why
     filled: int = 0
 
@@ -305,8 +314,12 @@ class _Gathering:
     def complete(self) -> bool:
         return self.indices is not None and self.filled >= len(self.indices)
 
-    def samples(self) -> list[Any]:
-        return [sample for slot in sorted(self.pieces) for sample in self.pieces[slot]]
+    def take_groups(self) -> list[tuple[int, list[Any] | ItemColumns]]:
+        """The pieces in slot order, (first slot, samples); they are forgotten here, so that once
+        collated the items' memory goes with the caller's list."""
+        groups = sorted(self.pieces.items())
+        self.pieces.clear()
+        return groups
 
 
 class BatchWorkerLoop(WorkerLoop):
@@ -391,34 +404,74 @@ class BatchWorkerLoop(WorkerLoop):
         self._send_batch(number, batch, indices, build_s, setup_s, time.monotonic())
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
-        samples = gathering.samples()
-        gathering.pieces.clear()  # once collated, the items' memory is freed with ``samples``
-        collate_output.note_items(samples)  # what of the slab the items view (ItemPlacement)
+        collate, count = self._collation(gathering)
         reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
-        fetch = self._setup.fetch
         clock = self._clock
         if clock is None:
-            return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+            return collate()
         # A batch worker's samples: those it collated. Only a sampled batch is timed.
         if not clock.timing and not _torch_profiler._is_profiler_enabled:
-            clock.untimed_samples += len(samples)
+            clock.untimed_samples += count
+            return collate()
+        return _timed_collate(collate, count, clock)
+
+    def _collation(self, gathering: _Gathering) -> tuple[Callable[[], Any], int]:
+        """What collates the gathered batch (a call), and how many samples it holds."""
+        groups = gathering.take_groups()
+        fetch = self._setup.fetch
+        count = sum(piece.count if isinstance(piece, ItemColumns) else len(piece) for _, piece in groups)
+        writer = collate_output.current_writer()
+
+        def as_samples() -> Any:
+            samples = _samples_of(groups, gathering)
+            collate_output.note_items(samples)  # what of the slab the items view (ItemPlacement)
             return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
-        return _timed_collate(fetch, samples, clock)
+
+        if (writer is None or not all(isinstance(piece, ItemColumns) for _, piece in groups)
+                or fetch.collate_fn is not default_collate or not collates_as_shipped()):
+            return as_samples, count
+        columns = [piece for _, piece in groups]
+
+        def by_columns() -> Any:
+            batch = collate_columns(columns, writer, _collate_field)
+            return batch if batch is not None else as_samples()
+        return by_columns, count
 
 
-def _timed_collate(fetch: Any, samples: list[Any], clock: StageClock) -> Any:
-    """``collate_fn`` over ``samples`` for a sampled batch, or for any batch while a profiler
-    records (its span opens; only a sampled batch is timed)."""
+def _collate_field(column: Any) -> Any:
+    """One field of a batch sent as columns, as ``default_collate`` collates it."""
+    return collate(column, collate_fn_map=default_collate_fn_map)
+
+
+def _samples_of(groups: list[tuple[int, list[Any] | ItemColumns]], gathering: _Gathering) -> list[Any]:
+    """The batch's samples in slot order; items that came as columns view their places."""
+    samples: list[Any] = []
+    for slot, piece in groups:
+        if isinstance(piece, ItemColumns):
+            writer, grant = collate_output.current_writer(), gathering.grant
+            slab = writer.view(grant.slab_id) if writer is not None and grant is not None else None
+            if slab is None or grant.items is None:  # type: ignore[union-attr]
+                raise RuntimeError("items written into a slab arrived without that slab granted "
+                                   "for their batch")
+            samples += piece.samples(slab, grant.items, slot)  # type: ignore[union-attr]
+        else:
+            samples += piece
+    return samples
+
+
+def _timed_collate(make_batch: Callable[[], Any], count: int, clock: StageClock) -> Any:
+    """``make_batch()`` (a batch of ``count`` samples) for a sampled batch, or for any batch while
+    a profiler records (its span opens; only a sampled batch is timed)."""
     if not clock.timing:
-        clock.untimed_samples += len(samples)
+        clock.untimed_samples += count
     else:
-        clock.samples += len(samples)
+        clock.samples += count
     started = now()
     try:
         if profiling():
             with span("pipeload.collate"):
-                return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
-        return fetch.collate_fn(samples if fetch.auto_collation else samples[0])
+                return make_batch()
+        return make_batch()
     finally:
         if clock.timing:
             clock.collate_s += now() - started

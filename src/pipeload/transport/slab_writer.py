@@ -333,14 +333,30 @@ class SlabWriter:
                 continue
             if missing and not self._free(base + start, size, missing):
                 return None
-            if not self._checked and not self._may_write(slab):
-                self._slab = None
-                return None
-            self._claimed.add(leaf)
-            self._outcome = GrantOutcome.USED
-            self._regions.append((start, len(parts) * size))
-            return start
+            return self._claim(slab, leaf, start, len(parts) * size)
         return None
+
+    def claim_run(self, leaf: int, count: int) -> int | None:
+        """The byte offset of leaf ``leaf``'s run of ``count`` items in the item area, claimed
+        for this message as ``claim_items`` claims one (its view is the batch's tensor), where
+        item workers wrote the items as columns (item_columns.py); None when the area has no
+        such run, it was claimed already, or the slab may not be written."""
+        slab, items = self._slab, self._item_area()
+        if slab is None or items is None or leaf >= len(items.leaf_offsets) or leaf in self._claimed:
+            return None
+        start, size = items.leaf_offsets[leaf], items.leaf_bytes[leaf]
+        if start + count * size > items.area_bytes:
+            return None
+        return self._claim(slab, leaf, start, count * size)
+
+    def _claim(self, slab: _MappedSlab, leaf: int, start: int, nbytes: int) -> int | None:
+        if not self._checked and not self._may_write(slab):
+            self._slab = None
+            return None
+        self._claimed.add(leaf)
+        self._outcome = GrantOutcome.USED
+        self._regions.append((start, nbytes))
+        return start
 
     def _free(self, run: int, size: int, places: list[int]) -> bool:
         occupied = self.occupied
