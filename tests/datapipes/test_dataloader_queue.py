@@ -307,3 +307,25 @@ def test_queue_errors_pickle_whole() -> None:
     error = QueueError("gone", far_end="process 7", reason=QueueError.DIED, cause=KeyError(3))
     again = pickle.loads(pickle.dumps(error))
     assert (str(again), again.far_end, again.reason, repr(again.cause)) == ("gone", "process 7", "died", "KeyError(3)")
+
+
+@pytest.mark.parametrize("kind", ["thread", "process", "ray"])
+@pytest.mark.parametrize("blocking", ["no", None, 0, [False]])
+def test_blocking_that_is_not_true_or_false_is_refused_by_name(kind: str, blocking: object) -> None:
+    # "no" (or a non-empty list) is truthy: the get meant to answer at once waited instead
+    with DataLoaderQueue(kind=kind) as queue:
+        expected = f"blocking should be True or False, but got blocking={blocking!r}"
+        with pytest.raises(TypeError, match=re.escape(expected)):
+            queue.get(blocking=blocking)
+        if kind != "ray":  # a Ray queue is read at this end only
+            with pytest.raises(TypeError, match=re.escape(expected)):
+                queue.put(1, blocking=blocking)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_numpys_bool_is_a_bool_for_blocking(kind: str) -> None:
+    import numpy as np
+
+    with DataLoaderQueue(kind=kind) as queue:
+        with pytest.raises(NotAvailable):
+            queue.get(blocking=np.False_)

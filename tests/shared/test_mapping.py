@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -64,6 +65,27 @@ def test_lookups_with_other_number_types_answer_as_the_dict_does() -> None:
     for key in probes:
         assert (key in shared, shared.get(key)) == (key in plain, plain.get(key)), key
     assert shared[np.float32(0.5)] == shared[Fraction(1, 2)] == "half"
+
+
+def test_numpy_bools_complex_numbers_memoryviews_and_tensors_answer_as_the_dict_does() -> None:
+    import numpy as np
+    import torch
+
+    plain = {1: "one", 2.5: "two and a half", b"x": "bytes", False: "false"}
+    shared = SharedMapping(plain)
+    probes = [np.True_, np.False_, 1 + 0j, 1 + 1j, np.complex128(2.5), memoryview(b"x"),
+              memoryview(bytearray(b"x")), torch.tensor(1), torch.tensor(0), torch.tensor(2.5)]
+    for key in probes:
+        try:
+            expected = (key in plain, plain.get(key))
+        except ValueError as refused:  # a writable memoryview cannot be hashed: refused alike
+            with pytest.raises(ValueError, match=re.escape(str(refused))):
+                shared.get(key)
+            continue
+        assert (key in shared, shared.get(key)) == expected, key
+    # a tensor hashes by identity: a dict cannot hold one as a key that another tensor finds
+    with pytest.raises(TypeError, match=r"keys must be str.*got key tensor\(1\)"):
+        SharedMapping({torch.tensor(1): "one"})
 
 
 def test_keys_that_are_not_stored_types() -> None:

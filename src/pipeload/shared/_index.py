@@ -14,7 +14,7 @@ numpy, a round of vectorized placements per probe step.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import numbers
 import operator
 import struct
@@ -61,19 +61,42 @@ def stable_hash(key: Any) -> int:
         return _NONE_HASH
     if isinstance(key, tuple):
         return zlib.crc32(b"t" + b"".join(stable_hash(part).to_bytes(4, "little") for part in key))
-    if hasattr(type(key), "__index__"):  # numpy integers look up as the ints they equal
-        try:
-            return _int_hash(operator.index(key))
-        except TypeError:
-            pass  # a float tensor, say: no stored key equals it (a dict hashes it by identity)
-    if isinstance(key, numbers.Real):  # numpy floats, Fraction: as the float they equal, if any
-        try:
-            as_float = float(key)
-        except OverflowError:
-            as_float = math.nan  # beyond any float: left unsupported
-        if as_float == key:
-            return stable_hash(as_float)
+    plain = _plain_equal(key)
+    if plain is not None:
+        return stable_hash(plain)
     raise UnsupportedKey(f"key {key!r} of type {type(key).__name__}")
+
+
+def _plain_equal(key: Any) -> Any:
+    """The key of ``KEY_TYPES`` a dict would find for ``key`` (equal, and hashing alike), or None.
+
+    numpy integers, floats and bools, a Fraction, a complex with no imaginary part, a read-only
+    memoryview of bytes: found as the int, float, bool or bytes they equal, as a dict finds them.
+    A tensor, though, hashes by identity: a dict finds no stored key with one, and neither do we.
+    """
+    candidates = []
+    if isinstance(key, np.bool_):  # it has no __index__
+        candidates.append(bool(key))
+    if hasattr(type(key), "__index__"):
+        with contextlib.suppress(TypeError):
+            candidates.append(operator.index(key))
+    if isinstance(key, numbers.Complex) and not isinstance(key, numbers.Real):
+        candidates.append(key.real)  # found only when there is no imaginary part
+    elif isinstance(key, numbers.Real):
+        with contextlib.suppress(OverflowError):  # beyond any float: left unsupported
+            candidates.append(float(key))
+    if isinstance(key, memoryview):
+        with contextlib.suppress(ValueError, TypeError):
+            candidates.append(key.tobytes())
+    return next((plain for plain in candidates if _found_by_dict(key, plain)), None)
+
+
+def _found_by_dict(key: Any, plain: Any) -> bool:
+    """Whether a dict holding ``plain`` finds it when asked for ``key``."""
+    try:
+        return hash(key) == hash(plain) and bool(key == plain)
+    except (TypeError, ValueError, RuntimeError):  # unhashable, or an ambiguous comparison
+        return False
 
 
 def _int_hash(value: int) -> int:

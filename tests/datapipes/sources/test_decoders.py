@@ -3,6 +3,7 @@ sample, field and archive, raised or skipped."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
@@ -97,3 +98,21 @@ def test_bad_arguments_name_themselves() -> None:
         IterableWrapper([]).decode(image="rgb")
     with pytest.raises(ValueError, match="on_error"):
         IterableWrapper([]).decode(on_error=3)
+
+
+def test_gzipped_fields_are_decoded_by_the_extension_before_gz_as_webdataset_does() -> None:
+    sample = {"__key__": "k", "json.gz": gzip.compress(b'{"a": 1}'), "txt.gz": gzip.compress(b"hi"),
+              "gz": gzip.compress(b"raw"), "seg.png.gz": gzip.compress(png((4, 5, 6)))}
+    (decoded,) = list(IterableWrapper([sample]).decode())
+    assert decoded["json.gz"] == {"a": 1} and decoded["txt.gz"] == "hi" and decoded["gz"] == b"raw"
+    assert decoded["seg.png.gz"].getpixel((0, 0)) == (4, 5, 6)
+    pairs = IterableWrapper([("s.tar/a.cls.gz", gzip.compress(b"3"))])
+    assert list(pairs.decode()) == [("s.tar/a.cls.gz", 3)]
+    (kept,) = list(IterableWrapper([sample]).decode({"gz": None}))  # switched off: the bytes as they came
+    assert kept["json.gz"] == sample["json.gz"]
+
+
+def test_a_gzipped_field_cut_short_is_named() -> None:
+    cut = {"__key__": "bad", "__url__": "shard.tar", "json.gz": gzip.compress(b'{"a": 1}')[:-6]}
+    with pytest.raises(SampleDecodeError, match=r"field 'json.gz' of sample 'bad' in 'shard.tar'"):
+        list(IterableWrapper([cut]).decode())

@@ -34,6 +34,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     FarEnd,
     Producer,
     QueueError,
+    check_blocking,
     check_maxsize,
 )
 from pipeload.datapipes.protocol import NotAvailable
@@ -92,7 +93,7 @@ class ProcessQueue(InboxQueue, kind="process"):
     # -- the interface --------------------------------------------------------------------------
 
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
-        deadline = deadline_after(timeout)
+        blocking, deadline = check_blocking(blocking), deadline_after(timeout)
         link = self._connected(blocking, deadline)
         while not link.wait_for_credit(blocking, _time_left(deadline)):
             self._raise_if_over(deadline)
@@ -118,7 +119,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         self._connected(True, None).prepare_next()
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
-        deadline = deadline_after(timeout)
+        blocking, deadline = check_blocking(blocking), deadline_after(timeout)
         link = self._connected(blocking, deadline)
         item = self._inbox.take(blocking, deadline, self._far_end_died)
         link.taken_one()

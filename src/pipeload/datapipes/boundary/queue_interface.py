@@ -47,6 +47,7 @@ __all__ = [
     "Producer",
     "QueueError",
     "check_maxsize",
+    "check_blocking",
     "check_timeout",
 ]
 
@@ -118,6 +119,21 @@ def check_maxsize(maxsize: Any) -> int:
     if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
         raise ValueError(f"DataLoaderQueue maxsize should be an int of at least 1, but got maxsize={maxsize!r}")
     return maxsize
+
+
+def check_blocking(blocking: Any) -> bool:
+    """``blocking`` as a bool.
+
+    Raises:
+        TypeError: anything but True or False (a string such as "no" would be taken as true,
+            and a get meant not to wait would wait), named with the value received.
+    """
+    if blocking is True or blocking is False:
+        return blocking
+    if type(blocking).__name__ == "bool_":  # numpy's, which ``is`` neither
+        return bool(blocking)
+    raise TypeError(f"blocking should be True or False, but got blocking={blocking!r} "
+                    f"({type(blocking).__name__})")
 
 
 def check_timeout(timeout: Any) -> float | None:

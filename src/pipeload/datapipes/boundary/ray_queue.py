@@ -26,6 +26,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     DataLoaderQueue,
     QueueError,
     check_maxsize,
+    check_blocking,
     check_timeout,
 )
 from pipeload.datapipes.boundary.ray_pipe import check_ray_arguments
@@ -76,7 +77,7 @@ class RayQueue(DataLoaderQueue, kind="ray"):
         )
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
-        seconds = check_timeout(timeout)
+        blocking, seconds = check_blocking(blocking), check_timeout(timeout)
         reading = _Reading(self._reading_end())
         try:
             if not blocking:

@@ -18,6 +18,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     FarEnd,
     Producer,
     QueueError,
+    check_blocking,
     check_maxsize,
 )
 
@@ -53,12 +54,12 @@ class ThreadQueue(InboxQueue, kind="thread"):
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
         self._check_process()
         self._putter = (threading.get_ident(), _thread_name())
-        self._inbox.add(data, blocking, deadline_after(timeout), self._far_end_died)
+        self._inbox.add(data, check_blocking(blocking), deadline_after(timeout), self._far_end_died)
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
         self._check_process()
         self._taker = (threading.get_ident(), _thread_name())
-        return self._inbox.take(blocking, deadline_after(timeout), self._far_end_died)
+        return self._inbox.take(check_blocking(blocking), deadline_after(timeout), self._far_end_died)
 
     def close(self, error: BaseException | None = None) -> None:
         ending = Ending(QueueError.CLOSED, _thread_name(), closer_thread=threading.get_ident(), cause=error)

@@ -3,12 +3,14 @@
 Images go through Pillow (a faster JPEG decoder, simplejpeg, is used for ``image="numpy"`` or
 ``"tensor"`` where it is installed); ``.json`` through json, ``.npy`` through numpy, ``.pt`` /
 ``.pth`` through ``torch.load(weights_only=True)``, ``.txt`` to text, ``.cls`` / ``.index`` to
-an int. Anything else stays bytes.
+an int. A ``.gz`` field is decompressed, then decoded by the extension before it (``.json.gz`` as
+JSON), as WebDataset does. Anything else stays bytes.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import io
 import json
 from collections.abc import Callable, Iterator, Mapping
@@ -82,12 +84,17 @@ def decode_int(data: bytes) -> int:
     return int(data.decode("ascii").strip())
 
 
+def gunzip(data: bytes) -> bytes:
+    """Decompressed gzip data (``decode`` then decodes it by the extension before ``.gz``)."""
+    return gzip.decompress(data)
+
+
 def default_handlers(image: ImageOutput = "pil") -> dict[str, Callable[[bytes], Any]]:
     """Extension -> decoder, as ``decode`` uses them unless told otherwise."""
     handlers: dict[str, Callable[[bytes], Any]] = {
         "json": decode_json, "npy": decode_npy, "pt": decode_torch, "pth": decode_torch,
         "txt": decode_text, "text": decode_text, "cls": decode_int, "cls2": decode_int,
-        "index": decode_int,
+        "index": decode_int, "gz": gunzip,
     }
     for extension in IMAGE_EXTENSIONS:
         handlers[extension] = functools.partial(decode_image, output=image, extension=extension)
@@ -130,11 +137,16 @@ class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
         self.max_failures = max_failures
 
     def decode_field(self, extension: str, data: Any) -> Any:
-        """``data`` decoded as a file with ``extension`` (``"seg.png"`` counts as ``"png"``)."""
-        handler = self.handlers.get(extension.rsplit(".", 1)[-1].lower())
+        """``data`` decoded as a file with ``extension`` (``"seg.png"`` counts as ``"png"``;
+        ``"json.gz"`` is decompressed, then decoded as ``"json"``)."""
+        inner, _, last = extension.rpartition(".")
+        handler = self.handlers.get(last.lower())
         if handler is None or not isinstance(data, (bytes, bytearray, memoryview)):
             return data
-        return handler(bytes(data))
+        decoded = handler(bytes(data))
+        if handler is gunzip and inner:
+            return self.decode_field(inner, decoded)
+        return decoded
 
     def decode_sample(self, sample: Any) -> Any:
         """One sample decoded: a dict field by field, or a ``(path, bytes)`` pair.
