@@ -130,7 +130,8 @@ def check_blocking(blocking: Any) -> bool:
     """
     if blocking is True or blocking is False:
         return blocking
-    if type(blocking).__name__ == "bool_":  # numpy's, which ``is`` neither
+    kind = type(blocking)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):  # numpy's, ``is`` neither
         return bool(blocking)
     raise TypeError(f"blocking should be True or False, but got blocking={blocking!r} "
                     f"({type(blocking).__name__})")
