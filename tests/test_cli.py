@@ -136,8 +136,9 @@ def test_bad_input_is_one_line_and_a_non_zero_status(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("factory, workers", [("slow_dataset", "1"), ("slow_loader", "1"),
-                                              ("slow_dataset", "auto")])
+@pytest.mark.parametrize("factory, workers", [("slow_dataset", "1"),  # the other two: slow tests (~2 s each)
+                                              pytest.param("slow_loader", "1", marks=pytest.mark.slow),
+                                              pytest.param("slow_dataset", "auto", marks=pytest.mark.slow)])
 def test_profile_with_few_batches_says_it_cannot_judge_yet(tmp_path: Path, factory: str,
                                                            workers: str) -> None:
     _write_factories(tmp_path)

@@ -36,7 +36,10 @@ def start(script: Path, marker: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(320)
-@pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.py")))
+# The DDP script is a slow test (~5 s of gloo processes): tests/examples/test_ddp_train.py runs a
+# DDP job in the fast suite.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name.startswith("ddp") else [])
+                                  for name in sorted(p.name for p in SCRIPTS.glob("*.py"))])
 def test_a_torch_script_runs_with_torch_utils_data_replaced_by_pipeload(tmp_path: Path, name: str) -> None:
     original = SCRIPTS / name
     ours = tmp_path / name

@@ -342,6 +342,7 @@ class FailAt:
         return x * x
 
 
+@pytest.mark.slow  # an upstream failure's path runs fast in test_an_upstream_exception_arrives_after_the_items_before_it
 def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself(clean):
     # The checkpoint of a run that went well, resumed by a run that fails at an item the actor
     # makes again (and drops) on its way to the resume point.
@@ -360,6 +361,7 @@ def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself
     assert "making again the items before its resume point" in str(raised.value)
 
 
+@pytest.mark.slow  # checkpoints that do not fit: test_a_damaged_checkpoint_is_refused_naming_the_field runs fast
 def test_a_shard_that_ends_before_its_resume_point_says_the_state_does_not_fit(clean):
     from pipeload.errors import IncompatibleStateError
 

@@ -68,6 +68,7 @@ def test_a_dataset_class_defined_under_the_main_guard_is_named_with_where_and_wh
     assert "Define Numbers at the top level of the script or in a module of its own" in out
 
 
+@pytest.mark.slow  # ~4 s of spawned interpreters; the test above names the class in the fast suite
 def test_a_worker_that_exits_with_code_1_for_another_reason_blames_no_class(tmp_path):
     out = _run(tmp_path, top=NUMBERS.format(body="os._exit(1)"), guarded="")
     assert "exited unexpectedly with exit code 1" in out

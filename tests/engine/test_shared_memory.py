@@ -49,7 +49,7 @@ def expected_rows(batch_number: int, batch_size: int) -> list[float]:
     return [float(batch_number * batch_size + k) for k in range(batch_size)]
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(ECONOMIC_SPAWN,)))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(SPAWN, ECONOMIC_SPAWN)))
 @pytest.mark.timeout(90)
 def test_small_batches_travel_inside_the_message(engine):
     loader = DataLoader(MakesTensors(8), batch_size=4, num_workers=2, **loader_kwargs(engine))
@@ -58,7 +58,8 @@ def test_small_batches_travel_inside_the_message(engine):
     assert not any(in_shared_memory(b) for b in batches)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC))
+# spawn: slow tests (~1.5 s each); spawned workers' slabs run fast in tests/engine/test_slabs_outlive_workers.py
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, slow=(SPAWN,)))
 @pytest.mark.timeout(90)
 def test_large_batches_arrive_in_reused_slabs(engine):
     loader = DataLoader(MakesTensors(96, BIG), batch_size=4, num_workers=2, **loader_kwargs(engine))

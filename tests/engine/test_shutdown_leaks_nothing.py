@@ -139,7 +139,7 @@ def test_ctrl_c_stops_everything_at_once(tmp_path, whole_group, loader_mode, ctr
 
 @pytest.mark.parametrize(
     ("context", "loader_mode"),
-    [("thread", "classic"), ("thread", "economic"), pytest.param("spawn", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
+    [pytest.param("thread", "classic", marks=pytest.mark.slow), ("thread", "economic"), pytest.param("spawn", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      pytest.param("spawn", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
 def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises):

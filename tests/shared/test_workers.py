@@ -43,7 +43,9 @@ def _paths_and_labels(count: int) -> tuple[SharedSequence, SharedMapping]:
     return SharedSequence(paths), SharedMapping({path: i % 7 for i, path in enumerate(paths)})
 
 
-@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+# forkserver: a slow test (~1.4 s); spawn starts its workers the same way, from a pickle
+@pytest.mark.parametrize("engine", [pytest.param(engine, id=name, marks=[pytest.mark.slow] if name == "forkserver" else [])
+                                    for name, engine in ENGINES.items()])
 def test_workers_read_the_segments_the_main_process_built(engine: dict) -> None:
     paths, labels = _paths_and_labels(200)
     ours = memfd_names(os.getpid())
@@ -158,7 +160,7 @@ def test_a_slice_a_worker_returns_carries_its_items_not_the_whole_segment() -> N
     tokens.close()
 
 
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+@pytest.mark.parametrize("context", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])  # ~1.4 s each
 def test_a_program_a_worker_runs_does_not_inherit_the_segment(context: str) -> None:
     paths = SharedSequence(["a", "b"])
     loader = DataLoader(ShellsOut(paths), batch_size=None, num_workers=1, collate_fn=as_is,

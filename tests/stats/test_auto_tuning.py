@@ -182,6 +182,7 @@ def _as_lists(batches: list) -> list:
     return [[column.tolist() for column in batch] for batch in batches]
 
 
+@pytest.mark.slow  # ~5.5 s; per-batch values across worker counts and modes: test_resume_mid_epoch.py runs fast
 @pytest.mark.timeout(120)
 def test_per_batch_random_values_do_not_depend_on_the_pool_swaps(leak_guard) -> None:
     # A batch's seed is (base seed, epoch, batch number): the pools the tuner starts mid-epoch
