@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.autograd.profiler as _torch_profiler
 
+from pipeload.collate import collate, collates_as_shipped, default_collate, default_collate_fn_map
 from pipeload.engine import replica
 from pipeload.engine.item_seeds import ItemSeeds
 from pipeload.engine.lifecycle import release_free_heap
@@ -44,7 +45,6 @@ from pipeload.engine.worker_main import (
 )
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import now, profiling, span, tensor_bytes
-from pipeload.collate import collate, collates_as_shipped, default_collate, default_collate_fn_map
 from pipeload.transport import collate_output
 from pipeload.transport.item_columns import ItemColumns, collate_columns, place_as_columns
 from pipeload.transport.item_links import ItemLinks
@@ -52,6 +52,7 @@ from pipeload.transport.messages import (
     Command,
     Delivery,
     ItemDelivery,
+    ItemPlacement,
     ItemsDone,
     Report,
     SlabGrant,
@@ -404,16 +405,16 @@ class BatchWorkerLoop(WorkerLoop):
         self._send_batch(number, batch, indices, build_s, setup_s, time.monotonic())
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
-        collate, count = self._collation(gathering)
+        make_batch, count = self._collation(gathering)
         reseed(batch_seed(self._setup.base_seed, epoch, number), self._rng)
         clock = self._clock
         if clock is None:
-            return collate()
+            return make_batch()
         # A batch worker's samples: those it collated. Only a sampled batch is timed.
         if not clock.timing and not _torch_profiler._is_profiler_enabled:
             clock.untimed_samples += count
-            return collate()
-        return _timed_collate(collate, count, clock)
+            return make_batch()
+        return _timed_collate(make_batch, count, clock)
 
     def _collation(self, gathering: _Gathering) -> tuple[Callable[[], Any], int]:
         """What collates the gathered batch (a call), and how many samples it holds."""
@@ -448,15 +449,25 @@ def _samples_of(groups: list[tuple[int, list[Any] | ItemColumns]], gathering: _G
     samples: list[Any] = []
     for slot, piece in groups:
         if isinstance(piece, ItemColumns):
-            writer, grant = collate_output.current_writer(), gathering.grant
-            slab = writer.view(grant.slab_id) if writer is not None and grant is not None else None
-            if slab is None or grant.items is None:  # type: ignore[union-attr]
-                raise RuntimeError("items written into a slab arrived without that slab granted "
-                                   "for their batch")
-            samples += piece.samples(slab, grant.items, slot)  # type: ignore[union-attr]
+            slab, items = _item_area(gathering)
+            samples += piece.samples(slab, items, slot)
         else:
             samples += piece
     return samples
+
+
+def _item_area(gathering: _Gathering) -> tuple[memoryview, ItemPlacement]:
+    """The batch's slab, as this batch worker maps it, and where its items are laid out.
+
+    Raises:
+        RuntimeError: the batch has no such slab here (items were written into a slab that its
+            grant does not name: a bug, said rather than read from the wrong place).
+    """
+    writer, grant = collate_output.current_writer(), gathering.grant
+    slab = writer.view(grant.slab_id) if writer is not None and grant is not None else None
+    if slab is None or grant is None or grant.items is None:
+        raise RuntimeError("items written into a slab arrived without that slab granted for their batch")
+    return slab, grant.items
 
 
 def _timed_collate(make_batch: Callable[[], Any], count: int, clock: StageClock) -> Any:
