@@ -83,7 +83,9 @@ def drain(queue: DataLoaderQueue) -> tuple[list, QueueError]:
 # -- between two processes ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+# forkserver: a slow test (~1.5 s); it sends the queue as spawn does, from a pickle
+@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m == "forkserver" else [])
+                                    for m in START_METHODS])
 def test_a_process_queue_travels_to_a_process_under_every_start_method(method: str) -> None:
     queue = DataLoaderQueue(kind="process", maxsize=3)
     child = multiprocessing.get_context(method).Process(target=put_range, args=(queue, 40))

@@ -193,7 +193,7 @@ def take_and_check(queue: DataLoaderQueue, count: int, verdict: DataLoaderQueue)
         verdict.close()
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: ~2 s
 def test_a_queue_made_by_hand_carries_large_tensors_in_slabs_it_frees_when_closed(method: str) -> None:
     before = our_mappings()
     queue = DataLoaderQueue(kind="process", maxsize=4)

@@ -153,7 +153,7 @@ class QIteratableDataPipe(datapipes.iter.NonBlockingIterDataPipe):
         return value
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: ~2 s
 def test_a_pipe_served_from_another_process_by_request_and_response(method: str) -> None:
     source_datapipe = datapipes.iter.IterableWrapper(range(20)).map(double)
     req_queue = DataLoaderQueue(kind="process", maxsize=2)

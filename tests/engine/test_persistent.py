@@ -51,7 +51,7 @@ def _identity(iterator) -> list:
     return [h.pid for h in handles] if handles and handles[0].pid != os.getpid() else list(handles)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_THREAD))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_THREAD, slow=(SPAWN,)))
 @pytest.mark.timeout(90)
 def test_same_workers_serve_every_epoch(engine, leak_guard):
     loader = _persistent(Numbers(10), engine)

@@ -148,7 +148,9 @@ def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises
 
 @pytest.mark.parametrize(
     ("context", "mode", "loader_mode"),
-    [("fork", "busy", "classic"), ("fork", "idle", "classic"), ("fork", "busy", "economic"),
+    # idle classic and busy economic: slow tests (~1.3 s each); the other two run fast
+    [("fork", "busy", "classic"), pytest.param("fork", "idle", "classic", marks=pytest.mark.slow),
+     pytest.param("fork", "busy", "economic", marks=pytest.mark.slow),
      ("fork", "idle", "economic"), pytest.param("spawn", "busy", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
 )
@@ -322,7 +324,7 @@ def test_user_error_inside_the_loop_stops_the_workers(engine, leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(ECONOMIC_SPAWN,)))
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, ECONOMIC, ECONOMIC_SPAWN, slow=(SPAWN, ECONOMIC_SPAWN)))
 @pytest.mark.timeout(90)
 def test_dropping_an_iterator_mid_epoch(engine, leak_guard):
     loader = DataLoader(Numbers(64), batch_size=2, num_workers=2, **loader_kwargs(engine))

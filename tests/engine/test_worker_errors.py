@@ -55,7 +55,9 @@ def _assert_workers_gone(engine: tuple, pids: list[int], leak_guard) -> None:
         leak_guard.assert_exited(pids, within_s=1.0)
 
 
-@pytest.mark.parametrize("engine", ALL)
+# spawn: a slow test (~1.5 s); spawned workers' errors run fast in test_worker_init_fn_error_is_raised_with_its_type
+@pytest.mark.parametrize("engine", engine_params(FORK, SPAWN, THREAD, ECONOMIC, ECONOMIC_SPAWN, ECONOMIC_THREAD,
+                                                 slow=(SPAWN, ECONOMIC_SPAWN)))
 def test_getitem_error_keeps_type_worker_message_traceback_and_indices(engine, leak_guard):
     # batch_size=4 and 2 workers: indices 4..7 form batch 1, which round-robin gives worker 1.
     # Economic mode: whichever item worker was free fetched index 6; it is named, and the index.
