@@ -184,7 +184,7 @@ def reseed(seed: int, rng: WorkerRNG | None) -> None:
         # much per item); workers draw from the CPU generator.
         random.seed(seed)
         torch.default_generator.manual_seed(seed)
-        np.random.seed(seed & _MASK32)  # numpy_seed_of, inline: this runs for every item
+        np.random.seed(numpy_seed_of(seed))
         return
     rng.random_generator.seed(seed)
     rng.torch_generator.manual_seed(seed)

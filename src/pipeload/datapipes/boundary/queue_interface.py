@@ -46,8 +46,8 @@ __all__ = [
     "NotAvailable",
     "Producer",
     "QueueError",
-    "check_maxsize",
     "check_blocking",
+    "check_maxsize",
     "check_timeout",
 ]
 

@@ -25,8 +25,8 @@ from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
     DataLoaderQueue,
     QueueError,
-    check_maxsize,
     check_blocking,
+    check_maxsize,
     check_timeout,
 )
 from pipeload.datapipes.boundary.ray_pipe import check_ray_arguments
