@@ -1,5 +1,6 @@
 """Economic mode's own promises: items go item worker -> batch worker, never through the main
-process; at most ``prefetch_factor`` batches in flight whatever ``num_workers`` is; the first batch
+process (flat samples written into their batch's slab: the main process names their runs, and
+batch workers collate only what is not so); at most ``prefetch_factor`` batches in flight whatever ``num_workers`` is; the first batch
 is built by many item workers; ``get_worker_info()`` says which kind of worker asks; the same seed
 gives the same batches whatever the timing and the worker count; a failed item fails only its
 batch; dead item or batch workers are named; ``__getitems__`` gets sub-batches.
@@ -213,6 +214,60 @@ def test_flat_samples_sent_as_columns_give_torchs_batches(kind: str) -> None:
     assert len(got) == len(expected)  # the last batch holds 4
     for number, (ours, theirs) in enumerate(zip(got, expected)):
         assert _same_typed(ours, theirs), f"batch {number} differs"
+
+
+def _batch_worker_tasks(loader: DataLoader) -> int:
+    return sum(worker.tasks for worker in loader.stats().workers if worker.kind == "batch")
+
+
+def _same_batches_as_torchs(dataset: torch.utils.data.Dataset) -> int:
+    """Loads ``dataset`` in economic mode, checks its batches against torch's loader; returns
+    how many batches the batch workers collated."""
+    expected = list(torch.utils.data.DataLoader(dataset, batch_size=8))
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", stats=True)
+    got = list(loader)
+    assert len(got) == len(expected)
+    assert all(_same_typed(ours, theirs) for ours, theirs in zip(got, expected))
+    return _batch_worker_tasks(loader)
+
+
+def test_flat_batches_laid_out_in_slabs_are_assembled_by_the_main_process() -> None:
+    # of 6 batches, the first or two are laid out before the items' sizes are known: a batch
+    # worker's; the rest, the main process's
+    assert _same_batches_as_torchs(_FlatSamples("dict")) <= 2
+
+
+class _FailsAt21(_FlatSamples):
+    def __getitem__(self, index: int) -> Any:
+        if index == 21:
+            raise KeyError(f"no item {index}")
+        return super().__getitem__(index)
+
+
+def test_a_failed_item_of_a_direct_batch_fails_that_batch_alone_as_torchs_loader_does() -> None:
+    loader = DataLoader(_FailsAt21("tuple"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", stats=True)
+    iterator = iter(loader)
+    got = [next(iterator), next(iterator)]
+    with pytest.raises(KeyError, match=r"Caught KeyError in DataLoader worker process \d"):
+        next(iterator)  # batch 2 holds item 21
+    got += list(iterator)
+    expected = list(torch.utils.data.DataLoader(_FlatSamples("tuple"), batch_size=8))
+    assert [batch[5].tolist() for batch in got] == [expected[n][5].tolist() for n in (0, 1, 3, 4, 5)]
+    assert _batch_worker_tasks(loader) <= 2  # the failed batch too was the main process's
+
+
+class _WithArrays(_FlatSamples):
+    """As _FlatSamples, with a numpy field: no longer flat (default_collate turns arrays into
+    tensors, which item workers leave to the batch workers)."""
+
+    def __getitem__(self, index: int) -> Any:
+        return {**super().__getitem__(index), "extra": np.full(3, index)}
+
+
+def test_samples_that_are_not_flat_are_collated_by_batch_workers() -> None:
+    assert _same_batches_as_torchs(_WithArrays("dict")) == 6
 
 
 class _SubBatches(Numbers):

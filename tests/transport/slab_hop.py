@@ -48,6 +48,28 @@ class SlabHop:
         return (dataclasses.replace(batch_grant, items=placement),
                 lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
 
+    def direct_grants(self, token: int, count: int, item_bytes: tuple[int, ...] = (LEAF * 4,)):
+        """As ``grants`` for a batch the main process assembles: the slab granted to no producer
+        (engine/direct_batches.py), shared with the item worker; (placement, item grant)."""
+        placement = item_placement(item_bytes, count, 1 << 30)
+        self.pool.observe_batch(placement.area_bytes)
+        grant = self.pool.grant(None, token)
+        placement = item_placement(item_bytes, count, self.pool.granted_size(token))
+        share, _ = self.pool.share_grant(token, 0)
+        self.item_main.send_controls()
+        return (dataclasses.replace(grant, items=placement),
+                lambda first: dataclasses.replace(share, items=dataclasses.replace(placement, first_item=first)))
+
+    def place_for_main(self, grant, items: list, first: int = 0) -> Any:
+        """What an item worker keeps for the main process of ``items`` (a direct piece's group):
+        an ``ItemColumns``, its tensors written at their places, or the samples."""
+        self.item.prepare(grant)
+        self.item.writer.place_items(first=first)
+        columns = place_as_columns(items, self.item.writer)
+        self.item.writer.finish()
+        self.item.prepare(None)
+        return items if columns is None else columns
+
     def hand_over(self, grant, items: list, first: int = 0) -> list:
         """Send ``items``, the piece's from its ``first``-th on, as one message."""
         self.item.prepare(grant)

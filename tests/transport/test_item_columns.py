@@ -13,7 +13,7 @@ import torch
 from slab_hop import LEAF, SlabHop
 
 from pipeload.collate import collate, default_collate, default_collate_fn_map
-from pipeload.transport.item_columns import ItemColumns, collate_columns
+from pipeload.transport.item_columns import ItemColumns, collate_columns, writer_runs
 from pipeload.transport.messages import GrantOutcome
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(30)]
@@ -65,7 +65,7 @@ def test_a_batch_sent_as_columns_is_default_collates_batch_viewing_the_slab(case
         assert all(isinstance(group, ItemColumns) for group in groups)
         assert hop.item.writer.last_large_sizes == list(item_bytes) * 3  # what ITEMS_DONE reports
         hop.batch.prepare(batch_grant)
-        batch = collate_columns(groups, hop.batch.writer, _field)
+        batch = collate_columns(groups, writer_runs(hop.batch.writer), _field)
         expected = default_collate([make(v) for v in range(5)])
         _assert_same_batch(batch, expected)
         storage = hop.batch.writer.slab_storage()
@@ -135,6 +135,6 @@ def test_groups_laid_out_differently_are_not_collated_as_columns() -> None:
         first = hop.hand_over_as_columns(item_grant(0), [(torch.ones(LEAF), 1)])
         second = hop.hand_over_as_columns(item_grant(1), [(torch.ones(LEAF), "one")])
         hop.batch.prepare(batch_grant)
-        assert collate_columns([first, second], hop.batch.writer, _field) is None
+        assert collate_columns([first, second], writer_runs(hop.batch.writer), _field) is None
     finally:
         hop.close()

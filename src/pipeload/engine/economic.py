@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.collate import default_collate
+from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine.budget import POOL_TOLERATED_WAIT, InFlightBudget, PoolBuildClock, shm_budget_bytes
+from pipeload.engine.direct_batches import DirectBatch, DirectBatches
 from pipeload.engine.economic_workers import (
     BATCH,
     ITEM,
@@ -47,6 +48,7 @@ from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
 from pipeload.transport.slab_keeper import SlabKeeper
 from pipeload.transport.messages import (
     Command,
+    GrantOutcome,
     ItemPlacement,
     ItemRoute,
     Report,
@@ -217,6 +219,7 @@ class EconomicEngine:
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
+        self._direct = DirectBatches()
         self._reset_epoch_state(TaskSupply())
 
     @property
@@ -276,6 +279,9 @@ class EconomicEngine:
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
+        # Batches the main process assembles (see direct_batches.py); whether the session still
+        # makes them outlives the epoch.
+        self._direct = DirectBatches(self._direct.refused)
         self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
         self._build_clock = PoolBuildClock()
         # The batch number at which the stats look at the queue next (see _hand_over), as the
@@ -327,8 +333,14 @@ class EconomicEngine:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
             self._heard_items = True
-            if report.payload.item_bytes is not None:
-                self._item_bytes = report.payload.item_bytes
+            done = report.payload
+            if done.item_bytes is not None:
+                self._item_bytes = done.item_bytes
+            self._direct.learn(done)
+            if done.groups is not None:
+                assembled = self._direct.add(report.batch_number, done, self._workers.slabs)
+                if assembled is not None:
+                    self._record(assembled)
         elif report.report in (Report.BATCH, Report.FAILED):
             self._placements.pop(report.batch_number, None)
             # The worker's own time (one clock machine-wide): a report read only when the
@@ -377,8 +389,10 @@ class EconomicEngine:
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)
 
-    def _send_collate(self, number: int) -> None:
-        """Tell a batch worker what batch ``number`` holds, with the slab to collate it into.
+    def _send_collate(self, number: int, may_go_direct: bool = False) -> None:
+        """Tell a batch worker what batch ``number`` holds, with the slab to collate it into; or,
+        for a direct batch (``may_go_direct``: none of its pieces has gone out yet), keep that
+        for the main process to assemble it (direct_batches.py).
 
         Sent just before the batch's first piece, not when the batch opens: by then the first
         items of the epoch may have told us their size, so the items of all but the first batch
@@ -393,15 +407,40 @@ class EconomicEngine:
             placing = area is not None and area.area_bytes > INLINE_MAX_BYTES
         if placing:  # size the slab for the items before the first batch worker's answer does
             slabs.observe_batch(area.area_bytes)
-        grant = slabs.grant(slot, number) if slabs is not None else None
-        if grant is not None and placing:
-            placement = item_placement(self._item_bytes, len(indices), slabs.granted_size(number))
-            if placement is not None:
-                grant = SlabGrant(grant.slab_id, grant.releases, grant.controls, placement)
-                self._placements[number] = placement
+        if placing and may_go_direct and self._may_go_direct():
+            # No batch worker will write into it: the slab is announced to item workers alone.
+            grant = self._placed_grant(number, None, len(indices))
+            if grant is not None and grant.items is not None:
+                self._direct.open(number, DirectBatch(batch_worker, indices, grant.slab_id, grant.items))
+                del self._to_collate[number]
+                return
+            slabs.settle(number, GrantOutcome.UNUSED)  # it did not fit: a batch worker's grant
+            self._placements.pop(number, None)
+        grant = None
+        if slabs is not None:
+            grant = self._placed_grant(number, slot, len(indices)) if placing else slabs.grant(slot, number)
         collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
         self._workers.send(slot, collate)
         del self._to_collate[number]
+
+    def _placed_grant(self, number: int, producer: int | None, count: int) -> SlabGrant | None:
+        """A slab for batch ``number``, granted to ``producer`` (None: the main process), with
+        the place of each of its ``count`` items in it when they fit."""
+        slabs = self._workers.slabs
+        grant = slabs.grant(producer, number)
+        if grant is None:
+            return None
+        placement = item_placement(self._item_bytes, count, slabs.granted_size(number))
+        if placement is None:
+            return grant
+        self._placements[number] = placement
+        return SlabGrant(grant.slab_id, grant.releases, grant.controls, placement)
+
+    def _may_go_direct(self) -> bool:
+        """Whether the main process may assemble batches now (direct_batches.py): no piece has
+        come as samples, and ``default_collate`` (not extended by the user) would only name the
+        items' runs. Read at each batch: the map can change between epochs."""
+        return not self._direct.refused and collates_as_shipped()
 
     def _send_pieces(self) -> None:
         # Until the first piece of the session is reported, item sizes are unknown: each item
@@ -413,8 +452,9 @@ class EconomicEngine:
             try:
                 number = piece.batch_number
                 if number in self._to_collate and (not learning or self._scheduler.last_of(number)):
-                    self._send_collate(number)
-                route = ItemRoute(piece.batch_worker, piece.slot, piece.position)
+                    # Direct only if none of its pieces has gone to the batch worker yet.
+                    self._send_collate(number, may_go_direct=piece.slot == 0)
+                route = ItemRoute(piece.batch_worker, piece.slot, piece.position, number in self._direct)
                 fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
                                       epoch=self._epoch, route=route, grant=self._item_grant(piece))
                 self._workers.send(piece.item_worker, fetch)

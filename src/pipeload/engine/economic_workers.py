@@ -46,11 +46,12 @@ from pipeload.engine.worker_main import (
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import now, profiling, span, tensor_bytes
 from pipeload.transport import collate_output
-from pipeload.transport.item_columns import ItemColumns, collate_columns, place_as_columns
+from pipeload.transport.item_columns import ItemColumns, collate_columns, place_as_columns, writer_runs
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
     Delivery,
+    GrantOutcome,
     ItemDelivery,
     ItemPlacement,
     ItemsDone,
@@ -117,32 +118,86 @@ class ItemWorkerLoop(WorkerLoop):
                 clock.start_timed()
                 timing = True
         sizes: list[int] | None = []
+        direct = route.direct and getattr(self._outbox, "writer", None) is not None
+        kept = _KeptForMain() if direct else None
+        as_columns = True if command.grant is not None else None
         for delivery in self._deliveries_of(command, timing):
             started = now() if timing else 0.0
-            handed = self._hand_over(route.batch_worker, delivery, command)
+            if kept is not None:
+                delivery, handed, refused = self._place_for_main(delivery, command, kept)
+            else:
+                delivery, handed, refused = self._hand_over(route.batch_worker, delivery, command)
             if timing:
                 clock.sent(started)  # type: ignore[union-attr]
             # A piece that failed (or was not all handed over) lays out no whole item: no sizes.
             sizes = self._sizes_sent(sizes) if handed else None
+            # Items kept out of a slab that was not free, or that failed, say nothing of their shape.
+            as_columns = as_columns and (refused or isinstance(delivery.payload, (ItemColumns, RemoteFailure)))
             # The item's memory goes with the message, before the next item is fetched: the
             # next one reuses it, and a worker holds one item of its own, not a whole piece.
             del delivery
-        done = self._items_done(len(command.indices), sizes)
-        self._report(Report.ITEMS_DONE, command.batch_number, done)
+        done = self._items_done(len(command.indices), sizes, as_columns)
+        if kept is None:
+            self._report(Report.ITEMS_DONE, command.batch_number, done)
+        else:
+            self._report_to_assembler(command, done, kept)
+
+    def _place_for_main(self, delivery: ItemDelivery, command: WorkerCommand,
+                        kept: _KeptForMain) -> tuple[ItemDelivery, bool, bool]:
+        """A group of a batch the main process assembles (``ItemRoute.direct``): its tensors
+        written at their places as columns, or, when they cannot go so, the samples as they are
+        (they travel with the report, in memory of their own); kept for the report either way.
+        Returns the group as kept, whether its items went to their places, and whether the
+        slab refused them (see ``SlabWriter.slab_refused``)."""
+        if delivery.delivery is not Delivery.ITEMS:
+            kept.add(delivery)
+            return delivery, False, False
+        outbox, writer = self._outbox, self._outbox.writer
+        outbox.prepare(command.grant)
+        writer.place_items(first=delivery.slot - command.route.slot)
+        try:
+            columns = place_as_columns(delivery.payload, writer) if writer.placing else None
+        finally:
+            outcome = writer.finish()[1]  # a message of its own, never sent: the report says it
+            outbox.prepare(None)
+        if columns is not None:
+            delivery = dataclasses.replace(delivery, payload=columns)
+        kept.add(delivery, outcome)
+        return delivery, columns is not None, outcome in (GrantOutcome.BUSY, GrantOutcome.LATE)
+
+    def _report_to_assembler(self, command: WorkerCommand, done: ItemsDone, kept: _KeptForMain) -> None:
+        """``ITEMS_DONE`` with the groups of a direct piece; samples that cannot be sent become
+        the failure of their items, as a hand-over to a batch worker does."""
+        report = dataclasses.replace(done, groups=tuple(kept.groups), outcome=kept.outcome)
+        try:
+            self._report(Report.ITEMS_DONE, command.batch_number, report)
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
+            self._outbox.prepare(None)
+            offset = command.route.slot
+            groups = tuple(
+                (slot, count, payload if isinstance(payload, (ItemColumns, RemoteFailure)) else
+                 describe_failure(self._id, ITEM, "handing items to the main process",
+                                  self._named(command.indices[slot - offset:slot - offset + count]), exc))
+                for slot, count, payload in kept.groups)
+            self._report(Report.ITEMS_DONE, command.batch_number,
+                         dataclasses.replace(report, groups=groups))
 
     def _sizes_sent(self, sizes: list[int] | None) -> list[int] | None:
         """``sizes`` with the large storage sizes of the message just sent (None: no writer)."""
         writer = getattr(self._outbox, "writer", None)
         return None if writer is None or sizes is None else sizes + writer.last_large_sizes
 
-    def _items_done(self, count: int, sizes: list[int] | None) -> ItemsDone:
+    def _items_done(self, count: int, sizes: list[int] | None, as_columns: bool | None = None) -> ItemsDone:
         """The report's payload; says the items' sizes when they are new (see ItemPlacement).
-        ``sizes``: the piece's large storage sizes, in codec order (None: not known)."""
+        ``sizes``: the piece's large storage sizes, in codec order (None: not known);
+        ``as_columns``: see ``ItemsDone``."""
         sizes = None if sizes is None else _item_bytes(sizes, count)
         if sizes is None or sizes == self._said_item_bytes:
-            return ItemsDone(count)
+            return ItemsDone(count, None, as_columns)
         self._said_item_bytes = sizes
-        return ItemsDone(count, sizes)
+        return ItemsDone(count, sizes, as_columns)
 
     def _deliveries_of(self, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
         """The piece's items as deliveries: consecutive items gathered up to the outbox's
@@ -235,14 +290,16 @@ class ItemWorkerLoop(WorkerLoop):
         """How messages name these indices: without batching, the single index, as classic does."""
         return indices if self._setup.fetch.auto_collation else indices[0]
 
-    def _hand_over(self, batch_worker: int, delivery: ItemDelivery, command: WorkerCommand) -> bool:
+    def _hand_over(self, batch_worker: int, delivery: ItemDelivery,
+                   command: WorkerCommand) -> tuple[ItemDelivery, bool, bool]:
         """Send ``delivery``, all or part of ``command``'s piece, to ``batch_worker``. Returns
-        whether items went (not a failure, in place of them or of ``delivery``'s own)."""
+        it as sent (its items as columns or as samples), whether items went (not a failure, in
+        place of them or of ``delivery``'s own), and whether its slab refused them."""
         offset = delivery.slot - command.route.slot  # of its first item, inside the piece
         # Process workers place the items with their result channel's slab writer: the grant (a
         # share of the batch's slab) came on that channel, and its slabs are mapped there.
         writer = getattr(self._outbox, "writer", None)
-        placing = False
+        placing = refused = False
         if writer is not None:
             placing = command.grant is not None and delivery.delivery is Delivery.ITEMS
             self._outbox.prepare(command.grant if placing else None)
@@ -254,9 +311,10 @@ class ItemWorkerLoop(WorkerLoop):
                 columns = place_as_columns(delivery.payload, writer)
                 if columns is not None:
                     delivery = dataclasses.replace(delivery, payload=columns)
+                refused = writer.slab_refused
             self._deliveries.send(batch_worker, delivery, writer)
         except (BrokenPipeError, ConnectionResetError):
-            return False  # that batch worker is gone; the main process sees it exit and says so
+            return delivery, False, refused  # that batch worker is gone: the main process says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
             stage = f"handing items to batch worker {batch_worker}"
             sent = command.indices[offset:offset + delivery.count]
@@ -267,8 +325,8 @@ class ItemWorkerLoop(WorkerLoop):
                 self._deliveries.send(batch_worker, _failed(delivery, failure), writer)
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            return False
-        return delivery.delivery is Delivery.ITEMS
+            return delivery, False, refused
+        return delivery, delivery.delivery is Delivery.ITEMS, refused
 
 
 def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
@@ -281,6 +339,19 @@ def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
     if any(tuple(sizes[i:i + per_item]) != first for i in range(per_item, len(sizes), per_item)):
         return None
     return first
+
+
+class _KeptForMain:
+    """What a direct piece's groups were, for its ``ITEMS_DONE`` (see ``ItemsDone.groups``)."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, int, Any]] = []
+        self.outcome = GrantOutcome.USED
+
+    def add(self, delivery: ItemDelivery, outcome: GrantOutcome = GrantOutcome.USED) -> None:
+        self.groups.append((delivery.slot, delivery.count, delivery.payload))
+        if outcome in (GrantOutcome.BUSY, GrantOutcome.LATE):
+            self.outcome = outcome
 
 
 def _group(piece: ItemDelivery, slot: int, samples: list[Any]) -> ItemDelivery:
@@ -434,7 +505,7 @@ class BatchWorkerLoop(WorkerLoop):
         columns = [piece for _, piece in groups]
 
         def by_columns() -> Any:
-            batch = collate_columns(columns, writer, _collate_field)
+            batch = collate_columns(columns, writer_runs(writer), _collate_field)
             return batch if batch is not None else as_samples()
         return by_columns, count
 

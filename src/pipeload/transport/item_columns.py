@@ -36,6 +36,9 @@ class TensorField:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    def __reduce__(self) -> Any:  # one call to rebuild, not a dict of state (a report a piece)
+        return (TensorField, (self.dtype, self.shape))
+
 
 # A field's description: a TensorField, or the exact type of a scalar field (int, float, ...).
 Field = TensorField | type
@@ -59,6 +62,9 @@ class ItemColumns:
     fields: tuple[Field, ...]
     values: tuple[list[Any] | None, ...]
     count: int
+
+    def __reduce__(self) -> Any:  # as TensorField's
+        return (ItemColumns, (self.kind, self.keys, self.fields, self.values, self.count))
 
     @property
     def layout(self) -> tuple[Any, ...]:
@@ -120,27 +126,30 @@ def place_as_columns(samples: Sequence[Any], writer: SlabWriter) -> ItemColumns 
     return None
 
 
-def collate_columns(groups: Sequence[ItemColumns], writer: SlabWriter,
+# Where a batch's tensor field comes from: (leaf, item count, field) -> the view of its run, or
+# None when it has none (the batch is then collated as samples).
+TensorRuns = Callable[[int, int, TensorField], "torch.Tensor | None"]
+
+
+def collate_columns(groups: Sequence[ItemColumns], tensor_run: TensorRuns,
                     collate_field: Callable[[Sequence[Any]], Any]) -> Any:
     """The batch of ``groups`` (every item of it, in slot order), as ``default_collate`` makes
-    it: each tensor field a view of its run in the writer's slab, each other field given to
-    ``collate_field`` (default_collate's handlers) as ``default_collate`` gives it. None when
-    the groups' layouts differ, or a run cannot be claimed: collate them as samples then."""
+    it: each tensor field the view ``tensor_run`` gives of its run in the batch's slab
+    (``writer_runs``, ``lease_runs``), each other field given to ``collate_field``
+    (default_collate's handlers) as ``default_collate`` gives it. None when the groups' layouts
+    differ, or a run cannot be had: collate them as samples then."""
     first = groups[0]
     if any(group.layout != first.layout for group in groups):
         return None
     count = sum(group.count for group in groups)
-    storage = writer.slab_storage()
-    if storage is None:
-        return None
     collated: list[Any] = []
     leaf = 0
     for position, field in enumerate(first.fields):
         if isinstance(field, TensorField):
-            offset = writer.claim_run(leaf, count)
-            if offset is None:
+            run = tensor_run(leaf, count, field)
+            if run is None:
                 return None
-            collated.append(_view(storage, offset, field.dtype, (count, *field.shape)))
+            collated.append(run)
             leaf += 1
             continue
         column = [value for group in groups for value in group.values[position]]  # type: ignore[union-attr]
@@ -151,6 +160,39 @@ def collate_columns(groups: Sequence[ItemColumns], writer: SlabWriter,
     if first.kind == DICT:
         return dict(zip(first.keys, collated))  # type: ignore[arg-type]
     return collated  # a tuple's batch is a list, as torch's; a list's too
+
+
+def writer_runs(writer: SlabWriter) -> TensorRuns:
+    """A batch worker's runs: claimed in the slab its writer was granted for the batch, so that
+    the batch's message refers to them."""
+    storage = writer.slab_storage()
+
+    def run(leaf: int, count: int, field: TensorField) -> torch.Tensor | None:
+        offset = None if storage is None else writer.claim_run(leaf, count)
+        return None if offset is None else _view(storage, offset, field.dtype, (count, *field.shape))  # type: ignore[arg-type]
+    return run
+
+
+def lease_runs(lease: memoryview, items: ItemPlacement) -> TensorRuns:
+    """The main process's runs (engine/direct_batches.py): over ``lease``, its view of the
+    batch's slab, laid out by ``items``; each run a storage of its own bytes, as a batch
+    decoded from a slab gets."""
+
+    def run(leaf: int, count: int, field: TensorField) -> torch.Tensor | None:
+        if leaf >= len(items.leaf_offsets):
+            return None
+        start, size = items.leaf_offsets[leaf], items.leaf_bytes[leaf]
+        if size != _nbytes(field) or start + count * size > min(items.area_bytes, len(lease)):
+            return None
+        return torch.frombuffer(lease[start:start + count * size], dtype=field.dtype).view(count, *field.shape)
+    return run
+
+
+def _nbytes(field: TensorField) -> int:
+    count = 1
+    for size in field.shape:
+        count *= size
+    return count * field.dtype.itemsize
 
 
 def _layout_of(sample: Any) -> tuple[str, tuple[str, ...] | None, tuple[Field, ...]] | None:

@@ -52,14 +52,18 @@ class ItemRoute:
         slot: the position of the piece's first item inside its batch.
         position: the position of the piece's first item in the epoch's sample stream; the
             item's random seed derives from it (see ``worker_info.item_seed``).
+        direct: the main process assembles this batch itself (engine/direct_batches.py): the
+            items go into the batch's slab and their description back with ``ITEMS_DONE``, not
+            to a batch worker.
     """
 
     batch_worker: int
     slot: int
     position: int
+    direct: bool = False
 
     def __reduce__(self) -> Any:
-        return (ItemRoute, (self.batch_worker, self.slot, self.position))
+        return (ItemRoute, (self.batch_worker, self.slot, self.position, self.direct))
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,13 +241,24 @@ class ItemsDone:
         item_bytes: the sizes of one item's large tensors, in the order the codec met them,
             when every item of the piece had the same ones (None otherwise, or unchanged since
             this worker last said): the main process lays out later batches' slabs from it.
+        as_columns: for a piece given a place in its batch's slab, whether every item of it
+            went there as columns (``transport/item_columns.py``); None for a piece without one.
+        groups: for a piece of a batch the main process assembles (``ItemRoute.direct``), what
+            it holds, in slot order: ``(slot, count, payload)`` with an ``ItemColumns`` (the
+            tensors already at their places), a list of samples (items that could not go as
+            columns), or a ``RemoteFailure`` standing for ``count`` items from ``slot`` on.
+        outcome: what became of the slab for a direct piece's items (``GrantOutcome``: USED,
+            or BUSY/LATE when the slab could not be written and the items came as samples).
     """
 
     count: int
     item_bytes: tuple[int, ...] | None = None
+    as_columns: bool | None = None
+    groups: tuple[tuple[int, int, Any], ...] | None = None
+    outcome: GrantOutcome | None = None
 
     def __reduce__(self) -> Any:
-        return (ItemsDone, (self.count, self.item_bytes))
+        return (ItemsDone, (self.count, self.item_bytes, self.as_columns, self.groups, self.outcome))
 
 
 class SlabControlKind(enum.IntEnum):

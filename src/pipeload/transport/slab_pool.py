@@ -195,8 +195,10 @@ class SlabPool:
 
     # -- granting ------------------------------------------------------------------------
 
-    def grant(self, producer: int, token: int) -> SlabGrant | None:
-        """A slab for the message ``token`` that ``producer`` builds next, or None (fresh memory)."""
+    def grant(self, producer: int | None, token: int) -> SlabGrant | None:
+        """A slab for the message ``token`` that ``producer`` builds next, or None (fresh memory).
+        ``producer`` None: the consumer builds it itself from what producers write into the slab
+        by ``share_grant`` (economic mode's direct batches); nobody is announced the slab here."""
         if self._closed or self._wanted_size == 0:
             return None
         self._retire_surplus()
@@ -208,6 +210,8 @@ class SlabPool:
         slab.granted_producer = producer
         slab.granted_releases = releases
         self._grants[token] = slab
+        if producer is None:
+            return SlabGrant(slab.slab_id, releases, 0)
         if producer not in slab.mapped_by:
             self._announce(producer, slab)
         return SlabGrant(slab.slab_id, releases, self._controls.sent(producer))
@@ -241,7 +245,7 @@ class SlabPool:
             return False
         return not self._about_to_be_released(peek=True)  # (the latest's counts: its wait is short)
 
-    def _choose(self, producer: int) -> tuple[SlabRecord | None, int]:
+    def _choose(self, producer: int | None) -> tuple[SlabRecord | None, int]:
         """The slab for ``producer``'s next message, and the board count it must wait for.
 
         A slab the producer has mapped already costs it nothing; any other costs it a mapping (a

@@ -410,6 +410,12 @@ class SlabWriter:
         self.setup_s += time.perf_counter() - started
         return storage
 
+    @property
+    def slab_refused(self) -> bool:
+        """Whether this message found its slab not writable (still viewed, or not released in
+        time): what it could not place went elsewhere for that reason, not for its shape."""
+        return self._outcome in (GrantOutcome.BUSY, GrantOutcome.LATE)
+
     def finish(self) -> tuple[int, GrantOutcome]:
         """End the message; returns the bytes it put in shared memory and what became of its grant."""
         used = self.used_bytes if self._outcome is GrantOutcome.USED else 0

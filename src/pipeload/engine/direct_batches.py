@@ -1,0 +1,151 @@
+"""Economic batches the main process assembles itself, without a batch worker.
+
+Once the items' layout is known, item workers write each flat sample's tensors at their places in
+the batch's slab (transport/item_columns.py). ``default_collate`` then has nothing left to do but
+name each field's run of the slab: sending the pieces to a batch worker, waking it for each, and
+having it send the batch back costs the machine more than the naming (on ``pipeload bench``'s
+small JPEGs a batch worker spent 1.5 ms of CPU a batch on it, and the main process handled two
+more messages). So when the loader collates with ``default_collate`` (unextended), a batch laid
+out in a slab is "direct": its item workers report their pieces' columns to the main process with
+``ITEMS_DONE``, and the main process makes the batch from them here, as the batch worker would
+have: the same tensors over the same bytes, each a storage of its own region (the slab released
+when the last of them dies), the other fields collated by ``default_collate``'s own handlers.
+
+Items that do not come as columns (a sample unlike the others, a slab that could not be written
+in time) come with the report as samples, and the batch is then ``default_collate``'d here from
+them: correct, but a copy in the main process; the engine stops making batches direct after the
+first such piece (see ``DirectBatches.refused``). Batch workers still collate the session's first
+batch (laid out before the items' sizes are known) and every batch of a loader that is not direct.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeload.collate import collate, default_collate, default_collate_fn_map
+from pipeload.errors import RemoteFailure
+from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs
+from pipeload.transport.messages import GrantOutcome, ItemPlacement, ItemsDone, Report, WorkerReport
+from pipeload.transport.slab_pool import SlabPool
+
+
+@dataclass
+class DirectBatch:
+    """One direct batch being gathered: where its items go, and the groups reported so far.
+
+    Attributes:
+        batch_worker: the batch worker it is counted against (the ledger's load balance).
+        indices: its dataset indices.
+        slab_id: the slab granted for it, where the items are laid out by ``items``.
+        groups: slot -> (count, payload) as ``ItemsDone.groups`` gives them.
+        filled: how many items have been reported.
+        outcome: BUSY or LATE if an item worker could not write into the slab, else USED.
+    """
+
+    batch_worker: int
+    indices: list[Any]
+    slab_id: int
+    items: ItemPlacement
+    groups: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    filled: int = 0
+    outcome: GrantOutcome = GrantOutcome.USED
+
+    @property
+    def complete(self) -> bool:
+        return self.filled >= len(self.indices)
+
+
+class DirectBatches:
+    """The direct batches of one epoch, and whether the session still makes batches direct.
+
+    Driven by the engine's thread. Invariant: a batch number is here from the moment its first
+    piece goes out direct until its last piece is reported (or the epoch is reset).
+    """
+
+    def __init__(self, refused: bool = False) -> None:
+        self.refused = refused  # a piece came as samples: stop making batches direct
+        self._batches: dict[int, DirectBatch] = {}
+
+    def __contains__(self, number: int) -> bool:
+        return number in self._batches
+
+    def open(self, number: int, batch: DirectBatch) -> None:
+        self._batches[number] = batch
+
+    def learn(self, done: ItemsDone) -> None:
+        """A piece given a place in its slab says whether its items went there as columns:
+        one that did not means this loader's samples are not all flat and alike."""
+        if done.as_columns is False:
+            self.refused = True
+
+    def add(self, number: int, done: ItemsDone, pool: SlabPool) -> WorkerReport | None:
+        """Record a direct piece's groups; the batch's report once its last piece is in."""
+        batch = self._batches.get(number)
+        if batch is None or done.groups is None:
+            return None
+        for slot, count, payload in done.groups:
+            batch.groups[slot] = (count, payload)
+        batch.filled += done.count
+        if done.outcome in (GrantOutcome.BUSY, GrantOutcome.LATE):
+            batch.outcome = done.outcome
+        if not batch.complete:
+            return None
+        del self._batches[number]
+        return assemble(number, batch, pool)
+
+
+def assemble(number: int, batch: DirectBatch, pool: SlabPool) -> WorkerReport:
+    """Batch ``number``'s report, as its batch worker would have sent it: the batch, or the
+    earliest failure among its items, or the failure to collate them. Settles the slab's grant."""
+    started = time.perf_counter()
+    groups = sorted(batch.groups.items())
+    failures = [payload for _, (_, payload) in groups if isinstance(payload, RemoteFailure)]
+    if failures:
+        pool.settle(number, _unviewed(batch.outcome))
+        return WorkerReport(Report.FAILED, batch.batch_worker, number, failures[0])
+    try:
+        made, viewed = _collated(groups, batch, pool)
+    except Exception as exc:
+        pool.settle(number, _unviewed(batch.outcome))
+        # Said as what it is: the main process collated these samples, no batch worker.
+        failure = RemoteFailure.capture(batch.batch_worker, "collating a batch", batch.indices,
+                                        where="in the DataLoader's main process")
+        return WorkerReport(Report.FAILED, batch.batch_worker, number, failure)
+    pool.settle(number, GrantOutcome.USED if viewed else _unviewed(batch.outcome))
+    return WorkerReport(Report.BATCH, batch.batch_worker, number, made,
+                        build_s=time.perf_counter() - started, finished_at=time.monotonic())
+
+
+def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
+              pool: SlabPool) -> tuple[Any, bool]:
+    """The batch from its groups, and whether it views the slab (a lease was opened)."""
+    payloads = [payload for _, (_, payload) in groups]
+    # Columns are written only once the slab's previous batch is released (SlabWriter checks),
+    # whatever another item worker of the batch found: they can be read.
+    lease = pool.open_lease(batch.slab_id) if any(isinstance(p, ItemColumns) for p in payloads) else None
+    if lease is not None and all(isinstance(payload, ItemColumns) for payload in payloads):
+        made = collate_columns(payloads, lease_runs(lease, batch.items), _collate_field)
+        if made is not None:
+            return made, True
+    samples: list[Any] = []
+    for slot, (_, payload) in groups:
+        if isinstance(payload, ItemColumns):
+            if lease is None:
+                raise RuntimeError("items written into a slab arrived without that slab readable")
+            samples += payload.samples(lease, batch.items, slot)
+        else:
+            samples += payload
+    # The samples' views of the slab die with this frame: the batch is a copy of them.
+    return default_collate(samples), False
+
+
+def _collate_field(column: Any) -> Any:
+    """One field of a batch of columns, as ``default_collate`` collates it."""
+    return collate(column, collate_fn_map=default_collate_fn_map)
+
+
+def _unviewed(outcome: GrantOutcome) -> GrantOutcome:
+    """How a grant ends when no batch views its slab: BUSY and LATE keep their meaning."""
+    return outcome if outcome in (GrantOutcome.BUSY, GrantOutcome.LATE) else GrantOutcome.UNUSED
