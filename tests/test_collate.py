@@ -559,6 +559,32 @@ def test_main_process_does_not_use_shared_memory() -> None:
     assert not default_collate([torch.ones(2), torch.ones(2)]).is_shared()
 
 
+def test_code_posing_as_a_worker_gets_shared_memory_as_from_torchs_collate() -> None:
+    # What torch's own test does through its private module, with pipeload's: set
+    # _utils.worker._worker_info, and default_collate stacks as in a worker process.
+    import pipeload._utils
+
+    tensor, array = torch.zeros(1), np.zeros(1)
+    old = pipeload._utils.worker._worker_info
+    assert old is None
+    try:
+        pipeload._utils.worker._worker_info = "x"
+        assert pipeload.get_worker_info() == "x"
+        assert pipeload._utils.collate.default_collate([tensor]).is_shared()
+        assert pipeload._utils.collate.default_collate([array]).is_shared()
+    finally:
+        pipeload._utils.worker._worker_info = old
+    assert pipeload.get_worker_info() is None
+    assert not default_collate([tensor]).is_shared()
+
+
+@pytest.mark.parametrize("as_worker", ["thread"], indirect=True)
+def test_a_worker_of_ours_is_what_the_private_module_says(as_worker: None) -> None:
+    import pipeload._utils
+
+    assert pipeload._utils.worker._worker_info is pipeload.get_worker_info() is not None
+
+
 @pytest.mark.parametrize("odd_shape", [(3, 3), (3, 5), (2,)])
 def test_ragged_in_worker_still_names_field_and_shapes(as_worker: None, odd_shape: tuple) -> None:
     message = ragged_message([{"image": torch.zeros(3, 4)}, {"image": torch.zeros(odd_shape)}])

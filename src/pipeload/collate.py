@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info as _torch_worker_info
 
+from pipeload.engine.worker_info import get_worker_info
 from pipeload.transport.collate_output import copied_into_message, shared_output, stacked_in_place
 
 __all__ = [
@@ -271,9 +272,16 @@ def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     shape = (len(batch), *elem.shape)
     out = shared_output(shape, elem.dtype)
-    if out is None and _torch_worker_info() is not None:
+    if out is None and (_torch_worker_info() is not None or _in_process_worker()):
         out = _fresh_shared_output(shape, elem.dtype)
     return out
+
+
+def _in_process_worker() -> bool:
+    """Whether ``get_worker_info()`` says a worker process (or code posing as one, see
+    ``pipeload._utils.worker``) runs this: a thread worker's batches stay in ordinary memory."""
+    info = get_worker_info()
+    return info is not None and getattr(info, "worker_method", "multiprocessing") != "thread"
 
 
 def _fresh_shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -64,6 +64,21 @@ class _CurrentWorker(threading.local):
 
 
 _current = _CurrentWorker()
+# What code set by hand to pose as a worker, process-wide, as torch's private
+# ``_utils.worker._worker_info`` does (torch's own tests set it to make ``default_collate``
+# believe it runs in a worker): ``pipeload._utils.worker._worker_info`` reads and sets it.
+_posed: list[Any] = [None]
+
+
+def posed_worker_info() -> Any:
+    """What ``pose_as_worker`` set (None: nothing)."""
+    return _posed[0]
+
+
+def pose_as_worker(info: Any) -> None:
+    """Answer ``get_worker_info()`` with ``info`` in every thread that is no worker of ours
+    (None stops it): the effect of setting torch's ``_utils.worker._worker_info``."""
+    _posed[0] = info
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -77,7 +92,8 @@ def get_worker_info() -> WorkerInfo | None:
         ...         step = 1 if info is None else info.num_workers
         ...         return iter(range(start, 100, step))
     """
-    return _current.info
+    info = _current.info
+    return info if info is not None else _posed[0]
 
 
 def set_worker_info(info: WorkerInfo | None) -> None:
