@@ -82,6 +82,43 @@ def test_out_of_order_does_not_wait_for_a_slow_batch(engine):
     assert items[0] != 0
 
 
+class _FirstWaits(torch.utils.data.Dataset):
+    """Item 0 waits until the training loop has received the 8 others; each item says who
+    fetched it (the worker id), as torch's own test of this does."""
+
+    def __init__(self, others_received) -> None:
+        self.others_received = others_received
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            self.others_received.wait(OVERTAKE_WAIT_S)
+        return torch.utils.data.get_worker_info().id, index
+
+
+def _out_of_order_run(loader_class) -> list[tuple[int, int]]:
+    others_received = multiprocessing.get_context("fork").Event()
+    loader = loader_class(_FirstWaits(others_received), num_workers=2, prefetch_factor=2,
+                          in_order=False, multiprocessing_context="fork")
+    got = []
+    for worker_id, index in loader:
+        got.append((int(worker_id), int(index)))
+        if len(got) == 8:
+            others_received.set()
+    return got
+
+
+def test_out_of_order_spreads_tasks_as_torchs_loader_does():
+    # torch gives the next task to the next worker in the rotation that holds fewer than
+    # prefetch_factor: worker 0, stuck on index 0, keeps index 2 queued behind it, and worker 1
+    # takes everything else (torch's test_out_of_order_index_ds holds this order).
+    ours = _out_of_order_run(DataLoader)
+    assert ours == _out_of_order_run(torch.utils.data.DataLoader)
+    assert [index for _, index in ours] == [1, 3, 4, 5, 6, 7, 8, 9, 0, 2]
+
+
 @pytest.mark.parametrize("engine", FAST)
 def test_sampler_order_is_kept(engine):
     order = torch.randperm(50, generator=torch.Generator().manual_seed(7)).tolist()

@@ -76,6 +76,21 @@ def test_out_of_order_yields_whatever_is_here_and_prefers_idle_workers():
     assert ledger.choose_worker() == 1
 
 
+def test_out_of_order_with_a_prefetch_factor_takes_the_next_worker_with_room_as_torch():
+    ledger = BatchLedger(2, in_order=False, prefetch_factor=2)
+    assert [w for _, w in _send(ledger, 4)] == [0, 1, 0, 1]  # two each, round-robin
+    ledger.record_report(_batch(1, 1))
+    assert ledger.pop_ready().batch_number == 1
+    # worker 0 (batches 0 and 2) is full; worker 1 has room: it takes the next, and the next
+    assert ledger.choose_worker() == 1
+    ledger.record_sent(1)
+    ledger.record_report(_batch(3, 1))
+    assert ledger.choose_worker() == 1
+    # once worker 0 has room again, the rotation comes back to it, however idle worker 1 is
+    ledger.record_report(_batch(0, 0))
+    assert ledger.choose_worker() == 0
+
+
 def test_least_loaded_in_order_still_yields_in_order():
     # Economic mode's batch workers: the least loaded takes the next batch, order is kept anyway.
     ledger = BatchLedger(2, in_order=True, least_loaded=True)

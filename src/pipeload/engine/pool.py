@@ -161,7 +161,7 @@ class PoolEngine:
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
-        self._ledger = BatchLedger(num_workers, config.in_order)
+        self._ledger = self._new_ledger(num_workers)
         self._count_answers()
         self._supply = TaskSupply()
         self._unsent: tuple[int, WorkerCommand] | None = None
@@ -236,8 +236,7 @@ class PoolEngine:
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = BatchLedger(len(self._workers.handles), self._config.in_order,
-                                   first_batch=start.first_batch, first_worker=start.first_worker)
+        self._ledger = self._new_ledger(len(self._workers.handles), start)
         self._ledger.resize(self._num_workers)
         self._count_answers()
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
@@ -282,12 +281,18 @@ class PoolEngine:
         self._finalizer()
         # A closed engine can live on for a long time (an exception's traceback holds it): drop
         # the batches it still holds, so their shared memory is freed now, and end the epoch.
-        self._ledger = BatchLedger(self._num_workers, self._config.in_order)
+        self._ledger = self._new_ledger(self._num_workers)
         self._count_answers()
         self._supply = TaskSupply()
         self._unsent = None
         if self._stats is not None:
             self._stats.close()  # after the ledger's last count: its workers' lines are final
+
+    def _new_ledger(self, num_workers: int, start: EpochStart = EpochStart()) -> BatchLedger:
+        """The book of an epoch's batches; out of order it spreads them by torch's rule (a
+        worker's share of ``prefetch_factor * num_workers``, see ``BatchLedger``)."""
+        return BatchLedger(num_workers, self._config.in_order, first_batch=start.first_batch,
+                           first_worker=start.first_worker, prefetch_factor=self._config.prefetch_factor)
 
     def _count_answers(self) -> None:
         """A new ledger: the stats count the workers' tasks from its answers (SessionStats)."""
@@ -370,8 +375,14 @@ class PoolEngine:
         if self._supply.done and self._unsent is None:
             return
         ledger, slabs = self._ledger, self._workers.slabs
-        allowed = (self._budget.allowed(slabs.batch_bytes, slabs.inline_only) if slabs is not None
-                   else self._budget.allowed(0))
+        if not self._config.in_order:
+            # As torch: every task the ceiling allows flies, so that batches overtake a slow one
+            # (the budget cannot see that need: its build times stop with the late batch).
+            allowed = self._budget.most(slabs.batch_bytes if slabs is not None else 0)
+        elif slabs is not None:
+            allowed = self._budget.allowed(slabs.batch_bytes, slabs.inline_only)
+        else:
+            allowed = self._budget.allowed(0)
         if ledger.outstanding >= allowed:
             return  # the usual case, kept cheap: it runs several times per batch
         if slabs is not None:

@@ -28,11 +28,15 @@ class BatchLedger:
     """
 
     def __init__(self, num_workers: int, in_order: bool, least_loaded: bool = False,
-                 first_batch: int = 0, first_worker: int = 0) -> None:
+                 first_batch: int = 0, first_worker: int = 0, prefetch_factor: int | None = None) -> None:
         self.in_order = in_order
         # Round-robin in order mode is torch's rule (iterable workers interleave by it); economic
         # mode's batch workers have no such stream to keep, so they always take the least loaded.
-        self.least_loaded = least_loaded or not in_order
+        # Out of order with ``prefetch_factor``, torch's rule too: the next worker in the rotation
+        # with room, its share of ``prefetch_factor * num_workers`` among the active ones (a slow
+        # worker's queue fills up to it, as torch's does; torch's own test holds that order).
+        self.room_rule = prefetch_factor if not in_order and not least_loaded else None
+        self.least_loaded = least_loaded or (not in_order and self.room_rule is None)
         # A resumed epoch numbers its batches on from those handed out before the checkpoint,
         # and the round-robin goes on with the worker whose turn it was.
         self.next_to_send = first_batch
@@ -81,10 +85,11 @@ class BatchLedger:
         return any(self.active)
 
     def choose_worker(self) -> int | None:
-        """Next active worker: round-robin in order mode (as torch), least loaded otherwise
-        (ties go to the next in the rotation)."""
+        """Next active worker: round-robin in order mode (as torch); out of order, the next in
+        the rotation with room (as torch) or, without a ceiling (economic mode's batch workers),
+        the least loaded (ties go to the next in the rotation)."""
         count = self.taking
-        if not self.least_loaded and self.active[self._rotation]:
+        if not self.least_loaded and self.room_rule is None and self.active[self._rotation]:
             chosen = self._rotation  # the usual case, without building the candidate list
         else:
             candidates = [(self._rotation + step) % count for step in range(count)]
@@ -92,7 +97,11 @@ class BatchLedger:
             if not candidates:
                 return None
             chosen = candidates[0]
-            if self.least_loaded:
+            if self.room_rule is not None:
+                room = self.room_rule * count // len(candidates)
+                chosen = next((w for w in candidates if self.in_flight(w) < room),
+                              min(candidates, key=self.in_flight))
+            elif self.least_loaded:
                 chosen = min(candidates, key=self.in_flight)
         self._rotation = (chosen + 1) % count
         return chosen
