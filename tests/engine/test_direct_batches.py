@@ -95,13 +95,16 @@ def test_the_earliest_failed_item_fails_the_batch_and_frees_its_slab(hop: SlabHo
     assert _slab_free_again(hop, 0, token=1)
 
 
-def test_a_piece_of_samples_stops_direct_batches_for_the_session() -> None:
+def test_batches_go_direct_once_columns_were_seen_until_a_piece_of_samples() -> None:
     batches = DirectBatches()
     batches.learn(ItemsDone(4, as_columns=None))  # no slab was granted: it says nothing
+    assert not batches.allowed
     batches.learn(ItemsDone(4, as_columns=True))
-    assert not batches.refused
+    assert batches.allowed and batches.next_epoch().allowed
     batches.learn(ItemsDone(4, as_columns=False))
-    assert batches.refused and DirectBatches(batches.refused).refused  # for the whole session
+    assert not batches.allowed and not batches.next_epoch().allowed  # for the whole session
+    batches.learn(ItemsDone(4, as_columns=True))
+    assert not batches.allowed
 
 
 def test_samples_the_main_process_cannot_collate_fail_the_batch_naming_it(hop: SlabHop) -> None:

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -131,6 +131,39 @@ def test_items_travel_from_item_worker_to_batch_worker_directly():
         assert batch["unpickled_in"] == {batch["collated_in"]}  # by the batch worker itself
         assert batch["collated_in"] in batch_worker_pids
         assert batch["collated_in"] != os.getpid()
+
+
+class _TracedImage(NamedTuple):
+    """A sample default_collate takes (a named tuple: not flat, for item workers), whose
+    unpickling says where it happened."""
+
+    image: torch.Tensor
+    unpickled_in: int = -1
+
+    def __reduce__(self) -> Any:
+        return (_arrive_image, tuple(self))
+
+
+def _arrive_image(image: torch.Tensor, unpickled_in: Any) -> _TracedImage:
+    # a sample notes where it arrives; a batch (its field collated into a tensor) travels as is
+    return _TracedImage(image, os.getpid() if isinstance(unpickled_in, int) else unpickled_in)
+
+
+class _TracedImages(Numbers):
+    def __getitem__(self, index: int) -> _TracedImage:
+        return _TracedImage(torch.full((3, 40, 40), float(index)))  # laid out in slabs
+
+
+def test_samples_that_are_not_flat_never_pass_through_the_main_process():
+    # With default_collate too: the main process assembles only batches whose items came as
+    # columns once already. (Out of order, a second batch opens at once, and its first piece
+    # goes out with the first batch's first placed one, before anything was learnt from it.)
+    loader = DataLoader(_TracedImages(48), batch_size=8, num_workers=1, mode="economic",
+                        multiprocessing_context="fork", in_order=False)
+    iterator = iter(loader)
+    batch_worker_pids = {handle.pid for handle in iterator._workers[1:]}
+    arrived = {pid for batch in iterator for pid in batch.unpickled_in.tolist()}
+    assert arrived and arrived <= batch_worker_pids
 
 
 class _ShapeShifters(torch.utils.data.Dataset):

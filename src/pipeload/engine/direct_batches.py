@@ -11,11 +11,15 @@ out in a slab is "direct": its item workers report their pieces' columns to the 
 have: the same tensors over the same bytes, each a storage of its own region (the slab released
 when the last of them dies), the other fields collated by ``default_collate``'s own handlers.
 
-Items that do not come as columns (a sample unlike the others, a slab that could not be written
-in time) come with the report as samples, and the batch is then ``default_collate``'d here from
+A batch goes direct only once a piece has shown that this loader's samples go as columns
+(``DirectBatches.proven``): until then, and for samples that are not flat, items go to batch
+workers, never through the main process. Items of a direct batch that do not come as columns
+after all (a dataset whose samples change layout mid-session, a slab that could not be written in
+time) come with the report as samples, and the batch is then ``default_collate``'d here from
 them: correct, but a copy in the main process; the engine stops making batches direct after the
-first such piece (see ``DirectBatches.refused``). Batch workers still collate the session's first
-batch (laid out before the items' sizes are known) and every batch of a loader that is not direct.
+first such piece (``DirectBatches.refused``). Batch workers still collate the session's first
+batch or two (laid out before the items' sizes are known) and every batch of a loader that is not
+direct.
 """
 
 from __future__ import annotations
@@ -64,9 +68,19 @@ class DirectBatches:
     piece goes out direct until its last piece is reported (or the epoch is reset).
     """
 
-    def __init__(self, refused: bool = False) -> None:
+    def __init__(self, proven: bool = False, refused: bool = False) -> None:
+        self.proven = proven  # a piece given a place came all as columns
         self.refused = refused  # a piece came as samples: stop making batches direct
         self._batches: dict[int, DirectBatch] = {}
+
+    @property
+    def allowed(self) -> bool:
+        """Whether a batch may go direct: columns seen, never samples."""
+        return self.proven and not self.refused
+
+    def next_epoch(self) -> DirectBatches:
+        """The next epoch's book: what the session learned carries over."""
+        return DirectBatches(self.proven, self.refused)
 
     def __contains__(self, number: int) -> bool:
         return number in self._batches
@@ -76,9 +90,12 @@ class DirectBatches:
 
     def learn(self, done: ItemsDone) -> None:
         """A piece given a place in its slab says whether its items went there as columns:
-        one that did not means this loader's samples are not all flat and alike."""
+        one that did proves they can; one that did not means this loader's samples are not all
+        flat and alike."""
         if done.as_columns is False:
             self.refused = True
+        elif done.as_columns:
+            self.proven = True
 
     def add(self, number: int, done: ItemsDone, pool: SlabPool) -> WorkerReport | None:
         """Record a direct piece's groups; the batch's report once its last piece is in."""

@@ -281,7 +281,7 @@ class EconomicEngine:
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
         # Batches the main process assembles (see direct_batches.py); whether the session still
         # makes them outlives the epoch.
-        self._direct = DirectBatches(self._direct.refused)
+        self._direct = self._direct.next_epoch()
         self._to_collate: dict[int, tuple[int, list[Any]]] = {}  # opened, COLLATE not yet sent
         self._build_clock = PoolBuildClock()
         # The batch number at which the stats look at the queue next (see _hand_over), as the
@@ -437,10 +437,10 @@ class EconomicEngine:
         return SlabGrant(grant.slab_id, grant.releases, grant.controls, placement)
 
     def _may_go_direct(self) -> bool:
-        """Whether the main process may assemble batches now (direct_batches.py): no piece has
-        come as samples, and ``default_collate`` (not extended by the user) would only name the
-        items' runs. Read at each batch: the map can change between epochs."""
-        return not self._direct.refused and collates_as_shipped()
+        """Whether the main process may assemble batches now (direct_batches.py): a piece has
+        come as columns and none as samples, and ``default_collate`` (not extended by the user)
+        would only name the items' runs. Read at each batch: the map can change between epochs."""
+        return self._direct.allowed and collates_as_shipped()
 
     def _send_pieces(self) -> None:
         # Until the first piece of the session is reported, item sizes are unknown: each item
