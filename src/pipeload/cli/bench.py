@@ -99,7 +99,8 @@ LOADERS: dict[str, LoaderKind] = {
     "classic": LoaderKind(_pipeload(), "pipeload, process workers building whole batches (as torch)",
                           "the default: Python-heavy `__getitem__` (decoding, augmenting) that needs "
                           "real parallelism"),
-    "economic": LoaderKind(_economic, "pipeload mode='economic': item workers fetch, batch workers collate",
+    "economic": LoaderKind(_economic, "pipeload mode='economic': item workers fetch into the batch's shared memory, "
+                           "batch workers collate what the main process cannot name in place",
                            "large items (video, volumes, audio): memory stays at `prefetch_factor` "
                            "batches whatever `num_workers` is, and the first batch is built by all "
                            "workers at once; with small items (such as the demo's JPEGs), handing every "

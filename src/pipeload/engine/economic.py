@@ -5,9 +5,12 @@ Classic loading gives each worker whole batches, so ``num_workers * prefetch_fac
 in memory and the first batch is built by one worker alone. Here the main process cuts every batch
 into pieces (one item, or a share of a ``__getitems__`` call), gives each piece to the item worker
 with the fewest items in hand, and names the batch worker (the least loaded) that gathers the
-batch; items travel item worker -> batch worker directly, tensors as shared memory. Memory in
-flight is bounded by ``prefetch_factor`` batches whatever ``num_workers`` is, and every item worker
-helps build the first batch. See docs/design/economic.md.
+batch; items travel item worker -> batch worker directly, tensors as shared memory. Once the items
+are known to be flat, a batch laid out in its slab is "direct": the item workers write it there
+and report its columns here, and the main process names the batch's runs itself
+(direct_batches.py), with no batch worker in between. Memory in flight is bounded by
+``prefetch_factor`` batches whatever ``num_workers`` is, and every item worker helps build the
+first batch. See docs/design/economic.md.
 
 Everything else is the classic engine's: the worker group (start, send, receive, deaths, timeout,
 stop), the ledger that yields in sampler order, the persistent epoch restart.

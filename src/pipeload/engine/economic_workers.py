@@ -3,8 +3,10 @@
 Both are the classic worker loop (worker_main.py) with a different job: the same start-up steps,
 ``worker_init_fn``, failure reports, epoch restarts and exit; here is only what differs. An item
 worker fetches the pieces the main process assigns it and hands them straight to the batch worker
-named in the task; a batch worker gathers a batch's pieces from any item workers, collates them
-and reports the batch to the main process. Neither decides anything about order or flow.
+named in the task (or, for a direct batch, writes them into its slab and reports their columns to
+the main process: engine/direct_batches.py); a batch worker gathers a batch's pieces from any item
+workers, collates them and reports the batch to the main process. Neither decides anything about
+order or flow.
 
 Seeding (see docs/design/economic.md): an item worker reseeds its generators before every piece
 from (base seed, epoch, position of the piece's first sample in the epoch), and a batch worker
