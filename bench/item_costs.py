@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import resource
 import shutil
@@ -154,6 +155,13 @@ def warm_up(images: TarImages, workers: int) -> None:
         _wait_for_workers()
 
 
+def medians_by_loader(passes: list[Pass]) -> dict[str, dict[str, float]]:
+    """Per loader: median samples/s and tree CPU per sample (us) over its passes."""
+    return {name: {"samples_per_s": statistics.median(p.samples_per_s for p in mine),
+                   "tree_cpu_us": statistics.median(p.per_sample_us(p.tree_cpu_s) for p in mine)}
+            for name in LOADERS if (mine := [p for p in passes if p.loader == name])}
+
+
 def report(passes: list[Pass]) -> str:
     """The table: medians over the repeats, ratios from the same run."""
     lines = [f"{'loader':<10}{'samples/s':>10}{'spread':>16}{'vs torch':>9}{'vs classic':>11}"
@@ -260,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syscalls", action="store_true", help="also count syscalls under strace")
     parser.add_argument("--in-process", action="store_true",
                         help="the hop's CPU per item in this one process, not whole loaders")
+    parser.add_argument("--json", action="store_true",
+                        help="print the medians as one JSON object (for bench.trees)")
     parser.add_argument("--one", choices=LOADERS, help=argparse.SUPPRESS)  # one pass, for strace
     args = parser.parse_args(argv)
     images = TarImages(ensure_images(args.size) if not (dataset_dir(args.size) / "index.json").is_file()
@@ -278,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             passes.append(one_pass(name, images, args.workers))
             print(f"  {name:<9} {passes[-1].samples_per_s:7,.0f} samples/s  "
                   f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(medians_by_loader(passes)))
+        return 0
     print(report(passes))
     print(f"{args.size} JPEGs, batch {BATCH_SIZE}, {args.workers} workers, {args.repeats} interleaved "
           f"repeats; load average {os.getloadavg()[0]:.1f} at the end")
