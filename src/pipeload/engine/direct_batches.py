@@ -143,7 +143,7 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
     # whatever another item worker of the batch found: they can be read.
     lease = pool.open_lease(batch.slab_id) if any(isinstance(p, ItemColumns) for p in payloads) else None
     if lease is not None and all(isinstance(payload, ItemColumns) for payload in payloads):
-        made = collate_columns(payloads, lease_runs(lease, batch.items), _collate_field)
+        made = collate_columns(payloads, lease_runs(lease, batch.items), collate_field)
         if made is not None:
             return made, True
     samples: list[Any] = []
@@ -158,8 +158,9 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
     return default_collate(samples), False
 
 
-def _collate_field(column: Any) -> Any:
-    """One field of a batch of columns, as ``default_collate`` collates it."""
+def collate_field(column: Any) -> Any:
+    """One non-tensor field of a batch of columns, as ``default_collate`` collates it (a batch
+    worker's and the main process's alike)."""
     return collate(column, collate_fn_map=default_collate_fn_map)
 
 

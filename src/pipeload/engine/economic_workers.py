@@ -23,8 +23,9 @@ from typing import Any
 
 import torch.autograd.profiler as _torch_profiler
 
-from pipeload.collate import collate, collates_as_shipped, default_collate, default_collate_fn_map
+from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine import replica
+from pipeload.engine.direct_batches import collate_field
 from pipeload.engine.item_seeds import ItemSeeds
 from pipeload.engine.lifecycle import release_free_heap
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
@@ -507,14 +508,9 @@ class BatchWorkerLoop(WorkerLoop):
         columns = [piece for _, piece in groups]
 
         def by_columns() -> Any:
-            batch = collate_columns(columns, writer_runs(writer), _collate_field)
+            batch = collate_columns(columns, writer_runs(writer), collate_field)
             return batch if batch is not None else as_samples()
         return by_columns, count
-
-
-def _collate_field(column: Any) -> Any:
-    """One field of a batch sent as columns, as ``default_collate`` collates it."""
-    return collate(column, collate_fn_map=default_collate_fn_map)
 
 
 def _samples_of(groups: list[tuple[int, list[Any] | ItemColumns]], gathering: _Gathering) -> list[Any]:

@@ -15,6 +15,7 @@ before, and so does a batch one of whose groups did.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,17 +183,10 @@ def lease_runs(lease: memoryview, items: ItemPlacement) -> TensorRuns:
         if leaf >= len(items.leaf_offsets):
             return None
         start, size = items.leaf_offsets[leaf], items.leaf_bytes[leaf]
-        if size != _nbytes(field) or start + count * size > min(items.area_bytes, len(lease)):
+        if size != math.prod(field.shape) * field.dtype.itemsize or start + count * size > min(items.area_bytes, len(lease)):
             return None
         return torch.frombuffer(lease[start:start + count * size], dtype=field.dtype).view(count, *field.shape)
     return run
-
-
-def _nbytes(field: TensorField) -> int:
-    count = 1
-    for size in field.shape:
-        count *= size
-    return count * field.dtype.itemsize
 
 
 def _layout_of(sample: Any) -> tuple[str, tuple[str, ...] | None, tuple[Field, ...]] | None:
