@@ -4,6 +4,9 @@ each burst of reports, in one step unless one of them carries totals."""
 from __future__ import annotations
 
 import queue
+import time
+
+import pytest
 
 from pipeload.engine.plan import DatasetKind, FetchSpec, WorkerSetup
 from pipeload.engine.worker_main import WorkerLoop
@@ -40,6 +43,28 @@ def test_tasks_since_the_latest_totals_are_counted_per_worker_across_bursts() ->
     assert dict(session.lag) == {0: 4, 1: 1}
     tasks = {worker.worker_id: worker.tasks for worker in recorder.snapshot().workers}
     assert tasks == {1: 4}  # 3 in the totals, 1 since; worker 0 has no totals to scale yet
+
+
+def test_tasks_since_the_latest_totals_are_estimated_from_the_later_tasks_cpu_time_included() -> None:
+    # An economic item worker reports its totals with about one piece in 64 (and none at an
+    # epoch's end): most of its pieces come after its latest totals. Brought up to them with
+    # the stage seconds alone, its CPU seconds stayed behind ("53% on a CPU, 42% waiting inside
+    # the work" for JPEG decoding); brought up with the average of all its tasks, its cold
+    # first ones counted again for each. The tasks since are like its later ones, CPU included.
+    recorder = StatsRecorder(LoaderSetup("classic", "process", 1, 2, 4, False))
+    session = recorder.new_session(4)
+    # 15 cold first tasks: 0.5 s, 0.3 s of it on a CPU; 5 later ones: 0.01 s each, 0.009 on a CPU.
+    start = (15, 0.5, 0.0, 0.0, 0, 0.3, 0.0)
+    totals = WorkerTotals(tasks=20, samples=80, fetch_s=0.55, collate_s=0.0, send_s=0.0, bytes_out=0,
+                          started_at=time.perf_counter() - 10.0, cpu_s=0.345, queued_s=0.0,
+                          start=start)
+    session.record([WorkerReport(Report.BATCH, 0, 19, totals=tuple(totals))])
+    count_by_worker(session.lag, [0] * 80)
+    worker, = recorder.snapshot().workers
+    assert worker.tasks == 100 and worker.samples == 400
+    assert worker.fetch_s == pytest.approx(0.55 + 80 * 0.01)
+    assert worker.cpu_s == pytest.approx(0.345 + 80 * 0.009)
+    assert worker.cpu_s / worker.busy_s == pytest.approx(1.065 / 1.35)
 
 
 def _worker_reports(commands: list[WorkerCommand], num_workers: int, sizes: tuple[int, int]) -> list:

@@ -51,6 +51,11 @@ class WorkerTotals(NamedTuple):
             ``SCHED_LAG_SHARE``), so they may lag a little.
         ray_stage: what its copy of the dataset's Ray queue boundaries measured, as
             :meth:`~pipeload.stats.report.RayStageStats.as_tuple` gives it; () without one.
+        start: ``(tasks, fetch_s, collate_s, send_s, bytes_out, cpu_s, queued_s)`` of its
+            first tasks, all timed (``TIME_ALL_FIRST``), once they are over; () before. Those
+            are measured, not estimated: only the later tasks stand for the untimed ones and
+            for those reported since the totals (a cold first task, imports and first page
+            faults, would otherwise count dozens of times over).
     """
 
     tasks: int
@@ -62,7 +67,8 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
-    ray_stage: tuple[float, ...] = ()  # last and defaulted: totals written before it still read
+    ray_stage: tuple[float, ...] = ()  # the last two defaulted: totals written before them still read
+    start: tuple[float, ...] = ()
 
 
 SCHED_READ_EVERY_S = 0.1
@@ -234,7 +240,7 @@ class StageClock:
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
-                 "_sched_at_start", "_sched", "_sched_read_at", "_owner",
+                 "_sched_at_start", "_sched", "_sched_read_at", "_owner", "_start",
                  "_owner_schedstat", "count_ray_stage", "_ray_stage")
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
@@ -274,6 +280,7 @@ class StageClock:
         self._busy_seen = 0.0  # fetch, collate and send seconds as of the latest _next_gap
         self._timed_seen = 0  # timed tasks finished by then
         self._recent = RecentTimes()  # the timed tasks' own times: see SPACING_S
+        self._start: tuple[float, ...] = ()  # WorkerTotals.start, set as the first gap opens
         # Called when a task is to be timed: a worker arms the report that carries the totals.
         self.on_timed: Any = None
 
@@ -358,6 +365,10 @@ class StageClock:
             self._busy_seen, self._timed_seen = busy, finished
         if starting:
             return 1
+        if not self._start:  # the first tasks, all timed, are over: measured, kept apart
+            on_cpu, queued = read_sched()  # this is the owner's thread
+            self._start = (finished, self.fetch_s, self.collate_s, self.send_s, self.bytes_out,
+                           on_cpu - self._sched_at_start[0], queued - self._sched_at_start[1])
         return next(self._gaps) * stretch(self._every, self._recent.median())
 
     def snapshot(self) -> tuple[Any, ...]:
@@ -377,7 +388,7 @@ class StageClock:
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._ray_stage, self.untimed_size or 0)
+                self._ray_stage, self._start, self.untimed_size or 0)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
@@ -422,12 +433,29 @@ SUMS_LENGTH = len(WorkerTotals._fields) + 1  # what StageClock.snapshot gives be
 
 def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
     """A clock's sums over its timed tasks (see :meth:`StageClock.snapshot`), made totals over
-    all ``tasks``: the stage times and bytes scaled up, the untimed tasks' samples derived
-    (each holds ``untimed_size``; a clock without one counted them into ``samples``)."""
-    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, untimed_size = sums
+    all ``tasks``: the stage times and bytes estimated (see :func:`estimated_stages`), the
+    untimed tasks' samples derived (each holds ``untimed_size``; a clock without one counted
+    them into ``samples``)."""
+    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, untimed_size = sums
+    fetch_s, collate_s, send_s, bytes_out = estimated_stages(
+        (fetch_s, collate_s, send_s, bytes_out), start[:5], timed, tasks)
+    return (tasks, samples + (tasks - timed) * untimed_size, fetch_s, collate_s, send_s,
+            round(bytes_out), *kept, start)
+
+
+def estimated_stages(stages: tuple[float, ...], start: tuple[float, ...], timed: int,
+                     tasks: int) -> tuple[float, ...]:
+    """``stages`` (fetch, collate and send seconds, bytes out, ...), summed over ``timed``
+    tasks, brought to ``tasks``: the first tasks' (``start``: their count, then their sums in
+    the same order, see ``WorkerTotals``) as measured, the later timed ones standing for the
+    others. Before the first tasks are over (or without a later timed task) all timed tasks
+    stand for the others alike."""
+    if start and timed > start[0]:
+        first = start[0]
+        scale = (tasks - first) / (timed - first)
+        return tuple(before + (total - before) * scale for total, before in zip(stages, start[1:]))
     scale = tasks / timed if timed else 1.0
-    return (tasks, samples + (tasks - timed) * untimed_size, fetch_s * scale, collate_s * scale,
-            send_s * scale, round(bytes_out * scale), *kept)
+    return tuple(total * scale for total in stages)
 
 
 def tensor_bytes(batch: Any, depth: int = 0) -> int:

@@ -33,6 +33,7 @@ from pipeload.stats.clock import (
     StageClock,
     WorkerTotals,
     complete_totals,
+    estimated_stages,
     gaps,
     now,
     stretch,
@@ -484,9 +485,8 @@ class StatsRecorder:
                 return
             raw, arrived = entry
             totals, lag = _read(raw, lag)
-            totals = _extrapolated(totals, lag)
             _, kind, worker_id = key
-            one = _stats_of(kind, worker_id, totals, arrived, now())
+            one = _stats_of(kind, worker_id, totals, lag, arrived, now())
             previous = self._ended.get((kind, worker_id))
             self._ended[(kind, worker_id)] = one if previous is None else previous.plus(one)
             if totals.ray_stage:
@@ -555,20 +555,29 @@ def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: 
     merged = dict(ended)
     for (session, kind, worker_id), (raw, arrived) in seen.items():
         totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
-        one = _stats_of(kind, worker_id, _extrapolated(totals, lag), arrived, at)
+        one = _stats_of(kind, worker_id, totals, lag, arrived, at)
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
 
 
 def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
-    """``totals`` plus ``lag`` more tasks like the ones they cover (exact for equal batches)."""
+    """``totals`` plus ``lag`` more tasks like the ones they cover (exact for equal batches):
+    like their later tasks, not the first ones (``WorkerTotals.start``).
+
+    The scheduler's seconds (on a CPU, queued for one) grow with them: with the stages' alone,
+    a worker that reported its totals rarely (an economic item worker times about one piece in
+    64, and no epoch's last) looked idle on a CPU for the tasks since, and "waiting inside the
+    work" for nearly half its busy time."""
     if not lag or not totals.tasks:
         return totals
-    scale = (totals.tasks + lag) / totals.tasks
-    return totals._replace(tasks=totals.tasks + lag, samples=round(totals.samples * scale),
-                           fetch_s=totals.fetch_s * scale, collate_s=totals.collate_s * scale,
-                           send_s=totals.send_s * scale, bytes_out=round(totals.bytes_out * scale))
+    tasks = totals.tasks + lag
+    fetch_s, collate_s, send_s, bytes_out, cpu_s, queued_s = estimated_stages(
+        (totals.fetch_s, totals.collate_s, totals.send_s, totals.bytes_out, totals.cpu_s,
+         totals.queued_s), totals.start, totals.tasks, tasks)
+    return totals._replace(tasks=tasks, samples=round(totals.samples * tasks / totals.tasks),
+                           fetch_s=fetch_s, collate_s=collate_s, send_s=send_s,
+                           bytes_out=round(bytes_out), cpu_s=cpu_s, queued_s=queued_s)
 
 
 def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | None]],
@@ -599,12 +608,17 @@ def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
     return WorkerTotals._make(sums), 0
 
 
-def _stats_of(kind: str, worker_id: int, totals: WorkerTotals, arrived: float | None,
+def _stats_of(kind: str, worker_id: int, totals: WorkerTotals, lag: int, arrived: float | None,
               at: float) -> WorkerStats:
     """One session's line for a worker whose latest totals arrived at ``arrived`` (None: a
-    live clock, read ``at``)."""
+    live clock, read ``at``), brought up to the ``lag`` tasks it reported since. Its life is
+    stretched with its tasks (their seconds are), up to the time now: a worker's share of its
+    life on a CPU, or busy, must compare figures over one stretch of time."""
     alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
-    return _worker_stats(kind, worker_id, totals, alive_s)
+    extrapolated = _extrapolated(totals, lag)
+    if extrapolated is not totals:
+        alive_s = min(max(alive_s, at - totals.started_at), alive_s * extrapolated.tasks / totals.tasks)
+    return _worker_stats(kind, worker_id, extrapolated, alive_s)
 
 
 def _worker_stats(kind: str, worker_id: int, totals: WorkerTotals, alive_s: float) -> WorkerStats:
