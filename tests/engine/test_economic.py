@@ -271,6 +271,18 @@ def test_flat_batches_laid_out_in_slabs_are_assembled_by_the_main_process() -> N
     assert _same_batches_as_torchs(_FlatSamples("dict")) <= 2
 
 
+def test_the_stats_say_how_many_batches_the_main_process_assembled() -> None:
+    # The collate stage is the batch workers' alone: its us/batch stands for a session's first
+    # batch or two (cold), not for the batches the main process put together.
+    loader = DataLoader(_FlatSamples("dict"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", stats=True)
+    assert len(list(loader)) == 6
+    collated = _batch_worker_tasks(loader)
+    line, = (line for line in loader.stats().summary().splitlines() if line.startswith("time per stage"))
+    assert (f"over the {collated} batch(es) batch workers collated; the main process put together "
+            f"the other {6 - collated} from item workers' columns") in line
+
+
 class _FailsAt21(_FlatSamples):
     def __getitem__(self, index: int) -> Any:
         if index == 21:

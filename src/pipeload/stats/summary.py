@@ -75,8 +75,20 @@ def _stage_line(stats: LoaderStats) -> str:
         stage = stages[name]
         if stage.count:
             unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
-            parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit})")
+            parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit}"
+                         f"{_assembled_words(stats, stage.count) if name == 'collate' else ''})")
     return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
+
+
+def _assembled_words(stats: LoaderStats, collated: int) -> str:
+    """Economic mode: the batches the main process put together from item workers' columns
+    (direct batches, engine/direct_batches.py) are no batch worker's; the collate figure is the
+    batch workers' alone (a session's first batch, often cold, weighs on it)."""
+    assembled = stats.batches - collated
+    if stats.setup.mode != "economic" or assembled <= 0:
+        return ""
+    return (f", over the {collated:,} batch(es) batch workers collated; the main process put "
+            f"together the other {assembled:,} from item workers' columns")
 
 
 def _ray_line(ray: RayStageStats) -> str:
