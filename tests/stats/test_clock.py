@@ -125,6 +125,30 @@ def test_a_cold_first_task_is_counted_once_not_for_every_untimed_task(monkeypatc
     assert totals.fetch_s == pytest.approx(0.1 + 0.002 * (tasks - 1), rel=1e-6)
 
 
+def test_totals_never_carry_scheduler_counters_older_than_the_first_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The counters are read at most so often when totals are shipped; the first tasks' own are
+    # read as they end. Totals shipped just after, with the counters of an earlier reading,
+    # gave the later tasks a negative CPU time, and a worker brought up to the tasks reported
+    # since its totals then ran less than its first tasks alone.
+    ticking = _Ticking()
+    monkeypatch.setattr(clock_module, "now", ticking)
+    monkeypatch.setattr(clock_module, "read_sched", lambda: (ticking.seconds, 0.0))  # always on a CPU
+    clock = StageClock(SAMPLE_EVERY)
+    for task in range(TIME_ALL_FIRST + 4):
+        clock.left -= 1
+        if clock.left <= 0:
+            clock.start_timed()
+        took = 10.0 if task == 0 else 0.01  # a long cold first task: the counters are read rarely
+        ticking.seconds += took
+        if clock.timing:
+            clock.fetch_s += took
+            totals = WorkerTotals._make(clock.finished())
+            assert not totals.start or totals.cpu_s >= totals.start[5], (task, totals)
+        else:
+            clock.done()
+    assert totals.start  # the first tasks were over
+
+
 def _stream_run(samples: int, batch_size: int | None, drop_last: bool,
                 clears_timing: bool) -> tuple[StageClock, list[Any], int, bool]:
     """Fetch from an iterable replica of ``samples`` ints until it runs dry, as a worker's loop

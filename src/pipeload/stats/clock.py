@@ -366,7 +366,10 @@ class StageClock:
         if starting:
             return 1
         if not self._start:  # the first tasks, all timed, are over: measured, kept apart
-            on_cpu, queued = read_sched()  # this is the owner's thread
+            # Read now (this is the owner's thread), and kept as the latest reading too: a
+            # later snapshot must never carry older counters than the first tasks' own.
+            self._sched, self._sched_read_at = read_sched(), now()
+            on_cpu, queued = self._sched
             self._start = (finished, self.fetch_s, self.collate_s, self.send_s, self.bytes_out,
                            on_cpu - self._sched_at_start[0], queued - self._sched_at_start[1])
         return next(self._gaps) * stretch(self._every, self._recent.median())
