@@ -118,7 +118,9 @@ MIN_RATE_BATCHES = 10
 # What the table's columns measured, and where a newcomer goes from here (after the chart).
 COLUMNS = ("columns: samples/s, the median over the runs (spread: slowest..fastest run); first batch: "
            "from iter(loader) to the first batch; peak RSS: resident memory of the loader's "
-           "processes, summed; peak shm: the shared memory they map or hold, each segment once")
+           "processes, summed (a page several of them share, such as what importing torch left in "
+           "the main process before it forked them, counts in each: more processes, more RSS); "
+           "peak shm: the shared memory they map or hold, each segment once")
 NEXT_STEP = ("next: to see what limits your own loader, print(loader.stats()) after an epoch or "
              "run `pipeload profile yourmodule:make_dataset` (README: \"See what your loader is doing\")")
 
