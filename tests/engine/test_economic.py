@@ -279,7 +279,8 @@ def test_the_stats_say_how_many_batches_the_main_process_assembled() -> None:
     assert len(list(loader)) == 6
     collated = _batch_worker_tasks(loader)
     line, = (line for line in loader.stats().summary().splitlines() if line.startswith("time per stage"))
-    assert (f"over the {collated} batch(es) batch workers collated; the main process put together "
+    batches = "batch" if collated == 1 else "batches"
+    assert (f"over the {collated} {batches} the batch workers collated; the main process put together "
             f"the other {6 - collated} from item workers' columns") in line
 
 

@@ -87,7 +87,8 @@ def _assembled_words(stats: LoaderStats, collated: int) -> str:
     assembled = stats.batches - collated
     if stats.setup.mode != "economic" or assembled <= 0:
         return ""
-    return (f", over the {collated:,} batch(es) batch workers collated; the main process put "
+    batches = "batch" if collated == 1 else "batches"
+    return (f", over the {collated:,} {batches} the batch workers collated; the main process put "
             f"together the other {assembled:,} from item workers' columns")
 
 
