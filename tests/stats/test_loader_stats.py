@@ -239,6 +239,17 @@ def test_economic_item_workers_that_only_compute_are_seen_computing(leak_guard) 
     assert running > 0.75, loader.stats().summary()
 
 
+def test_the_first_batch_figure_says_it_is_the_latest_epochs() -> None:
+    # After the first epoch the figure is the latest epoch's first batch, no longer the
+    # loader's start-up: said so, the line cannot be read as how long the loader took to start.
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH)
+    list(loader)
+    assert loader.stats().summary().splitlines()[0].endswith(
+        f"; first batch after {loader.stats().first_batch_s * 1e3:,.1f} ms")
+    list(loader)
+    assert "; the latest epoch's first batch after " in loader.stats().summary().splitlines()[0]
+
+
 def test_stats_off() -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, worker_type="thread",
                                  stats=False)

@@ -16,7 +16,7 @@ def summarise(stats: LoaderStats) -> str:
     lines = [
         f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
         f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
-        f"first batch after {stats.first_batch_s * 1e3:,.1f} ms",
+        f"{_first_batch_words(stats)} after {stats.first_batch_s * 1e3:,.1f} ms",
         _setup_line(stats),
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
         f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
@@ -66,6 +66,12 @@ def _size(count: int) -> str:
     if count < KIB:
         return f"{count:,} bytes"
     return f"{count / KIB:,.1f} KiB" if count < MIB else f"{count / MIB:,.1f} MiB"
+
+
+def _first_batch_words(stats: LoaderStats) -> str:
+    """Whose first batch the figure is: the latest epoch's (``LoaderStats.first_batch_s``), which
+    after the first epoch is no longer the loader's start."""
+    return "first batch" if stats.epochs <= 1 else "the latest epoch's first batch"
 
 
 def _stage_line(stats: LoaderStats) -> str:
