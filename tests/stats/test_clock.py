@@ -100,7 +100,7 @@ class _Ticking:
 
 def test_a_cold_first_task_is_counted_once_not_for_every_untimed_task(monkeypatch: pytest.MonkeyPatch) -> None:
     # A worker's first task pays for imports and first page faults (an economic item worker's
-    # first piece of JPEGs took 70 ms, its others 11 ms). Scaled up with the later timed ones,
+    # first piece of JPEGs took several times its others). Scaled up with the later timed ones,
     # it stood for dozens of untimed tasks: loader.stats() read item workers' fetch ~35% slow
     # and their busy time half "waiting inside the work". The first tasks, all timed, are
     # measured; only the later timed ones stand for the untimed ones.

@@ -441,7 +441,7 @@ def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
     them into ``samples``)."""
     timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, untimed_size = sums
     fetch_s, collate_s, send_s, bytes_out = estimated_stages(
-        (fetch_s, collate_s, send_s, bytes_out), start[:5], timed, tasks)
+        (fetch_s, collate_s, send_s, bytes_out), start, timed, tasks)
     return (tasks, samples + (tasks - timed) * untimed_size, fetch_s, collate_s, send_s,
             round(bytes_out), *kept, start)
 
