@@ -95,7 +95,7 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["bench", "--loaders", "classic,threads,classic"], 2, "loader 'classic' named twice"),
     (["bench", "--chart", "."], 2, "--chart . is a directory"),
     (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png"),
-    (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer, got 'many'"),
+    (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer >= 0 or 'auto', got 'many'"),
     (["profile", "factories:slow_dataset", "--step-ms", "-5"], 2, "expected a number of milliseconds >= 0, got '-5'"),
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
     (["profile", "factories:slow_dataset", "--step-ms", "soon"], 2, "expected a number of milliseconds, got 'soon'"),

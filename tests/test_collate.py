@@ -652,3 +652,21 @@ def test_cuda_tensors_stack_on_the_device() -> None:
     ours, theirs = both_collate(batch)
     assert ours["x"].device.type == "cuda"
     assert_same(ours, theirs)
+
+
+class Registered:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_a_type_a_library_registered_with_torchs_default_collate_is_collated_by_ours_too() -> None:
+    # torch's default_collate_fn_map is a dict of its own: libraries register their types there.
+    torch_default_map[Registered] = list_points
+    try:
+        batch = [{"r": Registered(1), "t": torch.ones(2)}, {"r": Registered(2), "t": torch.zeros(2)}]
+        ours = pipeload.default_collate(batch)
+        assert ours["r"] == torch_default_collate(batch)["r"] == [1, 2]
+        with pytest.raises(TypeError, match="found <class"):  # a map of the user's own is theirs alone
+            collate(batch, collate_fn_map={torch.Tensor: torch_default_map[torch.Tensor]})
+    finally:
+        del torch_default_map[Registered]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
@@ -197,6 +198,16 @@ def _find_handler(elem: Any, collate_fn_map: CollateFnMap) -> Callable[..., Any]
     return None
 
 
+def _registered_with_torch(elem: Any) -> Callable[..., Any] | None:
+    """A handler that a library registered in torch's ``default_collate_fn_map`` (a separate
+    dict from ours) for ``elem``'s type, so that ``default_collate`` takes it as torch's does."""
+    torch_collate = sys.modules.get("torch.utils.data._utils.collate")
+    torch_map = getattr(torch_collate, "default_collate_fn_map", None)
+    if not torch_map:
+        return None
+    return _find_handler(elem, torch_map)
+
+
 def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
     """Combine a list of samples into one batch, dispatching leaves through ``collate_fn_map``.
 
@@ -224,6 +235,8 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
     elem = batch[0]
     if collate_fn_map is not None:
         handler = _find_handler(elem, collate_fn_map)
+        if handler is None and collate_fn_map is default_collate_fn_map:
+            handler = _registered_with_torch(elem)
         if handler is not None:
             return handler(batch, collate_fn_map=collate_fn_map)
     if isinstance(elem, Mapping):

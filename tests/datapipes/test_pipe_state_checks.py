@@ -80,7 +80,8 @@ def test_a_stateless_pipe_takes_only_none_as_its_own() -> None:
     (10, r"own should be an int from 0 to 9, but got own=10"),
 ])
 def test_an_in_memory_position_is_an_int_within_the_data(position: Any, expected: str) -> None:
-    refused_unchanged(lambda: IterableWrapper(range(9)), {"own": position, "upstream": []}, expected)
+    refused_unchanged(lambda: IterableWrapper(range(9)), {"own": position, "upstream": [], "settings": {"length": 9}},
+                      expected)
 
 
 def test_a_position_past_data_without_a_length_is_refused_unset() -> None:
@@ -248,3 +249,37 @@ def test_a_tar_offset_is_checked_when_it_is_loaded(tmp_path: Path, own: Any, exp
     state["upstream"][0]["own"] = own
     o = r"upstream\.0\.own"
     refused_unchanged(make, state, expected.format(f=o + r"\.0", g=o + r"\.1", o=o, v=o + r"\.3"))
+
+
+# -- the settings a stream depends on ----------------------------------------------------------
+
+def test_a_shuffle_state_is_refused_by_a_shuffle_with_another_buffer_size() -> None:
+    # The same generator draws other slots from another buffer: items would come twice or never.
+    _, state = taken(shuffled(), 3)
+    refused_unchanged(lambda: IterableWrapper(range(30)).shuffle(buffer_size=6).set_seed(7), state,
+                      r"buffer_size differs \(state: 5, here: 6\)")
+
+
+def test_a_batch_state_is_refused_by_a_batch_of_another_size_or_drop_last() -> None:
+    _, state = taken(IterableWrapper(range(9)).batch(3), 1)
+    refused_unchanged(lambda: IterableWrapper(range(9)).batch(4), state, r"batch_size differs \(state: 3, here: 4\)")
+    refused_unchanged(lambda: IterableWrapper(range(9)).batch(3, drop_last=True), state,
+                      r"drop_last differs \(state: False, here: True\)")
+
+
+def test_a_state_of_a_list_that_has_grown_since_is_refused() -> None:
+    # A shard appended to a shuffled shard list: the same position replays another permutation.
+    _, state = taken(IterableWrapper(list(range(6))).shuffle().set_seed(3), 2)
+    refused_unchanged(lambda: IterableWrapper(list(range(7))).shuffle().set_seed(3), state,
+                      r"into this IterableWrapper at upstream\.0: length differs \(state: 6, here: 7\)")
+
+
+def test_settings_are_checked_for_type_and_refused_when_missing() -> None:
+    _, state = taken(IterableWrapper(range(9)).header(4), 1)
+    assert state["settings"] == {"limit": 4}
+    refused_unchanged(lambda: IterableWrapper(range(9)).header(4), {**state, "settings": {"limit": 4.0}},
+                      r"limit differs \(state: 4\.0, here: 4\)")
+    refused_unchanged(lambda: IterableWrapper(range(9)).header(4), {k: v for k, v in state.items() if k != "settings"},
+                      r"it has no settings")
+    refused_unchanged(lambda: IterableWrapper(range(9)).header(4), {**state, "settings": {"limit": 4, "x": 1}},
+                      r"settings\.x should be absent")

@@ -464,6 +464,19 @@ def test_max_shm_bytes_is_keyword_only_and_accepted(value: Any) -> None:
         pipeload.DataLoader(numbers(pipeload), *positional, 1 << 20)
 
 
+# ------------------------------------------------------------------ stats (pipeload only)
+
+
+def test_stats_is_refused_by_name_unless_true_or_false() -> None:
+    # "no" would be taken as true: the loader would count every batch while the user thinks it off
+    for value in ["yes", "no", 1, 0, None, np.True_]:
+        with pytest.raises(TypeError, match=rf"stats should be True or False, but got stats={value!r}"):
+            pipeload.DataLoader(numbers(pipeload), stats=value)
+    for stats in (True, False):
+        loader = pipeload.DataLoader(numbers(pipeload), batch_size=6, stats=stats)
+        assert [batch[0].tolist() for batch in loader] == [list(range(6))]
+
+
 # ------------------------------------------------------------------ generator
 
 

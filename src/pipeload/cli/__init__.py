@@ -185,7 +185,12 @@ def _loader_names(text: str) -> tuple[str, ...]:
 
 
 def _workers(text: str) -> int | str:
-    return "auto" if text == "auto" else _at_least(0)(text)
+    if text == "auto":
+        return "auto"
+    try:
+        return _at_least(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}") from None
 
 
 def _milliseconds(text: str) -> float:

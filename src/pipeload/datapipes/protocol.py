@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from pipeload._state_fields import StateFields, join
-from pipeload.errors import IncompatibleStateError, bad_state_field, shortened
+from pipeload.errors import IncompatibleStateError, bad_state_field, shortened, state_mismatch
 
 T_co = TypeVar("T_co", covariant=True)
 R = TypeVar("R")
@@ -110,8 +110,13 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
     # -- checkpoints (the resume issue builds on these) -------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This run's position: its own state and its upstream iterators' states."""
-        return {"own": self._own_state(), "upstream": [s.state_dict() for s in self.upstream]}
+        """This run's position: its own state and its upstream iterators' states, and (for a
+        pipe whose stream depends on them) the settings it ran with."""
+        state = {"own": self._own_state(), "upstream": [s.state_dict() for s in self.upstream]}
+        settings = self._settings()
+        if settings:
+            state["settings"] = settings
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; call on a fresh iterator before its first item.
@@ -144,9 +149,37 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         states = fields.sequence("upstream", f"a list of {count} upstream state(s)", length=count)
         for index, (source, source_state) in enumerate(zip(self.upstream, states)):  # type: ignore[arg-type]
             source.check_state(source_state, join(fields.name("upstream"), index), load)
+        self._check_settings(fields)
         own = self._check_own_state(fields)
         fields.finish()
         load.then(lambda: self._load_own_state(own))
+
+    def _check_settings(self, fields: StateFields) -> None:
+        """Refuse a state taken with other settings (a shuffle buffer of another size, a list
+        of another length): its position would be replayed into another stream, some items
+        handed out twice and others never."""
+        settings = self._settings()
+        if not settings:
+            return  # a stray "settings" field is refused by ``finish``
+        saved = fields.fields("settings")
+        assert saved is not None
+        differences = {}
+        for name, here in settings.items():
+            was = saved.raw(name, f"the {name} this {self._pipe_name()} ran with")
+            if was != here or type(was) is not type(here):
+                differences[name] = (was, here)
+        saved.finish()
+        if differences:
+            place = f" at {fields.path}" if fields.path else ""
+            raise state_mismatch(f"this {self._pipe_name()}{place}", differences)
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings this run's stream depends on, recorded in its state and compared when
+        one is loaded (plain values: ints, bools, strings, None). Stateless pipes record none."""
+        return {}
+
+    def _pipe_name(self) -> str:
+        return type(self).__name__.lstrip("_").removesuffix("Iterator")
 
     def _check_own_state(self, fields: StateFields) -> Any:
         """Read and check ``fields["own"]``; return what :meth:`_load_own_state` takes."""

@@ -40,7 +40,8 @@ AUTO = "auto"
 
 def auto_options(num_workers: Any, prefetch_factor: Any, stats: bool) -> tuple[bool, bool]:
     """Which of num_workers and prefetch_factor are "auto" (the tuner reads the stats, so they
-    must be on)."""
+    must be on); ``stats`` is checked first (``check_stats``)."""
+    check_stats(stats)
     auto = (num_workers == AUTO, prefetch_factor == AUTO)
     if auto[1] and not auto[0] and num_workers == 0:
         resolve_prefetch_factor(prefetch_factor, 0)  # torch's error: prefetching needs workers
@@ -49,6 +50,13 @@ def auto_options(num_workers: Any, prefetch_factor: Any, stats: bool) -> tuple[b
         raise ValueError(f"{name}='auto' tunes itself from the loader's stats, but got stats=False; "
                          "set stats=True or give a number")
     return auto
+
+
+def check_stats(stats: Any) -> None:
+    """Refuse a ``stats`` that is not True or False: a string such as "no" would be taken as
+    true, and the loader would count every batch while the user believes it off."""
+    if not isinstance(stats, bool):
+        raise TypeError(f"stats should be True or False, but got stats={stats!r} ({type(stats).__name__})")
 
 
 def plain_number(value: Any) -> int | float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import os
 import re
 import sys
 from pathlib import Path
@@ -223,3 +224,34 @@ def test_a_damaged_listing_checkpoint_is_refused_by_name(tmp_path: Path, own: An
     state = iterator.state_dict()
     with pytest.raises(pipeload.IncompatibleStateError, match=re.escape(named)):
         iter(FileLister(str(tmp_path), "*.txt")).load_state_dict({**state, "own": own})
+
+
+@pytest.mark.parametrize("change", ["rewritten", "cut short", "rewritten, time set back"])
+def test_a_local_file_changed_while_read_in_pieces_is_never_spliced(tmp_path: Path, change: str) -> None:
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"A" * (1 << 20))
+    before = path.stat()
+    run = iter(FileLister(str(tmp_path)).open_files(mode="b").read_from_stream(chunk=64 << 10))
+    pieces = [next(run)[1]]
+    if change == "cut short":
+        os.truncate(path, 1000)
+    else:
+        with open(path, "r+b") as rewrite:
+            rewrite.write(b"B" * (1 << 20))
+        if change == "rewritten, time set back":
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(SourceChangedError, match=rf"{re.escape(repr(str(path)))} changed while it was read"):
+        pieces.extend(data for _, data in run)
+    run.close()
+    assert b"".join(pieces) == b"A" * len(b"".join(pieces))
+
+
+def test_a_file_replaced_by_a_rename_while_read_is_read_whole_from_the_version_opened(tmp_path: Path) -> None:
+    path, replacement = tmp_path / "big.bin", tmp_path.parent / f"{tmp_path.name}-new.bin"
+    path.write_bytes(b"A" * (1 << 20))
+    replacement.write_bytes(b"B" * (1 << 20))
+    run = iter(FileLister(str(tmp_path)).open_files(mode="b").read_from_stream(chunk=64 << 10))
+    pieces = [next(run)[1]]
+    os.replace(replacement, path)
+    pieces.extend(data for _, data in run)
+    assert b"".join(pieces) == b"A" * (1 << 20)

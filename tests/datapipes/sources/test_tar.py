@@ -460,3 +460,37 @@ def test_a_local_archive_rewritten_while_it_is_read_is_never_spliced(tmp_path: P
         assert pipe.failure_counts().skipped == 1
     iterator.close()
     assert [(m.name, m[1]) for m in got] == old[:len(got)]  # the old version's, and only whole
+
+
+def test_a_rewrite_whose_modification_time_was_set_back_is_never_spliced(tmp_path: Path) -> None:
+    # `cp -p` or `rsync --inplace -t` onto the file: the same length and modification time, other
+    # bytes; only the status-change time, which nobody can set back, tells.
+    old = [(f"k{index:04d}.bin", b"old-%04d" % index) for index in range(500)]
+    path = tmp_path / "a.tar"
+    path.write_bytes(tar_bytes(old))
+    before = path.stat()
+    iterator = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    got = [next(iterator) for _ in range(3)]
+    with open(path, "r+b") as rewrite:
+        rewrite.write(tar_bytes([(name, data.replace(b"old", b"new")) for name, data in old]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(SourceChangedError, match=r"changed while it was read \(its first and last 64 KiB"):
+        got.extend(iterator)
+    iterator.close()
+    assert [(m.name, m[1]) for m in got] == old[:len(got)]
+
+
+def test_an_archive_replaced_by_a_rename_or_given_other_permissions_is_read_on_whole(tmp_path: Path) -> None:
+    # Its status-change time moves, its bytes do not: the reader holding it open reads on.
+    old = [(f"k{index:04d}.bin", b"old-%04d" % index) for index in range(500)]
+    path, replacement = tmp_path / "a.tar", tmp_path / "new.tar"
+    path.write_bytes(tar_bytes(old))
+    replacement.write_bytes(tar_bytes([(name, b"new") for name, _ in old]))
+    iterator = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    got = [next(iterator) for _ in range(3)]
+    os.chmod(path, 0o600)
+    got.extend(next(iterator) for _ in range(3))
+    os.replace(replacement, path)
+    got.extend(iterator)
+    assert [(m.name, m[1]) for m in got] == old

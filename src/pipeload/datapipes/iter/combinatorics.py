@@ -14,6 +14,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.torch_loader import seed_in_torch_worker
 from pipeload.errors import bad_state_field
 from pipeload import samplers
 
@@ -21,7 +22,11 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 def draw_seed() -> int:
-    """A seed from torch's global generator, drawn as torch's pipes draw theirs."""
+    """A seed from torch's global generator, drawn as torch's pipes draw theirs; in a worker of
+    torch's own loader, one that every worker of the epoch draws alike (see torch_loader.py)."""
+    shared = seed_in_torch_worker()
+    if shared is not None:
+        return shared
     return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
@@ -153,6 +158,11 @@ class _ShufflerIterator(_SeededRun, PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return {"buffer": list(self._buffer), "rng": self._generator().getstate(), "source_done": self._source_done}
+
+    def _settings(self) -> dict[str, Any]:
+        # Another buffer size draws other slots from the same generator: the rest of the
+        # epoch would repeat some items and lose others.
+        return {"buffer_size": self._capacity}
 
     def _check_own_state(self, fields: StateFields) -> Any:
         own = fields.fields("own")

@@ -77,6 +77,9 @@ class _BatcherIterator(PipeIterator[DataChunk]):
     def _own_state(self) -> Any:
         return list(self._filling)
 
+    def _settings(self) -> dict[str, Any]:
+        return {"batch_size": self._size, "drop_last": self._drop_last}
+
     def _check_own_state(self, fields: StateFields) -> Any:
         # a full batch is handed out at once: the one being filled is always short of it
         expected = f"a list of fewer than {self._size} items (the batch being filled)"

@@ -10,6 +10,7 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import check_int, no_length
 from pipeload.datapipes.protocol import PipeIterator
+from pipeload.datapipes.torch_loader import shard_in_torch_worker
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -95,7 +96,12 @@ class ShardingFilter(IterDataPipe[T_co]):
         self.num_of_instances, self.instance_id = count, position
 
     def __iter__(self) -> Iterator[T_co]:
-        return _ShardingIterator(self.num_of_instances, self.instance_id, self.source_datapipe)
+        count, position = self.num_of_instances, self.instance_id
+        # Nobody sharded it: torch's own loader may be running it, which would split its own
+        # pipes with the DEFAULT group (a filter obeying only another group ignores that).
+        if not self.groups and self.sharding_group_filter in (None, SHARDING_PRIORITIES.DEFAULT):
+            count, position = shard_in_torch_worker() or (count, position)
+        return _ShardingIterator(count, position, self.source_datapipe)
 
     def __len__(self) -> int:
         try:

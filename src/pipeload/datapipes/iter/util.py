@@ -147,6 +147,7 @@ class _HeaderIterator(PipeIterator[Any]):
         super().__init__(source)
         (self._source,) = self.upstream
         self._left = limit  # None: no limit
+        self._limit = limit
 
     def nonblocking_next(self) -> Any:
         if self._left is not None:
@@ -161,6 +162,9 @@ class _HeaderIterator(PipeIterator[Any]):
 
     def _own_state(self) -> Any:
         return self._left
+
+    def _settings(self) -> dict[str, Any]:
+        return {"limit": self._limit}
 
     def _check_own_state(self, fields: StateFields) -> Any:
         if self._left is None:
@@ -202,6 +206,7 @@ class _EnumeratorIterator(PipeIterator[tuple[int, Any]]):
         super().__init__(source)
         (self._source,) = self.upstream
         self._index = start
+        self._start = start
 
     def nonblocking_next(self) -> tuple[int, Any]:
         item = self._source.nonblocking_next()
@@ -211,6 +216,9 @@ class _EnumeratorIterator(PipeIterator[tuple[int, Any]]):
 
     def _own_state(self) -> Any:
         return self._index
+
+    def _settings(self) -> dict[str, Any]:
+        return {"starting_index": self._start}
 
     def _check_own_state(self, fields: StateFields) -> Any:
         return fields.integer("own", self._index)  # the next index: never below the first

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import errno
 import io
+import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,15 +51,28 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
     def __post_init__(self) -> None:
+        # Refused here, where the policy is written: a float count silently rounds up (2.5
+        # tries are 3), a string fails only at the first error, a NaN wait never ends.
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, numbers.Integral):
+            raise TypeError(f"RetryPolicy: attempts must be an int, got attempts={self.attempts!r} "
+                            f"({type(self.attempts).__name__})")
         if self.attempts < 1:
             raise ValueError(f"RetryPolicy: attempts must be at least 1, got attempts={self.attempts!r}")
-        if self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError(f"RetryPolicy: waits must not be negative, got backoff_s="
-                             f"{self.backoff_s!r}, max_backoff_s={self.max_backoff_s!r}")
+        for name in ("backoff_s", "max_backoff_s"):
+            _check_wait(name, getattr(self, name))
 
     def wait_s(self, failed_attempts: int) -> float:
         """The wait after ``failed_attempts`` failures (1 or more)."""
         return min(self.backoff_s * 2 ** (failed_attempts - 1), self.max_backoff_s)
+
+
+def _check_wait(name: str, seconds: Any) -> None:
+    """Refuse a wait that is not a finite number of seconds, at least 0, naming the field."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"RetryPolicy: {name} must be a number of seconds, got {name}={seconds!r} "
+                        f"({type(seconds).__name__})")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"RetryPolicy: waits must be finite and not negative, got {name}={seconds!r}")
 
 
 def is_transient(error: BaseException) -> bool:

@@ -18,6 +18,7 @@ archive replaced since is the same splice, across processes instead of across a 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import stat
@@ -50,6 +51,9 @@ class ObjectVersion:
     size: int | None = None
     version_id: str | None = None
     mtime_ns: int | None = None  # a local file's modification time
+    # A local file's status-change time: a rewrite moves it even when the modification time is
+    # set back afterwards (``cp -p``, ``rsync --inplace -t``), and nobody can set it by hand.
+    ctime_ns: int | None = None
     content: str | None = None  # a local file's fingerprint (see local_fingerprint)
 
     @property
@@ -68,7 +72,9 @@ class ObjectVersion:
 
 
 _LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "version_id": "version id",
-           "mtime_ns": "modification time (ns)", "content": "first and last 64 KiB"}
+           "mtime_ns": "modification time (ns)", "ctime_ns": "status-change time (ns)",
+           "content": "first and last 64 KiB"}
+LOCAL_ONLY = ("mtime_ns", "ctime_ns")  # a copy of the file has others, and the same bytes
 TEXT_FIELDS = ("etag", "last_modified", "version_id", "content")  # in a checkpoint: text; the rest, counts
 FINGERPRINT_BYTES = 64 * 1024  # read from each end of a local file: ~0.1 ms an archive opened
 
@@ -99,8 +105,58 @@ def stream_version(stream: Any) -> ObjectVersion | None:
         return None
     if not stat.S_ISREG(status.st_mode):
         return None
-    return ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns,
+    return ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns, ctime_ns=status.st_ctime_ns,
                          content=local_fingerprint(stream.fileno(), status.st_size))
+
+
+def local_status(status: os.stat_result) -> ObjectVersion:
+    """What one ``fstat`` tells of an open local file's version, to compare while it is read."""
+    return ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns, ctime_ns=status.st_ctime_ns)
+
+
+class LocalWatch:
+    """An open local file's length, modification and status-change times as first seen, checked
+    again after each read of it (one ``fstat``, about a microsecond), so that a read across a
+    rewrite raises instead of splicing two versions.
+
+    A status-change time that moved alone is a rewrite whose modification time was set back
+    (``cp -p``, ``rsync --inplace -t``), or a ``chmod`` or a new hard link: which one, only the
+    content could tell, so it is taken for a change. Except when the file has no name left (it
+    was replaced by a rename, or deleted): its bytes stay as they were for the reader that holds
+    it open.
+
+    Owned by the one reader of the stream.
+    """
+
+    __slots__ = ("url", "fd", "size", "mtime_ns", "ctime_ns")
+
+    def __init__(self, url: str, fd: int, status: os.stat_result) -> None:
+        self.url, self.fd = url, fd
+        self.size, self.mtime_ns, self.ctime_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+    @classmethod
+    def of(cls, url: str, stream: Any) -> LocalWatch | None:
+        """A watch on ``stream`` if it reads a regular local file, else None."""
+        try:
+            fd = stream.fileno()
+            status = os.fstat(fd)
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return None
+        return cls(url, fd, status) if stat.S_ISREG(status.st_mode) else None
+
+    def check(self) -> None:
+        """Raise :class:`SourceChangedError` if the file changed since the watch began."""
+        status = os.fstat(self.fd)
+        if status.st_size != self.size or status.st_mtime_ns != self.mtime_ns:
+            first = ObjectVersion(size=self.size, mtime_ns=self.mtime_ns)
+            check_unchanged(self.url, first, ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns))
+        if status.st_ctime_ns != self.ctime_ns:
+            if status.st_nlink == 0:
+                self.ctime_ns = status.st_ctime_ns
+                return
+            raise changed_error(self.url, "its status-change time moved while its length and modification "
+                                "time stayed: rewritten with its modification time set back, or its "
+                                "permissions or links changed")
 
 
 def local_fingerprint(fd: int, size: int) -> str:
@@ -119,10 +175,10 @@ def version_state(version: ObjectVersion | None) -> dict[str, Any] | None:
     """``version`` for a checkpoint: its known fields (plain JSON types); None for none."""
     if version is None:
         return None
-    # Not a local file's modification time: a copy of the file has another, and the same bytes
-    # (its content fingerprint tells). It still catches a rewrite while the file is read.
+    # Not a local file's modification or status-change time: a copy of the file has others, and
+    # the same bytes (its content fingerprint tells). They still catch a rewrite while it is read.
     return {field.name: getattr(version, field.name) for field in fields(version)
-            if getattr(version, field.name) is not None and field.name != "mtime_ns"}
+            if getattr(version, field.name) is not None and field.name not in LOCAL_ONLY}
 
 
 def changed_since_checkpoint_error(url: str, what: str, offset: int) -> SourceChangedError:

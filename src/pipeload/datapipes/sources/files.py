@@ -4,6 +4,7 @@ paths need nothing; URLs go through fsspec."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -16,7 +17,7 @@ from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
-from pipeload.datapipes.sources._versions import ObjectVersion
+from pipeload.datapipes.sources._versions import LocalWatch, ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
 from pipeload.datapipes.sources.errors import SourceChangedError, SourceError, describe_failure, redact_url, url_secrets
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, OnError, check_policy
@@ -38,8 +39,16 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
     Raises:
         FileNotFoundError, PermissionError: as raised for the file, naming ``url``.
         SourceError: anything else that stopped the open, after the retries; names ``url``.
+            A remote read that fails after the retries (a body cut short, a stall) raises one
+            too, naming ``url``, with the network library's error as its ``__cause__``.
         ImportError: a remote URL without the ``remote`` extra installed.
     """
+    return _open(url, mode, encoding, storage_options, retry, _NamingReader)
+
+
+def _open(url: str, mode: str, encoding: str | None, storage_options: Mapping[str, Any] | None,
+          retry: RetryPolicy | None, reader_type: type[RetryingReader]) -> IO[Any]:
+    """``open_stream``, its remote reads made by a ``reader_type``."""
     binary = _MODES.get(mode)
     if binary is None:
         raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
@@ -49,7 +58,7 @@ def open_stream(url: str, mode: str = "rb", encoding: str | None = None,
         def opener(at: int, version: ObjectVersion | None) -> Any:
             return _storage.open_remote(url, storage_options, at, version)
 
-        reader = RetryingReader(url, opener, retry or RetryPolicy())
+        reader = reader_type(url, opener, retry or RetryPolicy())
     except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
         if error.errno is not None and url in str(error) and not url_secrets(url):
             raise  # the operating system's words, naming the path
@@ -74,12 +83,30 @@ def _naming(error: OSError, url: str) -> OSError:
 def read_naming(stream: IO[Any], url: str, size: int | None = None) -> Any:
     """The rest of ``stream`` (at most ``size`` of it, when given); a failure (after the
     stream's own retries) names ``url``."""
-    try:
+    with _read_failures_naming(url):
         return stream.read() if size is None else stream.read(size)
+
+
+@contextlib.contextmanager
+def _read_failures_naming(url: str) -> Iterator[None]:
+    """Raise a read's failure as a SourceError naming ``url``, the failure as its cause."""
+    try:
+        yield
     except (ValueError, TypeError, MemoryError, SourceError):  # the data or the caller; named
         raise
     except Exception as error:
         raise SourceError(f"cannot read {url!r}: {describe_failure(error)}", url) from error
+
+
+class _NamingReader(RetryingReader):
+    """A :class:`RetryingReader` whose failed reads (after its retries) name its URL, as
+    ``read_naming`` names them: ``open_stream``'s caller may read with anything (``tarfile``,
+    ``json.load``), and a network library's error alone (``ClientPayloadError``, an
+    ``FSTimeoutError`` without a message) does not say which of its files broke."""
+
+    def readinto(self, buffer: Any) -> int:
+        with _read_failures_naming(self.url):
+            return super().readinto(buffer)
 
 
 class FileLister(IterDataPipe[str]):
@@ -109,8 +136,11 @@ class FileLister(IterDataPipe[str]):
                  *, recursive: bool = False, abspath: bool = False, non_deterministic: bool = False,
                  length: int = -1, storage_options: Mapping[str, Any] | None = None) -> None:
         self.datapipe = root if is_iter_datapipe(root) else None
-        self.roots = None if self.datapipe is not None else ([root] if isinstance(root, str) else list(root))
-        self.masks = [masks] if isinstance(masks, str) else list(masks)
+        self.roots = None if self.datapipe is not None else _texts(
+            root, "root", "a path or URL (str), a sequence of them or a pipe yielding them")
+        self.masks = _texts(masks, "masks", "a str or a sequence of str")
+        _check_lister_options(length, storage_options, recursive=recursive, abspath=abspath,
+                              non_deterministic=non_deterministic)
         self.recursive = recursive
         self.abspath = abspath
         self.non_deterministic = non_deterministic
@@ -133,6 +163,34 @@ class FileLister(IterDataPipe[str]):
         if self.length == -1:
             raise no_length(self)
         return self.length
+
+
+def _texts(value: Any, name: str, expected: str) -> list[str]:
+    """``value``, a str or an iterable of str, as a list; else a TypeError naming ``name`` (the
+    listing would otherwise trip on it only when iterated, as ``masks=5`` did)."""
+    if isinstance(value, str):
+        return [value]
+    try:
+        items = None if isinstance(value, (bytes, bytearray)) else list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise TypeError(f"FileLister: {name} must be {expected}, got {name}={value!r}")
+    return items
+
+
+def _check_lister_options(length: Any, storage_options: Any, **flags: Any) -> None:
+    """Refuse, naming it, an option the listing would take wrongly (``recursive="no"`` is true)
+    or trip on later."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"FileLister: {name} must be True or False, got {name}={value!r} "
+                            f"({type(value).__name__})")
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"FileLister: length must be an int (-1: no length), got length={length!r}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"FileLister: storage_options must be a mapping (fsspec's options) or None, "
+                        f"got storage_options={storage_options!r}")
 
 
 class _ListingIterator(PipeIterator[str]):
@@ -259,7 +317,9 @@ class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
         return _OpenerIterator(self)
 
     def open(self, url: str) -> IO[Any]:
-        return open_stream(url, self.mode, self.encoding, self.storage_options, self.retry)
+        # Plain RetryingReaders: load_from_tar names the archive member a failed read was in,
+        # and a failure already named (a SourceError) it would pass on as it is.
+        return _open(url, self.mode, self.encoding, self.storage_options, self.retry, RetryingReader)
 
     def __len__(self) -> int:
         # As torch's: no length unless told, even over a source with one (a file skipped under
@@ -319,13 +379,17 @@ class _StreamReadingIterator(SkipToResume, PipeIterator[tuple[str, Any]]):
         (self._streams,) = self.upstream
         self._chunk = chunk
         self._current: tuple[str, IO[Any]] | None = None
+        self._watch: LocalWatch | None = None  # on the current stream, when it reads a local file
 
     def nonblocking_next(self) -> tuple[str, Any]:
         while True:
             if self._current is None:
                 self._current = self._streams.nonblocking_next()
+                self._watch = LocalWatch.of(self._current[0], self._current[1])
             label, stream = self._current
             data = read_naming(stream, label, self._chunk)
+            if self._watch is not None:
+                self._watch.check()  # a piece read across a rewrite, or a cut-short end, never goes out
             if data:
                 return label, data
             self._current = None

@@ -75,6 +75,15 @@ class _WrapperIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return self._position
 
+    def _settings(self) -> dict[str, Any]:
+        # A list grown or shrunk since (a shard appended to a shuffled shard list): the same
+        # position would be replayed through another shuffle, into other items.
+        data = self._pipe.iterable
+        return {"length": len(data)} if isinstance(data, Sized) else {}
+
+    def _pipe_name(self) -> str:
+        return "IterableWrapper"
+
     def _check_own_state(self, fields: StateFields) -> Any:
         # Replaying is exact for data in memory; sources that can seek do better (issue 9). It is
         # done here, on an iterator of its own, so a position past the data is refused unset.

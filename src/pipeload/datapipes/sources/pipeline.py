@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import operator
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +149,7 @@ def webdataset_pipeline(
         >>> pipe = webdataset_pipeline("https://host/shards/train-{0000..0146}.tar", image="tensor")
         >>> loader = pipeload.DataLoader(pipe.map(to_pair), batch_size=64, num_workers=8)
     """
+    _check_arguments(locals())  # first, before anything is listed or opened
     shard_urls = expand_urls(urls, storage_options)
     _storage.load_implementations(shard_urls)
     _check_shards_exist(shard_urls, urls, storage_options, on_error)
@@ -168,6 +170,65 @@ def webdataset_pipeline(
     if batch_size is not None:
         pipe = pipe.batch(batch_size)
     return pipe
+
+
+def _check_arguments(arguments: Mapping[str, Any]) -> None:
+    """Refuse arguments of ``webdataset_pipeline`` that its stages would take wrongly
+    (``shuffle_shards="no"`` is true, ``handlers={"cls": 5}`` fails every sample, skipped under
+    ``on_error="skip"``) or refuse under another name (``buffer_size``), naming them. The
+    stages check the rest (``image``, ``on_error``, ``max_failures``, ``batch_size``)."""
+    _check_urls(arguments["urls"])
+    for name in ("shuffle_shards", "hold_until_checked"):
+        if not isinstance(arguments[name], bool):
+            raise TypeError(f"webdataset_pipeline: {name} must be True or False, got "
+                            f"{name}={arguments[name]!r} ({type(arguments[name]).__name__})")
+    for name in ("shuffle_buffer", "read_ahead"):
+        _check_count(name, arguments[name])
+    _check_handlers(arguments["handlers"])
+    options = arguments["storage_options"]
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"webdataset_pipeline: storage_options must be a mapping (fsspec's options) "
+                        f"or None, got storage_options={options!r}")
+    if arguments["retry"] is not None and not isinstance(arguments["retry"], RetryPolicy):
+        raise TypeError(f"webdataset_pipeline: retry must be a RetryPolicy or None, got "
+                        f"retry={arguments['retry']!r}")
+
+
+def _check_urls(urls: Any) -> None:
+    """A str or a sequence of str; what it names, ``expand_urls`` finds out."""
+    if isinstance(urls, str) or (isinstance(urls, Sequence) and all(isinstance(url, str) for url in urls)):
+        return
+    raise TypeError(f"webdataset_pipeline: urls must be a str or a sequence of str (URLs, paths or "
+                    f"patterns), got urls={urls!r}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    """An int (numpy's too, as the pipes take them), 0 or more: 0 turns the stage off."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None:
+        raise TypeError(f"webdataset_pipeline: {name} must be an int (0: none), got {name}={value!r} "
+                        f"({type(value).__name__})")
+    if count < 0:
+        raise ValueError(f"webdataset_pipeline: {name} must be 0 or more (0: none), got {name}={value!r}")
+
+
+def _check_handlers(handlers: Any) -> None:
+    """None, or a mapping of extensions to a callable or None (None leaves it undecoded)."""
+    if handlers is None:
+        return
+    if not isinstance(handlers, Mapping):
+        raise TypeError(f"webdataset_pipeline: handlers must be a mapping of extensions to "
+                        f"fn(bytes) or None, got handlers={handlers!r}")
+    for extension, handler in handlers.items():
+        if not isinstance(extension, str):
+            raise TypeError(f"webdataset_pipeline: handlers' keys must be extensions (str), got "
+                            f"{extension!r} in handlers={handlers!r}")
+        if handler is not None and not callable(handler):
+            raise TypeError(f"webdataset_pipeline: handlers[{extension!r}] must be a callable "
+                            f"fn(bytes) or None, got {handler!r} ({type(handler).__name__})")
 
 
 def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mapping[str, Any] | None,

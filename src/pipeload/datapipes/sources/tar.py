@@ -99,8 +99,7 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
     def __init__(self, datapipe: IterDataPipe[tuple[str, IO[bytes]]], mode: str = "r:*", length: int = -1,
                  *, on_error: OnError = "raise", max_failures: int | None = None,
                  hold_until_checked: bool = False) -> None:
-        if not mode.startswith("r"):
-            raise ValueError(f"TarArchiveLoader only reads archives: mode must start with 'r', got mode={mode!r}")
+        _check_loader_arguments(mode, length, hold_until_checked)
         check_policy(on_error, max_failures, "TarArchiveLoader")
         self.datapipe = datapipe
         self.mode = mode
@@ -117,6 +116,20 @@ class TarArchiveLoader(IterDataPipe[ArchiveMember], ErrorPolicyMixin):
         if self.length == -1:
             raise no_length(self)
         return self.length
+
+
+def _check_loader_arguments(mode: Any, length: Any, hold_until_checked: Any) -> None:
+    """Refuse, where the pipe is built, arguments the first archive would trip on (or, for
+    ``hold_until_checked="no"``, take as true), naming them."""
+    if not isinstance(mode, str):
+        raise TypeError(f"TarArchiveLoader: mode must be a str such as 'r:*', got mode={mode!r}")
+    if not mode.startswith("r"):
+        raise ValueError(f"TarArchiveLoader only reads archives: mode must start with 'r', got mode={mode!r}")
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"TarArchiveLoader: length must be an int (-1: no length), got length={length!r}")
+    if not isinstance(hold_until_checked, bool):
+        raise TypeError(f"TarArchiveLoader: hold_until_checked must be True or False, got "
+                        f"hold_until_checked={hold_until_checked!r} ({type(hold_until_checked).__name__})")
 
 
 class _OpenArchive:
@@ -153,17 +166,26 @@ class _OpenArchive:
         return ArchiveMember(self.url, found[0], found[1], self.outcome, self.reader.members_read - 1)
 
     def _check_unchanged(self) -> None:
-        """Raise SourceChangedError if a local archive changed since it was opened (its length
-        or modification time): checked after each member is read and before it is handed out,
-        so a member read across a rewrite never goes out (one fstat, about a microsecond)."""
+        """Raise SourceChangedError if a local archive changed since it was opened: checked after
+        each member is read and before it is handed out, so a member read across a rewrite never
+        goes out (one fstat, about a microsecond).
+
+        A new length or modification time is a change. A new status-change time alone is also
+        what a rewrite whose modification time was set back leaves (``cp -p``, ``rsync
+        --inplace -t``), but equally a ``chmod``, a new hard link, or the file replaced by a
+        rename (the open one then has no name left, and its bytes stay): the content
+        fingerprint tells them apart (two 64 KiB reads, once per such change)."""
         if self._local_fd is None:
             return
         status = os.fstat(self._local_fd)
         version = self.version
         assert version is not None
         if status.st_mtime_ns != version.mtime_ns or status.st_size != version.size:
-            now = ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns)
-            _versions.check_unchanged(self.url, version, now)
+            _versions.check_unchanged(self.url, version, _versions.local_status(status))
+        elif status.st_ctime_ns != version.ctime_ns:
+            content = _versions.local_fingerprint(self._local_fd, status.st_size)
+            _versions.check_unchanged(self.url, version, dataclasses.replace(version, content=content))
+            self.version = dataclasses.replace(version, ctime_ns=status.st_ctime_ns)
 
     def _next_held(self) -> ArchiveMember | None:
         if self._held is None:
