@@ -221,6 +221,17 @@ def test_arguments_are_checked() -> None:
         QueueBoundary(IterableWrapper([]), "thread", multiprocessing_context="spawn")
     with pytest.raises(AssertionError, match="Buffer size is required to be larger than 0"):
         IterableWrapper([]).prefetch(0)
+    # A misspelt option ran with the default buffer; a bad start method failed only at the run.
+    with pytest.raises(TypeError, match=r"queue_boundary\('thread'\) takes no other options, but got buffersize=1"):
+        IterableWrapper([]).queue_boundary("thread", buffersize=1)
+    with pytest.raises(TypeError, match=r"queue_boundary\('process'\) takes no other options, but got bufer_size=1"):
+        IterableWrapper([]).queue_boundary("process", bufer_size=1)
+    with pytest.raises(ValueError, match=r"multiprocessing_context should be None, a context or one of .*'bogus'"):
+        IterableWrapper([]).queue_boundary("process", multiprocessing_context="bogus")
+    with pytest.raises(ValueError, match=r"size should be None or a positive number of megabytes, but got size=-1"):
+        IterableWrapper([]).in_memory_cache(size=-1)
+    with pytest.raises(TypeError, match=r"size should be None or a number of megabytes, but got size='x'"):
+        IterableWrapper([]).in_memory_cache(size="x")
 
 
 def test_a_thread_boundary_runs_inside_dataloader_process_workers() -> None:

@@ -152,7 +152,10 @@ def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises
     [("fork", "busy", "classic"), pytest.param("fork", "idle", "classic", marks=pytest.mark.slow),
      pytest.param("fork", "busy", "economic", marks=pytest.mark.slow),
      ("fork", "idle", "economic"), pytest.param("spawn", "busy", "classic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
-     pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow])],
+     pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
+     # A forkserver worker's parent is the fork server, which lives on while any of its children
+     # does: a worker stuck in user code must watch the main process itself.
+     pytest.param("forkserver", "busy", "classic", marks=pytest.mark.timeout(120))],
 )
 def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
     proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)
@@ -210,6 +213,35 @@ def test_a_second_ctrl_c_while_the_first_one_stops_the_workers_still_stops_them(
     presser.join(INTERRUPTED_EXIT_S)
     assert len(sent) == 2, "the second Ctrl-C found nothing being stopped"
     assert raised_after_s < 3.0, f"KeyboardInterrupt came {raised_after_s:.2f} s after Ctrl-C"
+    leak_guard.assert_exited(pids, within_s=1.0)
+
+
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_a_ctrl_c_while_a_dropped_iterator_stops_its_workers_reaches_the_users_code(
+        engine, tmp_path, leak_guard, ctrl_c_raises):
+    # After ``break``, the iterator's finalizer stops the workers, waiting for one stuck in user
+    # code; a Ctrl-C then is held until they are stopped. Raised in the finalizer, it was
+    # printed as "Exception ignored" and lost: the program went on as if nobody had pressed it.
+    notice = tmp_path / "stalled"
+    loader = DataLoader(StallsAndSaysSo(64, stall_index=2, notice=str(notice)), batch_size=2,
+                        num_workers=2, **loader_kwargs(engine))
+    iterator = iter(loader)
+    next(iterator)  # batch 0; the worker that took batch 1 is stuck in it (in economic mode, the
+    assert wait_until(notice.exists, STARTUP_S)  # item worker that took item 2)
+    pids = child_pids()
+
+    def press_ctrl_c_while_stopping() -> None:
+        if wait_until(lambda: _main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
+            _interrupt_main_thread()
+
+    presser = threading.Thread(target=press_ctrl_c_while_stopping)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        del iterator  # the finalizer runs here, and returns
+        deadline = time.monotonic() + INTERRUPTED_EXIT_S
+        while time.monotonic() < deadline:  # the user's code after it: where the Ctrl-C belongs
+            time.sleep(0.01)
+    presser.join(INTERRUPTED_EXIT_S)
     leak_guard.assert_exited(pids, within_s=1.0)
 
 

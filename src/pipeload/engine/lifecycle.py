@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import set_spawning_popen
@@ -82,7 +83,7 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
     Daemonic processes (DataLoader process workers among them) may not have children, and the
     assertion multiprocessing raises says nothing about what to do instead. The rule is there
     because a daemon is terminated without waiting for its children, which would be left
-    running; a child that leaves by itself when its parent dies (``exit_when_parent_dies``) is
+    running; a child that leaves by itself when its creator dies (``exit_when_creator_dies``) is
     not left behind, and with ``leaves_with_parent`` it may be started from a daemon too.
     """
     current = multiprocessing.current_process()
@@ -286,8 +287,39 @@ def ctrl_c_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if held:
+        if held and _inside_a_finalizer(sys._getframe()):
+            # Raised in a finalizer (an iterator dropped after ``break``), it would be printed as
+            # "Exception ignored" and lost: sent again once the finalizer has returned, it is
+            # raised in the user's code.
+            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.get_ident(),),
+                             name="pipeload-ctrl-c", daemon=True).start()
+        elif held:
             previous(*held[0])  # the default handler raises KeyboardInterrupt here
+
+
+def _inside_a_finalizer(frame: Any) -> bool:
+    """Whether a ``weakref.finalize`` runs in ``frame`` or below it on its stack, called by the
+    garbage collection of its object (its weakref passed as ``_``), where what it raises is
+    printed and dropped; called by our code (``finalizer()``), it raises to its caller."""
+    while frame is not None:
+        if frame.f_code is _FINALIZER_CODE and frame.f_locals.get("_") is not None:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _ctrl_c_after_finalizers(main_thread: int) -> None:
+    """Send SIGINT to the main thread as soon as no finalizer runs on it (a real signal, so that
+    a blocking call it has gone on to is interrupted as a terminal's Ctrl-C would)."""
+    deadline = time.monotonic() + CTRL_C_REDELIVERY_WAIT_S
+    while _inside_a_finalizer(sys._current_frames().get(main_thread)) and time.monotonic() < deadline:
+        time.sleep(CTRL_C_REDELIVERY_POLL_S)  # a finalizer's remaining steps take microseconds
+    signal.pthread_kill(main_thread, signal.SIGINT)
+
+
+_FINALIZER_CODE = weakref.finalize.__call__.__code__
+CTRL_C_REDELIVERY_POLL_S = 0.001
+CTRL_C_REDELIVERY_WAIT_S = 5.0  # then sent anyway: a finalizer that another one's stop holds up
 
 
 def stop_workers(
@@ -372,42 +404,72 @@ def keep_descriptors_from_programs() -> None:
                 pass  # the listing's own descriptor, closed by now
 
 
-def exit_when_parent_dies(parent_pid: int) -> None:
-    """In a child process: leave at once if the parent dies, even while user code is busy.
+def exit_when_creator_dies() -> None:
+    """In a child process: leave at once when the process that started it dies, even while user
+    code is busy.
 
-    The parent is the main process (fork, spawn) or the forkserver, which itself exits when the
-    main process does; either way our parent pid changes when the main process is gone.
+    That process (``multiprocessing.parent_process()``: the main process, or the worker that
+    started a queue boundary's process) is the parent under fork and spawn. Under forkserver the
+    parent is the fork server, which outlives the main process as long as any of its children
+    lives (each holds the server's "alive" pipe): a worker watching its parent would then never
+    leave, stuck in user code after its main process was killed. So the creator itself is
+    watched.
 
-    The watching thread sleeps in ``poll`` on a pidfd of the parent, which wakes it only when the
-    parent exits. A thread that woke every few hundred milliseconds instead would take the GIL
-    from the worker's own (often GIL-bound) thread each time, and on a crowded machine each such
-    hand-over waits for both threads to get a CPU again: a CPU-bound worker lost a tenth of its
-    throughput or more that way. Where pidfds are missing, it falls back to checking every
+    The watching thread sleeps in ``poll`` on a pidfd of the creator, which wakes it only when
+    the creator exits. A thread that woke every few hundred milliseconds instead would take the
+    GIL from the worker's own (often GIL-bound) thread each time, and on a crowded machine each
+    such hand-over waits for both threads to get a CPU again: a CPU-bound worker lost a tenth of
+    its throughput or more that way. Where pidfds are missing, it falls back to checking every
     ``PARENT_CHECK_INTERVAL_S``.
     """
-    pidfd = _parent_pidfd(parent_pid)
+    creator = _creator_pid()
+    is_parent = os.getppid() == creator
+    pidfd = _creator_pidfd(creator, is_parent)
 
     def watch() -> None:
         if pidfd is not None:
             poller = select.poll()
             poller.register(pidfd, select.POLLIN)
-            # In long slices (a wake-up a minute costs nothing), checking the parent each time.
-            while not poller.poll(PIDFD_SLICE_MS) and os.getppid() == parent_pid:
+            # In long slices (a wake-up a minute costs nothing), checking the creator each time.
+            # Readable once it has exited, even while it waits, a zombie, to be reaped.
+            while not poller.poll(PIDFD_SLICE_MS) and _still_there(creator, is_parent):
                 pass
-        while os.getppid() == parent_pid:
+            os._exit(0)
+        while _still_there(creator, is_parent):
             time.sleep(PARENT_CHECK_INTERVAL_S)
         os._exit(0)
 
     threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()
 
 
-def _parent_pidfd(parent_pid: int) -> int | None:
-    """A pidfd of the parent, or None where the system has none (the watcher then polls)."""
+def _creator_pid() -> int:
+    """The pid of the process that started this one (its ``multiprocessing.Process``'s owner)."""
+    creator = multiprocessing.parent_process()
+    return creator.pid if creator is not None and creator.pid else os.getppid()
+
+
+def _still_there(creator: int, is_parent: bool) -> bool:
+    """Whether the creator lives: as our parent, until we are given another one; otherwise (a
+    fork server's child) while its pid does, which only the pidfd-less fallback relies on."""
+    if is_parent:
+        return os.getppid() == creator
     try:
-        pidfd = os.pidfd_open(parent_pid)
+        with open(f"/proc/{creator}/stat", "rb") as stat_file:
+            state = stat_file.read().rsplit(b")", 1)[1].split()[0]  # after "(name)", which may hold spaces
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")  # exited, not yet reaped by its own parent
+
+
+def _creator_pidfd(creator: int, is_parent: bool) -> int | None:
+    """A pidfd of the creator, or None where the system has none (the watcher then polls)."""
+    try:
+        pidfd = os.pidfd_open(creator)
+    except ProcessLookupError:
+        os._exit(0)  # it died before we could watch it
     except (AttributeError, OSError):
         return None
-    if os.getppid() != parent_pid:
+    if is_parent and os.getppid() != creator:
         os.close(pidfd)  # it died before we opened it: the pid may be someone else's now
         os._exit(0)
     return pidfd

@@ -26,7 +26,7 @@ from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.fetch import DatasetExhausted, make_fetcher
 from pipeload.engine.lifecycle import (
     exit_now,
-    exit_when_parent_dies,
+    exit_when_creator_dies,
     keep_descriptors_from_programs,
     schedule_as_batch_work,
     steady_heap,
@@ -416,7 +416,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     # process's objects): a full collection writes to every object it visits, which would copy
     # each page of the inherited heap into this worker (about 40 MiB with torch imported).
     gc.freeze()
-    exit_when_parent_dies(os.getppid())
+    exit_when_creator_dies()
     schedule_as_batch_work()
     steady_heap()  # the luck of the fork must not decide whether a batch's memory is reused
     torch.set_num_threads(1)

@@ -22,6 +22,20 @@ T_co = TypeVar("T_co", covariant=True)
 _names = itertools.count()
 
 
+BUILT_IN_KINDS = ("thread", "process")  # they take no options beyond QueueBoundary's own
+
+
+def _check_start_method(context: Any) -> None:
+    """A start method name this system has, a multiprocessing context, or None; refused when the
+    pipe is built, not when its first run starts the process."""
+    if context is None or isinstance(context, multiprocessing.context.BaseContext):
+        return
+    methods = multiprocessing.get_all_start_methods()
+    if not isinstance(context, str) or context not in methods:
+        raise ValueError(f"multiprocessing_context should be None, a context or one of {methods!r}, "
+                         f"but got multiprocessing_context={context!r}")
+
+
 class QueueBoundary(IterDataPipe[T_co]):
     """Run everything upstream of this point in another thread or process (functional name:
     ``queue_boundary``).
@@ -85,6 +99,10 @@ class QueueBoundary(IterDataPipe[T_co]):
                 "multiprocessing_context only applies to worker_type='process', but got "
                 f"multiprocessing_context={multiprocessing_context!r} with worker_type={worker_type!r}"
             )
+        _check_start_method(multiprocessing_context)
+        if options and worker_type in BUILT_IN_KINDS:  # a misspelt buffer_size would run with 8
+            raise TypeError(f"queue_boundary({worker_type!r}) takes no other options, but got "
+                            + ", ".join(f"{name}={value!r}" for name, value in options.items()))
         self.datapipe = datapipe
         self.worker_type = worker_type
         self.buffer_size = buffer_size

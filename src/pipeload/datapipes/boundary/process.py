@@ -30,7 +30,7 @@ from pipeload.engine.lifecycle import (
     check_picklable,
     ctrl_c_held,
     exit_now,
-    exit_when_parent_dies,
+    exit_when_creator_dies,
     held_over_a_fork,
     keep_descriptors_from_programs,
     release_finished,
@@ -122,7 +122,7 @@ def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue,
     """Entry point of a boundary's upstream process (``resume``, ``states``: see ``feed``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     keep_descriptors_from_programs()
-    exit_when_parent_dies(os.getppid())
+    exit_when_creator_dies()
     schedule_as_batch_work()  # woken by the consumer, it must not preempt it
     torch.set_num_threads(1)
     seed_process_worker(seed, 0)  # its own random streams, fixed by the parent's generator

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -249,6 +251,11 @@ class InMemoryCacheHolder(IterDataPipe[T_co]):
     _parent_fields = ("source_dp",)
 
     def __init__(self, source_dp: IterDataPipe, size: int | None = None) -> None:
+        if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Real)):
+            raise TypeError(f"size should be None or a number of megabytes, but got size={size!r} "
+                            f"({type(size).__name__})")
+        if size is not None and not 0 < size < math.inf:
+            raise ValueError(f"size should be None or a positive number of megabytes, but got size={size!r}")
         self.source_dp = source_dp
         self.size = None if size is None else size * MEGABYTE
 
