@@ -165,3 +165,18 @@ def test_the_graph_module_reexports_the_datapipes_rooms_graph_functions() -> Non
         assert set(declared) <= set(pipeload.graph.__all__)
     for name in pipeload.graph.__all__:
         assert getattr(pipeload.graph, name) is getattr(pipeload.datapipes.graph, name), name
+
+
+def test_the_private_helpers_scripts_import_from_torchs_paths_are_there_and_agree() -> None:
+    import torch.utils.data._utils.worker as torch_worker
+
+    import pipeload._utils.worker as our_worker
+    import pipeload.graph_settings as our_graph_settings
+    from pipeload.datapipes.iter import IterableWrapper
+
+    for base_seed, worker_id in [(0, 0), (2**63 - 1, 3), (1234567890123, 7)]:
+        assert our_worker._generate_state(base_seed, worker_id) == torch_worker._generate_state(base_seed, worker_id)
+    shuffled = IterableWrapper(range(4)).shuffle()
+    assert our_graph_settings._is_shuffle_datapipe(shuffled)
+    assert not our_graph_settings._is_shuffle_datapipe(IterableWrapper(range(4)))
+    assert our_graph_settings._is_sharding_datapipe(shuffled.sharding_filter())

@@ -14,15 +14,21 @@ Example:
 """
 
 from pipeload.datapipes.graph import (
+    _is_shuffler,
     apply_random_seed,
     apply_sharding,
     apply_shuffle_settings,
+    is_sharding_datapipe,
     traverse_dps,
 )
 from pipeload.datapipes.iter.sharding import SHARDING_PRIORITIES
 
 __all__ = ["SHARDING_PRIORITIES", "apply_random_seed", "apply_sharding", "apply_shuffle_settings",
            "traverse_dps"]
+
+# torch's private names for the same two tests, which tools that walk graphs import.
+_is_shuffle_datapipe = _is_shuffler
+_is_sharding_datapipe = is_sharding_datapipe
 
 try:  # the DataPipes room adds it (branch rfc); until then it is missing here as there
     from pipeload.datapipes.graph import get_all_graph_pipes

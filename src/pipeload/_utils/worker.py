@@ -17,6 +17,8 @@ from typing import Any
 
 from pipeload.engine import worker_info as _engine
 from pipeload.engine.worker_info import WorkerInfo, get_worker_info
+from pipeload.engine.worker_info import numpy_seed_words as _generate_state  # torch's private name: its
+# four seed words for numpy from a worker's base seed and id, which worker_init_fns reuse
 
 __all__ = ["WorkerInfo", "get_worker_info"]
 
