@@ -5,9 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import platform
 import re
+import signal
+import sys
+import threading
 import time
 
+import psutil
 import pytest
+from conftest import wait_until
 
 from pipeload.engine import lifecycle
 
@@ -116,3 +121,35 @@ def test_the_heap_thresholds_are_left_alone_when_asked(monkeypatch):
     monkeypatch.delenv(lifecycle.WORKER_HEAP_ENV)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert lifecycle.steady_heap() is False
+
+
+def _main_thread_writes_to_a_child() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == "_launch" and "popen_spawn" in frame.f_code.co_filename:
+            return frame.f_locals.get("self") is not None and getattr(frame.f_locals["self"], "pid", None) is not None
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.slow  # a spawn child's start-up: ~2 s
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_a_spawn_start_writes_the_child_its_arguments_leaves_no_zombie(ctrl_c_raises):
+    # The child exists once its arguments are being written (4 MB here: the pipe fills, and the
+    # write waits for the child to read), but Process has not recorded it: it was left, a zombie
+    # for as long as this process lived (torch's loader leaves it too).
+    ctx = multiprocessing.get_context("spawn")
+    before = {child.pid for child in psutil.Process().children()}
+
+    def press_ctrl_c() -> None:
+        if wait_until(_main_thread_writes_to_a_child, 30):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        lifecycle.start_process(ctx, time.sleep, (bytes(4 << 20),), "w")
+    presser.join(30)
+    left = [child for child in psutil.Process().children() if child.pid not in before
+            and "resource_tracker" not in " ".join(child.cmdline())]
+    assert left == [], [(child.pid, child.status()) for child in left]

@@ -101,8 +101,31 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         release_free_heap()
     process = ctx.Process(target=target, args=args, name=name, daemon=True)
     with _children_allowed(current):
-        process.start()
+        try:
+            process.start()
+        except BaseException as error:
+            _reap_half_started(error)
+            raise
     return process
+
+
+def _reap_half_started(error: BaseException) -> None:
+    """Kill and reap a child that a failed start left behind (a Ctrl-C, or a pickling error,
+    while a spawn or forkserver start wrote the child its arguments).
+
+    The child exists by then, but the start raised before ``Process`` recorded it: nobody else
+    would reap it, and it would stay a zombie for as long as this process lives. Only the
+    ``Popen`` in the failed start's frames (``self`` of ``multiprocessing.popen_*``) knows its pid.
+    """
+    traceback = error.__traceback__
+    while traceback is not None:
+        popen = traceback.tb_frame.f_locals.get("self")
+        pid = getattr(popen, "pid", None)
+        if type(popen).__module__.startswith("multiprocessing.popen_") and isinstance(pid, int) and pid > 0:
+            _quietly(os.kill, pid, signal.SIGKILL)
+            _quietly(os.waitpid, pid, 0)
+            return
+        traceback = traceback.tb_next
 
 
 @contextlib.contextmanager
