@@ -364,3 +364,15 @@ def test_waiting_in_the_hand_over_is_not_read_as_io() -> None:
     assert stats.suggested_settings() == {}, stats.summary()
     fetching = _busy(2, 0.95, 0.1)
     assert "num_workers" in _stats("classic", fetching, 1.0).suggested_settings()
+
+
+def test_batches_the_main_process_loads_faster_than_a_worker_hands_one_over_stay_there() -> None:
+    # Tiny items inline (15 us a batch) were told "try num_workers=2", 16 times slower when followed.
+    def inline(batches: int) -> LoaderStats:
+        return _stats("classic", (_worker("main", 0, fetch_s=0.3, collate_s=0.6, tasks=batches),), 0.9,
+                      batches=batches)
+    fast = inline(100_000)  # 3.6 s of waiting over 100,000 batches: 36 us each
+    assert _verdict(fast).endswith("a batch takes 36 us to load, less than a worker process adds to "
+                                   "each batch it hands over: keep num_workers=0"), _verdict(fast)
+    assert fast.suggested_settings() == {}
+    assert inline(BATCHES).suggested_settings() == {"num_workers": 2}  # 18 ms a batch: workers help

@@ -601,3 +601,42 @@ def test_epochs_of_one_batch_are_said_to_give_nothing_to_judge(leak_guard) -> No
     verdict = stats.summary().splitlines()[-1]
     assert "none of the 3 epochs handed out more than one batch" in verdict, verdict
     assert "about" not in verdict and stats.suggested_settings() == {}
+
+
+class _SlowToStartBatches(torch.utils.data.Sampler[list[int]]):
+    """Batches of 4 that spend ``seconds`` of CPU in ``iter()`` itself, as starting an epoch's
+    workers does."""
+
+    def __init__(self, length: int, seconds: float) -> None:
+        self.length, self.seconds = length, seconds
+
+    def __len__(self) -> int:
+        return self.length // 4
+
+    def __iter__(self):  # noqa: ANN204  (not a generator: the cost is paid when iter() is called)
+        until = time.perf_counter() + self.seconds
+        while time.perf_counter() < until:
+            pass
+        return iter([list(range(start, start + 4)) for start in range(0, self.length, 4)])
+
+
+def test_the_first_batch_and_the_elapsed_time_include_what_iter_spends() -> None:
+    # Starting an epoch (spawn workers receiving a large dataset: seconds) happens inside iter();
+    # it was left out, and a loop that waited 4 s an epoch read "first batch after 11 ms".
+    loader = pipeload.DataLoader(list(range(16)), batch_sampler=_SlowToStartBatches(16, 0.3))
+    started = time.perf_counter()
+    for _ in loader:
+        pass
+    measured = time.perf_counter() - started
+    stats = loader.stats()
+    assert 0.3 <= stats.first_batch_s <= measured and 0.3 <= stats.first_wait_s
+    assert stats.elapsed_s == pytest.approx(measured, rel=0.25)
+
+
+def test_economic_mode_counts_the_bytes_its_item_workers_moved() -> None:
+    # Batches the main process assembles from item workers' rows were left out: 800 MiB moved
+    # read "moved 8.0 MiB".
+    loader = pipeload.DataLoader([torch.ones(65536) for _ in range(64)], batch_size=8, num_workers=2,
+                                 mode="economic")
+    received = sum(batch.nbytes for batch in loader)
+    assert loader.stats().bytes_moved == received == 64 * 65536 * 4

@@ -36,6 +36,7 @@ from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
 from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats import skips
+from pipeload.stats.clock import now
 from pipeload.stats.report import LoaderStats
 from pipeload.stats.tuner import AutoTuner
 from pipeload.transport.slab_keeper import SlabKeeper
@@ -341,6 +342,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
+        called_at = now()  # the epoch's first batch is timed from here: starting workers included
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
         point = resume.unless_sampler_moved_on(self, point)
         self._count_failures_anew()
@@ -360,7 +362,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         except BaseException:
             engine.close()
             raise
-        count = self._stats.epoch_started() if self._stats is not None else EpochCount()
+        count = self._stats.epoch_started(called_at) if self._stats is not None else EpochCount()
         progress = resume.progress_from(point, self._dataset_kind is DatasetKind.ITERABLE)
         self._epoch_notes = (record, progress)
         iterator = _EpochIterator(self, engine, owned, progress, count)

@@ -147,12 +147,12 @@ class _Consumer:
             self._count = EpochCount(0)
         return self._count
 
-    def epoch_started(self) -> EpochCount:
+    def epoch_started(self, called_at: float | None = None) -> EpochCount:
         self.epochs += 1
         self._earlier = self.batches
         self._count = EpochCount(0)  # the epoch's first batch is timed
         self._second = False
-        self._epoch_started_at = now()
+        self._epoch_started_at = now() if called_at is None else called_at
         return self._count
 
     def asking(self) -> float:
@@ -180,8 +180,9 @@ class _Consumer:
             self._wait_s += self._last_wait_s
             self._waits += 1
         else:  # an epoch's first batch: start-up, kept apart from the steady waiting
-            self.first_wait_s += handed - asked
-            self.first_batch_s = handed - self._epoch_started_at
+            # From iter(), whose start of the workers the loop waits through as well.
+            self.first_batch_s = handed - min(asked, self._epoch_started_at)
+            self.first_wait_s += self.first_batch_s
             self._epoch_started_at = None
             self._firsts += 1
 
@@ -446,9 +447,10 @@ class StatsRecorder:
         """The training loop's side, which the loader's epoch iterator times directly."""
         return self._consumer
 
-    def epoch_started(self) -> EpochCount:
-        """A new epoch; its iterator counts its batches in what this returns."""
-        return self._consumer.epoch_started()
+    def epoch_started(self, called_at: float | None = None) -> EpochCount:
+        """A new epoch, whose ``iter()`` was called at ``called_at`` (None: now); its iterator
+        counts its batches in what this returns."""
+        return self._consumer.epoch_started(called_at)
 
     def pinned(self, seconds: float) -> None:
         self._pin_s += seconds

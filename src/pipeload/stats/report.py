@@ -231,7 +231,12 @@ class LoaderStats:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes of tensor data handed from workers to the main process."""
+        """Bytes of tensor data handed from workers to the main process. In economic mode, the
+        items': item workers write each into the shared memory the main process hands out, in a
+        batch it assembles itself or one a batch worker collated from views of those items (whose
+        bytes it would count again)."""
+        if any(w.kind == "item" for w in self.workers):
+            return sum(w.bytes_out for w in self.workers if w.kind == "item")
         return sum(w.bytes_out for w in self.workers if w.kind in HANDING_OVER_KINDS)
 
     @property
