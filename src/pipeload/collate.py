@@ -200,12 +200,26 @@ def _find_handler(elem: Any, collate_fn_map: CollateFnMap) -> Callable[..., Any]
 
 def _registered_with_torch(elem: Any) -> Callable[..., Any] | None:
     """A handler that a library registered in torch's ``default_collate_fn_map`` (a separate
-    dict from ours) for ``elem``'s type, so that ``default_collate`` takes it as torch's does."""
+    dict from ours) for ``elem``'s type, so that ``default_collate`` takes it as torch's does.
+
+    Asked for every dict, list or tuple of a sample: the keys ours lacks are found again only
+    when torch's map has changed its length or its last key, so the usual answer (none) costs
+    that check."""
     torch_collate = sys.modules.get("torch.utils.data._utils.collate")
     torch_map = getattr(torch_collate, "default_collate_fn_map", None)
     if not torch_map:
         return None
-    return _find_handler(elem, torch_map)
+    seen, keys = _torch_only_keys
+    shape = (len(torch_map), next(reversed(torch_map)))  # a registration adds its key last
+    if seen != shape:
+        keys = tuple(key for key in torch_map if key not in default_collate_fn_map)
+        _torch_only_keys[:] = [shape, keys]
+    if not keys:
+        return None
+    return _find_handler(elem, {key: torch_map[key] for key in keys if key in torch_map})
+
+
+_torch_only_keys: list[Any] = [None, ()]  # torch's map's (length, last key) when last read, its keys ours lacks
 
 
 def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
