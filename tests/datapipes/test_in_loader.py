@@ -191,6 +191,32 @@ def test_torchruns_environment_shards_by_rank(monkeypatch: pytest.MonkeyPatch, w
     assert len(shards[0]) == 11
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rank_resumes_its_share_of_a_graph_from_its_own_checkpoint(monkeypatch: pytest.MonkeyPatch,
+                                                                      workers: int) -> None:
+    # Without workers the loader shards the graph in place, in the main process: its state read
+    # this rank's share as the dataset's length (20 of 41), which a fresh loader over the same
+    # graph (41) refused, so no such loader could resume.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def make() -> pipeload.DataLoader:
+        pipe = ours_iter.IterableWrapper(range(41)).shuffle().sharding_filter()
+        return pipeload.DataLoader(pipe, batch_size=3, num_workers=workers, shuffle=True)
+
+    torch.manual_seed(0)
+    whole = [batch.tolist() for batch in make()]
+    torch.manual_seed(0)
+    loader = make()
+    iterator = iter(loader)
+    head = [next(iterator).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [batch.tolist() for batch in resumed] == whole
+
+
 WORLD_SIZE = 2
 
 

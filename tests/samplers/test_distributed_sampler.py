@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.utils.data
+
+import pipeload
 
 WORLD_SIZE = 2
 DATASET_LENGTH = 23  # not a multiple of the world size: padding and drop_last both matter
@@ -143,3 +147,18 @@ def test_a_loader_resumed_then_moved_to_the_next_epoch_yields_that_epoch_whole(t
     resumed.load_state_dict(state)
     sampler.set_epoch(3)
     assert len(list(resumed)) == 5 - taken
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_dataset_that_grew_since_the_sampler_was_made_fails_as_torchs(shuffle: bool) -> None:
+    # Its new samples were never seen, without a word (torch's assertion catches it).
+    def grown(cls: type) -> list[int]:
+        data = list(range(10))
+        sampler = cls(data, num_replicas=2, rank=0, shuffle=shuffle)
+        data += [10, 11, 12]
+        return list(sampler)
+
+    with pytest.raises(AssertionError, match=r"Number of indices \(23\) does not match total_size \(10\)") as theirs:
+        grown(torch.utils.data.DistributedSampler)
+    with pytest.raises(AssertionError, match=re.escape(str(theirs.value)) + r" \(pipeload: the dataset has 13 samples now"):
+        grown(pipeload.DistributedSampler)

@@ -16,6 +16,9 @@ from typing import Any
 from pipeload._rng_state import encode_state
 from pipeload._state_digest import sealed
 from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload.datapipes import graph
+from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.iter.sharding import ShardingFilter
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
@@ -73,13 +76,9 @@ class ResumePoint:
 def config_of(loader: Any) -> dict[str, Any]:
     """What a state must agree with to be loaded: the loader's shape, not its speed settings."""
     placement = current_placement()
-    try:
-        length = len(loader.dataset)
-    except TypeError:
-        length = None
     config = {
         "dataset_kind": loader._dataset_kind.label,
-        "dataset_length": length,
+        "dataset_length": _unsharded_length(loader.dataset),
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
         "world_size": placement.world_size,
@@ -88,6 +87,27 @@ def config_of(loader: Any) -> dict[str, Any]:
     if loader._dataset_kind.label == "iterable":
         config["num_workers"] = loader.num_workers  # each replica's position is its own shard's
     return config
+
+
+def _unsharded_length(dataset: Any) -> int | None:
+    """The dataset's length as the user built it (None: it has none). Without workers, the loader
+    shards a pipe graph in place, in the main process (as torch's does): its length then is this
+    rank's share, which a fresh loader over the same graph, not yet sharded, would never match."""
+    try:
+        if not any(getattr(pipe, "groups", None) for pipe in _sharding_filters(dataset)):
+            return len(dataset)
+        copy = graph.copy_graph(dataset)
+        for pipe in _sharding_filters(copy):
+            pipe.groups, pipe.num_of_instances, pipe.instance_id = {}, 1, 0
+        return len(copy)
+    except TypeError:
+        return None
+
+
+def _sharding_filters(dataset: Any) -> list[Any]:
+    if not isinstance(dataset, IterDataPipe):
+        return []
+    return [pipe for pipe in graph.list_dps(dataset) if isinstance(pipe, ShardingFilter)]
 
 
 def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress | None,

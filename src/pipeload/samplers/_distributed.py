@@ -112,6 +112,12 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
         elif self.total_size > len(order):
             missing = self.total_size - len(order)
             order += (order * math.ceil(missing / len(order)))[:missing]
+        elif len(order) > self.total_size:  # it grew: its new samples would never be seen
+            raise AssertionError(
+                f"Number of indices ({len(order) + self.total_size}) does not match total_size "
+                f"({self.total_size}) (pipeload: the dataset has {len(order)} samples now, "
+                f"{self.num_samples * self.num_replicas} or fewer when this sampler was made: "
+                "make the sampler again after the dataset changes)")
         return iter(order[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
