@@ -182,3 +182,22 @@ def test_a_state_of_the_previous_version_still_loads() -> None:
     with pytest.raises(IncompatibleStateError, match=r"sampler\.iteration\.yielded should be an int from 0 to 11"):
         inner = old["sampler"]
         resumed.load_state_dict({**old, "sampler": {**inner, "iteration": {**inner["iteration"], "yielded": 12}}})
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_state_taken_right_after_loading_one_still_holds_the_loaded_iterations_rest(batched: bool) -> None:
+    # A framework that saves right after it restores: the second state had lost the resumed
+    # iteration, and resuming from it gave neither that iteration's rest nor the next one.
+    def make() -> Any:
+        sampler = pipeload.RandomSampler(range(8), generator=torch.Generator().manual_seed(1))
+        return pipeload.BatchSampler(sampler, 3, False) if batched else sampler
+
+    whole = list(make())
+    first = make()
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(1 if batched else 3)]
+    restored = make()
+    restored.load_state_dict(first.state_dict())
+    again = make()
+    again.load_state_dict(restored.state_dict())
+    assert head + list(again) == head + list(restored) == whole

@@ -111,7 +111,11 @@ class StatefulSampler:
         """This sampler's position: small, JSON-serialisable, versioned (see the module doc)."""
         latest = self._latest
         iteration = None
-        if latest is not None and not latest.finished:
+        if self._pending is not None and self._replay_abandoned_because() is None:
+            # Loaded and not begun yet: the next iteration is still the loaded one's rest (a
+            # framework that saves right after restoring must not skip it).
+            iteration = dict(self._pending)
+        elif latest is not None and not latest.finished:
             iteration = {"start": latest.start, "yielded": latest.yielded}
         return self._state_with(iteration)
 
