@@ -201,3 +201,20 @@ def test_a_state_taken_right_after_loading_one_still_holds_the_loaded_iterations
     again = make()
     again.load_state_dict(restored.state_dict())
     assert head + list(again) == head + list(restored) == whole
+
+
+def test_a_state_is_refused_by_a_subset_or_weighted_sampler_over_other_keys_of_the_same_length() -> None:
+    # Only the count was recorded: the position replayed over other indices or weights.
+    def taken(sampler: Any) -> dict[str, Any]:
+        iterator = iter(sampler)
+        next(iterator)
+        return sampler.state_dict()
+
+    subset = taken(pipeload.SubsetRandomSampler([0, 1, 2, 3], generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(pipeload.IncompatibleStateError, match=r"indices differs"):
+        pipeload.SubsetRandomSampler([4, 5, 6, 7], generator=torch.Generator().manual_seed(0)).load_state_dict(subset)
+    weighted = taken(pipeload.WeightedRandomSampler([1.0, 2.0, 3.0], 6, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(pipeload.IncompatibleStateError, match=r"weights_digest differs"):
+        pipeload.WeightedRandomSampler([3.0, 2.0, 1.0], 6, generator=torch.Generator().manual_seed(0)).load_state_dict(weighted)
+    same = pipeload.WeightedRandomSampler([1.0, 2.0, 3.0], 6, generator=torch.Generator().manual_seed(0))
+    same.load_state_dict(json.loads(json.dumps(weighted)))  # the same weights: loads

@@ -7,6 +7,7 @@ iteration starts, as torch's does). Public through ``pipeload.samplers``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
@@ -146,7 +147,9 @@ class SubsetRandomSampler(StatefulSampler, Sampler[int], torch_data.SubsetRandom
         return True, self.generator
 
     def _config(self) -> dict[str, Any]:
-        return {"length": len(self.indices)}
+        # The indices themselves, digested: a state of another subset of the same length would
+        # replay its position over other keys.
+        return {"length": len(self.indices), "indices": _digest(self.indices)}
 
     def _keys(self) -> Iterator[int]:
         for position in torch.randperm(len(self.indices), generator=self.generator).tolist():
@@ -212,8 +215,8 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
         return True, self.generator
 
     def _config(self) -> dict[str, Any]:
-        return {"weights": self.weights.numel(), "num_samples": self.num_samples,
-                "replacement": self.replacement}
+        return {"weights": self.weights.numel(), "weights_digest": _digest(self.weights),
+                "num_samples": self.num_samples, "replacement": self.replacement}
 
     def _keys(self) -> Iterator[int]:
         drawn = torch.multinomial(self.weights, self.num_samples, self.replacement,
@@ -252,3 +255,14 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
             f"cannot draw num_samples={num_samples} without replacement from "
             f"{weights.numel()} weights)"
         )
+
+
+def _digest(values: Any) -> str:
+    """A short digest of a sampler's indices or weights, for its state's config: a state taken
+    over other ones of the same length is refused, not replayed over other keys."""
+    try:
+        data = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values))
+        raw = data.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() + str(data.dtype).encode()
+    except (TypeError, ValueError, RuntimeError):
+        raw = repr(list(values)).encode()
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
