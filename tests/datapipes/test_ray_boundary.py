@@ -461,3 +461,33 @@ def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments,
     if "buffer_size" not in arguments:  # the queue's own maxsize has its own check
         with pytest.raises(error, match=named):
             DataLoaderQueue(kind="ray", maxsize=4, **arguments)
+
+
+def test_actors_killed_on_rays_own_thread_go_without_the_thread_waiting(clean):
+    # The garbage collector may run a run's finalizer on Ray's own reply thread; a ray.kill made
+    # there waits for a reply that only that thread would deliver: the whole process hung.
+    import ray
+
+    from pipeload.datapipes.boundary import ray_actors
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self) -> int:
+            return 1
+
+    victim, other = Idle.remote(), Idle.remote()
+    ray.get([victim.ping.remote(), other.ping.remote()])
+    returned = threading.Event()
+    threads: list[str] = []
+
+    def on_reply(_: object) -> None:  # runs on the thread that delivers the reply
+        threads.append("ours" if threading.get_ident() in {t.ident for t in threading.enumerate()} else "Ray's")
+        ray_actors.kill(ray, [victim])
+        returned.set()
+
+    other.ping.remote().future().add_done_callback(on_reply)
+    assert returned.wait(30), "ray.kill waited on Ray's own thread"
+    assert threads == ["Ray's"]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.ping.remote(), timeout=30)
+    ray.kill(other)

@@ -10,6 +10,7 @@ failed, or whose actor died, kills its actors instead of keeping them.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -28,9 +29,29 @@ def actor_class(ray: Any) -> Any:
 
 def kill(ray: Any, handles: list[Any]) -> None:
     """Kill each actor now (Ray ends its process; what it held is freed). Nothing to do once
-    this process has left Ray: its actors went with it (and a call would start a new cluster)."""
+    this process has left Ray: its actors went with it (and a call would start a new cluster).
+
+    On a thread Python did not start (Ray's own, where the garbage collector may run a run's
+    finalizer while Ray reads a reply), ``ray.kill`` waits for a reply that only that thread
+    would deliver: the whole process would hang. The kills are made from a thread of ours."""
     if not handles or not ray.is_initialized():
         return
+    if on_a_foreign_thread():
+        threading.Thread(target=_kill_each, args=(ray, list(handles)), name="pipeload-ray-kill",
+                         daemon=True).start()
+        return
+    _kill_each(ray, handles)
+
+
+def on_a_foreign_thread() -> bool:
+    """Whether this thread was started outside Python's ``threading`` (Ray's reply threads).
+    Asked without ``current_thread()``, which would register such a thread for good."""
+    ident = threading.get_ident()
+    return not any(thread.ident == ident and not isinstance(thread, threading._DummyThread)
+                   for thread in threading.enumerate())
+
+
+def _kill_each(ray: Any, handles: list[Any]) -> None:
     for handle in handles:
         try:
             ray.kill(handle, no_restart=True)
@@ -100,7 +121,9 @@ class RunActors:
 
     def release(self) -> None:
         pool = self._pool() if self._pool is not None else None
-        if not self.reusable or pool is None or not self.ray.is_initialized():
+        # On Ray's own thread (the garbage collector there), no call may wait on Ray: the actors
+        # are killed from a thread of ours instead of stopped and pooled (see ``kill``).
+        if not self.reusable or pool is None or not self.ray.is_initialized() or on_a_foreign_thread():
             kill(self.ray, self.handles)
             return
         for handle in self.handles:
