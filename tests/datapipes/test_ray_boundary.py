@@ -488,6 +488,13 @@ def test_actors_killed_on_rays_own_thread_go_without_the_thread_waiting(clean):
     other.ping.remote().future().add_done_callback(on_reply)
     assert returned.wait(30), "ray.kill waited on Ray's own thread"
     assert threads == ["Ray's"]
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(victim.ping.remote(), timeout=30)
+
+    def victim_gone() -> bool:  # killed from a thread of ours: a moment later
+        try:
+            ray.get(victim.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    assert wait_for(victim_gone), "the actor was not killed"
     ray.kill(other)
