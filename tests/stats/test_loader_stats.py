@@ -640,3 +640,56 @@ def test_economic_mode_counts_the_bytes_its_item_workers_moved() -> None:
                                  mode="economic")
     received = sum(batch.nbytes for batch in loader)
     assert loader.stats().bytes_moved == received == 64 * 65536 * 4
+
+
+TINY = {"inline": {"num_workers": 0},
+        "process": {"num_workers": 2, "multiprocessing_context": "fork"}}
+
+
+def _busy_for(seconds: float) -> None:
+    """The loop's own work outside the loader (a busy loop: it occupies the CPU as work does)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", TINY.values(), ids=TINY.keys())
+def test_samples_per_s_on_tiny_batches_agrees_with_a_stopwatch(engine: dict, leak_guard) -> None:
+    # Batches of tens of us: the timed batches wait longer than the others (the timing's own
+    # work falls on them), and scaling their seconds to every batch read samples/s at half a
+    # stopwatch's rate and less (once a twentieth), with more seconds than the run took.
+    loader = pipeload.DataLoader(list(range(12_000)), batch_size=4, **engine)
+    samples, started = 0, time.perf_counter()
+    for _ in range(2):
+        for batch in loader:
+            samples += len(batch)
+    measured_s = time.perf_counter() - started
+    stats = loader.stats()
+    assert stats.elapsed_s <= measured_s, (stats.elapsed_s, measured_s)
+    # Generous bounds: what is checked is a clock, not a loaded machine's speed.
+    assert 0.5 <= stats.samples_per_s / (samples / measured_s) <= 1.5, stats.summary()
+    del loader
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [TINY["inline"], TINY["process"],
+                                    {**TINY["process"], "persistent_workers": True}],
+                         ids=["inline", "process", "persistent"])
+def test_epochs_left_by_break_count_only_their_own_time(engine: dict, leak_guard) -> None:
+    # An epoch broken off ends when its iterator goes, not at the next epoch's iter() nor at the
+    # stats' reading: what the loop does between epochs (validation, saving) is not loading.
+    loader = pipeload.DataLoader(list(range(4_000)), batch_size=4, **engine)
+    inside_s = 0.0
+    for _ in range(3):
+        started = time.perf_counter()
+        for handed, _batch in enumerate(loader):
+            if handed == 300:
+                break
+        inside_s += time.perf_counter() - started
+        _busy_for(0.3)  # between epochs
+    stats = loader.stats()
+    assert stats.batches == 3 * 301
+    assert stats.elapsed_s <= inside_s, (stats.elapsed_s, inside_s)
+    assert stats.elapsed_s >= 0.5 * inside_s, (stats.elapsed_s, inside_s)
+    del loader

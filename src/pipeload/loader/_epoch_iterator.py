@@ -50,6 +50,10 @@ class _EpochIterator:
         self._count = count if count is not None else EpochCount()
         self._stats = loader._stats.consumer if loader._stats is not None else None
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
+        # The stats' wall clock of this epoch stops at its end, or when the iterator goes (a
+        # `for` loop left by `break` drops it at once): see stats/recorder.py, _Consumer.
+        self._epoch_clock = (weakref.finalize(self, self._stats.epoch_ended, self._count)
+                             if self._stats is not None else None)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -73,6 +77,7 @@ class _EpochIterator:
             self._finish()
             if self._stats is not None:
                 self._stats.ended(asked or closing)
+                self._epoch_clock()  # after the workers have stopped: the loop waited for that
             failed = self._failed_epoch()
             if failed is not None:
                 # As after any failure (slab_keeper.py): the error may keep the loader, and with
@@ -91,6 +96,7 @@ class _EpochIterator:
             raise
         except BaseException:
             self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
+            self._stop_epoch_clock()
             del self
             raise
         if asked:
@@ -142,14 +148,20 @@ class _EpochIterator:
         return engine.inner if isinstance(engine, EqualBatches) else engine
 
     def close(self) -> None:
-        """Stop the workers now (persistent workers belong to the loader and stay)."""
+        """Stop the workers now (persistent workers belong to the loader and stay); the epoch
+        is over."""
         if self._finalizer is not None:
             self._finalizer()
+        self._stop_epoch_clock()
+
+    def _stop_epoch_clock(self) -> None:
+        if self._epoch_clock is not None:
+            self._epoch_clock()
 
     def _finish(self) -> None:
         self._ended = True
-        if self._owns_engine:
-            self.close()
+        if self._owns_engine and self._finalizer is not None:
+            self._finalizer()  # not close(): the stats' clock stops once the loop is told
 
     def _adopt_engine(self) -> None:
         """The loader let go of its persistent workers mid-epoch: this epoch stops them when it

@@ -108,8 +108,14 @@ class _Consumer:
     MAX_STRETCH times fewer when batches come fast, ``stretch``, which spaces the queue looks
     too): the
     first of a pair times the wait for it, the second also the loop's own work since the first
-    was handed out. Batches are counted exactly; the timed waits and work are scaled to all
-    steady batches.
+    was handed out. Batches are counted exactly.
+
+    The time itself comes from each epoch's wall clock: read at its ``iter()`` and when it ends
+    (:meth:`epoch_ended`: its last call, ``close()``, or its iterator dropped after a ``break``),
+    two reads an epoch. Less the first batches and the ends, it is split between waiting and
+    the loop's own work by the timed batches' shares (:meth:`steady_split`). Scaling the timed
+    batches' seconds to all batches read tiny batches' runs up to 20 times too long: the timing's
+    own work falls on the timed batches, which then wait longer than the others.
     """
 
     def __init__(self, every: int = LOOK_EVERY) -> None:
@@ -125,7 +131,9 @@ class _Consumer:
         self._computes = 0
         self.end_wait_s = 0.0  # for calls that handed out no batch: an epoch's end, an error
         self._second = False  # the next timed batch is a pair's second
-        self._epoch_started_at: float | None = None
+        self._epoch_started_at: float | None = None  # until the epoch's first batch is handed out
+        self._running_since: float | None = None  # the current epoch's iter(), until it ends
+        self._ended_epochs_s = 0.0  # the wall clock of the epochs that have ended
         self._last_handed_at = 0.0
         self._every = 2 * every - 1  # batches from one timed pair to the next, on average
         self._gaps = gaps(self._every)  # every=1: every batch is timed
@@ -148,12 +156,42 @@ class _Consumer:
         return self._count
 
     def epoch_started(self, called_at: float | None = None) -> EpochCount:
+        started = now() if called_at is None else called_at
+        # An epoch still running (its iterator kept, not exhausted) ends where this one starts:
+        # one epoch runs at a time (a persistent pool abandons the previous one).
+        self._stop_wall_clock(started)
         self.epochs += 1
         self._earlier = self.batches
         self._count = EpochCount(0)  # the epoch's first batch is timed
         self._second = False
-        self._epoch_started_at = now() if called_at is None else called_at
+        self._epoch_started_at = self._running_since = started
         return self._count
+
+    def epoch_ended(self, count: EpochCount) -> None:
+        """The epoch counted in ``count`` is over (its last call, ``close()``, or its iterator
+        dropped: a ``break``); a later call for it (its iterator's finalizer) does nothing."""
+        if count is self._count:
+            self._stop_wall_clock(now())
+
+    def _stop_wall_clock(self, at: float) -> None:
+        if self._running_since is not None:
+            self._ended_epochs_s += max(0.0, at - self._running_since)
+            self._running_since = None
+
+    def wall_s(self) -> float:
+        """Seconds spent in epochs, from each ``iter()`` to its end (the running one: to now)."""
+        running = now() - self._running_since if self._running_since is not None else 0.0
+        return self._ended_epochs_s + running
+
+    def steady_split(self) -> tuple[float, float]:
+        """The steady time (the epochs' wall clock less their first batches and their ends) as
+        (waiting, the loop's own work), split by the timed batches' mean wait and work. With
+        nothing timed yet, all of it is the loop's own (after an epoch's only batch)."""
+        steady_s = max(0.0, self.wall_s() - self.first_wait_s - self.end_wait_s)
+        wait = self._wait_s / self._waits if self._waits else 0.0
+        work = self._compute_s / self._computes if self._computes else 0.0
+        waiting = wait / (wait + work) if wait + work > 0 else 0.0
+        return steady_s * waiting, steady_s * (1 - waiting)
 
     def asking(self) -> float:
         """The count reached a timed batch; returns when it was asked for."""
@@ -197,14 +235,12 @@ class _Consumer:
         return max(0, self.batches - self._firsts)
 
     def wait_estimate(self) -> float:
-        """Seconds the loop waited for its steady batches (scaled from the timed ones). Not the
-        calls that ended an epoch: stopping workers that are not persistent is no steady wait,
-        and would turn a loop that keeps up into one that waits (``end_wait_s``)."""
+        """Seconds the loop waited for its steady batches, scaled from the timed ones: exact
+        when every batch is timed (``num_workers="auto"``, whose tuner reads it per window; the
+        snapshot splits the wall clock instead, :meth:`steady_split`). Not the calls that ended
+        an epoch: stopping workers that are not persistent is no steady wait, and would turn a
+        loop that keeps up into one that waits (``end_wait_s``)."""
         return self._wait_s * self._steady() / self._waits if self._waits else 0.0
-
-    def compute_estimate(self) -> float:
-        """Seconds the loop spent on its own work before its steady batches (scaled likewise)."""
-        return self._compute_s * self._steady() / self._computes if self._computes else 0.0
 
 
 class SessionStats:
@@ -520,14 +556,15 @@ class StatsRecorder:
             seen, ended, ended_ray = self._seen.copy(), dict(self._ended), self._ended_ray
             lags = self._lags_by_kind()
         workers = _per_worker(seen, now(), lags, ended)
+        wait_s, compute_s = consumer.steady_split()
         samples = queue.samples or 1
         failures = self.failures.totals() if self.failures is not None else Counts()
         return LoaderStats(
             setup=self.setup,
             batches=consumer.batches,
             epochs=consumer.epochs,
-            wait_s=consumer.wait_estimate(),
-            compute_s=consumer.compute_estimate(),
+            wait_s=wait_s,
+            compute_s=compute_s,
             first_wait_s=consumer.first_wait_s,
             end_wait_s=consumer.end_wait_s,
             first_batch_s=consumer.first_batch_s,
