@@ -341,3 +341,32 @@ def test_profile_says_warnings_in_one_line_each_and_keeps_the_users_place(
     too_many = [line for line in err if f"will create {workers} worker processes" in line]
     assert too_many and all(line.startswith("pipeload profile: UserWarning: This DataLoader")
                             and line.endswith("if necessary.") for line in too_many), err
+
+
+@pytest.mark.timeout(90)
+def test_profile_of_workers_slow_to_start_stops_on_their_start_ups_and_suggests_persistent_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], leak_guard,
+) -> None:
+    # Epochs that are mostly workers starting never gather the steady seconds a verdict needs:
+    # it loaded until --max-seconds and said "too little to judge", never naming the start-up.
+    from pipeload import cli
+
+    (tmp_path / "slow_start.py").write_text(
+        "import time\nimport pipeload\n\n"
+        "def heavy_set_up(worker_id):\n    time.sleep(1.0)  # each new worker's set-up\n\n"
+        "def make():\n    return pipeload.DataLoader(list(range(200)), batch_size=4, num_workers=2,\n"
+        "                               multiprocessing_context='fork', worker_init_fn=heavy_set_up)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        returned = cli.main(["profile", "slow_start:make", "--max-seconds", "40"])
+    finally:
+        sys.modules.pop("slow_start", None)
+    out = capsys.readouterr().out
+    assert returned == 0, out
+    assert "verdict: the workers start anew each epoch" in out, out
+    assert "suggested settings: DataLoader(..., persistent_workers=True)" in out, out
+    # Stopped on the start-ups' evidence (twice what is needed: 4 epochs and 4 s, each epoch at
+    # least its 1 s start), not at the limit.
+    profiled = re.search(r"profiled \d+ batches \((\d+) epoch\(s\)\)", out)
+    assert profiled and 4 <= int(profiled[1]) <= 5, out

@@ -376,3 +376,56 @@ def test_batches_the_main_process_loads_faster_than_a_worker_hands_one_over_stay
                                    "each batch it hands over: keep num_workers=0"), _verdict(fast)
     assert fast.suggested_settings() == {}
     assert inline(BATCHES).suggested_settings() == {"num_workers": 2}  # 18 ms a batch: workers help
+
+
+# -- workers started anew each epoch ----------------------------------------------------------
+
+
+def _restarting(first_wait_s: float, *, epochs: int = 4, persistent: bool = False, wait: float = 0.1,
+                end_wait_s: float = 0.0, workers: tuple[WorkerStats, ...] | None = None) -> LoaderStats:
+    """Stats of ``epochs`` epochs whose first batches took ``first_wait_s`` in all, beside the
+    made-up steady ALIVE_S seconds."""
+    workers = workers if workers is not None else _busy(2, 0.5, 0.5)
+    stats = _stats("classic", workers, wait)
+    setup = dataclasses.replace(stats.setup, persistent_workers=persistent)
+    return dataclasses.replace(stats, setup=setup, epochs=epochs, first_wait_s=first_wait_s,
+                               end_wait_s=end_wait_s)
+
+
+def test_workers_started_anew_each_epoch_that_take_much_of_it_are_told_to_persist() -> None:
+    # Workers slow to start (a heavy worker_init_fn, spawn re-importing a large main module)
+    # were told "keep these settings", where persistent_workers=True doubled the throughput.
+    stats = _restarting(first_wait_s=4 * 1.0, end_wait_s=4 * 0.05)  # 1 s start, 50 ms stop an epoch
+    diagnosis = analysis.diagnose(stats)
+    assert diagnosis.bottleneck == "worker start-up"
+    assert stats.suggested_settings() == {"persistent_workers": True}
+    # Per epoch (8.2 s over 4 epochs): the 1 s start less a batch's work in the workers (2
+    # workers busy 0.51 of 4 s, over 200 batches: 20.4 ms), and the 50 ms stop.
+    assert "1.03 s of each epoch's 2.05 s (50%)" in diagnosis.advice, diagnosis.advice
+    assert "beyond a batch's own 20.4 ms of work" in diagnosis.advice, diagnosis.advice
+
+
+def test_start_up_is_judged_even_where_the_steady_seconds_are_too_few() -> None:
+    # Epochs that are mostly start-up may never gather the 2 s of steady time a verdict needs.
+    short = dataclasses.replace(_restarting(first_wait_s=4 * 1.0), wait_s=0.1, compute_s=0.1)
+    assert analysis.diagnose(short).bottleneck == "worker start-up"
+    assert short.suggested_settings() == {"persistent_workers": True}
+
+
+def test_start_up_suggestion_comes_with_the_steady_verdicts_own() -> None:
+    saturated = _restarting(first_wait_s=4 * 2.0, wait=0.6, workers=_busy(2, 0.95, 0.05))
+    diagnosis = analysis.diagnose(saturated)
+    assert diagnosis.suggestions["persistent_workers"] is True
+    assert diagnosis.suggestions["num_workers"] > 2
+    assert "Between the starts, the workers limit loading" in diagnosis.advice, diagnosis.advice
+
+
+@pytest.mark.parametrize("stats", [
+    pytest.param(_restarting(first_wait_s=4 * 0.2), id="a small share"),
+    pytest.param(_restarting(first_wait_s=4 * 1.0, persistent=True), id="persistent already"),
+    pytest.param(_restarting(first_wait_s=1.0, epochs=1), id="one epoch"),
+    pytest.param(dataclasses.replace(_restarting(first_wait_s=4 * 1.0), batches=20), id="few batches"),
+])
+def test_start_up_is_not_named_where_persistent_workers_would_gain_little(stats: LoaderStats) -> None:
+    assert analysis.diagnose(stats).bottleneck != "worker start-up"
+    assert "persistent_workers" not in stats.suggested_settings()

@@ -693,3 +693,35 @@ def test_epochs_left_by_break_count_only_their_own_time(engine: dict, leak_guard
     assert stats.elapsed_s <= inside_s, (stats.elapsed_s, inside_s)
     assert stats.elapsed_s >= 0.5 * inside_s, (stats.elapsed_s, inside_s)
     del loader
+
+
+def _heavy_set_up(worker_id: int) -> None:
+    time.sleep(0.8)  # the workload: each new worker's set-up (loading a model, opening stores)
+
+
+@pytest.mark.timeout(60)
+def test_workers_slow_to_start_each_epoch_are_told_to_persist(leak_guard) -> None:
+    # Start-up was never judged: each epoch's first batch is left out of the steady verdict,
+    # whose 2 s such a loader may never gather, and one that did was told "keep these settings"
+    # while persistent_workers=True doubled its throughput.
+    loader = pipeload.DataLoader(list(range(400)), batch_size=4, worker_init_fn=_heavy_set_up,
+                                 **TINY["process"])
+    for _ in range(3):
+        assert len(list(loader)) == 100
+    stats = loader.stats()
+    verdict = stats.summary().splitlines()[-1]
+    assert stats.suggested_settings() == {"persistent_workers": True}, verdict
+    assert "the workers start anew each epoch" in verdict and "try persistent_workers=True" in verdict
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_workers_quick_to_start_are_not_told_to_persist(leak_guard) -> None:
+    loader = pipeload.DataLoader(list(range(320)), batch_size=4, **TINY["process"])
+    for _ in range(2):
+        for _batch in loader:
+            _busy_for(0.02)  # a training step: forked workers start in a small share of an epoch
+    stats = loader.stats()
+    assert stats.elapsed_s >= 2.0  # enough to judge the start-up
+    assert "persistent_workers" not in stats.suggested_settings(), stats.summary()
+    del loader

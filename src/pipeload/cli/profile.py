@@ -24,6 +24,7 @@ import torch.utils.data as torch_data
 
 import pipeload
 from pipeload.stats.analysis import evidence_shortfall, steady
+from pipeload.stats.startup import restarts
 
 
 class CommandError(Exception):
@@ -215,7 +216,10 @@ def _one_epoch(loader: pipeload.DataLoader, options: ProfileOptions, step_s: flo
 def _enough(loader: pipeload.DataLoader, options: ProfileOptions, batches: int) -> bool:
     if options.batches is not None:
         return batches >= options.batches
-    return evidence_shortfall(loader.stats(), EVIDENCE_MARGIN) is None
+    stats = loader.stats()
+    # Epochs that are mostly workers starting may never gather the steady seconds a verdict
+    # needs: their start-ups, judged on their own evidence, are the verdict then.
+    return evidence_shortfall(stats, EVIDENCE_MARGIN) is None or restarts(stats, EVIDENCE_MARGIN) is not None
 
 
 def _pretend_to_train(seconds: float) -> None:

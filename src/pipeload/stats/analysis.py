@@ -3,6 +3,10 @@
 A verdict is given only on enough evidence, and only where something stands out by a margin,
 so that identical runs get the same verdict and following it does not slow the loader:
 
+Before them: workers started anew each epoch whose start and stop take a large share of the
+time are named, and ``persistent_workers=True`` suggested (``stats.startup``, on its own
+evidence); the steady verdict's suggestions, if any, follow.
+
 0. Too few steady batches (``MIN_STEADY_BATCHES``) or seconds (``MIN_STEADY_S``): no verdict
    yet; it says how many more batches it needs.
 1. The training loop waited less than ``LIMITS`` of the time: the training loop limits, and
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeload.stats.report import LoaderStats, WorkerStats
+from pipeload.stats.startup import Restarts, restart_words, restarts
 
 MIN_STEADY_BATCHES = 50
 MIN_STEADY_S = 2.0
@@ -85,13 +90,27 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     """Apply the module's rules to ``stats``."""
     if stats.batches == 0:
         return Diagnosis("unknown", "no batches have been loaded yet")
+    found = restarts(stats)
     shortfall = evidence_shortfall(stats)
     if shortfall is not None:
-        return Diagnosis("not enough data", shortfall)
+        return _restarting(found, None) if found is not None else Diagnosis("not enough data", shortfall)
     workers = [w for w in stats.workers if w.kind != "main"]
     if stats.setup.dataset != "map" and any(w.tasks for w in workers):
         workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
-    return _with_idle_shards(stats, _verdict(stats, workers))
+    steady_verdict = _with_idle_shards(stats, _verdict(stats, workers))
+    return _restarting(found, steady_verdict) if found is not None else steady_verdict
+
+
+def _restarting(found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
+    """Starting workers each epoch takes a large share: said first, with ``persistent_workers``;
+    the steady verdict follows where it suggests something (its "keep these settings" would
+    contradict the suggestion)."""
+    suggestions: dict[str, Any] = {"persistent_workers": True}
+    advice = restart_words(found)
+    if steady_verdict is not None and steady_verdict.suggestions:
+        suggestions.update(steady_verdict.suggestions)
+        advice += f". Between the starts, {steady_verdict.advice}"
+    return Diagnosis("worker start-up", advice, suggestions)
 
 
 def steady(stats: LoaderStats) -> tuple[int, float]:

@@ -415,7 +415,8 @@ class KindedSessionStats(SessionStats):
 @dataclass(frozen=True)
 class LoaderSetup:
     """The settings a snapshot reports and the analysis reasons about; ``dataset`` says what
-    kind it is: "map", "iterable" or "pipe" (a DataPipe graph)."""
+    kind it is: "map", "iterable" or "pipe" (a DataPipe graph); ``persistent_workers`` whether
+    the workers live across epochs (otherwise each epoch starts and stops its own)."""
 
     mode: str
     worker_type: str
@@ -425,6 +426,7 @@ class LoaderSetup:
     pin_memory: bool
     cpus: int = field(default_factory=usable_cpus)
     dataset: str = "map"
+    persistent_workers: bool = False
 
 
 class StatsRecorder:

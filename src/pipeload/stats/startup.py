@@ -1,0 +1,80 @@
+"""Workers started anew each epoch: when their start and stop take a large share of the time.
+
+A loader without ``persistent_workers`` starts its workers at each ``iter()`` and stops them at
+each epoch's end. The loop waits through both: the start before the epoch's first batch
+(``first_wait_s``), the stop in the call that ends the epoch (``end_wait_s``). A persistent
+pool pays the start once, and a later epoch's first batch then takes about one batch's work.
+So what persistence would save per epoch is the first batch's wait beyond one batch's work in
+the workers, plus the end's wait. Where that is ``RESTART_SHARE`` of the time or more, the
+verdict says so, with the figures, and suggests ``persistent_workers=True``.
+
+Judged on its own evidence, before the steady verdict's: at least ``MIN_EPOCHS`` epochs (a
+persistent pool pays the first start too), ``MIN_STEADY_BATCHES`` batches after their first,
+and ``MIN_ELAPSED_S`` in all. The steady verdict's seconds leave the start-ups out, and a loader
+whose epochs are mostly start-up may never gather them: its slow starts were never judged, and
+a run that did gather them was told to keep its settings while persistent workers doubled its
+throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeload.stats.report import LoaderStats
+
+# The share of the loop's time that starting and stopping workers must take to be named: a
+# loop that spends a quarter of its time on them gains at least 1.33x from persistent workers
+# (the same margin as analysis.LIMITS, for the same reason: noise must not flip the verdict).
+RESTART_SHARE = 0.25
+MIN_EPOCHS = 2
+MIN_STEADY_BATCHES = 50
+MIN_ELAPSED_S = 2.0
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """Per epoch, on average: seconds spent starting and stopping workers beyond what a
+    persistent pool's later epoch spends (``restart_s``), of the epoch's ``epoch_s``; and one
+    batch's work in the workers, what a persistent pool's first batch still takes
+    (``batch_work_s``)."""
+
+    restart_s: float
+    epoch_s: float
+    batch_work_s: float
+
+    @property
+    def share(self) -> float:
+        return self.restart_s / self.epoch_s if self.epoch_s > 0 else 0.0
+
+
+def restarts(stats: LoaderStats, factor: float = 1.0) -> Restarts | None:
+    """What starting workers anew each epoch costs, when it is worth naming (None otherwise:
+    persistent or no workers, less than ``factor`` times the evidence it needs, or a small
+    share)."""
+    if stats.setup.persistent_workers or not _has_workers(stats) or not _enough_evidence(stats, factor):
+        return None
+    workers = [w for w in stats.workers if w.kind != "main"]
+    batch_work_s = sum(w.busy_s for w in workers) / stats.batches
+    epochs = stats.epochs
+    start_s = max(0.0, stats.first_wait_s / epochs - batch_work_s)
+    found = Restarts(start_s + stats.end_wait_s / epochs, stats.elapsed_s / epochs, batch_work_s)
+    return found if found.share >= RESTART_SHARE else None
+
+
+def _has_workers(stats: LoaderStats) -> bool:
+    running = stats.decisions[-1].num_workers if stats.decisions else stats.setup.num_workers
+    return running > 0 and any(w.kind != "main" for w in stats.workers)
+
+
+def _enough_evidence(stats: LoaderStats, factor: float) -> bool:
+    steady_batches = stats.batches - stats.epochs
+    return (stats.epochs >= factor * MIN_EPOCHS and steady_batches >= factor * MIN_STEADY_BATCHES
+            and stats.elapsed_s >= factor * MIN_ELAPSED_S)
+
+
+def restart_words(found: Restarts) -> str:
+    """The verdict's sentence, with its figures."""
+    return (f"the workers start anew each epoch (persistent_workers=False): {found.restart_s:.2f} s "
+            f"of each epoch's {found.epoch_s:.2f} s ({found.share:.0%}) went on starting them before "
+            f"the first batch, beyond a batch's own {found.batch_work_s * 1e3:,.1f} ms of work, and "
+            "stopping them at the end; try persistent_workers=True, which starts them once")
