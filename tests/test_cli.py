@@ -370,3 +370,29 @@ def test_profile_of_workers_slow_to_start_stops_on_their_start_ups_and_suggests_
     # least its 1 s start), not at the limit.
     profiled = re.search(r"profiled \d+ batches \((\d+) epoch\(s\)\)", out)
     assert profiled and 4 <= int(profiled[1]) <= 5, out
+
+
+@pytest.mark.timeout(90)
+def test_profile_under_auto_judges_once_the_tuner_settles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], leak_guard,
+) -> None:
+    # It stopped on the evidence alone, judging figures that mixed the settings the tuner was
+    # still trying (2, 8, 32, 64 workers), and told a tuner at its cap "try num_workers=64".
+    from pipeload import cli
+
+    (tmp_path / "reads.py").write_text(
+        "import time\nimport torch\n\nclass RemoteReads(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4000\n\n    def __getitem__(self, index):\n"
+        "        time.sleep(0.02)  # a remote read's latency: workers wait, CPUs stay free\n"
+        "        return index\n\ndef make():\n    return RemoteReads()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        returned = cli.main(["profile", "reads:make", "--num-workers", "auto", "--worker-type", "thread",
+                             "--batch-size", "4"])
+    finally:
+        sys.modules.pop("reads", None)
+    out = capsys.readouterr().out
+    assert returned == 0, out
+    assert "still tuning" not in out and "too little" not in out, out
+    assert "try num_workers=64" not in out, out

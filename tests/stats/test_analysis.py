@@ -429,3 +429,44 @@ def test_start_up_suggestion_comes_with_the_steady_verdicts_own() -> None:
 def test_start_up_is_not_named_where_persistent_workers_would_gain_little(stats: LoaderStats) -> None:
     assert analysis.diagnose(stats).bottleneck != "worker start-up"
     assert "persistent_workers" not in stats.suggested_settings()
+
+
+# -- num_workers="auto" ---------------------------------------------------------------------
+
+
+def _under_auto(stats: LoaderStats, *decisions: tuple[int, bool]) -> LoaderStats:
+    """``stats`` with the tuner's decisions: (num_workers, settled) each."""
+    made = tuple(TuningDecision(40 * at, workers, 2, 100.0, "made up", settled)
+                 for at, (workers, settled) in enumerate(decisions))
+    return dataclasses.replace(stats, decisions=made)
+
+
+def test_auto_still_trying_settings_is_not_judged() -> None:
+    # `pipeload profile --num-workers auto` judged figures that mixed the settings being tried,
+    # and could advise a count the tuner was about to try or had just left.
+    waiting = _stats("classic", _busy(2, 0.95, 0.02), 0.9)
+    trying = _under_auto(waiting, (2, False), (8, False))
+    diagnosis = analysis.diagnose(trying)
+    assert diagnosis.bottleneck == "still tuning" and trying.suggested_settings() == {}
+    assert "still tuning (trying num_workers=8, prefetch_factor=2 since batch 40)" in diagnosis.advice
+    settled = _under_auto(waiting, (2, False), (8, True))
+    assert analysis.diagnose(settled).bottleneck == "the workers"
+
+
+@pytest.mark.parametrize("decisions", [(), ((8, False), (32, False), (64, True))], ids=["fixed", "auto"])
+def test_workers_at_the_most_suggested_count_are_not_told_to_use_it(decisions: tuple) -> None:
+    # A tuner at its cap of 64 waiting workers was advised "try num_workers=64".
+    waiting = _under_auto(_stats("classic", _busy(64, 0.95, 0.02), 0.9, cpus=4), *decisions)
+    verdict = _verdict(waiting)
+    assert "num_workers" not in waiting.suggested_settings(), verdict
+    assert "try num_workers" not in verdict and "with 64 workers already, the most suggested" in verdict
+
+
+def test_auto_is_not_told_to_try_a_count_it_went_back_from() -> None:
+    waiting = _under_auto(_stats("classic", _busy(16, 0.95, 0.02), 0.9, cpus=1),
+                          (1, False), (4, False), (16, False), (64, False), (16, True))
+    verdict = _verdict(waiting)
+    assert waiting.suggested_settings() == {}, verdict
+    assert "num_workers='auto' tried 64 workers and kept 16" in verdict, verdict
+    idle = _under_auto(_stats("classic", _busy(8, 0.1, 0.1), 0.01), (2, False), (8, True))
+    assert "num_workers" not in idle.suggested_settings(), _verdict(idle)  # 2 was tried: it waited

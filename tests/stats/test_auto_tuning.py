@@ -199,3 +199,15 @@ def test_per_batch_random_values_do_not_depend_on_the_pool_swaps(leak_guard) -> 
     resumed = _random_reads_loader("auto")
     resumed.load_state_dict(state)
     assert head + _as_lists(list(resumed)) == fixed
+
+
+def test_only_the_decision_the_tuner_stops_at_is_settled() -> None:
+    tuner = _tuner()
+    tuner._step(rate=10.0, waited=0.5)
+    tuner._step(rate=19.0, waited=0.5)
+    assert not any(d.settled for d in tuner._recorder.snapshot().decisions)
+    tuner._step(rate=19.5, waited=0.5)  # no faster: back to the best, and stop
+    assert [d.settled for d in tuner._recorder.snapshot().decisions] == [False, False, False, True]
+    fixed = AutoTuner(StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2)), 2, False,
+                      False, Settings(2, 2), None)  # nothing to tune (economic mode, iterables)
+    assert [d.settled for d in fixed._recorder.snapshot().decisions] == [True]

@@ -23,7 +23,7 @@ from typing import Any
 import torch.utils.data as torch_data
 
 import pipeload
-from pipeload.stats.analysis import evidence_shortfall, steady
+from pipeload.stats.analysis import evidence_shortfall, steady, still_tuning
 from pipeload.stats.startup import restarts
 
 
@@ -72,6 +72,8 @@ def run(options: ProfileOptions) -> int:
         print(f"suggested settings: DataLoader(..., {settings})")
     elif evidence_shortfall(stats) is not None:
         print(f"suggested settings: none yet (too little to judge; {_more_evidence(stats, options)})")
+    elif still_tuning(stats) is not None:
+        print(f"suggested settings: none yet (num_workers='auto' is still tuning; {_more_evidence(stats, options)})")
     else:
         print("suggested settings: keep these")
     return 0
@@ -217,6 +219,8 @@ def _enough(loader: pipeload.DataLoader, options: ProfileOptions, batches: int) 
     if options.batches is not None:
         return batches >= options.batches
     stats = loader.stats()
+    if still_tuning(stats) is not None:  # "auto": its figures are judged once it settles
+        return False
     # Epochs that are mostly workers starting may never gather the steady seconds a verdict
     # needs: their start-ups, judged on their own evidence, are the verdict then.
     return evidence_shortfall(stats, EVIDENCE_MARGIN) is None or restarts(stats, EVIDENCE_MARGIN) is not None

@@ -8,7 +8,8 @@ time are named, and ``persistent_workers=True`` suggested (``stats.startup``, on
 evidence); the steady verdict's suggestions, if any, follow.
 
 0. Too few steady batches (``MIN_STEADY_BATCHES``) or seconds (``MIN_STEADY_S``): no verdict
-   yet; it says how many more batches it needs.
+   yet; it says how many more batches it needs. Likewise while ``num_workers="auto"`` is still
+   trying settings (its latest decision not ``settled``): the figures mix them.
 1. The training loop waited less than ``LIMITS`` of the time: the training loop limits, and
    loading keeps up (under ``KEEPS_UP``: if the workers idle most of the time, busy under
    ``FEWER_IF_BUSY``, fewer would do, with less memory) or nearly (the workers' occupancy is
@@ -26,7 +27,8 @@ evidence); the steady verdict's suggestions, if any, follow.
    remote reads, sleeps; only when fetching stands out, as waits in handing over are
    back-pressure; thread workers only while they run under ``GIL_FREE`` of a CPU between them,
    as a thread waiting for the GIL looks the same); otherwise nothing is suggested. Numbers are rounded up to a coarse
-   ladder (``LADDER``), so noise between runs does not move them by one.
+   ladder (``LADDER``), so noise between runs does not move them by one; a number no larger
+   than the workers running (``MAX_SUGGESTED_WORKERS``, the tuner's cap too) is never suggested.
 5. Process workers occupied at most ``IDLE`` while the loop waits: the main process's own work per
    batch limits (thread workers hand batches over for next to nothing: there, as between
    ``IDLE`` and ``SATURATED``, no single bottleneck stands out).
@@ -94,11 +96,25 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     shortfall = evidence_shortfall(stats)
     if shortfall is not None:
         return _restarting(found, None) if found is not None else Diagnosis("not enough data", shortfall)
+    tuning = still_tuning(stats)
+    if tuning is not None:
+        return _restarting(found, None) if found is not None else Diagnosis("still tuning", tuning)
     workers = [w for w in stats.workers if w.kind != "main"]
     if stats.setup.dataset != "map" and any(w.tasks for w in workers):
         workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
     steady_verdict = _with_idle_shards(stats, _verdict(stats, workers))
     return _restarting(found, steady_verdict) if found is not None else steady_verdict
+
+
+def still_tuning(stats: LoaderStats) -> str | None:
+    """Why ``num_workers="auto"`` is not judged yet (None: it settled, or there is none): its
+    figures mix the settings it is trying, and advice on them would race it."""
+    if not stats.decisions or stats.decisions[-1].settled:
+        return None
+    latest = stats.decisions[-1]
+    return (f"num_workers='auto' is still tuning (trying num_workers={latest.num_workers}, "
+            f"prefetch_factor={latest.prefetch_factor} since batch {latest.at_batch:,}): its figures "
+            "mix the settings it tries; judged once it settles")
 
 
 def _restarting(found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
@@ -186,10 +202,10 @@ def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
         return Diagnosis("the training loop", words)
     busy = sum(occupancy(w) for w in workers) / len(workers)
     words += f" (workers idle {1 - busy:.0%} of the time)"
-    count = stats.setup.num_workers
+    count = _current_workers(stats)
     if count > 1 and busy <= FEWER_IF_BUSY:
         needed = _ladder(math.ceil(count * busy / HEADROOM))
-        if needed < count:
+        if needed < count and not tried_by_auto(stats, needed):
             return Diagnosis("the training loop", f"{words}; num_workers={needed} would keep up too, "
                              "with less memory", {"num_workers": needed})
     return Diagnosis("the training loop", words)
@@ -224,10 +240,18 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
     # Waiting counts as I/O only inside the dataset: waits in handing over are back-pressure.
     if share < WAITING and stage == "fetch" and stands_out and not _threads_may_queue_on_the_gil(stats, workers):
         target = _ladder(min(MAX_SUGGESTED_WORKERS, 4 * count, max(count + 1, _wanted(stats, count))))
+        waits = (f"{words}, and they mostly wait there (on a CPU or queued for one {share:.0%} of "
+                 "their busy time: I/O, sleeps, locks)")
+        if target <= count:  # at the most suggested (and "auto"'s cap): never the count it runs
+            return Diagnosis("the workers", f"{waits}, with {count} workers already, the most "
+                             f"suggested: make {what} wait less (fewer, larger reads), or overlap "
+                             "its waits inside the dataset")
+        if tried_by_auto(stats, target):
+            return Diagnosis("the workers", f"{waits}; num_workers='auto' tried {target} workers and "
+                             f"kept {count}: make {what} wait less (fewer, larger reads)")
         auto = " (or 'auto')" if retunable(stats) and not stats.decisions else ""  # not if it is
-        return Diagnosis("the workers", f"{words}, and they mostly wait there (on a CPU or queued "
-                         f"for one {share:.0%} of their busy time: I/O, sleeps, locks): more workers "
-                         f"than CPUs help; try num_workers={target}{auto}", {"num_workers": target})
+        return Diagnosis("the workers", f"{waits}: more workers than CPUs help; try "
+                         f"num_workers={target}{auto}", {"num_workers": target})
     target = _workers_for(stats, count)
     if share < COMPUTING:
         return Diagnosis("the workers", f"{words}; they partly compute, partly wait (on a CPU or "
@@ -285,6 +309,12 @@ def stage_words(stats: LoaderStats, stage: str) -> str:
             else "handing batches over to the main process")
 
 
+def tried_by_auto(stats: LoaderStats, count: int) -> bool:
+    """Whether ``num_workers="auto"`` has run ``count`` workers (the count it runs, its cap, a
+    step it went back from): suggesting it would contradict what the tuner measured."""
+    return any(decision.num_workers == count for decision in stats.decisions)
+
+
 def _current_workers(stats: LoaderStats) -> int:
     """The workers running now: the last auto decision's, else the loader's setting."""
     return stats.decisions[-1].num_workers if stats.decisions else stats.setup.num_workers
@@ -325,6 +355,9 @@ def _more_batch_workers(stats: LoaderStats, batch_workers: list[WorkerStats]) ->
     else:
         return Diagnosis("the batch workers", f"{words}; they partly compute, partly wait: no setting "
                          "stands out")
+    if more <= count and share < WAITING:  # they wait, with the most workers suggested already
+        return Diagnosis("the batch workers", f"{words}, and they mostly wait there, with {count} "
+                         f"batch workers already, the most suggested: make {what} wait less")
     if more <= count:
         return Diagnosis("the batch workers", f"{words}, and the {stats.setup.cpus} usable CPUs are "
                          f"all in use: make {what} cheaper, or give the job more CPUs")

@@ -145,6 +145,8 @@ class TuningDecision:
         num_workers, prefetch_factor: the settings from then on.
         samples_per_s: the throughput measured just before.
         reason: why, in words.
+        settled: the tuner stopped here: nothing changes after it (before, the figures mix
+            settings still being tried, and are not judged).
     """
 
     at_batch: int
@@ -152,6 +154,7 @@ class TuningDecision:
     prefetch_factor: int
     samples_per_s: float
     reason: str
+    settled: bool = False
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ class AutoTuner:
         LOG.info("pipeload auto at batch %d: num_workers=%d, prefetch_factor=%d (%s)", batches,
                  settings.num_workers, settings.prefetch_factor, reason)
         self._recorder.decided(TuningDecision(batches, settings.num_workers, settings.prefetch_factor,
-                                              samples_per_s, reason))
+                                              samples_per_s, reason, settled=self.done))
 
     @staticmethod
     def _describe(settings: Settings) -> str:
