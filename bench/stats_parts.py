@@ -91,14 +91,14 @@ def _workers_only() -> None:
         self._record = False
 
     workers.WorkerGroup.__init__ = not_recording  # type: ignore[method-assign]
-    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+    recorder._Consumer.epoch_started = lambda self, called_at=None: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
 
 
 def _main_counts_only() -> None:
     import pipeload.stats.recorder as recorder
 
     _main_only()
-    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+    recorder._Consumer.epoch_started = lambda self, called_at=None: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
 
 
 def _main_waits_only() -> None:
@@ -118,7 +118,7 @@ def _nothing_done() -> None:
     import pipeload.stats.recorder as recorder
 
     _main_waits_only()
-    recorder._Consumer.epoch_started = lambda self: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
+    recorder._Consumer.epoch_started = lambda self, called_at=None: recorder.EpochCount(math.inf)  # type: ignore[method-assign]
     recorder.SessionStats.handing_out = lambda self, *args: math.inf  # type: ignore[method-assign]
 
 
