@@ -243,6 +243,26 @@ def test_thread_workers_share_this_processs_connection_and_split_the_samples(cle
     del loader
 
 
+def test_the_actors_of_different_workers_draw_different_random_values_again_for_the_same_seed(clean):
+    # The loader seeds every worker's shuffle alike (one order to shard); the actors were
+    # seeded from those seeds alone, so both workers' actors drew the same values.
+    import pipeload
+    from pipes_for_tests import with_random_draws
+
+    def draws() -> dict[int, tuple[float, ...]]:
+        torch.manual_seed(0)
+        graph = (IterableWrapper(range(8)).shuffle().sharding_filter().map(with_random_draws)
+                 .queue_boundary("ray", 4))
+        loader = pipeload.DataLoader(graph, batch_size=None, num_workers=2, worker_type="thread")
+        return {int(item): tuple(values) for item, values in loader}
+
+    first = draws()
+    assert sorted(first) == list(range(8))
+    for generator in range(3):  # torch, random and numpy
+        assert len({values[generator] for values in first.values()}) == 8, first
+    assert draws() == first  # reproducible from the loader's seed
+
+
 def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
     import pipeload
 

@@ -34,8 +34,11 @@ class RayQueueBoundary(IterDataPipe[T_co]):
     Random pipes upstream that have no seed get one drawn (the same in every actor) from a
     number taken from torch's global generator when the run starts; the DataLoader's seeds,
     when it set them, are kept, and then the run draws nothing from the global generator (the
-    loop's random numbers are those of the same graph without the boundary). A seed given
-    with ``set_seed`` seeds the next run only, as in one process.
+    loop's random numbers are those of the same graph without the boundary). Under a
+    DataLoader, each worker's and rank's copy of the graph mixes its place into that number
+    (``set_replica``), so the actors of different workers and ranks draw different random
+    values (and shuffle unseeded pipes differently), the same again for the same loader seed.
+    A seed given with ``set_seed`` seeds the next run only, as in one process.
 
     Args:
         datapipe: the upstream part of the graph (it needs a ``sharding_filter()`` when
@@ -98,7 +101,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
 
         options = RayOptions(self.num_actors, self.chunk_size, self.address,
                              tuple(self.actor_options.items()), tuple(self.init_options.items()),
-                             start_timeout_s=self.start_timeout_s)
+                             start_timeout_s=self.start_timeout_s, replica=self.__dict__.get("_replica"))
         from pipeload.datapipes.boundary.ray_actors import ActorPool
 
         pool = self.__dict__.get("_transient_ray_actors")
@@ -107,6 +110,18 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         name = f"pipeload-ray-{next(_names)}"
         upstream = RayUpstream(self.datapipe, self.buffer_size, options, name, pool, self._tally())
         return _RayBoundaryIterator(upstream)
+
+    def set_replica(self, num_replicas: int, replica_id: int) -> None:
+        """Say that this graph is copy ``replica_id`` of ``num_replicas`` (a DataLoader's workers
+        x ranks; ``graph.apply_replica`` calls this): its actors then seed their generators
+        apart from the other copies' actors (see ``boundary/seeds.py``).
+
+        Raises:
+            ValueError: not 0 <= ``replica_id`` < ``num_replicas`` (naming both).
+        """
+        from pipeload.datapipes.boundary.seeds import check_replica
+
+        self._replica = check_replica(num_replicas, replica_id)
 
     def _tally(self) -> Any:
         from pipeload.datapipes.boundary.ray_upstream import RayTally
