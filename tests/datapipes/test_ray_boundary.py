@@ -483,6 +483,37 @@ def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments,
             DataLoaderQueue(kind="ray", maxsize=4, **arguments)
 
 
+@pytest.mark.parametrize("options, error, named", [
+    ({"num_cpus": -1}, ValueError, r"num_cpus should be a number >= 0 or None, but got num_cpus=-1"),
+    ({"num_gpus": "1"}, TypeError, r"num_gpus should be a number >= 0 or None, but got num_gpus='1'"),
+    ({"max_restarts": "3"}, TypeError, r"max_restarts should be an int >= 0, or -1 for no limit, but got max_restarts='3'"),
+    ({"max_task_retries": -2}, ValueError, r"max_task_retries should be an int >= 0, or -1 .* but got max_task_retries=-2"),
+    ({"resources": {"CPU": 1}}, ValueError, r"resources should be a dict .* but got resources=\{'CPU': 1\} \(key 'CPU'\)"),
+    ({"resources": {"disk": -1}}, ValueError, r"but got resources=\{'disk': -1\} \('disk': -1\)"),
+    ({"runtime_env": "env"}, TypeError, r"runtime_env should be a dict or None, but got runtime_env='env'"),
+    ({"name": "decoder"}, ValueError, r"cannot use the actor option name='decoder': .* a name belongs to one actor"),
+    ({"max_concurrency": 4}, ValueError, r"max_concurrency should be 1 .* but got max_concurrency=4"),
+    ({"num_cpu": 1}, ValueError, r"cannot use the actor option num_cpu=1: Invalid option keyword num_cpu"),
+    ({"lifetime": "forever"}, ValueError, r"cannot use the actor option lifetime='forever': actor `lifetime`"),
+])
+def test_actor_options_that_cannot_work_are_named_when_the_pipe_is_built(options, error, named):
+    # They were Ray's to refuse when the first run started its actors (maybe in a DataLoader
+    # worker, an epoch later), in Ray's words.
+    from pipeload.datapipes import DataLoaderQueue
+
+    pipe = IterableWrapper(range(4)).sharding_filter()
+    with pytest.raises(error, match=r"queue_boundary\('ray'\) .*" + named):
+        pipe.queue_boundary("ray", 4, **options)
+    with pytest.raises(error, match=named):
+        DataLoaderQueue(kind="ray", maxsize=4, **options)
+
+
+def test_actor_options_that_work_are_kept_as_given():
+    options = {"num_cpus": 0.5, "max_restarts": -1, "resources": {"disk": 1}, "scheduling_strategy": "SPREAD"}
+    pipe = IterableWrapper(range(4)).sharding_filter().queue_boundary("ray", 4, **options)
+    assert pipe.actor_options == options
+
+
 def test_actors_killed_on_rays_own_thread_go_without_the_thread_waiting(clean):
     # The garbage collector may run a run's finalizer on Ray's own reply thread; a ray.kill made
     # there waits for a reply that only that thread would deliver: the whole process hung.

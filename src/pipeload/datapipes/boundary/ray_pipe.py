@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.ray_cluster import connected_address
+from pipeload.datapipes.boundary.ray_options import check_actor_options
 from pipeload.datapipes.graph import has_sharding
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
@@ -52,7 +53,13 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         start_timeout_s: an actor not started by then (the cluster lacks what it asks for) is
             a ``TimeoutError`` naming it.
         **actor_options: passed to the actor class's ``.options()``: ``num_cpus``,
-            ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...
+            ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...;
+            checked when the pipe is built (``name``, ``get_if_exists`` and a
+            ``max_concurrency`` other than 1 cannot work for the boundary's actors).
+
+    Raises:
+        TypeError, ValueError: an argument or actor option that cannot work, named with its
+            value, before anything connects or starts.
 
     Example:
         >>> decoded = (IterableWrapper(paths).sharding_filter().map(decode_jpeg)
@@ -77,6 +84,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         check_int(buffer_size, "buffer_size")
         check_positive(buffer_size, "buffer_size", "Buffer size")
         check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
+        check_actor_options(actor_options)
         if buffer_size < num_actors:
             raise ValueError(
                 f"queue_boundary('ray') needs buffer_size >= num_actors (each actor is asked for at "

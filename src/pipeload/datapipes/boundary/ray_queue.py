@@ -30,6 +30,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     check_maxsize,
     check_timeout,
 )
+from pipeload.datapipes.boundary.ray_options import check_actor_options
 from pipeload.datapipes.boundary.ray_pipe import check_ray_arguments
 from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, WaitCancelled, wait_for_next
@@ -140,6 +141,7 @@ def _options(num_actors: int = 1, chunk_size: int | None = None, address: str | 
              init_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
              **actor_options: Any) -> RayOptions:
     check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
+    check_actor_options(actor_options)
     return RayOptions(num_actors, chunk_size, address, tuple(actor_options.items()),
                       tuple((init_options or {}).items()), start_timeout_s=start_timeout_s)
 
