@@ -6,8 +6,11 @@ Every test ends with no actor process and no object of ours left in the store
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -318,7 +321,43 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address():
     )
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ConnectionError: could not reach the Ray cluster at '127.0.0.1:{port}'"), last
+    assert last.startswith(f"ConnectionError: could not reach the Ray cluster at address='127.0.0.1:{port}'"), last
+
+
+@pytest.mark.parametrize("answer, says", [
+    (b"", r"could not reach the Ray cluster at address='127\.0\.0\.1:\d+' \(no answer within 5 s\)"),
+    (b"HTTP/1.0 400 Bad request\r\n\r\n", r"no Ray cluster at address='127\.0\.0\.1:\d+': something listens there"),
+])
+def test_an_address_where_something_other_than_ray_listens_fails_within_seconds_naming_it(answer, says):
+    # The TCP probe passed and ray.init then retried for minutes.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def answer_each() -> None:
+            with server.accept()[0] as peer, contextlib.suppress(ConnectionError):
+                if answer:
+                    peer.sendall(answer)
+                while peer.recv(1024):  # until the probe hangs up (a reset, when it left bytes unread)
+                    pass
+
+        threading.Thread(target=answer_each, daemon=True).start()
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        done = _run_python(
+            "from pipeload.datapipes.iter import IterableWrapper\n"
+            f"list(IterableWrapper(range(3)).queue_boundary('ray', 2, address='127.0.0.1:{port}'))"
+        )
+    assert time.monotonic() - started < 30
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(r"ConnectionError: " + says, last), last
+
+
+def test_an_address_without_a_port_number_is_named():
+    done = _run_python(
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        "list(IterableWrapper(range(3)).queue_boundary('ray', 2, address='localhost:head'))"
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: queue_boundary('ray') address='localhost:head' should be 'host:port' "
+                           "with a port number"), last
 
 
 def test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers(clean):
