@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator, lazy_init
@@ -60,6 +62,11 @@ def exit_at_three(x: int) -> int:
 
 def pid_and_item(x: int) -> tuple[int, int]:
     return os.getpid(), x
+
+
+def with_random_draws(x: int) -> tuple[int, tuple[float, float, float]]:
+    """The item and one draw from each global generator (torch, random, numpy) where it runs."""
+    return x, (float(torch.rand(())), random.random(), float(np.random.rand()))
 
 
 def normalise(value: Any) -> Any:

@@ -6,7 +6,7 @@ runs here, in a process that never touched Ray, and forks its DataLoader workers
 job would; they join the cluster named by ``RAY_ADDRESS``. Exits non-zero (an AssertionError)
 when a check fails.
 
-    python ray_loader_job.py same-batches-and-resume | ranks
+    python ray_loader_job.py same-batches-and-resume | ranks | random-streams
 """
 
 from __future__ import annotations
@@ -75,6 +75,31 @@ def ranks() -> None:
     assert sorted(seen[0] + seen[1]) == [x * x for x in range(64)], seen
 
 
+def random_streams() -> None:
+    """The actors of each worker and rank draw their own random values (the loader seeds every
+    copy's shuffle alike), the same again for the same loader seed."""
+    import os
+
+    from pipes_for_tests import with_random_draws
+
+    def draws(rank: int) -> dict[int, tuple[float, ...]]:
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
+        torch.manual_seed(0)
+        pipe = (IterableWrapper(range(16)).shuffle().sharding_filter().map(with_random_draws)
+                .queue_boundary("ray", 4, num_actors=2))
+        loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2)
+        return {int(item): tuple(values) for item, values in loader}
+
+    rank_0 = draws(0)
+    assert draws(0) == rank_0, "not reproducible from the loader's seed"
+    rank_1 = draws(1)
+    assert sorted([*rank_0, *rank_1]) == list(range(16)), (rank_0, rank_1)
+    every = [*rank_0.values(), *rank_1.values()]
+    for generator in range(3):  # torch, random, numpy: 2 ranks x 2 workers x 2 actors, apart
+        assert len({values[generator] for values in every}) == 16, every
+
+
 if __name__ == "__main__":
-    {"same-batches-and-resume": same_batches_and_resume, "ranks": ranks}[sys.argv[1]]()
+    {"same-batches-and-resume": same_batches_and_resume, "ranks": ranks,
+     "random-streams": random_streams}[sys.argv[1]]()
     print("ok")

@@ -22,6 +22,7 @@ from pipes_for_tests import (
     fail_at_three,
     pid_and_item,
     unpicklable_item,
+    with_random_draws,
 )
 
 import pipeload
@@ -194,6 +195,45 @@ def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_sam
     (expected, expected_after), (got, got_after) = epochs(local), epochs(across)
     assert got == expected
     assert torch.equal(got_after, expected_after)
+
+
+def random_draws_per_item(loader: Any) -> dict[int, tuple[float, float, float]]:
+    return {int(item): tuple(draws) for item, draws in loader}  # the loader makes the tuple a list
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_the_upstream_processes_of_different_workers_draw_different_random_values_again_for_the_same_seed(
+        worker_type: str) -> None:
+    # The loader seeds every worker's shuffle alike (one order to shard); the upstream
+    # processes were seeded from those seeds alone, so both workers' drew the same values.
+    def draws(seed: int) -> dict[int, tuple[float, float, float]]:
+        torch.manual_seed(seed)
+        graph = (IterableWrapper(range(8)).shuffle().sharding_filter().map(with_random_draws)
+                 .queue_boundary("process", 4))
+        return random_draws_per_item(pipeload.DataLoader(graph, batch_size=None, num_workers=2,
+                                                         worker_type=worker_type))
+
+    first = draws(0)
+    assert sorted(first) == list(range(8))
+    for generator in range(3):  # torch, random and numpy: each worker's upstream its own values
+        assert len({values[generator] for values in first.values()}) == 8, first
+    assert draws(0) == first  # reproducible from the loader's seed
+    assert draws(1) != first
+
+
+def test_the_upstream_processes_of_different_ranks_draw_different_random_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def draws(rank: int) -> list[tuple[float, float, float]]:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(0)  # the ranks seed alike, and share the shuffle's seed anyway
+        graph = (IterableWrapper(range(8)).shuffle().sharding_filter().map(with_random_draws)
+                 .queue_boundary("process", 4))
+        return list(random_draws_per_item(pipeload.DataLoader(graph, batch_size=None)).values())
+
+    rank_0, rank_1 = draws(0), draws(1)
+    assert len(rank_0) == len(rank_1) == 4
+    assert not set(rank_0) & set(rank_1), (rank_0, rank_1)
 
 
 @pytest.mark.parametrize("kind", KINDS)

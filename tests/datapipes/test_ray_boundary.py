@@ -6,8 +6,11 @@ Every test ends with no actor process and no object of ours left in the store
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -243,6 +246,26 @@ def test_thread_workers_share_this_processs_connection_and_split_the_samples(cle
     del loader
 
 
+def test_the_actors_of_different_workers_draw_different_random_values_again_for_the_same_seed(clean):
+    # The loader seeds every worker's shuffle alike (one order to shard); the actors were
+    # seeded from those seeds alone, so both workers' actors drew the same values.
+    import pipeload
+    from pipes_for_tests import with_random_draws
+
+    def draws() -> dict[int, tuple[float, ...]]:
+        torch.manual_seed(0)
+        graph = (IterableWrapper(range(8)).shuffle().sharding_filter().map(with_random_draws)
+                 .queue_boundary("ray", 4))
+        loader = pipeload.DataLoader(graph, batch_size=None, num_workers=2, worker_type="thread")
+        return {int(item): tuple(values) for item, values in loader}
+
+    first = draws()
+    assert sorted(first) == list(range(8))
+    for generator in range(3):  # torch, random and numpy
+        assert len({values[generator] for values in first.values()}) == 8, first
+    assert draws() == first  # reproducible from the loader's seed
+
+
 def test_a_worker_forked_from_a_connected_process_says_how_to_start_workers(clean):
     import pipeload
 
@@ -298,7 +321,43 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address():
     )
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ConnectionError: could not reach the Ray cluster at '127.0.0.1:{port}'"), last
+    assert last.startswith(f"ConnectionError: could not reach the Ray cluster at address='127.0.0.1:{port}'"), last
+
+
+@pytest.mark.parametrize("answer, says", [
+    (b"", r"could not reach the Ray cluster at address='127\.0\.0\.1:\d+' \(no answer within 5 s\)"),
+    (b"HTTP/1.0 400 Bad request\r\n\r\n", r"no Ray cluster at address='127\.0\.0\.1:\d+': something listens there"),
+])
+def test_an_address_where_something_other_than_ray_listens_fails_within_seconds_naming_it(answer, says):
+    # The TCP probe passed and ray.init then retried for minutes.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def answer_each() -> None:
+            with server.accept()[0] as peer, contextlib.suppress(ConnectionError):
+                if answer:
+                    peer.sendall(answer)
+                while peer.recv(1024):  # until the probe hangs up (a reset, when it left bytes unread)
+                    pass
+
+        threading.Thread(target=answer_each, daemon=True).start()
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        done = _run_python(
+            "from pipeload.datapipes.iter import IterableWrapper\n"
+            f"list(IterableWrapper(range(3)).queue_boundary('ray', 2, address='127.0.0.1:{port}'))"
+        )
+    assert time.monotonic() - started < 30
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(r"ConnectionError: " + says, last), last
+
+
+def test_an_address_without_a_port_number_is_named():
+    done = _run_python(
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        "list(IterableWrapper(range(3)).queue_boundary('ray', 2, address='localhost:head'))"
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: queue_boundary('ray') address='localhost:head' should be 'host:port' "
+                           "with a port number"), last
 
 
 def test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers(clean):
@@ -461,6 +520,37 @@ def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments,
     if "buffer_size" not in arguments:  # the queue's own maxsize has its own check
         with pytest.raises(error, match=named):
             DataLoaderQueue(kind="ray", maxsize=4, **arguments)
+
+
+@pytest.mark.parametrize("options, error, named", [
+    ({"num_cpus": -1}, ValueError, r"num_cpus should be a number >= 0 or None, but got num_cpus=-1"),
+    ({"num_gpus": "1"}, TypeError, r"num_gpus should be a number >= 0 or None, but got num_gpus='1'"),
+    ({"max_restarts": "3"}, TypeError, r"max_restarts should be an int >= 0, or -1 for no limit, but got max_restarts='3'"),
+    ({"max_task_retries": -2}, ValueError, r"max_task_retries should be an int >= 0, or -1 .* but got max_task_retries=-2"),
+    ({"resources": {"CPU": 1}}, ValueError, r"resources should be a dict .* but got resources=\{'CPU': 1\} \(key 'CPU'\)"),
+    ({"resources": {"disk": -1}}, ValueError, r"but got resources=\{'disk': -1\} \('disk': -1\)"),
+    ({"runtime_env": "env"}, TypeError, r"runtime_env should be a dict or None, but got runtime_env='env'"),
+    ({"name": "decoder"}, ValueError, r"cannot use the actor option name='decoder': .* a name belongs to one actor"),
+    ({"max_concurrency": 4}, ValueError, r"max_concurrency should be 1 .* but got max_concurrency=4"),
+    ({"num_cpu": 1}, ValueError, r"cannot use the actor option num_cpu=1: Invalid option keyword num_cpu"),
+    ({"lifetime": "forever"}, ValueError, r"cannot use the actor option lifetime='forever': actor `lifetime`"),
+])
+def test_actor_options_that_cannot_work_are_named_when_the_pipe_is_built(options, error, named):
+    # They were Ray's to refuse when the first run started its actors (maybe in a DataLoader
+    # worker, an epoch later), in Ray's words.
+    from pipeload.datapipes import DataLoaderQueue
+
+    pipe = IterableWrapper(range(4)).sharding_filter()
+    with pytest.raises(error, match=r"queue_boundary\('ray'\) .*" + named):
+        pipe.queue_boundary("ray", 4, **options)
+    with pytest.raises(error, match=named):
+        DataLoaderQueue(kind="ray", maxsize=4, **options)
+
+
+def test_actor_options_that_work_are_kept_as_given():
+    options = {"num_cpus": 0.5, "max_restarts": -1, "resources": {"disk": 1}, "scheduling_strategy": "SPREAD"}
+    pipe = IterableWrapper(range(4)).sharding_filter().queue_boundary("ray", 4, **options)
+    assert pipe.actor_options == options
 
 
 def test_actors_killed_on_rays_own_thread_go_without_the_thread_waiting(clean):

@@ -44,3 +44,7 @@ def test_the_same_batches_as_without_ray_and_a_checkpoint_resumes_them(cluster_a
 
 def test_ranks_workers_and_actors_each_get_their_share(cluster_address):
     run_job("ranks", cluster_address)
+
+
+def test_the_actors_of_each_rank_and_worker_draw_their_own_random_values_again_for_the_same_seed(cluster_address):
+    run_job("random-streams", cluster_address)

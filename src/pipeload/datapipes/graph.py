@@ -28,6 +28,7 @@ __all__ = [
     "DataPipe",
     "DataPipeGraph",
     "apply_random_seed",
+    "apply_replica",
     "apply_sharding",
     "apply_shuffle_settings",
     "asks_to_be_sharded",
@@ -310,6 +311,22 @@ def apply_random_seed(datapipe: Any, rng: torch.Generator) -> Any:
     for pipe in list_dps(datapipe):
         if is_random_datapipe(pipe):
             pipe.set_seed(int(torch.empty((), dtype=torch.int64).random_(generator=rng).item()))
+    return datapipe
+
+
+def apply_replica(datapipe: Any, num_replicas: int, replica_id: int) -> Any:
+    """Tell every pipe of the graph that runs its upstream elsewhere (a process or Ray queue
+    boundary: a pipe with ``set_replica``) that this graph is copy ``replica_id`` of
+    ``num_replicas`` (the DataLoader's workers x ranks, numbered as for ``apply_sharding``).
+
+    The shared seed that ``apply_random_seed`` gives every copy alike makes a boundary's far
+    side seed alike in every copy too; knowing its copy, each one draws its own random streams.
+    Changes the pipes in place and returns ``datapipe``.
+    """
+    for pipe in list_dps(datapipe):
+        tell = getattr(pipe, "set_replica", None)
+        if inspect.ismethod(tell):
+            tell(num_replicas, replica_id)
     return datapipe
 
 

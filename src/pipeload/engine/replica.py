@@ -9,6 +9,9 @@ dataset is a DataPipe graph, the copy must
 - shuffle like every other copy: each random pipe of the graph gets a seed drawn, in graph
   order, from a generator seeded with one seed shared by all workers and ranks. The copies then
   shuffle identically and the sharding pipes after the shuffle split one order, not several.
+- know which copy it is, where a pipe runs its upstream elsewhere (a process or Ray queue
+  boundary): the far side seeds its own generators from the shared seed and the copy's index,
+  so each worker and rank has its own random streams there, as its own process has.
 
 That is what torch's DataLoader does for torch's DataPipes, and doing it the same way gives the
 same samples in the same order for the same seed. The main process draws the shared seed
@@ -65,6 +68,8 @@ class GraphRules:
             list them, so ``shuffle=`` and the unsharded-graph warning do not apply to it).
         copy_graph: ``(graph)``; a thread worker's copy of the graph (None: ``copy.deepcopy``).
         shards_by_hooks: ``apply_sharding`` leaves the RFC's ``is_shardable()`` pipes to us.
+        apply_replica: ``(graph, num_replicas, replica_id)``; tells the pipes that seed a far
+            side of their own (queue boundaries) which copy this is (None: the family has none).
     """
 
     iterable_type: type
@@ -74,6 +79,7 @@ class GraphRules:
     list_pipes: Callable[[Any], list[Any]] | None
     copy_graph: Callable[[Any], Any] | None = None
     shards_by_hooks: bool = False
+    apply_replica: Callable[[Any, int, int], Any] | None = None
 
 
 def graph_rules(dataset: Any) -> GraphRules | None:
@@ -112,10 +118,13 @@ def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: in
     if replica.shared_seed is not None:
         reseed(dataset, replica.shared_seed)
     shards = num_workers * replica.world_size
+    index = worker_id * replica.world_size + replica.rank
     with _GRAPH_WALK:
-        rules.apply_sharding(dataset, shards, worker_id * replica.world_size + replica.rank)
+        rules.apply_sharding(dataset, shards, index)
         if rules.shards_by_hooks and rules.list_pipes is not None:
-            _shard_by_hooks(rules.list_pipes(dataset), shards, worker_id * replica.world_size + replica.rank)
+            _shard_by_hooks(rules.list_pipes(dataset), shards, index)
+        if rules.apply_replica is not None:  # the shared seed alone would seed them alike
+            rules.apply_replica(dataset, shards, index)
 
 
 def _shard_by_hooks(pipes: list[Any], shards: int, index: int) -> None:
@@ -287,6 +296,7 @@ def _pipeload_rules(base: Any) -> GraphRules:
         graph.apply_random_seed,
         getattr(graph, "list_dps", None),
         getattr(graph, "copy_graph", None),
+        apply_replica=getattr(graph, "apply_replica", None),
     )
 
 

@@ -55,8 +55,10 @@ class QueueBoundary(IterDataPipe[T_co]):
     items are pickled. The upstream process seeds its global generators from the seeds of the
     random pipes upstream when they all have one (the DataLoader sets them every epoch: the run
     then draws nothing from torch's global generator, as the same graph without the boundary),
-    else from one number drawn from it when the run starts. A seed given with ``set_seed``
-    seeds the next run only, as in one process.
+    else from one number drawn from it when the run starts; under a DataLoader each worker's
+    and rank's copy of the graph mixes its place into that number (``set_replica``), so their
+    upstream processes draw different random values, the same again for the same loader seed.
+    A seed given with ``set_seed`` seeds the next run only, as in one process.
 
     A run keeps a checkpoint (thread and process kinds): ``state_dict()`` of the downstream
     iterator is the latest state of the upstream pipe that crossed the queue and the items handed
@@ -127,6 +129,8 @@ class QueueBoundary(IterDataPipe[T_co]):
         options = {"multiprocessing_context": self.multiprocessing_context, **self.options}
         if self.worker_type == "process":
             options["slab_keeper"] = self._slab_keeper()
+        if self.worker_type in _KINDS_SEEDED_APART:
+            options["replica"] = self.__dict__.get("_replica")
         log = None
         if self.worker_type == "thread":
             # The consumer lags the producer by the queue's items and one in each thread's hands.
@@ -140,6 +144,18 @@ class QueueBoundary(IterDataPipe[T_co]):
             queue.close()
             raise
         return queue, producer, log
+
+    def set_replica(self, num_replicas: int, replica_id: int) -> None:
+        """Say that this graph is copy ``replica_id`` of ``num_replicas`` (a DataLoader's workers
+        x ranks; ``graph.apply_replica`` calls this): a process upstream then seeds its
+        generators apart from the other copies' (see ``boundary/seeds.py``).
+
+        Raises:
+            ValueError: not 0 <= ``replica_id`` < ``num_replicas`` (naming both).
+        """
+        from pipeload.datapipes.boundary.seeds import check_replica  # it walks graphs: graph.py imports us
+
+        self._replica = check_replica(num_replicas, replica_id)
 
     @property
     def keeps_checkpoints(self) -> bool:
@@ -193,6 +209,9 @@ class Prefetcher(QueueBoundary[T_co]):
     def __init__(self, source_datapipe: IterDataPipe, buffer_size: int = 10) -> None:
         super().__init__(source_datapipe, "thread", buffer_size)
 
+
+# The kinds whose far side seeds its own generators (see seeds.py): told the graph's copy.
+_KINDS_SEEDED_APART = ("process", "ray")
 
 # The kinds whose producers put the upstream's state into the queue now and then (feed's
 # ``states``): a run across them keeps a checkpoint (see positions.py).

@@ -24,7 +24,7 @@ import torch
 from pipeload.datapipes.boundary.feed import feed
 from pipeload.datapipes.boundary.positions import Resume
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
-from pipeload.datapipes.boundary.seeds import run_seed, take_seeds
+from pipeload.datapipes.boundary.seeds import Replica, run_seed, take_seeds
 from pipeload.engine.budget import shm_budget_bytes
 from pipeload.engine.lifecycle import (
     check_picklable,
@@ -50,16 +50,17 @@ class ProcessProducer:
 
     The queue watches the process, so a death is read as one (with its exit status), not as
     a hang. ``keeper``: where the run borrows the slab pool its queue decodes against (None:
-    the queue makes one of its own).
+    the queue makes one of its own). ``replica``: which copy of the graph this is, mixed into
+    the seed of the process's generators (see ``seeds.py``).
     """
 
     def __init__(self, pipe: Any, queue: DataLoaderQueue, name: str, context: Any,
                  keeper: SlabKeeper | None = None, resume: Resume | None = None,
-                 states: bool = False) -> None:
+                 states: bool = False, replica: Replica | None = None) -> None:
         ctx = multiprocessing.get_context(context) if isinstance(context, str) or context is None else context
         if ctx.get_start_method() != "fork":
             check_picklable({"datapipe": pipe}, ctx.get_start_method(), sender="A queue boundary")
-        seed = run_seed(pipe)
+        seed = run_seed(pipe, replica)
         lent = _lend_slabs(keeper, queue)
         # A Ctrl-C during the fork comes once the finalizer that stops the process is in place.
         with held_over_a_fork(ctx):

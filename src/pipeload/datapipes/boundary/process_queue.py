@@ -199,7 +199,8 @@ class ProcessQueue(InboxQueue, kind="process"):
         from pipeload.datapipes.boundary.process import ProcessProducer
 
         return ProcessProducer(pipe, queue, name, options.get("multiprocessing_context"),
-                               options.get("slab_keeper"), options.get("resume"), bool(options.get("states")))
+                               options.get("slab_keeper"), options.get("resume"), bool(options.get("states")),
+                               options.get("replica"))
 
     # -- meeting the far end ------------------------------------------------------------------
 

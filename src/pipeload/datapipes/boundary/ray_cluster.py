@@ -23,13 +23,14 @@ import multiprocessing
 import os
 import socket
 import sys
+import time
 import warnings
 from typing import Any
 
 from pipeload._user_frame import first_frame_outside_pipeload
 
 INSTALL_HINT = "pip install 'pipeload[ray]'"
-PROBE_TIMEOUT_S = 5.0  # an address nobody answers fails within this, not after Ray's retries
+PROBE_TIMEOUT_S = 5.0  # an address where Ray does not answer fails within this, not after Ray's retries
 _forked_from_driver = False
 _connected_here = False  # this process has been connected to Ray (through this module)
 _started_here = False  # ... to a local cluster it started (or found) with ray.init(), no address
@@ -84,7 +85,9 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
         ImportError: Ray is not installed.
         RuntimeError: this process was forked from one connected to Ray, or it is a
             DataLoader worker with no address to connect to.
-        ConnectionError: nothing answers at the address (one line naming it).
+        ConnectionError: nothing at the address answers as a Ray cluster (one line naming
+            ``address`` or ``RAY_ADDRESS``, within ``PROBE_TIMEOUT_S``).
+        ValueError: a ``host:port`` address whose port is not a number.
     """
     global _connected_here, _started_here
     ray = import_ray()
@@ -99,6 +102,7 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
     if ray.is_initialized():
         _connected_here = True
         return ray
+    named = f"address={address!r}" if address else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}"
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None and multiprocessing.parent_process() is not None:
         raise RuntimeError(
@@ -106,11 +110,11 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
             "one (`ray start --head`) and set RAY_ADDRESS, or pass address= to the boundary"
         )
     if address is not None:
-        _probe(address)
+        _probe(address, named)
     try:
         ray.init(address=address, **init_options)
     except ConnectionError as error:
-        raise ConnectionError(f"could not join the Ray cluster at {address!r}: {error}") from None
+        raise ConnectionError(f"could not join the Ray cluster at {named}: {error}") from None
     _connected_here = True
     _started_here = address is None
     return ray
@@ -165,16 +169,53 @@ def _named(actor_options: dict[str, Any]) -> str:
                      if key in _RESOURCE_NAMES or key == "resources")
 
 
-def _probe(address: str) -> None:
-    """Fail fast, naming ``address``, when nothing listens there (Ray itself retries for a
-    minute or more). Addresses that are not ``host:port`` (``auto``, ``ray://...``) are Ray's."""
+def _probe(address: str, named: str) -> None:
+    """Fail fast, naming the argument (``named``), when nothing at ``address`` answers as a Ray
+    cluster: ``ray.init`` retries for minutes, whether nothing listens there or something other
+    than Ray's GCS does. Addresses that are not ``host:port`` (``auto``, ``ray://...``) are Ray's.
+
+    The GCS is a gRPC server: on a new connection it sends HTTP/2's SETTINGS frame first, so
+    the probe reads the first frame header and looks at its type (an HTTP/1 server answers
+    text, many other servers nothing at all).
+    """
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
+    if not host or "://" in address:
         return
+    if not port.isdigit():
+        raise ValueError(f"queue_boundary('ray') {named} should be 'host:port' with a port number, "
+                         "'auto', or a 'ray://' address")
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
     try:
-        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as probe:
+            probe.sendall(_HTTP2_PREFACE + _EMPTY_SETTINGS)
+            first = _read(probe, _FRAME_HEADER_BYTES, deadline)
     except OSError as error:
+        reason = f"no answer within {PROBE_TIMEOUT_S:g} s" if isinstance(error, TimeoutError) else error.strerror or error
         raise ConnectionError(
-            f"could not reach the Ray cluster at {address!r} ({error.strerror or error}); is it "
-            "running (`ray start --head`), and is the address right?"
+            f"could not reach the Ray cluster at {named} ({reason}); is it running "
+            "(`ray start --head`), and is the address right?"
         ) from None
+    if len(first) < _FRAME_HEADER_BYTES or first[3] != _SETTINGS_FRAME:
+        raise ConnectionError(
+            f"no Ray cluster at {named}: something listens there but does not answer as Ray's "
+            f"GCS (it said {first[:24]!r}); is the port the head node's (`ray start --head "
+            "--port`, 6379 by default)?"
+        )
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_SETTINGS_FRAME = 0x4
+_EMPTY_SETTINGS = bytes([0, 0, 0, _SETTINGS_FRAME, 0, 0, 0, 0, 0])  # length 0, no flags, stream 0
+_FRAME_HEADER_BYTES = 9
+
+
+def _read(connection: socket.socket, count: int, deadline: float) -> bytes:
+    """Up to ``count`` bytes, fewer if the peer closes; TimeoutError past ``deadline``."""
+    got = b""
+    while len(got) < count:
+        connection.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = connection.recv(count - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got

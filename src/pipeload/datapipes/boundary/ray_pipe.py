@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.ray_cluster import connected_address
+from pipeload.datapipes.boundary.ray_options import check_actor_options
 from pipeload.datapipes.graph import has_sharding
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator
@@ -34,8 +35,11 @@ class RayQueueBoundary(IterDataPipe[T_co]):
     Random pipes upstream that have no seed get one drawn (the same in every actor) from a
     number taken from torch's global generator when the run starts; the DataLoader's seeds,
     when it set them, are kept, and then the run draws nothing from the global generator (the
-    loop's random numbers are those of the same graph without the boundary). A seed given
-    with ``set_seed`` seeds the next run only, as in one process.
+    loop's random numbers are those of the same graph without the boundary). Under a
+    DataLoader, each worker's and rank's copy of the graph mixes its place into that number
+    (``set_replica``), so the actors of different workers and ranks draw different random
+    values (and shuffle unseeded pipes differently), the same again for the same loader seed.
+    A seed given with ``set_seed`` seeds the next run only, as in one process.
 
     Args:
         datapipe: the upstream part of the graph (it needs a ``sharding_filter()`` when
@@ -49,7 +53,13 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         start_timeout_s: an actor not started by then (the cluster lacks what it asks for) is
             a ``TimeoutError`` naming it.
         **actor_options: passed to the actor class's ``.options()``: ``num_cpus``,
-            ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...
+            ``resources``, ``runtime_env``, ``max_restarts``, ``scheduling_strategy``, ...;
+            checked when the pipe is built (``name``, ``get_if_exists`` and a
+            ``max_concurrency`` other than 1 cannot work for the boundary's actors).
+
+    Raises:
+        TypeError, ValueError: an argument or actor option that cannot work, named with its
+            value, before anything connects or starts.
 
     Example:
         >>> decoded = (IterableWrapper(paths).sharding_filter().map(decode_jpeg)
@@ -74,6 +84,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         check_int(buffer_size, "buffer_size")
         check_positive(buffer_size, "buffer_size", "Buffer size")
         check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
+        check_actor_options(actor_options)
         if buffer_size < num_actors:
             raise ValueError(
                 f"queue_boundary('ray') needs buffer_size >= num_actors (each actor is asked for at "
@@ -98,7 +109,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
 
         options = RayOptions(self.num_actors, self.chunk_size, self.address,
                              tuple(self.actor_options.items()), tuple(self.init_options.items()),
-                             start_timeout_s=self.start_timeout_s)
+                             start_timeout_s=self.start_timeout_s, replica=self.__dict__.get("_replica"))
         from pipeload.datapipes.boundary.ray_actors import ActorPool
 
         pool = self.__dict__.get("_transient_ray_actors")
@@ -107,6 +118,18 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         name = f"pipeload-ray-{next(_names)}"
         upstream = RayUpstream(self.datapipe, self.buffer_size, options, name, pool, self._tally())
         return _RayBoundaryIterator(upstream)
+
+    def set_replica(self, num_replicas: int, replica_id: int) -> None:
+        """Say that this graph is copy ``replica_id`` of ``num_replicas`` (a DataLoader's workers
+        x ranks; ``graph.apply_replica`` calls this): its actors then seed their generators
+        apart from the other copies' actors (see ``boundary/seeds.py``).
+
+        Raises:
+            ValueError: not 0 <= ``replica_id`` < ``num_replicas`` (naming both).
+        """
+        from pipeload.datapipes.boundary.seeds import check_replica
+
+        self._replica = check_replica(num_replicas, replica_id)
 
     def _tally(self) -> Any:
         from pipeload.datapipes.boundary.ray_upstream import RayTally

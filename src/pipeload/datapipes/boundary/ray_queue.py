@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     check_maxsize,
     check_timeout,
 )
+from pipeload.datapipes.boundary.ray_options import check_actor_options
 from pipeload.datapipes.boundary.ray_pipe import check_ray_arguments
 from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, WaitCancelled, wait_for_next
@@ -58,15 +60,16 @@ class RayQueue(DataLoaderQueue, kind="ray"):
     def start_producer(cls, pipe: Any, queue: DataLoaderQueue, name: str, options: dict[str, Any]) -> RayUpstream:
         """Start ``queue``'s actors on ``pipe``. ``options``: the boundary's options for this
         kind (``num_actors``, ``chunk_size``, ``address``, actor options: they replace the
-        queue's own), and ``pool``, an ``ActorPool`` to take actors from and give them back to."""
+        queue's own), ``pool``, an ``ActorPool`` to take actors from and give them back to, and
+        ``replica``, which copy of the graph this is (see ``seeds.py``)."""
         if not isinstance(queue, RayQueue):
             raise TypeError(f"RayQueue.start_producer needs a RayQueue, but got {type(queue).__name__}")
         if queue._upstream is not None:
             raise RuntimeError("this RayQueue already has its actors: a queue is between two ends")
         given = {key: value for key, value in options.items()
-                 if key not in ("pool", "multiprocessing_context")}
+                 if key not in ("pool", "multiprocessing_context", "replica")}
         settings = _options(**given) if given else queue._options
-        queue._options = settings
+        settings = queue._options = dataclasses.replace(settings, replica=options.get("replica"))
         queue._upstream = RayUpstream(pipe, queue.maxsize, settings, name, options.get("pool"))
         return queue._upstream
 
@@ -138,6 +141,7 @@ def _options(num_actors: int = 1, chunk_size: int | None = None, address: str | 
              init_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
              **actor_options: Any) -> RayOptions:
     check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
+    check_actor_options(actor_options)
     return RayOptions(num_actors, chunk_size, address, tuple(actor_options.items()),
                       tuple((init_options or {}).items()), start_timeout_s=start_timeout_s)
 

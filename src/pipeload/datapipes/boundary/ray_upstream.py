@@ -29,7 +29,7 @@ from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
-from pipeload.datapipes.boundary.seeds import run_seed, take_seeds
+from pipeload.datapipes.boundary.seeds import Replica, run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
 from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
@@ -63,6 +63,7 @@ class RayOptions:
     init_options: tuple[tuple[str, Any], ...] = ()
     snapshot_every: int = 64
     start_timeout_s: float = 300.0
+    replica: Replica | None = None  # which copy of the graph (mixed into the actors' seed)
 
     @property
     def restarts_allowed(self) -> int:
@@ -86,7 +87,7 @@ class RayUpstream:
         self.tally = tally if tally is not None else RayTally()
         self._pipe = upstream_pipe
         self._options = options
-        self._seed = run_seed(upstream_pipe)
+        self._seed = run_seed(upstream_pipe, options.replica)
         share = max(1, capacity // options.num_actors)
         chunk = min(options.chunk_size or max(1, share // 2), share)
         check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
