@@ -208,6 +208,31 @@ def _samplers_within(*outermost: Any) -> Iterator[Any]:
                  if (inner := getattr(s, name, None)) is not None and inner is not s]
 
 
+def unshared_seed_warning(generator: Any) -> str | None:
+    """Why the ranks' copies of a shuffled DataPipe graph may shuffle apart, or None.
+
+    A loader shards a DataPipe graph by rank as soon as torchrun's RANK and WORLD_SIZE say there
+    are several, but only a process group can carry rank 0's shuffle seed to the others. Without
+    one, each rank draws its own from ``generator`` (torch's global generator when None): unless
+    every rank seeded it alike, the shuffles before the sharding pipe differ and the shards
+    overlap (some samples twice, others never), which torch's loader would not do either since it
+    does not shard by rank without a group. Said only when nothing in the loader's own settings
+    makes the ranks agree (a ``generator``, which the user seeds, is taken as seeded alike).
+    """
+    placement = current_placement()
+    if placement.world_size <= 1 or _dist() is not None or generator is not None:
+        return None
+    return (
+        f"This process is rank {placement.rank} of {placement.world_size} (from torchrun's "
+        "RANK/WORLD_SIZE), so this DataLoader shards its DataPipe graph by rank, but no "
+        "torch.distributed process group is initialised to share rank 0's shuffle seed: unless "
+        "every rank seeded torch's global generator alike, each shuffles its own way and the "
+        "ranks' shards overlap (some samples twice, others never). Call "
+        "torch.distributed.init_process_group() before iterating, or give the DataLoader "
+        "generator=torch.Generator().manual_seed(seed) with the same seed on every rank."
+    )
+
+
 def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str | None:
     """Why every rank would load the whole (map-style) dataset, or None when it would not.
 

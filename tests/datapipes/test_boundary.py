@@ -221,6 +221,7 @@ def test_the_upstream_processes_of_different_workers_draw_different_random_value
     assert draws(1) != first
 
 
+@pytest.mark.filterwarnings("ignore:This process is rank")  # seeded alike by manual_seed
 def test_the_upstream_processes_of_different_ranks_draw_different_random_values(
         monkeypatch: pytest.MonkeyPatch) -> None:
     def draws(rank: int) -> list[tuple[float, float, float]]:

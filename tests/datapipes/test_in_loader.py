@@ -177,6 +177,7 @@ def test_the_rfcs_lazy_init_lists_in_each_worker_after_it_started(worker_type: s
     assert pipe.source_datapipe.numbers is None  # the loader's own copy was never listed
 
 
+@pytest.mark.filterwarnings("ignore:This process is rank")  # seeded alike by manual_seed
 @pytest.mark.parametrize("workers", [0, 2])
 def test_torchruns_environment_shards_by_rank(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
     shards = []
@@ -191,6 +192,35 @@ def test_torchruns_environment_shards_by_rank(monkeypatch: pytest.MonkeyPatch, w
     assert len(shards[0]) == 11
 
 
+def test_ranks_without_a_process_group_are_warned_that_their_shuffles_may_differ(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a group nothing carries rank 0's shuffle seed to the others: unseeded alike, the
+    # ranks' shards overlapped (8 of 30 samples twice, in a review's run) without a word.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shuffled = ours_iter.IterableWrapper(range(30)).shuffle().sharding_filter()
+    with pytest.warns(UserWarning, match=r"rank 1 of 2 .* no torch.distributed process group") as said:
+        loader = pipeload.DataLoader(shuffled, batch_size=None)
+        for _ in range(2):
+            assert len(list(loader)) == 15
+    assert sum("process group" in str(w.message) for w in said) == 1  # once a loader
+    assert said[0].filename == __file__  # at the user's line
+
+
+@pytest.mark.parametrize("quiet", ["generator", "no shuffle", "one rank"])
+def test_ranks_that_cannot_shuffle_apart_are_not_warned(monkeypatch: pytest.MonkeyPatch, quiet: str) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1" if quiet == "one rank" else "2")
+    pipe = ours_iter.IterableWrapper(range(30))
+    if quiet != "no shuffle":
+        pipe = pipe.shuffle()
+    generator = torch.Generator().manual_seed(3) if quiet == "generator" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(pipeload.DataLoader(pipe.sharding_filter(), batch_size=None, generator=generator))
+
+
+@pytest.mark.filterwarnings("ignore:This process is rank")  # seeded alike by manual_seed
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_rank_resumes_its_share_of_a_graph_from_its_own_checkpoint(monkeypatch: pytest.MonkeyPatch,
                                                                       workers: int) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import sys
 import threading
 import warnings
@@ -105,6 +106,17 @@ def draw_shared_seed(generator: torch.Generator | None, share: bool = True) -> i
     """
     seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
     return share_from_rank0(seed) if share else seed
+
+
+def has_random_pipes(dataset: Any) -> bool:
+    """Whether ``dataset`` is a DataPipe graph with a pipe that draws random numbers (one with a
+    ``set_seed`` method, the rule both families seed by)."""
+    rules = graph_rules(dataset)
+    if rules is None or rules.list_pipes is None:
+        return False
+    with _GRAPH_WALK:
+        pipes = rules.list_pipes(dataset)
+    return any(inspect.ismethod(getattr(pipe, "set_seed", None)) for pipe in pipes)
 
 
 def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: int) -> None:

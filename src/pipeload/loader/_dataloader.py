@@ -201,6 +201,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._persistent_epoch: weakref.ref[_EpochIterator] | None = None
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
+        self._checked_rank_seeds = False  # _engine_choice: may the ranks' shuffles differ?
         self._checked_graph_sharding = False
         self._auto = auto  # (num_workers, prefetch_factor) given as "auto"
         self._stats = self._new_stats() if stats else None

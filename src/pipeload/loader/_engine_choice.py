@@ -20,7 +20,7 @@ import torch
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
-from pipeload.distributed import check_ranks_can_agree, current_placement
+from pipeload.distributed import check_ranks_can_agree, current_placement, unshared_seed_warning
 from pipeload.engine import replica
 from pipeload.engine.auto import AutoEngine
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
@@ -124,8 +124,23 @@ def _auto_tuner(loader: Any) -> AutoTuner:
 def _replica_setup(loader: Any) -> ReplicaSetup:
     """Where this session's copies of the dataset sit among ranks, and their graph seed."""
     placement = current_placement()
-    seed = replica.draw_shared_seed(loader.generator) if replica.draws_shared_seed(loader.dataset) else None
+    seed = None
+    if replica.draws_shared_seed(loader.dataset):
+        seed = replica.draw_shared_seed(loader.generator)
+        _warn_if_ranks_shuffle_apart(loader)
     return ReplicaSetup(placement.rank, placement.world_size, seed)
+
+def _warn_if_ranks_shuffle_apart(loader: Any) -> None:
+    """Once a loader: its graph's shuffles may differ between ranks (see unshared_seed_warning).
+    Checked once, as a torch graph is pickled to be walked."""
+    if loader._checked_rank_seeds:
+        return
+    message = unshared_seed_warning(loader.generator)
+    if message is None:
+        return  # a process group may come later: looked at again next epoch
+    loader._checked_rank_seeds = True
+    if replica.has_random_pipes(loader.dataset):
+        warnings.warn(message, stacklevel=first_frame_outside_pipeload())
 
 def _worker_setup(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> WorkerSetup:
     warn_if_copy_on_read(loader.dataset, loader.worker_type)  # pytorch#13246: points at the fix
