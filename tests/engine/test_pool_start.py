@@ -50,9 +50,6 @@ def test_the_first_worker_fetches_while_the_next_is_forked(persistent_workers: b
     _FetchedOnce.event = multiprocessing.get_context("fork").Event()
     loader = pipeload.DataLoader(SaysWhenFetched(), batch_size=2, num_workers=2,
                                  persistent_workers=persistent_workers, multiprocessing_context=_Context())
-    try:
-        batches = iter(loader)
-        assert len(batches._workers) == 2  # every worker runs by the time iter() returns, as torch's
-        assert torch.cat(list(batches)).tolist() == list(range(16))
-    finally:
-        _FetchedOnce.event = None
+    batches = iter(loader)
+    assert len(batches._workers) == 2  # every worker runs by the time iter() returns, as torch's
+    assert torch.cat(list(batches)).tolist() == list(range(16))
