@@ -155,12 +155,9 @@ class PoolEngine:
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
         # Workers' tasks are counted by the ledger, which counts each worker's answers anyway.
         self._ledger_counts = self._stats is not None
-        # Process workers are started one by one as their first tasks go out (the rest by the end
-        # of the first ``start_epoch``): the first worker builds its first batch while the main
-        # process forks the next, instead of every worker waiting for the last fork.
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
-                                    start_first=1, counted_by_engine=self._ledger_counts, keeper=keeper)
+                                    counted_by_engine=self._ledger_counts, keeper=keeper)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -239,7 +236,7 @@ class PoolEngine:
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = self._new_ledger(len(self._workers.labels), start)
+        self._ledger = self._new_ledger(len(self._workers.handles), start)
         self._ledger.resize(self._num_workers)
         self._count_answers()
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
@@ -248,12 +245,8 @@ class PoolEngine:
             self._next_look = start.first_batch  # the numbers start again each epoch
         try:
             self._top_up()
-            self._workers.start_all()  # those the first tasks did not reach (a small budget)
         except WorkerDiedError:
             pass  # said by the first next(), as torch's loader says it: the task waits unsent
-        except BaseException:
-            self.close()  # a worker that could not start (fork failed, Ctrl-C): as a dead one
-            raise
 
     def _send_what_torch_sends_ahead(self) -> None:
         """Before a persistent session's next epoch: if the last one was left early, send the
