@@ -14,6 +14,7 @@ import torch
 import torch.utils.data as torch_data  # torch's class: a base for identity, never called
 
 from pipeload.samplers._base import Sampler
+from pipeload.samplers._random import keys_of
 from pipeload._state_fields import StateFields
 from pipeload.samplers._state import StatefulSampler
 
@@ -104,21 +105,22 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(size, generator=generator).tolist()
+            order = torch.randperm(size, generator=generator)
         else:
-            order = list(range(size))
+            order = torch.arange(size)
         if self.drop_last:
             order = order[: self.total_size]
         elif self.total_size > len(order):
             missing = self.total_size - len(order)
-            order += (order * math.ceil(missing / len(order)))[:missing]
+            order = torch.cat([order, order.repeat(math.ceil(missing / len(order)))[:missing]])
         elif len(order) > self.total_size:  # it grew: its new samples would never be seen
             raise AssertionError(
                 f"Number of indices ({len(order) + self.total_size}) does not match total_size "
                 f"({self.total_size}) (pipeload: the dataset has {len(order)} samples now, "
                 f"{self.num_samples * self.num_replicas} or fewer when this sampler was made: "
                 "make the sampler again after the dataset changes)")
-        return iter(order[self.rank : self.total_size : self.num_replicas])
+        # A tensor, read a block at a time: see _random.keys_of.
+        return keys_of(order[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
         return self.num_samples
