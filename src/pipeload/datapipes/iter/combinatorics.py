@@ -123,7 +123,14 @@ class _SeededRun:
         return self._rng
 
     def _restore_generator(self, state: tuple[Any, ...]) -> None:
-        """Set the run's generator to a state :func:`checked_rng_state` read."""
+        """Set the run's generator to a state :func:`checked_rng_state` read.
+
+        The run that wrote the state had taken its seed first; this one takes it too (and
+        throws it away), so that a seed set for this run does not stay pending and seed the
+        next run as well (the next round of a ``cycle``, say, which would repeat this order),
+        and a seed drawn from the global generator is drawn here as it was there."""
+        if self._rng is None:
+            self._pipe._take_seed()
         self._rng = random.Random()
         self._rng.setstate(state)
 
