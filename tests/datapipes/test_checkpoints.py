@@ -143,10 +143,12 @@ def test_a_resumed_round_uses_its_seed_so_the_next_round_draws_a_new_order(name:
 
 @pytest.mark.usefixtures("leak_guard")
 @pytest.mark.timeout(60)
-def test_the_loader_resumes_a_cycled_shuffle_and_its_next_epoch_exactly() -> None:
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_the_loader_resumes_a_cycled_shuffle_and_its_next_epoch_exactly(worker_type: str) -> None:
     def make() -> pipeload.DataLoader:
         pipe = IterableWrapper(range(12)).shuffle().cycle(2).sharding_filter().batch(3)
-        return pipeload.DataLoader(pipe, batch_size=None, num_workers=2, generator=torch.Generator().manual_seed(123))
+        return pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type,
+                                   generator=torch.Generator().manual_seed(123))
 
     loader = make()
     whole = [list(loader) for _ in range(2)]

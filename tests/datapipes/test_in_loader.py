@@ -118,6 +118,22 @@ def test_demux_branches_read_in_turn_give_every_sample_once_and_resume_exactly(e
     assert [head + rest[0], rest[1]] == whole
 
 
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_shuffle_run_again_within_an_epoch_gives_the_same_epoch_for_the_same_generator(worker_type: str) -> None:
+    # The second round's shuffle seeds itself from the worker's generator, not the loader's:
+    # a thread worker's is its own, whatever the training loop's global one is doing.
+    pipe = ours_iter.IterableWrapper(range(12)).shuffle().cycle(2).sharding_filter().batch(3)
+    runs = []
+    for loop_seed in (1, 2):
+        torch.manual_seed(loop_seed)
+        generator = torch.Generator().manual_seed(123)
+        loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type,
+                                     generator=generator)
+        runs.append([list(loader) for _ in range(2)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]
+
+
 def test_an_unsharded_graph_read_by_several_workers_warns() -> None:
     unsharded = ours_iter.IterableWrapper(range(6)).map(double)
     with pytest.warns(UserWarning, match="has no sharding_filter.*loaded 2 times per epoch"):
