@@ -100,7 +100,9 @@ class _Run:
     def __init__(self, source_pipe: Any, num_instances: int) -> None:
         self._source_pipe = source_pipe
         self._source: PipeIterator[Any] | None = None
-        self.lock = threading.Lock()
+        # Reentrant: a dropped branch iterator leaves through a finalizer, which the garbage
+        # collector may run in a thread that holds the lock already (inside next_for).
+        self.lock = threading.RLock()
         self.joined: set[int] = set()
         self._left: set[int] = set()
         self.num_instances = num_instances
