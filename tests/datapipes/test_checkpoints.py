@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 import pipeload
-from pipeload.datapipes.iter import IterableWrapper
+from pipeload.datapipes.iter import Cycler, IterableWrapper
+from pipeload.datapipes.map import SequenceWrapper
 
 PIPES: dict[str, Callable[[], Any]] = {
     "flatmap": lambda: IterableWrapper(["ab", "cde", "", "fghi"]).flatmap(list),
@@ -112,3 +114,49 @@ def test_a_tar_member_offset_is_a_seek_not_a_read(tmp_path: Any) -> None:
     resumed = iter(IterableWrapper(paths).open_files("b").load_from_tar())
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert [m[1] for m in head] + [m[1] for m in resumed] == [m[1] for m in pipe]
+
+
+# -- a seeded pipe run again after a resume ------------------------------------------------------
+
+CYCLED_SHUFFLES: dict[str, Callable[[], Any]] = {
+    "shuffle": lambda: IterableWrapper(range(8)).shuffle().set_seed(11).cycle(2),
+    "in_batch_shuffle": lambda: IterableWrapper(range(8)).batch(4).in_batch_shuffle().set_seed(11).cycle(2),
+    "map shuffle": lambda: Cycler(SequenceWrapper(range(8)).shuffle().set_seed(11), 2),
+}
+
+
+@pytest.mark.parametrize("name", CYCLED_SHUFFLES)
+def test_a_resumed_round_uses_its_seed_so_the_next_round_draws_a_new_order(name: str) -> None:
+    torch.manual_seed(5)
+    whole = list(CYCLED_SHUFFLES[name]())
+    torch.manual_seed(5)
+    iterator = iter(CYCLED_SHUFFLES[name]())
+    head = [next(iterator)]
+    state = json.loads(json.dumps(iterator.state_dict()))
+    global_stream = torch.get_rng_state()  # the next round draws its seed there, as in torch
+    torch.manual_seed(999)
+    resumed = iter(CYCLED_SHUFFLES[name]())
+    resumed.load_state_dict(state)
+    torch.set_rng_state(global_stream)
+    assert head + list(resumed) == whole
+
+
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_the_loader_resumes_a_cycled_shuffle_and_its_next_epoch_exactly(worker_type: str) -> None:
+    def make() -> pipeload.DataLoader:
+        pipe = IterableWrapper(range(12)).shuffle().cycle(2).sharding_filter().batch(3)
+        return pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type=worker_type,
+                                   generator=torch.Generator().manual_seed(123))
+
+    loader = make()
+    whole = [list(loader) for _ in range(2)]
+    loader = make()
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(3)]  # mid round 1
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [head + list(resumed), list(resumed)] == whole

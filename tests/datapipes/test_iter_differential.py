@@ -4,6 +4,7 @@ same arguments, same outputs, same lengths, same exception types (torch is the o
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.utils.data.datapipes.iter as theirs_iter
 from pipes_for_tests import add, add_one, double, first_letter, is_even, normalise, parity
 
 import pipeload.datapipes.iter as ours_iter
+from pipeload.datapipes import IterDataPipe
 from pipeload.datapipes.iter import SHARDING_PRIORITIES
 
 # torch warns about lambdas it could not pickle; these pipes are never pickled here.
@@ -336,6 +338,72 @@ def test_fork_runs_one_pass_for_its_branches() -> None:
     a, b = ours_iter.IterableWrapper(range(5)).shuffle().fork(2)  # no seed: drawn once per run
     pairs = list(a.zip(b))
     assert all(x == y for x, y in pairs) and sorted(x for x, _ in pairs) == list(range(5))
+
+
+class CountingReads:
+    """Counts the source items a graph reads (a module-level callable, so torch's map takes it)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, x: int) -> int:
+        self.count += 1
+        return x
+
+
+def _read_in_turn(module: Any, how: str) -> tuple[Any, int, list[str]]:
+    """The branches read one after the other, each iterator ended (or dropped) before the next
+    is made: what they give, how many source items were read, and the warnings."""
+    reads = CountingReads()
+    pipe = source(module, range(6)).map(reads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "fork list, list":
+            a, b = pipe.fork(2)
+            out = [list(a), list(b), list(a), list(b)]
+        elif how == "demux concat":
+            a, b = pipe.demux(2, parity)
+            out = [list(a.concat(b)), list(b.concat(a))]
+        elif how == "fork a dropped midway":
+            a, b = pipe.fork(2)
+            first = iter(a)
+            out = [[next(first), next(first)]]
+            del first
+            out += [list(b), list(a)]
+        elif how == "fork a twice before b":
+            a, b, c = pipe.fork(3)
+            out = [list(a), list(b), list(a), list(c), list(b)]
+        else:
+            raise AssertionError(how)
+    return out, reads.count, [str(w.message)[:40] for w in caught if "pickle" not in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["fork list, list", "demux concat", "fork a dropped midway",
+                                 "fork a twice before b"])
+def test_branches_read_in_turn_share_one_pass_of_the_source_as_torchs(how: str) -> None:
+    theirs = _read_in_turn(theirs_iter, how)
+    ours = _read_in_turn(ours_iter, how)
+    assert ours == theirs
+
+
+class OneShotStream(IterDataPipe):
+    """A source whose every pass reads new data (a socket, a message queue)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __iter__(self) -> Any:
+        for _ in range(3):
+            self.sent += 1
+            yield self.sent
+
+
+def test_a_one_shot_source_gives_a_late_fork_branch_the_same_items() -> None:
+    a, b = OneShotStream().fork(2)
+    first = iter(a)
+    seen = list(first)
+    del first  # nothing but the fork keeps what b has not read
+    assert (seen, list(b)) == ([1, 2, 3], [1, 2, 3])
 
 
 def test_demux() -> None:

@@ -76,6 +76,8 @@ def drain_nonblocking(pipe: Any) -> list[Any]:
             return items
 
 
+# A fork or demux branch read again while the other branch never started warns, as torch's does.
+@pytest.mark.filterwarnings("ignore:Some child DataPipes are not exhausted")
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_every_built_in_pipe_reads_through_its_own_nonblocking_next(name: str) -> None:
     pipe = BUILT_IN[name]()
@@ -234,6 +236,53 @@ def test_the_loader_resumes_a_non_blocking_pipe_without_a_checkpoint_by_skipping
         resumed.load_state_dict(state)
         again = [b.tolist() for b in resumed]
     assert head + again == head + rest == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10]]
+
+
+class Prefetcher(NonBlockingIterDataPipe):
+    """The RFC's prefetcher: it reads its source through the source's own ``nonblocking_next()``."""
+
+    def __init__(self, source_dp: Any, buffer_size: int = 2) -> None:
+        self.source_dp, self.buffer_size = source_dp, buffer_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.buffer: list[Any] = []
+        self.depleted = False
+
+    def nonblocking_next(self) -> Any:
+        while not self.depleted and len(self.buffer) < self.buffer_size:
+            try:
+                self.buffer.append(self.source_dp.nonblocking_next())
+            except NotAvailable:
+                break
+            except StopIteration:
+                self.depleted = True
+        if self.buffer:
+            return self.buffer.pop(0)
+        raise StopIteration if self.depleted else NotAvailable
+
+
+@pytest.mark.usefixtures("leak_guard")
+@pytest.mark.parametrize("engine", [
+    pytest.param(None, id="list"),
+    pytest.param({"num_workers": 0}, id="inline"),
+    pytest.param({"num_workers": 1, "persistent_workers": True}, id="persistent-process"),
+    pytest.param({"num_workers": 1, "persistent_workers": True, "worker_type": "thread"},
+                 id="persistent-thread"),
+])
+@pytest.mark.parametrize("nested", [False, True], ids=["one", "nested"])
+def test_every_epoch_of_a_pipe_reading_its_parent_without_blocking_is_whole(
+        engine: dict[str, Any] | None, nested: bool) -> None:
+    pipe = Prefetcher(IterableWrapper(range(7)).map(add_one))
+    if nested:
+        pipe = Prefetcher(pipe.map(double))
+    expected = [2 * x if nested else x for x in range(1, 8)]
+    if engine is None:
+        epochs = [list(pipe) for _ in range(3)]
+    else:
+        loader = pipeload.DataLoader(pipe, batch_size=None, **engine)
+        epochs = [[int(x) for x in loader] for _ in range(3)]
+    assert epochs == [expected] * 3
 
 
 class Fetched(NonBlockingMapDataPipe):

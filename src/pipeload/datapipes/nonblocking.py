@@ -27,8 +27,10 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
     The pipe is its own iterator, as in the RFC: its run state lives on the pipe. ``next()``
     asks ``nonblocking_next()`` until it answers, sleeping between tries on the notifiers of
     the pipes it reads from (so a waiting consumer wakes as soon as an upstream queue delivers)
-    or, with none, backing off from a short poll. ``iter()`` calls :meth:`reset` first, which
-    does nothing unless the subclass says how to start again.
+    or, with none, backing off from a short poll. ``iter()`` starts again: the runs its
+    parents keep for their ``nonblocking_next()`` are started afresh (so a second epoch reads
+    them from the top), then :meth:`reset` is called, which does nothing unless the subclass
+    says how to start again.
 
     Optional extras a subclass may define: ``reset()`` (start again: called by ``iter()``),
     ``notifiers()`` (what to sleep on), ``close()`` (release what a run holds; by default the
@@ -58,8 +60,21 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
     _iter_calls_reset = True
 
     def __iter__(self) -> Iterator[T_co]:
+        self._restart_parents()
         self.reset()
         return self
+
+    def _restart_parents(self) -> None:
+        """Have the parents this pipe reads through ``nonblocking_next()`` start from the top
+        as well, as a blocking pipe's new ``iter()`` would read them: else their runs stay
+        ended, and every epoch after the first is silently empty. Before ``reset()``, which
+        may read from them."""
+        for parent in self.parents():
+            if isinstance(parent, NonBlockingIterDataPipe):
+                iter(parent)  # its own parents, then its reset()
+            elif isinstance(parent, IterDataPipe):
+                IterDataPipe.reset(parent)  # the run its nonblocking_next() reads, even when
+                # the class has a reset() of its own (torch's per-run hook)
 
     def __next__(self) -> T_co:
         return wait_until_ready(self.nonblocking_next, self.notifiers())

@@ -223,6 +223,15 @@ def seed_process_worker(base_seed: int, worker_id: int) -> int:
     return seed
 
 
+def this_workers_torch_generator() -> torch.Generator | None:
+    """The torch generator a random draw in this thread should use: a thread worker's own (the
+    global one is the training loop's, shared by every thread, so draws from it would depend
+    on how the threads interleave), or None, torch's global one, anywhere else."""
+    info = get_worker_info()
+    rng = getattr(info, "rng", None)
+    return rng.torch_generator if rng is not None else None
+
+
 def make_thread_rng(base_seed: int, worker_id: int) -> WorkerRNG:
     """Generators for one thread worker, seeded exactly as a process worker's globals would be."""
     seed = base_seed + worker_id

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pipeload.datapipes.graph import is_random_datapipe, list_dps
-from pipeload.engine.worker_info import derive_seed, get_worker_info
+from pipeload.engine.worker_info import derive_seed, this_workers_torch_generator
 
 _SEED_MIX = 1_000_003  # a prime: different seed lists make different numbers
 _SEED_RANGE = 2 ** 63
@@ -71,9 +71,7 @@ def run_seed(graph: Any, replica: Replica | None = None) -> int:
 
 
 def _drawn() -> int:
-    info = get_worker_info()
-    rng = getattr(info, "rng", None)
-    generator = rng.torch_generator if rng is not None else None
+    generator = this_workers_torch_generator()
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 

@@ -3,10 +3,13 @@ goes to one branch).
 
 The branches of one fork share a single pass over the source: a *run* holds the source's
 iterator and the items some branches have read and others not yet. As in torch, the branch
-iterators made one after the other (``iter(a)``, ``iter(b)``) join the same run; making a second
-iterator for a branch that already has one starts a new run for all. The run lives only while
-branch iterators hold it; the description (the hidden source node) keeps just a weak reference,
-so a pipe never keeps a thread or process alive.
+iterators made one after the other (``iter(a)``, ``iter(b)``) join the same run, even when
+``a``'s iterator has ended and been dropped before ``b``'s is made (``list(a); list(b)``, or
+``a.concat(b)``): ``b`` reads the items kept for it instead of a second pass over the source.
+Making a second iterator for a branch that already joined starts a new run for all, with torch's
+warning unless every branch has ended or been closed. The hidden source node holds a run
+strongly only while some branch has not joined it yet (that branch will need it); after that,
+only the branch iterators hold it, and the node keeps a weak reference.
 """
 
 from __future__ import annotations
@@ -52,8 +55,7 @@ class _SharedSource(IterDataPipe[Any]):
 
     def join_run(self, instance_id: int) -> Any:
         with _JOIN_LOCK:
-            ref = self.__dict__.get("_transient_run")
-            run = ref() if ref is not None else None
+            run = self._current_run()
             if run is None or instance_id in run.joined:
                 if run is not None and not run.finished():
                     warnings.warn(
@@ -66,7 +68,24 @@ class _SharedSource(IterDataPipe[Any]):
                 run = self._new_run()
                 self._transient_run = weakref.ref(run)
             run.joined.add(instance_id)
+            self._hold_until_all_joined(run)
             return run
+
+    def _current_run(self) -> Any:
+        waiting = self.__dict__.get("_transient_run_waiting")
+        if waiting is not None:
+            return waiting
+        ref = self.__dict__.get("_transient_run")
+        return ref() if ref is not None else None
+
+    def _hold_until_all_joined(self, run: Any) -> None:
+        """Keep ``run`` alive for the branches that have not joined it: the iterators of those
+        that did may all be gone (read to the end, dropped) before the next one is made, and
+        that one must read the items kept for it, not start a second pass over the source."""
+        if len(run.joined) < self.num_instances:
+            self._transient_run_waiting = run
+        else:
+            self.__dict__.pop("_transient_run_waiting", None)
 
     def _new_run(self) -> Any:
         raise NotImplementedError
@@ -81,7 +100,9 @@ class _Run:
     def __init__(self, source_pipe: Any, num_instances: int) -> None:
         self._source_pipe = source_pipe
         self._source: PipeIterator[Any] | None = None
-        self.lock = threading.Lock()
+        # Reentrant: a dropped branch iterator leaves through a finalizer, which the garbage
+        # collector may run in a thread that holds the lock already (inside next_for).
+        self.lock = threading.RLock()
         self.joined: set[int] = set()
         self._left: set[int] = set()
         self.num_instances = num_instances
@@ -100,7 +121,18 @@ class _Run:
             if len(self._left) == self.num_instances and self._source is not None:
                 self._source.close()
 
+    def source_ended(self) -> None:
+        """Called under ``lock`` when the source says StopIteration: release what it holds
+        now, as a run may wait a long time for a branch that has not joined."""
+        assert self._source is not None
+        self._source.close()
+
     def finished(self) -> bool:
+        """torch's test before a new run: the source has ended and every branch has read to
+        the end or closed its iterator (a branch that never started counts as unfinished)."""
+        return self.source_done() and len(self._left) == self.num_instances
+
+    def source_done(self) -> bool:
         raise NotImplementedError
 
 
@@ -125,7 +157,10 @@ class _BranchIterator(PipeIterator[Any]):
         super().__init__()
         self._run = run
         self._id = instance_id
-        self._closed = False
+        # A dropped iterator leaves the run as a closed one does (torch's generator does so
+        # in its finally block), so that iterating the branch again starts a new run quietly.
+        self._leave = weakref.finalize(self, run.leave, instance_id)
+        self._leave.atexit = False  # at exit the source's own finalizers release it
 
     def nonblocking_next(self) -> Any:
         try:
@@ -138,9 +173,7 @@ class _BranchIterator(PipeIterator[Any]):
         return self._run.notifiers()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._run.leave(self._id)
+        self._leave()  # a finalize runs once
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("the branches of fork and demux cannot be checkpointed yet")
@@ -237,6 +270,7 @@ class _ForkRun(_Run):
                     value = self.source().nonblocking_next()
                 except StopIteration:
                     self._end = position
+                    self.source_ended()
                     raise
                 self._buffer.append(value)
             self._positions[instance_id] = position + 1
@@ -263,8 +297,8 @@ class _ForkRun(_Run):
             self._buffer.popleft()
             self._offset += 1
 
-    def finished(self) -> bool:
-        return self._end is not None and all(p >= self._end for p in self._positions)
+    def source_done(self) -> bool:
+        return self._end is not None
 
 
 # -- demux -------------------------------------------------------------------------------------
@@ -353,6 +387,7 @@ class _DemuxRun(_Run):
                     value = self.source().nonblocking_next()
                 except StopIteration:
                     self._source_done = True
+                    self.source_ended()
                     raise
                 try:
                     branch = self._classify(value)
@@ -380,5 +415,5 @@ class _DemuxRun(_Run):
                 "to be read: read the branches in step, or raise buffer_size (-1: no limit)."
             )
 
-    def finished(self) -> bool:
-        return self._source_done and not any(self._buffers)
+    def source_done(self) -> bool:
+        return self._source_done

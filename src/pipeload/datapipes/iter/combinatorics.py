@@ -15,6 +15,7 @@ from pipeload.datapipes.chunk import DataChunk
 from pipeload.datapipes.iter._columns import check_int, length_of
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.torch_loader import seed_in_torch_worker
+from pipeload.engine.worker_info import this_workers_torch_generator
 from pipeload.errors import bad_state_field
 from pipeload import samplers
 
@@ -22,12 +23,15 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 def draw_seed() -> int:
-    """A seed from torch's global generator, drawn as torch's pipes draw theirs; in a worker of
-    torch's own loader, one that every worker of the epoch draws alike (see torch_loader.py)."""
+    """A seed from torch's global generator, drawn as torch's pipes draw theirs; in a thread
+    worker, from its own generator (seeded as a process worker's global one), so that the same
+    loader seed gives the same epoch; in a worker of torch's own loader, one that every worker
+    of the epoch draws alike (see torch_loader.py)."""
     shared = seed_in_torch_worker()
     if shared is not None:
         return shared
-    return int(torch.empty((), dtype=torch.int64).random_().item())
+    generator = this_workers_torch_generator()
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 class SeededPipe:
@@ -123,7 +127,14 @@ class _SeededRun:
         return self._rng
 
     def _restore_generator(self, state: tuple[Any, ...]) -> None:
-        """Set the run's generator to a state :func:`checked_rng_state` read."""
+        """Set the run's generator to a state :func:`checked_rng_state` read.
+
+        The run that wrote the state had taken its seed first; this one takes it too (and
+        throws it away), so that a seed set for this run does not stay pending and seed the
+        next run as well (the next round of a ``cycle``, say, which would repeat this order),
+        and a seed drawn from the global generator is drawn here as it was there."""
+        if self._rng is None:
+            self._pipe._take_seed()
         self._rng = random.Random()
         self._rng.setstate(state)
 

@@ -80,6 +80,8 @@ class _MapShufflerIterator(PipeIterator[Any]):
         return None if keys is None else list(keys)
 
     def _load_own_state(self, state: Any) -> None:
+        if state is not None and self._keys is None and self._pipe._enabled:
+            self._pipe._take_seed()  # as the run that wrote it did: else the next run reuses it
         self._keys = state
 
 
