@@ -59,7 +59,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
             return
         entries = mapping if isinstance(mapping, dict) else dict(mapping)
         keys, values = list(entries), list(entries.values())
-        writer = SegmentWriter()
+        writer = SegmentWriter(f"a SharedMapping of {len(keys):,} entries")
         try:
             index = write_index(writer, keys)
             key_layout = write_column(writer, keys, "SharedMapping", "key number {}".format)

@@ -50,7 +50,7 @@ class SharedSequence(SegmentBacked, Sequence[T]):
             self._attach(items._segment, items._layout, items._positions)
             return
         values = items if isinstance(items, (list, tuple)) else list(items)
-        writer = SegmentWriter()
+        writer = SegmentWriter(f"a SharedSequence of {len(values):,} items")
         try:
             layout = write_column(writer, values, "SharedSequence")
         except BaseException:
