@@ -4,8 +4,11 @@ dataset, when process workers would receive millions of Python objects."""
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 
+import numpy as np
 import pytest
+import torch
 from shared_datasets import HoldsTable
 
 from pipeload import (
@@ -82,10 +85,11 @@ def test_what_cannot_be_converted_is_left_with_a_warning() -> None:
 
 
 class Slotted:
-    __slots__ = ("table",)
+    __slots__ = ("table", "__private")
 
-    def __init__(self) -> None:
-        self.table = list(range(20_000))
+    def __init__(self, table: object = None) -> None:
+        self.table = list(range(20_000)) if table is None else table
+        self.__private = list(range(20_000))
 
     def __len__(self) -> int:
         return 4
@@ -94,8 +98,15 @@ class Slotted:
         return index
 
 
-@pytest.mark.parametrize("dataset", [range(8), Slotted()], ids=["range", "slots"])
-def test_datasets_without_attributes_are_left_alone(dataset: object) -> None:
+class Index:
+    """A helper a dataset holds, not a dataset itself (no __getitem__, no __iter__)."""
+
+    def __init__(self, paths: object) -> None:
+        self.paths = paths
+
+
+def test_datasets_without_attributes_are_left_alone() -> None:
+    dataset = range(8)
     assert share_containers(dataset) == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -197,3 +208,46 @@ def test_process_workers_warn_about_a_large_list_inside_a_dict_until_it_is_conve
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         list(DataLoader(converted, batch_size=2, num_workers=1, multiprocessing_context="fork"))
+
+
+def test_slots_attributes_are_converted_as_dict_ones_are() -> None:
+    dataset = Slotted()
+    assert share_containers(dataset) == ["dataset.table", "dataset._Slotted__private"]
+    assert isinstance(dataset.table, SharedSequence) and dataset.table[-1] == 19_999
+
+
+# Each holds more than a million Python objects where share_containers does not look, or in a
+# container it does not convert; the fix named must be one that would work.
+RISKY = {
+    "numpy object array": (lambda: HoldsTable(np.arange(1_000_001).astype(object)),
+                           r"dataset.table is a numpy array of object of 1,000,001 items.*"
+                           r"build dataset.table as pipeload.SharedSequence\(dataset.table.tolist\(\)\)"),
+    "set": (lambda: HoldsTable(set(range(1_000_001))),
+            r"dataset.table is a set of 1,000,001 items.*pipeload.SharedMapping\(dict.fromkeys\(dataset.table\)\)"),
+    "defaultdict": (lambda: HoldsTable(defaultdict(int, dict.fromkeys(range(500_001), 0))),
+                    r"dataset.table is a defaultdict of 500,001 items.*pipeload.SharedMapping\(dict\(dataset.table\)\)"),
+    "slots dataset": (lambda: Slotted(list(range(1_000_001))),
+                      r"dataset.table is a list of 1,000,001 items.*pipeload.share_containers\(dataset\)"),
+    "list in a helper": (lambda: HoldsTable(Index(list(range(1_000_001)))),
+                         r"dataset.table.paths is a list of 1,000,001 items.*"
+                         r"build dataset.table.paths as pipeload.SharedSequence\(dataset.table.paths\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(RISKY))
+def test_process_workers_warn_about_containers_share_containers_does_not_convert(name: str) -> None:
+    make, message = RISKY[name]
+    with pytest.warns(CopyOnReadWarning, match=message):
+        list(DataLoader(make(), batch_size=2, num_workers=1, multiprocessing_context="fork"))
+
+
+def test_no_warning_for_arrays_tensors_small_containers_and_shared_ones() -> None:
+    dataset = HoldsTable(np.arange(2_000_000))
+    dataset.tensor = torch.zeros(2_000_000)
+    dataset.helper = Index({"few": [1, 2, 3], "numbers": np.zeros((1000, 1000))})
+    dataset.small = set(range(1000))
+    dataset.shared = SharedSequence(list(range(1_000_001)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork"))
+    dataset.shared.close()

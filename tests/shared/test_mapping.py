@@ -189,3 +189,16 @@ def test_another_interpreter_with_another_hash_seed_finds_every_key() -> None:
         input=pickle.dumps(shared), capture_output=True, env=env, timeout=60, check=True,
     )
     assert done.stdout.strip() == b"True", done.stderr.decode()
+
+
+def test_every_listed_key_is_found_a_nan_one_too() -> None:
+    nan = float("nan")
+    source = {nan: 1, "b": 2, (nan, "x"): 3, 2.5: nan}
+    shared = SharedMapping(source)
+    # A dict finds its NaN key by identity; ours is read back as a new float, so NaN finds NaN.
+    assert [shared[key] for key in shared][:3] == [1, 2, 3]
+    assert list(dict(shared).values())[:3] == [1, 2, 3]
+    assert float("-nan") in shared and shared.get(float("nan")) == 1
+    assert shared == source and source == shared
+    assert shared != {float("nan"): 1, "b": 2, (nan, "x"): 3, 2.5: 0.0}
+    shared.close()

@@ -198,3 +198,16 @@ def test_nothing_is_created_in_dev_shm() -> None:
     shared = SharedSequence([str(i) for i in range(10_000)])
     assert set(os.listdir("/dev/shm")) == before
     shared.close()
+
+
+def test_equals_the_list_it_was_built_from_when_that_holds_nan() -> None:
+    nan = float("nan")
+    values = [1.5, nan, 2.5, nan]
+    shared = SharedSequence(values)
+    # A list matches its own NaN by identity; ours are read back as new floats, so NaN matches NaN.
+    assert shared == values and shared[1:] == values[1:]
+    assert nan in shared and shared.index(nan) == 1 and shared.count(nan) == 2
+    with SharedSequence([(nan, "a"), (0.5, "b")]) as records:
+        assert records == [(nan, "a"), (0.5, "b")]
+    assert shared != [1.5, nan, 2.5, 0.0] and 0.0 not in shared
+    shared.close()

@@ -26,7 +26,7 @@ from itertools import accumulate, islice
 from operator import itemgetter
 from typing import Any
 
-from pipeload.shared._segment import Segment, SegmentWriter
+from pipeload.shared._segment import Segment, SegmentWriter, pickling_into_a_segment
 
 CHUNK_ITEMS = 65_536  # values encoded per write: bounds the temporary bytes while building
 MAX_RECORD_WIDTH = 16
@@ -149,14 +149,15 @@ def _encoder(kind: Kind, what: str, name: Callable[[int], str]) -> Callable[[Seq
 
     def pickle_each(chunk: Sequence[Any], first: int) -> list[bytes]:
         pieces = []
-        for number, value in enumerate(chunk, first):
-            try:
-                pieces.append(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
-            except Exception as exc:
-                raise TypeError(
-                    f"{what}: {name(number)} ({_short(value)}) cannot be stored in shared memory "
-                    f"because this {type(value).__qualname__} cannot be pickled: {exc}"
-                ) from exc
+        with pickling_into_a_segment():  # a shared container among the values: no segment per read
+            for number, value in enumerate(chunk, first):
+                try:
+                    pieces.append(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+                except Exception as exc:
+                    raise TypeError(
+                        f"{what}: {name(number)} ({_short(value)}) cannot be stored in shared memory "
+                        f"because this {type(value).__qualname__} cannot be pickled: {exc}"
+                    ) from exc
         return pieces
 
     return pickle_each

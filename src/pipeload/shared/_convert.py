@@ -1,17 +1,23 @@
 """Finding the large lists and dicts a dataset holds: to share them, or to warn about them.
 
-The search starts at the dataset and follows attributes (``vars()``) into anything that looks
-like a dataset (an object with ``__getitem__`` or ``__iter__`` and a ``__dict__``), a few levels
-deep. A small container that holds datasets (``ConcatDataset.datasets``) or large containers (the
+The search starts at the dataset and follows attributes (``vars()`` and ``__slots__``) into
+anything that looks like a dataset (an object with ``__getitem__`` or ``__iter__`` and
+attributes), a few levels deep. A small container that holds datasets (``ConcatDataset.datasets``) or large containers (the
 dict ``json.load`` returns: ``{"images": [...], "annotations": [...]}``) is a *holder*: the search
 goes into it, and what it holds is converted where it sits, never the holder itself (a shared
 copy of it would pickle its members, then unpickle a whole dataset or list on every read). Only
-exact ``list``, ``tuple`` and ``dict`` objects are considered: a subclass (``defaultdict``, a
+exact ``list``, ``tuple`` and ``dict`` objects are converted: a subclass (``defaultdict``, a
 custom list) may behave in ways a read-only copy would not.
+
+The warning's search goes further, since it only names what to change: into helper objects that
+are not datasets (``dataset.index = Index(paths)``), and it counts sets, subclasses and numpy
+arrays of Python objects too, naming for each a container to build. It opens at most
+``MAX_OPENED`` objects, so it stays cheap at iter() however wide the dataset's object graph.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -19,8 +25,11 @@ from itertools import islice
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.shared._mapping import SharedMapping
+from pipeload.shared._segment import SegmentBacked
 from pipeload.shared._sequence import SharedSequence
 
 CONVERT_MIN_ITEMS = 10_000
@@ -30,7 +39,9 @@ WARN_MIN_OBJECTS = 1_000_000
 SAMPLE_ITEMS = 64  # items looked at to estimate how many objects each one holds
 MAX_DEPTH = 4
 MAX_HOLDER_ITEMS = 64  # a container this small may be a holder; a member this large is not small
+MAX_OPENED = 1_000  # objects whose attributes one search reads: a bound on what it costs at iter()
 _CONTAINERS = (list, tuple, dict)
+_UNSET = object()
 
 
 class CopyOnReadWarning(UserWarning):
@@ -44,6 +55,7 @@ class _Found:
     name: Any  # the attribute's name, or its key or index in the holder
     container: Any
     in_holder: bool = False
+    in_helper: bool = False  # reached through an object that is not a dataset: not converted
 
     def replace_with(self, shared: Any) -> None:
         """Put ``shared`` where the container was (TypeError/AttributeError if it cannot go there)."""
@@ -117,68 +129,133 @@ def _shared_name(container: Any) -> str:
     return "pipeload.SharedMapping" if type(container) is dict else "pipeload.SharedSequence"
 
 
-def _find_containers(dataset: Any) -> list[_Found]:
-    if type(dataset) in _CONTAINERS:
-        return [_Found("dataset", None, "", dataset)]
-    found: list[_Found] = []
-    _visit(dataset, "dataset", 0, found, set())
-    return found
+def _find_containers(dataset: Any, *, into_helpers: bool = False) -> list[_Found]:
+    """The containers the dataset holds, found as the module's note says.
+
+    With ``into_helpers`` (the warning) the search also goes into objects that are not datasets
+    (``dataset.index = Index(paths)``) and reports containers share_containers would not convert
+    (sets, dict and list subclasses, numpy object arrays).
+    """
+    walk = _Walk(into_helpers)
+    if type(dataset) in _CONTAINERS or (into_helpers and _is_container(dataset)):
+        walk.found.append(_Found("dataset", None, "", dataset))
+    else:
+        walk.visit(dataset, "dataset", 0, in_helper=False)
+    return walk.found
 
 
-def _visit(obj: Any, path: str, depth: int, found: list[_Found], seen: set[int]) -> None:
-    if id(obj) in seen or depth > MAX_DEPTH:
-        return
-    seen.add(id(obj))
+class _Walk:
+    """One search: what it found, what it has been into, and how many objects it has opened.
+
+    Invariant: ``opened`` never passes ``MAX_OPENED``, however wide the dataset's object graph,
+    so the look the loader takes at iter() stays cheap.
+    """
+
+    def __init__(self, into_helpers: bool) -> None:
+        self.into_helpers = into_helpers
+        self.found: list[_Found] = []
+        self.seen: set[int] = set()
+        self.opened = 0
+
+    def visit(self, obj: Any, path: str, depth: int, in_helper: bool) -> None:
+        if id(obj) in self.seen or depth > MAX_DEPTH or self.opened >= MAX_OPENED:
+            return
+        self.seen.add(id(obj))
+        self.opened += 1
+        for name, value in _attributes(obj):
+            self.consider(value, _Found(f"{path}.{name}", obj, name, value, in_helper=in_helper), depth)
+
+    def consider(self, value: Any, place: _Found, depth: int) -> None:
+        """Record a container (or go into it, if it is a holder); go into a dataset (or helper)."""
+        if type(value) in _CONTAINERS:
+            if not self.visit_holder(value, place, depth):
+                self.found.append(place)
+        elif _is_container(value):
+            if self.into_helpers:
+                self.found.append(place)
+        elif _looks_like_dataset(value):
+            self.visit(value, place.path, depth + 1, place.in_helper)
+        elif self.into_helpers and _may_hold_containers(value):
+            self.visit(value, place.path, depth + 1, in_helper=True)
+
+    def visit_holder(self, container: Any, place: _Found, depth: int) -> bool:
+        """Go into ``container`` if it is a holder (small, holding datasets or large containers)."""
+        if id(container) in self.seen:
+            return True  # a holder gone into already: held twice, or holding itself
+        if len(container) > MAX_HOLDER_ITEMS or depth >= MAX_DEPTH:
+            return False
+        members = list(container.items() if type(container) is dict else enumerate(container))
+        if not any(_looks_like_dataset(member) or (type(member) in _CONTAINERS and len(member) > MAX_HOLDER_ITEMS)
+                   for _, member in members):
+            return False  # a small table of small things: converted (or not) as one container
+        self.seen.add(id(container))
+        for key, member in members:
+            inside = _Found(f"{place.path}[{key!r}]", container, key, member, in_holder=True, in_helper=place.in_helper)
+            self.consider(member, inside, depth + 1)
+        return True
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``obj``'s attributes: its ``__dict__`` and its ``__slots__``, where set."""
     attributes = getattr(obj, "__dict__", None)
-    if not isinstance(attributes, dict):
-        return  # a range, a tensor, a class with __slots__: no attributes of ours to look at
-    for name, value in list(attributes.items()):
-        _consider(value, _Found(f"{path}.{name}", obj, name, value), depth, found, seen)
+    pairs = list(attributes.items()) if isinstance(attributes, dict) else []
+    for name in _slot_names(type(obj)):
+        value = getattr(obj, name, _UNSET)
+        if value is not _UNSET:
+            pairs.append((name, value))
+    return pairs
 
 
-def _consider(value: Any, place: _Found, depth: int, found: list[_Found], seen: set[int]) -> None:
-    """Record a container (or go into it, if it is a holder); go into a dataset."""
-    if type(value) in _CONTAINERS:
-        if not _visit_holder(value, place.path, depth, found, seen):
-            found.append(place)
-    elif _looks_like_dataset(value):
-        _visit(value, place.path, depth + 1, found, seen)
+@functools.lru_cache(maxsize=256)
+def _slot_names(kind: type) -> tuple[str, ...]:
+    names = []
+    for klass in kind.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"  # stored under its mangled name
+            names.append(name)
+    return tuple(names)
 
 
-def _visit_holder(container: Any, path: str, depth: int, found: list[_Found], seen: set[int]) -> bool:
-    """Go into ``container`` if it is a holder (small, holding datasets or large containers)."""
-    if id(container) in seen:
-        return True  # a holder gone into already: held twice, or holding itself
-    if len(container) > MAX_HOLDER_ITEMS or depth >= MAX_DEPTH:
+def _is_container(value: Any) -> bool:
+    """A list, tuple, dict or set (subclasses too), or a numpy array of Python objects."""
+    if isinstance(value, SegmentBacked):
         return False
-    members = list(container.items() if type(container) is dict else enumerate(container))
-    if not any(_looks_like_dataset(member) or (type(member) in _CONTAINERS and len(member) > MAX_HOLDER_ITEMS)
-               for _, member in members):
-        return False  # a small table of small things: converted (or not) as one container
-    seen.add(id(container))
-    for key, member in members:
-        _consider(member, _Found(f"{path}[{key!r}]", container, key, member, in_holder=True), depth + 1, found, seen)
-    return True
+    if isinstance(value, np.ndarray):
+        return value.dtype.hasobject
+    return isinstance(value, (list, tuple, dict, set, frozenset))
+
+
+def _may_hold_containers(value: Any) -> bool:
+    """An object with attributes of its own: classes, modules and functions are not data."""
+    if isinstance(value, (type, ModuleType, SegmentBacked)) or callable(getattr(value, "__get__", None)):
+        return False  # a function or method (descriptors) belongs to code, not to the dataset
+    return bool(getattr(value, "__dict__", None)) or bool(_slot_names(type(value)))
 
 
 def _looks_like_dataset(value: Any) -> bool:
-    if isinstance(value, (type, ModuleType)) or not isinstance(getattr(value, "__dict__", None), dict):
+    if isinstance(value, (type, ModuleType, SegmentBacked)):
         return False
     kind = type(value)
-    return hasattr(kind, "__getitem__") or hasattr(kind, "__iter__")
+    has_attributes = isinstance(getattr(value, "__dict__", None), dict) or bool(_slot_names(kind))
+    return has_attributes and (hasattr(kind, "__getitem__") or hasattr(kind, "__iter__"))
 
 
 def estimated_objects(container: Any) -> int:
     """About how many Python objects ``container`` holds, from a sample of its first items."""
-    length = len(container)
-    if not length:
-        return 0
-    if type(container) is dict:
-        sample, per_item = list(islice(container.values(), SAMPLE_ITEMS)), 2  # key and value
+    if isinstance(container, np.ndarray):
+        length, sample, per_item = container.size, islice(container.flat, SAMPLE_ITEMS), 1
+    elif isinstance(container, dict):
+        length, sample, per_item = len(container), islice(container.values(), SAMPLE_ITEMS), 2  # key and value
     else:
-        sample, per_item = list(container[:SAMPLE_ITEMS]), 1
-    inside = sum(_size(item) for item in sample) / len(sample)
-    return int(length * (per_item + inside))
+        length, sample, per_item = len(container), islice(container, SAMPLE_ITEMS), 1
+    sizes = [_size(item) for item in sample]
+    if not length or not sizes:
+        return 0
+    return int(length * (per_item + sum(sizes) / len(sizes)))
 
 
 def _size(item: Any) -> int:
@@ -217,7 +294,7 @@ def warn_if_copy_on_read(dataset: Any, worker_type: str) -> None:
     if worker_type != "process":
         return  # thread workers share the main process's objects: nothing is copied
     try:
-        found = _find_containers(dataset)
+        found = _find_containers(dataset, into_helpers=True)
     except Exception:  # an advisory look must never stop a loader (a proxy's odd __getattr__, say)
         return
     heavy = [(item, n) for item in found if (n := estimated_objects(item.container)) > WARN_MIN_OBJECTS]
@@ -228,20 +305,57 @@ def warn_if_copy_on_read(dataset: Any, worker_type: str) -> None:
 
 def _message(heavy: list[tuple[_Found, int]]) -> str:
     named = "; ".join(
-        f"{found.path} is a {type(found.container).__name__} of {len(found.container):,} items "
+        f"{found.path} is a {_kind_name(found.container)} of {_length(found.container):,} items "
         f"(about {objects:,} Python objects)"
         for found, objects in heavy
     )
-    if heavy[0][0].owner is None:
-        fix = f"pass {_shared_name(heavy[0][0].container)}(dataset) to the DataLoader instead"
-    else:
-        fix = ("call pipeload.share_containers(dataset) before iterating, or build those attributes "
-               "as pipeload.SharedSequence / pipeload.SharedMapping")
     return (
         f"DataLoader worker processes will each end up with a private copy of this dataset's Python "
         f"objects: {named}. Under fork, merely reading an object writes its reference count and so "
         f"copies its memory page into the worker; spawn and forkserver pickle a whole copy into every "
-        f"worker. Memory then grows with num_workers (pytorch#13246). To share one read-only copy, {fix}."
+        f"worker. Memory then grows with num_workers (pytorch#13246). To share one read-only copy, "
+        f"{'; '.join(_fixes([found for found, _ in heavy]))}."
     )
 
 
+def _fixes(heavy: list[_Found]) -> list[str]:
+    """What to do: share_containers where it would convert them, a container to build otherwise."""
+    if heavy[0].owner is None:
+        return [_build_as(heavy[0].container, "dataset", "pass {}") + " to the DataLoader instead"]
+    fixes = []
+    if any(_convertible(found) for found in heavy):
+        fixes.append("call pipeload.share_containers(dataset) before iterating, or build those attributes "
+                     "as pipeload.SharedSequence / pipeload.SharedMapping")
+    fixes.extend(_build_as(found.container, found.path, "build " + found.path + " as {}")
+                 for found in heavy if not _convertible(found))
+    return fixes
+
+
+def _convertible(found: _Found) -> bool:
+    """Whether share_containers would convert it: an exact list, tuple or dict of a dataset."""
+    return type(found.container) in _CONTAINERS and not found.in_helper
+
+
+def _build_as(container: Any, name: str, template: str) -> str:
+    kind = type(container)
+    if kind in _CONTAINERS:
+        fix = template.format(f"{_shared_name(container)}({name})")
+        return fix if name == "dataset" else fix + " (share_containers only goes into datasets' attributes)"
+    if isinstance(container, np.ndarray):
+        return template.format(f"pipeload.SharedSequence({name}.tolist())")
+    if isinstance(container, (set, frozenset)):
+        return template.format(f"pipeload.SharedMapping(dict.fromkeys({name})), whose `in` works the same")
+    if isinstance(container, dict):
+        return template.format(f"pipeload.SharedMapping(dict({name}))") + (
+            " (a missing key then raises KeyError instead of getting a default)" if hasattr(container, "default_factory") else "")
+    return template.format(f"pipeload.SharedSequence(list({name}))")
+
+
+def _kind_name(container: Any) -> str:
+    if isinstance(container, np.ndarray):
+        return f"numpy array of {container.dtype}"
+    return type(container).__name__
+
+
+def _length(container: Any) -> int:
+    return container.size if isinstance(container, np.ndarray) else len(container)

@@ -25,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from pipeload.shared._nan import equal_with_nan
 from pipeload.shared._segment import Segment, SegmentWriter
 
 KEY_TYPES = "str, bytes, int, float, bool, None, or tuples of these"
 _NONE_HASH = zlib.crc32(b"None")
+_NAN_HASH = zlib.crc32(b"NaN")  # every NaN alike, whatever its sign and payload bits: any NaN finds it
 _FLOAT = struct.Struct("<d")
 _NUMBER_MASK = 0xFFFF_FFFF  # a table entry is (hash << 32) | (key number + 1); 0 is an empty slot
 _MAX_ENTRIES = 2**31 - 1  # the table (2 slots a key at least) must fit a 32-bit hash's range
@@ -54,6 +56,8 @@ def stable_hash(key: Any) -> int:
     if isinstance(key, int):  # bool included: True == 1
         return _int_hash(key)
     if isinstance(key, float):
+        if key != key:
+            return _NAN_HASH
         if key.is_integer():
             return _int_hash(int(key))  # 2.0 == 2
         return zlib.crc32(_FLOAT.pack(key))
@@ -195,8 +199,8 @@ def key_finder(
                 if encoded is not None and key_text_offsets is not None:
                     if data[key_text_offsets[number] : key_text_offsets[number + 1]] == encoded:
                         return number
-                elif read_key(number) == key:
-                    return number
+                elif (stored := read_key(number)) == key or equal_with_nan(stored, key):
+                    return number  # a stored NaN is read back as a new float: == alone never finds it
             slot = (slot + 1) & mask
         return -1
 

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
 from pipeload.shared._index import IndexLayout, UnsupportedKey, key_finder, write_index
+from pipeload.shared._nan import equal_with_nan, holds_nan
 from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 K = TypeVar("K")
@@ -59,7 +60,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
             return
         entries = mapping if isinstance(mapping, dict) else dict(mapping)
         keys, values = list(entries), list(entries.values())
-        writer = SegmentWriter()
+        writer = SegmentWriter(f"a SharedMapping of {len(keys):,} entries")
         try:
             index = write_index(writer, keys)
             key_layout = write_column(writer, keys, "SharedMapping", "key number {}".format)
@@ -147,7 +148,7 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
             return True
         if len(self) != len(other):
             return False
-        return all(other.get(key, _MISSING) == value for key, value in self.items())
+        return all(_holds_entry(other, key, value) for key, value in self.items())
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -175,6 +176,15 @@ class _Items(ItemsView):
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return zip(self._mapping, self._mapping._iter_values())
+
+
+def _holds_entry(other: Mapping[Any, Any], key: Any, value: Any) -> bool:
+    """Whether ``other`` maps ``key`` to ``value``, a NaN (in a key or a value) matching any NaN."""
+    theirs = other.get(key, _MISSING)
+    if theirs is _MISSING and holds_nan(key):
+        # A dict finds its NaN key only by identity, and ours is read back as a new float.
+        theirs = next((v for k, v in other.items() if equal_with_nan(k, key)), _MISSING)
+    return theirs is not _MISSING and (theirs == value or equal_with_nan(theirs, value))
 
 
 def _first(mapping: SharedMapping[Any, Any], count: int) -> list[tuple[Any, Any]]:

@@ -5,19 +5,27 @@ be left behind. The kernel frees it when the last descriptor and the last mappin
 whichever process held them and however that process ended (a SIGKILL included). Once written,
 it is sealed against writes, growth and shrinking, and mapped read-only in every process.
 
-A :class:`Segment` owns this process's descriptor and mapping. Pickling one while multiprocessing
-starts a process (spawn, forkserver) hands the descriptor itself to the child; pickling it at any
-other time (a queue, a file) carries the bytes, and the receiver gets its own private copy.
+A :class:`Segment` owns this process's one descriptor and mapping of it. Pickling one while
+multiprocessing starts a process (spawn, forkserver) hands the descriptor itself to the child;
+pickling it at any other time (a queue, a file) carries the bytes, and the receiver gets its own
+private copy. A container stored inside another container's items is such a pickle: reading it
+gives a segment that holds the bytes just read, in this process's own memory, with no file or
+descriptor at all (a read makes a fresh object, as every read does).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import resource
 import struct
+import sys
 import tempfile
+import threading
 import weakref
+from contextlib import contextmanager
 from itertools import count
 from multiprocessing import reduction
 from multiprocessing.context import get_spawning_popen
@@ -29,10 +37,19 @@ ALIGNMENT = 8  # packed int64/float64 arrays start on their natural boundary
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page now: no fault per first read
 _SEALS = sum(getattr(fcntl, name, 0) for name in ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE"))
 _serial = count()
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+_nesting = threading.local()  # .depth > 0 while a column pickles its values into a segment
 
 
-def _anonymous_file() -> int:
+def _anonymous_file(what: str) -> int:
     """A descriptor of a new, empty file that has no name (closed on exec unless passed on)."""
+    try:
+        return _new_anonymous_file()
+    except OSError as exc:
+        raise _explained(exc, what) from exc
+
+
+def _new_anonymous_file() -> int:
     if hasattr(os, "memfd_create"):
         name = f"pipeload-shared:{os.getpid()}:{next(_serial)}"  # shown in /proc/<pid>/maps
         return os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
@@ -46,9 +63,11 @@ class SegmentWriter:
     Invariant: ``position`` is the file's size and the offset of the next byte written.
     """
 
-    def __init__(self, content: Any = MAGIC) -> None:
-        """Start a segment with ``content``: the header, or a whole segment's bytes to copy."""
-        self._fd = _anonymous_file()
+    def __init__(self, what: str, content: Any = MAGIC) -> None:
+        """Start a segment for ``what`` (named in errors, "a SharedSequence of 3 items") with
+        ``content``: the header, or a whole segment's bytes to copy."""
+        self._what = what
+        self._fd = _anonymous_file(what)
         self._finalizer = weakref.finalize(self, os.close, self._fd)  # a writer dropped half-way
         self.position = 0
         try:
@@ -84,10 +103,10 @@ class SegmentWriter:
                     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
                 except OSError:
                     pass  # a file system without seals (the tempfile fallback): read-only mapping only
-            return Segment(fd, self.position)
         except BaseException:
             os.close(fd)
             raise
+        return Segment.mapped(fd, self.position, self._what)  # it owns fd from here, failing or not
 
     def abandon(self) -> None:
         """Drop a half-written segment (an item could not be encoded)."""
@@ -96,22 +115,44 @@ class SegmentWriter:
 
 
 class Segment:
-    """This process's descriptor and read-only mapping of one sealed segment.
+    """This process's read-only view of one sealed segment: a mapping and the one descriptor that
+    keeps the file open, or (read out of another container's items) bytes of its own.
 
     Closing (or dropping the last reference) unmaps it and closes the descriptor here; other
-    processes keep their own. Readers use ``data`` (the mapping: slicing it returns ``bytes``)
-    and the typed views from ``array``, which closing releases.
+    processes keep their own. Readers use ``data`` (slicing it returns ``bytes``) and the typed
+    views from ``array``, which closing releases.
+
+    Invariant: ``_fd`` is a descriptor of the file ``data`` maps, open while the segment is, or
+    -1 for a segment of private bytes. Each mapped segment holds exactly one descriptor, so a
+    process can hold about as many segments as its descriptor limit allows.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, data: Any, size: int, fd: int, close_fd: bool) -> None:
+        """Use :meth:`mapped` or :meth:`private`; ``close_fd``: whether closing must close ``fd``
+        (False where the mapping holds it and closes it itself)."""
         self.size = size
+        self.data = data
         self._fd = fd
-        self.data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         if self.data[: len(MAGIC)] != MAGIC:
-            self.data.close()
+            _release_data(self.data, fd if close_fd else -1)
             raise ValueError(f"file descriptor {fd} does not hold a pipeload shared segment")
         self._arrays: dict[tuple[int, int, str], memoryview] = {}
-        self._finalizer = weakref.finalize(self, _release, self.data, fd, self._arrays)
+        self._finalizer = weakref.finalize(self, _release, self.data, fd if close_fd else -1, self._arrays)
+
+    @classmethod
+    def mapped(cls, fd: int, size: int, what: str) -> Segment:
+        """Map the sealed file ``fd`` (owned from here on, closed if mapping fails)."""
+        try:
+            data, kept_fd, close_fd = _map_keeping_one_descriptor(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            raise _explained(exc, what) from exc
+        return cls(data, size, kept_fd, close_fd)
+
+    @classmethod
+    def private(cls, content: bytes) -> Segment:
+        """A segment of ``content`` itself, in this process's memory: no file, no descriptor."""
+        return cls(content, len(content), -1, close_fd=False)
 
     @property
     def closed(self) -> bool:
@@ -136,10 +177,68 @@ class Segment:
     def __reduce__(self) -> Any:
         if self.closed:
             raise ValueError("cannot pickle a closed shared container")
-        if get_spawning_popen() is not None:
+        if get_spawning_popen() is not None and self._fd >= 0:
             # A process is being started: the descriptor travels with it, the bytes stay put.
             return (_attach, (reduction.DupFd(self._fd), self.size))
+        if getattr(_nesting, "depth", 0):
+            return (Segment.private, (self.data[:],))  # read back as an item: see the module's note
         return (_from_bytes, (self.data[:],))
+
+
+@contextmanager
+def pickling_into_a_segment() -> Iterator[None]:
+    """While a column pickles its values: a shared container among them reads back as private bytes."""
+    _nesting.depth = getattr(_nesting, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _nesting.depth -= 1
+
+
+def _map_keeping_one_descriptor(fd: int, size: int) -> tuple[mmap.mmap, int, bool]:
+    """Map ``fd``; returns the mapping, the one descriptor left open, and whether we close it.
+
+    Before Python 3.13 an ``mmap`` keeps a duplicate of the descriptor it maps (for ``size()``
+    and ``resize()``), and does not say which: mapped as it is, every segment would hold two. The
+    duplicate takes the lowest free number, so we note that number first, check afterwards that
+    it now holds our file, and close ours: the mapping's duplicate is then the one we hand to
+    spawned workers, and the mapping closes it. Should another thread have taken that number in
+    between, we keep ours too (two descriptors, correct all the same).
+    """
+    flags, prot = mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, flags=flags, prot=prot, trackfd=False), fd, True
+    lowest_free = os.dup(fd)
+    os.close(lowest_free)
+    data = mmap.mmap(fd, size, flags=flags, prot=prot)
+    if _same_file(lowest_free, fd):
+        os.close(fd)
+        return data, lowest_free, False
+    return data, fd, True
+
+
+def _same_file(candidate: int, fd: int) -> bool:
+    try:
+        theirs, ours = os.fstat(candidate), os.fstat(fd)
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _explained(exc: OSError, what: str) -> OSError:
+    """``exc`` as it was, or, if the process ran out of descriptors, saying so and what to do."""
+    if exc.errno not in _OUT_OF_DESCRIPTORS:
+        return exc
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise_to = hard if hard != resource.RLIM_INFINITY else max(soft * 16, 65536)
+    return OSError(exc.errno, (
+        f"cannot build {what}: this process has no file descriptor left ({exc.strerror}; its soft "
+        f"limit RLIMIT_NOFILE is {soft}, the hard limit {hard}). Each shared container keeps one "
+        f"descriptor open for its memory, so a process holds at most about that many. Raise the "
+        f"soft limit before building them (resource.setrlimit(resource.RLIMIT_NOFILE, ({raise_to}, "
+        f"{hard})) or `ulimit -n`), or store the data in fewer, larger containers: one "
+        f"SharedSequence of every item rather than one per video, say."
+    ))
 
 
 class SegmentBacked:
@@ -193,15 +292,22 @@ class SegmentBacked:
         self._check_open()  # outside the handler: the views' "released memoryview" says nothing
 
 
-def _release(data: mmap.mmap, fd: int, arrays: dict[tuple[int, int, str], memoryview]) -> None:
+def _release(data: Any, fd: int, arrays: dict[tuple[int, int, str], memoryview]) -> None:
     for view in arrays.values():
         view.release()
     arrays.clear()
-    try:
-        data.close()
-    except BufferError:
-        pass  # someone else holds a view of the mapping: it is unmapped when that view goes
-    os.close(fd)
+    _release_data(data, fd)
+
+
+def _release_data(data: Any, fd: int) -> None:
+    """Unmap ``data`` (a mapping; bytes need nothing) and close ``fd`` unless it is -1."""
+    if isinstance(data, mmap.mmap):
+        try:
+            data.close()  # before Python 3.13 this closes the mapping's own descriptor too
+        except BufferError:
+            pass  # someone else holds a view of the mapping: it is unmapped when that view goes
+    if fd >= 0:
+        os.close(fd)
 
 
 def _attach(handle: Any, size: int) -> Segment:
@@ -209,8 +315,9 @@ def _attach(handle: Any, size: int) -> Segment:
     # Spawn and forkserver hand the descriptor over inheritable; a program the worker runs
     # (os.system, say) would then hold the segment for as long as it lives.
     os.set_inheritable(fd, False)
-    return Segment(fd, size)
+    return Segment.mapped(fd, size, "a shared container sent by the parent process")
 
 
 def _from_bytes(content: bytes) -> Segment:
-    return SegmentWriter(content).finish()  # offsets inside the bytes stay valid: same layout
+    # offsets inside the bytes stay valid: same layout
+    return SegmentWriter("a shared container being unpickled", content).finish()

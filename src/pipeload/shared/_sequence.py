@@ -9,6 +9,7 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar, overload
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
+from pipeload.shared._nan import equal_with_nan
 from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 T = TypeVar("T")
@@ -50,7 +51,7 @@ class SharedSequence(SegmentBacked, Sequence[T]):
             self._attach(items._segment, items._layout, items._positions)
             return
         values = items if isinstance(items, (list, tuple)) else list(items)
-        writer = SegmentWriter()
+        writer = SegmentWriter(f"a SharedSequence of {len(values):,} items")
         try:
             layout = write_column(writer, values, "SharedSequence")
         except BaseException:
@@ -122,10 +123,20 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         self._check_open()
         for number in range(len(self))[start:stop]:  # a slice clamps start and stop as a list does
             item = self._read(self._positions[number])
-            if item is value or item == value:
+            if item == value or equal_with_nan(item, value):
                 return number
         # collections.abc.Sequence.index raises a bare ValueError; a list names the value.
         raise ValueError(f"{value!r} is not in SharedSequence")
+
+    # A list tries identity before ==, which finds a NaN it holds; ours are read back as new
+    # objects, so NaN matches NaN instead (the design note's "NaN" section).
+
+    def __contains__(self, value: object) -> bool:
+        return any(item == value or equal_with_nan(item, value) for item in self)
+
+    def count(self, value: Any) -> int:
+        """How many items equal ``value`` (a NaN counts every NaN)."""
+        return sum(1 for item in self if item == value or equal_with_nan(item, value))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, (SharedSequence, list, tuple)):
@@ -135,7 +146,7 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         if isinstance(other, SharedSequence) and other._segment is self._segment:
             if other._positions == self._positions:
                 return True
-        return all(mine == theirs for mine, theirs in zip(self, other))
+        return all(mine == theirs or equal_with_nan(mine, theirs) for mine, theirs in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
 
