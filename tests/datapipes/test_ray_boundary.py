@@ -144,6 +144,52 @@ def test_large_tensors_and_arrays_come_from_the_object_store_without_copies(clea
     del items
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass with an attribute of its own."""
+
+
+def odd_tensors(x: int) -> dict:
+    """Tensors of 16 KiB or more whose bytes alone do not say what they are."""
+    g = torch.Generator().manual_seed(x)
+    dense = torch.randn(64, 128, generator=g)
+    tagged = dense.clone().as_subclass(Tagged)
+    tagged.tag = f"item {x}"
+    complex_values = torch.randn(64, 64, dtype=torch.complex64, generator=g)
+    return {
+        "subclass": tagged,
+        "conjugate": complex_values.conj(),
+        "negative": complex_values.conj().imag,
+        "quantized": torch.quantize_per_tensor(dense, 0.05, 3, torch.quint8),
+        "sparse": (dense * (dense > 1)).to_sparse(),
+        "requires_grad": dense.clone().requires_grad_(),
+        "plain": dense,
+    }
+
+
+def test_tensors_whose_bytes_do_not_say_all_arrive_as_they_were_made(clean):
+    # A subclass came back a plain tensor without its attribute, a conjugate view without its
+    # conjugation (other values), and sparse or quantized tensors failed in the actor.
+    items = list(IterableWrapper(range(2)).sharding_filter().map(odd_tensors).queue_boundary("ray", 2, num_actors=2))
+    assert len(items) == 2
+    for x, item in enumerate(items):
+        for name, made in odd_tensors(x).items():
+            got = item[name]
+            assert type(got) is type(made), name
+            assert (got.layout, got.dtype, got.shape, got.requires_grad) == (made.layout, made.dtype, made.shape,
+                                                                             made.requires_grad), name
+            assert (got.is_conj(), got.is_neg(), got.is_quantized) == (made.is_conj(), made.is_neg(),
+                                                                       made.is_quantized), name
+            if made.is_quantized:
+                assert torch.equal(got.int_repr(), made.int_repr()) and got.q_scale() == made.q_scale(), name
+            elif made.is_sparse:
+                assert torch.equal(got.to_dense(), made.to_dense()), name
+            else:
+                assert torch.equal(got.detach().resolve_conj().resolve_neg(),
+                                   made.detach().resolve_conj().resolve_neg()), name
+        assert item["subclass"].tag == f"item {x}"
+    del items
+
+
 def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
     iterator = iter(IterableWrapper(range(20)).sharding_filter().map(fail_at_7).queue_boundary("ray", 4, num_actors=2))
     got = []

@@ -36,7 +36,7 @@ def pack(item: Any, depth: int = 0) -> tuple[Any, bool]:
     """``item`` with its large CPU tensors (inside lists, tuples and dicts, a few levels deep)
     replaced by :class:`TensorBytes`; and whether anything was replaced (else ``item`` itself)."""
     if isinstance(item, torch.Tensor):
-        if item.device.type != "cpu" or item.requires_grad or item.nbytes < PACK_MIN_BYTES:
+        if not _plain_bytes(item) or item.nbytes < PACK_MIN_BYTES:
             return item, False
         flat = item.contiguous().reshape(-1)  # a copy only when it is not contiguous already
         return TensorBytes(flat.view(torch.uint8).numpy(), item.dtype, tuple(item.shape)), True
@@ -56,6 +56,17 @@ def pack(item: Any, depth: int = 0) -> tuple[Any, bool]:
             return item, False
         return _same_mapping(item, {key: value for key, (value, _) in packed.items()}), True
     return item, False
+
+
+def _plain_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is all its bytes, dtype and shape say: a dense CPU tensor of torch's
+    own class, with nothing a reader would have to know besides. A subclass (its class and
+    attributes), a sparse, nested or quantized tensor (their layouts, scales), a conjugate or
+    negative view (a bit on the tensor, not in its bytes) and one that requires grad travel in
+    Ray's pickle whole, as torch pickles them."""
+    return (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device.type == "cpu"
+            and not tensor.requires_grad and not tensor.is_quantized and not tensor.is_nested
+            and not tensor.is_conj() and not tensor.is_neg())
 
 
 def _same_mapping(original: dict[Any, Any], values: dict[Any, Any]) -> dict[Any, Any]:
