@@ -93,3 +93,47 @@ def test_views_of_one_output_still_share_its_storage() -> None:
         assert stacked.untyped_storage().nbytes() == stacked.nbytes
         stacked[0, 0] = 7.0
         assert first[0].item() == 7.0
+
+
+@pytest.mark.parametrize("move", ["share_memory_", "queue"])
+@pytest.mark.parametrize("engine", engine_params(FORK, ECONOMIC))
+def test_addresses_taken_from_a_batch_before_it_moves_to_shared_memory_keep_its_values(engine, move: str) -> None:
+    # share_memory_() (which a torch.multiprocessing queue calls on what it sends) moves a
+    # storage torch does not count as shared into new memory in place: the slab's storage let go
+    # of its lease, and a numpy array, memoryview or DLPack tensor taken before read the batch
+    # written into the slab next (a review: batch 2's numpy array read batch 9's values).
+    import numpy as np
+    import torch.multiprocessing as torch_mp
+    from torch.utils import dlpack
+
+    from pipeload.transport.lease_holders import leases_kept
+
+    queue = torch_mp.get_context("fork").Queue() if move == "queue" else None
+    loader = DataLoader(ImageAndVector(), batch_size=BATCH, num_workers=2, **loader_kwargs(engine))
+    kept: tuple = ()
+    for number, (images, _, vectors) in enumerate(loader):
+        if number == 2:
+            array, rows = images.numpy(), memoryview(vectors[1].numpy())
+            capsule_tensor = dlpack.from_dlpack(dlpack.to_dlpack(images[3]))
+            if queue is None:
+                images.share_memory_()
+                vectors.share_memory_()
+            else:
+                queue.put((images, vectors))  # its feeder thread moves them to shared memory
+                got_images, _ = queue.get(timeout=30)
+                assert got_images[:, 0, 0, 0].tolist() == expected(2)
+                del got_images
+            assert images.is_shared() and vectors.is_shared()  # neither holds the slab now
+            kept = (array, rows, capsule_tensor)
+        del images, vectors
+    array, rows, capsule_tensor = kept
+    assert array[:, 0, 0, 0].tolist() == expected(2)
+    assert np.asarray(rows)[0] == -expected(2)[1]
+    assert capsule_tensor[0, 0, 0].item() == expected(2)[3]
+    if queue is not None:
+        queue.close()
+        queue.join_thread()
+        from multiprocessing import resource_sharer
+        resource_sharer.stop()  # the thread that served the batch's descriptor to the reader
+    del kept, array, rows, capsule_tensor, loader
+    assert leases_kept() == 0  # each went with its tensors

@@ -44,6 +44,7 @@ from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tens
 from pipeload.errors import TooManyOpenFilesError, too_many_open_files
 from pipeload.transport import flat_wire
 from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor_table_full
+from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
 from pipeload.transport.shared_memory import note_received
 from pipeload.transport.slab_writer import SlabWriter, one_shot_storage
@@ -406,10 +407,12 @@ def _storage_at(slot: int, placement: int, detail: Any) -> torch.UntypedStorage:
         storage = torch.UntypedStorage._new_shared_fd_cpu(incoming.fds[index], nbytes)
     elif placement == Placement.SLAB:
         storage = torch.frombuffer(_lease(detail), dtype=torch.uint8).untyped_storage()
+        keep_lease_with(storage, incoming.lease)
     else:
         slab_id, offset, nbytes = detail
         region = _lease(slab_id)[offset:offset + nbytes]
         storage = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+        keep_lease_with(storage, incoming.lease)
     incoming.storages[slot] = storage
     return storage
 
@@ -437,6 +440,7 @@ def _placed_tensor(slab_id: int, offset: int, dtype_index: int, shape: tuple[int
     dtype = _DTYPES[dtype_index]
     nbytes = math.prod(shape) * dtype.itemsize
     tensor = torch.frombuffer(_lease(slab_id)[offset:offset + nbytes], dtype=dtype)
+    keep_lease_with(tensor.untyped_storage(), _incoming.lease)
     return tensor.view(*shape) if shape else tensor.view(())
 
 

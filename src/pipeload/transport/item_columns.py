@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import ItemPlacement
 from pipeload.transport.slab_writer import SlabWriter
 
@@ -185,7 +186,9 @@ def lease_runs(lease: memoryview, items: ItemPlacement) -> TensorRuns:
         start, size = items.leaf_offsets[leaf], items.leaf_bytes[leaf]
         if size != math.prod(field.shape) * field.dtype.itemsize or start + count * size > min(items.area_bytes, len(lease)):
             return None
-        return torch.frombuffer(lease[start:start + count * size], dtype=field.dtype).view(count, *field.shape)
+        tensor = torch.frombuffer(lease[start:start + count * size], dtype=field.dtype)
+        keep_lease_with(tensor.untyped_storage(), lease)  # see lease_holders.py
+        return tensor.view(count, *field.shape)
     return run
 
 
