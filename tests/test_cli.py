@@ -343,6 +343,7 @@ def test_profile_says_warnings_in_one_line_each_and_keeps_the_users_place(
                             and line.endswith("if necessary.") for line in too_many), err
 
 
+@pytest.mark.slow  # ~5 s; tests/stats covers the verdict in process
 @pytest.mark.timeout(90)
 def test_profile_of_workers_slow_to_start_stops_on_their_start_ups_and_suggests_persistent_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], leak_guard,
@@ -372,6 +373,7 @@ def test_profile_of_workers_slow_to_start_stops_on_their_start_ups_and_suggests_
     assert profiled and 4 <= int(profiled[1]) <= 5, out
 
 
+@pytest.mark.slow  # ~5 s; tests/stats covers the verdict in process
 @pytest.mark.timeout(90)
 def test_profile_under_auto_judges_once_the_tuner_settles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], leak_guard,

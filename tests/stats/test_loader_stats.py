@@ -715,6 +715,7 @@ def test_workers_slow_to_start_each_epoch_are_told_to_persist(leak_guard) -> Non
     del loader
 
 
+@pytest.mark.slow  # ~3.5 s; test_analysis covers the quiet case
 @pytest.mark.timeout(60)
 def test_workers_quick_to_start_are_not_told_to_persist(leak_guard) -> None:
     loader = pipeload.DataLoader(list(range(320)), batch_size=4, **TINY["process"])
