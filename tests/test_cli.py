@@ -181,6 +181,20 @@ def _profile_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, items: 
         sys.modules.pop("made", None)
 
 
+def _profile_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str,
+                    args: list[str]) -> int:
+    """``pipeload profile name:make`` in this process, ``name`` a module of ``source`` written here."""
+    from pipeload import cli
+
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        return cli.main(["profile", f"{name}:make", *args])
+    finally:
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.timeout(60)
 def test_profile_stops_on_epochs_of_one_batch_and_says_why_it_cannot_judge(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -350,19 +364,12 @@ def test_profile_of_workers_slow_to_start_stops_on_their_start_ups_and_suggests_
 ) -> None:
     # Epochs that are mostly workers starting never gather the steady seconds a verdict needs:
     # it loaded until --max-seconds and said "too little to judge", never naming the start-up.
-    from pipeload import cli
-
-    (tmp_path / "slow_start.py").write_text(
+    returned = _profile_module(tmp_path, monkeypatch, "slow_start", (
         "import time\nimport pipeload\n\n"
         "def heavy_set_up(worker_id):\n    time.sleep(1.0)  # each new worker's set-up\n\n"
         "def make():\n    return pipeload.DataLoader(list(range(200)), batch_size=4, num_workers=2,\n"
-        "                               multiprocessing_context='fork', worker_init_fn=heavy_set_up)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    try:
-        returned = cli.main(["profile", "slow_start:make", "--max-seconds", "40"])
-    finally:
-        sys.modules.pop("slow_start", None)
+        "                               multiprocessing_context='fork', worker_init_fn=heavy_set_up)\n"),
+        ["--max-seconds", "40"])
     out = capsys.readouterr().out
     assert returned == 0, out
     assert "verdict: the workers start anew each epoch" in out, out
@@ -380,20 +387,12 @@ def test_profile_under_auto_judges_once_the_tuner_settles(
 ) -> None:
     # It stopped on the evidence alone, judging figures that mixed the settings the tuner was
     # still trying (2, 8, 32, 64 workers), and told a tuner at its cap "try num_workers=64".
-    from pipeload import cli
-
-    (tmp_path / "reads.py").write_text(
+    returned = _profile_module(tmp_path, monkeypatch, "reads", (
         "import time\nimport torch\n\nclass RemoteReads(torch.utils.data.Dataset):\n"
         "    def __len__(self):\n        return 4000\n\n    def __getitem__(self, index):\n"
         "        time.sleep(0.02)  # a remote read's latency: workers wait, CPUs stay free\n"
-        "        return index\n\ndef make():\n    return RemoteReads()\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    try:
-        returned = cli.main(["profile", "reads:make", "--num-workers", "auto", "--worker-type", "thread",
-                             "--batch-size", "4"])
-    finally:
-        sys.modules.pop("reads", None)
+        "        return index\n\ndef make():\n    return RemoteReads()\n"),
+        ["--num-workers", "auto", "--worker-type", "thread", "--batch-size", "4"])
     out = capsys.readouterr().out
     assert returned == 0, out
     assert "still tuning" not in out and "too little" not in out, out
