@@ -1,8 +1,9 @@
 """Timing one loader over one workload, and the memory peaks it reaches while doing so.
 
-A :class:`PeakSampler` runs a background thread that, every ``SAMPLE_INTERVAL_S``, adds up the
-resident memory of this process and all its descendants (the loader's workers) and reads how much
-of ``/dev/shm`` is in use. :func:`measure` builds a fresh loader, iterates it, and returns a
+A :class:`PeakSampler` has the command's sampler process (``pipeload.cli.sampler``: a thread here
+would hold the measured main process's GIL while it parses ``/proc``, slowing loaders with more
+processes more) add up, every ``SAMPLE_INTERVAL_S``, the resident memory of this process and all
+its descendants (the loader's workers) and read how much of ``/dev/shm`` is in use. :func:`measure` builds a fresh loader, iterates it, and returns a
 :class:`Measurement`.
 
 What the numbers mean:
@@ -25,26 +26,21 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
-from bench.memory import (
-    machine_shmem_bytes,
-    tree_memory_bytes,
-    tree_pss_bytes,
-    tree_shared_memory_bytes,
-)
+from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
-from pipeload.cli.measure import SAMPLE_INTERVAL_S, shm_used_bytes, tree_rss_bytes
+from pipeload.cli.measure import SAMPLE_INTERVAL_S, rss_bytes_of, shared_memory_bytes_of, shm_used_bytes
+from pipeload.cli.sampler import shared_sampler, tree_pids_by_proc
 
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
 PSS_EVERY = 10
+FULL_READINGS = "bench.measure:FullReadings"
 CHILD_EXIT_WAIT_S = 5.0
 
 
@@ -74,28 +70,32 @@ class Measurement:
         return self.samples / self.total_s if self.total_s > 0 else float("inf")
 
 
-class _Peaks:
-    """The running maxima: written only by the sampling thread, read after it has stopped."""
+class FullReadings:
+    """What the benchmarks read of the tree, in the sampler process (see pipeload.cli.sampler):
+    growths are counted from the window's start."""
 
-    def __init__(self, shm_baseline_bytes: int, shmem_baseline_bytes: int) -> None:
-        self.shm_baseline_bytes = shm_baseline_bytes
-        self.shmem_baseline_bytes = shmem_baseline_bytes
-        self.rss_bytes = 0
-        self.shm_bytes = 0
-        self.shmem_bytes = 0
-        self.tree_shm_bytes = 0
-        self.pss_bytes = 0
-        self.tree_memory_bytes = 0
-        self.sampler_cpu_s = 0.0
+    def __init__(self, root: psutil.Process, sampler_pid: int) -> None:
+        self._root_pid, self._sampler_pid = root.pid, sampler_pid
+        self._shm_baseline = shm_used_bytes()
+        self._shmem_baseline = machine_shmem_bytes()
+
+    def take(self, tick: int) -> dict[str, int]:
+        pids = tree_pids_by_proc(self._root_pid, self._sampler_pid)
+        reading = {"rss": rss_bytes_of(pids), "shm": shm_used_bytes() - self._shm_baseline,
+                   "shmem": machine_shmem_bytes() - self._shmem_baseline}
+        if tick % TREE_SHM_EVERY == 0:
+            reading["tree_shm"] = shared_memory_bytes_of(pids)
+        if tick % PSS_EVERY == 0:
+            reading["pss"] = pss_bytes_of(pids)
+            reading["tree_memory"] = memory_bytes_of(pids)
+        return reading
 
 
 class PeakSampler:
-    """Records the peak RSS of the process tree and the peak ``/dev/shm`` growth while open.
+    """Records the peaks of the process tree's memory while open (read after ``close()``).
 
-    Invariants: the sampling thread is the only writer of ``_peaks`` until ``close()`` has joined
-    it; ``peak_rss_bytes`` and ``peak_shm_bytes`` are read after ``close()``. The thread holds no
-    reference to this object, so the ``weakref.finalize`` backstop can stop it if ``close()`` is
-    never called.
+    The readings are taken by the command's sampler process, started on first use (before the
+    caller's clock starts when it is made first) and reused by every sampler after it.
 
     Example:
         >>> with PeakSampler() as sampler:
@@ -104,52 +104,41 @@ class PeakSampler:
         True
     """
 
-    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S, root_pid: int | None = None) -> None:
-        self._peaks = _Peaks(shm_used_bytes(), machine_shmem_bytes())
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_sample_until_stopped,
-            args=(psutil.Process(root_pid or os.getpid()), self._peaks, self._stop, interval_s),
-            name="bench-peak-sampler",
-            daemon=True,
-        )
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, self._stop.set)
+    def __init__(self) -> None:
+        self._peaks: dict[str, int] = {}
+        self._sampler = shared_sampler(FULL_READINGS)
+        self._sampler.start()
+        self._open = True
 
     @property
     def peak_rss_bytes(self) -> int:
-        return self._peaks.rss_bytes
+        return self._peaks.get("rss", 0)
 
     @property
     def peak_shm_bytes(self) -> int:
-        return self._peaks.shm_bytes
+        return self._peaks.get("shm", 0)
 
     @property
     def peak_shmem_bytes(self) -> int:
-        return self._peaks.shmem_bytes
+        return self._peaks.get("shmem", 0)
 
     @property
     def peak_tree_shm_bytes(self) -> int:
-        return self._peaks.tree_shm_bytes
+        return self._peaks.get("tree_shm", 0)
 
     @property
     def peak_pss_bytes(self) -> int:
-        return self._peaks.pss_bytes
+        return self._peaks.get("pss", 0)
 
     @property
     def peak_tree_memory_bytes(self) -> int:
-        return self._peaks.tree_memory_bytes
-
-    @property
-    def own_cpu_s(self) -> float:
-        """CPU seconds the sampling thread itself used (read after ``close()``)."""
-        return self._peaks.sampler_cpu_s
+        return self._peaks.get("tree_memory", 0)
 
     def close(self) -> None:
-        """Take a last sample and stop the thread. Safe to call more than once."""
-        self._stop.set()
-        self._thread.join()
-        self._finalizer.detach()
+        """Take a last reading and end the window. Safe to call more than once."""
+        if self._open:
+            self._open = False
+            self._peaks = self._sampler.stop()
 
     def __enter__(self) -> PeakSampler:
         return self
@@ -158,26 +147,10 @@ class PeakSampler:
         self.close()
 
 
-def _sample_until_stopped(
-    root: psutil.Process, peaks: _Peaks, stop: threading.Event, interval_s: float
-) -> None:
-    tick = 0
-    started_cpu = time.thread_time()
-    while True:
-        stopping = stop.is_set()  # read first, so one sample always follows the stop request
-        peaks.rss_bytes = max(peaks.rss_bytes, tree_rss_bytes(root))
-        peaks.shm_bytes = max(peaks.shm_bytes, shm_used_bytes() - peaks.shm_baseline_bytes)
-        peaks.shmem_bytes = max(peaks.shmem_bytes, machine_shmem_bytes() - peaks.shmem_baseline_bytes)
-        if tick % TREE_SHM_EVERY == 0 or stopping:
-            peaks.tree_shm_bytes = max(peaks.tree_shm_bytes, tree_shared_memory_bytes(root))
-        if tick % PSS_EVERY == 0:
-            peaks.pss_bytes = max(peaks.pss_bytes, tree_pss_bytes(root))
-            peaks.tree_memory_bytes = max(peaks.tree_memory_bytes, tree_memory_bytes(root))
-        if stopping:
-            peaks.sampler_cpu_s = time.thread_time() - started_cpu
-            return
-        tick += 1
-        stop.wait(interval_s)
+def start_sampler() -> None:
+    """Start the command's sampler process now (it imports torch: ~2 s), before anything is
+    timed or any child process is counted."""
+    shared_sampler(FULL_READINGS)
 
 
 def measure(
@@ -209,13 +182,15 @@ def measure(
     Raises:
         RuntimeError: if the loader yielded no batch at all.
     """
+    start_sampler()  # first: a child of this process that outlives the measurement
     children_before = _child_pids()
     cpu_before = _tree_cpu_s()
     with PeakSampler() as sampler:
         samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs, step)
         gc.collect()  # drop the loader and any iterator cycles while still sampling
         _wait_for_children(children_before)
-    cpu_s = _tree_cpu_s() - cpu_before - sampler.own_cpu_s
+    # The sampler process is not reaped until the command ends: its CPU is not in the tree's.
+    cpu_s = _tree_cpu_s() - cpu_before
     if first_batch_s is None:
         raise RuntimeError(f"loader {loader!r} yielded no batch for workload {workload!r}")
     return Measurement(workload, loader, samples, total_s, first_batch_s,
@@ -237,6 +212,7 @@ def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
 
     Pays for imports, worker start-up paths, allocators and file caches before anything is timed.
     """
+    start_sampler()
     children_before = _child_pids()
     iterator = iter(make_loader())
     for _ in zip(range(batches), iterator):

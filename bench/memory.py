@@ -19,7 +19,7 @@ import re
 import psutil
 
 # The tree's segments are `pipeload bench`'s reading too: kept in the package, read from there.
-from pipeload.cli.measure import tree_pids, tree_shared_memory_bytes
+from pipeload.cli.measure import shared_memory_bytes_of, tree_pids
 
 MEMINFO_PATH = "/proc/meminfo"
 _SHMEM_LINE = re.compile(rb"^Shmem:\s+(\d+) kB", re.MULTILINE)
@@ -39,7 +39,12 @@ def machine_shmem_bytes() -> int:
 
 def tree_pss_bytes(root: psutil.Process) -> int:
     """Sum of the proportional set sizes of ``root`` and its descendants, in bytes."""
-    return sum(_kib(_PSS_LINE, text) * 1024 for text in _rollups(root))
+    return pss_bytes_of(tree_pids(root))
+
+
+def pss_bytes_of(pids: list[int]) -> int:
+    """Sum of the proportional set sizes of the processes ``pids``, in bytes."""
+    return sum(_kib(_PSS_LINE, text) * 1024 for text in _rollups(pids))
 
 
 def tree_memory_bytes(root: psutil.Process) -> int:
@@ -52,14 +57,19 @@ def tree_memory_bytes(root: psutil.Process) -> int:
     that keeps its batches there looks smaller than it is. Segments are counted at their size,
     which is what they hold once written (batches and slabs are written whole).
     """
-    private = sum((_kib(_PSS_LINE, text) - _kib(_PSS_SHMEM_LINE, text)) * 1024 for text in _rollups(root))
-    return private + tree_shared_memory_bytes(root)
+    return memory_bytes_of(tree_pids(root))
 
 
-def _rollups(root: psutil.Process) -> list[bytes]:
-    """``/proc/PID/smaps_rollup`` of ``root`` and each descendant still running."""
+def memory_bytes_of(pids: list[int]) -> int:
+    """``tree_memory_bytes`` of the processes ``pids``."""
+    private = sum((_kib(_PSS_LINE, text) - _kib(_PSS_SHMEM_LINE, text)) * 1024 for text in _rollups(pids))
+    return private + shared_memory_bytes_of(pids)
+
+
+def _rollups(pids: list[int]) -> list[bytes]:
+    """``/proc/PID/smaps_rollup`` of each of ``pids`` still running."""
     texts = []
-    for pid in tree_pids(root):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
                 texts.append(rollup.read())

@@ -1,7 +1,7 @@
 """Timing one pass of a loader, with the memory peaks it reaches, for ``pipeload bench``.
 
-A background thread samples, every ``SAMPLE_INTERVAL_S``, the resident memory of this process
-and all its descendants (RSS summed over the tree: pages shared between processes count once
+A sampler process of its own (sampler.py: a thread here would slow the main process it measures)
+reads, every ``SAMPLE_INTERVAL_S``, the resident memory of this process and all its descendants (RSS summed over the tree: pages shared between processes count once
 per process, an upper bound that is fair between loaders measured alike) and, every
 ``TREE_SHM_EVERY`` samples, the shared-memory segments the tree maps or holds open, each counted
 once: ``/dev/shm`` files (torch's batches) and memfd segments (pipeload's slabs) alike. The growth
@@ -12,19 +12,21 @@ same readings, which it takes from here.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 SAMPLE_INTERVAL_S = 0.05
-TREE_SHM_EVERY = 2  # reading every process's mappings takes milliseconds: not on every sample
+# Reading every process's mappings takes milliseconds (~2 a process): every fifth of a second, CPU
+# the sampler process takes from the loaders stays near 3% of one core (6% read every 0.1 s with
+# five processes). Segments in flight come and go with each batch, but as many are in flight at
+# any time: a reading every 0.2 s sees their level.
+TREE_SHM_EVERY = 4
+BASIC_READINGS = "pipeload.cli.measure:BasicReadings"
 SHM_PATH = "/dev/shm"
 # A shared mapping of a shared-memory file: /dev/shm/..., /memfd:..., or System V segments. The
 # paths are found first and only their lines parsed: a process that imported torch maps some 600
@@ -62,16 +64,17 @@ def shm_used_bytes() -> int:
 
 def tree_rss_bytes(root: Any) -> int:
     """Resident memory of ``root`` (a ``psutil.Process``) plus every live descendant, in bytes."""
+    return rss_bytes_of(tree_pids(root))
+
+
+def rss_bytes_of(pids: Iterable[int]) -> int:
+    """Resident memory of the processes ``pids`` that still run, summed, in bytes."""
     import psutil  # the `bench` extra
 
-    try:
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
     total = 0
-    for process in processes:
+    for pid in pids:
         try:
-            total += process.memory_info().rss
+            total += psutil.Process(pid).memory_info().rss
         except psutil.Error:
             pass  # a worker that exited between listing and reading
     return total
@@ -81,8 +84,13 @@ def tree_shared_memory_bytes(root: Any) -> int:
     """Bytes of distinct shared-memory segments mapped or held open by ``root`` (a
     ``psutil.Process``) and its descendants, each counted once however many processes map it.
     Blind to a segment that is only in flight between processes (a descriptor on a socket)."""
+    return shared_memory_bytes_of(tree_pids(root))
+
+
+def shared_memory_bytes_of(pids: Iterable[int]) -> int:
+    """``tree_shared_memory_bytes`` of the processes ``pids``."""
     sizes: dict[tuple[int, int], int] = {}
-    for pid in tree_pids(root):
+    for pid in pids:
         _add_mapped(pid, sizes)
         _add_held_open(pid, sizes)
     return sum(sizes.values())
@@ -138,40 +146,45 @@ def tree_pids(root: Any) -> list[int]:
         return []
 
 
-class PeakSampler:
-    """Keeps the peak RSS of the process tree and the peak of its shared memory while open.
+class BasicReadings:
+    """What ``pipeload bench`` reads of the tree in the sampler process (see sampler.py): its RSS
+    at each tick, its shared memory every ``TREE_SHM_EVERY`` ticks."""
 
-    Invariant: only the sampling thread writes ``peaks`` until ``close()`` has joined it.
-    """
+    def __init__(self, root: Any, sampler_pid: int) -> None:
+        self._root_pid, self._sampler_pid = root.pid, sampler_pid
+
+    def take(self, tick: int) -> dict[str, int]:
+        from pipeload.cli.sampler import tree_pids_by_proc
+
+        pids = tree_pids_by_proc(self._root_pid, self._sampler_pid)
+        reading = {"rss": rss_bytes_of(pids)}
+        if tick % TREE_SHM_EVERY == 0:
+            reading["shm"] = shared_memory_bytes_of(pids)
+        return reading
+
+
+class PeakSampler:
+    """The peak RSS of this process's tree and the peak of its shared memory while open, read
+    by the command's sampler process (started on first use, before the clock starts)."""
 
     def __init__(self) -> None:
-        import psutil  # the `bench` extra
+        from pipeload.cli.sampler import shared_sampler
 
         self.peaks = {"rss": 0, "shm": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=_sample, name="pipeload-bench-sampler", daemon=True,
-                                        args=(psutil.Process(os.getpid()), self.peaks, self._stop))
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, self._stop.set)
+        self._sampler = shared_sampler(BASIC_READINGS)
+        self._sampler.start()
+        self._open = True
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._open:
+            self._open = False
+            self.peaks.update(self._sampler.stop())
 
     def __enter__(self) -> PeakSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _sample(root: Any, peaks: dict[str, int], stop: threading.Event) -> None:
-    for sample in itertools.count():
-        peaks["rss"] = max(peaks["rss"], tree_rss_bytes(root))
-        if sample % TREE_SHM_EVERY == 0:
-            peaks["shm"] = max(peaks["shm"], tree_shared_memory_bytes(root))
-        if stop.wait(SAMPLE_INTERVAL_S):
-            return
 
 
 def time_one_pass(name: str, repeat: int, loader: Iterable[Any], batch_length: Callable[[Any], int],

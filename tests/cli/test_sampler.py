@@ -1,0 +1,80 @@
+"""The benchmarks' memory sampler runs in a process of its own (``pipeload.cli.sampler``): it must
+read the measured tree without running anything in the measured process, leave itself out of
+what it reads, and end with the command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import psutil
+
+from pipeload.cli import measure, sampler
+
+CHILD_BYTES = 64 << 20
+# A child that touches CHILD_BYTES of its own memory, says so, and holds it until stdin closes.
+HOLDING_CHILD = (
+    "import sys\n"
+    f"data = bytearray({CHILD_BYTES})\n"
+    "data[::4096] = b'\\1' * len(data[::4096])\n"
+    "print('holding', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_window_reads_a_childs_memory_without_a_thread_in_the_measured_process() -> None:
+    threads_before = threading.active_count()
+    child = subprocess.Popen([sys.executable, "-c", HOLDING_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        own_rss = psutil.Process().memory_info().rss
+        with measure.PeakSampler() as peaks:
+            assert child.stdout.readline().strip() == "holding"
+            assert threading.active_count() == threads_before  # nothing samples in here
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert peaks.peaks["rss"] >= own_rss + CHILD_BYTES
+
+
+def test_the_sampler_process_leaves_itself_out_of_the_tree_it_reads() -> None:
+    own = sampler.shared_sampler(measure.BASIC_READINGS)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        pids = sampler.tree_pids_by_proc(os.getpid(), own.pid)
+        assert os.getpid() in pids and child.pid in pids
+        assert own.pid not in pids
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def test_commands_written_together_are_each_answered() -> None:
+    # A buffered reader took both lines at once and select() then saw nothing: the second
+    # command waited forever.
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"start\nstop\n")
+        lines = sampler.LineReader(read_end)
+        assert lines.next_line(1.0) == "start"
+        assert lines.next_line(1.0) == "stop"
+        assert lines.next_line(0.05) == ""  # none more: it gives up at the timeout
+        os.close(write_end)
+        write_end = -1
+        assert lines.next_line(1.0) == "" and lines.closed
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def test_closing_a_sampler_ends_its_process() -> None:
+    own = sampler.TreeSampler(measure.BASIC_READINGS)
+    process = psutil.Process(own.pid)
+    own.start()
+    assert own.stop()["rss"] > 0
+    own.close()
+    assert not own.alive
+    assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
