@@ -237,7 +237,10 @@ class LoaderStats:
         """Bytes of tensor data handed from workers to the main process. In economic mode, the
         items': item workers write each into the shared memory the main process hands out, in a
         batch it assembles itself or one a batch worker collated from views of those items (whose
-        bytes it would count again)."""
+        bytes it would count again). Like their samples (``stages["fetch"]``), they miss the
+        pieces whose reports an epoch ended before reading: an item worker reports a piece after
+        handing it to its batch worker, which may hand the epoch's last batch over first, and
+        nothing waits for the rest (at most the pieces in flight at an epoch's end)."""
         if any(w.kind == "item" for w in self.workers):
             return sum(w.bytes_out for w in self.workers if w.kind == "item")
         return sum(w.bytes_out for w in self.workers if w.kind in HANDING_OVER_KINDS)
