@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
-from conftest import run_rank_processes
+from conftest import in_shared_memory, run_rank_processes
 from state_damage import damaged
 
 import pipeload
 from pipeload._state_digest import digest_of
 from pipeload.errors import IncompatibleStateError
+from pipeload.transport.codec import INLINE_MAX_BYTES
 
 WORLD_SIZE = 2
 # Rank 0's share makes 3 batches of 2, rank 1's makes 5 (the last one partial).
@@ -163,6 +165,72 @@ def test_drop_and_pad_give_every_rank_the_same_count(tmp_path: Path) -> None:
                 assert len(uninterrupted) == 5
                 assert found[f"resumed-{kind}-{workers}"] == uninterrupted, (kind, workers)
     assert rank0["uninterrupted-map-0"][3:] == [[4, 5], [4, 5]]
+
+
+class NamedRows(pipeload.Dataset):
+    """This rank's share as map-style rows of a tensor and a name (a nested batch)."""
+
+    def __init__(self) -> None:
+        self.share = SHARES[dist.get_rank()]
+
+    def __len__(self) -> int:
+        return len(self.share)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return _row(self.share[index])
+
+
+class NamedRankShare(RankShare):
+    def __iter__(self) -> Any:
+        return map(_row, super().__iter__())
+
+
+ROW_WIDTH = INLINE_MAX_BYTES // 4 + 1  # even a batch of one row is past what is sent inline: a slab carries it
+
+
+def _row(value: int) -> dict[str, Any]:
+    return {"x": torch.full((ROW_WIDTH,), float(value)), "name": f"row {value}"}
+
+
+def _changing_each_batch_in_place(rank: int, init_file: str, out_dir: str) -> None:
+    """Each loader's epoch, as a loop that changes every batch in place saw it before changing it."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        found = {}
+        for kind, dataset in (("map", NamedRows()), ("iterable", NamedRankShare())):
+            for workers in (0, 2):  # process workers: the batches are views of shared-memory slabs
+                # forked: a spawned rank would spawn them too, seconds each on a small machine
+                context = "fork" if workers else None
+                loader = pipeload.DataLoader(dataset, batch_size=2, num_workers=workers, equal_batches="pad",
+                                             multiprocessing_context=context)
+                seen = []
+                for batch in loader:
+                    seen.append({"x": batch["x"][:, [0, -1]].tolist(), "name": list(batch["name"]),
+                                 "shared": in_shared_memory(batch["x"])})
+                    batch["x"].sub_(1000)  # as a loop normalising its batch in place
+                    batch["name"].append("changed")
+                found[f"{kind}-{workers}"] = seen
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_pad_repeats_the_batch_as_made_when_the_loop_changed_it_in_place(tmp_path: Path) -> None:
+    # It handed out the same batch object again: a loop that normalised its batch in place got
+    # the repeat normalised twice (and a list in it appended to twice).
+    run_rank_processes(_changing_each_batch_in_place, (str(tmp_path / "init"), str(tmp_path)), WORLD_SIZE,
+                       join_s=100)
+    found = json.loads((tmp_path / "0.json").read_text())
+    # rank 0 runs out first (3 batches alone, 4 with two workers) and pads to rank 1's 5
+    for config, own in (("map-0", 3), ("map-2", 3), ("iterable-0", 3), ("iterable-2", 4)):
+        seen = found[config]
+        assert len(seen) == 5, config
+        last = {key: seen[own - 1][key] for key in ("x", "name")}
+        assert min(min(row) for row in last["x"]) >= 0 and "changed" not in last["name"], config
+        for repeat in seen[own:]:
+            assert {key: repeat[key] for key in ("x", "name")} == last, config
+    assert all(batch["shared"] for batch in found["map-2"][:3] + found["iterable-2"][:4])
 
 
 def test_outside_a_job_it_changes_nothing() -> None:
