@@ -95,6 +95,26 @@ def test_items_come_back_in_order_once_each_and_the_actors_serve_the_next_run(cl
     assert wait_for(lambda: not actor_processes())
 
 
+@pytest.mark.slow  # two actor starts at the least (the first run's, the replacement's): ~2.5 s each here
+def test_pooled_actors_that_died_while_idle_are_replaced_and_the_next_run_gives_every_item(clean):
+    # The next run took them from the pool as they were: its first item was a WorkerDiedError
+    # ("Ray actor 0 of 2 ... died ... after 0 items were handed out").
+    pipe = IterableWrapper(range(20)).sharding_filter().map(square)
+    boundary = pipe.queue_boundary("ray", 4, num_actors=2)
+    assert list(boundary) == list(pipe)
+    killed, crashed = boundary._transient_ray_actors._held["idle"]
+    gone = {ray.get(handle.describe.remote())["pid"] for handle in (killed, crashed)}
+    ray.kill(killed)  # killed through Ray, and a process that died (a crash, the OOM killer)
+    os.kill(ray.get(crashed.describe.remote())["pid"], signal.SIGKILL)
+    assert list(boundary) == list(pipe)
+    pids = lambda: {process.pid for process in actor_processes()}  # noqa: E731
+    assert wait_for(lambda: len(pids()) == 2 and not pids() & gone), (pids(), gone)
+    replacements = pids()
+    assert list(boundary) == list(pipe)
+    assert pids() == replacements  # pooled in their turn
+    boundary.release_actors()
+
+
 def test_shuffles_upstream_split_one_permutation_over_the_actors(clean):
     shuffle = IterableWrapper(range(30)).shuffle()
     boundary = shuffle.sharding_filter().queue_boundary("ray", 6, num_actors=3)

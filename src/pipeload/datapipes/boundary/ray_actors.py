@@ -5,7 +5,9 @@ so a run that ends cleanly hands its actors back to the boundary pipe's :class:`
 the pipe's next run (the next epoch) starts its shards on them. The pool belongs to the pipe
 description in this process only (a ``_transient_`` attribute: never pickled, never copied), and
 kills its idle actors when the pipe is freed or :meth:`ActorPool.close` is called; a run that
-failed, or whose actor died, kills its actors instead of keeping them.
+failed, or whose actor died, kills its actors instead of keeping them. An idle actor may die in
+the pool all the same: the run that takes it finds out from its first reply and replaces it
+(``ray_lane.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ class RunActors:
         self.handles = handles
         self.reusable = True
         self._pool = weakref.ref(pool) if pool is not None else None
+
+    def replace(self, index: int, handle: Any) -> None:
+        """Put ``handle`` in place of actor ``index``, which is killed (it died, or Ray is
+        bringing back an actor that no run waits for)."""
+        lost, self.handles[index] = self.handles[index], handle
+        kill(self.ray, [lost])
 
     def release(self) -> None:
         pool = self._pool() if self._pool is not None else None

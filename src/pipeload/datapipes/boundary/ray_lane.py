@@ -10,6 +10,12 @@ new run there from the shard's latest state, the items after it made again and d
 (``skip_to``), so nothing is handed out twice or lost. While Ray restarts the actor, calls to
 it fail at once ("unavailable"); the lane asks again with a growing pause, for at most
 ``RESTART_TIMEOUT_S``, sending only the run's start until that succeeds, then its requests.
+
+An actor taken from the pipe's pool (kept since an earlier run) may have died while it waited
+there (``ray.kill``, its process or node gone): its run's start then fails as a lost actor. That
+is no failure of this run, which has made nothing on it yet: a new actor takes its place and
+begins the run, whatever ``max_restarts`` says. So the first reply read from a pooled actor is
+its start's.
 """
 
 from __future__ import annotations
@@ -60,13 +66,16 @@ class Lane:
 
     ``owner`` (the run) gives ``name``, ``num_actors``, ``restarts_allowed``, ``start_timeout_s``,
     ``actor_options``, ``notifier``, ``tally``, ``run_shard(lane, generation, state, state_at,
-    skip_to)`` and ``failed()``.
+    skip_to)``, ``new_actor(index)`` and ``failed()``. ``from_pool``: the actor served an
+    earlier run (until its start here is answered, it may turn out dead).
     """
 
-    def __init__(self, owner: Any, index: int, handle: Any, share: int, chunk: int) -> None:
+    def __init__(self, owner: Any, index: int, handle: Any, share: int, chunk: int,
+                 from_pool: bool = False) -> None:
         self._owner = owner
         self.index = index
         self.handle = handle
+        self._from_pool = from_pool
         self._share = share
         self._chunk_size = chunk
         self._notifier = owner.notifier
@@ -133,6 +142,8 @@ class Lane:
 
     def _next_chunk(self) -> None:
         """Move the next reply in (or raise NotAvailable); restart or fail on a dead actor."""
+        if self._from_pool:
+            self._check_pooled_actor()
         if not self._requests:
             self._top_up()
         request = self._requests[0]
@@ -175,6 +186,25 @@ class Lane:
         self._chunk, self._cursor = chunk, 0
 
     # -- losing the actor ------------------------------------------------------------------------
+
+    def _check_pooled_actor(self) -> None:
+        """Wait (NotAvailable) for the pooled actor's start; when the actor turns out lost (it
+        died in the pool), begin this run on a new actor in its place."""
+        started = self._started
+        if not started.done():
+            self._check_start_deadline()
+            raise NotAvailable
+        self._from_pool = False
+        error = started.exception()
+        if error is None or not (_is_actor_loss(error) or _is_unavailable(error)):
+            return  # started, or what kept it from starting is the run's own news
+        self.handle = self._owner.new_actor(self.index)
+        self.generation = next(_generations)
+        self._requests.clear()
+        self._chunk = None
+        self.requested = self.delivered
+        self._start_run()
+        self._top_up()
 
     def _doing(self, request: _Request) -> str:
         return f"making items {request.start} to {request.start + request.count - 1} of its shard"

@@ -92,10 +92,11 @@ class RayUpstream:
         chunk = min(options.chunk_size or max(1, share // 2), share)
         check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
         handles = pool.take(self._ray, options.num_actors) if pool is not None else []
-        made = actor_class(self._ray).options(**dict(options.actor_options))
-        handles += [made.remote() for _ in range(options.num_actors - len(handles))]
+        pooled = len(handles)
+        handles += [self._made_actor() for _ in range(options.num_actors - pooled)]
         self._actors = RunActors(self._ray, handles, pool)
-        self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk) for index, handle in enumerate(handles)]
+        self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk, from_pool=index < pooled)
+                       for index, handle in enumerate(handles)]
         self._active = list(range(options.num_actors))
         self._turn = 0
         self._started = self._closed = False
@@ -158,6 +159,16 @@ class RayUpstream:
         shard = (self.name, lane.index, len(self._lanes))
         return lane.handle.start.remote(generation, self._graph_ref, self._seed, shard, state, state_at,
                                         skip_to, self._options.snapshot_every).future()
+
+    def _made_actor(self) -> Any:
+        return actor_class(self._ray).options(**dict(self._options.actor_options)).remote()
+
+    def new_actor(self, index: int) -> Any:
+        """A new actor in place of actor ``index``, taken from the pool and found dead there
+        (killed for good now, in case Ray was restarting it)."""
+        handle = self._made_actor()
+        self._actors.replace(index, handle)
+        return handle
 
     @property
     def num_actors(self) -> int:
