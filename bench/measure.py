@@ -36,7 +36,8 @@ import psutil
 from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
 from pipeload.cli.measure import SAMPLE_INTERVAL_S, rss_bytes_of, shared_memory_bytes_of, shm_used_bytes
-from pipeload.cli.sampler import shared_sampler, tree_pids_by_proc
+from pipeload.cli.sampler import shared_sampler
+from pipeload.cli.tree_memory import tree_pids_by_proc
 
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
 PSS_EVERY = 10

@@ -313,6 +313,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.fixture(autouse=True)
+def _no_sampler_process_outlives_its_test() -> Iterator[None]:
+    """The benchmarks' memory sampler process (pipeload.cli.sampler) lives as long as the command
+    that measures; here that is one test, not the session, whose later tests count children."""
+    yield
+    sampler = sys.modules.get("pipeload.cli.sampler")
+    if sampler is not None:
+        sampler.close_shared()
+
+
 @pytest.fixture
 def leak_guard() -> Iterator[LeakGuard]:
     """Fail the test (at teardown) if it leaves processes, threads, fds or /dev/shm entries."""

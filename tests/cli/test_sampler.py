@@ -11,7 +11,7 @@ import threading
 
 import psutil
 
-from pipeload.cli import measure, sampler
+from pipeload.cli import measure, sampler, tree_memory
 
 CHILD_BYTES = 64 << 20
 # A child that touches CHILD_BYTES of its own memory, says so, and holds it until stdin closes.
@@ -43,7 +43,7 @@ def test_the_sampler_process_leaves_itself_out_of_the_tree_it_reads() -> None:
     own = sampler.shared_sampler(measure.BASIC_READINGS)
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        pids = sampler.tree_pids_by_proc(os.getpid(), own.pid)
+        pids = tree_memory.tree_pids_by_proc(os.getpid(), own.pid)
         assert os.getpid() in pids and child.pid in pids
         assert own.pid not in pids
     finally:

@@ -11,16 +11,21 @@ measured window starts and ends.
 Protocol (one line each way): ``start`` begins a window; ``stop`` takes a last reading and
 answers one JSON line, the peak of each reading over the window. Closing its stdin ends it.
 
-Which readings: ``module:factory``, called as ``factory(root, sampler_pid)`` at each ``start``
-(so baselines are taken then), returning an object whose ``take(tick)`` gives a dict of readings
-(``tick`` 0 is the window's first reading and the last one at ``stop``: every reading is taken
-then). ``pipeload bench`` reads RSS and shared memory (``measure.BasicReadings``); the source
-checkout's benchmarks read more (``bench/measure.py``).
+Which readings: ``where:factory``, ``where`` a module name or the path of a ``.py`` file (loaded
+alone, without its package: ``pipeload bench``'s readings, tree_memory.py, import nothing of
+pipeload or torch, so the process starts in a tenth of a second). ``factory(root, sampler_pid)``
+is called at each ``start`` (so baselines are taken then) and returns an object whose
+``take(tick)`` gives a dict of readings (``tick`` 0 is the window's first reading and the last
+one at ``stop``: every reading is taken then). The source checkout's benchmarks read more
+(``bench/measure.py``, a module: their process imports torch once per command).
+
+This file too is loaded by path in the sampler process, and imports nothing of pipeload.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -37,9 +42,12 @@ READY = "ready"
 _CHILD = ("import json, sys\n"
           "config = json.loads(sys.argv[1])\n"
           "sys.path[:] = config['path']\n"
-          "from pipeload.cli.sampler import serve\n"
-          "serve(config)\n")
-START_TIMEOUT_S = 60.0  # the child imports pipeload (and so torch) once
+          "import importlib.util\n"
+          "spec = importlib.util.spec_from_file_location('_pipeload_sampler', config['sampler'])\n"
+          "sampler = importlib.util.module_from_spec(spec)\n"
+          "spec.loader.exec_module(sampler)\n"
+          "sampler.serve(config)\n")
+START_TIMEOUT_S = 60.0  # readings from a module may import torch (~2 s; more on a busy box)
 ANSWER_TIMEOUT_S = 30.0
 
 
@@ -54,7 +62,8 @@ class TreeSampler:
     """
 
     def __init__(self, readings: str, interval_s: float = 0.05) -> None:
-        config = {"path": sys.path, "root": os.getpid(), "readings": readings, "interval_s": interval_s}
+        config = {"path": sys.path, "root": os.getpid(), "readings": readings, "interval_s": interval_s,
+                  "sampler": __file__}
         self._child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._finalizer = weakref.finalize(self, _end, self._child)
@@ -148,14 +157,23 @@ def shared_sampler(readings: str) -> TreeSampler:
         return sampler
 
 
+def close_shared() -> None:
+    """End every shared sampler process now (a test that checks for leftover children)."""
+    with _shared_lock:
+        samplers = list(_shared.values())
+        _shared.clear()
+    for sampler in samplers:
+        sampler.close()
+
+
 # --- the sampler process's side ---------------------------------------------------------------
 
 def serve(config: dict[str, Any]) -> None:
     """Read the tree between ``start`` and ``stop`` until stdin closes."""
     import psutil  # the `bench` extra
 
-    module, name = config["readings"].split(":")
-    factory = getattr(importlib.import_module(module), name)
+    where, _, name = config["readings"].rpartition(":")
+    factory = getattr(_load(where), name)
     root, interval_s = psutil.Process(config["root"]), config["interval_s"]
     commands = LineReader(sys.stdin.fileno())
     _answer(READY)
@@ -178,6 +196,16 @@ def serve(config: dict[str, Any]) -> None:
             tick += 1
 
 
+def _load(where: str) -> Any:
+    """The module named ``where``, or the ``.py`` file at that path loaded on its own."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    spec = importlib.util.spec_from_file_location(f"_pipeload_readings_{len(sys.modules)}", where)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
 def _keep_peaks(peaks: dict[str, int], reading: dict[str, int]) -> None:
     for key, value in reading.items():
         peaks[key] = max(peaks.get(key, 0), value)
@@ -186,43 +214,3 @@ def _keep_peaks(peaks: dict[str, int], reading: dict[str, int]) -> None:
 def _answer(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-
-
-def tree_pids_by_proc(root_pid: int, leave_out: int) -> list[int]:
-    """``root_pid`` and its live descendants, ``leave_out`` and its descendants excepted.
-
-    Read from each thread's ``/proc/PID/task/TID/children`` (a few small files): psutil's
-    ``children(recursive=True)`` reads every process's status on the machine, ~2 ms a call.
-    """
-    if not os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children"):
-        return _tree_pids_by_psutil(root_pid, leave_out)  # a kernel without CONFIG_PROC_CHILDREN
-    pids, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        if pid == leave_out:
-            continue
-        pids.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue  # it exited meanwhile
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children", "rb") as children:
-                    todo.extend(int(child) for child in children.read().split())
-            except OSError:
-                continue
-    return pids
-
-
-def _tree_pids_by_psutil(root_pid: int, leave_out: int) -> list[int]:
-    import psutil  # the `bench` extra
-
-    def descendants(pid: int) -> set[int]:
-        try:
-            return {child.pid for child in psutil.Process(pid).children(recursive=True)}
-        except psutil.Error:
-            return set()
-
-    left_out = {leave_out} | descendants(leave_out)
-    return [root_pid, *(pid for pid in descendants(root_pid) if pid not in left_out)]
