@@ -5,6 +5,7 @@ what it reads, and end with the command."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -78,3 +79,16 @@ def test_closing_a_sampler_ends_its_process() -> None:
     own.close()
     assert not own.alive
     assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+
+
+def test_ctrl_c_is_left_to_the_measuring_process() -> None:
+    # Ctrl-C reaches the whole process group; the sampler printed a KeyboardInterrupt traceback
+    # of its own in the middle of `pipeload bench`'s "interrupted".
+    own = sampler.TreeSampler(measure.BASIC_READINGS)
+    try:
+        own.start()
+        os.kill(own.pid, signal.SIGINT)
+        assert own.stop()["rss"] > 0 and own.alive
+    finally:
+        own.close()
+    assert not own.alive

@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -172,6 +173,9 @@ def serve(config: dict[str, Any]) -> None:
     """Read the tree between ``start`` and ``stop`` until stdin closes."""
     import psutil  # the `bench` extra
 
+    # Ctrl-C reaches the whole process group: the measuring process answers it, and its exit
+    # closes our stdin, which ends this loop (a traceback from here would only add noise).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     where, _, name = config["readings"].rpartition(":")
     factory = getattr(_load(where), name)
     root, interval_s = psutil.Process(config["root"]), config["interval_s"]
