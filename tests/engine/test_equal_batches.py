@@ -7,6 +7,7 @@ import json
 import os
 import random
 import warnings
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from state_damage import damaged
 
 import pipeload
 from pipeload._state_digest import digest_of
+from pipeload.engine.equal_batches import independent_copy
 from pipeload.errors import IncompatibleStateError
 from pipeload.transport.codec import INLINE_MAX_BYTES
 
@@ -277,3 +279,45 @@ def test_a_rank_that_dies_mid_epoch_ends_the_others_epoch_with_an_error_naming_t
     found = json.loads((tmp_path / "0.json").read_text())
     assert any("equal_batches='pad'" in note and "rank 0 of 2" in note for note in found["notes"]), found
     assert found["after"] == []
+
+
+class _ItemsInAnAttribute(MutableMapping):
+    """A mapping that keeps its items in an attribute: its shallow copy shares them."""
+
+    def __init__(self, items: dict) -> None:
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class _Pair(tuple):
+    def __new__(cls, first, second):
+        return super().__new__(cls, (first, second))
+
+
+def test_a_padded_copy_shares_nothing_with_custom_containers() -> None:
+    # A mapping class with its items in an attribute was shallow-copied and refilled: the copy
+    # and the batch were one dict. A tuple class with its own constructor raised.
+    custom = _ItemsInAnAttribute({"x": torch.zeros(2), "names": ["a"]})
+    again = independent_copy(custom)
+    custom["x"].add_(1)
+    custom["names"].append("changed")
+    assert again["x"].tolist() == [0.0, 0.0] and again["names"] == ["a"]
+    pair = _Pair(torch.zeros(1), [1])
+    copied = independent_copy(pair)
+    pair[0].add_(1)
+    pair[1].append(2)
+    assert copied[0].tolist() == [0.0] and copied[1] == [1]  # a plain tuple, as collate makes

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -241,7 +241,8 @@ def independent_copy(batch: Any) -> Any:
     Walks a batch as ``pipeload.pin`` does: a tensor is cloned (its own elements only, not the
     rest of a shared-memory slab it views; pinned stays pinned); mappings, namedtuples, tuples
     and sequences are rebuilt with their own type where possible; strings, bytes and ranges
-    are kept (they cannot change); anything else (numpy arrays, custom batch types) is deep-copied.
+    are kept (they cannot change); anything else (numpy arrays, custom batch types) is deep-copied,
+    which copies a tensor inside one whole storage and all (a view of a slab: the slab's size).
 
     Example:
         >>> batch = {"x": torch.zeros(2), "ids": ["a", "b"]}
@@ -254,12 +255,18 @@ def independent_copy(batch: Any) -> Any:
         return _tensor_copy(batch)
     if isinstance(batch, (str, bytes, range)):
         return batch
-    if isinstance(batch, Mapping):
+    # Rebuilt only where a shallow copy is a new container of its own (dict, list and their
+    # subclasses): a mapping or sequence class that keeps its items in an attribute shares them
+    # with its shallow copy, and is deep-copied instead.
+    if isinstance(batch, dict):
         return rebuild_mapping(batch, {key: independent_copy(value) for key, value in batch.items()})
     if isinstance(batch, tuple):
         copies = [independent_copy(item) for item in batch]
-        return type(batch)(*copies) if hasattr(batch, "_fields") else type(batch)(copies)
-    if isinstance(batch, Sequence):
+        try:
+            return type(batch)(*copies) if hasattr(batch, "_fields") else type(batch)(copies)
+        except TypeError:  # a tuple subclass whose constructor takes something else
+            return tuple(copies)  # as collate and pin do
+    if isinstance(batch, list):
         return rebuild_sequence(batch, [independent_copy(item) for item in batch])
     return copy.deepcopy(batch)
 
