@@ -36,7 +36,7 @@ import psutil
 from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
 from pipeload.cli.measure import SAMPLE_INTERVAL_S, rss_bytes_of, shared_memory_bytes_of, shm_used_bytes
-from pipeload.cli.sampler import shared_sampler
+from pipeload.cli.sampler import is_shared, shared_sampler
 from pipeload.cli.tree_memory import tree_pids_by_proc
 
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
@@ -108,6 +108,7 @@ class PeakSampler:
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
         self._sampler = shared_sampler(FULL_READINGS)
+        self._own = not is_shared(self._sampler)  # a window inside another's: a sampler of its own
         self._sampler.start()
         self._open = True
 
@@ -139,7 +140,11 @@ class PeakSampler:
         """Take a last reading and end the window. Safe to call more than once."""
         if self._open:
             self._open = False
-            self._peaks = self._sampler.stop()
+            try:
+                self._peaks = self._sampler.stop()
+            finally:
+                if self._own:
+                    self._sampler.close()
 
     def __enter__(self) -> PeakSampler:
         return self

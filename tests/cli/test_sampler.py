@@ -4,11 +4,13 @@ what it reads, and end with the command."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 
@@ -92,3 +94,44 @@ def test_ctrl_c_is_left_to_the_measuring_process() -> None:
     finally:
         own.close()
     assert not own.alive
+
+
+def _wait_until_asked(conn) -> None:
+    conn.recv()
+
+
+def test_a_worker_forked_while_the_sampler_runs_does_not_keep_it_alive() -> None:
+    # The forked worker held the sampler's stdin open: closing it left the sampler waiting
+    # (the command's exit took 30 s, and a killed command left it behind).
+    own = sampler.shared_sampler(measure.BASIC_READINGS)
+    parent_end, child_end = multiprocessing.Pipe()
+    worker = multiprocessing.get_context("fork").Process(target=_wait_until_asked, args=(child_end,))
+    worker.start()
+    try:
+        started = time.monotonic()
+        sampler.close_shared()
+        assert not own.alive and time.monotonic() - started < 3
+    finally:
+        parent_end.send("go")
+        worker.join(timeout=30)
+
+
+def test_a_window_opened_inside_another_reads_its_own_peaks() -> None:
+    # The inner window took over the outer's sampler: the outer never got an answer.
+    with measure.PeakSampler() as outer:
+        held = bytearray(CHILD_BYTES)
+        held[::4096] = b"\1" * len(held[::4096])
+        with measure.PeakSampler() as inner:
+            pass
+        del held
+    assert outer.peaks["rss"] > 0 and inner.peaks["rss"] > 0
+
+
+def test_without_psutil_the_bench_names_the_extra_to_install(tmp_path) -> None:
+    (tmp_path / "psutil.py").write_text("raise ModuleNotFoundError(\"No module named 'psutil'\", name='psutil')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "PIPELOAD_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "pipeload", "bench", "--size", "128", "--repeats", "1",
+                           "--loaders", "classic"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "pip install 'pipeload[bench]'" in done.stderr and "Traceback" not in done.stderr, done.stderr

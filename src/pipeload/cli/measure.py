@@ -57,17 +57,24 @@ class PeakSampler:
     by the command's sampler process (started on first use, before the clock starts)."""
 
     def __init__(self) -> None:
-        from pipeload.cli.sampler import shared_sampler
+        import psutil  # noqa: F401  (the `bench` extra: missing, the command says what to install)
+
+        from pipeload.cli.sampler import is_shared, shared_sampler
 
         self.peaks = {"rss": 0, "shm": 0}
         self._sampler = shared_sampler(BASIC_READINGS)
+        self._own = not is_shared(self._sampler)  # a window inside another's: a sampler of its own
         self._sampler.start()
         self._open = True
 
     def close(self) -> None:
         if self._open:
             self._open = False
-            self.peaks.update(self._sampler.stop())
+            try:
+                self.peaks.update(self._sampler.stop())
+            finally:
+                if self._own:
+                    self._sampler.close()
 
     def __enter__(self) -> PeakSampler:
         return self

@@ -50,12 +50,16 @@ _CHILD = ("import json, sys\n"
           "sampler.serve(config)\n")
 START_TIMEOUT_S = 60.0  # readings from a module may import torch (~2 s; more on a busy box)
 ANSWER_TIMEOUT_S = 30.0
+END_TIMEOUT_S = 5.0  # from its stdin's end to its exit: a reading at most
+PARENT_CHECK_S = 1.0  # between windows, how often the sampler looks whether its owner lives
 
 
 class TreeSampler:
     """A sampler process reading the memory of this process's tree (itself left out).
 
-    Owned by the thread that made it; ``start``/``stop`` alternate. Example:
+    Owned by the thread that made it; ``start``/``stop`` alternate (``busy`` between them). A
+    ``stop`` that gets no answer ends the process (its late answer would be the next window's),
+    and raises. Example:
 
         >>> sampler = TreeSampler("pipeload.cli.measure:BasicReadings")
         >>> sampler.start(); data = bytearray(10**7); peaks = sampler.stop()
@@ -65,9 +69,12 @@ class TreeSampler:
     def __init__(self, readings: str, interval_s: float = 0.05) -> None:
         config = {"path": sys.path, "root": os.getpid(), "readings": readings, "interval_s": interval_s,
                   "sampler": __file__}
-        self._child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(config)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # The interpreter's own flags (-I, -E, ...) too, so that the child finds what we find.
+        command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _CHILD, json.dumps(config)]
+        self._child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._finalizer = weakref.finalize(self, _end, self._child)
+        _all_samplers.add(self)
+        self.busy = False
         assert self._child.stdout is not None
         self._answers = LineReader(self._child.stdout.fileno())
         line = self._answers.next_line(START_TIMEOUT_S)
@@ -85,18 +92,34 @@ class TreeSampler:
 
     def start(self) -> None:
         """Begin a window: the peaks are reset and a first reading is taken."""
+        if self.busy:
+            raise RuntimeError("this memory sampler's window is open already")
         self._say("start")
+        self.busy = True
 
     def stop(self) -> dict[str, int]:
         """End the window: a last reading, then the peak of each reading over the window."""
         self._say("stop")
+        self.busy = False
         answer = self._answers.next_line(ANSWER_TIMEOUT_S)
         if not answer:
+            self.close()
             raise RuntimeError("the memory sampler process did not answer")
         return json.loads(answer)
 
     def close(self) -> None:
         self._finalizer()
+
+    def disown(self) -> None:
+        """In a process forked from the owner: let go of the pipes without ending the sampler
+        (it ends when its owner closes them; a copy held here would keep it waiting)."""
+        self._finalizer.detach()
+        for stream in (self._child.stdin, self._child.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
 
     def _say(self, command: str) -> None:
         assert self._child.stdin is not None
@@ -107,7 +130,7 @@ class TreeSampler:
 def _end(child: subprocess.Popen) -> None:
     try:
         child.stdin.close()  # type: ignore[union-attr]
-        child.wait(timeout=ANSWER_TIMEOUT_S)
+        child.wait(timeout=END_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         child.kill()
         child.wait()
@@ -146,16 +169,22 @@ class LineReader:
 
 _shared: dict[str, TreeSampler] = {}
 _shared_lock = threading.Lock()
+_all_samplers: weakref.WeakSet[TreeSampler] = weakref.WeakSet()
 
 
 def shared_sampler(readings: str) -> TreeSampler:
     """One sampler process per kind of readings for the whole command (started on first use,
-    ended at exit by its finalizer)."""
+    ended at exit by its finalizer). A caller whose window would nest in one still open gets a
+    sampler of its own instead, which it must ``close()``; ``busy`` says which it got."""
     with _shared_lock:
         sampler = _shared.get(readings)
         if sampler is None or not sampler.alive:
             sampler = _shared[readings] = TreeSampler(readings)
-        return sampler
+        return TreeSampler(readings) if sampler.busy else sampler
+
+
+def is_shared(sampler: TreeSampler) -> bool:
+    return sampler in _shared.values()
 
 
 def close_shared() -> None:
@@ -165,6 +194,19 @@ def close_shared() -> None:
         _shared.clear()
     for sampler in samplers:
         sampler.close()
+
+
+def _forget_in_forked_child() -> None:
+    # A worker forked while a sampler runs would hold its stdin open, and the sampler would
+    # outlive the command (and the command's exit would wait for it).
+    global _shared_lock
+    for sampler in list(_all_samplers):
+        sampler.disown()
+    _shared.clear()
+    _shared_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
 # --- the sampler process's side ---------------------------------------------------------------
@@ -184,16 +226,19 @@ def serve(config: dict[str, Any]) -> None:
     readings, peaks, tick = None, {}, 0
     while True:
         # Wait for a command, or (in a window) until the next reading is due.
-        command = commands.next_line(interval_s if readings is not None else None)
+        command = commands.next_line(interval_s if readings is not None else PARENT_CHECK_S)
         if commands.closed and not command:
             return  # the measuring process closed the pipe (or exited)
+        if os.getppid() != config["root"]:
+            return  # the measuring process is gone (killed): its pipe may be held elsewhere
         if command:
             if command == "start":
                 readings, peaks, tick = factory(root, os.getpid()), {}, 0
-            elif command == "stop" and readings is not None:
-                _keep_peaks(peaks, readings.take(0))
+            elif command == "stop":
+                if readings is not None:  # else: no window open; every stop is answered
+                    _keep_peaks(peaks, readings.take(0))
                 _answer(json.dumps(peaks))
-                readings = None
+                readings, peaks = None, {}
                 continue
         if readings is not None:
             _keep_peaks(peaks, readings.take(tick))
