@@ -61,7 +61,8 @@ class TreeSampler:
     ``stop`` that gets no answer ends the process (its late answer would be the next window's),
     and raises. Example:
 
-        >>> sampler = TreeSampler("pipeload.cli.measure:BasicReadings")
+        >>> from pipeload.cli.measure import BASIC_READINGS  # tree_memory.py's, by path
+        >>> sampler = TreeSampler(BASIC_READINGS)
         >>> sampler.start(); data = bytearray(10**7); peaks = sampler.stop()
         >>> sampler.close()
     """
@@ -162,9 +163,6 @@ class LineReader:
             self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
         return line.decode().strip()
-
-    def has_line(self) -> bool:
-        return b"\n" in self._pending
 
 
 _shared: dict[str, TreeSampler] = {}
