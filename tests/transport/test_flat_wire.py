@@ -14,6 +14,8 @@ from pipeload.transport.flat_wire import FLAT_TAG
 from pipeload.transport.messages import (
     Command,
     GrantOutcome,
+    ItemPlacement,
+    ItemRoute,
     Report,
     SlabGrant,
     WorkerCommand,
@@ -103,3 +105,18 @@ def test_fetch_tasks_travel_as_plain_tuples_and_other_commands_as_themselves():
     for command in (WorkerCommand(Command.START_EPOCH, epoch=2, shared_seed=3), WorkerCommand(Command.STOP)):
         assert command_to_wire(command) is command
         assert command_from_wire(pickle.loads(pickle.dumps(command))) == command
+
+
+def test_economic_pieces_travel_as_plain_tuples_with_their_route_and_placement():
+    # A FETCH_ITEMS pickled four classes by name (command, route, grant, placement) for every
+    # piece, two or more per worker and batch, each encoded by the main process.
+    placement = ItemPlacement((0, 4096), (48, 16), 8192, first_item=32)
+    route = ItemRoute(batch_worker=1, slot=32, position=608, direct=True)
+    pieces = (WorkerCommand(Command.FETCH_ITEMS, 9, [4, 5, 6], epoch=2, route=route),
+              WorkerCommand(Command.FETCH_ITEMS, 9, [7], epoch=2, route=route, grant=SlabGrant(2, 5, 1)),
+              WorkerCommand(Command.FETCH_ITEMS, 9, [8], epoch=0, route=route, grant=SlabGrant(2, 5, 1, placement)))
+    for command in pieces:
+        wire = command_to_wire(command)
+        assert type(wire) is tuple
+        assert b"pipeload" not in pickle.dumps(wire)  # no class looked up by name
+        assert command_from_wire(pickle.loads(pickle.dumps(wire))) == command

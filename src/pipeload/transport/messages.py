@@ -135,24 +135,49 @@ class WorkerCommand(NamedTuple):
 
 
 def command_to_wire(command: WorkerCommand) -> Any:
-    """What the task pipe carries for ``command``: a ``FETCH`` as a plain tuple ``(batch_number,
-    indices, grant fields or None)``, which pickles without looking up a single global (the
-    commonest message of all, once per batch); any other command as itself."""
-    if (command.command is not Command.FETCH or command.epoch or command.shared_seed is not None
-            or command.route is not None):
+    """What the task pipe carries for ``command``: the two commonest as plain tuples, which
+    pickle (and unpickle) without looking up a single global; any other command as itself.
+
+    - a ``FETCH`` (classic mode, once per batch): ``(batch_number, indices, grant fields or
+      None)``;
+    - a ``FETCH_ITEMS`` (economic mode, once per piece: two or more per worker and batch, each
+      handled by the main process, which every batch waits for): ``(batch_number, indices,
+      epoch, route fields, grant fields or None)``, the grant's item placement as its fields.
+    """
+    kind = command.command
+    if kind is Command.FETCH_ITEMS and command.shared_seed is None and command.route is not None:
+        route, grant = command.route, command.grant
+        return (command.batch_number, command.indices, command.epoch,
+                (route.batch_worker, route.slot, route.position, route.direct),
+                None if grant is None else _grant_fields(grant))
+    if kind is not Command.FETCH or command.epoch or command.shared_seed is not None or command.route is not None:
         return command
     grant = command.grant
     fields = None if grant is None else (grant.slab_id, grant.releases, grant.controls)
     return (command.batch_number, command.indices, fields)
 
 
+def _grant_fields(grant: SlabGrant) -> tuple[Any, ...]:
+    items = grant.items
+    placement = None if items is None else (items.leaf_offsets, items.leaf_bytes, items.area_bytes,
+                                            items.first_item)
+    return (grant.slab_id, grant.releases, grant.controls, placement)
+
+
 def command_from_wire(message: Any) -> WorkerCommand:
     """The command :func:`command_to_wire` sent."""
     if type(message) is not tuple:
         return message
-    number, indices, fields = message
-    return WorkerCommand(Command.FETCH, number, indices,
-                         grant=None if fields is None else SlabGrant(*fields))
+    if len(message) == 3:
+        number, indices, fields = message
+        return WorkerCommand(Command.FETCH, number, indices,
+                             grant=None if fields is None else SlabGrant(*fields))
+    number, indices, epoch, route, fields = message
+    grant = None
+    if fields is not None:
+        slab_id, releases, controls, placement = fields
+        grant = SlabGrant(slab_id, releases, controls, None if placement is None else ItemPlacement(*placement))
+    return WorkerCommand(Command.FETCH_ITEMS, number, indices, epoch, None, ItemRoute(*route), grant)
 
 
 def _command(command: int, batch_number: int, indices: Any, epoch: int, shared_seed: int | None,
