@@ -3,8 +3,8 @@
 A :class:`PeakSampler` has the command's sampler process (``pipeload.cli.sampler``: a thread here
 would hold the measured main process's GIL while it parses ``/proc``, slowing loaders with more
 processes more) add up, every ``SAMPLE_INTERVAL_S``, the resident memory of this process and all
-its descendants (the loader's workers) and read how much of ``/dev/shm`` is in use. :func:`measure` builds a fresh loader, iterates it, and returns a
-:class:`Measurement`.
+its descendants (the loader's workers) and read how much of ``/dev/shm`` is in use.
+:func:`measure` builds a fresh loader, iterates it, and returns a :class:`Measurement`.
 
 What the numbers mean:
   * RSS of the tree counts a page once per process that maps it, so memory shared between the
@@ -36,7 +36,7 @@ import psutil
 from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
 from pipeload.cli.measure import SAMPLE_INTERVAL_S, rss_bytes_of, shared_memory_bytes_of, shm_used_bytes
-from pipeload.cli.sampler import is_shared, shared_sampler
+from pipeload.cli.sampler import Window, shared_sampler
 from pipeload.cli.tree_memory import tree_pids_by_proc
 
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
@@ -92,11 +92,10 @@ class FullReadings:
         return reading
 
 
-class PeakSampler:
-    """Records the peaks of the process tree's memory while open (read after ``close()``).
-
-    The readings are taken by the command's sampler process, started on first use (before the
-    caller's clock starts when it is made first) and reused by every sampler after it.
+class PeakSampler(Window):
+    """The peaks of the process tree's memory while open (read after ``close()``), taken by the
+    command's sampler process (pipeload.cli.sampler.Window), started on first use (before the
+    caller's clock starts when it is made first) and reused by every window after it.
 
     Example:
         >>> with PeakSampler() as sampler:
@@ -106,51 +105,31 @@ class PeakSampler:
     """
 
     def __init__(self) -> None:
-        self._peaks: dict[str, int] = {}
-        self._sampler = shared_sampler(FULL_READINGS)
-        self._own = not is_shared(self._sampler)  # a window inside another's: a sampler of its own
-        self._sampler.start()
-        self._open = True
+        super().__init__(FULL_READINGS)
 
     @property
     def peak_rss_bytes(self) -> int:
-        return self._peaks.get("rss", 0)
+        return self.peaks.get("rss", 0)
 
     @property
     def peak_shm_bytes(self) -> int:
-        return self._peaks.get("shm", 0)
+        return self.peaks.get("shm", 0)
 
     @property
     def peak_shmem_bytes(self) -> int:
-        return self._peaks.get("shmem", 0)
+        return self.peaks.get("shmem", 0)
 
     @property
     def peak_tree_shm_bytes(self) -> int:
-        return self._peaks.get("tree_shm", 0)
+        return self.peaks.get("tree_shm", 0)
 
     @property
     def peak_pss_bytes(self) -> int:
-        return self._peaks.get("pss", 0)
+        return self.peaks.get("pss", 0)
 
     @property
     def peak_tree_memory_bytes(self) -> int:
-        return self._peaks.get("tree_memory", 0)
-
-    def close(self) -> None:
-        """Take a last reading and end the window. Safe to call more than once."""
-        if self._open:
-            self._open = False
-            try:
-                self._peaks = self._sampler.stop()
-            finally:
-                if self._own:
-                    self._sampler.close()
-
-    def __enter__(self) -> PeakSampler:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        return self.peaks.get("tree_memory", 0)
 
 
 def start_sampler() -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeload.cli.sampler import Window
+
 # The readings themselves live in tree_memory.py (the sampler process loads that file alone);
 # bench/ and the tests take them from here.
 from pipeload.cli.tree_memory import (  # noqa: F401  (re-exported)
@@ -35,6 +37,7 @@ from pipeload.cli.tree_memory import (  # noqa: F401  (re-exported)
 # Loaded by path in the sampler process: see sampler.py.
 BASIC_READINGS = f"{Path(__file__).with_name('tree_memory.py')}:BasicReadings"
 
+
 @dataclass(frozen=True)
 class Run:
     """One loader's pass over the dataset."""
@@ -52,35 +55,16 @@ class Run:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
 
-class PeakSampler:
-    """The peak RSS of this process's tree and the peak of its shared memory while open, read
-    by the command's sampler process (started on first use, before the clock starts)."""
+class PeakSampler(Window):
+    """A window on the peak RSS of this process's tree and the peak of its shared memory, read
+    by the command's sampler process (started on first use, before the clock starts); its
+    ``peaks`` hold ``rss`` and ``shm`` once closed."""
 
     def __init__(self) -> None:
         import psutil  # noqa: F401  (the `bench` extra: missing, the command says what to install)
 
-        from pipeload.cli.sampler import is_shared, shared_sampler
-
-        self.peaks = {"rss": 0, "shm": 0}
-        self._sampler = shared_sampler(BASIC_READINGS)
-        self._own = not is_shared(self._sampler)  # a window inside another's: a sampler of its own
-        self._sampler.start()
-        self._open = True
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            try:
-                self.peaks.update(self._sampler.stop())
-            finally:
-                if self._own:
-                    self._sampler.close()
-
-    def __enter__(self) -> PeakSampler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(BASIC_READINGS)
+        self.peaks.update(rss=0, shm=0)
 
 
 def time_one_pass(name: str, repeat: int, loader: Iterable[Any], batch_length: Callable[[Any], int],

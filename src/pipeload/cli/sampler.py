@@ -172,17 +172,49 @@ _all_samplers: weakref.WeakSet[TreeSampler] = weakref.WeakSet()
 
 def shared_sampler(readings: str) -> TreeSampler:
     """One sampler process per kind of readings for the whole command (started on first use,
-    ended at exit by its finalizer). A caller whose window would nest in one still open gets a
-    sampler of its own instead, which it must ``close()``; ``busy`` says which it got."""
+    ended at exit by its finalizer)."""
     with _shared_lock:
         sampler = _shared.get(readings)
         if sampler is None or not sampler.alive:
             sampler = _shared[readings] = TreeSampler(readings)
-        return TreeSampler(readings) if sampler.busy else sampler
+        return sampler
 
 
-def is_shared(sampler: TreeSampler) -> bool:
-    return sampler in _shared.values()
+class Window:
+    """One measured window: the peak of each reading between opening and ``close()``, in
+    ``peaks``. Taken by the command's sampler for ``readings``; a window opened inside one still
+    open gets a sampler process of its own, ended with it.
+
+    Example:
+        >>> with Window(BASIC_READINGS) as window:  # pipeload.cli.measure's
+        ...     data = bytearray(10**7)
+        >>> window.peaks["rss"] > 0
+        True
+    """
+
+    def __init__(self, readings: str) -> None:
+        self.peaks: dict[str, int] = {}
+        shared = shared_sampler(readings)
+        self._own = shared.busy
+        self._sampler = TreeSampler(readings) if self._own else shared
+        self._sampler.start()
+        self._open = True
+
+    def close(self) -> None:
+        """Take a last reading and end the window. Safe to call more than once."""
+        if self._open:
+            self._open = False
+            try:
+                self.peaks.update(self._sampler.stop())
+            finally:
+                if self._own:
+                    self._sampler.close()
+
+    def __enter__(self) -> Window:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def close_shared() -> None:
