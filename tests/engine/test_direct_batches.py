@@ -95,10 +95,10 @@ def test_the_earliest_failed_item_fails_the_batch_and_frees_its_slab(hop: SlabHo
     assert _slab_free_again(hop, 0, token=1)
 
 
-def test_batches_go_direct_once_columns_were_seen_until_a_piece_of_samples() -> None:
+def test_batches_go_direct_until_a_piece_of_samples_that_cannot_go_as_columns() -> None:
     batches = DirectBatches()
-    batches.learn(ItemsDone(4, as_columns=None))  # no slab was granted: it says nothing
-    assert not batches.allowed
+    assert batches.allowed  # the session's first batch goes direct, as samples
+    batches.learn(ItemsDone(4, as_columns=None))  # nothing against it
     batches.learn(ItemsDone(4, as_columns=True))
     assert batches.allowed and batches.next_epoch().allowed
     batches.learn(ItemsDone(4, as_columns=False))

@@ -124,8 +124,8 @@ def test_items_travel_from_item_worker_to_batch_worker_directly():
     loader = DataLoader(_Travellers(12), batch_size=4, num_workers=2, mode="economic",
                         collate_fn=_where_they_arrived, multiprocessing_context="fork")
     iterator = iter(loader)
-    batch_worker_pids = {handle.pid for handle in iterator._workers[2:]}
     batches = list(iterator)
+    batch_worker_pids = {handle.pid for handle in iterator._workers[2:]}  # started as needed
     assert [b["indices"] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     for batch in batches:
         assert batch["unpickled_in"] == {batch["collated_in"]}  # by the batch worker itself
@@ -154,16 +154,18 @@ class _TracedImages(Numbers):
         return _TracedImage(torch.full((3, 40, 40), float(index)))  # laid out in slabs
 
 
-def test_samples_that_are_not_flat_never_pass_through_the_main_process():
-    # With default_collate too: the main process assembles only batches whose items came as
-    # columns once already. (Out of order, a second batch opens at once, and its first piece
-    # goes out with the first batch's first placed one, before anything was learnt from it.)
+def test_samples_that_are_not_flat_pass_through_the_main_process_in_the_first_batch_alone():
+    # With default_collate too: the session's first batch goes out before anything is known of
+    # its samples, and comes to the main process; its pieces say the samples are not flat, and
+    # every later batch goes to batch workers. (Out of order, a second batch opens at once: its
+    # pieces wait for the first report all the same.)
     loader = DataLoader(_TracedImages(48), batch_size=8, num_workers=1, mode="economic",
                         multiprocessing_context="fork", in_order=False)
     iterator = iter(loader)
+    arrivals = [set(batch.unpickled_in.tolist()) for batch in iterator]
     batch_worker_pids = {handle.pid for handle in iterator._workers[1:]}
-    arrived = {pid for batch in iterator for pid in batch.unpickled_in.tolist()}
-    assert arrived and arrived <= batch_worker_pids
+    assert len(arrivals) == 6 and arrivals.count({os.getpid()}) == 1
+    assert all(pids <= batch_worker_pids for pids in arrivals if pids != {os.getpid()})
 
 
 class _ShapeShifters(torch.utils.data.Dataset):
@@ -265,23 +267,29 @@ def _same_batches_as_torchs(dataset: torch.utils.data.Dataset) -> int:
     return _batch_worker_tasks(loader)
 
 
-def test_flat_batches_laid_out_in_slabs_are_assembled_by_the_main_process() -> None:
-    # of 6 batches, the first or two are laid out before the items' sizes are known: a batch
-    # worker's; the rest, the main process's
-    assert _same_batches_as_torchs(_FlatSamples("dict")) <= 2
+def test_flat_batches_are_all_assembled_by_the_main_process() -> None:
+    # the first batch from its samples (sent before the items' sizes were known), the rest
+    # laid out in slabs: no batch worker collates any
+    assert _same_batches_as_torchs(_FlatSamples("dict")) == 0
+
+
+def _stage_line(loader: DataLoader) -> str:
+    line, = (line for line in loader.stats().summary().splitlines() if line.startswith("time per stage"))
+    return line
 
 
 def test_the_stats_say_how_many_batches_the_main_process_assembled() -> None:
-    # The collate stage is the batch workers' alone: its us/batch stands for a session's first
-    # batch or two (cold), not for the batches the main process put together.
+    # The collate stage is the batch workers' alone, not the batches the main process put together.
     loader = DataLoader(_FlatSamples("dict"), batch_size=8, num_workers=2, mode="economic",
                         multiprocessing_context="fork", stats=True)
-    assert len(list(loader)) == 6
-    collated = _batch_worker_tasks(loader)
-    line, = (line for line in loader.stats().summary().splitlines() if line.startswith("time per stage"))
-    batches = "batch" if collated == 1 else "batches"
-    assert (f"over the {collated} {batches} the batch workers collated; the main process put together "
-            f"the other {6 - collated} from item workers' columns") in line
+    assert len(list(loader)) == 6 and _batch_worker_tasks(loader) == 0
+    assert ("collate: none in batch workers (the main process put together all 6 batches from "
+            "item workers' pieces)") in _stage_line(loader)
+    mixed = DataLoader(_WithArrays("dict"), batch_size=8, num_workers=2, mode="economic",
+                       multiprocessing_context="fork", stats=True)
+    assert len(list(mixed)) == 6 and _batch_worker_tasks(mixed) == 5  # the first: see below
+    assert ("over the 5 batches the batch workers collated; the main process put together the "
+            "other 1 from item workers' pieces") in _stage_line(mixed)
 
 
 class _FailsAt21(_FlatSamples):
@@ -313,7 +321,8 @@ class _WithArrays(_FlatSamples):
 
 
 def test_samples_that_are_not_flat_are_collated_by_batch_workers() -> None:
-    assert _same_batches_as_torchs(_WithArrays("dict")) == 6
+    # all but the session's first batch, which went out before anything was known of them
+    assert _same_batches_as_torchs(_WithArrays("dict")) == 5
 
 
 class _SubBatches(Numbers):
@@ -492,14 +501,16 @@ def _engine(dataset: Any, engine_choice, in_order: bool = True) -> EconomicEngin
     return EconomicEngine(config)
 
 
-def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_after():
+def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_when_needed():
     # The first item workers fetch while the others are forked (a shorter first batch when
-    # CPUs are contended); by the time the epoch has started every worker runs.
+    # CPUs are contended); by the time the epoch has started every item worker runs. A batch
+    # worker starts with the first batch sent to it: the first batch goes to the main process
+    # (nothing is known of its items yet), and batches of small ints then to batch workers.
     engine = _engine(Numbers(40), ECONOMIC)
     try:
         assert len(engine.workers) == 1  # item worker 0: any start-up error shows at once
         engine.start_epoch(iter([[i, i + 1] for i in range(0, 40, 2)]))
-        assert len(engine.workers) == 4 and all(worker.is_alive() for worker in engine.workers)
+        assert len(engine.workers) in (2, 3) and all(worker.is_alive() for worker in engine.workers)
         batches = []
         while True:
             try:
@@ -507,8 +518,28 @@ def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_
             except StopIteration:
                 break
         assert batches == [[i, i + 1] for i in range(0, 40, 2)]
+        assert len(engine.workers) == 4
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_loader_whose_batches_the_main_process_assembles_starts_no_batch_worker(persistent, leak_guard):
+    expected = list(torch.utils.data.DataLoader(_FlatSamples("tuple"), batch_size=8))
+    loader = DataLoader(_FlatSamples("tuple"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", persistent_workers=persistent)
+    pids = set()
+    for _ in range(2):
+        iterator = iter(loader)
+        # Each batch dropped before the next, as a training loop does: a loop that keeps them
+        # all holds every slab, and the batches that find none go to a batch worker.
+        assert [_same_typed(ours, theirs) for ours, theirs in zip(iterator, expected)] == [True] * 6
+        workers = iterator._workers
+        assert [handle.name for handle in workers] == ["pipeload-item-worker-0", "pipeload-item-worker-1"]
+        pids |= {handle.pid for handle in workers}
+    assert len(pids) == (2 if persistent else 4)
+    del loader, iterator
+    leak_guard.assert_exited(sorted(pids), within_s=1.0)
 
 
 def test_an_engine_closed_before_its_epoch_leaves_nothing_behind():
@@ -565,12 +596,12 @@ def test_a_worker_dying_is_named_by_kind_and_everything_stops(kind, leak_guard):
         loader = DataLoader(Numbers(24), batch_size=4, num_workers=2, mode="economic",
                             collate_fn=_dies_in_collate, multiprocessing_context="fork")
     iterator = iter(loader)
-    pids = worker_pids(iterator)
-    assert len(pids) == 4
     with pytest.raises(WorkerDiedError) as caught:
         for _ in range(10):
             next(iterator)
     _named_worker(caught.value, kind, iterator, num_item_workers=2)
+    pids = worker_pids(iterator)  # batch workers start as batches are sent to them
+    assert len(pids) >= 3
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
@@ -579,8 +610,10 @@ def test_an_idle_worker_killed_from_outside(slot, leak_guard):
     loader = DataLoader(Numbers(80), batch_size=2, num_workers=2, mode="economic",
                         multiprocessing_context="fork")
     iterator = iter(loader)
+    assert next(iterator).tolist() == [0, 1]  # the main process's: nothing was known of the items
+    assert next(iterator).tolist() == [2, 3]  # a batch worker's: small ints ride in its batch
     pids = worker_pids(iterator)
-    assert next(iterator).tolist() == [0, 1]
+    assert len(pids) >= 3
     os.kill(pids[slot], signal.SIGKILL)
     assert wait_until(lambda: pid_gone(pids[slot]), 5.0)
     with pytest.raises(WorkerDiedError) as caught:

@@ -58,8 +58,8 @@ def test_same_workers_serve_every_epoch(engine, leak_guard):
     seen = []
     for _ in range(3):
         iterator = iter(loader)
-        seen.append(_identity(iterator))
         assert flatten(list(iterator)) == list(range(10))
+        seen.append(_identity(iterator))  # after the epoch: economic batch workers start on demand
     assert seen[0] == seen[1] == seen[2]
     if not engine.threads:
         assert all(not pid_gone(pid) for pid in seen[0])

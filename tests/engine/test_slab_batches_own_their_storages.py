@@ -70,6 +70,8 @@ def test_each_output_of_a_slab_batch_has_a_storage_of_exactly_its_size(engine, p
         assert len(storages) == 3
         # torch.save writes the tensor's bytes, not the slab's (a small header besides).
         assert saved_bytes(vectors) < vectors.nbytes + 4096
+        if engine.economic and number == 0:
+            continue  # collated by the main process from its samples, in memory of its own
         with pytest.raises(RuntimeError, match="not resizable"):
             images.resize_(images.numel() + 1)  # torch refuses it the same way
     assert in_slabs >= 6  # after the first few batches, which go out before a slab is sized

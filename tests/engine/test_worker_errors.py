@@ -149,8 +149,10 @@ def test_worker_init_fn_error_is_raised_with_its_type(engine, leak_guard):
     assert type(error) is InitFailed
     text = str(error)
     assert text.startswith("Caught InitFailed in DataLoader worker process 0.")
-    if engine.economic:  # batch worker 0's own worker_init_fn failed first
-        assert "in batch worker 0 while running worker_init_fn" in text
+    if engine.economic:  # the first batch's: batch worker 0's (threads), or item worker 0's
+        # (processes: the main process assembles the first batch from its items)
+        who = "batch worker 0" if engine.threads else "item worker 0"
+        assert f"in {who} while running worker_init_fn" in text
     assert "worker_init_fn refused worker 0" in text
     assert "in failing_init" in text
     assert "worker_init_fn" in text

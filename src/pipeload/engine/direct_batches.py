@@ -11,15 +11,15 @@ out in a slab is "direct": its item workers report their pieces' columns to the 
 have: the same tensors over the same bytes, each a storage of its own region (the slab released
 when the last of them dies), the other fields collated by ``default_collate``'s own handlers.
 
-A batch goes direct only once a piece has shown that this loader's samples go as columns
-(``DirectBatches.proven``): until then, and for samples that are not flat, items go to batch
-workers, never through the main process. Items of a direct batch that do not come as columns
-after all (a dataset whose samples change layout mid-session, a slab that could not be written in
-time) come with the report as samples, and the batch is then ``default_collate``'d here from
-them: correct, but a copy in the main process; the engine stops making batches direct after the
-first such piece (``DirectBatches.refused``). Batch workers still collate the session's first
-batch or two (laid out before the items' sizes are known) and every batch of a loader that is not
-direct.
+The session's first batch goes out before any item's size is known, so it has no slab to be laid
+out in: it goes direct all the same, its samples coming with the reports as they are, and the
+main process ``default_collate``s them (a copy of one batch, once a session, instead of forking
+a batch worker for it: a loader whose batches all go direct starts none). Its pieces also say
+whether the samples are flat and alike; the first piece that is not (or any later piece that does
+not come as columns after all: a dataset whose samples change layout mid-session) stops the
+session from making batches direct (``DirectBatches.refused``), and batch workers, started then,
+collate every batch after it, as they do for a loader that is never direct (a ``collate_fn`` of
+its own, thread workers, items so small that a whole batch rides in one message).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class DirectBatch:
     Attributes:
         batch_worker: the batch worker it is counted against (the ledger's load balance).
         indices: its dataset indices.
-        slab_id: the slab granted for it, where the items are laid out by ``items``.
+        slab_id: the slab granted for it, where the items are laid out by ``items`` (None: no
+            slab, as for the session's first batch; its items come as samples).
         groups: slot -> (count, payload) as ``ItemsDone.groups`` gives them.
         filled: how many items have been reported.
         outcome: BUSY or LATE if an item worker could not write into the slab, else USED.
@@ -50,8 +51,8 @@ class DirectBatch:
 
     batch_worker: int
     indices: list[Any]
-    slab_id: int
-    items: ItemPlacement
+    slab_id: int | None = None
+    items: ItemPlacement | None = None
     groups: dict[int, tuple[int, Any]] = field(default_factory=dict)
     filled: int = 0
     outcome: GrantOutcome = GrantOutcome.USED
@@ -68,19 +69,18 @@ class DirectBatches:
     piece goes out direct until its last piece is reported (or the epoch is reset).
     """
 
-    def __init__(self, proven: bool = False, refused: bool = False) -> None:
-        self.proven = proven  # a piece given a place came all as columns
-        self.refused = refused  # a piece came as samples: stop making batches direct
+    def __init__(self, refused: bool = False) -> None:
+        self.refused = refused  # a piece's samples were not flat and alike: stop making batches direct
         self._batches: dict[int, DirectBatch] = {}
 
     @property
     def allowed(self) -> bool:
-        """Whether a batch may go direct: columns seen, never samples."""
-        return self.proven and not self.refused
+        """Whether a batch may go direct: no piece has shown samples that cannot."""
+        return not self.refused
 
     def next_epoch(self) -> DirectBatches:
         """The next epoch's book: what the session learned carries over."""
-        return DirectBatches(self.proven, self.refused)
+        return DirectBatches(self.refused)
 
     def __contains__(self, number: int) -> bool:
         return number in self._batches
@@ -89,13 +89,11 @@ class DirectBatches:
         self._batches[number] = batch
 
     def learn(self, done: ItemsDone) -> None:
-        """A piece given a place in its slab says whether its items went there as columns:
-        one that did proves they can; one that did not means this loader's samples are not all
-        flat and alike."""
+        """A piece says whether its items went to their places as columns (or, sent with no
+        place, could have): one that did not means this loader's samples are not all flat and
+        alike."""
         if done.as_columns is False:
             self.refused = True
-        elif done.as_columns:
-            self.proven = True
 
     def add(self, number: int, done: ItemsDone, pool: SlabPool) -> WorkerReport | None:
         """Record a direct piece's groups; the batch's report once its last piece is in."""

@@ -215,10 +215,12 @@ class EconomicEngine:
         # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
-        # fetch while the rest are forked), the batch workers right after (see start_epoch).
+        # fetch while the rest are forked), all of them by the end of start_epoch. A batch
+        # worker starts when the first batch it collates is sent to it: one whose batches the
+        # main process assembles (direct_batches.py) is never forked.
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1,
-                                    keeper=keeper)
+                                    keeper=keeper, on_demand_from=self._num_item_workers)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
@@ -251,8 +253,7 @@ class EconomicEngine:
         try:
             self._top_up()
         finally:
-            # Before anything is received, and before any slab exists (no batch size is known
-            # yet): a worker forked later would inherit the slabs' descriptors.
+            # Every item worker, before anything is received (the batch workers: on demand).
             self._workers.start_all()
 
     def next_batch(self) -> Any:
@@ -392,10 +393,10 @@ class EconomicEngine:
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
         self._next_position += len(indices)
 
-    def _send_collate(self, number: int, may_go_direct: bool = False) -> None:
+    def _send_collate(self, number: int, first_piece: bool = False) -> None:
         """Tell a batch worker what batch ``number`` holds, with the slab to collate it into; or,
-        for a direct batch (``may_go_direct``: none of its pieces has gone out yet), keep that
-        for the main process to assemble it (direct_batches.py).
+        for a direct batch (``first_piece``: none of its pieces has gone out yet), keep that for
+        the main process to assemble it (direct_batches.py).
 
         Sent just before the batch's first piece, not when the batch opens: by then the first
         items of the epoch may have told us their size, so the items of all but the first batch
@@ -403,28 +404,48 @@ class EconomicEngine:
         """
         batch_worker, indices = self._to_collate[number]
         slot, slabs = self._num_item_workers + batch_worker, self._workers.slabs
-        placing = self._places_items and self._item_bytes is not None and slabs is not None
-        if placing:
-            area = item_placement(self._item_bytes, len(indices), 1 << 62)
-            # Items whose whole batch would travel inside its message are not worth a slab.
-            placing = area is not None and area.area_bytes > INLINE_MAX_BYTES
-        if placing:  # size the slab for the items before the first batch worker's answer does
+        area = self._item_area(len(indices))
+        if area is not None:  # size the slab for the items before the first batch worker's answer does
             slabs.observe_batch(area.area_bytes)
-        if placing and may_go_direct and self._may_go_direct():
-            # No batch worker will write into it: the slab is announced to item workers alone.
-            grant = self._placed_grant(number, None, len(indices))
-            if grant is not None and grant.items is not None:
-                self._direct.open(number, DirectBatch(batch_worker, indices, grant.slab_id, grant.items))
-                del self._to_collate[number]
-                return
-            slabs.settle(number, GrantOutcome.UNUSED)  # it did not fit: a batch worker's grant
-            self._placements.pop(number, None)
+        if first_piece and self._may_go_direct() and self._opened_direct(number, area):
+            return
         grant = None
         if slabs is not None:
-            grant = self._placed_grant(number, slot, len(indices)) if placing else slabs.grant(slot, number)
+            grant = self._placed_grant(number, slot, len(indices)) if area is not None else slabs.grant(slot, number)
         collate = WorkerCommand(Command.COLLATE, number, indices, epoch=self._epoch, grant=grant)
         self._workers.send(slot, collate)
         del self._to_collate[number]
+
+    def _item_area(self, count: int) -> ItemPlacement | None:
+        """Where ``count`` items of the known size would lie in a batch's slab; None when their
+        size is not known yet, when items are not placed (see ``_places_items``), or when their
+        whole batch would travel inside its message (not worth a slab)."""
+        if not self._places_items or self._item_bytes is None or self._workers.slabs is None:
+            return None
+        area = item_placement(self._item_bytes, count, 1 << 62)
+        return area if area is not None and area.area_bytes > INLINE_MAX_BYTES else None
+
+    def _opened_direct(self, number: int, area: ItemPlacement | None) -> bool:
+        """Open batch ``number`` as direct if it can be: laid out in a slab granted to the main
+        process when the items' size is known; before that (the session's first batch), with
+        no slab, its samples coming with the item workers' reports for the main process to
+        collate, once, rather than fork a batch worker for it."""
+        batch_worker, indices = self._to_collate[number]
+        if self._item_bytes is None:
+            batch = DirectBatch(batch_worker, indices)
+        elif area is None:
+            return False  # items that ride in their messages: a batch worker collates them
+        else:
+            # No batch worker will write into it: the slab is announced to item workers alone.
+            grant = self._placed_grant(number, None, len(indices))
+            if grant is None or grant.items is None:
+                self._workers.slabs.settle(number, GrantOutcome.UNUSED)  # it did not fit: a batch worker's grant
+                self._placements.pop(number, None)
+                return False
+            batch = DirectBatch(batch_worker, indices, grant.slab_id, grant.items)
+        self._direct.open(number, batch)
+        del self._to_collate[number]
+        return True
 
     def _placed_grant(self, number: int, producer: int | None, count: int) -> SlabGrant | None:
         """A slab for batch ``number``, granted to ``producer`` (None: the main process), with
@@ -440,10 +461,11 @@ class EconomicEngine:
         return SlabGrant(grant.slab_id, grant.releases, grant.controls, placement)
 
     def _may_go_direct(self) -> bool:
-        """Whether the main process may assemble batches now (direct_batches.py): a piece has
-        come as columns and none as samples, and ``default_collate`` (not extended by the user)
-        would only name the items' runs. Read at each batch: the map can change between epochs."""
-        return self._direct.allowed and collates_as_shipped()
+        """Whether the main process may assemble batches now (direct_batches.py): items are
+        placed (process workers, ``default_collate``), no piece has shown samples that are not
+        flat and alike, and ``default_collate`` (not extended by the user) would only name the
+        items' runs. Read at each batch: the map can change between epochs."""
+        return self._places_items and self._direct.allowed and collates_as_shipped()
 
     def _send_pieces(self) -> None:
         # Until the first piece of the session is reported, item sizes are unknown: each item
@@ -454,9 +476,13 @@ class EconomicEngine:
         while (piece := self._scheduler.next_piece()) is not None:
             try:
                 number = piece.batch_number
-                if number in self._to_collate and (not learning or self._scheduler.last_of(number)):
-                    # Direct only if none of its pieces has gone to the batch worker yet.
-                    self._send_collate(number, may_go_direct=piece.slot == 0)
+                # Direct only if none of its pieces has gone to the batch worker yet; a batch
+                # whose items' size is not known yet goes direct at once, as samples.
+                first = piece.slot == 0
+                if number in self._to_collate and (
+                        not learning or self._scheduler.last_of(number)
+                        or (first and self._item_bytes is None and self._may_go_direct())):
+                    self._send_collate(number, first_piece=first)
                 route = ItemRoute(piece.batch_worker, piece.slot, piece.position, number in self._direct)
                 fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
                                       epoch=self._epoch, route=route, grant=self._item_grant(piece))

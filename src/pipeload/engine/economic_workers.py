@@ -49,7 +49,13 @@ from pipeload.engine.worker_main import (
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import now, profiling, span, tensor_bytes
 from pipeload.transport import collate_output
-from pipeload.transport.item_columns import ItemColumns, collate_columns, place_as_columns, writer_runs
+from pipeload.transport.item_columns import (
+    ItemColumns,
+    collate_columns,
+    column_bytes,
+    place_as_columns,
+    writer_runs,
+)
 from pipeload.transport.item_links import ItemLinks
 from pipeload.transport.messages import (
     Command,
@@ -120,8 +126,11 @@ class ItemWorkerLoop(WorkerLoop):
             if clock.left <= 0:
                 clock.start_timed()
                 timing = True
-        sizes: list[int] | None = []
         direct = route.direct and getattr(self._outbox, "writer", None) is not None
+        if direct and command.grant is None:
+            self._keep_samples_for_main(command, timing)
+            return
+        sizes: list[int] | None = []
         kept = _KeptForMain() if direct else None
         as_columns = True if command.grant is not None else None
         for delivery in self._deliveries_of(command, timing):
@@ -144,6 +153,29 @@ class ItemWorkerLoop(WorkerLoop):
             self._report(Report.ITEMS_DONE, command.batch_number, done)
         else:
             self._report_to_assembler(command, done, kept)
+
+    def _keep_samples_for_main(self, command: WorkerCommand, timing: bool) -> None:
+        """A piece of a direct batch sent with no place for its items (the session's first, sent
+        before their size was known): the samples travel with the report as they are, and the
+        report says whether they could go as columns (then their sizes, so that later batches
+        are laid out: see ``ItemsDone``) or not (the main process stops making batches direct)."""
+        kept = _KeptForMain()
+        item_bytes: tuple[int, ...] | None = None
+        alike = True
+        for delivery in self._deliveries_of(command, timing):
+            started = now() if timing else 0.0
+            kept.add(delivery)
+            if delivery.delivery is Delivery.ITEMS:
+                sizes = column_bytes(delivery.payload)
+                alike = alike and sizes is not None and item_bytes in (None, sizes)
+                item_bytes = item_bytes or sizes
+            if timing:
+                self._clock.sent(started)  # type: ignore[union-attr]
+            del delivery
+        count = len(command.indices)
+        every_size = list(item_bytes) * count if alike and item_bytes is not None else None
+        done = self._items_done(count, every_size, None if alike else False)
+        self._report_to_assembler(command, done, kept)
 
     def _place_for_main(self, delivery: ItemDelivery, command: WorkerCommand,
                         kept: _KeptForMain) -> tuple[ItemDelivery, bool, bool]:

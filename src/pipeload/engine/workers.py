@@ -105,11 +105,15 @@ class WorkerGroup:
         self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
         slab_settings: SlabSettings, stats: Any = None, start_first: int | None = None,
         counted_by_engine: bool = False, keeper: SlabKeeper | None = None,
+        on_demand_from: int | None = None,
     ) -> None:
         """``start_first``: process workers of the first slots to start now (None: all); the
         others start on the first command sent to them, or ``start_all()``. Economic mode forks
         its item workers one by one as their first pieces go out, so that the first ones fetch
-        while the rest are forked. ``counted_by_engine``: the engine counts each worker's
+        while the rest are forked. ``on_demand_from``: process workers of this slot and up start
+        only on the first command sent to them, never with ``start_all()`` (None: none): economic
+        mode's batch workers, which a loader whose batches the main process assembles never
+        needs. ``counted_by_engine``: the engine counts each worker's
         answers itself and records the reports with totals (a classic pool's ledger); the group
         records only those it reads itself, between epochs. ``keeper``: where the slab pool is
         borrowed from (None: a pool of the group's own, closed with it)."""
@@ -130,6 +134,7 @@ class WorkerGroup:
         self.closed = False
         self.failed = False  # an error was raised from this set: its slab pool goes with it
         self._unstarted: list[WorkerLaunch] = []  # process workers of the last slots, in order
+        self._eager = len(plan.labels) if on_demand_from is None else on_demand_from
         self._retired: set[int] = set()  # slots asked to stop early: their exit is no death
         self._ctx: Any = None
         count = len(self.labels)
@@ -165,8 +170,9 @@ class WorkerGroup:
             raise
 
     def start_all(self) -> None:
-        """Start the process workers not started yet (see ``start_first``)."""
-        self._start_up_to(len(self.labels))
+        """Start the process workers not started yet (see ``start_first``), less those that
+        start on demand (``on_demand_from``)."""
+        self._start_up_to(self._eager)
 
     def _start_up_to(self, count: int) -> None:
         """Start the process workers of the slots below ``count`` that have not started, in order
@@ -299,6 +305,8 @@ class WorkerGroup:
         epoch that arrive meanwhile are dropped: a worker's reports come in order, so after its
         answer none of them can follow."""
         self.start_all()  # an epoch that sent nothing may have left some unstarted
+        # Workers that start on demand and have not been needed yet begin in whatever epoch that
+        # is: each command they get names its epoch.
         start = WorkerCommand(Command.START_EPOCH, last_batch, epoch=epoch, shared_seed=shared_seed)
         for slot in range(len(self.handles)):
             self.send(slot, start)
@@ -320,7 +328,7 @@ class WorkerGroup:
         working); the new ones begin in session epoch ``epoch``. Needs a :class:`GrowingPlan`.
         If a start fails, the workers started here are stopped and the group is as it was."""
         if self.stop_event is None:
-            self.start_all()  # the new ones are numbered after every slot the group has
+            self._start_up_to(len(self.labels))  # the new ones are numbered after every slot
         first = len(self.handles)
         plan: GrowingPlan = self.plan  # type: ignore[assignment]
         plan.resize(count, epoch)

@@ -83,19 +83,22 @@ def _stage_line(stats: LoaderStats) -> str:
             unit = {"fetch": "sample", "transfer": "hand-over"}.get(name, "batch")
             parts.append(f"{name} {stage.seconds:.2f} s ({stage.mean_s * 1e6:,.0f} us/{unit}"
                          f"{_assembled_words(stats, stage.count) if name == 'collate' else ''})")
+    if not stages["collate"].count and stats.setup.mode == "economic" and stats.batches:
+        parts.append(f"collate: none in batch workers (the main process put together all "
+                     f"{stats.batches:,} batches from item workers' pieces)")
     return "time per stage, summed over workers: " + (", ".join(parts) or "nothing yet")
 
 
 def _assembled_words(stats: LoaderStats, collated: int) -> str:
-    """Economic mode: the batches the main process put together from item workers' columns
+    """Economic mode: the batches the main process put together from item workers' pieces
     (direct batches, engine/direct_batches.py) are no batch worker's; the collate figure is the
-    batch workers' alone (a session's first batch, often cold, weighs on it)."""
+    batch workers' alone."""
     assembled = stats.batches - collated
     if stats.setup.mode != "economic" or assembled <= 0:
         return ""
     batches = "batch" if collated == 1 else "batches"
     return (f", over the {collated:,} {batches} the batch workers collated; the main process put "
-            f"together the other {assembled:,} from item workers' columns")
+            f"together the other {assembled:,} from item workers' pieces")
 
 
 def _ray_line(ray: RayStageStats) -> str:

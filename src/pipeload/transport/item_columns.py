@@ -128,6 +128,25 @@ def place_as_columns(samples: Sequence[Any], writer: SlabWriter) -> ItemColumns 
     return None
 
 
+def column_bytes(samples: Sequence[Any]) -> tuple[int, ...] | None:
+    """What one item's tensors would take at their places, in field order (the sizes
+    ``place_as_columns`` asks for, item after item), if ``samples`` could go as columns; None
+    when they are not flat and alike. For items sent before any place is known."""
+    layout = _layout_of(samples[0]) if samples else None
+    if layout is None:
+        return None
+    kind, keys, fields = layout
+    sample_type = type(samples[0])
+    tensors = [(position, field) for position, field in enumerate(fields) if isinstance(field, TensorField)]
+    scalars = [(position, field) for position, field in enumerate(fields) if not isinstance(field, TensorField)]
+    for sample in samples:
+        row = _row(sample, sample_type, kind, keys, len(fields))
+        if (row is None or any(type(row[position]) is not field for position, field in scalars)
+                or not all(_fits(row[position], field) for position, field in tensors)):
+            return None
+    return tuple(math.prod(field.shape) * field.dtype.itemsize for _, field in tensors)
+
+
 # Where a batch's tensor field comes from: (leaf, item count, field) -> the view of its run, or
 # None when it has none (the batch is then collated as samples).
 TensorRuns = Callable[[int, int, TensorField], "torch.Tensor | None"]

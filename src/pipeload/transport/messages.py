@@ -267,7 +267,9 @@ class ItemsDone:
             when every item of the piece had the same ones (None otherwise, or unchanged since
             this worker last said): the main process lays out later batches' slabs from it.
         as_columns: for a piece given a place in its batch's slab, whether every item of it
-            went there as columns (``transport/item_columns.py``); None for a piece without one.
+            went there as columns (``transport/item_columns.py``); for a piece of a direct batch
+            sent without one (the session's first), False when its samples could not have (not
+            flat and alike), else None; None for any other piece.
         groups: for a piece of a batch the main process assembles (``ItemRoute.direct``), what
             it holds, in slot order: ``(slot, count, payload)`` with an ``ItemColumns`` (the
             tensors already at their places), a list of samples (items that could not go as
