@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from conftest import pid_gone, wait_until
+from conftest import in_shared_memory, pid_gone, wait_until
 from faults import (
     ECONOMIC,
     ECONOMIC_THREAD,
@@ -521,6 +521,20 @@ def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_
         assert len(engine.workers) == 4
     finally:
         engine.close()
+
+
+def test_the_next_set_of_workers_lays_out_its_first_batch_with_what_the_last_one_learnt(leak_guard):
+    # Without persistent workers each epoch starts a new set: the loader keeps the items' size,
+    # so only its very first batch is collated by the main process from samples.
+    expected = list(torch.utils.data.DataLoader(_FlatSamples("tensor"), batch_size=8))
+    loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork")
+    for epoch in range(3):
+        placed = []
+        for ours, theirs in zip(loader, expected):
+            assert torch.equal(ours, theirs)
+            placed.append(in_shared_memory(ours))
+        assert placed == [epoch > 0] + [True] * 5, (epoch, placed)
 
 
 @pytest.mark.parametrize("persistent", [True, False])

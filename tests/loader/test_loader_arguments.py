@@ -565,6 +565,6 @@ def test_the_excessive_workers_warning_counts_every_process_economic_mode_starts
 
     cpus = len(os.sched_getaffinity(0))
     with pytest.warns(UserWarning, match=rf"will create {cpus + 1} worker processes in total.*"
-                                         rf"\(pipeload: {cpus} item workers and 1 batch workers"):
+                                         rf"\(pipeload: {cpus} item workers and up to 1 batch workers"):
         pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=cpus, num_batch_workers=1,
                             mode="economic")

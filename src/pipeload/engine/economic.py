@@ -203,6 +203,9 @@ class EconomicEngine:
         # before the first is out); more go out once the consumer's pace is known. Out of order,
         # batches in flight are what lets the others overtake a slow one: all of them fly.
         keeper = self._keeper = config.slab_keeper if config.worker_type == "process" else None
+        if keeper is not None and self._places_items:
+            # What the last set of workers learnt: this set's first batch is laid out at once.
+            self._item_bytes = keeper.item_layout
         max_bytes = shm_budget_bytes(config.max_shm_bytes, keeper.held_bytes if keeper else 0)
         first_wave = 1 if config.in_order else config.prefetch_factor
         self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes,
@@ -269,6 +272,7 @@ class EconomicEngine:
     def close(self) -> None:
         if self._keeper is not None and not self.closed:
             self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
+            self._keeper.item_layout = None if self._direct.refused else self._item_bytes
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
@@ -468,10 +472,11 @@ class EconomicEngine:
         return self._places_items and self._direct.allowed and collates_as_shipped()
 
     def _send_pieces(self) -> None:
-        # Until the first piece of the session is reported, item sizes are unknown: each item
-        # worker gets one piece, so that the second half of the first batch can already be
-        # written into its slab, whose COLLATE waits for that report (or for its last piece).
-        learning = self._places_items and not self._heard_items
+        # Until the first piece of the session is reported, item sizes are unknown (unless the
+        # last set of workers learnt them): each item worker gets one piece, so that the next
+        # pieces can be written into their slab, and the first batch's COLLATE, if it has one,
+        # waits for that report (or for its last piece).
+        learning = self._places_items and self._item_bytes is None and not self._heard_items
         self._scheduler.pieces_in_hand = 1 if learning else PIECES_IN_HAND
         while (piece := self._scheduler.next_piece()) is not None:
             try:

@@ -321,8 +321,9 @@ def warn_if_too_many_workers(num_workers: int, batch_workers: int = 0) -> None:
             f"{'' if cpuset_checked else ' (`cpuset` is not taken into account)'}, which is "
             "smaller than what this DataLoader is going to create."
         )
-    economic = (f" (pipeload: {item_workers} item workers and {batch_workers} batch workers, "
-                "mode='economic')") if batch_workers else ""
+    economic = (f" (pipeload: {item_workers} item workers and up to {batch_workers} batch workers, "
+                "mode='economic'; a batch worker starts only when a batch needs one, and none "
+                "does for flat samples collated by default_collate)") if batch_workers else ""
     warnings.warn(
         f"This DataLoader will create {num_workers} worker processes in total. {suggestion} "
         "Please be aware that excessive worker creation might get DataLoader running slow or "

@@ -25,7 +25,8 @@ takes effect when the set gives it back. A second set that starts while the firs
 
 It also keeps what the last set's in-flight budget learnt about the batches' pace (``pace``,
 ``engine/budget.py``), so that the next set starts at the depth the last one ended with instead of
-finding it again.
+finding it again, and, for economic mode, the size of the items' tensors (``item_layout``), so
+that the next set lays out its first batch in a slab instead of learning it again.
 
 Example:
     >>> keeper = SlabKeeper()
@@ -75,6 +76,9 @@ class SlabKeeper:
         self._release_when_returned = False
         self._keeping = keep
         self.pace: Any = None  # the last set's budget estimates (engine/budget.py's Pace)
+        # Economic mode: one item's tensor sizes, as the last set learnt them (None: unknown, or
+        # its samples could not go as columns). A guess: a set that finds it wrong says so.
+        self.item_layout: tuple[int, ...] | None = None
         self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
 
     @property
