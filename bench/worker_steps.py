@@ -35,6 +35,7 @@ ITEM_STEPS = {("pipeload.engine.economic_workers", "ItemWorkerLoop", "_fetched")
               ("pipeload.engine.item_seeds", "ItemSeeds", "apply"): "seeding",
               ("pipeload.engine.item_seeds", "ItemSeeds", "__init__"): "a piece's seeds",
               ("pipeload.engine.economic_workers", "ItemWorkerLoop", "_hand_over"): "hand over",
+              ("pipeload.engine.economic_workers", "ItemWorkerLoop", "_place_for_main"): "place for main",
               ("pipeload.engine.economic_workers", "ItemWorkerLoop", "_report"): "report",
               ("pipeload.engine.economic_workers", "ItemWorkerLoop", "_next_command"): "next command"}
 BATCH_STEPS = {("pipeload.transport.item_links", "BatchInbox", "receive"): "receive",

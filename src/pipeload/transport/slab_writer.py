@@ -235,6 +235,31 @@ class SlabWriter:
         self._regions.append((offset, nbytes))
         return slab.storage, offset
 
+    def allocate_run(self, leaf: int, count: int, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
+        """Room for leaf ``leaf`` (``nbytes`` each) of this message's ``count`` items at once,
+        while placing them (``place_items``): (the slab's storage, the byte offset of the first
+        item's), the others following it; None when the layout has no such run or the slab may
+        not be written. Their sizes are not noted in ``large_sizes``: the caller notes the
+        items' sizes in codec order (``note_item_sizes``)."""
+        slab, placing = self._slab, self._placing
+        if slab is None or placing is None:
+            return None
+        offset = placing.run_offset(leaf, count, nbytes)
+        if offset is None or offset + count * nbytes > slab.size:
+            return None
+        if not self._checked and not self._may_write(slab):
+            self._slab = None
+            return None
+        self._outcome = GrantOutcome.USED
+        self.used_bytes = max(self.used_bytes, offset + count * nbytes)
+        self._regions.append((offset, count * nbytes))
+        return slab.storage, offset
+
+    def note_item_sizes(self, item_sizes: tuple[int, ...], count: int) -> None:
+        """``count`` items, each with storages of ``item_sizes``, were placed by runs: noted in
+        ``large_sizes`` as ``allocate`` would have noted them, item after item."""
+        self.large_sizes.extend(item_sizes * count)
+
     def _may_write(self, slab: _MappedSlab) -> bool:
         self._checked = True
         if _uses(slab.storage) != slab.baseline_uses:
@@ -451,6 +476,16 @@ class _ItemCursor:
 
     def start_item(self, index: int) -> None:
         self._item, self._leaf = index, 0
+
+    def run_offset(self, leaf: int, count: int, nbytes: int) -> int | None:
+        """The place of leaf ``leaf`` of the message's first item, if the message's ``count``
+        items have theirs after it, each ``nbytes`` (as ``next_offset`` would give them one by
+        one); None otherwise."""
+        items = self._items
+        if self._stopped or leaf >= len(items.leaf_bytes) or nbytes != items.leaf_bytes[leaf]:
+            return None
+        offset = items.leaf_offsets[leaf] + self._first * nbytes
+        return offset if offset + count * nbytes <= items.area_bytes else None
 
     def next_offset(self, nbytes: int) -> int | None:
         items, item, leaf = self._items, self._item, self._leaf
