@@ -42,7 +42,7 @@ from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_sto
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
 from pipeload.errors import TooManyOpenFilesError, too_many_open_files
-from pipeload.transport import flat_wire
+from pipeload.transport import flat_wire, items_wire
 from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor_table_full
 from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
@@ -54,6 +54,8 @@ INLINE_BUDGET_BYTES = 1 << 20
 _TRAILER = struct.Struct("<QB")
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}
+# The reports that skip this codec, by their first byte (a pickle's is 0x80).
+_SHORT_WIRES = {flat_wire.FLAT_TAG: flat_wire, items_wire.ITEMS_TAG: items_wire}
 
 
 class Placement:
@@ -101,6 +103,8 @@ def encode(obj: Any, writer: SlabWriter | None) -> tuple[memoryview, list[int], 
     descriptors valid until the message is sent.
     """
     flat = flat_wire.encode_report(obj, writer, _DTYPE_INDEX, INLINE_MAX_BYTES, INLINE_BUDGET_BYTES)
+    if flat is None:
+        flat = items_wire.encode_report(obj, writer, _DTYPE_INDEX)
     if flat is not None:
         return memoryview(flat), [], []
     out = _outgoing
@@ -371,8 +375,9 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -
         TooManyOpenFilesError: mapping a storage failed because this process is out of file
             descriptors (each storage that arrives by descriptor keeps a duplicate of it).
     """
-    if flat_wire.is_flat(payload) and not fds:
-        report, outcome = flat_wire.decode_report(payload, _DTYPES)
+    wire = _SHORT_WIRES.get(payload[0]) if payload and not fds else None
+    if wire is not None:
+        report, outcome = wire.decode_report(payload, _DTYPES)
         return report, (NO_INFO if outcome == GrantOutcome.NO_GRANT
                         else MessageInfo(0, GRANT_OUTCOMES[outcome]))
     incoming = _incoming

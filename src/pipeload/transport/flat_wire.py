@@ -42,11 +42,6 @@ _TENSOR, _LIST, _TUPLE = 0, 1, 2
 _CONTAINERS = {list: _LIST, tuple: _TUPLE}
 
 
-def is_flat(payload: bytes | bytearray | memoryview) -> bool:
-    """Whether ``payload`` was made by :func:`encode_report`."""
-    return len(payload) > 0 and payload[0] == FLAT_TAG
-
-
 def encode_report(report: Any, writer: Any, dtype_index: dict[torch.dtype, int],
                   max_tensor_bytes: int, max_total_bytes: int) -> bytes | None:
     """``report`` as one flat message, or None when it does not qualify (see the module doc).
