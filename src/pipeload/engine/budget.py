@@ -127,6 +127,10 @@ class InFlightBudget:
             return None
         return Pace(self._build_s, self._consume_s, self._needed)  # type: ignore[arg-type]
 
+    def knows_pace(self) -> bool:
+        """Whether the build and consumer times are known (measured, or from an earlier pace)."""
+        return self._model_known()
+
     def set_max_batches(self, max_batches: int) -> None:
         """A new ceiling (``prefetch_factor="auto"`` deepening or thinning the pool)."""
         self.max_batches = max(1, max_batches)

@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload.collate import collates_as_shipped, default_collate
-from pipeload.engine.budget import POOL_TOLERATED_WAIT, InFlightBudget, PoolBuildClock, shm_budget_bytes
+from pipeload.engine.budget import (
+    LARGE_BATCH_BYTES,
+    POOL_TOLERATED_WAIT,
+    InFlightBudget,
+    PoolBuildClock,
+    shm_budget_bytes,
+)
 from pipeload.engine.direct_batches import DirectBatch, DirectBatches
 from pipeload.engine.economic_workers import (
     BATCH,
@@ -191,6 +197,7 @@ class EconomicEngine:
         self._places_items = (config.worker_type == "process" and fetch.auto_collation
                               and fetch.collate_fn is default_collate)
         self._item_bytes: tuple[int, ...] | None = None
+        self._last_batch_items = 0  # the length of the last batch opened
         self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
@@ -363,7 +370,14 @@ class EconomicEngine:
         then give waiting pieces to item workers."""
         slabs = self._workers.slabs
         batch_bytes = slabs.batch_bytes if slabs is not None else 0
-        allowed = self._budget.most(batch_bytes) if loop_waits else self._budget.allowed(batch_bytes)
+        # Until the consumer's pace is known the budget keeps one batch in flight; small batches
+        # (a slab of a few MiB each) fly to the ceiling at once instead, as classic mode's inline
+        # batches do: one alone leaves the item workers that finish its pieces first idle until
+        # it is handed out, twice over at the start of every fresh loader.
+        expected = batch_bytes or self._expected_batch_bytes()
+        unpaced_small = 0 < expected < LARGE_BATCH_BYTES and not self._budget.knows_pace()
+        allowed = (self._budget.most(batch_bytes) if loop_waits or unpaced_small
+                   else self._budget.allowed(batch_bytes))
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
             # on release) the one it is dropping. Free slabs beyond it are retired.
@@ -379,12 +393,20 @@ class EconomicEngine:
             self._unopened = None
         self._send_pieces()
 
+    def _expected_batch_bytes(self) -> int:
+        """A batch's bytes in its slab, from the items' size and the last batch's length, before
+        any slab has been sized (0: not known yet)."""
+        if self._item_bytes is None:
+            return 0
+        return sum(self._item_bytes) * self._last_batch_items
+
     def _open_batch(self, batch_worker: int, indices: list[Any]) -> None:
         """Count the batch as sent to its batch worker and queue its pieces. Its ``COLLATE``
         goes out with its first piece (see ``_send_collate``); an empty batch's at once, and if
         that send times out, nothing is recorded: ``_unopened`` keeps the batch for next time."""
         number = self._ledger.next_to_send
         self._to_collate[number] = (batch_worker, indices)
+        self._last_batch_items = len(indices)
         if not indices:
             try:
                 self._send_collate(number)
