@@ -1,5 +1,5 @@
 """The item scheduler's rules on their own: pieces in batch order, least loaded first, at most
-``pieces_in_hand`` per item worker, one piece per item worker."""
+``pieces_in_hand`` per item worker, sub-batches for ``__getitems__``."""
 
 from __future__ import annotations
 
@@ -9,38 +9,37 @@ from pipeload.engine.item_scheduler import ItemScheduler, item_placement, piece_
 
 
 def test_an_idle_pool_spreads_the_first_batch_over_every_worker():
-    scheduler = ItemScheduler(4)
+    scheduler = ItemScheduler(4, sub_batches=False)
     scheduler.add_batch(0, batch_worker=1, indices=list(range(8)), first_position=0)
     pieces = scheduler.assign()
-    assert [p.item_worker for p in pieces] == [0, 1, 2, 3]
-    assert [p.indices for p in pieces] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [p.item_worker for p in pieces] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [p.indices for p in pieces] == [[i] for i in range(8)]
     assert {p.batch_worker for p in pieces} == {1}
-    assert [p.slot for p in pieces] == [0, 2, 4, 6]
+    assert [p.slot for p in pieces] == list(range(8))
 
 
 def test_pieces_wait_until_a_worker_has_room_then_go_to_the_least_loaded():
-    scheduler = ItemScheduler(2, pieces_in_hand=1)
-    for number in range(3):
-        scheduler.add_batch(number, 0, [10 * number, 10 * number + 1], first_position=2 * number)
-    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(0, [0]), (1, [1])]
+    scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=1)
+    scheduler.add_batch(0, 0, [10, 11, 12, 13], first_position=0)
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(0, [10]), (1, [11])]
     assert scheduler.assign() == []  # both hold a piece: the rest wait
     scheduler.record_done(1)
-    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [10])]
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [12])]
     scheduler.record_done(1)
-    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [11])]
+    assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [13])]
 
 
 def test_positions_count_samples_across_batches():
-    scheduler = ItemScheduler(2, pieces_in_hand=10)
+    scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=10)
     scheduler.add_batch(0, 0, [7, 8, 9], first_position=0)
     scheduler.add_batch(1, 1, [3, 4], first_position=3)
     pieces = scheduler.assign()
-    assert [(p.batch_number, p.slot, p.position) for p in pieces] == [  # pieces of 2 and 1 items
-        (0, 0, 0), (0, 2, 2), (1, 0, 3), (1, 1, 4)]
+    assert [(p.batch_number, p.slot, p.position) for p in pieces] == [
+        (0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 3), (1, 1, 4)]
 
 
-def test_a_batch_gives_each_worker_one_share():
-    scheduler = ItemScheduler(3)
+def test_sub_batches_give_each_worker_one_share():
+    scheduler = ItemScheduler(3, sub_batches=True)
     scheduler.add_batch(0, 0, list(range(10)), first_position=20)
     pieces = scheduler.assign()
     assert [p.indices for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -49,14 +48,14 @@ def test_a_batch_gives_each_worker_one_share():
 
 
 def test_piece_size():
-    assert piece_size(64, 8) == 8  # one piece per item worker
-    assert piece_size(65, 8) == 9
-    assert piece_size(2, 8) == 1
-    assert piece_size(0, 4) == 1
+    assert piece_size(64, 8, sub_batches=False) == 4  # two pieces per item worker
+    assert piece_size(2, 8, sub_batches=False) == 1
+    assert piece_size(64, 8, sub_batches=True) == 8
+    assert piece_size(0, 4, sub_batches=False) == 1
 
 
 def test_an_empty_batch_has_no_pieces():
-    scheduler = ItemScheduler(2)
+    scheduler = ItemScheduler(2, sub_batches=False)
     scheduler.add_batch(0, 0, [], first_position=0)
     assert scheduler.assign() == []
 
@@ -71,14 +70,10 @@ def test_a_batchs_items_are_laid_out_leaf_by_leaf_as_their_stack():
 
 
 def test_last_of_says_when_no_piece_of_a_batch_waits():
-    scheduler = ItemScheduler(num_item_workers=2, pieces_in_hand=1)
-    scheduler.add_batch(0, 0, [0, 1], 0)
-    scheduler.assign()  # both workers hold a piece of batch 0
-    scheduler.add_batch(1, 0, [2, 3, 4, 5], 2)  # two pieces of two items, waiting
-    assert not scheduler.last_of(1)
+    scheduler = ItemScheduler(num_item_workers=1, sub_batches=False, pieces_in_hand=1)
+    scheduler.add_batch(0, 0, list(range(4)), 0)  # two pieces of two items
+    scheduler.next_piece()
+    assert not scheduler.last_of(0)  # the second piece waits for the worker's hands
     scheduler.record_done(0)
-    assert scheduler.next_piece().indices == [2, 3]
-    assert not scheduler.last_of(1)  # the second piece waits for a worker's hands
-    scheduler.record_done(1)
-    assert scheduler.next_piece().indices == [4, 5]
-    assert scheduler.last_of(1)
+    scheduler.next_piece()
+    assert scheduler.last_of(0)

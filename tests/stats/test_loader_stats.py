@@ -331,7 +331,7 @@ def test_economic_workers_counts_are_exact_at_each_epoch_start_in_a_long_run(eng
     batches = None if threads else iter(loader)
     workers = {(w.kind, w.worker_id): w for w in loader.stats().workers}
     assert sorted(workers) == [("batch", 0), ("item", 0), ("item", 1)]
-    pieces = sum(math.ceil(size / piece_size(size, 2)) for size in (10, 10, 3))
+    pieces = sum(math.ceil(size / piece_size(size, 2, False)) for size in (10, 10, 3))
     items = [workers[("item", i)] for i in (0, 1)]
     assert sum(w.tasks for w in items) == pieces * epochs
     assert sum(w.samples for w in items) == 23 * epochs

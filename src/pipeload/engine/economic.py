@@ -192,6 +192,7 @@ class EconomicEngine:
         setup = config.setup
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
+        self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
         # Item workers write items straight into their batch's slab once their size is known:
         # only for default_collate, whose stack of them is then a view (see ItemPlacement).
         self._places_items = (config.worker_type == "process" and fetch.auto_collation
@@ -289,7 +290,7 @@ class EconomicEngine:
         self._supply = supply
         self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
                                    least_loaded=True, first_batch=start.first_batch)
-        self._scheduler = ItemScheduler(self._num_item_workers)
+        self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go

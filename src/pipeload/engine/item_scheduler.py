@@ -16,6 +16,12 @@ from pipeload.transport.messages import ItemPlacement
 
 ALIGN_BYTES = 64  # as the slab writer aligns what it places
 PIECES_IN_HAND = 2  # per item worker: the one it fetches, and the next, so it never waits for us
+# A batch is cut into about this many pieces per item worker. One a worker costs fewer messages,
+# but with two batches in flight every piece is then in some worker's hands at once: the faster
+# worker idled 40-80 ms of a 700 ms pass waiting for the next batch to open on some runs of
+# pipeload bench's JPEGs (stop 40). With two, pieces wait here and go to whoever is free first
+# (4-11 ms idle).
+PIECES_PER_WORKER = 2
 
 
 @dataclass(frozen=True)
@@ -39,27 +45,21 @@ class Piece:
     item_worker: int = -1
 
 
-def piece_size(batch_size: int, num_item_workers: int) -> int:
-    """How many items of a batch of ``batch_size`` one piece holds: one piece per item worker.
-
-    Two a worker were tried: every piece costs the main process a message each way (and, on a
-    loaded machine, a wake-up from cold caches) and the worker a report, and with two batches in
-    flight and two pieces in hand a worker has work queued either way. On ``pipeload bench``'s
-    JPEGs one piece a worker took 3 us a sample less of the main process's CPU and 4 us an item
-    less of the item workers' (``bench.process_time``, ``bench.worker_steps``), and more item
-    workers shrink pieces further."""
-    return max(1, math.ceil(batch_size / num_item_workers))
+def piece_size(batch_size: int, num_item_workers: int, sub_batches: bool) -> int:
+    """How many items of a batch of ``batch_size`` one piece holds."""
+    pieces = num_item_workers if sub_batches else num_item_workers * PIECES_PER_WORKER
+    return max(1, math.ceil(batch_size / pieces))
 
 
 class ItemScheduler:
     """Queues the pieces of open batches and hands them out, least loaded first.
 
-    A batch is cut into one piece per item worker (``piece_size``), so that all of them take part
-    in every batch (the first one included) while each message carries several items; with
-    ``__getitems__``, each piece is one call. Pieces wait here, in batch order, until an item worker
-    has fewer than ``pieces_in_hand``: a worker stuck on a slow item then holds up at most one
-    piece behind it, and the others take the rest. Touched only by the thread that drives the
-    epoch.
+    A batch is cut into about ``PIECES_PER_WORKER`` pieces per item worker, so that all of them
+    take part in every batch (the first one included) while each message carries several items;
+    with ``sub_batches=True`` (datasets with ``__getitems__``) into one piece per item worker, each
+    one ``__getitems__`` call. Pieces wait here, in batch order, until an item worker has fewer than ``pieces_in_hand``: a
+    worker stuck on a slow item then holds up at most one piece behind it, and the others take
+    the rest. Touched only by the thread that drives the epoch.
 
     Invariants, between calls:
       - ``in_hand[w]`` is the number of pieces sent to item worker ``w`` and not reported done;
@@ -67,7 +67,9 @@ class ItemScheduler:
       - ``waiting`` holds unassigned pieces, earliest batch first.
     """
 
-    def __init__(self, num_item_workers: int, pieces_in_hand: int = PIECES_IN_HAND) -> None:
+    def __init__(self, num_item_workers: int, sub_batches: bool,
+                 pieces_in_hand: int = PIECES_IN_HAND) -> None:
+        self.sub_batches = sub_batches
         self.pieces_in_hand = pieces_in_hand
         self.in_hand = [0] * num_item_workers
         self.waiting: deque[Piece] = deque()
@@ -76,7 +78,7 @@ class ItemScheduler:
     def add_batch(self, batch_number: int, batch_worker: int, indices: list[Any],
                   first_position: int) -> None:
         """Queue the pieces of one batch."""
-        size = piece_size(len(indices), len(self.in_hand))
+        size = piece_size(len(indices), len(self.in_hand), self.sub_batches)
         for slot in range(0, len(indices), max(size, 1)):
             chunk = list(indices[slot : slot + size])
             self.waiting.append(Piece(batch_number, batch_worker, slot, first_position + slot, chunk))
