@@ -97,6 +97,29 @@ def test_every_engine_counts_batches_samples_stages_and_bytes(engine: dict, leak
     assert all(0 <= w.busy_fraction <= 1 and w.alive_s > 0 for w in stats.workers)
 
 
+class Images(pipeload.Dataset):
+    """Item i: a 3x40x40 float image, large enough to be laid out in its batch's slab."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((3, 40, 40), float(index))
+
+
+@pytest.mark.timeout(60)
+def test_economic_samples_per_s_counts_the_batches_the_main_process_assembled(leak_guard) -> None:
+    # Flat samples: the main process assembles every batch and no batch worker starts, so the
+    # samples a batch come from the item workers' counts (a piece short at most).
+    loader = pipeload.DataLoader(Images(), batch_size=BATCH, **ENGINES["economic"], stats=True)
+    assert sum(len(batch) for batch in loader) == ITEMS
+    stats = loader.stats()
+    assert {w.kind for w in stats.workers} == {"item"}
+    assert BATCH - 1 <= stats.samples_per_batch <= BATCH
+    assert stats.samples_per_s == pytest.approx(stats.batches_per_s * stats.samples_per_batch)
+    assert stats.samples_per_s > 0
+
+
 @pytest.mark.timeout(60)
 def test_persistent_workers_keep_counting_across_epochs(leak_guard) -> None:
     loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, persistent_workers=True,

@@ -223,10 +223,16 @@ class LoaderStats:
     @property
     def samples_per_batch(self) -> float:
         # Batch workers count the samples they collated: exact with their batches, where item
-        # workers' last reports of an epoch may never be read (nothing waits for them).
+        # workers' last reports of an epoch may never be read (nothing waits for them). Economic
+        # mode's main process assembles most batches itself, and with flat samples every one:
+        # then the item workers' samples over the batches handed out (a piece short at most, see
+        # bytes_moved).
         built = sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS)
         batched = sum(w.samples for w in self.workers if w.kind in BATCH_KINDS)
-        return batched / built if built else 0.0
+        if built:
+            return batched / built
+        fetched = sum(w.samples for w in self.workers if w.kind == "item")
+        return fetched / self.batches if self.batches else 0.0
 
     @property
     def samples_per_s(self) -> float:
