@@ -537,6 +537,21 @@ def test_the_next_set_of_workers_lays_out_its_first_batch_with_what_the_last_one
         assert placed == [epoch > 0] + [True] * 5, (epoch, placed)
 
 
+@pytest.mark.slow  # four spawned processes, each importing torch
+@pytest.mark.timeout(120)
+def test_spawned_batch_workers_start_with_the_item_workers(leak_guard):
+    # A spawned worker takes a second or more to start: not in the middle of an epoch, where
+    # the loader's timeout runs.
+    loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="spawn", timeout=30)
+    iterator = iter(loader)
+    assert len(iterator._workers) == 4
+    assert len(list(iterator)) == 6
+    pids = worker_pids(iterator)
+    del iterator, loader
+    leak_guard.assert_exited(pids, within_s=2.0)
+
+
 @pytest.mark.parametrize("persistent", [True, False])
 def test_a_loader_whose_batches_the_main_process_assembles_starts_no_batch_worker(persistent, leak_guard):
     expected = list(torch.utils.data.DataLoader(_FlatSamples("tuple"), batch_size=8))

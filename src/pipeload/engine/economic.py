@@ -19,6 +19,7 @@ stop), the ledger that yields in sampler order, the persistent epoch restart.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import threading
 import time
 import weakref
@@ -225,12 +226,16 @@ class EconomicEngine:
         # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
-        # fetch while the rest are forked), all of them by the end of start_epoch. A batch
-        # worker starts when the first batch it collates is sent to it: one whose batches the
-        # main process assembles (direct_batches.py) is never forked.
+        # fetch while the rest are forked), all of them by the end of start_epoch. Forked, a
+        # batch worker starts when the first batch it collates is sent to it: one whose batches
+        # the main process assembles (direct_batches.py) never starts. Spawned (a second or more
+        # each, importing torch), they start with the item workers, as before any batch: in the
+        # middle of an epoch the start would count against the loader's timeout.
+        forked = (config.mp_context or multiprocessing.get_context()).get_start_method() == "fork"
+        on_demand = self._num_item_workers if forked else None
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1,
-                                    keeper=keeper, on_demand_from=self._num_item_workers)
+                                    keeper=keeper, on_demand_from=on_demand)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
