@@ -325,6 +325,16 @@ def test_samples_that_are_not_flat_are_collated_by_batch_workers() -> None:
     assert _same_batches_as_torchs(_WithArrays("dict")) == 5
 
 
+def test_the_next_set_of_workers_sends_samples_that_are_not_flat_to_batch_workers_at_once() -> None:
+    # Without persistent workers each epoch is a new set: the loader remembers that its samples
+    # cannot go as columns, so only the loader's very first batch passes through the main process.
+    loader = DataLoader(_WithArrays("dict"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", stats=True)
+    for _ in range(3):
+        assert len(list(loader)) == 6
+    assert _batch_worker_tasks(loader) == 17
+
+
 class _SubBatches(Numbers):
     """Defines ``__getitems__``; each call's size is recorded with its first item."""
 
@@ -558,16 +568,19 @@ def test_a_loader_whose_batches_the_main_process_assembles_starts_no_batch_worke
     loader = DataLoader(_FlatSamples("tuple"), batch_size=8, num_workers=2, mode="economic",
                         multiprocessing_context="fork", persistent_workers=persistent)
     pids = set()
-    for _ in range(2):
+    for _ in range(3):
         iterator = iter(loader)
-        # Each batch dropped before the next, as a training loop does: a loop that keeps them
-        # all holds every slab, and the batches that find none go to a batch worker.
-        assert [_same_typed(ours, theirs) for ours, theirs in zip(iterator, expected)] == [True] * 6
+        # A training loop's shape: each batch dropped as the next comes, the last one of an epoch
+        # alive until the next epoch's first replaces it. (A loop that keeps them all holds every
+        # slab, and the batches that find none go to a batch worker.)
+        for number, batch in enumerate(iterator):
+            assert _same_typed(batch, expected[number])
+        assert number == 5
         workers = iterator._workers
         assert [handle.name for handle in workers] == ["pipeload-item-worker-0", "pipeload-item-worker-1"]
         pids |= {handle.pid for handle in workers}
-    assert len(pids) == (2 if persistent else 4)
-    del loader, iterator
+    assert len(pids) == (2 if persistent else 6)
+    del loader, iterator, batch
     leak_guard.assert_exited(sorted(pids), within_s=1.0)
 
 

@@ -85,6 +85,11 @@ class DirectBatches:
     def __contains__(self, number: int) -> bool:
         return number in self._batches
 
+    def size_of(self, number: int) -> int:
+        """How many items direct batch ``number`` holds (0: not a direct batch being gathered)."""
+        batch = self._batches.get(number)
+        return len(batch.indices) if batch is not None else 0
+
     def open(self, number: int, batch: DirectBatch) -> None:
         self._batches[number] = batch
 
@@ -125,7 +130,7 @@ def assemble(number: int, batch: DirectBatch, pool: SlabPool) -> WorkerReport:
     except Exception as exc:
         pool.settle(number, _unviewed(batch.outcome))
         # Said as what it is: the main process collated these samples, no batch worker.
-        failure = RemoteFailure.capture(batch.batch_worker, "collating a batch", batch.indices,
+        failure = RemoteFailure.capture(batch.batch_worker, _collating(batch), batch.indices,
                                         where="in the DataLoader's main process")
         return WorkerReport(Report.FAILED, batch.batch_worker, number, failure)
     pool.settle(number, GrantOutcome.USED if viewed else _unviewed(batch.outcome))
@@ -154,6 +159,16 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
             samples += payload
     # The samples' views of the slab die with this frame: the batch is a copy of them.
     return default_collate(samples), False
+
+
+def _collating(batch: DirectBatch) -> str:
+    """What the main process was doing, in the words of a failure's message: torch's loader
+    collates in a worker, so say why this batch was not."""
+    if batch.slab_id is None:
+        return ("collating a batch from item workers' samples (economic mode: the session's first "
+                "batch goes out before anything is known of its samples, and the main process "
+                "collates it; batch workers collate the later ones of samples that are not flat)")
+    return "collating a batch from item workers' samples (economic mode: a batch it assembles itself)"
 
 
 def collate_field(column: Any) -> Any:

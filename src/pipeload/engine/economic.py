@@ -239,7 +239,9 @@ class EconomicEngine:
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False
-        self._direct = DirectBatches()
+        # Whether this loader's samples go as columns, as the last set of workers found: a loader
+        # whose samples do not sends its first batch to a batch worker at once.
+        self._direct = DirectBatches(refused=keeper is not None and keeper.direct_refused)
         self._reset_epoch_state(TaskSupply())
 
     @property
@@ -285,6 +287,7 @@ class EconomicEngine:
         if self._keeper is not None and not self.closed:
             self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
             self._keeper.item_layout = None if self._direct.refused else self._item_bytes
+            self._keeper.direct_refused = self._direct.refused
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
@@ -358,8 +361,11 @@ class EconomicEngine:
                 self._item_bytes = done.item_bytes
             self._direct.learn(done)
             if done.groups is not None:
+                samples = self._direct.size_of(report.batch_number)
                 assembled = self._direct.add(report.batch_number, done, self._workers.slabs)
                 if assembled is not None:
+                    if self._stats is not None and assembled.report is Report.BATCH:
+                        self._stats.assembled(samples)
                     self._record(assembled)
         elif report.report in (Report.BATCH, Report.FAILED):
             self._placements.pop(report.batch_number, None)

@@ -267,6 +267,11 @@ class SessionStats:
         self._consumer = recorder._consumer  # its stretch spaces the queue looks too
         self._recorder = recorder
 
+    def assembled(self, samples: int) -> None:
+        """Economic mode: the main process put together a batch of ``samples`` itself (a direct
+        batch, engine/direct_batches.py), which no worker's totals count."""
+        self._recorder.assembled(samples)
+
     def local_clock(self) -> StageClock:
         """A clock for fetching in the main process (no workers); read at every snapshot."""
         clock = StageClock(SAMPLE_EVERY)
@@ -450,6 +455,8 @@ class StatsRecorder:
         self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
+        self._assembled_batches = 0  # economic direct batches (see SessionStats.assembled)
+        self._assembled_samples = 0
         self._separate_processes: tuple[str, ...] = ()
         self._skipped_samples = 0
         # The loader's failure board (stats/skips.py), where its on_error pipes count: read live.
@@ -493,6 +500,10 @@ class StatsRecorder:
     def pinned(self, seconds: float) -> None:
         self._pin_s += seconds
         self._pinned += 1
+
+    def assembled(self, samples: int) -> None:
+        self._assembled_batches += 1
+        self._assembled_samples += samples
 
     def skipped(self, samples: int) -> None:
         """Samples skipped by an error policy that reports them itself; the sources' on_error
@@ -580,6 +591,8 @@ class StatsRecorder:
             decisions=tuple(self._decisions),
             ray=_ray_stage_of_workers(seen, ended_ray),
             separate_processes=self._separate_processes,
+            assembled_batches=self._assembled_batches,
+            assembled_samples=self._assembled_samples,
         )
 
     def note_separate_processes(self, placements: tuple[str, ...]) -> None:

@@ -203,6 +203,10 @@ class LoaderStats:
     end_wait_s: float = 0.0
     separate_processes: tuple[str, ...] = ()
     ray: RayStageStats | None = None
+    assembled_batches: int = 0
+    """Economic mode: batches the main process put together itself (direct batches)."""
+    assembled_samples: int = 0
+    """... and the samples they held."""
 
     @property
     def elapsed_s(self) -> float:
@@ -224,15 +228,10 @@ class LoaderStats:
     def samples_per_batch(self) -> float:
         # Batch workers count the samples they collated: exact with their batches, where item
         # workers' last reports of an epoch may never be read (nothing waits for them). Economic
-        # mode's main process assembles most batches itself, and with flat samples every one:
-        # then the item workers' samples over the batches handed out (a piece short at most, see
-        # bytes_moved).
-        built = sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS)
-        batched = sum(w.samples for w in self.workers if w.kind in BATCH_KINDS)
-        if built:
-            return batched / built
-        fetched = sum(w.samples for w in self.workers if w.kind == "item")
-        return fetched / self.batches if self.batches else 0.0
+        # mode's main process counts those it assembled itself (with flat samples, every one).
+        built = sum(w.tasks for w in self.workers if w.kind in BATCH_KINDS) + self.assembled_batches
+        batched = sum(w.samples for w in self.workers if w.kind in BATCH_KINDS) + self.assembled_samples
+        return batched / built if built else 0.0
 
     @property
     def samples_per_s(self) -> float:

@@ -26,7 +26,8 @@ takes effect when the set gives it back. A second set that starts while the firs
 It also keeps what the last set's in-flight budget learnt about the batches' pace (``pace``,
 ``engine/budget.py``), so that the next set starts at the depth the last one ended with instead of
 finding it again, and, for economic mode, the size of the items' tensors (``item_layout``), so
-that the next set lays out its first batch in a slab instead of learning it again.
+that the next set lays out its first batch in a slab instead of learning it again, or that they
+cannot be laid out so (``direct_refused``: the next set's batches go to batch workers at once).
 
 Example:
     >>> keeper = SlabKeeper()
@@ -79,6 +80,9 @@ class SlabKeeper:
         # Economic mode: one item's tensor sizes, as the last set learnt them (None: unknown, or
         # its samples could not go as columns). A guess: a set that finds it wrong says so.
         self.item_layout: tuple[int, ...] | None = None
+        # ... and whether its samples could not go as columns: the next set then leaves every
+        # batch to batch workers from the first on (engine/direct_batches.py).
+        self.direct_refused = False
         self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
 
     @property

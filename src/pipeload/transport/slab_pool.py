@@ -53,6 +53,9 @@ LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters
 SURPLUS_PATIENCE_GRANTS = 16
 
 
+CARRIED_TOKEN = -1  # the last batch handed out before tokens started afresh (cancel_all_grants)
+
+
 class SlabPool:
     """Slabs owned by one consumer, granted to its producers one message at a time.
 
@@ -335,13 +338,22 @@ class SlabPool:
             self._late_pause = LATE_PAUSE_GRANTS  # the consumer keeps batches: stop deferring
 
     def cancel_all_grants(self) -> None:
-        """Every producer has answered for all it was sent (an epoch restart): grants still open
-        belong to tasks it dropped, and their slabs are free again. Tokens start afresh."""
+        """Every producer has answered for all it was sent (an epoch restart, or a set of
+        workers' end): grants still open belong to tasks it dropped, and their slabs are free
+        again. Tokens start afresh, but the last batch handed out stays known under
+        ``CARRIED_TOKEN``: a ``for`` loop still holds it as the next epoch starts and drops it
+        when it takes that epoch's first batch, so its slab can be granted ahead then, as within
+        an epoch (without it, the next epoch's third batch found no slab whenever the loop kept
+        the last one alive)."""
         for token in list(self._grants):
             self.settle(token, GrantOutcome.UNUSED)
+        last = self._handed_out[-1] if self._handed_out else None
         self._handed_out.clear()
         for slab in self._slabs.values():
-            slab.lease_token = None
+            held = last is not None and slab.lease_token == last and not self._is_free(slab)
+            slab.lease_token = CARRIED_TOKEN if held else None
+            if held:
+                self._handed_out.append(CARRIED_TOKEN)
 
     def cancel_grants_of(self, producer: int) -> None:
         """``producer`` will build nothing more it was sent (its iterable ran dry)."""
