@@ -29,6 +29,12 @@ def _report(done: ItemsDone, totals=None) -> WorkerReport:
     return WorkerReport(Report.ITEMS_DONE, 3, 41, done, totals, 0.0, 0.0, 812.25)
 
 
+def test_a_timed_piece_carries_its_totals_on_the_items_wire() -> None:
+    report = _report(ItemsDone(2, None, True, ((0, 2, _columns()),), GrantOutcome.USED), totals=TOTALS)
+    received, short = _round_trip(report)
+    assert short and received == report and received.totals == TOTALS
+
+
 def _round_trip(report: WorkerReport) -> tuple[WorkerReport, bool]:
     payload, fds, keep_alive = encode(report, None)
     short = payload[0] == ITEMS_TAG
@@ -64,7 +70,6 @@ def _failure() -> RemoteFailure:
 @pytest.mark.parametrize("report", [
     _report(ItemsDone(2, None, None, ((0, 2, [(torch.zeros(2), 1), (torch.ones(2), 2)]),))),  # samples
     _report(ItemsDone(2, None, None, ((0, 2, _failure()),))),
-    _report(ItemsDone(2, None, True, ((0, 2, _columns()),)), totals=TOTALS),  # a timed piece
     WorkerReport(Report.EPOCH_STARTED, 0, 3, "item"),
 ])
 def test_anything_else_takes_the_codec_and_arrives_as_it_did(report: WorkerReport) -> None:

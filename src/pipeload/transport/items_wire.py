@@ -7,10 +7,10 @@ name and rebuilt by their reductions (the report, ``ItemsDone``, each ``ItemColu
 ``TensorField``, a dtype, two enums): on ``pipeload bench``'s JPEGs that took an item worker about
 6 us an item and the main process tens of microseconds a report, woken with cold caches. A report
 whose groups are all columns (``transport/item_columns.py``: their tensors are in the slab, the
-rest are plain ints, floats, bools and strings) and that carries no stats totals takes this path
-instead: its fields go into one pickle of builtin values (no global, no reduction), dtypes as the
-codec numbers them, field types by position in ``SCALAR_TYPES``. Anything else (samples, a
-failure, totals) returns None here and goes through the codec.
+rest are plain ints, floats, bools and strings) takes this path instead: its fields go into one
+pickle of builtin values (no global, no reduction), dtypes as the codec numbers them, field types
+by position in ``SCALAR_TYPES``, a timed piece's stats totals as the plain tuple they are.
+Anything else (samples, a failure) returns None here and goes through the codec.
 
 Message layout: ``ITEMS_TAG``, then the pickle. A pickle (protocol 2 or later) starts with 0x80
 and a flat batch with ``flat_wire.FLAT_TAG``, so the first byte tells the three apart.
@@ -37,7 +37,7 @@ def encode_report(report: Any, writer: Any, dtype_index: dict[torch.dtype, int])
     ``writer`` is the sender's slab writer (its grant, if any, settled as the codec would);
     ``dtype_index`` numbers the dtypes as the codec does.
     """
-    if type(report) is not WorkerReport or report.report is not Report.ITEMS_DONE or report.totals is not None:
+    if type(report) is not WorkerReport or report.report is not Report.ITEMS_DONE:
         return None
     done = report.payload
     if type(done) is not ItemsDone:
@@ -55,8 +55,8 @@ def encode_report(report: Any, writer: Any, dtype_index: dict[torch.dtype, int])
     if writer is not None and (writer.used_bytes or writer.one_shot_bytes):
         return None  # the report put something in shared memory: the codec says where
     outcome = GrantOutcome.NO_GRANT if writer is None else writer.finish()[1]
-    body = (report.worker_id, report.batch_number, report.build_s, report.setup_s, report.finished_at,
-            int(outcome), done.count, done.item_bytes, done.as_columns, groups,
+    body = (report.worker_id, report.batch_number, report.totals, report.build_s, report.setup_s,
+            report.finished_at, int(outcome), done.count, done.item_bytes, done.as_columns, groups,
             None if done.outcome is None else int(done.outcome))
     return bytes((ITEMS_TAG,)) + pickle.dumps(body, pickle.HIGHEST_PROTOCOL)
 
@@ -64,14 +64,14 @@ def encode_report(report: Any, writer: Any, dtype_index: dict[torch.dtype, int])
 def decode_report(payload: bytes | bytearray | memoryview,
                   dtypes: tuple[torch.dtype, ...]) -> tuple[WorkerReport, int]:
     """Rebuild a message made by :func:`encode_report`: (the report, its grant outcome as an int)."""
-    (worker_id, number, build_s, setup_s, finished_at, outcome, count, item_bytes, as_columns,
+    (worker_id, number, totals, build_s, setup_s, finished_at, outcome, count, item_bytes, as_columns,
      groups, done_outcome) = pickle.loads(memoryview(payload)[1:])
     if groups is not None:
         groups = tuple((slot, items, ItemColumns(kind, keys, _fields(fields, dtypes), values, columns))
                        for slot, items, kind, keys, fields, values, columns in groups)
     done = ItemsDone(count, item_bytes, as_columns, groups,
                      None if done_outcome is None else GRANT_OUTCOMES[done_outcome])
-    return WorkerReport(Report.ITEMS_DONE, worker_id, number, done, None, build_s, setup_s, finished_at), outcome
+    return WorkerReport(Report.ITEMS_DONE, worker_id, number, done, totals, build_s, setup_s, finished_at), outcome
 
 
 def _plain_fields(fields: tuple[Any, ...], dtype_index: dict[torch.dtype, int]) -> tuple[Any, ...] | None:
