@@ -224,7 +224,9 @@ class WorkerGroup:
         """Send a task (starting its worker if it has not started); never blocks for good on a
         worker that stopped reading."""
         if slot >= len(self.handles):
-            self._start_up_to(slot + 1)
+            # Workers that start on demand start together: once one is needed, the others will
+            # be, and each one's start (its worker_init_fn) then overlaps the others'.
+            self._start_up_to(len(self.labels) if slot >= self._eager else slot + 1)
         try:
             self.channels.send(slot, command, self._while_pipe_full(slot))
         except (BrokenPipeError, ConnectionResetError, EOFError):
