@@ -169,7 +169,10 @@ def test_a_writer_populates_a_large_slab_off_its_thread_and_takes_no_fault_writi
         torch.empty((0,), dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)).fill_(7)
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
         if slab_memory.populate(pool._slabs[grant.slab_id].memory.array.ctypes.data, 4096):
-            assert faults < 16  # every page mapped, writable, by the populating thread
+            # Every page mapped, writable, by the populating thread: writing 2,048 pages takes
+            # none of theirs. A few faults are torch's own (the empty tensor), and the kernel may
+            # split a huge page now and then (a CI run read 17): the bound says "not per page".
+            assert faults < 64
         writer.finish()
         pool.settle(0, GrantOutcome.UNUSED)
     finally:
