@@ -388,7 +388,7 @@ class EconomicEngine:
         # it is handed out, twice over at the start of every fresh loader.
         expected = batch_bytes or self._expected_batch_bytes()
         unpaced_small = 0 < expected < LARGE_BATCH_BYTES and not self._budget.knows_pace()
-        allowed = (self._budget.most(batch_bytes) if loop_waits or unpaced_small
+        allowed = (self._budget.most(expected) if loop_waits or unpaced_small
                    else self._budget.allowed(batch_bytes))
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
