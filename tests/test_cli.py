@@ -45,7 +45,7 @@ def test_bench_compares_every_loader_and_writes_a_chart(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr
     assert "first run: writing 48 synthetic JPEG images" in completed.stderr
     # Economic mode's processes are said once in the header, not warned about on every pass.
-    assert "(1 item worker and 2 batch workers)" in completed.stderr
+    assert "(1 item worker and up to 2 batch workers, started when a batch needs one" in completed.stderr
     assert "This DataLoader will create" not in completed.stderr
     table = completed.stdout.split("\nwhat each mode is for:")[0]
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip()}
