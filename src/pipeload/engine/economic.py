@@ -361,7 +361,7 @@ class EconomicEngine:
                 self._item_bytes = done.item_bytes
             self._direct.learn(done)
             if done.groups is not None:
-                samples = self._direct.size_of(report.batch_number)
+                samples = self._direct.size_of(report.batch_number) if self._stats is not None else 0
                 assembled = self._direct.add(report.batch_number, done, self._workers.slabs)
                 if assembled is not None:
                     if self._stats is not None and assembled.report is Report.BATCH:

@@ -118,7 +118,7 @@ def place_as_columns(samples: Sequence[Any], writer: SlabWriter) -> ItemColumns 
             values.append([row[position] for row in rows])
             continue
         values.append(None)
-        nbytes = math.prod(field.shape) * field.dtype.itemsize
+        nbytes = _field_bytes(field)
         room = writer.allocate_run(leaf, count, nbytes)
         if room is None:
             return None
@@ -158,8 +158,12 @@ def column_bytes(samples: Sequence[Any]) -> tuple[int, ...] | None:
     checked = _checked_rows(samples)
     if checked is None:
         return None
-    return tuple(math.prod(field.shape) * field.dtype.itemsize
-                 for field in checked[2] if isinstance(field, TensorField))
+    return tuple(_field_bytes(field) for field in checked[2] if isinstance(field, TensorField))
+
+
+def _field_bytes(field: TensorField) -> int:
+    """One item's bytes of a tensor field, at its place."""
+    return math.prod(field.shape) * field.dtype.itemsize
 
 
 # Where a batch's tensor field comes from: (leaf, item count, field) -> the view of its run, or
