@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipeload.engine.item_scheduler import ItemScheduler, item_placement, piece_size
+from pipeload.engine.item_scheduler import MIN_PIECE_ITEMS, ItemScheduler, item_placement, piece_size
 
 
 def test_an_idle_pool_spreads_the_first_batch_over_every_worker():
@@ -52,6 +52,31 @@ def test_piece_size():
     assert piece_size(2, 8, sub_batches=False) == 1
     assert piece_size(64, 8, sub_batches=True) == 8
     assert piece_size(0, 4, sub_batches=False) == 1
+    assert piece_size(64, 14, sub_batches=False, least=8) == 8
+    assert piece_size(5, 14, sub_batches=False, least=8) == 5  # no more than the batch
+    assert piece_size(256, 4, sub_batches=False, least=8) == 32  # above the floor: as before
+
+
+def test_a_coarse_batch_goes_in_pieces_of_at_least_the_floor_however_many_workers():
+    # 14 item workers would cut 64 items into pieces of 3: a message each way for every 3
+    # items is what the main process pays. Coarse pieces hold MIN_PIECE_ITEMS or more.
+    scheduler = ItemScheduler(14, sub_batches=False, pieces_in_hand=10)
+    scheduler.add_batch(0, 0, list(range(64)), first_position=0)
+    scheduler.add_batch(1, 0, list(range(64, 128)), first_position=64, coarse=True)
+    scheduler.add_batch(2, 0, [128, 129, 130], first_position=128, coarse=True)
+    pieces = scheduler.assign()
+    by_batch = {n: [p.indices for p in pieces if p.batch_number == n] for n in (0, 1, 2)}
+    assert {len(indices) for indices in by_batch[0]} == {3, 1}  # the first batch: cut fine
+    assert [len(indices) for indices in by_batch[1]] == [MIN_PIECE_ITEMS] * (64 // MIN_PIECE_ITEMS)
+    assert by_batch[2] == [[128, 129, 130]]  # a batch under the floor: one piece
+    assert [i for n in (0, 1, 2) for indices in by_batch[n] for i in indices] == list(range(131))
+    assert len({p.item_worker for p in pieces if p.batch_number == 1}) == 64 // MIN_PIECE_ITEMS
+
+
+def test_sub_batches_stay_one_share_per_worker_when_coarse():
+    scheduler = ItemScheduler(3, sub_batches=True)
+    scheduler.add_batch(0, 0, list(range(10)), first_position=0, coarse=True)
+    assert [p.indices for p in scheduler.assign()] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_an_empty_batch_has_no_pieces():

@@ -299,6 +299,7 @@ class EconomicEngine:
         self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
                                    least_loaded=True, first_batch=start.first_batch)
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
+        self._first_batch = start.first_batch
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
         self._placements: dict[int, ItemPlacement] = {}  # batch number -> where its items go
@@ -427,8 +428,22 @@ class EconomicEngine:
                 raise
         self._ledger.record_sent(batch_worker)
         self._build_clock.opened(number, time.monotonic())
-        self._scheduler.add_batch(number, batch_worker, indices, self._next_position)
+        self._scheduler.add_batch(number, batch_worker, indices, self._next_position,
+                                  coarse=self._cut_coarse(number, len(indices)))
         self._next_position += len(indices)
+
+    def _cut_coarse(self, number: int, count: int) -> bool:
+        """Whether batch ``number`` of ``count`` items goes in pieces of ``MIN_PIECE_ITEMS``
+        (item_scheduler.py): any batch but the epoch's first, unless its slab is known to be
+        large. Large items cost their workers far more than a piece's messages cost us, and a
+        large batch built by a few workers would hold its slab longer."""
+        if number == self._first_batch:
+            return False
+        slabs = self._workers.slabs
+        expected = slabs.batch_bytes if slabs is not None else 0
+        if not expected and self._item_bytes is not None:
+            expected = sum(self._item_bytes) * count
+        return expected < LARGE_BATCH_BYTES
 
     def _send_collate(self, number: int, first_piece: bool = False) -> None:
         """Tell a batch worker what batch ``number`` holds, with the slab to collate it into; or,

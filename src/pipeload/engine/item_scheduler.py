@@ -22,6 +22,14 @@ PIECES_IN_HAND = 2  # per item worker: the one it fetches, and the next, so it n
 # pipeload bench's JPEGs (stop 40). With two, pieces wait here and go to whoever is free first
 # (4-11 ms idle).
 PIECES_PER_WORKER = 2
+# After an epoch's first batch, a piece holds at least this many items unless the batch is large.
+# Each piece costs the main process a message each way (~60-80 us of its CPU here, whatever the
+# piece holds), so pieces of 64 / (2 x 14) = 3 items cost it ~37 us a sample at 14 item workers
+# against ~7 for classic mode: on a 16-core machine, the main process would be what limits
+# small items. Eight items a piece keeps it near 10 us a sample at any worker count; with more
+# than one batch in flight (the budget sees to it) every worker still has pieces to take. The
+# first batch is cut fine all the same: there, all that counts is how soon it is complete.
+MIN_PIECE_ITEMS = 8
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,11 @@ class Piece:
     item_worker: int = -1
 
 
-def piece_size(batch_size: int, num_item_workers: int, sub_batches: bool) -> int:
-    """How many items of a batch of ``batch_size`` one piece holds."""
+def piece_size(batch_size: int, num_item_workers: int, sub_batches: bool, least: int = 1) -> int:
+    """How many items of a batch of ``batch_size`` one piece holds: at least ``least`` (or the
+    whole batch, if smaller)."""
     pieces = num_item_workers if sub_batches else num_item_workers * PIECES_PER_WORKER
-    return max(1, math.ceil(batch_size / pieces))
+    return max(1, math.ceil(batch_size / pieces), min(least, batch_size))
 
 
 class ItemScheduler:
@@ -57,7 +66,9 @@ class ItemScheduler:
     A batch is cut into about ``PIECES_PER_WORKER`` pieces per item worker, so that all of them
     take part in every batch (the first one included) while each message carries several items;
     with ``sub_batches=True`` (datasets with ``__getitems__``) into one piece per item worker, each
-    one ``__getitems__`` call. Pieces wait here, in batch order, until an item worker has fewer than ``pieces_in_hand``: a
+    one ``__getitems__`` call; a ``coarse`` batch otherwise into pieces of at least
+    ``MIN_PIECE_ITEMS``.
+    Pieces wait here, in batch order, until an item worker has fewer than ``pieces_in_hand``: a
     worker stuck on a slow item then holds up at most one piece behind it, and the others take
     the rest. Touched only by the thread that drives the epoch.
 
@@ -76,9 +87,11 @@ class ItemScheduler:
         self._next = 0
 
     def add_batch(self, batch_number: int, batch_worker: int, indices: list[Any],
-                  first_position: int) -> None:
-        """Queue the pieces of one batch."""
-        size = piece_size(len(indices), len(self.in_hand), self.sub_batches)
+                  first_position: int, coarse: bool = False) -> None:
+        """Queue the pieces of one batch (``coarse``: of at least ``MIN_PIECE_ITEMS`` items, unless
+        they are sub-batches, one per item worker)."""
+        least = MIN_PIECE_ITEMS if coarse and not self.sub_batches else 1
+        size = piece_size(len(indices), len(self.in_hand), self.sub_batches, least)
         for slot in range(0, len(indices), max(size, 1)):
             chunk = list(indices[slot : slot + size])
             self.waiting.append(Piece(batch_number, batch_worker, slot, first_position + slot, chunk))
