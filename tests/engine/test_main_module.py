@@ -109,3 +109,76 @@ def test_a_script_that_cannot_be_read_gives_no_names(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def (:\n")
     assert _top_level_names(str(broken)) is None
+
+
+UNGUARDED = """
+import sys
+import torch
+import pipeload
+
+class Numbers(torch.utils.data.Dataset):
+    def __init__(self, length):
+        self.values = [float(i) for i in range(length)]
+    def __len__(self):
+        return len(self.values)
+    def __getitem__(self, index):
+        return torch.tensor(self.values[index])
+
+try:
+    for batch in pipeload.DataLoader(Numbers({length}), batch_size=2, num_workers=1, mode="{mode}",
+                                     multiprocessing_context="{method}"):
+        pass
+    print("DONE")
+except pipeload.errors.WorkerDiedError as error:  # the worker's own error is multiprocessing's
+    print("ERROR", error)
+"""
+
+
+def _run_unguarded(tmp_path: Path, **fields: object) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(**fields))
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_script_without_a_main_guard_gets_the_line_to_move_not_a_hang(tmp_path):
+    # Economic mode's batch worker was sent 526 KB (two read buffers) at start: past a pipe's
+    # 64 KiB, its death during the import left the main process blocked in the write for good.
+    out = _run_unguarded(tmp_path, length=8, mode="economic", method="spawn")
+    assert out.startswith("ERROR DataLoader worker (pid "), out  # torch's words first
+    assert "exited unexpectedly with exit code 1" in out
+    assert (f"line 15 of {tmp_path / 'train.py'} started the DataLoader's workers and is not "
+            "inside `if __name__ == '__main__':`") in out
+    assert "bootstrapping phase" in out
+
+
+def test_a_forkserver_worker_gone_before_reading_a_large_dataset_is_a_worker_death(tmp_path):
+    # 200,000 floats pickle to ~1.8 MB: the write of the worker's start-up data breaks when it
+    # dies importing the script (multiprocessing's BrokenPipeError, torch's error too).
+    out = _run_unguarded(tmp_path, length=200_000, mode="classic", method="forkserver")
+    assert out.startswith("ERROR DataLoader worker (pid "), out
+    assert "worker 0 (pid " in out and "ended with exit code 1" in out
+    assert "line 15 of" in out and "bootstrapping phase" in out
+
+
+def test_a_loader_started_under_the_main_guard_is_not_blamed_on_it(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(textwrap.dedent("""
+        from pipeload.engine.main_module import started_outside_main_guard
+        def main():
+            return started_outside_main_guard()
+        if __name__ == "__main__":
+            print(repr(main()))
+        else:
+            pass
+        print(repr(main()))
+    """))
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=tmp_path)
+    guarded, unguarded = done.stdout.splitlines()
+    assert guarded == "''"
+    assert f"line 9 of {script} started" in unguarded

@@ -102,6 +102,29 @@ def test_the_reader_takes_a_message_larger_than_its_buffer():
         assert got == [b"small", big, b"after"]
 
 
+def test_a_reader_sent_to_a_spawned_worker_travels_without_its_buffer():
+    # A batch worker's readers go to it pickled ('spawn', 'forkserver'): two 256 KiB buffers
+    # made its start-up data larger than a pipe holds (see MessageReader.__getstate__).
+    from multiprocessing.context import set_spawning_popen
+    from multiprocessing.reduction import ForkingPickler
+
+    from pipeload.engine.lifecycle import _StartingProcess
+
+    left, right = socket.socketpair()
+    with left, right:
+        reader = MessageReader(right)
+        set_spawning_popen(_StartingProcess())
+        try:
+            sent = ForkingPickler.dumps(reader)
+        finally:
+            set_spawning_popen(None)
+        assert len(sent) < 1024
+        rebuilt = MessageReader.__new__(MessageReader)
+        rebuilt.__setstate__(reader.__getstate__())
+        send_message(left, b"after the trip", [])
+        assert bytes(rebuilt.next_message(True)[0]) == b"after the trip"
+
+
 def test_a_closed_writer_reads_as_end_of_file():
     left, right = socket.socketpair()
     left.close()

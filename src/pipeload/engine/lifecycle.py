@@ -32,6 +32,7 @@ JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
 PARENT_CHECK_INTERVAL_S = 0.2
+REAP_AT_START_S = 5.0  # how long a failed start waits to learn a fork server child's exit
 PIDFD_SLICE_MS = 60_000  # the pidfd watcher's wait slice: it is woken by the parent's exit
 
 
@@ -104,14 +105,27 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         try:
             process.start()
         except BaseException as error:
-            _reap_half_started(error)
+            ended = _reap_half_started(error)
+            if ended is not None and isinstance(error, (BrokenPipeError, ConnectionResetError)):
+                raise GoneBeforeStarting(name, *ended) from error
             raise
     return process
 
 
-def _reap_half_started(error: BaseException) -> None:
+class GoneBeforeStarting(Exception):
+    """A 'spawn' or 'forkserver' child ended before it had read what it was sent (the write of
+    its start-up data broke): usually it failed while importing the main script. Raised by
+    :func:`start_process` for the caller to say which worker it was."""
+
+    def __init__(self, name: str, pid: int, exitcode: int | None) -> None:
+        super().__init__(f"{name} (pid {pid}) ended before it read its start-up data")
+        self.name, self.pid, self.exitcode = name, pid, exitcode
+
+
+def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
     """Kill and reap a child that a failed start left behind (a Ctrl-C, or a pickling error,
-    while a spawn or forkserver start wrote the child its arguments).
+    while a spawn or forkserver start wrote the child its arguments, or a child that died first).
+    Returns its pid and exit code (None: no child was found).
 
     The child exists by then, but the start raised before ``Process`` recorded it: nobody else
     would reap it, and it would stay a zombie for as long as this process lives. Only the
@@ -121,11 +135,43 @@ def _reap_half_started(error: BaseException) -> None:
     while traceback is not None:
         popen = traceback.tb_frame.f_locals.get("self")
         pid = getattr(popen, "pid", None)
-        if type(popen).__module__.startswith("multiprocessing.popen_") and isinstance(pid, int) and pid > 0:
-            _quietly(os.kill, pid, signal.SIGKILL)
-            _quietly(os.waitpid, pid, 0)
-            return
+        module = type(popen).__module__
+        if module.startswith("multiprocessing.popen_") and isinstance(pid, int) and pid > 0:
+            _quietly(os.kill, pid, signal.SIGKILL)  # a child that ended already keeps its status
+            return pid, _exit_code_once_reaped(pid)
+        if module == "multiprocessing.popen_forkserver" and isinstance(getattr(popen, "sentinel", None), int):
+            # The fork server's child: the server reaps it, and tells its pid, then its exit
+            # status, on the sentinel; a write to the child that broke comes before both.
+            return _forkserver_child_status(popen.sentinel)
         traceback = traceback.tb_next
+    return None
+
+
+def _forkserver_child_status(sentinel: int) -> tuple[int, int | None] | None:
+    """The pid and exit code the fork server reports for a child that ended (None if it does
+    not say within a few seconds)."""
+    from multiprocessing.forkserver import read_signed
+    found = []
+    for _ in range(2):
+        ready, _, _ = select.select([sentinel], [], [], REAP_AT_START_S)
+        if not ready:
+            break
+        try:
+            found.append(read_signed(sentinel))
+        except (OSError, EOFError):
+            break
+    if not found:
+        return None
+    return found[0], (found[1] if len(found) > 1 else None)
+
+
+def _exit_code_once_reaped(pid: int) -> int | None:
+    """Reap child ``pid``; its exit code as ``Process.exitcode`` gives it (None if not ours)."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except OSError:
+        return None
+    return os.waitstatus_to_exitcode(status)
 
 
 @contextlib.contextmanager

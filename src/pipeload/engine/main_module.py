@@ -9,6 +9,11 @@ runs any of pipeload's code, and its traceback goes only to the standard error. 
 for that death says to rerun with ``num_workers=0``, where the same code works. This module finds
 the cause from the main process, by reading the script's top-level statements, so that the
 error can say it.
+
+The same import runs every top-level statement outside that block: one that starts a DataLoader
+(a ``for`` loop over it, or a call to ``main()``) starts it again in the worker, where
+multiprocessing refuses to start processes while the worker is still being set up, and the
+worker dies the same way (``started_outside_main_guard``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,46 @@ def unreachable_in_workers(named_objects: dict[str, Any]) -> str:
     return ""
 
 
+def started_outside_main_guard() -> str:
+    """A sentence naming the line of the main script that is starting the workers, when that
+    line is not under ``if __name__ == "__main__":`` (a worker importing the script runs it
+    again); "" when it is, or when no script frame is on the stack (pytest, ``python -c``, a
+    notebook) or the script cannot be read."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = _script_frame(getattr(main, "__dict__", None))
+    if frame is None or not path:
+        return ""
+    tree = _parse(path)
+    if tree is None:
+        return ""
+    line = frame.f_lineno
+    for statement in tree.body:
+        if not statement.lineno <= line <= (statement.end_lineno or statement.lineno):
+            continue
+        if isinstance(statement, ast.If) and _is_main_guard(statement.test) and any(
+                inner.lineno <= line <= (inner.end_lineno or inner.lineno) for inner in statement.body):
+            return ""
+        return (f"line {line} of {path} started the DataLoader's workers and is not inside "
+                "`if __name__ == '__main__':`. A 'spawn' or 'forkserver' worker imports that file "
+                "again and runs that line too, where starting processes fails (its traceback, on "
+                "the standard error, says \"An attempt has been made to start a new process before "
+                "the current process has finished its bootstrapping phase\"). Put the code that "
+                "runs when the script is started under `if __name__ == '__main__':`, or use "
+                "multiprocessing_context='fork'")
+    return ""
+
+
+def _script_frame(main_globals: dict[str, Any] | None) -> Any:
+    """The frame running the main script's top-level code, if it is on this thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is main_globals:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def _main_module_globals(obj: Any) -> Iterator[Any]:
     """``obj`` itself if it is a function or class of ``__main__``, and its class if that is."""
     for candidate in (obj, type(obj)):
@@ -52,16 +97,20 @@ def _main_module_globals(obj: Any) -> Iterator[Any]:
 def _top_level_names(path: str | None) -> set[str] | None:
     """Names the script at ``path`` binds when imported under another name than ``__main__``
     (None: no script, or one that cannot be read and parsed)."""
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as file:
-            tree = ast.parse(file.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _parse(path) if path else None
+    if tree is None:
         return None
     names: set[str] = set()
     _collect(tree.body, names)
     return names
+
+
+def _parse(path: str) -> ast.Module | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return ast.parse(file.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def _collect(statements: list[ast.stmt], names: set[str]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeload.engine.lifecycle import (
+    GoneBeforeStarting,
     ThreadWorkerHandle,
     WorkerLaunch,
     check_picklable,
@@ -25,7 +26,7 @@ from pipeload.engine.lifecycle import (
     start_threads,
     stop_workers,
 )
-from pipeload.engine.main_module import unreachable_in_workers
+from pipeload.engine.main_module import started_outside_main_guard, unreachable_in_workers
 from pipeload.errors import LoaderTimeoutError, WorkerDiedError, worker_died_message
 from pipeload.stats.recorder import carries_totals, count_by_worker
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
@@ -183,8 +184,14 @@ class WorkerGroup:
             return
         del self._unstarted[:len(launches)]
         last = not self._unstarted
-        self.handles += start_processes(self._ctx, launches,
-                                        self.channels.forget_worker_ends if last else _nothing)
+        first_slot = len(self.handles)
+        try:
+            self.handles += start_processes(self._ctx, launches,
+                                            self.channels.forget_worker_ends if last else _nothing)
+        except GoneBeforeStarting as gone:
+            slot = first_slot + [launch.name for launch in launches].index(gone.name)
+            deaths = [(self.labels[slot].name(), gone.pid, gone.exitcode)]
+            raise WorkerDiedError(worker_died_message(deaths, self._why_workers_could_not_start(deaths))) from gone
 
     @property
     def wait_slice_s(self) -> float:
@@ -292,13 +299,14 @@ class WorkerGroup:
 
     def _why_workers_could_not_start(self, deaths: list[tuple[str, int | None, int | None]]) -> str:
         """What is known of why a 'spawn' or 'forkserver' worker ended with exit code 1, the
-        code of a worker that could not unpickle what it was sent: a class or function the main
-        script defines where a worker importing it does not look ("" if not that)."""
+        code of a worker that could not unpickle what it was sent (a class or function the main
+        script defines where a worker importing it does not look), or that the import itself
+        started workers (a script without a main guard); "" if neither."""
         if self._ctx is None or self._ctx.get_start_method() == "fork":
             return ""
         if not any(code == 1 for _, _, code in deaths):
             return ""
-        return unreachable_in_workers(self.plan.picklable_parts())
+        return unreachable_in_workers(self.plan.picklable_parts()) or started_outside_main_guard()
 
     def start_epoch(self, epoch: int, shared_seed: int | None = None, last_batch: int = -1) -> None:
         """Persistent workers: tell every worker that epoch ``epoch`` begins (``shared_seed``

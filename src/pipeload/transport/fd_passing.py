@@ -19,6 +19,7 @@ import errno
 import os
 import socket
 import struct
+from typing import Any
 
 from pipeload.errors import TooManyOpenFilesError, too_many_open_files
 
@@ -146,6 +147,16 @@ class MessageReader:
         self._offset = 0
         self._arrivals: collections.deque[tuple[int, list[int], bool]] = collections.deque()
         self._drained = False
+
+    # A reader sent to a 'spawn' or 'forkserver' worker (a batch worker's sockets from item
+    # workers) travels without its buffer: nothing was read yet, and two 256 KiB buffers made a
+    # batch worker's start-up data 526 KB. Past a pipe's 64 KiB, a worker that died before
+    # reading it all (a script without a main guard) left the main process blocked in its write.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sock": self.sock}  # read state stays in its process
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["sock"])
 
     def next_message(self, block: bool) -> tuple[bytearray, list[int]] | None:
         """The next whole message; None when ``block`` is False and none is complete yet.
