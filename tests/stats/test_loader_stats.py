@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pipeload
-from pipeload.engine.item_scheduler import MIN_PIECE_ITEMS, piece_size
+from pipeload.engine.item_scheduler import piece_size
 from pipeload.stats import LoaderStats
 from pipeload.stats.clock import StageClock
 
@@ -340,6 +340,22 @@ def test_a_short_last_batch_is_counted_as_what_it_holds_in_a_long_run(engine: di
         assert counted == 10 * epochs
 
 
+class _NotCheap(pipeload.Dataset):
+    """Numbers whose items take long enough that economic mode cuts every batch into pieces
+    the same way, whatever the timing (an item's cost, slept: only its length counts here;
+    see item_scheduler.messages_would_busy_main)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(0.002)
+        return index
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("engine", [ENGINES["economic"], ENGINES["economic-thread"]],
                          ids=["economic", "economic-thread"])
@@ -348,9 +364,9 @@ def test_economic_workers_counts_are_exact_at_each_epoch_start_in_a_long_run(eng
     # Economic workers time one piece (or batch) in ~64 past their first 64 and send their
     # totals only then; the main process counts the other reports per kind and worker (item
     # and batch workers share ids). Each answer to START_EPOCH carries the totals and says its
-    # kind: then every piece and batch counts, as what it held (pieces of 1 to 8 items here,
+    # kind: then every piece and batch counts, as what it held (pieces of 3 and 1 items here,
     # which no scaling from the timed ones would get right).
-    loader = pipeload.DataLoader(list(range(23)), batch_size=10, persistent_workers=True,
+    loader = pipeload.DataLoader(_NotCheap(23), batch_size=10, persistent_workers=True,
                                  num_batch_workers=1, **engine)
     epochs = 60
     for _ in range(epochs):
@@ -361,9 +377,7 @@ def test_economic_workers_counts_are_exact_at_each_epoch_start_in_a_long_run(eng
     batches = None if threads else iter(loader)
     workers = {(w.kind, w.worker_id): w for w in loader.stats().workers}
     assert sorted(workers) == [("batch", 0), ("item", 0), ("item", 1)]
-    # An epoch's first batch is cut fine, the others into pieces of MIN_PIECE_ITEMS or more.
-    pieces = sum(math.ceil(size / piece_size(size, 2, False, least))
-                 for size, least in ((10, 1), (10, MIN_PIECE_ITEMS), (3, MIN_PIECE_ITEMS)))
+    pieces = sum(math.ceil(size / piece_size(size, 2, False)) for size in (10, 10, 3))
     items = [workers[("item", i)] for i in (0, 1)]
     assert sum(w.tasks for w in items) == pieces * epochs
     assert sum(w.samples for w in items) == 23 * epochs

@@ -45,7 +45,15 @@ from pipeload.engine.economic_workers import (
     run_item_thread,
 )
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
-from pipeload.engine.item_scheduler import PIECES_IN_HAND, ItemScheduler, Piece, item_placement
+from pipeload.engine.item_scheduler import (
+    PIECES_IN_HAND,
+    ItemPace,
+    ItemScheduler,
+    Piece,
+    item_placement,
+    least_items,
+    messages_would_busy_main,
+)
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
@@ -200,6 +208,7 @@ class EconomicEngine:
                               and fetch.collate_fn is default_collate)
         self._item_bytes: tuple[int, ...] | None = None
         self._last_batch_items = 0  # the length of the last batch opened
+        self._pace = ItemPace(self._num_item_workers)  # the item workers' time per item, to cut pieces
         self._heard_items = False  # an item worker has reported a piece this session
         self._stats = None
         if config.stats is not None:  # item workers report ITEMS_DONE; batch workers, batches
@@ -299,6 +308,7 @@ class EconomicEngine:
         self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
                                    least_loaded=True, first_batch=start.first_batch)
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
+        self._pace.forget_epoch()
         self._first_batch = start.first_batch
         self._next_position = start.first_position
         self._unopened: tuple[int, list[Any]] | None = None
@@ -356,6 +366,7 @@ class EconomicEngine:
     def _record(self, report: WorkerReport) -> None:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
+            self._pace.reported(report.worker_id, report.payload.count, report.finished_at or time.monotonic())
             self._heard_items = True
             done = report.payload
             if done.item_bytes is not None:
@@ -429,21 +440,28 @@ class EconomicEngine:
         self._ledger.record_sent(batch_worker)
         self._build_clock.opened(number, time.monotonic())
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position,
-                                  coarse=self._cut_coarse(number, len(indices)))
+                                  least=self._least_piece_items(number, len(indices)))
         self._next_position += len(indices)
 
-    def _cut_coarse(self, number: int, count: int) -> bool:
-        """Whether batch ``number`` of ``count`` items goes in pieces of ``MIN_PIECE_ITEMS``
-        (item_scheduler.py): any batch but the epoch's first, unless its slab is known to be
-        large. Large items cost their workers far more than a piece's messages cost us, and a
-        large batch built by a few workers would hold its slab longer."""
-        if number == self._first_batch:
-            return False
+    def _least_piece_items(self, number: int, count: int) -> int:
+        """The fewest items a piece of batch ``number`` (of ``count`` items) holds: more than one
+        only for items so cheap that finely cut pieces would keep this process busy with their
+        messages (item_scheduler.py), and never in the epoch's first batch (only how
+        soon it is complete counts) or a batch whose slab is known to be large (its items cost
+        their workers far more than a piece's messages cost us, and a large batch built by
+        fewer workers would hold its slab longer)."""
+        item_s = self._pace.item_s
+        if number == self._first_batch or item_s is None:
+            return 1
+        if not messages_would_busy_main(item_s, self._num_item_workers, count):
+            return 1
         slabs = self._workers.slabs
         expected = slabs.batch_bytes if slabs is not None else 0
         if not expected and self._item_bytes is not None:
             expected = sum(self._item_bytes) * count
-        return expected < LARGE_BATCH_BYTES
+        if expected >= LARGE_BATCH_BYTES:
+            return 1
+        return least_items(count, self._num_item_workers, self._config.prefetch_factor)
 
     def _send_collate(self, number: int, first_piece: bool = False) -> None:
         """Tell a batch worker what batch ``number`` holds, with the slab to collate it into; or,
@@ -540,6 +558,7 @@ class EconomicEngine:
                 fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,
                                       epoch=self._epoch, route=route, grant=self._item_grant(piece))
                 self._workers.send(piece.item_worker, fetch)
+                self._pace.sent(piece.item_worker, time.monotonic())
             except LoaderTimeoutError:
                 self._scheduler.give_back(piece)  # it goes out first next time
                 raise

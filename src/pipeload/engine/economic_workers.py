@@ -150,7 +150,8 @@ class ItemWorkerLoop(WorkerLoop):
             del delivery
         done = self._items_done(len(command.indices), sizes, as_columns)
         if kept is None:
-            self._report(Report.ITEMS_DONE, command.batch_number, done)
+            # When it finished (one clock machine-wide): the main process times items with it.
+            self._report(Report.ITEMS_DONE, command.batch_number, done, finished_at=time.monotonic())
         else:
             self._report_to_assembler(command, done, kept)
 
@@ -204,8 +205,9 @@ class ItemWorkerLoop(WorkerLoop):
         """``ITEMS_DONE`` with the groups of a direct piece; samples that cannot be sent become
         the failure of their items, as a hand-over to a batch worker does."""
         report = dataclasses.replace(done, groups=tuple(kept.groups), outcome=kept.outcome)
+        finished_at = time.monotonic()
         try:
-            self._report(Report.ITEMS_DONE, command.batch_number, report)
+            self._report(Report.ITEMS_DONE, command.batch_number, report, finished_at=finished_at)
         except (BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
@@ -217,7 +219,7 @@ class ItemWorkerLoop(WorkerLoop):
                                   self._named(command.indices[slot - offset:slot - offset + count]), exc))
                 for slot, count, payload in kept.groups)
             self._report(Report.ITEMS_DONE, command.batch_number,
-                         dataclasses.replace(report, groups=groups))
+                         dataclasses.replace(report, groups=groups), finished_at=finished_at)
 
     def _sizes_sent(self, sizes: list[int] | None) -> list[int] | None:
         """``sizes`` with the large storage sizes of the message just sent (None: no writer)."""

@@ -22,14 +22,20 @@ PIECES_IN_HAND = 2  # per item worker: the one it fetches, and the next, so it n
 # pipeload bench's JPEGs (stop 40). With two, pieces wait here and go to whoever is free first
 # (4-11 ms idle).
 PIECES_PER_WORKER = 2
-# After an epoch's first batch, a piece holds at least this many items unless the batch is large.
-# Each piece costs the main process a message each way (~60-80 us of its CPU here, whatever the
-# piece holds), so pieces of 64 / (2 x 14) = 3 items cost it ~37 us a sample at 14 item workers
-# against ~7 for classic mode: on a 16-core machine, the main process would be what limits
-# small items. Eight items a piece keeps it near 10 us a sample at any worker count; with more
-# than one batch in flight (the budget sees to it) every worker still has pieces to take. The
-# first batch is cut fine all the same: there, all that counts is how soon it is complete.
+# Cheap items go in pieces of at least this many items (see ItemScheduler): each piece costs the
+# main process a message each way whatever it holds, so pieces of 64 / (2 x 14) = 3 items cost it
+# ~37 us a sample of JPEGs at 14 item workers, against ~7 in classic mode (bench.process_time). On
+# a 16-core machine, with items that take a fraction of a millisecond, that makes the main
+# process the limit. With 3x32x32 items at 8 and 14 item workers here, pieces of 8 took the main
+# process from 10-15 to 6-9 us a sample, and samples/s up by a quarter to a half (stop 41).
 MIN_PIECE_ITEMS = 8
+# The main process's CPU for one piece, a message each way (bench.process_time's scans put it
+# at 25 to 180 us here, 14 workers sharing 2 CPUs; 60 us is taken), and the share of one CPU
+# those messages may take before pieces are cut coarser: below it, bigger pieces would save
+# little, and a slow item would hold more items behind it.
+PIECE_MAIN_S = 60e-6
+MESSAGES_SHARE = 0.25
+PACE_WEIGHT = 0.25  # weight of the newest piece in the item time's moving average
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,22 @@ class Piece:
     item_worker: int = -1
 
 
+def messages_would_busy_main(item_s: float, num_item_workers: int, batch_size: int) -> bool:
+    """Whether item workers at ``item_s`` an item would keep the main process more than
+    ``MESSAGES_SHARE`` busy with the messages of finely cut pieces."""
+    pieces = math.ceil(batch_size / piece_size(batch_size, num_item_workers, False))
+    items_per_s = num_item_workers / max(item_s, 1e-9)
+    return items_per_s * PIECE_MAIN_S * pieces / max(1, batch_size) > MESSAGES_SHARE
+
+
+def least_items(batch_size: int, num_item_workers: int, batches_in_flight: int) -> int:
+    """The fewest items a piece of cheap items holds: ``MIN_PIECE_ITEMS``, or fewer where the
+    batches in flight would otherwise hold fewer pieces than there are item workers (at
+    ``prefetch_factor`` 2, a batch of 16 in pieces of 8 kept 4 of 8 workers busy, and items
+    of 10 ms went at half the speed)."""
+    return max(1, min(MIN_PIECE_ITEMS, batches_in_flight * batch_size // max(1, num_item_workers)))
+
+
 def piece_size(batch_size: int, num_item_workers: int, sub_batches: bool, least: int = 1) -> int:
     """How many items of a batch of ``batch_size`` one piece holds: at least ``least`` (or the
     whole batch, if smaller)."""
@@ -66,8 +88,9 @@ class ItemScheduler:
     A batch is cut into about ``PIECES_PER_WORKER`` pieces per item worker, so that all of them
     take part in every batch (the first one included) while each message carries several items;
     with ``sub_batches=True`` (datasets with ``__getitems__``) into one piece per item worker, each
-    one ``__getitems__`` call; a ``coarse`` batch otherwise into pieces of at least
-    ``MIN_PIECE_ITEMS``.
+    one ``__getitems__`` call. Cheap items are cut coarser (``least`` items a piece, see
+    ``least_items``), so that fewer messages carry them, though then not every worker takes
+    part in every batch.
     Pieces wait here, in batch order, until an item worker has fewer than ``pieces_in_hand``: a
     worker stuck on a slow item then holds up at most one piece behind it, and the others take
     the rest. Touched only by the thread that drives the epoch.
@@ -87,11 +110,11 @@ class ItemScheduler:
         self._next = 0
 
     def add_batch(self, batch_number: int, batch_worker: int, indices: list[Any],
-                  first_position: int, coarse: bool = False) -> None:
-        """Queue the pieces of one batch (``coarse``: of at least ``MIN_PIECE_ITEMS`` items, unless
-        they are sub-batches, one per item worker)."""
-        least = MIN_PIECE_ITEMS if coarse and not self.sub_batches else 1
-        size = piece_size(len(indices), len(self.in_hand), self.sub_batches, least)
+                  first_position: int, least: int = 1) -> None:
+        """Queue the pieces of one batch, of at least ``least`` items each (unless they are
+        sub-batches: one per item worker)."""
+        size = piece_size(len(indices), len(self.in_hand), self.sub_batches,
+                          1 if self.sub_batches else least)
         for slot in range(0, len(indices), max(size, 1)):
             chunk = list(indices[slot : slot + size])
             self.waiting.append(Piece(batch_number, batch_worker, slot, first_position + slot, chunk))
@@ -133,6 +156,38 @@ class ItemScheduler:
         # Ties go to the worker after the last one chosen, so an idle pool spreads a batch wide.
         count = len(self.in_hand)
         return min(range(count), key=lambda w: (self.in_hand[w], (w - self._next) % count))
+
+
+class ItemPace:
+    """An item worker's time per item, as the main process sees its pieces come back: from the
+    later of the piece's send and the worker's previous report, to the piece's own report (both
+    on ``time.monotonic()``, one clock machine-wide), over the items it held; smoothed.
+
+    Touched only by the thread that drives the epoch.
+    """
+
+    def __init__(self, num_item_workers: int) -> None:
+        self._sent: list[deque[float]] = [deque() for _ in range(num_item_workers)]
+        self._last_report = [0.0] * num_item_workers
+        self.item_s: float | None = None  # None until a piece has come back
+
+    def sent(self, item_worker: int, at: float) -> None:
+        self._sent[item_worker].append(at)
+
+    def reported(self, item_worker: int, count: int, at: float) -> None:
+        """``item_worker`` reported a piece of ``count`` items finished ``at``."""
+        sent = self._sent[item_worker].popleft() if self._sent[item_worker] else at
+        began = max(sent, self._last_report[item_worker])
+        self._last_report[item_worker] = at
+        if count <= 0 or at < began:
+            return
+        sample = (at - began) / count
+        self.item_s = sample if self.item_s is None else self.item_s + PACE_WEIGHT * (sample - self.item_s)
+
+    def forget_epoch(self) -> None:
+        """A new epoch: pieces in hand are gone with the last one; the time per item stays."""
+        for sent in self._sent:
+            sent.clear()
 
 
 def item_placement(item_bytes: tuple[int, ...], count: int, room: int) -> ItemPlacement | None:
