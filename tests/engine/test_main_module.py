@@ -150,8 +150,8 @@ def test_a_script_without_a_main_guard_gets_the_line_to_move_not_a_hang(tmp_path
     out = _run_unguarded(tmp_path, length=8, mode="economic", method="spawn")
     assert out.startswith("ERROR DataLoader worker (pid "), out  # torch's words first
     assert "exited unexpectedly with exit code 1" in out
-    assert (f"line 15 of {tmp_path / 'train.py'} started the DataLoader's workers and is not "
-            "inside `if __name__ == '__main__':`") in out
+    assert (f"line 15 of {tmp_path / 'train.py'} starts the DataLoader's workers outside "
+            "`if __name__ == '__main__':`") in out
     assert "bootstrapping phase" in out
 
 
@@ -164,21 +164,30 @@ def test_a_forkserver_worker_gone_before_reading_a_large_dataset_is_a_worker_dea
     assert "line 15 of" in out and "bootstrapping phase" in out
 
 
-def test_a_loader_started_under_the_main_guard_is_not_blamed_on_it(tmp_path):
+def test_a_loader_started_under_a_main_guard_of_any_form_is_not_blamed_on_it(tmp_path):
+    # Better silent than blaming a guarded line: any top-level statement that mentions
+    # __name__ counts as a guard.
     script = tmp_path / "guarded.py"
     script.write_text(textwrap.dedent("""
         from pipeload.engine.main_module import started_outside_main_guard
         def main():
-            return started_outside_main_guard()
+            print(repr(started_outside_main_guard()))
         if __name__ == "__main__":
-            print(repr(main()))
-        else:
+            main()
+        if __name__ == "__main__" and True:
+            main()
+        try:
+            if __name__ == "__main__":
+                main()
+        finally:
             pass
-        print(repr(main()))
+        main() if __name__ == "__main__" else None
+        __name__ == "__main__" and main()
+        main()
     """))
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                           timeout=60, cwd=tmp_path)
-    guarded, unguarded = done.stdout.splitlines()
-    assert guarded == "''"
-    assert f"line 9 of {script} started" in unguarded
+    *guarded, unguarded = done.stdout.splitlines()
+    assert guarded == ["''"] * 5, done.stdout + done.stderr
+    assert f"line 16 of {script} starts the DataLoader" in unguarded

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload.errors import WorkerDiedError, worker_died_message
 
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
@@ -106,26 +107,28 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
             process.start()
         except BaseException as error:
             ended = _reap_half_started(error)
-            if ended is not None and isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            if ended is not None and isinstance(error, _BROKEN_WRITE):
                 raise GoneBeforeStarting(name, *ended) from error
             raise
     return process
 
 
-class GoneBeforeStarting(Exception):
-    """A 'spawn' or 'forkserver' child ended before it had read what it was sent (the write of
-    its start-up data broke): usually it failed while importing the main script. Raised by
-    :func:`start_process` for the caller to say which worker it was."""
+class GoneBeforeStarting(WorkerDiedError):
+    """A 'forkserver' child (or a 'spawn' one, should its start-up data break a write) ended
+    before it had read what it was sent: usually it failed while importing the main script.
+    Raised by :func:`start_process`, in torch's words for a dead worker; a worker group says
+    which of its workers it was."""
 
     def __init__(self, name: str, pid: int, exitcode: int | None) -> None:
-        super().__init__(f"{name} (pid {pid}) ended before it read its start-up data")
+        super().__init__(worker_died_message([(name, pid, exitcode)], "it ended before it read its "
+                                             "start-up data"))
         self.name, self.pid, self.exitcode = name, pid, exitcode
 
 
 def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
-    """Kill and reap a child that a failed start left behind (a Ctrl-C, or a pickling error,
-    while a spawn or forkserver start wrote the child its arguments, or a child that died first).
-    Returns its pid and exit code (None: no child was found).
+    """End a child that a failed start left behind (a Ctrl-C, or a pickling error, while a
+    spawn or forkserver start wrote the child its arguments, or a child that died first), and
+    learn its exit code. Returns its pid and exit code (None: no child was found).
 
     The child exists by then, but the start raised before ``Process`` recorded it: nobody else
     would reap it, and it would stay a zombie for as long as this process lives. Only the
@@ -140,29 +143,40 @@ def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
             _quietly(os.kill, pid, signal.SIGKILL)  # a child that ended already keeps its status
             return pid, _exit_code_once_reaped(pid)
         if module == "multiprocessing.popen_forkserver" and isinstance(getattr(popen, "sentinel", None), int):
-            # The fork server's child: the server reaps it, and tells its pid, then its exit
-            # status, on the sentinel; a write to the child that broke comes before both.
-            return _forkserver_child_status(popen.sentinel)
+            return _end_forkserver_child(popen.sentinel, ended=isinstance(error, _BROKEN_WRITE))
         traceback = traceback.tb_next
     return None
 
 
-def _forkserver_child_status(sentinel: int) -> tuple[int, int | None] | None:
-    """The pid and exit code the fork server reports for a child that ended (None if it does
-    not say within a few seconds)."""
+_BROKEN_WRITE = (BrokenPipeError, ConnectionResetError)
+
+
+def _end_forkserver_child(sentinel: int, ended: bool) -> tuple[int, int | None] | None:
+    """The fork server's child of a failed start: the server says its pid on ``sentinel`` as
+    it forks it, then reaps it and says its exit status. One whose write broke has ended
+    (``ended``); any other (a Ctrl-C in the middle of the write) waits for the rest of its
+    start-up data, and is killed. Returns its pid and exit code (None where the server does
+    not say them within ``REAP_AT_START_S``)."""
     from multiprocessing.forkserver import read_signed
-    found = []
-    for _ in range(2):
-        ready, _, _ = select.select([sentinel], [], [], REAP_AT_START_S)
-        if not ready:
-            break
-        try:
-            found.append(read_signed(sentinel))
-        except (OSError, EOFError):
-            break
-    if not found:
+    pid = _read_within(sentinel, read_signed)
+    if pid is None:
         return None
-    return found[0], (found[1] if len(found) > 1 else None)
+    if not ended:
+        _quietly(os.kill, pid, signal.SIGKILL)  # not reaped yet: the server has not said so
+    return pid, _read_within(sentinel, read_signed)
+
+
+def _read_within(fd: int, read: Callable[[int], int]) -> int | None:
+    """``read(fd)`` once ``fd`` is readable, or None after ``REAP_AT_START_S`` (``poll``, not
+    ``select``: descriptors may be numbered past 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(REAP_AT_START_S * 1000):
+        return None
+    try:
+        return read(fd)
+    except (OSError, EOFError):
+        return None
 
 
 def _exit_code_once_reaped(pid: int) -> int | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import tokenize
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,9 +50,10 @@ def unreachable_in_workers(named_objects: dict[str, Any]) -> str:
 
 def started_outside_main_guard() -> str:
     """A sentence naming the line of the main script that is starting the workers, when that
-    line is not under ``if __name__ == "__main__":`` (a worker importing the script runs it
-    again); "" when it is, or when no script frame is on the stack (pytest, ``python -c``, a
-    notebook) or the script cannot be read."""
+    line runs on import too: a worker importing the script runs it again. "" when the
+    top-level statement around the line mentions ``__name__`` anywhere (a main guard of some
+    form: better to say nothing than to blame a guarded line), or when no script frame is on
+    the stack (pytest, ``python -c``, a notebook) or the script cannot be read."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     frame = _script_frame(getattr(main, "__dict__", None))
@@ -64,10 +66,9 @@ def started_outside_main_guard() -> str:
     for statement in tree.body:
         if not statement.lineno <= line <= (statement.end_lineno or statement.lineno):
             continue
-        if isinstance(statement, ast.If) and _is_main_guard(statement.test) and any(
-                inner.lineno <= line <= (inner.end_lineno or inner.lineno) for inner in statement.body):
+        if any(isinstance(node, ast.Name) and node.id == "__name__" for node in ast.walk(statement)):
             return ""
-        return (f"line {line} of {path} started the DataLoader's workers and is not inside "
+        return (f"line {line} of {path} starts the DataLoader's workers outside "
                 "`if __name__ == '__main__':`. A 'spawn' or 'forkserver' worker imports that file "
                 "again and runs that line too, where starting processes fails (its traceback, on "
                 "the standard error, says \"An attempt has been made to start a new process before "
@@ -107,7 +108,7 @@ def _top_level_names(path: str | None) -> set[str] | None:
 
 def _parse(path: str) -> ast.Module | None:
     try:
-        with open(path, encoding="utf-8") as file:
+        with tokenize.open(path) as file:  # in the encoding the script declares, as Python reads it
             return ast.parse(file.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return None

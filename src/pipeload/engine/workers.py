@@ -11,10 +11,12 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine.lifecycle import (
     GoneBeforeStarting,
     ThreadWorkerHandle,
@@ -158,6 +160,7 @@ class WorkerGroup:
         ctx = self._ctx = mp_context or multiprocessing.get_context()
         if ctx.get_start_method() != "fork":
             check_picklable(plan.picklable_parts(), ctx.get_start_method())
+            _warn_if_started_outside_main_guard()
         self.slabs = self._keeper.lend(settings)
         self.channels = ProcessChannels(ctx, count, self.slabs)
         self.handles = []
@@ -414,6 +417,14 @@ class WorkerGroup:
 
 class _PipeFull(Exception):
     """Closing never waits for room in a task pipe."""
+
+
+def _warn_if_started_outside_main_guard() -> None:
+    """Say it before the workers start: when one dies of it, its start-up data may be larger
+    than a pipe holds, and a 'spawn' start then never returns (CPython's, torch's too)."""
+    unguarded = started_outside_main_guard()
+    if unguarded:
+        warnings.warn(f"pipeload: {unguarded}.", stacklevel=first_frame_outside_pipeload())
 
 
 def _nothing() -> None:

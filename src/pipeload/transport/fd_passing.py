@@ -150,10 +150,14 @@ class MessageReader:
 
     # A reader sent to a 'spawn' or 'forkserver' worker (a batch worker's sockets from item
     # workers) travels without its buffer: nothing was read yet, and two 256 KiB buffers made a
-    # batch worker's start-up data 526 KB. Past a pipe's 64 KiB, a worker that died before
-    # reading it all (a script without a main guard) left the main process blocked in its write.
+    # batch worker's start-up data 526 KB. Past a pipe's 64 KiB, a 'spawn' worker that died
+    # before reading it all (a script without a main guard) left the main process blocked in
+    # its write for good.
     def __getstate__(self) -> dict[str, Any]:
-        return {"sock": self.sock}  # read state stays in its process
+        if self._end != self._start or self._arrivals:
+            raise TypeError("a MessageReader holding bytes or descriptors it has read cannot be "
+                            "sent to another process: they would be lost")
+        return {"sock": self.sock}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["sock"])
