@@ -125,6 +125,8 @@ def test_a_new_epoch_forgets_pieces_in_hand_but_not_the_time_per_item():
     pace.reported(0, count=1, at=1.0001)
     pace.sent(0, at=2.0)  # in hand when the epoch was cut short
     pace.forget_epoch()
+    pace.reported(0, count=1, at=4.0)  # it comes back late: not timed (its send is forgotten)
+    assert abs(pace.item_s - 0.0001) < 1e-9
     pace.sent(0, at=5.0)
     pace.reported(0, count=1, at=5.0001)
     assert abs(pace.item_s - 0.0001) < 1e-9

@@ -176,9 +176,10 @@ class ItemPace:
 
     def reported(self, item_worker: int, count: int, at: float) -> None:
         """``item_worker`` reported a piece of ``count`` items finished ``at``."""
-        sent = self._sent[item_worker].popleft() if self._sent[item_worker] else at
-        began = max(sent, self._last_report[item_worker])
-        self._last_report[item_worker] = at
+        last, self._last_report[item_worker] = self._last_report[item_worker], at
+        if not self._sent[item_worker]:
+            return  # a piece of an epoch cut short, sent before forget_epoch: its start is not known
+        began = max(self._sent[item_worker].popleft(), last)
         if count <= 0 or at < began:
             return
         sample = (at - began) / count
