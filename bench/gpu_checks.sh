@@ -50,6 +50,10 @@ step epoch_costs_gpu_4 60 "$py" -m bench.epoch_costs --num-workers 4 --gpu-copy 
 step worker_churn_8 45 "$py" -m bench.worker_churn --num-workers 8 --epochs 6
 # What writing samples into their rows as they are fetched is worth with eight workers.
 step sample_rows_8 60 "$py" -m bench.sample_rows --num-workers 8 --sizes-kib 64,600 --items 4096
+# Economic mode's main process with many item workers: pieces cut by the rule against fine ones,
+# then its CPU a JPEG sample (issue 24: the next limit on small items with 16 cores).
+step piece_sizes 40 "$py" -m bench.piece_sizes --workers 2,8,14
+step process_time 40 "$py" -m bench.process_time --rounds 1 --workers 2,8,14
 # Where eight new workers' CPU goes, by kernel path (only where perf is installed).
 if command -v perf > /dev/null; then
     step perf_split_8 60 "$py" -m bench.perf_split --num-workers 8 --epochs 6
