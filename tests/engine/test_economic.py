@@ -547,6 +547,19 @@ def test_the_next_set_of_workers_lays_out_its_first_batch_with_what_the_last_one
         assert placed == [epoch > 0] + [True] * 5, (epoch, placed)
 
 
+def test_the_loader_keeps_the_item_workers_time_per_item_for_its_next_set(leak_guard):
+    # It decides how finely the next set cuts its batches into pieces (item_scheduler.py),
+    # from its second batch on, before that set's own first reports.
+    loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="fork")
+    assert loader._slab_keeper.item_s is None
+    assert len(list(loader)) == 6
+    measured = loader._slab_keeper.item_s
+    assert measured is not None and 0 < measured < 1.0
+    assert len(list(loader)) == 6
+    assert loader._slab_keeper.item_s is not None and loader._slab_keeper.item_s > 0
+
+
 @pytest.mark.slow  # four spawned processes, each importing torch
 @pytest.mark.timeout(120)
 def test_spawned_batch_workers_start_with_the_item_workers(leak_guard):

@@ -223,6 +223,8 @@ class EconomicEngine:
         if keeper is not None and self._places_items:
             # What the last set of workers learnt: this set's first batch is laid out at once.
             self._item_bytes = keeper.item_layout
+        if keeper is not None:
+            self._pace.item_s = keeper.item_s
         max_bytes = shm_budget_bytes(config.max_shm_bytes, keeper.held_bytes if keeper else 0)
         first_wave = 1 if config.in_order else config.prefetch_factor
         self._budget = InFlightBudget(config.prefetch_factor, first_wave, max_bytes,
@@ -297,6 +299,7 @@ class EconomicEngine:
             self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
             self._keeper.item_layout = None if self._direct.refused else self._item_bytes
             self._keeper.direct_refused = self._direct.refused
+            self._keeper.item_s = self._pace.item_s if self._pace.item_s is not None else self._keeper.item_s
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())

@@ -27,7 +27,8 @@ It also keeps what the last set's in-flight budget learnt about the batches' pac
 ``engine/budget.py``), so that the next set starts at the depth the last one ended with instead of
 finding it again, and, for economic mode, the size of the items' tensors (``item_layout``), so
 that the next set lays out its first batch in a slab instead of learning it again, or that they
-cannot be laid out so (``direct_refused``: the next set's batches go to batch workers at once).
+cannot be laid out so (``direct_refused``: the next set's batches go to batch workers at once),
+and their time per item (``item_s``, which decides how finely batches are cut into pieces).
 
 Example:
     >>> keeper = SlabKeeper()
@@ -83,6 +84,9 @@ class SlabKeeper:
         # ... and whether its samples could not go as columns: the next set then leaves every
         # batch to batch workers from the first on (engine/direct_batches.py).
         self.direct_refused = False
+        # ... and an item worker's time per item (engine/item_scheduler.py's ItemPace): the next
+        # set cuts its second batch by it instead of waiting for its first pieces' reports.
+        self.item_s: float | None = None
         self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
 
     @property
