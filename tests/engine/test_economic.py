@@ -560,19 +560,45 @@ def test_the_loader_keeps_the_item_workers_time_per_item_for_its_next_set(leak_g
     assert loader._slab_keeper.item_s is not None and loader._slab_keeper.item_s > 0
 
 
-@pytest.mark.slow  # four spawned processes, each importing torch
+@pytest.mark.slow  # spawned processes, each importing torch
 @pytest.mark.timeout(120)
-def test_spawned_batch_workers_start_with_the_item_workers(leak_guard):
-    # A spawned worker takes a second or more to start: not in the middle of an epoch, where
-    # the loader's timeout runs.
+def test_spawned_batch_workers_start_only_when_needed_and_up_front_once_known(leak_guard):
+    # A spawned worker takes a second or more to start. Up front, two batch workers beside two
+    # item workers doubled the first batch's wait on 2 CPUs; flat samples never need them.
     loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=2, mode="economic",
                         multiprocessing_context="spawn", timeout=30)
     iterator = iter(loader)
-    assert len(iterator._workers) == 4
     assert len(list(iterator)) == 6
+    assert len(iterator._workers) == 2  # the main process assembled every batch
     pids = worker_pids(iterator)
     del iterator, loader
     leak_guard.assert_exited(pids, within_s=2.0)
+    # Samples that are not flat: batch workers start when the first report says so, in the
+    # middle of the first epoch; the loader's next set of workers starts them with its item
+    # workers.
+    loader = DataLoader(_Nested(), batch_size=8, num_workers=2, mode="economic",
+                        multiprocessing_context="spawn", timeout=30)
+    expected = list(torch.utils.data.DataLoader(_Nested(), batch_size=8))
+    for epoch in range(2):
+        iterator = iter(loader)
+        started = len(iterator._workers)
+        batches = list(iterator)
+        assert all(torch.equal(ours["x"]["y"], theirs["x"]["y"]) for ours, theirs in zip(batches, expected))
+        assert (started, len(iterator._workers)) == ((2, 4) if epoch == 0 else (4, 4))
+        pids = worker_pids(iterator)
+        del iterator
+        leak_guard.assert_exited(pids, within_s=2.0)
+    del loader
+
+
+class _Nested(torch.utils.data.Dataset):
+    """Samples that are not flat (a dict inside a dict): a batch worker collates them."""
+
+    def __len__(self) -> int:
+        return 44
+
+    def __getitem__(self, index: int) -> Any:
+        return {"x": {"y": torch.full((3, 40, 40), float(index))}}
 
 
 @pytest.mark.parametrize("persistent", [True, False])

@@ -237,13 +237,17 @@ class EconomicEngine:
         # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
-        # fetch while the rest are forked), all of them by the end of start_epoch. Forked, a
-        # batch worker starts when the first batch it collates is sent to it: one whose batches
-        # the main process assembles (direct_batches.py) never starts. Spawned (a second or more
-        # each, importing torch), they start with the item workers, as before any batch: in the
-        # middle of an epoch the start would count against the loader's timeout.
+        # fetch while the rest are forked), all of them by the end of start_epoch. A batch
+        # worker starts when the first batch it collates is sent to it: one whose batches the
+        # main process assembles (direct_batches.py) never starts. Spawned ones (a second or more
+        # each, importing torch) start with the item workers when the loader's last set needed
+        # them: in the middle of an epoch their start would hold up the batches routed to them.
+        # Otherwise they wait too: spawned up front, on 2 CPUs, they doubled the first batch's
+        # wait (2 item workers and 2 batch workers importing torch at once), past a `timeout`
+        # torch's two spawned workers met.
         forked = (config.mp_context or multiprocessing.get_context()).get_start_method() == "fork"
-        on_demand = self._num_item_workers if forked else None
+        known_needed = keeper is not None and keeper.batch_workers_started
+        on_demand = None if known_needed and not forked else self._num_item_workers
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1,
                                     keeper=keeper, on_demand_from=on_demand)
@@ -299,6 +303,7 @@ class EconomicEngine:
             self._keeper.pace = self._budget.pace() or self._keeper.pace  # for the next set
             self._keeper.item_layout = None if self._direct.refused else self._item_bytes
             self._keeper.direct_refused = self._direct.refused
+            self._keeper.batch_workers_started = len(self._workers.handles) > self._num_item_workers
             self._keeper.item_s = self._pace.item_s if self._pace.item_s is not None else self._keeper.item_s
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.

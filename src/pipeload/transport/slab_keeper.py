@@ -87,6 +87,9 @@ class SlabKeeper:
         # ... and an item worker's time per item (engine/item_scheduler.py's ItemPace): the next
         # set cuts its second batch by it instead of waiting for its first pieces' reports.
         self.item_s: float | None = None
+        # ... and whether it started batch workers: a next set spawned ('spawn', 'forkserver')
+        # then starts them with its item workers, not in the middle of its first epoch.
+        self.batch_workers_started = False
         self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
 
     @property
