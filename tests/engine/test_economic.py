@@ -776,3 +776,31 @@ def test_out_of_order_batches_overtake_one_stuck_at_the_start_of_an_epoch(engine
         dataset.release.set()  # thread workers share it; process workers are stopped below
         del iterator
     assert len(set(firsts)) == 6 and 4 not in firsts, firsts
+
+
+class _WithALock(torch.utils.data.Dataset):
+    """Samples holding something that cannot be pickled, which the collate_fn drops."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> Any:
+        return {"x": torch.full((2,), float(index)), "lock": threading.Lock()}
+
+
+def _drop_the_locks(samples: list[dict]) -> torch.Tensor:
+    return torch.stack([sample["x"] for sample in samples])
+
+
+def test_a_sample_that_cannot_be_pickled_says_why_economic_mode_pickles_it():
+    # torch (and classic mode) collate a sample where it was fetched; economic mode sends it to
+    # a batch worker first. The error says so, and what to use instead.
+    assert len(list(DataLoader(_WithALock(), batch_size=2, num_workers=2, collate_fn=_drop_the_locks,
+                               multiprocessing_context="fork"))) == 2
+    loader = DataLoader(_WithALock(), batch_size=2, num_workers=2, collate_fn=_drop_the_locks,
+                        mode="economic", multiprocessing_context="fork")
+    with pytest.raises(TypeError) as caught:
+        next(iter(loader))
+    text = str(caught.value)
+    assert text.startswith("Caught TypeError in DataLoader worker process ")  # torch's words first
+    assert "cannot pickle" in text and "mode='classic' collates samples in the worker" in text

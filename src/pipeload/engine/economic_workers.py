@@ -17,6 +17,7 @@ which worker happened to do the work, nor when.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -215,7 +216,7 @@ class ItemWorkerLoop(WorkerLoop):
             offset = command.route.slot
             groups = tuple(
                 (slot, count, payload if isinstance(payload, (ItemColumns, RemoteFailure)) else
-                 describe_failure(self._id, ITEM, "handing items to the main process",
+                 describe_failure(self._id, ITEM, _handing_stage("the main process", exc),
                                   self._named(command.indices[slot - offset:slot - offset + count]), exc))
                 for slot, count, payload in kept.groups)
             self._report(Report.ITEMS_DONE, command.batch_number,
@@ -353,7 +354,7 @@ class ItemWorkerLoop(WorkerLoop):
         except (BrokenPipeError, ConnectionResetError):
             return delivery, False, refused  # that batch worker is gone: the main process says so
         except Exception as exc:  # a sample that cannot be pickled, /dev/shm full, ...
-            stage = f"handing items to batch worker {batch_worker}"
+            stage = _handing_stage(f"batch worker {batch_worker}", exc)
             sent = command.indices[offset:offset + delivery.count]
             failure = describe_failure(self._id, ITEM, stage, self._named(sent), exc)
             if writer is not None:
@@ -364,6 +365,17 @@ class ItemWorkerLoop(WorkerLoop):
                 pass
             return delivery, False, refused
         return delivery, delivery.delivery is Delivery.ITEMS, refused
+
+
+def _handing_stage(target: str, exc: Exception) -> str:
+    """Where an item worker failed to hand items over, for the error; a sample that could not
+    be pickled gets why it had to be (torch's loader, and classic mode, never pickle one)."""
+    stage = f"handing items to {target}"
+    if "pickl" in str(exc).lower() or isinstance(exc, pickle.PicklingError):
+        stage += (", which needs them pickled: in economic mode a sample travels from the item "
+                  "worker that fetched it to where it is collated (mode='classic' collates "
+                  "samples in the worker that fetched them)")
+    return stage
 
 
 def _item_bytes(sizes: list[int], count: int) -> tuple[int, ...] | None:
