@@ -307,7 +307,9 @@ def start_processes(
             for end in launch.parent_copies:
                 end.close()
     except BaseException:
-        stop_workers(workers)
+        # They have been given nothing to do: a Ctrl-C in the middle of the starts (or a start
+        # that failed) need not wait JOIN_GRACE_S for workers that will not leave by themselves.
+        stop_workers(workers, patient=False)
         raise
     finally:
         forget_unstarted()
@@ -406,24 +408,28 @@ CTRL_C_REDELIVERY_WAIT_S = 5.0  # then sent anyway: a finalizer that another one
 
 
 def stop_workers(
-    workers: Sequence[Any], ask: Callable[[int], None] | None = None, force: bool = True
+    workers: Sequence[Any], ask: Callable[[int], None] | None = None, force: bool = True,
+    patient: bool = True,
 ) -> None:
     """Stop every worker: ask (if given), join with a deadline, then terminate, then kill.
 
     ``force=False`` stops after the join: threads cannot be terminated, so waiting on through
     the escalation steps would only hold the caller up (a stuck daemon thread is left behind).
+    ``patient=False`` terminates at once: workers of a start that failed have nothing to finish.
     Ctrl-C waits until they are stopped (see :func:`ctrl_c_held`).
     """
     with ctrl_c_held():
-        _stop_workers(workers, ask, force)
+        _stop_workers(workers, ask, force, patient)
 
 
-def _stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None, force: bool) -> None:
+def _stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None, force: bool,
+                  patient: bool = True) -> None:
     if ask is not None:
         for worker_id, worker in enumerate(workers):
             if worker.is_alive():
                 _quietly(ask, worker_id)
-    _join_all(workers, JOIN_GRACE_S)
+    if patient or not force:
+        _join_all(workers, JOIN_GRACE_S)
     if not force:
         return
     for step, grace in (("terminate", TERMINATE_GRACE_S), ("kill", KILL_GRACE_S)):

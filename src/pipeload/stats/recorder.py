@@ -629,7 +629,12 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
     fetch_s, collate_s, send_s, bytes_out, cpu_s, queued_s = estimated_stages(
         (totals.fetch_s, totals.collate_s, totals.send_s, totals.bytes_out, totals.cpu_s,
          totals.queued_s), totals.start, totals.tasks, tasks)
-    return totals._replace(tasks=tasks, samples=round(totals.samples * tasks / totals.tasks),
+    samples = round(totals.samples * tasks / totals.tasks)
+    if totals.samples:
+        # Bytes go with samples, not tasks: tasks of different sizes (economic mode cuts an
+        # epoch's first batch finer than the rest) would give the two different scales.
+        bytes_out = totals.bytes_out * samples / totals.samples
+    return totals._replace(tasks=tasks, samples=samples,
                            fetch_s=fetch_s, collate_s=collate_s, send_s=send_s,
                            bytes_out=round(bytes_out), cpu_s=cpu_s, queued_s=queued_s)
 
