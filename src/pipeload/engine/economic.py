@@ -304,7 +304,7 @@ class EconomicEngine:
             self._keeper.item_layout = None if self._direct.refused else self._item_bytes
             self._keeper.direct_refused = self._direct.refused
             self._keeper.batch_workers_started = len(self._workers.handles) > self._num_item_workers
-            self._keeper.item_s = self._pace.item_s if self._pace.item_s is not None else self._keeper.item_s
+            self._keeper.item_s = self._pace.item_s  # started from the keeper's: never lost
         self._finalizer()
         # A closed engine can live on inside an exception's traceback: drop the batches it holds.
         self._reset_epoch_state(TaskSupply())
@@ -464,9 +464,8 @@ class EconomicEngine:
         if not messages_would_busy_main(item_s, self._num_item_workers, count):
             return 1
         slabs = self._workers.slabs
-        expected = slabs.batch_bytes if slabs is not None else 0
-        if not expected and self._item_bytes is not None:
-            expected = sum(self._item_bytes) * count
+        # _open_batch has just made ``count`` the last batch's length, which this reads.
+        expected = (slabs.batch_bytes if slabs is not None else 0) or self._expected_batch_bytes()
         if expected >= LARGE_BATCH_BYTES:
             return 1
         return least_items(count, self._num_item_workers, self._config.prefetch_factor)
