@@ -46,8 +46,10 @@ step gpu_copy_4 90 "$py" -m bench.run --workload gpu_copy --num-workers 4 --repe
 step epoch_costs_8 90 "$py" -m bench.epoch_costs --num-workers 8
 step epoch_costs_gpu_4 60 "$py" -m bench.epoch_costs --num-workers 4 --gpu-copy \
     --scenario per-epoch --scenario persistent
-# Where a new set of workers spends its time when eight are forked.
+# Where a new set of workers spends its time when eight are forked: with the main process's memory
+# gathered into huge pages (PIPELOAD_HUGE_HEAP's default with CPUs to spare), then without.
 step worker_churn_8 45 "$py" -m bench.worker_churn --num-workers 8 --epochs 6
+step worker_churn_8_small_pages 45 "$py" -m bench.worker_churn --num-workers 8 --epochs 6 --huge-heap off
 # What writing samples into their rows as they are fetched is worth with eight workers.
 step sample_rows_8 60 "$py" -m bench.sample_rows --num-workers 8 --sizes-kib 64,600 --items 4096
 # Economic mode's main process with many item workers: pieces cut by the rule against fine ones,

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pipeload.transport.slab_memory import MADV_POPULATE_READ, MADV_POPULATE_WRITE, _madvise
+from pipeload.transport.slab_memory import MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -67,7 +67,7 @@ def measure(size: int) -> dict[str, tuple[float, int]]:
     fd = _new_file(size)
     fresh = mmap.mmap(fd, size)
     array, address = _address(fresh)
-    results["fresh pages, read-populated"] = _timed(lambda: _madvise(address, size, MADV_POPULATE_READ))
+    results["fresh pages, read-populated"] = _timed(lambda: madvise(address, size, MADV_POPULATE_READ))
     other = _new_file(size)
     results["fresh pages, fallocate"] = _timed(lambda: os.posix_fallocate(other, 0, size))
     os.close(other)
@@ -76,7 +76,7 @@ def measure(size: int) -> dict[str, tuple[float, int]]:
     for name, advice in (("read-populated", MADV_POPULATE_READ), ("write-populated", MADV_POPULATE_WRITE)):
         mapping = mmap.mmap(fd, size)
         view, where = _address(mapping)
-        results[f"existing pages, {name}"] = _timed(lambda: _madvise(where, size, advice))
+        results[f"existing pages, {name}"] = _timed(lambda: madvise(where, size, advice))
         del view
         results["unmapping a populated mapping"] = _timed(mapping.close)
     mapping = mmap.mmap(fd, size)

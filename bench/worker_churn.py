@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:. python -m bench.worker_churn [--epochs 6] [--num-workers 2] [--step-ms 0]
                                                   [--items 4096] [--with-late-stop]
+                                                  [--huge-heap auto|on|off]
 
 First the floor no loader can go under: ``fork`` + ``_exit`` + ``waitpid`` of this very process
 (torch imported), best and median of 20. Then one pipeload loader with ``persistent_workers=False``
@@ -17,6 +18,11 @@ it, the first and second halves of the batches, and the time from the last batch
 (``PoolConfig.stop_when_done`` turned off for it alone): its "stop" column against the
 per-epoch loader's is what letting them go early saves (with ``--step-ms``, where the loop is
 the slower side; with the workers the slower side, nothing).
+
+``--huge-heap`` sets ``PIPELOAD_HUGE_HEAP`` (``engine/huge_heap.py``): ``on`` gathers the main
+process's memory into huge pages after the first set of workers stops, ``off`` never does, and
+``auto`` (the default) does so where a CPU is spare beside the workers. The fork floor is measured
+again after the last epoch, so the two lines show what the gathering did to it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 
 import pipeload
 from bench.epoch_costs import FloatItems
+from pipeload.engine import huge_heap
 from pipeload.loader import _engine_choice
 
 
@@ -108,7 +115,10 @@ def main() -> None:
                         help="items an epoch: a new set of workers costs the same whatever it is")
     parser.add_argument("--with-late-stop", action="store_true",
                         help="add a per-epoch loader whose workers stop only at StopIteration")
+    parser.add_argument("--huge-heap", choices=("auto", "on", "off"), default="auto",
+                        help="PIPELOAD_HUGE_HEAP for this run")
     args = parser.parse_args()
+    os.environ[huge_heap.HUGE_HEAP_ENV] = args.huge_heap
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the first epoch is not what later ones cost")
     forks = fork_exit_wait_ms()
@@ -131,6 +141,11 @@ def main() -> None:
             with workers_stopped_late() if name == "late-stop" else contextlib.nullcontext():
                 split = one_epoch(loaders[name], args.step_ms / 1e3)
             splits[name].append(split)
+            if number == 1 and name == "per-epoch":
+                # The persistent loader's workers, forked while this loader's first round
+                # gathers, would share the pages it gathers, which it then leaves as they are
+                # (huge_heap.py): a script with one loader has no such neighbour.
+                huge_heap.GATHERER.wait()
             print(f"{name:<15}{number:>6}{split.iter_ms:>9.1f}{split.first_ms:>9.1f}"
                   f"{split.first_half_ms:>10.1f}{split.second_half_ms:>10.1f}{split.stop_ms:>8.1f}"
                   f"{split.total_ms:>9.1f}")
@@ -147,6 +162,13 @@ def main() -> None:
     floor_ms = args.num_workers * statistics.median(forks)
     print(f"ceiling from the forks alone ({args.num_workers} x {statistics.median(forks):.1f} ms "
           f"an epoch): {kept['total_ms'] / (kept['total_ms'] + floor_ms):.2f}x")
+    huge_heap.GATHERER.wait()
+    rounds = huge_heap.GATHERER.rounds
+    after = fork_exit_wait_ms()
+    print(f"fork + _exit + waitpid after the epochs: best {min(after):.1f} ms, median "
+          f"{statistics.median(after):.1f} ms (--huge-heap {args.huge_heap}: " + (
+              f"its first round gathered {rounds[0].gathered_bytes >> 20} MiB into huge pages in "
+              f"{rounds[0].seconds * 1e3:.0f} ms; {len(rounds)} rounds)" if rounds else "nothing gathered)"))
     if "late-stop" in medians:
         late = medians["late-stop"]
         print(f"last batch to StopIteration, epochs 2+, medians: workers let go when done "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload.engine import huge_heap
 from pipeload.engine.lifecycle import (
     GoneBeforeStarting,
     ThreadWorkerHandle,
@@ -407,6 +408,10 @@ class WorkerGroup:
             self.slabs = None  # the next set may borrow it now
         self.plan.close()
         release_finished(self.handles)
+        if self.handles and self._ctx is not None and self._ctx.get_start_method() == "fork":
+            # This process forks workers again (the next epoch, the next loader): cheaper once
+            # its memory lies in huge pages (engine/huge_heap.py).
+            huge_heap.GATHERER.after_workers_stopped(len(self.handles))
 
     def _ask_to_stop(self, slot: int) -> None:
         try:

@@ -61,7 +61,8 @@ def _libc() -> Any:
         return None
 
 
-def _madvise(address: int, nbytes: int, advice: int) -> bool:
+def madvise(address: int, nbytes: int, advice: int) -> bool:
+    """``madvise(2)``; whether the kernel did it (False where it cannot, or without libc)."""
     libc = _libc()
     return libc is not None and nbytes > 0 and libc.madvise(address, nbytes, advice) == 0
 
@@ -69,7 +70,7 @@ def _madvise(address: int, nbytes: int, advice: int) -> bool:
 def populate(address: int, nbytes: int, write: bool = True) -> bool:
     """Fault ``nbytes`` at page-aligned ``address`` in now, in one call; returns whether the
     kernel did (False before Linux 5.14: pages then fault in on first use)."""
-    return _madvise(address, nbytes, MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
+    return madvise(address, nbytes, MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
 
 
 @functools.cache
@@ -137,7 +138,7 @@ def populate_in_background(mapping: mmap.mmap, address: int, nbytes: int) -> Pre
 
     def work() -> int:
         if huge:
-            _madvise(address, nbytes, MADV_HUGEPAGE)
+            madvise(address, nbytes, MADV_HUGEPAGE)
         return int(populate(address, nbytes, write=False))
 
     return Preparation(work, mapping, "pipeload-slab-populate")
@@ -165,7 +166,7 @@ class SlabMemory:
     def _prepare(self, pin_device: int | None) -> Preparation | None:
         address, size, huge = self.array.ctypes.data, self.size, huge_page_bytes()
         if huge and size >= POPULATE_FROM_BYTES:
-            _madvise(address, size, MADV_HUGEPAGE)
+            madvise(address, size, MADV_HUGEPAGE)
         if pin_device is None:
             return None
 

@@ -1,0 +1,201 @@
+"""The main process's memory gathered into huge pages between sets of forked workers: which
+windows are chosen (there, ours alone), that gathering keeps every byte, and when a loader asks."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import pytest
+import torch
+
+import pipeload
+from pipeload.engine import huge_heap
+from pipeload.engine.huge_heap import (
+    HUGE_PAGE_BYTES,
+    HeapGatherer,
+    aligned_windows,
+    dense_windows,
+    gather,
+    private_anonymous_ranges,
+    worth_gathering,
+)
+
+PAGE = mmap.PAGESIZE
+
+MAPS = """\
+55d0c0a00000-55d0c5e00000 rw-p 00000000 00:00 0                          [heap]
+7f1200000000-7f1200800000 rw-p 00000000 00:00 0 
+7f1300000000-7f1300400000 rw-p 00000000 00:00 0                          [anon: glibc: malloc arena]
+7f1400000000-7f1400400000 rw-s 00000000 00:01 4242                       /memfd:pipeload-batch (deleted)
+7f1500000000-7f1500400000 r--p 00000000 08:01 1234                       /usr/lib/libtorch_cpu.so
+7f1600000000-7f1600400000 rw-p 00100000 08:01 1234                       /usr/lib/libtorch_cpu.so
+7f1700000000-7f1700400000 ---p 00000000 00:00 0 
+7ffd00000000-7ffd00800000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def test_only_private_writable_memory_without_a_file_is_considered():
+    assert list(private_anonymous_ranges(MAPS)) == [
+        (0x55D0C0A00000, 0x55D0C5E00000),
+        (0x7F1200000000, 0x7F1200800000),
+        (0x7F1300000000, 0x7F1300400000),
+    ]
+
+
+def test_windows_are_whole_huge_pages_inside_the_range():
+    assert list(aligned_windows(HUGE_PAGE_BYTES + 1, 4 * HUGE_PAGE_BYTES - 1)) == [2 * HUGE_PAGE_BYTES]
+    assert list(aligned_windows(0, HUGE_PAGE_BYTES - 1)) == []
+
+
+class _Anonymous:
+    """A private anonymous mapping holding at least two whole huge-page windows."""
+
+    def __init__(self) -> None:
+        self.memory = mmap.mmap(-1, 4 * HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.start = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+        self.windows = list(aligned_windows(self.start, self.start + len(self.memory)))
+        assert len(self.windows) >= 2
+
+    def touch(self, window: int, pages: int, value: int = 1) -> None:
+        offset = window - self.start
+        for page in range(pages):
+            self.memory[offset + page * PAGE] = value
+
+    def chosen(self) -> list[int]:
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            return dense_windows(pagemap, iter([(self.start, self.start + len(self.memory))]))
+        finally:
+            os.close(pagemap)
+
+
+@pytest.fixture
+def anonymous():
+    mapping = _Anonymous()
+    yield mapping
+    mapping.memory.close()
+
+
+def test_a_window_is_chosen_when_nearly_all_its_pages_are_there(anonymous):
+    full, half = anonymous.windows[:2]
+    anonymous.touch(full, HUGE_PAGE_BYTES // PAGE)
+    anonymous.touch(half, HUGE_PAGE_BYTES // PAGE // 2)
+    assert anonymous.chosen() == [full]  # gathering the half-empty one would add 1 MiB
+
+
+def test_a_window_a_child_still_shares_is_not_chosen_until_it_is_gone(anonymous):
+    window = anonymous.windows[0]
+    anonymous.touch(window, HUGE_PAGE_BYTES // PAGE)
+    go_on, hold = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child keeps the pages shared until told to leave
+        os.close(hold)
+        os.read(go_on, 1)
+        os._exit(0)
+    os.close(go_on)
+    try:
+        assert anonymous.chosen() == []  # gathering it would copy it for this process alone
+    finally:
+        os.close(hold)
+        os.waitpid(pid, 0)
+    assert anonymous.chosen() == [window]
+
+
+def test_gathering_a_window_puts_it_in_a_huge_page_and_keeps_every_byte(anonymous):
+    window = anonymous.windows[0]
+    offset = window - anonymous.start
+    pattern = bytes(range(256)) * (HUGE_PAGE_BYTES // 256)
+    anonymous.memory[offset:offset + HUGE_PAGE_BYTES] = pattern
+    if not huge_heap.kernel_gives_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    done = gather([window])
+    if done.refused:
+        pytest.skip("this kernel cannot gather on request (MADV_COLLAPSE, Linux 6.1)")
+    assert done.gathered_bytes == HUGE_PAGE_BYTES
+    assert anonymous.memory[offset:offset + HUGE_PAGE_BYTES] == pattern
+    assert _huge_kib_of_mapping(anonymous.start) >= HUGE_PAGE_BYTES // 1024
+
+
+def _huge_kib_of_mapping(address: int) -> int:
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def test_auto_gathers_only_with_a_cpu_to_spare_and_off_never(monkeypatch):
+    if not huge_heap.kernel_gives_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    cpus = huge_heap.usable_cpus()
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "auto")
+    assert not worth_gathering(cpus - 1)  # the workers and the main process take every CPU
+    assert worth_gathering(cpus - 2) == (cpus - 2 >= 0)
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
+    assert worth_gathering(cpus)
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "off")
+    assert not worth_gathering(0)
+
+
+class _Numbers(pipeload.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((256,), float(index))
+
+
+def _epoch(loader: pipeload.DataLoader) -> list[torch.Tensor]:
+    return [batch.clone() for batch in loader]
+
+
+def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay_the_same(monkeypatch):
+    gatherer = HeapGatherer()
+    monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
+    if not huge_heap.kernel_gives_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    loader = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2,
+                                 multiprocessing_context="fork")
+    first = _epoch(loader)
+    done = gatherer.wait()
+    assert done is not None and len(gatherer.rounds) == 1
+    if done.refused and not done.gathered_bytes:
+        pytest.skip("this kernel cannot gather on request (MADV_COLLAPSE, Linux 6.1)")
+    assert done.gathered_bytes > 0
+    second = _epoch(loader)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert torch.equal(torch.cat(second)[:, 0], torch.arange(64, dtype=torch.float32))
+    gatherer.wait()
+    assert len(gatherer.rounds) == 1  # the heap did not grow: its windows are not chosen again
+
+
+def test_windows_are_chosen_again_once_the_process_has_grown(monkeypatch):
+    gatherer = HeapGatherer()
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
+    if not huge_heap.kernel_gives_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    assert gatherer.after_workers_stopped(1)
+    gatherer.wait()
+    assert not gatherer.after_workers_stopped(1)
+    grown = torch.ones((huge_heap.REGATHER_GROWTH_BYTES + (16 << 20)) // 4)  # touched: resident
+    assert gatherer.after_workers_stopped(1)
+    gatherer.wait()
+    del grown
+
+
+def test_a_thread_loader_and_off_never_start_a_round(monkeypatch):
+    gatherer = HeapGatherer()
+    monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "off")
+    _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork"))
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
+    _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, worker_type="thread"))
+    assert gatherer.wait() is None and gatherer.rounds == []
