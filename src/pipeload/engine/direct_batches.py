@@ -56,10 +56,22 @@ class DirectBatch:
     groups: dict[int, tuple[int, Any]] = field(default_factory=dict)
     filled: int = 0
     outcome: GrantOutcome = GrantOutcome.USED
+    failed_early: bool = False  # its failure went out before every piece came
 
     @property
     def complete(self) -> bool:
         return self.filled >= len(self.indices)
+
+    def decided_failure(self) -> RemoteFailure | None:
+        """The failure torch would raise for this batch, as soon as it is known: the earliest
+        failed slot's, once every slot before it has come (torch fetches a batch's items in order
+        and stops at the first that raises; a slot still on its way may yet fail first)."""
+        failed = [slot for slot, (_, payload) in self.groups.items() if isinstance(payload, RemoteFailure)]
+        if not failed:
+            return None
+        first = min(failed)
+        before = sum(count for slot, (count, _) in self.groups.items() if slot < first)
+        return self.groups[first][1] if before >= first else None
 
 
 class DirectBatches:
@@ -101,19 +113,39 @@ class DirectBatches:
             self.refused = True
 
     def add(self, number: int, done: ItemsDone, pool: SlabPool) -> WorkerReport | None:
-        """Record a direct piece's groups; the batch's report once its last piece is in."""
+        """Record a direct piece's groups; the batch's report once its last piece is in, or
+        its failure as soon as it is decided (``DirectBatch.decided_failure``)."""
         batch = self._batches.get(number)
         if batch is None or done.groups is None:
             return None
         for slot, count, payload in done.groups:
-            batch.groups[slot] = (count, payload)
+            # A batch that failed keeps only what decides the failure: its items are not read.
+            keep = not batch.failed_early or isinstance(payload, RemoteFailure)
+            batch.groups[slot] = (count, payload if keep else None)
         batch.filled += done.count
         if done.outcome in (GrantOutcome.BUSY, GrantOutcome.LATE):
             batch.outcome = done.outcome
         if not batch.complete:
-            return None
+            return self._failure_if_decided(number, batch)
         del self._batches[number]
+        if batch.failed_early:
+            # Its last piece is in: no item worker writes into its slab any more.
+            pool.settle(number, _unviewed(batch.outcome))
+            return None
         return assemble(number, batch, pool)
+
+    @staticmethod
+    def _failure_if_decided(number: int, batch: DirectBatch) -> WorkerReport | None:
+        """The batch's failure report, once, as soon as it is decided, as torch's worker raises
+        at the first failing item rather than once the batch's other items are fetched. The
+        slab's grant stays open until the last piece is in (item workers may still write there)."""
+        if batch.failed_early:
+            return None
+        failure = batch.decided_failure()
+        if failure is None:
+            return None
+        batch.failed_early = True
+        return WorkerReport(Report.FAILED, batch.batch_worker, number, failure)
 
 
 def assemble(number: int, batch: DirectBatch, pool: SlabPool) -> WorkerReport:

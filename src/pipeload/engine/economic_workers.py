@@ -78,6 +78,7 @@ BATCH = "batch"
 # its heap back then. A piece takes tens of milliseconds to fetch, so a worker that is never
 # kept waiting (a fast loop) never pays for the trim and the page faults after it.
 IDLE_TRIM_AFTER_S = 0.02
+FAILED_BATCHES_KEPT = 16  # an item worker skips later pieces of this many recently failed batches
 
 
 class ItemWorkerLoop(WorkerLoop):
@@ -96,6 +97,9 @@ class ItemWorkerLoop(WorkerLoop):
         self._rng = rng
         self._said_item_bytes: tuple[int, ...] | None = None
         self._heap_in_use = False
+        # (epoch, batch number) -> (slot, failure): the earliest item this worker saw fail in
+        # each of the last batches that failed here.
+        self._failed_batches: dict[tuple[int, int], tuple[int, RemoteFailure]] = {}
 
     def _next_command(self) -> WorkerCommand | None:
         command = super()._next_command()
@@ -238,6 +242,26 @@ class ItemWorkerLoop(WorkerLoop):
         return ItemsDone(count, sizes, as_columns)
 
     def _deliveries_of(self, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
+        """``_fetched_deliveries``, except for a piece of a batch that this worker saw fail at an
+        earlier slot: torch stops fetching a batch at its first failing item, so the piece is not
+        fetched, and one failure delivery (that earlier failure, which is the one raised) fills
+        its slots."""
+        key = (command.epoch, command.batch_number)
+        known = self._failed_batches.get(key)
+        if known is not None and command.route.slot > known[0]:
+            piece = ItemDelivery(Delivery.ITEMS, self._id, command.epoch, command.batch_number,
+                                 command.route.slot, len(command.indices))
+            yield _failed(piece, known[1])
+            return
+        for delivery in self._fetched_deliveries(command, timing):
+            if delivery.delivery is Delivery.FAILED and (known is None or delivery.slot < known[0]):
+                self._failed_batches[key] = known = (delivery.slot, delivery.payload)
+                while len(self._failed_batches) > FAILED_BATCHES_KEPT:
+                    del self._failed_batches[next(iter(self._failed_batches))]  # the oldest
+            yield delivery
+            del delivery  # before the next item is fetched: this worker holds one group at most
+
+    def _fetched_deliveries(self, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
         """The piece's items as deliveries: consecutive items gathered up to the outbox's
         ``group_bytes`` (one item each when it names none), each group handed over before the
         next item is fetched; a ``__getitems__`` call, or a failure, in one for the rest of the
@@ -258,7 +282,7 @@ class ItemWorkerLoop(WorkerLoop):
         yield from self._item_groups(piece, command, timing)
 
     def _item_groups(self, piece: ItemDelivery, command: WorkerCommand, timing: bool) -> Iterator[ItemDelivery]:
-        """The per-item path of ``_deliveries_of``: each item fetched under its own seed."""
+        """The per-item path of ``_fetched_deliveries``: each item fetched under its own seed."""
         route, indices = command.route, command.indices
         dataset = self._setup.fetch.dataset
         seeds = ItemSeeds(self._setup.base_seed, command.epoch, route.position, len(indices))
@@ -420,18 +444,31 @@ class _Gathering:
     # slot -> the samples that begin there (a list, or an ItemColumns whose tensors are in the slab)
     pieces: dict[int, list[Any] | ItemColumns] = dataclasses.field(default_factory=dict)
     failures: dict[int, RemoteFailure] = dataclasses.field(default_factory=dict)  # slot -> why
+    arrived: dict[int, int] = dataclasses.field(default_factory=dict)  # first slot -> slots filled
     filled: int = 0
+    failed_early: bool = False  # its failure went out before every piece came: drop the rest
 
     def add(self, delivery: ItemDelivery) -> None:
         if delivery.delivery is Delivery.FAILED:
             self.failures[delivery.slot] = delivery.payload
-        else:
+        elif not self.failed_early:
             self.pieces[delivery.slot] = delivery.payload
+        self.arrived[delivery.slot] = delivery.count
         self.filled += delivery.count
 
     @property
     def complete(self) -> bool:
         return self.indices is not None and self.filled >= len(self.indices)
+
+    def decided_failure(self) -> RemoteFailure | None:
+        """The failure torch would raise for this batch, as soon as it is known: the earliest
+        failed slot's, once every slot before it has come (torch fetches a batch's items in order
+        and stops at the first that raises; a slot still on its way may yet fail first)."""
+        if self.indices is None or not self.failures:
+            return None
+        first = min(self.failures)
+        before = sum(count for slot, count in self.arrived.items() if slot < first)
+        return self.failures[first] if before >= first else None
 
     def take_groups(self) -> list[tuple[int, list[Any] | ItemColumns]]:
         """The pieces in slot order, (first slot, samples); they are forgotten here, so that once
@@ -497,16 +534,20 @@ class BatchWorkerLoop(WorkerLoop):
         self._finish_if_complete(key)
 
     def _finish_if_complete(self, key: tuple[int, int]) -> None:
-        if not self._batches[key].complete:
+        gathering = self._batches[key]
+        if gathering.failed_early:
+            if gathering.complete:
+                del self._batches[key]  # its last pieces have come: nothing writes for it now
             return
-        gathering = self._batches.pop(key)
+        if not gathering.complete:
+            early = gathering.decided_failure()
+            if early is not None and self._init_failure is None:
+                self._fail_early(key, gathering, early)
+            return
+        del self._batches[key]
         epoch, number = key
         indices = gathering.indices
-        clock = self._clock
-        if clock is not None:  # count down to the next timed batch (stats/clock.py)
-            clock.left -= 1
-            if clock.left <= 0:
-                clock.start_timed()
+        self._count_down_to_timing()
         self._outbox.prepare(gathering.grant)  # collation writes where the batch will travel
         failure = self._init_failure or _first_failure(gathering)
         if failure is not None:
@@ -521,6 +562,27 @@ class BatchWorkerLoop(WorkerLoop):
         setup_s = self._outbox.setup_s
         build_s = max(0.0, time.perf_counter() - started - setup_s)
         self._send_batch(number, batch, indices, build_s, setup_s, time.monotonic())
+
+    def _count_down_to_timing(self) -> None:
+        clock = self._clock
+        if clock is not None:  # count down to the next timed batch (stats/clock.py)
+            clock.left -= 1
+            if clock.left <= 0:
+                clock.start_timed()
+
+    def _fail_early(self, key: tuple[int, int], gathering: _Gathering, failure: RemoteFailure) -> None:
+        """Report the batch's failure now, as torch's worker raises at the first failing item,
+        rather than once its other pieces are fetched (0.5 s items: seconds later). Its pieces
+        still on their way are dropped as they come; those that item workers write into the
+        batch's slab would land after the slab's grant is over, so the slab is given up
+        (``leave_to_late_writers``): a failed batch costs a new slab, never a batch written over."""
+        gathering.failed_early = True
+        gathering.pieces.clear()
+        self._count_down_to_timing()
+        self._outbox.prepare(gathering.grant)
+        if gathering.grant is not None and gathering.grant.items is not None:
+            self._outbox.writer.leave_to_late_writers()
+        self._report_with_totals(Report.FAILED, key[1], failure)
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
         make_batch, count = self._collation(gathering)

@@ -435,6 +435,12 @@ class SlabWriter:
         self.setup_s += time.perf_counter() - started
         return storage
 
+    def leave_to_late_writers(self) -> None:
+        """This message ends before others have finished writing into its slab (economic item
+        workers filling a batch that failed): the slab is never granted again (``BUSY``)."""
+        if self._outcome is not GrantOutcome.NO_GRANT:
+            self._outcome = GrantOutcome.BUSY
+
     @property
     def slab_refused(self) -> bool:
         """Whether this message found its slab not writable (still viewed, or not released in
