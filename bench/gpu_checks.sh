@@ -44,6 +44,10 @@ step tests 150 "$py" -m pytest tests -k "pin or cuda or slab" -q -p no:cacheprov
 step epoch_costs_gpu_8 120 "$py" -m bench.epoch_costs --num-workers 8 --gpu-copy
 step gpu_copy_4 90 "$py" -m bench.run --workload gpu_copy --num-workers 4 --repeats 3
 step epoch_costs_8 90 "$py" -m bench.epoch_costs --num-workers 8
+# Without persistent loaders alive beside them (their workers share the main process's pages, which
+# then stay in small pages): what a script with one per-epoch loader sees, forks in huge pages.
+step epoch_costs_8_per_epoch 60 "$py" -m bench.epoch_costs --num-workers 8 --scenario per-epoch \
+    --scenario new-loader
 step epoch_costs_gpu_4 60 "$py" -m bench.epoch_costs --num-workers 4 --gpu-copy \
     --scenario per-epoch --scenario persistent
 # Where a new set of workers spends its time when eight are forked: with the main process's memory

@@ -141,11 +141,6 @@ def main() -> None:
             with workers_stopped_late() if name == "late-stop" else contextlib.nullcontext():
                 split = one_epoch(loaders[name], args.step_ms / 1e3)
             splits[name].append(split)
-            if number == 1 and name == "per-epoch":
-                # The persistent loader's workers, forked while this loader's first round
-                # gathers, would share the pages it gathers, which it then leaves as they are
-                # (huge_heap.py): a script with one loader has no such neighbour.
-                huge_heap.GATHERER.wait()
             print(f"{name:<15}{number:>6}{split.iter_ms:>9.1f}{split.first_ms:>9.1f}"
                   f"{split.first_half_ms:>10.1f}{split.second_half_ms:>10.1f}{split.stop_ms:>8.1f}"
                   f"{split.total_ms:>9.1f}")

@@ -19,6 +19,7 @@ from pipeload.engine.huge_heap import (
     dense_windows,
     gather,
     private_anonymous_ranges,
+    still_ours_alone,
     worth_gathering,
 )
 
@@ -63,12 +64,18 @@ class _Anonymous:
         for page in range(pages):
             self.memory[offset + page * PAGE] = value
 
-    def chosen(self) -> list[int]:
-        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
-        try:
-            return dense_windows(pagemap, iter([(self.start, self.start + len(self.memory))]))
-        finally:
-            os.close(pagemap)
+    def chosen(self, most: int | None = None) -> list[int]:
+        with _pagemap() as pagemap:
+            return dense_windows(pagemap, iter([(self.start, self.start + len(self.memory))]), most=most)
+
+
+class _pagemap:
+    def __enter__(self) -> int:
+        self.fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        return self.fd
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.fd)
 
 
 @pytest.fixture
@@ -83,24 +90,45 @@ def test_a_window_is_chosen_when_nearly_all_its_pages_are_there(anonymous):
     anonymous.touch(full, HUGE_PAGE_BYTES // PAGE)
     anonymous.touch(half, HUGE_PAGE_BYTES // PAGE // 2)
     assert anonymous.chosen() == [full]  # gathering the half-empty one would add 1 MiB
+    anonymous.touch(half, HUGE_PAGE_BYTES // PAGE)
+    assert anonymous.chosen(most=1) == [full]  # a round's budget
+
+
+class _SharingChild:
+    """A forked child that keeps this process's pages shared until it is let go."""
+
+    def __enter__(self) -> None:
+        go_on, self.hold = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.hold)
+            os.read(go_on, 1)
+            os._exit(0)
+        os.close(go_on)
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.hold)
+        os.waitpid(self.pid, 0)
 
 
 def test_a_window_a_child_still_shares_is_not_chosen_until_it_is_gone(anonymous):
     window = anonymous.windows[0]
     anonymous.touch(window, HUGE_PAGE_BYTES // PAGE)
-    go_on, hold = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child keeps the pages shared until told to leave
-        os.close(hold)
-        os.read(go_on, 1)
-        os._exit(0)
-    os.close(go_on)
-    try:
+    with _SharingChild():
         assert anonymous.chosen() == []  # gathering it would copy it for this process alone
-    finally:
-        os.close(hold)
-        os.waitpid(pid, 0)
     assert anonymous.chosen() == [window]
+
+
+def test_a_window_chosen_then_shared_or_given_back_is_left_as_it_is(anonymous):
+    shared, given_back = anonymous.windows[:2]
+    for window in (shared, given_back):
+        anonymous.touch(window, HUGE_PAGE_BYTES // PAGE)
+    assert anonymous.chosen() == [shared, given_back]
+    anonymous.memory.madvise(mmap.MADV_DONTNEED, given_back - anonymous.start, HUGE_PAGE_BYTES // 2)
+    with _pagemap() as pagemap, _SharingChild():
+        assert not still_ours_alone(pagemap, shared) and not still_ours_alone(pagemap, given_back)
+        done = gather([shared, given_back], pagemap)
+    assert (done.gathered_bytes, done.refused) == (0, 0)  # nothing copied, nothing filled in again
 
 
 def test_gathering_a_window_puts_it_in_a_huge_page_and_keeps_every_byte(anonymous):
@@ -110,7 +138,8 @@ def test_gathering_a_window_puts_it_in_a_huge_page_and_keeps_every_byte(anonymou
     anonymous.memory[offset:offset + HUGE_PAGE_BYTES] = pattern
     if not huge_heap.kernel_gives_huge_pages():
         pytest.skip("transparent huge pages are off on this machine")
-    done = gather([window])
+    with _pagemap() as pagemap:
+        done = gather([window], pagemap)
     if done.refused:
         pytest.skip("this kernel cannot gather on request (MADV_COLLAPSE, Linux 6.1)")
     assert done.gathered_bytes == HUGE_PAGE_BYTES
@@ -189,6 +218,33 @@ def test_windows_are_chosen_again_once_the_process_has_grown(monkeypatch):
     assert gatherer.after_workers_stopped(1)
     gatherer.wait()
     del grown
+
+
+def test_the_next_fork_waits_for_a_running_round_and_no_page_is_copied_for_the_main_process(monkeypatch):
+    gatherer = HeapGatherer()
+    monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
+    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
+    if not huge_heap.kernel_gives_huge_pages():
+        pytest.skip("transparent huge pages are off on this machine")
+    held = torch.ones(128 << 18)  # 128 MiB in the main process, as a dataset held in memory
+    per_epoch = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork")
+    _epoch(per_epoch)  # its workers stop: a round starts
+    alone = _private_bytes()
+    persistent = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True,
+                                     multiprocessing_context="fork")
+    iterator = iter(persistent)  # forks at once, while the round may still run
+    next(iterator)
+    assert not gatherer._thread.is_alive() and len(gatherer.rounds) == 1
+    # The held tensor's pages are shared with the persistent workers now, not copied for the main
+    # process by a round that went on after they were forked.
+    assert _private_bytes() < alone - (96 << 20)
+    del iterator, held
+
+
+def _private_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as rollup:
+        fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("Private_Clean", "Private_Dirty"))
 
 
 def test_a_thread_loader_and_off_never_start_a_round(monkeypatch):

@@ -6,34 +6,41 @@ of private memory (its heap and Python's arenas, ~37,000 pages of 4 KiB), and on
 child's exit cost 6 to 10 ms on the development box, in the main process, one fork after another.
 A loader without persistent workers pays that for every worker at every epoch, before any batch
 is built: 8 workers, ~50 ms an epoch. Where the same memory lies in 2 MiB pages, the fork copies
-one entry per 2 MiB: measured there, 9.6 ms fell to 2.6 ms per fork and exit (``bench.worker_churn
---huge-heap on``).
+one entry per 2 MiB: measured there, 7 to 16 ms fell to 3.6 to 4.7 ms per fork and exit
+(``python -m bench.huge_heap``).
 
 Linux (6.1 and later) lets a process gather its populated memory into huge pages on request
 (``MADV_COLLAPSE``): the kernel copies each 2 MiB window into a huge page, without changing a byte
-of what it holds. That copy costs ~20 to 300 ms for the whole heap (it varies with how readily the
+of what it holds. That copy costs ~20 to 450 ms for torch's heap (it varies with how readily the
 kernel finds free huge pages), so it is done once, by a short-lived thread that releases the GIL in
 the kernel, when a set of forked workers has stopped: a process that forks workers once forks them
-again (the next epoch of a loader without persistent workers, the next loader). The round goes on
-while the next workers start: stopping it at their fork would stop it for good in a loop that
-starts the next epoch at once.
+again (the next epoch of a loader without persistent workers, the next loader), and meanwhile
+the loop may well have other work (validation, a checkpoint).
 
-Only windows whose pages are nearly all there, and mapped by this process alone when the set
-stops, are gathered: the resident set grows by a few pages at most, and no page that another
-process still shares (the workers of a persistent loader, say) is copied for this one. Workers
-forked while a round runs keep the small pages they were forked with, freed when they exit.
+The kernel copies a window even where a child shares its pages, which would leave this process
+a private copy of them for as long as the child lives (a 512 MiB dataset held in memory: 512 MiB
+more, for as long as a persistent loader's workers live). So only windows whose pages are nearly
+all there and mapped by this process alone are gathered, each checked again just before it is
+(the resident set grows by a few pages at most, even where memory was given back meanwhile), and
+the next fork of workers waits for a running round rather than share pages with it
+(``before_fork``): for ``FORK_WAITS_S`` at most, then the round stops after its window in hand
+and goes on at the next stop (a round gathers at most ``ROUND_BYTES``: a dataset held in memory
+is gathered over several). Windows are chosen again once the process has grown by 64 MiB (a
+dataset loaded since).
 
 ``PIPELOAD_HUGE_HEAP``: ``auto`` (the default) gathers where the kernel has transparent huge pages
 (not ``never``) and the machine has a CPU to spare beside the workers; ``on`` gathers wherever the
-kernel can; ``off`` never does.
+kernel can; ``off`` never does. With every CPU taken by the workers, the copy and the waits come out
+of the next epochs: on the 2-CPU development box it paid for itself only after ~20 epochs.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +54,13 @@ HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DENSE_PAGES_SHARE = 0.875  # a window with more holes than this would grow the resident set
 REGATHER_GROWTH_BYTES = 64 << 20  # private memory grown by this much since: choose again
-ROUND_BYTES = 4 << 30  # at most this much copied a round: a dataset held in memory waits its turn
+# At most this much chosen a round: a fork waits for the round (~0.3 s at the slowest rate seen,
+# 2.5 ms a window), and a dataset held in memory is gathered over several stops.
+ROUND_BYTES = 256 << 20
+# How long the next fork of workers waits for a running round before stopping it: the epoch's
+# start is held up by this much at most (once, or once a stop while a dataset held in memory is
+# gathered), against a few milliseconds saved per worker at every later epoch.
+FORK_WAITS_S = 0.05
 SCAN_WINDOWS = 512  # windows read from the page map at a time (2 MiB of it)
 _OURS_ALONE = np.uint64((1 << 63) | (1 << 62) | (1 << 56))  # present, swapped, mapped once
 _OURS_ALONE_MASKED = np.uint64((1 << 63) | (1 << 56))  # present, not swapped, mapped once
@@ -61,6 +74,7 @@ class Round:
     gathered_bytes: int
     refused: int
     seconds: float
+    windows_done: int  # of those chosen, in order (the rest: stopped for a fork)
 
 
 def setting() -> str:
@@ -118,43 +132,73 @@ def aligned_windows(start: int, end: int) -> range:
     return range(first, max(first, last), HUGE_PAGE_BYTES)
 
 
-def dense_windows(pagemap_fd: int, ranges: Iterator[tuple[int, int]]) -> list[int]:
+def dense_windows(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = frozenset(),
+                  most: int | None = None) -> list[int]:
     """The huge-page windows of ``ranges`` whose pages are nearly all in memory and mapped by this
     process alone, from ``/proc/self/pagemap`` (a 64-bit word a page; bit 63 present, 62 swapped,
-    56 mapped once: none needs privilege)."""
+    56 mapped once: none needs privilege); at most ``most`` of them, none of ``skip``."""
     per_window = HUGE_PAGE_BYTES // PAGE_BYTES
     least = int(per_window * DENSE_PAGES_SHARE)
     chosen: list[int] = []
     for start, end in ranges:
-        windows = aligned_windows(start, end)
+        windows = [window for window in aligned_windows(start, end) if window not in skip]
         for first in range(0, len(windows), SCAN_WINDOWS):
+            if most is not None and len(chosen) >= most:
+                return chosen[:most]
             part = windows[first:first + SCAN_WINDOWS]
-            try:
-                words = np.frombuffer(os.pread(pagemap_fd, len(part) * per_window * 8,
-                                               part.start // PAGE_BYTES * 8), dtype=np.uint64)
-            except OSError:
-                break
-            if words.size != len(part) * per_window:
+            counts = _ours_alone_counts(pagemap_fd, part, per_window)
+            if counts is None:
                 break  # the mapping went away meanwhile
-            ours = (words & _OURS_ALONE) == _OURS_ALONE_MASKED
-            counts = ours.reshape(len(part), per_window).sum(axis=1)
-            chosen.extend(window for window, count in zip(part, counts.tolist()) if count >= least)
-    return chosen
+            chosen.extend(window for window, count in zip(part, counts) if count >= least)
+    return chosen if most is None else chosen[:most]
 
 
-def gather(windows: list[int], budget: int = ROUND_BYTES) -> Round:
-    """Ask the kernel for each window in huge pages, one window a call: a call holds this
-    process's memory map locked while it copies, and a fork waits for one window at most."""
+def _ours_alone_counts(pagemap_fd: int, windows: list[int], per_window: int) -> list[int] | None:
+    """For each window, how many of its pages are present and mapped by this process alone; read
+    in one call when the windows are consecutive, one call each otherwise."""
+    if not windows:
+        return []
+    if windows[-1] - windows[0] == (len(windows) - 1) * HUGE_PAGE_BYTES:
+        runs = [(windows[0], len(windows))]
+    else:
+        runs = [(window, 1) for window in windows]
+    counts: list[int] = []
+    for first, count in runs:
+        try:
+            raw = os.pread(pagemap_fd, count * per_window * 8, first // PAGE_BYTES * 8)
+        except OSError:
+            return None
+        words = np.frombuffer(raw, dtype=np.uint64)
+        if words.size != count * per_window:
+            return None
+        ours = (words & _OURS_ALONE) == _OURS_ALONE_MASKED
+        counts += ours.reshape(count, per_window).sum(axis=1).tolist()
+    return counts
+
+
+def still_ours_alone(pagemap_fd: int, window: int) -> bool:
+    """Whether ``window`` is still nearly all there and ours alone (one 4 KiB read)."""
+    return bool(dense_windows(pagemap_fd, iter([(window, window + HUGE_PAGE_BYTES)])))
+
+
+def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = None) -> Round:
+    """Ask the kernel for each window in huge pages, one window a call (a call holds this
+    process's memory map locked while it copies), each checked just before: pages another process
+    has come to share, or that were given back since the choice, are left as they are. Ends early
+    once ``stop`` is set."""
     started = time.perf_counter()
-    gathered = refused = 0
+    gathered = refused = done = 0
     for window in windows:
-        if gathered >= budget:
+        if stop is not None and stop.is_set():
             break
+        done += 1
+        if not still_ours_alone(pagemap_fd, window):
+            continue
         if madvise(window, HUGE_PAGE_BYTES, MADV_COLLAPSE):
             gathered += HUGE_PAGE_BYTES
         else:
             refused += 1
-    return Round(gathered, refused, time.perf_counter() - started)
+    return Round(gathered, refused, time.perf_counter() - started, done)
 
 
 def anonymous_bytes() -> int:
@@ -169,8 +213,9 @@ def anonymous_bytes() -> int:
     return -1
 
 
-def windows_to_gather() -> list[int] | None:
-    """Every window worth gathering now, or None where the page map cannot be read."""
+def windows_to_gather(skip: Set[int], most: int) -> list[int] | None:
+    """Up to ``most`` windows worth gathering now, none of ``skip``; None where the page map
+    cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             ranges = list(private_anonymous_ranges(maps.read()))
@@ -178,22 +223,22 @@ def windows_to_gather() -> list[int] | None:
     except OSError:
         return None
     try:
-        return dense_windows(pagemap, iter(ranges))
+        return dense_windows(pagemap, iter(ranges), skip, most)
     finally:
         os.close(pagemap)
 
 
 class HeapGatherer:
-    """Chooses the windows to gather when a set of forked workers stops, and gathers them on a
-    daemon thread.
+    """Chooses the windows to gather when a set of forked workers stops, gathers them on a daemon
+    thread, and holds the next fork of workers until that is done.
 
     One per process (``GATHERER``), owned by this module; the engine calls
-    ``after_workers_stopped``. The choice is made at once, in the calling thread (2 to 3 ms for
-    torch's ~150 MiB): the next epoch's workers may be forked a moment later, and pages they share
-    are no longer this process's alone. It is made again only once the process's private memory
-    has grown by ``REGATHER_GROWTH_BYTES`` (a dataset loaded since, say). A kernel that refuses
-    every window (``MADV_COLLAPSE`` is unknown before Linux 6.1) turns gathering off for the
-    process.
+    ``after_workers_stopped`` and ``before_fork``. The choice is made at once, in the calling
+    thread (2 to 3 ms for torch's ~150 MiB; ~2 ms more per 256 MiB chosen), before the next
+    epoch's workers can share the pages. It is made again at the next stop while a round left
+    windows for later (``ROUND_BYTES``), then only once the process's private memory has grown by
+    ``REGATHER_GROWTH_BYTES``. A kernel that refuses every window (``MADV_COLLAPSE`` is unknown
+    before Linux 6.1) turns gathering off for the process.
     """
 
     def __init__(self) -> None:
@@ -201,31 +246,53 @@ class HeapGatherer:
         self._thread: threading.Thread | None = None
         self._unsupported = False
         self._chosen_at_bytes = -1  # RssAnon when windows were last chosen (-1: never)
+        self._more_to_gather = False  # the last choice stopped at ROUND_BYTES
+        self._gathered: set[int] = set()  # windows gathered before (a later round skips them)
+        self._stop = threading.Event()  # the running round's: set by a fork that waited enough
         self.rounds: list[Round] = []  # every finished round, first first
 
     def after_workers_stopped(self, workers: int) -> bool:
         """A set of ``workers`` forked workers has stopped: start a round if it is worth it and
         none runs; returns whether one started."""
-        if self._unsupported or not worth_gathering(workers):
+        if self._unsupported or sys.is_finalizing() or not worth_gathering(workers):
             return False
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
             private = anonymous_bytes()
-            if private < 0 or (self._chosen_at_bytes >= 0
-                               and private < self._chosen_at_bytes + REGATHER_GROWTH_BYTES):
+            grown = private >= self._chosen_at_bytes + REGATHER_GROWTH_BYTES
+            if private < 0 or not (self._chosen_at_bytes < 0 or self._more_to_gather or grown):
                 return False
             self._chosen_at_bytes = private
-            windows = windows_to_gather()
+            most = ROUND_BYTES // HUGE_PAGE_BYTES
+            windows = windows_to_gather(self._gathered, most)
             if windows is None:
                 self._unsupported = True
                 return False
+            self._more_to_gather = len(windows) >= most
             if not windows:
                 return False
-            self._thread = threading.Thread(target=self._round, args=(windows,),
-                                            name="pipeload-huge-heap", daemon=True)
-            self._thread.start()
+            self._stop = stop = threading.Event()
+            thread = threading.Thread(target=self._round, args=(windows, stop), name="pipeload-huge-heap",
+                                      daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:
+                return False  # the interpreter is shutting down
+            self._thread = thread
         return True
+
+    def before_fork(self) -> None:
+        """This process is about to fork a worker: let a running round end first (for
+        ``FORK_WAITS_S`` at most, then stop it after its window in hand). Gathered while the
+        child shares them, its pages would be copied for this process alone."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(FORK_WAITS_S)
+        if thread.is_alive():
+            self._stop.set()
+            thread.join()
 
     def wait(self, timeout: float | None = None) -> Round | None:
         """Wait for a running round to end; the last finished round (None if none ran)."""
@@ -238,10 +305,21 @@ class HeapGatherer:
         """In a forked child: the round (if any) ran in its parent; start afresh."""
         self.__init__()  # type: ignore[misc]
 
-    def _round(self, windows: list[int]) -> None:
-        result = gather(windows)
-        if result.gathered_bytes == 0:
-            self._unsupported = True  # the kernel refused every window: it cannot do it
+    def _round(self, windows: list[int], stop: threading.Event) -> None:
+        try:
+            pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+        except OSError:
+            self._unsupported = True
+            return
+        try:
+            result = gather(windows, pagemap, stop)
+        finally:
+            os.close(pagemap)
+        if result.gathered_bytes == 0 and result.refused:
+            self._unsupported = True  # the kernel refused every window it was asked for
+        self._gathered.update(windows[:result.windows_done])
+        if result.windows_done < len(windows):
+            self._more_to_gather = True  # stopped for a fork: the rest at the next stop
         self.rounds.append(result)
 
 

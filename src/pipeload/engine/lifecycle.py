@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload.engine import huge_heap
 from pipeload.errors import WorkerDiedError, worker_died_message
 
 JOIN_GRACE_S = 0.5
@@ -101,6 +102,8 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         # worker's RSS, and shared with this process until one of them writes there. After a
         # warm-up or another loader's epoch, glibc kept ~30 MiB free on the development box.
         release_free_heap()
+        # Pages the kernel gathered while the child shares them would be copied for us alone.
+        huge_heap.GATHERER.before_fork()
     process = ctx.Process(target=target, args=args, name=name, daemon=True)
     with _children_allowed(current):
         try:
