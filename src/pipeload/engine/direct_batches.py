@@ -57,6 +57,7 @@ class DirectBatch:
     filled: int = 0
     outcome: GrantOutcome = GrantOutcome.USED
     failed_early: bool = False  # its failure went out before every piece came
+    any_failed: bool = False  # a piece has come as a failure
 
     @property
     def complete(self) -> bool:
@@ -119,9 +120,10 @@ class DirectBatches:
         if batch is None or done.groups is None:
             return None
         for slot, count, payload in done.groups:
+            failed = isinstance(payload, RemoteFailure)
+            batch.any_failed = batch.any_failed or failed
             # A batch that failed keeps only what decides the failure: its items are not read.
-            keep = not batch.failed_early or isinstance(payload, RemoteFailure)
-            batch.groups[slot] = (count, payload if keep else None)
+            batch.groups[slot] = (count, payload if failed or not batch.failed_early else None)
         batch.filled += done.count
         if done.outcome in (GrantOutcome.BUSY, GrantOutcome.LATE):
             batch.outcome = done.outcome
@@ -139,7 +141,7 @@ class DirectBatches:
         """The batch's failure report, once, as soon as it is decided, as torch's worker raises
         at the first failing item rather than once the batch's other items are fetched. The
         slab's grant stays open until the last piece is in (item workers may still write there)."""
-        if batch.failed_early:
+        if batch.failed_early or not batch.any_failed:
             return None
         failure = batch.decided_failure()
         if failure is None:
