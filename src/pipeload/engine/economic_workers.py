@@ -580,8 +580,9 @@ class BatchWorkerLoop(WorkerLoop):
         gathering.pieces.clear()
         self._count_down_to_timing()
         self._outbox.prepare(gathering.grant)
-        if gathering.grant is not None and gathering.grant.items is not None:
-            self._outbox.writer.leave_to_late_writers()
+        writer = getattr(self._outbox, "writer", None)  # (process workers' outboxes have one)
+        if writer is not None and gathering.grant is not None and gathering.grant.items is not None:
+            writer.leave_to_late_writers()
         self._report_with_totals(Report.FAILED, key[1], failure)
 
     def _collate(self, gathering: _Gathering, epoch: int, number: int) -> Any:
