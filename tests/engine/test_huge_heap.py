@@ -185,12 +185,18 @@ def _epoch(loader: pipeload.DataLoader) -> list[torch.Tensor]:
     return [batch.clone() for batch in loader]
 
 
-def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay_the_same(monkeypatch):
-    gatherer = HeapGatherer()
-    monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
+@pytest.fixture
+def gatherer(monkeypatch):
+    """A fresh gatherer in the engine's place, gathering whatever the CPUs (``on``)."""
+    fresh = HeapGatherer()
+    monkeypatch.setattr(huge_heap, "GATHERER", fresh)
     monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
     if not huge_heap.kernel_gives_huge_pages():
         pytest.skip("transparent huge pages are off on this machine")
+    return fresh
+
+
+def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay_the_same(gatherer):
     loader = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2,
                                  multiprocessing_context="fork")
     first = _epoch(loader)
@@ -234,12 +240,7 @@ def test_windows_are_chosen_again_once_the_process_has_grown(monkeypatch):
     del grown
 
 
-def test_the_next_fork_waits_for_a_running_round_and_no_page_is_copied_for_the_main_process(monkeypatch):
-    gatherer = HeapGatherer()
-    monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
-    monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
-    if not huge_heap.kernel_gives_huge_pages():
-        pytest.skip("transparent huge pages are off on this machine")
+def test_the_next_fork_waits_for_a_running_round_and_no_page_is_copied_for_the_main_process(gatherer):
     held = torch.ones(128 << 18)  # 128 MiB in the main process, as a dataset held in memory
     per_epoch = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork")
     _epoch(per_epoch)  # its workers stop: a round starts

@@ -45,12 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeload.transport.slab_memory import madvise
+from pipeload.transport.slab_memory import madvise, pmd_huge_page_bytes, thp_setting
 
 HUGE_HEAP_ENV = "PIPELOAD_HUGE_HEAP"
 MADV_COLLAPSE = 25  # Linux 6.1
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DENSE_PAGES_SHARE = 0.875  # a window with more holes than this would grow the resident set
@@ -91,14 +90,8 @@ def setting() -> str:
 def kernel_gives_huge_pages() -> bool:
     """Whether transparent huge pages are on at all (``always`` or ``madvise``), 2 MiB each over
     pages of 4 KiB (what the windows here are cut for; arm64 with 64 KiB pages has 512 MiB ones)."""
-    try:
-        with open(THP_SETTING) as file:
-            text = file.read()
-        with open(THP_PMD_SIZE) as file:
-            pmd = int(file.read().strip())
-    except (OSError, ValueError):
-        return False
-    return "[never]" not in text and "[" in text and pmd == HUGE_PAGE_BYTES and PAGE_BYTES == 4096
+    return (thp_setting(THP_SETTING) in ("always", "madvise") and pmd_huge_page_bytes() == HUGE_PAGE_BYTES
+            and PAGE_BYTES == 4096)
 
 
 def usable_cpus() -> int:

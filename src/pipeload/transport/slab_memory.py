@@ -73,19 +73,31 @@ def populate(address: int, nbytes: int, write: bool = True) -> bool:
     return madvise(address, nbytes, MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
 
 
+def thp_setting(path: str) -> str | None:
+    """The mode chosen in a transparent huge pages setting file (the bracketed word of
+    ``always [madvise] never``), or None where it cannot be read."""
+    try:
+        with open(path) as setting:
+            text = setting.read()
+    except OSError:
+        return None
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+
+
+def pmd_huge_page_bytes() -> int:
+    """The size of a transparent huge page here (``hpage_pmd_size``), or 0 where it is unknown."""
+    try:
+        with open(THP_PMD_SIZE) as size:
+            return int(size.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
 @functools.cache
 def huge_page_bytes() -> int:
     """The size of a huge page shared memory may get here, or 0 where the kernel gives it none
     (``shmem_enabled`` set to ``never`` or ``deny``, or no transparent huge pages at all)."""
-    try:
-        with open(THP_SHMEM_SETTING) as setting:
-            text = setting.read()
-        with open(THP_PMD_SIZE) as size:
-            pmd = int(size.read().strip())
-    except (OSError, ValueError):
-        return 0
-    chosen = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
-    return pmd if chosen in _THP_MODES_FOR_MEMFD else 0
+    return pmd_huge_page_bytes() if thp_setting(THP_SHMEM_SETTING) in _THP_MODES_FOR_MEMFD else 0
 
 
 def slab_size_for(nbytes: int, step: int) -> int:
