@@ -19,6 +19,7 @@ from pipeload.engine.huge_heap import (
     dense_windows,
     gather,
     private_anonymous_ranges,
+    scan,
     still_ours_alone,
     worth_gathering,
 )
@@ -125,10 +126,36 @@ def test_a_window_chosen_then_shared_or_given_back_is_left_as_it_is(anonymous):
         anonymous.touch(window, HUGE_PAGE_BYTES // PAGE)
     assert anonymous.chosen() == [shared, given_back]
     anonymous.memory.madvise(mmap.MADV_DONTNEED, given_back - anonymous.start, HUGE_PAGE_BYTES // 2)
+    settled: list[int] = []
     with _pagemap() as pagemap, _SharingChild():
         assert not still_ours_alone(pagemap, shared) and not still_ours_alone(pagemap, given_back)
-        done = gather([shared, given_back], pagemap)
+        done = gather([shared, given_back], pagemap, settled=settled)
     assert (done.gathered_bytes, done.refused) == (0, 0)  # nothing copied, nothing filled in again
+    assert settled == []  # both may be chosen again once they are ours alone and whole
+
+
+def test_a_choice_reads_a_bounded_share_of_the_page_map_and_the_next_goes_on_from_there():
+    first, second = _Anonymous(), _Anonymous()
+    try:
+        for mapping in (first, second):
+            mapping.touch(mapping.windows[0], HUGE_PAGE_BYTES // PAGE)
+        ranges = sorted([(m.start, m.start + len(m.memory)) for m in (first, second)])
+        low, high = (first, second) if first.start < second.start else (second, first)
+        with _pagemap() as pagemap:
+            part = scan(pagemap, iter(ranges), scan_most=1)  # a huge reservation: stop reading
+            assert part.chosen == [low.windows[0]] and part.resume_at == high.windows[0]
+            rest = scan(pagemap, iter(ranges), start_at=part.resume_at, scan_most=1)
+            assert rest.chosen == [high.windows[0]] and rest.resume_at == 0  # the end: start over
+    finally:
+        first.memory.close()
+        second.memory.close()
+
+
+def test_a_stop_that_comes_back_while_windows_are_chosen_never_waits(gatherer):
+    # A collection while windows are chosen can close another loader's workers, whose stop calls
+    # back into the gatherer from the same thread: it must not wait for itself.
+    with gatherer._lock:
+        assert gatherer.after_workers_stopped(1) is False
 
 
 def test_gathering_a_window_puts_it_in_a_huge_page_and_keeps_every_byte(anonymous):

@@ -164,6 +164,16 @@ def test_a_forkserver_worker_gone_before_reading_a_large_dataset_is_a_worker_dea
     assert "line 15 of" in out and "bootstrapping phase" in out
 
 
+def test_a_spawned_worker_gone_before_reading_a_large_dataset_is_a_worker_death_not_a_hang(tmp_path):
+    # multiprocessing's spawn writes the ~1.8 MB while the parent still holds the child's end of
+    # the pipe: the write waited for good (torch's loader hangs there too). Ours lets go of it
+    # first, so the write breaks (engine/spawn_launch.py).
+    out = _run_unguarded(tmp_path, length=200_000, mode="classic", method="spawn")
+    assert out.startswith("ERROR DataLoader worker (pid "), out
+    assert "worker 0 (pid " in out and "ended with exit code 1" in out
+    assert "line 15 of" in out and "bootstrapping phase" in out
+
+
 def test_a_loader_started_under_a_main_guard_of_any_form_is_not_blamed_on_it(tmp_path):
     # Better silent than blaming a guarded line: any top-level statement that mentions
     # __name__ counts as a guard.

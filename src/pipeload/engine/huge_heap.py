@@ -62,6 +62,9 @@ ROUND_BYTES = 256 << 20
 # gathered), against a few milliseconds saved per worker at every later epoch.
 FORK_WAITS_S = 0.05
 SCAN_WINDOWS = 512  # windows read from the page map at a time (2 MiB of it)
+# Windows whose page map one choice reads at most: 4 GiB of address space, ~15 ms in the loop's
+# thread; a larger process is chosen from over several stops, from where the last choice ended.
+SCAN_MOST_WINDOWS = 2048
 _OURS_ALONE = np.uint64((1 << 63) | (1 << 62) | (1 << 56))  # present, swapped, mapped once
 _OURS_ALONE_MASKED = np.uint64((1 << 63) | (1 << 56))  # present, not swapped, mapped once
 
@@ -134,20 +137,42 @@ def dense_windows(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[
     """The huge-page windows of ``ranges`` whose pages are nearly all in memory and mapped by this
     process alone, from ``/proc/self/pagemap`` (a 64-bit word a page; bit 63 present, 62 swapped,
     56 mapped once: none needs privilege); at most ``most`` of them, none of ``skip``."""
+    return scan(pagemap_fd, ranges, skip, most).chosen
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a scan of the page map chose, and the address to scan from next (0: from the start,
+    the scan having reached the end)."""
+
+    chosen: list[int]
+    resume_at: int
+
+
+def scan(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = frozenset(),
+         most: int | None = None, start_at: int = 0, scan_most: int | None = None) -> Scan:
+    """``dense_windows``, from address ``start_at`` on, reading the page map of ``scan_most``
+    windows at most (a large reservation never touched costs its whole page map to read:
+    ~4 ms a GiB)."""
     per_window = HUGE_PAGE_BYTES // PAGE_BYTES
     least = int(per_window * DENSE_PAGES_SHARE)
     chosen: list[int] = []
+    scanned = 0
     for start, end in ranges:
-        windows = [window for window in aligned_windows(start, end) if window not in skip]
+        if end <= start_at:
+            continue
+        windows = [w for w in aligned_windows(max(start, start_at), end) if w not in skip]
         for first in range(0, len(windows), SCAN_WINDOWS):
-            if most is not None and len(chosen) >= most:
-                return chosen[:most]
+            done_choosing = most is not None and len(chosen) >= most
+            if done_choosing or (scan_most is not None and scanned >= scan_most):
+                return Scan(chosen[:most] if most is not None else chosen, windows[first])
             part = windows[first:first + SCAN_WINDOWS]
             counts = _ours_alone_counts(pagemap_fd, part, per_window)
+            scanned += len(part)
             if counts is None:
                 break  # the mapping went away meanwhile
             chosen.extend(window for window, count in zip(part, counts) if count >= least)
-    return chosen if most is None else chosen[:most]
+    return Scan(chosen if most is None else chosen[:most], 0)
 
 
 def _ours_alone_counts(pagemap_fd: int, windows: list[int], per_window: int) -> list[int] | None:
@@ -178,11 +203,13 @@ def still_ours_alone(pagemap_fd: int, window: int) -> bool:
     return bool(dense_windows(pagemap_fd, iter([(window, window + HUGE_PAGE_BYTES)])))
 
 
-def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = None) -> Round:
+def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = None,
+           settled: list[int] | None = None) -> Round:
     """Ask the kernel for each window in huge pages, one window a call (a call holds this
     process's memory map locked while it copies), each checked just before: pages another process
-    has come to share, or that were given back since the choice, are left as they are. Ends early
-    once ``stop`` is set."""
+    has come to share, or that were given back since the choice, are left as they are (and may
+    be chosen again later). Ends early once ``stop`` is set. ``settled`` collects the windows
+    gathered or refused by the kernel: no later round need ask for them again."""
     started = time.perf_counter()
     gathered = refused = done = 0
     for window in windows:
@@ -195,6 +222,8 @@ def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = N
             gathered += HUGE_PAGE_BYTES
         else:
             refused += 1
+        if settled is not None:
+            settled.append(window)
     return Round(gathered, refused, time.perf_counter() - started, done)
 
 
@@ -210,9 +239,9 @@ def anonymous_bytes() -> int:
     return -1
 
 
-def windows_to_gather(skip: Set[int], most: int) -> list[int] | None:
-    """Up to ``most`` windows worth gathering now, none of ``skip``; None where the page map
-    cannot be read."""
+def windows_to_gather(skip: Set[int], most: int, start_at: int = 0) -> Scan | None:
+    """Up to ``most`` windows worth gathering now, none of ``skip``, from address ``start_at``
+    (``SCAN_MOST_WINDOWS`` of page map read at most); None where the page map cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             ranges = list(private_anonymous_ranges(maps.read()))
@@ -220,7 +249,7 @@ def windows_to_gather(skip: Set[int], most: int) -> list[int] | None:
     except OSError:
         return None
     try:
-        return dense_windows(pagemap, iter(ranges), skip, most)
+        return scan(pagemap, iter(ranges), skip, most, start_at, SCAN_MOST_WINDOWS)
     finally:
         os.close(pagemap)
 
@@ -244,39 +273,51 @@ class HeapGatherer:
         self._unsupported = False
         self._chosen_at_bytes = -1  # RssAnon when windows were last chosen (-1: never)
         self._more_to_gather = False  # the last choice stopped at ROUND_BYTES
-        self._gathered: set[int] = set()  # windows gathered before (a later round skips them)
+        self._gathered: set[int] = set()  # windows gathered or refused (a later round skips them)
+        self._scan_from = 0  # where the next choice reads the page map from (see SCAN_MOST_WINDOWS)
         self._stop = threading.Event()  # the running round's: set by a fork that waited enough
         self.rounds: list[Round] = []  # every finished round, first first
 
     def after_workers_stopped(self, workers: int) -> bool:
         """A set of ``workers`` forked workers has stopped: start a round if it is worth it and
         none runs; returns whether one started."""
-        if self._unsupported or sys.is_finalizing() or not worth_gathering(workers):
+        if self._unsupported or not worth_gathering(workers) or _exiting():
             return False
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return False
-            private = anonymous_bytes()
-            grown = private >= self._chosen_at_bytes + REGATHER_GROWTH_BYTES
-            if private < 0 or not (self._chosen_at_bytes < 0 or self._more_to_gather or grown):
-                return False
-            self._chosen_at_bytes = private
-            most = ROUND_BYTES // HUGE_PAGE_BYTES
-            windows = windows_to_gather(self._gathered, most)
-            if windows is None:
-                self._unsupported = True
-                return False
-            self._more_to_gather = len(windows) >= most
-            if not windows:
-                return False
-            self._stop = stop = threading.Event()
-            thread = threading.Thread(target=self._round, args=(windows, stop), name="pipeload-huge-heap",
-                                      daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:
-                return False  # the interpreter is shutting down
-            self._thread = thread
+        # Not waited for: a collection while windows are chosen here may close another loader's
+        # workers, whose stop comes back here in this very thread (a round is being chosen then).
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._choose_and_start()
+        finally:
+            self._lock.release()
+
+    def _choose_and_start(self) -> bool:
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        private = anonymous_bytes()
+        grown = private >= self._chosen_at_bytes + REGATHER_GROWTH_BYTES
+        if private < 0 or not (self._chosen_at_bytes < 0 or self._more_to_gather or grown):
+            return False
+        self._chosen_at_bytes = private
+        most = ROUND_BYTES // HUGE_PAGE_BYTES
+        found = windows_to_gather(self._gathered, most, self._scan_from)
+        if found is None:
+            self._unsupported = True
+            return False
+        windows, self._scan_from = found.chosen, found.resume_at
+        # More later: this choice stopped at its budget, or did not read the page map to its end.
+        self._more_to_gather = len(windows) >= most or found.resume_at != 0
+        if not windows:
+            return False
+        self._stop = stop = threading.Event()
+        thread = threading.Thread(target=self._round, args=(windows, stop), name="pipeload-huge-heap",
+                                  daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            return False  # the interpreter is shutting down
+        self._thread = thread
         return True
 
     def before_fork(self) -> None:
@@ -308,16 +349,23 @@ class HeapGatherer:
         except OSError:
             self._unsupported = True
             return
+        settled: list[int] = []
         try:
-            result = gather(windows, pagemap, stop)
+            result = gather(windows, pagemap, stop, settled)
         finally:
             os.close(pagemap)
         if result.gathered_bytes == 0 and result.refused:
             self._unsupported = True  # the kernel refused every window it was asked for
-        self._gathered.update(windows[:result.windows_done])
-        if result.windows_done < len(windows):
-            self._more_to_gather = True  # stopped for a fork: the rest at the next stop
+        self._gathered.update(settled)
+        if len(settled) < len(windows):
+            self._more_to_gather = True  # stopped for a fork, or some were shared: at a next stop
         self.rounds.append(result)
+
+
+def _exiting() -> bool:
+    """The interpreter is on its way out (an iterator closed by ``weakref.finalize``'s exit hook
+    comes before ``sys.is_finalizing()`` says so, once the main thread has ended)."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 GATHERER = HeapGatherer()

@@ -20,6 +20,8 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import context as mp_context
+from multiprocessing import popen_fork
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
@@ -28,6 +30,7 @@ import torch
 
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine import huge_heap
+from pipeload.engine.spawn_launch import SpawnProcess
 from pipeload.errors import WorkerDiedError, worker_died_message
 
 JOIN_GRACE_S = 0.5
@@ -104,7 +107,10 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         release_free_heap()
         # Pages the kernel gathered while the child shares them would be copied for us alone.
         huge_heap.GATHERER.before_fork()
-    process = ctx.Process(target=target, args=args, name=name, daemon=True)
+    # multiprocessing's 'spawn' Process, made by one that a dead child cannot leave blocked
+    # (engine/spawn_launch.py); any other context's Process as it is.
+    make = SpawnProcess if getattr(ctx, "Process", None) is mp_context.SpawnProcess else ctx.Process
+    process = make(target=target, args=args, name=name, daemon=True)
     with _children_allowed(current):
         try:
             process.start()
@@ -142,7 +148,7 @@ def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
         popen = traceback.tb_frame.f_locals.get("self")
         pid = getattr(popen, "pid", None)
         module = type(popen).__module__
-        if module.startswith("multiprocessing.popen_") and isinstance(pid, int) and pid > 0:
+        if isinstance(popen, popen_fork.Popen) and isinstance(pid, int) and pid > 0:
             _quietly(os.kill, pid, signal.SIGKILL)  # a child that ended already keeps its status
             return pid, _exit_code_once_reaped(pid)
         if module == "multiprocessing.popen_forkserver" and isinstance(getattr(popen, "sentinel", None), int):
