@@ -425,8 +425,9 @@ class _PipeFull(Exception):
 
 
 def _warn_if_started_outside_main_guard() -> None:
-    """Say it before the workers start: when one dies of it, its start-up data may be larger
-    than a pipe holds, and a 'spawn' start then never returns (CPython's, torch's too)."""
+    """Say it before the workers start, so that the cause comes first whatever the start method
+    makes of a worker that dies of it (with the line to move, ``GoneBeforeStarting`` or
+    ``WorkerDiedError`` say it again)."""
     unguarded = started_outside_main_guard()
     if unguarded:
         warnings.warn(f"pipeload: {unguarded}.", stacklevel=first_frame_outside_pipeload())
