@@ -15,8 +15,12 @@ worker's death in torch's words.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from multiprocessing import context, popen_spawn_posix, resource_tracker, spawn, util
 from typing import Any
 
@@ -35,23 +39,44 @@ class _SpawnPopen(popen_spawn_posix.Popen):
         finally:
             context.set_spawning_popen(None)
         kept: list[int] = []  # the parent's ends, closed with this Popen
+        childs: list[int] = []  # the child's ends: the parent's copies go once it has its own
         try:
             ended, child_ends_it = os.pipe()  # reads end-of-file once the child is gone
             kept.append(ended)
+            childs.append(child_ends_it)
             child_reads, writing = os.pipe()
             kept.append(writing)
-            try:
-                self._fds += [child_reads, child_ends_it]
-                command = spawn.get_command_line(tracker_fd=tracker, pipe_handle=child_reads)
-                self.pid = util.spawnv_passfds(spawn.get_executable(), command, self._fds)
-            finally:
-                os.close(child_reads)  # the child holds its own copies from here on
-                os.close(child_ends_it)
+            childs.append(child_reads)
+            self._fds += [child_reads, child_ends_it]
+            command = spawn.get_command_line(tracker_fd=tracker, pipe_handle=child_reads)
+            self.pid = util.spawnv_passfds(spawn.get_executable(), command, self._fds)
+            util.close_fds(*childs)
+            childs.clear()
             self.sentinel = ended
-            with open(writing, "wb", closefd=False) as pipe:
+            with open(writing, "wb", closefd=False) as pipe, _broken_pipe_raises():
                 pipe.write(start_up.getbuffer())
         finally:
+            util.close_fds(*childs)
             self.finalizer = util.Finalize(self, util.close_fds, kept)
+
+
+@contextlib.contextmanager
+def _broken_pipe_raises() -> Iterator[None]:
+    """A write to a child that is gone raises ``BrokenPipeError``, as Python arranges at start,
+    even in a script that set ``SIGPIPE`` back to its default, which would end this process
+    without a word (main thread only: signal handlers are set there)."""
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGPIPE) == signal.SIG_DFL:
+                restore = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        except (ValueError, OSError):
+            restore = None
+    try:
+        yield
+    finally:
+        if restore is not None:
+            signal.signal(signal.SIGPIPE, restore)
 
 
 class SpawnProcess(context.SpawnProcess):
