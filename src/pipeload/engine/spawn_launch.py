@@ -39,24 +39,24 @@ class _SpawnPopen(popen_spawn_posix.Popen):
         finally:
             context.set_spawning_popen(None)
         kept: list[int] = []  # the parent's ends, closed with this Popen
-        childs: list[int] = []  # the child's ends: the parent's copies go once it has its own
+        child_ends: list[int] = []  # the child's ends: the parent's copies go once it has its own
         try:
             ended, child_ends_it = os.pipe()  # reads end-of-file once the child is gone
             kept.append(ended)
-            childs.append(child_ends_it)
+            child_ends.append(child_ends_it)
             child_reads, writing = os.pipe()
             kept.append(writing)
-            childs.append(child_reads)
+            child_ends.append(child_reads)
             self._fds += [child_reads, child_ends_it]
             command = spawn.get_command_line(tracker_fd=tracker, pipe_handle=child_reads)
             self.pid = util.spawnv_passfds(spawn.get_executable(), command, self._fds)
-            util.close_fds(*childs)
-            childs.clear()
+            util.close_fds(*child_ends)
+            child_ends.clear()
             self.sentinel = ended
             with open(writing, "wb", closefd=False) as pipe, _broken_pipe_raises():
                 pipe.write(start_up.getbuffer())
         finally:
-            util.close_fds(*childs)
+            util.close_fds(*child_ends)
             self.finalizer = util.Finalize(self, util.close_fds, kept)
 
 
