@@ -3,6 +3,7 @@ workers: the same script run with ``PIPELOAD_HUGE_HEAP=on`` and ``off``, in turn
 
     PYTHONPATH=src:. python -m bench.huge_heap [--runs 3] [--epochs 10] [--num-workers 2]
                                                [--items 4096] [--held-mib 0]
+    PYTHONPATH=src:. python -m bench.huge_heap --collapse [--runs 3]
 
 Each run is a fresh process holding one loader (``bench.epoch_costs``'s float32 3x224x224 items,
 batch 64, ``persistent_workers=False``), as a training script has: every epoch ends and the next
@@ -14,6 +15,10 @@ one value per 4 KiB page of each batch. ``--held-mib`` holds that much more in t
 Printed per run: each epoch's milliseconds, epochs 2+'s median, the fork + exit + reap of the
 process after the last epoch, and what the rounds gathered. Then, over all runs, on / off of the
 epochs 2+ medians (below 1: faster with it) and of the epoch 2 times (where a round's copy costs).
+
+``--collapse`` measures the mechanism alone, in fresh processes with torch imported and no loader:
+the process's private memory, a bare fork + exit + reap before, the time to gather every window
+worth it (the module's own choice and gathering, in one go), and the fork + exit after.
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ def one_run(epochs: int, num_workers: int, items: int, held_mib: int) -> dict[st
             "round_ms": sum(r.seconds for r in rounds) * 1e3, "rounds": len(rounds)}
 
 
+def collapse_once() -> dict[str, float]:
+    import torch  # noqa: F401  (what a training script's main process holds)
+
+    from bench.worker_churn import fork_exit_wait_ms
+    from pipeload.engine import huge_heap
+
+    before = statistics.median(fork_exit_wait_ms(20))
+    private = huge_heap.anonymous_bytes()
+    found = huge_heap.windows_to_gather(set(), 1 << 30)
+    if found is None:
+        raise SystemExit("the page map cannot be read here")
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        done = huge_heap.gather(found.chosen, pagemap.fileno())
+    after = statistics.median(fork_exit_wait_ms(20))
+    return {"private_mib": private / (1 << 20), "fork_before_ms": before, "gathered_mib":
+            done.gathered_bytes / (1 << 20), "gather_ms": done.seconds * 1e3, "fork_after_ms": after}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each setting, in turns")
@@ -58,8 +81,21 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--items", type=int, default=4096)
     parser.add_argument("--held-mib", type=int, default=0, help="more memory held by the main process")
-    parser.add_argument("--one-run", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--collapse", action="store_true", help="the mechanism alone, no loader")
+    parser.add_argument("--one-run", choices=("on", "off", "collapse"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_run == "collapse":
+        print(json.dumps(collapse_once()))
+        return
+    if args.collapse:
+        for _ in range(args.runs):
+            command = [sys.executable, "-m", "bench.huge_heap", "--one-run", "collapse"]
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            run = json.loads(out.strip().splitlines()[-1])
+            print(f"private memory {run['private_mib']:.0f} MiB; fork+exit {run['fork_before_ms']:.1f} ms; "
+                  f"gathered {run['gathered_mib']:.0f} MiB in {run['gather_ms']:.0f} ms; "
+                  f"fork+exit after {run['fork_after_ms']:.1f} ms")
+        return
     if args.epochs < 3:
         parser.error("--epochs must be at least 3: epoch 1 has no round, epoch 2 pays for it")
     if args.one_run:

@@ -54,8 +54,8 @@ HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DENSE_PAGES_SHARE = 0.875  # a window with more holes than this would grow the resident set
 REGATHER_GROWTH_BYTES = 64 << 20  # private memory grown by this much since: choose again
-# At most this much chosen a round: a fork waits for the round (~0.3 s at the slowest rate seen,
-# 2.5 ms a window), and a dataset held in memory is gathered over several stops.
+# At most this much chosen a round (0.3 s of copying at the slowest rate seen, 2.5 ms a window):
+# a dataset held in memory is gathered over several stops.
 ROUND_BYTES = 256 << 20
 # How long the next fork of workers waits for a running round before stopping it: the epoch's
 # start is held up by this much at most (once, or once a stop while a dataset held in memory is
@@ -256,7 +256,7 @@ def windows_to_gather(skip: Set[int], most: int, start_at: int = 0) -> Scan | No
 
 class HeapGatherer:
     """Chooses the windows to gather when a set of forked workers stops, gathers them on a daemon
-    thread, and holds the next fork of workers until that is done.
+    thread, and holds the next fork of workers while it runs (``FORK_WAITS_S`` at most).
 
     One per process (``GATHERER``), owned by this module; the engine calls
     ``after_workers_stopped`` and ``before_fork``. The choice is made at once, in the calling
