@@ -14,7 +14,7 @@ from pipeload.stats.clock import SAMPLE_EVERY, SUMS_LENGTH, TIME_ALL_FIRST, Stag
 from pipeload.stats.recorder import (LoaderSetup, StatsRecorder, carries_totals, count_by_worker,
                                      worker_of)
 from pipeload.transport.channel import QueueEnd
-from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
+from pipeload.transport.messages import Command, ItemsDone, Report, WorkerCommand, WorkerReport
 
 
 def _receive(session, bursts) -> None:
@@ -123,7 +123,7 @@ def test_economic_workers_of_either_kind_are_counted_apart_under_the_same_id() -
     recorder = StatsRecorder(LoaderSetup("economic", "process", 1, 2, 4, False))
     kinds = {Report.ITEMS_DONE: "item", Report.BATCH: "batch", Report.FAILED: "batch"}
     session = recorder.new_session(2, kinds)
-    item, batch = (lambda n, **k: WorkerReport(Report.ITEMS_DONE, 0, n, **k),
+    item, batch = (lambda n, **k: WorkerReport(Report.ITEMS_DONE, 0, n, ItemsDone(4), **k),
                    lambda n, **k: WorkerReport(Report.BATCH, 0, n, **k))
     bursts = [
         [item(0, totals=_totals(1, 4)), batch(0, totals=_totals(1, 8))],
@@ -139,6 +139,36 @@ def test_economic_workers_of_either_kind_are_counted_apart_under_the_same_id() -
             count_by_worker(session.lag, map(session.count_key, burst))
     workers = {(w.kind, w.worker_id): (w.tasks, w.samples) for w in recorder.snapshot().workers}
     assert workers == {("item", 0): (5, 20), ("batch", 0): (4, 21)}  # 3 + 1 since, scaled
+
+
+def test_an_item_workers_samples_since_its_totals_are_counted_not_scaled_from_its_pieces() -> None:
+    # An epoch's first batch is cut finer than the rest: an item worker whose latest totals
+    # covered two pieces of 5 items, then reported three pieces of 8, fetched 29 items, not
+    # 5 / 2 x 5 tasks. Totals cover their own piece and the earlier ones of their burst.
+    recorder = StatsRecorder(LoaderSetup("economic", "process", 1, 2, 4, False))
+    kinds = {Report.ITEMS_DONE: "item", Report.BATCH: "batch", Report.FAILED: "batch"}
+    session = recorder.new_session(2, kinds)
+    def piece(number: int, count: int, totals: tuple | None = None) -> WorkerReport:
+        return WorkerReport(Report.ITEMS_DONE, 0, number, ItemsDone(count), totals=totals)
+
+    bursts = [
+        [piece(0, 3), piece(1, 2, totals=_totals(2, 5))],  # the totals cover both
+        [piece(2, 8), piece(3, 8)],
+        [piece(4, 8)],
+    ]
+    for burst in bursts:
+        if any(map(carries_totals, burst)):
+            session.record(burst)
+        else:
+            count_by_worker(session.lag, map(session.count_key, burst))
+        for report in burst:  # as the engine reads them, after the burst was recorded
+            if report.totals is None:
+                session.items_reported(report.worker_id, report.payload.count)
+    line, = recorder.snapshot().workers
+    assert (line.tasks, line.samples) == (5, 29)
+    session.close()  # folded into the loader's line with the same count
+    line, = recorder.snapshot().workers
+    assert (line.tasks, line.samples) == (5, 29)
 
 
 def test_a_closed_sessions_workers_are_folded_into_one_line_each() -> None:

@@ -375,6 +375,8 @@ class EconomicEngine:
         if report.report is Report.ITEMS_DONE:
             self._scheduler.record_done(report.worker_id)
             self._pace.reported(report.worker_id, report.payload.count, report.finished_at or time.monotonic())
+            if self._stats is not None and report.totals is None:
+                self._stats.items_reported(report.worker_id, report.payload.count)
             self._heard_items = True
             done = report.payload
             if done.item_bytes is not None:

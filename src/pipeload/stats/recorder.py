@@ -410,6 +410,28 @@ class KindedSessionStats(SessionStats):
         for report, kind in kinds.items():
             self._counted_as.setdefault(kind, report)
         recorder._lag_kinds[session] = kinds
+        self._item_kind = kinds.get(Report.ITEMS_DONE)
+        # Per item worker, the items of its pieces reported since its latest totals: counted
+        # exactly, as pieces differ in size (an epoch's first batch is cut finer, cheap items
+        # coarser) and a ratio of samples to pieces drifted by a batch's worth over two epochs.
+        self.items_since: dict[int, int] = recorder._items_since.setdefault(session, defaultdict(int))
+
+    def items_reported(self, worker_id: int, count: int) -> None:
+        """Item worker ``worker_id`` reported a piece of ``count`` items without totals; the
+        engine says so for each such report it reads, after :meth:`record` saw their burst."""
+        self.items_since[worker_id] += count
+
+    def record(self, reports: list[Any]) -> None:
+        super().record(reports)
+        # Totals cover their own piece and every earlier one: the engine is about to add the
+        # pieces of this burst that came before them (items_reported), so they start below 0.
+        item_kind, before = self._item_kind, defaultdict(int)
+        for report in reports:
+            if report.report is Report.ITEMS_DONE and report.totals is None:
+                before[report.worker_id] += report.payload.count
+            elif report.totals is not None and (report.report is Report.ITEMS_DONE or (
+                    report.report is Report.EPOCH_STARTED and report.payload == item_kind)):
+                self.items_since[report.worker_id] = -before[report.worker_id]
 
     def _keep(self, report: Any, counted: bool = False) -> None:
         kind = report.payload if report.report is Report.EPOCH_STARTED else self._kinds[report.report]
@@ -452,6 +474,7 @@ class StatsRecorder:
         self._sessions = 0
         self._lags: dict[int, dict[Any, int]] = {}  # per session: tasks reported without totals
         self._lag_kinds: dict[int, dict[Any, str]] = {}  # economic sessions: see KindedSessionStats
+        self._items_since: dict[int, dict[int, int]] = {}  # economic sessions' item workers: the same
         self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
@@ -518,18 +541,21 @@ class StatsRecorder:
 
     def session_ended(self, session: int) -> None:
         """Fold the closed ``session``'s workers into ``_ended`` and forget the session."""
-        lags = self._lags_by_kind()
+        lags, items = self._lags_by_kind(), self._items_by_kind()
         for key in [key for key in list(self._seen) if key[0] == session]:
             _, kind, worker_id = key
-            self.finish(key, lags.get((session, kind), {}).get(worker_id, 0))
+            self.finish(key, lags.get((session, kind), {}).get(worker_id, 0),
+                        items.get((session, kind), {}).get(worker_id))
         with self._lock:
             self._lags.pop(session, None)
+            self._items_since.pop(session, None)
             self._lag_kinds.pop(session, None)
             self._answering.pop(session, None)
 
-    def finish(self, key: tuple[int, str, int], lag: int) -> None:
+    def finish(self, key: tuple[int, str, int], lag: int, items: int | None = None) -> None:
         """Move worker ``key``'s latest totals, brought up to the ``lag`` tasks it reported
-        since, from the live ones to its line in ``_ended`` (a lent clock is read now)."""
+        since (of ``items`` samples, where counted), from the live ones to its line in
+        ``_ended`` (a lent clock is read now)."""
         with self._lock:  # a snapshot sees them in one place or the other, never both or none
             entry = self._seen.pop(key, None)
             if entry is None:
@@ -537,7 +563,7 @@ class StatsRecorder:
             raw, arrived = entry
             totals, lag = _read(raw, lag)
             _, kind, worker_id = key
-            one = _stats_of(kind, worker_id, totals, lag, arrived, now())
+            one = _stats_of(kind, worker_id, totals, lag, arrived, now(), items)
             previous = self._ended.get((kind, worker_id))
             self._ended[(kind, worker_id)] = one if previous is None else previous.plus(one)
             if totals.ray_stage:
@@ -562,13 +588,19 @@ class StatsRecorder:
                     per_worker[key[1]] = per_worker.get(key[1], 0) + count
         return lags
 
+    def _items_by_kind(self) -> dict[tuple[int, str], dict[int, int]]:
+        """Items reported without totals, per (session, kind) and item worker id."""
+        kinds = self._lag_kinds.copy()
+        return {(session, kinds[session][Report.ITEMS_DONE]): dict(items)
+                for session, items in self._items_since.copy().items() if session in kinds}
+
     def snapshot(self) -> LoaderStats:
         """Everything so far, as a frozen :class:`LoaderStats`."""
         consumer, queue = self._consumer, self._queue
         with self._lock:  # not halfway through folding a session into _ended
             seen, ended, ended_ray = self._seen.copy(), dict(self._ended), self._ended_ray
-            lags = self._lags_by_kind()
-        workers = _per_worker(seen, now(), lags, ended)
+            lags, items = self._lags_by_kind(), self._items_by_kind()
+        workers = _per_worker(seen, now(), lags, items, ended)
         wait_s, compute_s = consumer.steady_split()
         samples = queue.samples or 1
         failures = self.failures.totals() if self.failures is not None else Counts()
@@ -602,22 +634,25 @@ class StatsRecorder:
 
 def _per_worker(seen: dict[tuple[int, str, int], tuple[Any, float | None]], at: float,
                 lags: dict[tuple[int, str], dict[int, int]],
+                items: dict[tuple[int, str], dict[int, int]],
                 ended: dict[tuple[str, int], WorkerStats]) -> tuple[WorkerStats, ...]:
     """Sum each worker's totals over the sessions it lived in (a new pool per epoch restarts
-    every worker's totals), each brought up to the tasks it reported since its latest totals;
-    ``ended``: the closed sessions', already summed."""
+    every worker's totals), each brought up to the tasks (and, where counted, the ``items``)
+    it reported since its latest totals; ``ended``: the closed sessions', already summed."""
     merged = dict(ended)
     for (session, kind, worker_id), (raw, arrived) in seen.items():
         totals, lag = _read(raw, lags.get((session, kind), {}).get(worker_id, 0))
-        one = _stats_of(kind, worker_id, totals, lag, arrived, at)
+        one = _stats_of(kind, worker_id, totals, lag, arrived, at,
+                        items.get((session, kind), {}).get(worker_id))
         previous = merged.get((kind, worker_id))
         merged[(kind, worker_id)] = one if previous is None else previous.plus(one)
     return tuple(merged[key] for key in sorted(merged))
 
 
-def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
+def _extrapolated(totals: WorkerTotals, lag: int, items: int | None = None) -> WorkerTotals:
     """``totals`` plus ``lag`` more tasks like the ones they cover (exact for equal batches):
-    like their later tasks, not the first ones (``WorkerTotals.start``).
+    like their later tasks, not the first ones (``WorkerTotals.start``); of ``items`` samples
+    where they were counted (economic item workers), else of as many per task as before.
 
     The scheduler's seconds (on a CPU, queued for one) grow with them: with the stages' alone,
     a worker that reported its totals rarely (an economic item worker times about one piece in
@@ -629,7 +664,7 @@ def _extrapolated(totals: WorkerTotals, lag: int) -> WorkerTotals:
     fetch_s, collate_s, send_s, bytes_out, cpu_s, queued_s = estimated_stages(
         (totals.fetch_s, totals.collate_s, totals.send_s, totals.bytes_out, totals.cpu_s,
          totals.queued_s), totals.start, totals.tasks, tasks)
-    samples = round(totals.samples * tasks / totals.tasks)
+    samples = totals.samples + items if items is not None else round(totals.samples * tasks / totals.tasks)
     if totals.samples:
         # Bytes go with samples, not tasks: tasks of different sizes (economic mode cuts an
         # epoch's first batch finer than the rest) would give the two different scales.
@@ -668,13 +703,14 @@ def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
 
 
 def _stats_of(kind: str, worker_id: int, totals: WorkerTotals, lag: int, arrived: float | None,
-              at: float) -> WorkerStats:
+              at: float, items: int | None = None) -> WorkerStats:
     """One session's line for a worker whose latest totals arrived at ``arrived`` (None: a
-    live clock, read ``at``), brought up to the ``lag`` tasks it reported since. Its life is
+    live clock, read ``at``), brought up to the ``lag`` tasks (of ``items`` samples, where
+    counted) it reported since. Its life is
     stretched with its tasks (their seconds are), up to the time now: a worker's share of its
     life on a CPU, or busy, must compare figures over one stretch of time."""
     alive_s = max(0.0, (arrived if arrived is not None else at) - totals.started_at)
-    extrapolated = _extrapolated(totals, lag)
+    extrapolated = _extrapolated(totals, lag, items)
     if extrapolated is not totals:
         alive_s = min(max(alive_s, at - totals.started_at), alive_s * extrapolated.tasks / totals.tasks)
     return _worker_stats(kind, worker_id, extrapolated, alive_s)
