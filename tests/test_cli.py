@@ -3,6 +3,8 @@ tiny sizes, a private cache directory, and nothing left behind; and ``python -m 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import subprocess
@@ -79,6 +81,23 @@ def test_bench_reuses_the_cached_dataset_and_picks_loaders(tmp_path: Path) -> No
     # A name without ".png" is still the file written (matplotlib would add the suffix).
     assert f"chart: {tmp_path / 'chart'}" in second.stdout
     assert (tmp_path / "chart").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_says_which_loaders_its_spread_cannot_tell_from_torch_and_that_the_machine_was_busy() -> None:
+    # A newcomer's demo on a loaded box ranked threads above torch (1.21x) where the README read
+    # 0.79x: the spreads overlapped, and the output said nothing of it or of the load.
+    from pipeload.cli.bench import Row, noise_notes
+
+    def row(name: str, lowest: float, highest: float) -> Row:
+        return Row(name, (lowest + highest) / 2, lowest, highest, 0.1, 0, 0, runs=3)
+
+    rows = [row("torch", 1_900, 2_100), row("classic", 3_900, 4_100), row("threads", 2_050, 2_600)]
+    assert noise_notes(rows, load_before=0.0) == [
+        "the spread of threads overlaps torch's (1,900..2,100): this run does not tell them apart from torch"]
+    busy = noise_notes(rows, load_before=64.0)
+    assert len(busy) == 2 and busy[0].startswith("the machine was busy before the runs (load average 64.0")
+    one_run = [dataclasses.replace(r, runs=1) for r in rows]
+    assert noise_notes(one_run, load_before=0.0) == []  # no spread to compare (said apart)
 
 
 @pytest.mark.timeout(120)

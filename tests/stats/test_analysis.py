@@ -431,6 +431,31 @@ def test_start_up_is_not_named_where_persistent_workers_would_gain_little(stats:
     assert "persistent_workers" not in stats.suggested_settings()
 
 
+def test_epochs_of_few_batches_whose_first_batches_take_much_of_the_time_are_named() -> None:
+    # Four shards, four batches an epoch, persistent workers: the loop waited 52% of the run for
+    # each epoch's first batch, and the verdict said "keeps up, waited only 4%" (the steady
+    # share alone), which a newcomer read as the whole run.
+    stats = dataclasses.replace(_restarting(first_wait_s=0.5 + 50 * 0.08, epochs=51, persistent=True,
+                                            wait=0.04),
+                                batches=204, opening_wait_s=0.5)
+    diagnosis = analysis.diagnose(stats)
+    assert diagnosis.bottleneck == "epoch start", diagnosis
+    # After the first epoch: 4.0 s of the 8.0 s (the steady 4 s and the first waits), 80 ms an epoch.
+    assert "4.00 s of 8.00 s (50%) after the first epoch, 80 ms an epoch" in diagnosis.advice
+    assert "with 4 batches an epoch" in diagnosis.advice, diagnosis.advice
+    assert "Between the first batches, loading keeps up" in diagnosis.advice, diagnosis.advice
+    assert stats.suggested_settings() == {}  # nothing a setting changes
+
+
+@pytest.mark.parametrize("opening_wait_s, first_wait_s", [(4.0, 4.0 + 3 * 0.05), (0.0, 4 * 0.2)],
+                         ids=["the first epoch's start alone", "a small share"])
+def test_first_batches_are_not_named_where_they_take_little_after_the_first_epoch(
+        opening_wait_s: float, first_wait_s: float) -> None:
+    stats = dataclasses.replace(_restarting(first_wait_s=first_wait_s, persistent=True, wait=0.04),
+                                opening_wait_s=opening_wait_s)
+    assert analysis.diagnose(stats).bottleneck == "the training loop"
+
+
 # -- num_workers="auto" ---------------------------------------------------------------------
 
 

@@ -77,6 +77,7 @@ def test_every_engine_counts_batches_samples_stages_and_bytes(engine: dict, leak
         assert stages["collate"].count == 2 * ITEMS // BATCH
     assert stages["fetch"].seconds > 0 and stages["collate"].seconds > 0
     assert stages["wait"].count == stats.batches and stats.wait_s > 0 and stats.first_wait_s > 0
+    assert 0 < stats.opening_wait_s < stats.first_wait_s  # the first epoch's, of both epochs'
     assert stats.samples_per_batch == BATCH
     assert stats.samples_per_s == pytest.approx(stats.batches_per_s * BATCH)
     kinds = {w.kind for w in stats.workers}

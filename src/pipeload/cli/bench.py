@@ -12,6 +12,7 @@ torch's loader); without a checkout, only pipeload's rows are shown.
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -116,6 +117,8 @@ LOADERS: dict[str, LoaderKind] = {
 ECONOMIC_BATCH_WORKERS = 2  # economic mode's default: one per batch in flight (prefetch_factor 2)
 # Fewer batches than this per pass: the rate is mostly start-up (workers, first batch).
 MIN_RATE_BATCHES = 10
+# A load average at or above this per usable CPU before the runs: other work shares the CPUs.
+BUSY_LOAD_PER_CPU = 0.5
 # What the table's columns measured, and where a newcomer goes from here (after the chart).
 COLUMNS = ("columns: samples/s, the median over the runs (spread: slowest..fastest run); first batch: "
            "from iter(loader) to the first batch; peak RSS: resident memory of the loader's "
@@ -199,6 +202,7 @@ def run(options: BenchOptions) -> int:
                  "none for these flat samples)"
                  if name == "economic" else "")
         _say(f"  {name:<9} {LOADERS[name].how}{extra}")
+    load_before = load_average()
     runs = []
     for repeat in range(options.repeats):
         shift = repeat % len(names)
@@ -208,7 +212,7 @@ def run(options: BenchOptions) -> int:
     print(format_table(rows))
     print(COLUMNS)
     print(_machine_line(options))
-    for note in degenerate(options):
+    for note in [*degenerate(options), *noise_notes(rows, load_before)]:
         print(f"note: {note}")
     print("what each mode is for:")
     for name in names:
@@ -299,7 +303,41 @@ def _machine_line(options: BenchOptions) -> str:
 
     runs = (f"medians of {options.repeats} interleaved runs; on a shared or busy machine the "
             "spread shows how much is noise" if options.repeats > 1 else "one run per loader")
-    return f"{usable_cpus()} usable CPUs, torch {torch.__version__}, pipeload {pipeload.__version__}; {runs}"
+    load = load_average()
+    at_end = f", load average {load:.1f} at the end" if load is not None else ""
+    return (f"{usable_cpus()} usable CPUs{at_end}, torch {torch.__version__}, pipeload "
+            f"{pipeload.__version__}; {runs}")
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def noise_notes(rows: Sequence[Row], load_before: float | None) -> list[str]:
+    """What the figures cannot tell apart: a machine already busy before the runs (other work
+    then takes a share that differs from run to run), and loaders whose spread overlaps
+    torch's (their ratio may be noise)."""
+    from pipeload.stats.recorder import usable_cpus
+
+    notes = []
+    cpus = usable_cpus()
+    if load_before is not None and load_before >= BUSY_LOAD_PER_CPU * cpus:
+        notes.append(f"the machine was busy before the runs (load average {load_before:.1f} on {cpus} "
+                     "usable CPUs): other work took part of the CPUs, and more in some runs than in "
+                     "others; compare loaders on an idle machine")
+    torch_row = next((r for r in rows if r.loader == "torch" and r.runs > 1), None)
+    if torch_row is not None:
+        overlapping = [r.loader for r in rows if r is not torch_row and r.runs > 1
+                       and r.lowest <= torch_row.highest and torch_row.lowest <= r.highest]
+        if overlapping:
+            notes.append(f"the spread of {', '.join(overlapping)} overlaps torch's "
+                         f"({torch_row.lowest:,.0f}..{torch_row.highest:,.0f}): this run does not "
+                         "tell them apart from torch")
+    return notes
 
 
 def _check_chart_path(path: Path) -> None:

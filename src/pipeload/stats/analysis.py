@@ -5,7 +5,8 @@ so that identical runs get the same verdict and following it does not slow the l
 
 Before them: workers started anew each epoch whose start and stop take a large share of the
 time are named, and ``persistent_workers=True`` suggested (``stats.startup``, on its own
-evidence); the steady verdict's suggestions, if any, follow.
+evidence); else epochs whose first batches alone take a large share (few batches an epoch) are
+named, with their figures; the steady verdict's suggestions, if any, follow.
 
 0. Too few steady batches (``MIN_STEADY_BATCHES``) or seconds (``MIN_STEADY_S``): no verdict
    yet; it says how many more batches it needs. Likewise while ``num_workers="auto"`` is still
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeload.stats.report import LoaderStats, WorkerStats
-from pipeload.stats.startup import Restarts, restart_words, restarts
+from pipeload.stats.startup import FirstBatches, Restarts, first_batch_words, first_batches, restart_words, restarts
 
 MIN_STEADY_BATCHES = 50
 MIN_STEADY_S = 2.0
@@ -76,6 +77,10 @@ CROWDED = 0.25  # queued for a CPU this share of their life: crowded out, not th
 # in the main process): a batch the main process loads in less stays there. Tiny items on the
 # 2-core box: inline 59,601 batches/s, 2 process workers 3,696 (`pipeload profile` at stop 37).
 WORKER_BATCH_COST_S = 100e-6
+# What "occupied" and "idle" mean in a verdict (see occupancy()): more than the stats line's
+# "busy", which counts the stages alone; said where they appear, as the two figures differ.
+OCCUPIED_WORDS = ("in their stages, or else running or queued for a CPU",
+                  "neither in their stages nor running or queued for a CPU")
 
 
 @dataclass(frozen=True)
@@ -93,17 +98,18 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     if stats.batches == 0:
         return Diagnosis("unknown", "no batches have been loaded yet")
     found = restarts(stats)
+    firsts = first_batches(stats) if found is None else None
     shortfall = evidence_shortfall(stats)
     if shortfall is not None:
-        return _restarting(found, None) if found is not None else Diagnosis("not enough data", shortfall)
+        return _opening(stats, found, firsts, None) or Diagnosis("not enough data", shortfall)
     tuning = still_tuning(stats)
     if tuning is not None:
-        return _restarting(found, None) if found is not None else Diagnosis("still tuning", tuning)
+        return _opening(stats, found, firsts, None) or Diagnosis("still tuning", tuning)
     workers = [w for w in stats.workers if w.kind != "main"]
     if stats.setup.dataset != "map" and any(w.tasks for w in workers):
         workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
     steady_verdict = _with_idle_shards(stats, _verdict(stats, workers))
-    return _restarting(found, steady_verdict) if found is not None else steady_verdict
+    return _opening(stats, found, firsts, steady_verdict) or steady_verdict
 
 
 def still_tuning(stats: LoaderStats) -> str | None:
@@ -115,6 +121,27 @@ def still_tuning(stats: LoaderStats) -> str | None:
     return (f"num_workers='auto' is still tuning (trying num_workers={latest.num_workers}, "
             f"prefetch_factor={latest.prefetch_factor} since batch {latest.at_batch:,}): its figures "
             "mix the settings it tries; judged once it settles")
+
+
+def _opening(stats: LoaderStats, found: Restarts | None, firsts: FirstBatches | None,
+             steady_verdict: Diagnosis | None) -> Diagnosis | None:
+    """The epochs' starts, where they take a large share of the time (None: they do not)."""
+    if found is not None:
+        return _restarting(found, steady_verdict)
+    if firsts is not None:
+        return _first_batches(firsts, steady_verdict)
+    return None
+
+
+def _first_batches(found: FirstBatches, steady_verdict: Diagnosis | None) -> Diagnosis:
+    """Every epoch's first batch takes a large share with the workers alive: said first, with no
+    setting to change (the workers are persistent, or starting them is not what costs); the
+    steady verdict follows."""
+    advice = first_batch_words(found)
+    if steady_verdict is None:
+        return Diagnosis("epoch start", advice)
+    return Diagnosis("epoch start", f"{advice}. Between the first batches, {steady_verdict.advice}",
+                     steady_verdict.suggestions)
 
 
 def _restarting(found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
@@ -186,7 +213,7 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
                          f"while the loop waits {wait:.0%}: they and the loop's thread take turns on "
                          "the GIL and the CPUs, and no one part stands out; keep these settings")
     return Diagnosis("no single bottleneck", f"the loop waits {wait:.0%} of the time and the workers "
-                     f"are occupied {busy:.0%} of theirs: neither they nor the main process stands "
+                     f"are occupied {busy:.0%} of theirs ({OCCUPIED_WORDS[0]}): neither they nor the main process stands "
                      "out; keep these settings")
 
 
@@ -201,7 +228,7 @@ def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     if not workers:
         return Diagnosis("the training loop", words)
     busy = sum(occupancy(w) for w in workers) / len(workers)
-    words += f" (workers idle {1 - busy:.0%} of the time)"
+    words += f" (workers idle {1 - busy:.0%} of the time: {OCCUPIED_WORDS[1]})"
     count = _current_workers(stats)
     if count > 1 and busy <= FEWER_IF_BUSY:
         needed = _ladder(math.ceil(count * busy / HEADROOM))
@@ -215,7 +242,7 @@ def _nearly_keeping_up(stats: LoaderStats, workers: list[WorkerStats]) -> str:
     words = f"loading nearly keeps up: the training loop waited {stats.wait_fraction:.0%} of the time"
     if workers:
         busy = _busiest_kind(workers)
-        words += f" and the workers were occupied {busy:.0%} of theirs"
+        words += f" and the workers were occupied {busy:.0%} of theirs ({OCCUPIED_WORDS[0]})"
         if busy >= SATURATED and _running_share(workers) >= COMPUTING:
             words += (f" (the {stats.setup.cpus} usable CPUs all in use: a cheaper dataset or more "
                       "CPUs would close the rest)")
@@ -251,7 +278,8 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
                              f"kept {count}: make {what} wait less (fewer, larger reads)")
         auto = " (or 'auto')" if retunable(stats) and not stats.decisions else ""  # not if it is
         return Diagnosis("the workers", f"{waits}: more workers than CPUs help; try "
-                         f"num_workers={target}{auto}", {"num_workers": target})
+                         f"num_workers={target}{auto}{_expected_warning(stats, target)}",
+                         {"num_workers": target})
     target = _workers_for(stats, count)
     if share < COMPUTING:
         return Diagnosis("the workers", f"{words}; they partly compute, partly wait (on a CPU or "
@@ -260,6 +288,15 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
         return Diagnosis("the workers", f"{words}, and the {stats.setup.cpus} usable CPUs are all in "
                          f"use: make {what} cheaper, or give the job more CPUs")
     return Diagnosis("the workers", f"{words}; try num_workers={target}", {"num_workers": target})
+
+
+def _expected_warning(stats: LoaderStats, target: int) -> str:
+    """Words for a suggested count above the usable CPUs, which torch's warning (kept, for the
+    same arguments) calls excessive: expected here, as the workers mostly wait."""
+    if target <= stats.setup.cpus:
+        return ""
+    return (f" (the DataLoader then warns that {target} workers exceed the suggested "
+            f"{stats.setup.cpus}: expected, for workers that mostly wait)")
 
 
 def _split(stats: LoaderStats) -> str:

@@ -122,6 +122,7 @@ class _Consumer:
         self.epochs = 0
         self.first_wait_s = 0.0
         self.first_batch_s = 0.0
+        self.opening_wait_s = 0.0  # the first epoch's first wait
         self._count: EpochCount | None = None
         self._earlier = 0  # batches of the epochs before the current one
         self._firsts = 0
@@ -221,6 +222,8 @@ class _Consumer:
             # From iter(), whose start of the workers the loop waits through as well.
             self.first_batch_s = handed - min(asked, self._epoch_started_at)
             self.first_wait_s += self.first_batch_s
+            if not self._firsts:
+                self.opening_wait_s = self.first_batch_s
             self._epoch_started_at = None
             self._firsts += 1
 
@@ -613,6 +616,7 @@ class StatsRecorder:
             first_wait_s=consumer.first_wait_s,
             end_wait_s=consumer.end_wait_s,
             first_batch_s=consumer.first_batch_s,
+            opening_wait_s=consumer.opening_wait_s,
             pin_s=self._pin_s,
             pinned=self._pinned,
             workers=workers,

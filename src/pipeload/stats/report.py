@@ -172,6 +172,8 @@ class LoaderStats:
         end_wait_s: seconds it waited in the calls that handed out no batch: each epoch's end
             (with workers that are not persistent, their stopping) and errors.
         first_batch_s: time from ``iter(loader)`` to the first batch, in the latest epoch.
+        opening_wait_s: the first epoch's share of ``first_wait_s`` (a persistent pool's one
+            start included).
         pin_s, pinned: time spent pinning batches, and how many were pinned.
         workers: per-worker totals.
         queue: ready and in-flight batches seen at each hand-out.
@@ -207,6 +209,7 @@ class LoaderStats:
     """Economic mode: batches the main process put together itself (direct batches)."""
     assembled_samples: int = 0
     """... and the samples they held."""
+    opening_wait_s: float = 0.0
 
     @property
     def elapsed_s(self) -> float:

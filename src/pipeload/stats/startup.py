@@ -8,6 +8,13 @@ So what persistence would save per epoch is the first batch's wait beyond one ba
 the workers, plus the end's wait. Where that is ``RESTART_SHARE`` of the time or more, the
 verdict says so, with the figures, and suggests ``persistent_workers=True``.
 
+A loop can wait for its epochs' first batches with workers that live on too: an epoch of a few
+batches (a handful of shards, each worker building its first batch from scratch) starts with
+its pipeline empty every time. Where those waits, after the first epoch's, take
+``RESTART_SHARE`` of the time after it, the verdict says so with the figures
+(:func:`first_batches`): the steady verdict leaves first batches out, and "keeps up" alone
+read as the whole run.
+
 Judged on its own evidence, before the steady verdict's: at least ``MIN_EPOCHS`` epochs (a
 persistent pool pays the first start too), ``MIN_STEADY_BATCHES`` batches after their first,
 and ``MIN_ELAPSED_S`` in all. The steady verdict's seconds leave the start-ups out, and a loader
@@ -78,3 +85,46 @@ def restart_words(found: Restarts) -> str:
             f"of each epoch's {found.epoch_s:.2f} s ({found.share:.0%}) went on starting them before "
             f"the first batch, beyond a batch's own {found.batch_work_s * 1e3:,.1f} ms of work, and "
             "stopping them at the end; try persistent_workers=True, which starts them once")
+
+
+@dataclass(frozen=True)
+class FirstBatches:
+    """After the first epoch: the loop's waits for its ``epochs`` epochs' first batches
+    (``wait_s`` in all), of the ``elapsed_s`` those epochs took, over ``batches`` batches."""
+
+    wait_s: float
+    elapsed_s: float
+    epochs: int
+    batches: int
+
+    @property
+    def share(self) -> float:
+        return self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def first_batches(stats: LoaderStats) -> FirstBatches | None:
+    """The later epochs' waits for their first batches, when they take a large share of the
+    time (None otherwise, or on less than ``MIN_EPOCHS`` later epochs and ``MIN_ELAPSED_S``)."""
+    later = stats.epochs - 1
+    found = FirstBatches(max(0.0, stats.first_wait_s - stats.opening_wait_s),
+                         max(0.0, stats.elapsed_s - stats.opening_wait_s), later,
+                         # the first epoch's batches: at least its first; the epochs alike
+                         round(stats.batches * later / stats.epochs) if stats.epochs else 0)
+    if later < MIN_EPOCHS or found.elapsed_s < MIN_ELAPSED_S or found.share < RESTART_SHARE:
+        return None
+    return found
+
+
+def first_batch_words(found: FirstBatches) -> str:
+    """The verdict's sentence, with its figures."""
+    return (f"each epoch's first batch kept the training loop waiting: {found.wait_s:.2f} s of "
+            f"{found.elapsed_s:.2f} s ({found.share:.0%}) after the first epoch, "
+            f"{found.wait_s / found.epochs * 1e3:,.0f} ms an epoch; with "
+            f"{_count(found.batches / found.epochs)} batches an epoch, every epoch starts with nothing "
+            "in flight and waits for its workers' first batches (the steady figures leave these "
+            "waits out); longer epochs would spread them over more batches")
+
+
+def _count(value: float) -> str:
+    """``value`` as a count: whole where it is, else to one decimal."""
+    return f"{value:,.0f}" if abs(value - round(value)) < 0.05 else f"{value:,.1f}"
