@@ -568,3 +568,12 @@ def test_the_excessive_workers_warning_counts_every_process_economic_mode_starts
                                          rf"\(pipeload: {cpus} item workers and up to 1 batch workers"):
         pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=cpus, num_batch_workers=1,
                             mode="economic")
+
+
+@pytest.mark.parametrize("name", ["collate_fn", "worker_init_fn"])
+def test_a_function_argument_that_is_not_callable_is_refused_when_the_loader_is_made(name: str) -> None:
+    # torch calls it only in the first batch (in a worker), and Python's words alone name
+    # neither the argument nor the value: said at once, with those words first.
+    with pytest.raises(TypeError, match=rf"^'int' object is not callable: {name} should be a function, "
+                                        rf"but got {name}=3$"):
+        pipeload.DataLoader(list(range(4)), **{name: 3})

@@ -153,6 +153,16 @@ def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | No
     return count
 
 
+def check_callables(**functions: Any) -> None:
+    """Functions the loader calls (None: its default). torch finds a value that is not callable
+    only when it calls it, in a worker, with Python's words alone; said here, when the loader is
+    made, with those words first and the argument named."""
+    for name, function in functions.items():
+        if function is not None and not callable(function):
+            raise TypeError(f"{type(function).__name__!r} object is not callable: {name} should be a "
+                            f"function, but got {name}={function!r}")
+
+
 def check_max_shm_bytes(max_shm_bytes: Any) -> None:
     """None (the default: half of what the memory behind shared buffers can take) or bytes > 0."""
     if max_shm_bytes is None:

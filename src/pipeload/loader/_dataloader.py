@@ -154,6 +154,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         arguments.check_equal_batches(equal_batches)
         arguments.check_worker_seeding(worker_seeding)
+        arguments.check_callables(collate_fn=collate_fn, worker_init_fn=worker_init_fn)
         self.equal_batches = equal_batches
         self.worker_seeding = worker_seeding
         self.dataset = dataset
