@@ -106,6 +106,12 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
         # a shard cut off while a 1 TiB member was written: its header promises more than exists
         "huge member cut off": (whole[: sum(sizes[:3])] + _header("huge.bin", 1 << 40) + bytes(1000), 3,
                                 "in member 'huge.bin'"),
+        # one header zeroed on disk reads as the end-of-archive marker: the members after it
+        # vanished without a word (a lone zero block, as GNU tar warns)
+        "zeroed header": (whole[:second_header] + bytes(512) + whole[second_header + 512:], 1,
+                          "a header was zeroed"),
+        # a file preallocated and written only in part: zeros where the rest should be
+        "zeroed tail": (whole[: sum(sizes[:3])] + bytes(300 << 10), 3, "KiB of zeros follow"),
     }
     written = {}
     for name, (data, readable, says) in cases.items():
@@ -122,7 +128,8 @@ def _header(name: str, size: int) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["in a member", "at a member boundary", "in a header", "corrupt header",
-                                  "garbage", "truncated gzip", "huge member cut off"])
+                                  "garbage", "truncated gzip", "huge member cut off", "zeroed header",
+                                  "zeroed tail"])
 def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, case: str) -> None:
     path, readable, says = _broken_archives(tmp_path)[case]
     pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar()

@@ -122,6 +122,11 @@ class _ZstdFrames:
 
 
 _SKIP_CHUNK_BYTES = 1 << 20
+# The most zeros an archive's writer leaves after its end-of-archive marker: tar pads to whole
+# records (20 blocks, 10 KiB, by default; 256 KiB at a blocking factor of 512), Python's tarfile
+# and WebDataset's writers to 10 KiB. More is a file written only in part; less cannot be told
+# from padding.
+MAX_PADDING_BYTES = 256 << 10
 _ZSTD_CHUNK_BYTES = 1 << 17
 _MAX_READ_BYTES = 1 << 26
 
@@ -158,7 +163,7 @@ class TarReader:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
             if block == _ZERO_BLOCK:
-                self._check_compressed_to_its_end()
+                self._check_only_padding_follows(header_at)
                 return None
             self._check_header(block, header_at)
             kind = block[156:157]
@@ -188,15 +193,37 @@ class TarReader:
         at the end of the stream)."""
         return not isinstance(self._stream, _Prefixed)
 
-    def _check_compressed_to_its_end(self) -> None:
-        """Read a compressed archive on past its end-of-archive marker, to the end of the
-        compressed data: only there does the decompressor check its checksum (gzip's CRC-32 and
-        length, bzip2's stream CRC), and a flipped bit that still decompresses, or a cut-off
-        trailer, is otherwise delivered without a word. Costs the archive's zero padding."""
-        if not self.compressed:  # nothing to check
-            return
-        while self._stream.read(_SKIP_CHUNK_BYTES):
-            pass
+    def _check_only_padding_follows(self, marker_at: int) -> None:
+        """Read on past the end-of-archive marker at ``marker_at`` to the end of the data, which
+        must be zeros, and no more of them than a writer pads with (``MAX_PADDING_BYTES``).
+
+        A zero block before the end is no end: a header zeroed on disk (a lone zero block, as
+        GNU tar calls it) ended the shard there, and every member after it vanished without a
+        word; a file preallocated and written only in part ends in zeros too. And only at the
+        end of compressed data does the decompressor check its checksum (gzip's CRC-32 and
+        length, bzip2's stream CRC): a flipped bit that still decompresses, or a cut-off
+        trailer, is otherwise delivered without a word. Costs the archive's zero padding.
+
+        Raises:
+            TarFormatError: data after the marker, or more zeros than padding.
+        """
+        padding = 0
+        while True:
+            chunk = self._stream.read(_SKIP_CHUNK_BYTES)
+            if not chunk:
+                return
+            if chunk.count(0) != len(chunk):
+                at = marker_at + BLOCK_BYTES + padding + next(i for i, byte in enumerate(chunk) if byte)
+                raise TarFormatError(
+                    f"corrupt: a zero block at byte {marker_at} reads as the end of the archive, but "
+                    f"data follows it (at byte {at}): a header was zeroed (or archives were "
+                    "joined end to end), and the members from there on would be lost")
+            padding += len(chunk)
+            if padding > MAX_PADDING_BYTES:
+                raise TarFormatError(
+                    f"truncated: more than {MAX_PADDING_BYTES >> 10} KiB of zeros follow the "
+                    f"end-of-archive marker at byte {marker_at}, more than any writer pads with: "
+                    "a file written only in part (preallocated, then cut short)")
 
     def move_to(self, offset: int, members_read: int) -> None:
         """Continue from ``offset`` bytes into the archive (a member boundary, as a checkpoint
