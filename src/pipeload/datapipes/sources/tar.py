@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import os
 import tarfile
 from collections.abc import Iterator
@@ -148,7 +149,9 @@ class _OpenArchive:
         # A local file is read through the OS: rewritten in place while it is read, its new
         # bytes follow the old ones already buffered (remote reads are pinned to a version).
         self._local_fd = stream.fileno() if self.version is not None and self.version.mtime_ns is not None else None
-        self.reader = _tar_stream.TarReader(_tar_stream.decompressed(stream))
+        binary = not isinstance(stream, io.TextIOBase)  # a text stream is refused by name below
+        self._digest = _versions.ReadDigest(stream) if self._local_fd is not None and binary else None
+        self.reader = _tar_stream.TarReader(_tar_stream.decompressed(self._digest or stream))
         self.outcome = ArchiveOutcome()
         self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
         self._hold = hold and self.reader.compressed
@@ -173,8 +176,11 @@ class _OpenArchive:
         A new length or modification time is a change. A new status-change time alone is also
         what a rewrite whose modification time was set back leaves (``cp -p``, ``rsync
         --inplace -t``), but equally a ``chmod``, a new hard link, or the file replaced by a
-        rename (the open one then has no name left, and its bytes stay): the content
-        fingerprint tells them apart (two 64 KiB reads, once per such change)."""
+        rename (the open one then has no name left, and its bytes stay): the content tells
+        them apart, once per such change. The bytes read so far are read again and compared
+        with their running CRC-32 (``ReadDigest``), and the fingerprint's 64 KiB at each end:
+        a rewrite confined to the middle, past the fingerprint, went through before. Bytes not
+        read yet are the file's as it is now, the same version as those read."""
         if self._local_fd is None:
             return
         status = os.fstat(self._local_fd)
@@ -183,8 +189,13 @@ class _OpenArchive:
         if status.st_mtime_ns != version.mtime_ns or status.st_size != version.size:
             _versions.check_unchanged(self.url, version, _versions.local_status(status))
         elif status.st_ctime_ns != version.ctime_ns:
-            content = _versions.local_fingerprint(self._local_fd, status.st_size)
-            _versions.check_unchanged(self.url, version, dataclasses.replace(version, content=content))
+            if status.st_nlink:  # a file replaced by a rename keeps its bytes for this reader
+                content = _versions.local_fingerprint(self._local_fd, status.st_size)
+                _versions.check_unchanged(self.url, version, dataclasses.replace(version, content=content))
+                if self._digest is not None and not self._digest.read_unchanged():
+                    raise _versions.changed_error(
+                        self.url, "the bytes already read differ from the file's now: rewritten in "
+                        "place with its modification time set back")
             self.version = dataclasses.replace(version, ctime_ns=status.st_ctime_ns)
 
     def _next_held(self) -> ArchiveMember | None:
