@@ -250,6 +250,86 @@ def test_replicas_resume_from_their_latest_snapshot_and_remake_the_rest(leak_gua
     assert run.warnings == []
 
 
+class LiveState(pipeload.IterableDataset):
+    """An iterable whose iterator's state_dict() is its own dict, updated in place as it goes
+    (as hand-written iterators often are): a snapshot kept by reference had moved on by the time
+    the loader's state was taken."""
+
+    def __iter__(self) -> Any:
+        return _LiveIterator()
+
+
+class _LiveIterator:
+    def __init__(self) -> None:
+        info = pipeload.get_worker_info()
+        self.step = info.num_workers if info else 1
+        self.state = {"position": info.id if info else 0}
+
+    def __iter__(self) -> _LiveIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.state["position"] >= 60:
+            raise StopIteration
+        self.state["position"] += self.step
+        return augment(self.state["position"] - self.step)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "threads", "processes"])
+def test_an_iterator_whose_state_is_its_live_dict_resumes_exactly(engine: str, leak_guard: LeakGuard) -> None:
+    # Inline and in threads, 16 and 20 of 60 samples went missing from the resumed epoch.
+    make = lambda: pipeload.DataLoader(LiveState(), batch_size=BATCH, worker_seeding="per_batch",  # noqa: E731
+                                       **ENGINES[engine])
+    run = assert_same(make, taken=5)
+    assert run.warnings == []
+
+
+class DrawingStream(pipeload.IterableDataset):
+    """An iterable with a state whose samples draw from torch's global generator (an
+    augmentation), seeded as torch seeds: without workers, from the training loop's own."""
+
+    def __iter__(self) -> Any:
+        return _DrawingIterator()
+
+
+class _DrawingIterator:
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> _DrawingIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.position >= 60:
+            raise StopIteration
+        self.position += 1
+        return torch.tensor([self.position - 1, int(torch.randint(1000, ()))])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.timeout(120)
+def test_without_workers_the_batches_made_again_to_resume_leave_the_loops_generators_alone() -> None:
+    # The batches between the latest snapshot and the checkpoint are made again and dropped:
+    # drawn from the generators the user's checkpoint had just restored, they moved them, and
+    # every random value after the resume differed, the training loop's own included.
+    def make() -> pipeload.DataLoader:
+        return pipeload.DataLoader(DrawingStream(), batch_size=BATCH)
+
+    assert assert_same(make, taken=5).warnings == []
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["inline", "processes"])
 def test_an_iterable_without_state_is_fast_forwarded_with_a_warning(engine: str, leak_guard: LeakGuard) -> None:

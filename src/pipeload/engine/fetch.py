@@ -12,9 +12,13 @@ from one, which is how the loader checkpoints iterable datasets (``pipeload/resu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import copy
+import random
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+import torch
 import torch.autograd.profiler as _torch_profiler
 
 from pipeload.collate import collates_as_shipped, default_collate
@@ -196,9 +200,14 @@ class IterableFetcher:
 
     def __init__(self, spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
                  worker_id: int = 0, resume_from: StreamPosition | None = None,
-                 place_rows: bool = False) -> None:
-        """``place_rows``: see MapFetcher."""
+                 place_rows: bool = False, copy_states: bool = True, in_main_process: bool = False) -> None:
+        """``place_rows``: see MapFetcher. ``copy_states``: snapshots are copies of the states
+        taken (False where they are pickled at once to cross to another process).
+        ``in_main_process``: the training loop's own process (no workers), whose global
+        generators belong to the loop."""
         self._spec = spec
+        self._copy_states = copy_states
+        self._in_main_process = in_main_process
         self._clock = clock
         self._seeding = seeding
         self._worker_id = worker_id
@@ -217,7 +226,27 @@ class IterableFetcher:
             self._failed_before = frozenset(resume_from.failed)
 
     def fetch(self, index: Any, batch_number: int = 0) -> Any:
-        while self._to_drop:  # made before the checkpoint: made again, as then, and dropped
+        if self._to_drop:
+            # In the training loop's process, drawing from its global generators: they were
+            # restored by its checkpoint, and the batches made again only to be dropped must not
+            # move them (the next batch, and the loop's own draws, came from them as they are).
+            kept = global_rngs_kept() if self._in_main_process and self._seeding is None else contextlib.nullcontext()
+            with kept:
+                self._drop_made_before_the_checkpoint(index)
+        batch = self._make(index)
+        every = self._spec.stream_snapshot_every
+        if not every:
+            return batch
+        # The first snapshot also says at once whether the replica has a state at all.
+        due = not self._snapshot_sent or self._made % every == 0
+        snapshot = (self._made, self._state()) if due else None
+        self._snapshot_sent = self._snapshot_sent or due
+        return StreamBatch(batch, StreamPosition(self._worker_id, self._made, snapshot))
+
+    def _drop_made_before_the_checkpoint(self, index: Any) -> None:
+        """Make again, as then, the batches made before the checkpoint since the snapshot the
+        replica resumed from, and drop them."""
+        while self._to_drop:
             self._to_drop -= 1
             number = self._made + 1
             try:
@@ -234,15 +263,6 @@ class IterableFetcher:
                                "from it: the data changed since, and the rest of the epoch "
                                "would not be what it was")
                 raise
-        batch = self._make(index)
-        every = self._spec.stream_snapshot_every
-        if not every:
-            return batch
-        # The first snapshot also says at once whether the replica has a state at all.
-        due = not self._snapshot_sent or self._made % every == 0
-        snapshot = (self._made, self._state()) if due else None
-        self._snapshot_sent = self._snapshot_sent or due
-        return StreamBatch(batch, StreamPosition(self._worker_id, self._made, snapshot))
 
     def _make(self, index: Any) -> Any:
         if self._ended:
@@ -293,9 +313,15 @@ class IterableFetcher:
             state_dict = getattr(holder, "state_dict", None)
             if callable(state_dict):
                 try:
-                    return state_dict()
+                    state = state_dict()
                 except NotImplementedError:  # a pipe over a plain generator: it can only skip
                     break
+                # A snapshot is read later, when the loader's state_dict() is called: a state
+                # that the iterator goes on updating in place (its own live dict), or that holds
+                # samples the training loop edits (a shuffle buffer's), had moved on by then, and
+                # the resume made and dropped batches from a later position than it recorded,
+                # skipping samples without a word. In another process it is pickled at once.
+                return copy.deepcopy(state) if self._copy_states else state
         self._stateless = True
         return None
 
@@ -377,9 +403,24 @@ def resumed_iterator(dataset: Any, state: Any) -> Any:
 
 def make_fetcher(spec: FetchSpec, clock: StageClock | None = None, seeding: BatchSeeding | None = None,
                  worker_id: int = 0, resume_from: StreamPosition | None = None,
-                 place_rows: bool = False) -> MapFetcher | IterableFetcher:
+                 place_rows: bool = False, copy_states: bool = True,
+                 in_main_process: bool = False) -> MapFetcher | IterableFetcher:
     """Build the fetcher for ``spec``; for iterable datasets this calls ``iter(dataset)``.
-    ``place_rows``: see MapFetcher."""
+    ``place_rows``: see MapFetcher; ``copy_states`` and ``in_main_process``: see IterableFetcher."""
     if spec.kind is DatasetKind.ITERABLE:
-        return IterableFetcher(spec, clock, seeding, worker_id, resume_from, place_rows)
+        return IterableFetcher(spec, clock, seeding, worker_id, resume_from, place_rows, copy_states,
+                               in_main_process)
     return MapFetcher(spec, clock, seeding, place_rows)
+
+
+@contextlib.contextmanager
+def global_rngs_kept() -> Iterator[None]:
+    """Run the block, then put the process's global generators (torch's, Python's ``random``,
+    numpy's) back as they were before it."""
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])

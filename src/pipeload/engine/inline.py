@@ -82,7 +82,7 @@ class InlineEngine:
         resume_from = (self._spec.resume_streams or {}).get(0)
         # Before the iterator is made: a read-ahead thread it starts counts from the first.
         skips.bind(self._spec.dataset, self._spec.failures, skips.MAIN_ROW)
-        self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from)
+        self._fetcher = make_fetcher(self._spec, self._clock, seeding, 0, resume_from, in_main_process=True)
         if self._clock is not None and self._clock.count_ray_stage is None:
             self._clock.count_ray_stage = ray_stage_counter(self._spec.dataset, self._clock.ray_stage)
 

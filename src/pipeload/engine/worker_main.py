@@ -183,7 +183,8 @@ class WorkerLoop:
             skips.bind(fetch.dataset, fetch.failures, skips.worker_row(self._id))
             # A classic worker writes each sample into its rows of the batch's slab as it comes.
             self._fetcher = make_fetcher(fetch, self._clock, self._batch_seeding(), self._id,
-                                         resume_from, place_rows=self.kind == "")
+                                         resume_from, place_rows=self.kind == "",
+                                         copy_states=self._setup.worker_method == "thread")
             if self._clock is not None and self._clock.count_ray_stage is None:
                 self._clock.count_ray_stage = ray_stage_counter(fetch.dataset, self._clock.ray_stage)
         except Exception:
