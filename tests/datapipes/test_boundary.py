@@ -88,6 +88,9 @@ def test_a_process_boundary_holds_at_most_buffer_size_items() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_upstream_error_arrives_whole_after_the_items_before_it(kind: str) -> None:
+    # Between threads the run goes on after it, as the pipe alone would: a loop that catches
+    # the error gets the items after it (a read-ahead that ended there lost every later shard
+    # of its worker, uncounted). Between processes the run ends, and lets go of the process.
     it = iter(IterableWrapper(range(10)).map(fail_at_three).queue_boundary(kind))
     assert [next(it), next(it), next(it)] == [0, 1, 2]
     with pytest.raises(KeyError) as error:
@@ -99,8 +102,7 @@ def test_an_upstream_error_arrives_whole_after_the_items_before_it(kind: str) ->
         text = str(error.value)
         assert "Caught KeyError in the upstream process of a queue boundary (pid" in text
         assert "in fail_at_three" in text and "no item 3" in text
-    with pytest.raises(StopIteration):
-        next(it)
+    assert list(it) == ([4, 5, 6, 7, 8, 9] if kind == "thread" else [])
 
 
 def test_an_item_that_cannot_cross_is_an_error_naming_the_stage() -> None:

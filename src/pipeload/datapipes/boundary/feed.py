@@ -2,7 +2,9 @@
 
 Whatever runs the far end (a thread, a process, an actor) calls :func:`feed`: it makes the
 upstream iterator, puts each item, and closes the queue at the end, or with the error when the
-upstream fails, so the consumer gets every item, then the end or the error. The iterator is
+run fails. Between threads, an error the upstream raises for one item goes into the queue in
+that item's place (``RaisedUpstream``) and the run goes on: the consumer gets every item and
+every such error in order, then the end, as it would from the upstream alone. The iterator is
 made, used and closed by the calling thread alone, so nothing upstream is touched from two.
 
 A queue that can take an item's tensors where it will travel (a process queue's slabs) is told
@@ -13,11 +15,22 @@ be granted again while this process still viewed it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pipeload.datapipes.boundary.positions import Carrying, Resume, StateLog, StateTaker, UpstreamState, resumed
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
 from pipeload.datapipes.protocol import NotAvailable, WaitCancelled, as_nonblocking, wait_for_next
+
+
+@dataclass(frozen=True)
+class RaisedUpstream:
+    """An error the upstream raised for one item, in the queue at that item's place: the
+    consumer raises it there and goes on with the next, as a loop over the upstream alone would
+    (a source's iterator goes on past an archive it could not read; a generator ends). Between
+    threads only (see ``feed``)."""
+
+    error: BaseException
 
 
 def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = None,
@@ -44,6 +57,11 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     # item is taken); a process consumer's state rides with its item.
     carried: list[UpstreamState] = []
     taker = None
+    # Between threads an upstream error for one item goes in its place and the run goes on, as a
+    # loop over the upstream alone (or a DataLoader worker over its dataset) would. Between
+    # processes it ends the run: the consumer lets go of the far process and its slabs at once,
+    # where a traceback kept alive would otherwise hold them for as long.
+    goes_on = getattr(queue, "kind", None) == "thread"
     if isinstance(states, StateLog):
         taker = StateTaker(states.record, states.no_state)
     elif states:
@@ -58,7 +76,18 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
             if prepare is not None:
                 prepare()
             stage = "iterating the upstream pipe"
-            item = _next_unless_closed(iterator, queue)
+            try:
+                item = _next_unless_closed(iterator, queue)
+            except (StopIteration, QueueError, WaitCancelled):
+                raise
+            except Exception as exc:
+                if not goes_on:
+                    raise
+                exc.add_note(f"pipeload: raised {where} while {stage}")
+                stage = "sending an upstream error to the consumer"
+                queue.put(RaisedUpstream(exc))
+                del exc
+                continue
             if taker is not None:
                 taker.left -= 1
                 if taker.left == 0:

@@ -13,6 +13,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.boundary.queue_interface import KIND_MODULES, DataLoaderQueue, Producer, QueueError
 from pipeload.datapipes.iter._columns import check_positive, length_of
 from pipeload._state_fields import StateFields
+from pipeload.datapipes.boundary.feed import RaisedUpstream
 from pipeload.datapipes.boundary.positions import START, Carrying, Resume, StateLog, UpstreamState
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, StateLoad, as_nonblocking
 from pipeload.errors import WorkerDiedError, bad_state_field
@@ -273,6 +274,8 @@ class _BoundaryIterator(PipeIterator[Any]):
             self._over = True
             self._producer.close()  # type: ignore[union-attr]
             raise
+        if type(item) is RaisedUpstream:  # a thread upstream's error for one item: the run goes on
+            raise item.error
         self._taken += 1
         if type(item) is Carrying:  # a process producer's state after this very item
             self._position, self._position_at = item.state, self._taken
