@@ -85,6 +85,31 @@ def test_what_counts_as_transient(error: Exception, transient: bool) -> None:
     assert is_transient(error) is transient
 
 
+def raised_while_handling(error: BaseException, handled: BaseException) -> BaseException:
+    """``error`` raised inside an ``except`` block that caught ``handled`` (its context)."""
+    try:
+        try:
+            raise handled
+        except BaseException:
+            raise error
+    except BaseException as raised:
+        return raised
+
+
+def test_an_error_raised_while_handling_a_timeout_is_transient_and_says_both() -> None:
+    # s3fs, timed out reading a range, raises an IndexError of its own from its handler: it was
+    # not retried, and the message said only "IndexError: tuple index out of range".
+    from pipeload.datapipes.sources.errors import describe_failure
+
+    error = raised_while_handling(IndexError("tuple index out of range"), TimeoutError("read timed out"))
+    assert is_transient(error)
+    error.add_note("pipeload: gave up after 4 attempts")
+    assert describe_failure(error) == ("IndexError: tuple index out of range (raised while handling "
+                                       "TimeoutError: read timed out); gave up after 4 attempts")
+    assert not is_transient(raised_while_handling(FileNotFoundError("gone"), TimeoutError()))
+    assert not is_transient(raised_while_handling(ValueError("bad"), KeyError("x")))
+
+
 def test_retry_policy_checks_and_waits() -> None:
     with pytest.raises(ValueError, match="attempts"):
         RetryPolicy(attempts=0)

@@ -58,7 +58,8 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     carried: list[UpstreamState] = []
     taker = None
     # Between threads an upstream error for one item goes in its place and the run goes on, as a
-    # loop over the upstream alone (or a DataLoader worker over its dataset) would. Between
+    # loop over the upstream alone (or a DataLoader worker over its dataset) would; one whose
+    # class says ``ends_the_run`` (a failure budget spent) ends it. Between
     # processes it ends the run: the consumer lets go of the far process and its slabs at once,
     # where a traceback kept alive would otherwise hold them for as long.
     goes_on = getattr(queue, "kind", None) == "thread"
@@ -81,7 +82,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
             except (StopIteration, QueueError, WaitCancelled):
                 raise
             except Exception as exc:
-                if not goes_on:
+                if not goes_on or getattr(exc, "ends_the_run", False):
                     raise
                 exc.add_note(f"pipeload: raised {where} while {stage}")
                 stage = "sending an upstream error to the consumer"

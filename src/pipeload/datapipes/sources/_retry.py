@@ -76,7 +76,25 @@ def _check_wait(name: str, seconds: Any) -> None:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether trying again may well succeed: connection trouble, timeouts, a server's 5xx/429."""
+    """Whether trying again may well succeed: connection trouble, timeouts, a server's 5xx/429,
+    said by the error or by one it was raised while handling (s3fs, timed out reading a range,
+    raises an IndexError of its own from the handler: the timeout is its context)."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen and len(seen) < CHAIN_LOOKED_AT:
+        seen.add(id(error))
+        if _says_transient(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+# How far down an error's chain (causes, contexts) a transient one is looked for.
+CHAIN_LOOKED_AT = 4
+
+
+def _says_transient(error: BaseException) -> bool:
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     if isinstance(error, (ConnectionError, TimeoutError)):

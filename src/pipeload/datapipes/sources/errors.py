@@ -110,6 +110,19 @@ class SourceChangedError(SourceError):
 
 
 def describe_failure(error: BaseException) -> str:
-    """``Type: message`` of an error, for messages that wrap it."""
+    """``Type: message`` of an error, for messages that wrap it; with the error it was raised
+    while handling, where it has one and says little itself (a library's own bug in its
+    handler, over the timeout that matters), and how many attempts were made (pipeload's note,
+    which the wrapping message would otherwise leave behind on its cause)."""
+    words = _type_and_message(error)
+    context = error.__cause__ or error.__context__
+    if context is not None and not isinstance(error, SourceError):
+        words += f" (raised while handling {_type_and_message(context)})"
+    attempts = [note[len("pipeload: "):] for note in getattr(error, "__notes__", ())
+                if note.startswith("pipeload: gave up after")]
+    return words + "".join(f"; {note}" for note in attempts)
+
+
+def _type_and_message(error: BaseException) -> str:
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -41,6 +41,10 @@ class SkippedSampleWarning(UserWarning):
 class FailureBudgetExceeded(RuntimeError):
     """More failures happened than ``max_failures`` allows (in a loader's epoch, or one run)."""
 
+    # The run is over: a thread queue boundary (a read-ahead) ends its run here, rather than
+    # read on past it as it does past an error for one item (boundary/feed.py).
+    ends_the_run = True
+
 
 @dataclass(frozen=True)
 class FailureSite:
