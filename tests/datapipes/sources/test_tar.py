@@ -81,6 +81,36 @@ def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -
     assert copy == member and copy.archive == member.archive and copy.name == "dir/a.txt"
 
 
+def test_a_hard_linked_member_comes_with_its_targets_data(tmp_path: Path) -> None:
+    # tar (and tarfile.add) store a second name of one file as a hard link: left out, the
+    # sample came without that member, and nothing said so.
+    import io
+
+    label = tmp_path / "label.cls"
+    label.write_bytes(b"7")
+    os.link(label, tmp_path / "second.cls")
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        tar.add(label, "a.cls")
+        tar.add(tmp_path / "second.cls", "b.cls")  # the same inode: stored as a link to a.cls
+        assert tar.getmember("b.cls").islnk()
+        info = tarfile.TarInfo("c.cls")
+        info.type, info.linkname = tarfile.SYMTYPE, "a.cls"
+        tar.addfile(info)
+    assert [(m.name, m[1]) for m in members_of(tmp_path / "s.tar")] == [
+        ("a.cls", b"7"), ("b.cls", b"7"), ("c.cls", b"7")]
+    big = io.BytesIO()
+    with tarfile.open(fileobj=big, mode="w") as tar:
+        info = tarfile.TarInfo("a.bin")
+        info.size = 1 << 20
+        tar.addfile(info, io.BytesIO(bytes(1 << 20)))
+        link = tarfile.TarInfo("b.bin")
+        link.type, link.linkname = tarfile.LNKTYPE, "a.bin"
+        tar.addfile(link)
+    (tmp_path / "big.tar").write_bytes(big.getvalue())
+    with pytest.raises(ArchiveError, match="'b.bin' is a hard link to 'a.bin', whose data was not kept"):
+        members_of(tmp_path / "big.tar")
+
+
 def test_streams_are_closed_when_their_archive_ends(tmp_path: Path) -> None:
     (path,) = write_shards(tmp_path, 1, 2)
     opened = list(IterableWrapper([str(path)]).open_files(mode="b"))

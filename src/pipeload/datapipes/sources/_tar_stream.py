@@ -18,6 +18,7 @@ import bz2
 import gzip
 import io
 import lzma
+import posixpath
 import tarfile
 from typing import IO, Any
 
@@ -27,6 +28,8 @@ _CHECKSUM_FIELD = slice(148, 156)
 _CHECKSUM_SPACES = 8 * ord(" ")  # the checksum is computed with its own field read as spaces
 _REGULAR_TYPES = frozenset({b"0", b"\0", b"7"})
 _PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK, _GNU_SPARSE = b"x", b"g", b"L", b"K", b"S"
+_HARDLINK_TYPE, _SYMLINK_TYPE = b"1", b"2"
+_LINK_TYPES = frozenset({_HARDLINK_TYPE, _SYMLINK_TYPE})
 _POSIX_USTAR_MAGIC = b"ustar\x0000"
 _MAGIC_BYTES = 6
 _GZIP, _BZIP2, _XZ, _ZSTD = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"
@@ -122,6 +125,10 @@ class _ZstdFrames:
 
 
 _SKIP_CHUNK_BYTES = 1 << 20
+# Members kept for links to them: a link's target is read before it, and the files tar links
+# in shards are small (a label, a caption written once for several samples).
+LINK_TARGET_BYTES = 64 << 10
+LINK_TARGETS_KEPT_BYTES = 16 << 20
 # The most zeros an archive's writer leaves after its end-of-archive marker: tar pads to whole
 # records (20 blocks, 10 KiB, by default; 256 KiB at a blocking factor of 512), Python's tarfile
 # and WebDataset's writers to 10 KiB. More is a file written only in part; less cannot be told
@@ -149,6 +156,8 @@ class TarReader:
         self.in_member = False  # reading that member's data, not a header
         self.members_read = 0
         self.member_started_at = 0  # where the headers of the last member read begin
+        self._kept: dict[str, bytes] = {}  # small members, for links to them (_keep_for_links)
+        self._kept_bytes = 0
 
     def next_member(self) -> tuple[str, bytes] | None:
         """``(name, data)`` of the next regular file; None at the end-of-archive marker.
@@ -158,6 +167,7 @@ class TarReader:
         """
         pax: dict[str, str] = {}
         long_name: str | None = None
+        long_link: str | None = None
         started_at = self.offset
         while True:
             header_at = self.offset
@@ -173,19 +183,60 @@ class TarReader:
                 self.last_member, self.in_member = name, True
                 data = self._read_data(size)
                 self.in_member = False
-                self.members_read += 1
-                self.member_started_at = started_at
-                return name, data
+                self._keep_for_links(name, data)
+                return self._member_read(name, data, started_at)
+            if kind in _LINK_TYPES:
+                target = pax.get("linkpath") or long_link or _ustar_text(block[157:257])
+                data = self._linked_data(name, target, kind)
+                self._read_data(size)  # a link has no data of its own; padding if any
+                if data is not None:
+                    self.last_member = name
+                    return self._member_read(name, data, started_at)
+                self.last_member = name  # a symbolic link out of the archive: nothing to yield
+                pax, long_name, long_link = {}, None, None
+                continue
             if kind == _GNU_SPARSE:
                 raise TarFormatError(f"member {name!r} is a GNU sparse file, which is not supported")
             extension = self._read_data(size)
-            pax, long_name = {}, None  # they describe the very next header only
+            pax, long_name, long_link = {}, None, None  # they describe the very next header only
             if kind == _PAX_TYPE:
                 pax = _pax_records(extension)
             elif kind == _GNU_LONG_NAME:
                 long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            elif kind not in (_PAX_GLOBAL_TYPE, _GNU_LONG_LINK):
-                self.last_member = name  # a directory, a link, a device: nothing to yield
+            elif kind == _GNU_LONG_LINK:
+                long_link = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif kind != _PAX_GLOBAL_TYPE:
+                self.last_member = name  # a directory, a device: nothing to yield
+
+    def _member_read(self, name: str, data: bytes, started_at: int) -> tuple[str, bytes]:
+        self.members_read += 1
+        self.member_started_at = started_at
+        return name, data
+
+    def _keep_for_links(self, name: str, data: bytes) -> None:
+        """Keep a small member's data for links to it later in the archive (``LINK_TARGET_BYTES``
+        each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
+        if len(data) <= LINK_TARGET_BYTES and self._kept_bytes + len(data) <= LINK_TARGETS_KEPT_BYTES:
+            self._kept[name] = data
+            self._kept_bytes += len(data)
+
+    def _linked_data(self, name: str, target: str, kind: bytes) -> bytes | None:
+        """The data of a link's target, read earlier in this archive: a hard link is how tar
+        (and Python's tarfile) stores a second name of a file, the sample's member all the
+        same. Left out, that sample came without it, and nothing said so.
+
+        Raises:
+            TarFormatError: a hard link whose target's data was not kept.
+        """
+        if kind == _SYMLINK_TYPE and not target.startswith("/"):
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
+        data = self._kept.get(target)
+        if data is None and kind == _HARDLINK_TYPE:
+            raise TarFormatError(
+                f"member {name!r} is a hard link to {target!r}, whose data was not kept: only "
+                f"members of up to {LINK_TARGET_BYTES >> 10} KiB read before the link in this run "
+                "of the archive are (the archive's own members, before any resumed position)")
+        return data
 
     @property
     def compressed(self) -> bool:
@@ -303,6 +354,11 @@ def _ustar_name(block: bytes) -> str:
         if prefix:
             name = prefix + b"/" + name
     return name.decode("utf-8", "surrogateescape")
+
+
+def _ustar_text(field: bytes) -> str:
+    """A header's text field (a link's target), up to its first NUL."""
+    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
