@@ -117,6 +117,25 @@ def test_a_damaged_generator_state_of_a_torch_sampler_is_refused_by_name() -> No
         loader.load_state_dict(state)
 
 
+def _weighted(weights: list[float], num_samples: int) -> Callable[[], dict[str, Any]]:
+    return lambda: {"sampler": torch_data.WeightedRandomSampler(weights, num_samples, generator=_generator()),
+                    "batch_size": 3}
+
+
+@pytest.mark.parametrize("other", [_weighted([1.0] * 11, 14), _weighted([1.0] * 10 + [5.0], 13)],
+                         ids=["num_samples", "weights"])
+def test_a_torch_sampler_with_other_weights_or_num_samples_refuses_the_state(
+        other: Callable[[], dict[str, Any]]) -> None:
+    # Only the generator's state was kept: the same state under other weights or another
+    # num_samples drew another order, and the resume took it for the one it left.
+    state = _checkpoint(_weighted([1.0] * 11, 13), 1, 2)
+    loader = pipeload.DataLoader(DATA, **other())
+    with pytest.raises(IncompatibleStateError, match=r"epoch\.sampler\.sampler\.shape should be .* "
+                                                     r"\(the sampler's type, num_samples, replacement"):
+        loader.load_state_dict(state)
+    pipeload.DataLoader(DATA, **_weighted([1.0] * 11, 13)()).load_state_dict(state)  # its own: loads
+
+
 def test_a_state_without_the_generators_state_loads_with_the_warning_of_before() -> None:
     # Written before generator states were kept (or for a sampler drawing from torch's global
     # generator): it loads, and the sampler is iterated again from its start, as then, with the

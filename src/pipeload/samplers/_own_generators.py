@@ -8,8 +8,9 @@ resumed epoch sets them back before the sampler is iterated again, so that it dr
 order (pipeload then skips what was handed out). A sampler with a ``state_dict()`` of its own
 keeps its state that way instead.
 
-The state is ``{"generators": {"generator": text, "sampler.generator": text}}``, one entry for
-each ``torch.Generator`` found at those two places (the sampler's, and its inner sampler's).
+The state is ``{"generators": {"generator": text, "sampler.generator": text}, "shape": text}``,
+one entry for each ``torch.Generator`` found at those two places (the sampler's, and its inner
+sampler's), and a digest of what else decides the order (``sampler_shape``), checked on load.
 
 Example:
     >>> import torch
@@ -23,8 +24,10 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeload._rng_state import encode_state
@@ -49,11 +52,49 @@ def own_generators(sampler: Any) -> dict[str, torch.Generator]:
 
 
 def generators_state(sampler: Any) -> dict[str, Any] | None:
-    """The states of ``sampler``'s own generators now (None: it has none)."""
+    """The states of ``sampler``'s own generators now, and the digest of what else decides its
+    order (:func:`sampler_shape`); None: it has no generator of its own."""
     generators = own_generators(sampler)
     if not generators:
         return None
-    return {"generators": {place: encode_state(g.get_state()) for place, g in generators.items()}}
+    return {"generators": {place: encode_state(g.get_state()) for place, g in generators.items()},
+            "shape": sampler_shape(sampler)}
+
+
+def sampler_shape(sampler: Any) -> str:
+    """A digest of what, besides its generators, decides the order a sampler draws: at each of
+    the two places, its type, and its ``num_samples``, ``replacement``, ``weights`` and
+    ``indices`` where it has them. The same generator state under other weights or another
+    ``num_samples`` draws another order, which a resume would have taken for the one it left."""
+    digest = hashlib.blake2b(digest_size=8)
+    for holder in (sampler, getattr(sampler, "sampler", None)):
+        if holder is None:
+            continue
+        digest.update(f"{type(holder).__module__}.{type(holder).__qualname__};".encode())
+        for name in _SHAPING:
+            value = getattr(holder, name, None)
+            if isinstance(value, (bool, int)):
+                digest.update(f"{name}={value!r};".encode())
+        for name in ("weights", "indices"):
+            value = getattr(holder, name, None)
+            if value is not None:
+                digest.update(f"{name}=".encode())
+                digest.update(_as_bytes(value))
+    return digest.hexdigest()
+
+
+_SHAPING = ("num_samples", "replacement", "batch_size", "drop_last")
+
+
+def _as_bytes(values: Any) -> bytes:
+    """The numbers of a tensor, an array or a sequence, as bytes (their repr where they are not
+    numbers)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().contiguous().numpy().tobytes()
+    try:
+        return np.asarray(values).tobytes()
+    except (TypeError, ValueError):
+        return repr(values).encode()
 
 
 def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torch.Tensor]:
@@ -72,6 +113,12 @@ def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torc
                               f"the states of the generators at {sorted(generators)} ({GENERATOR_TEXT} each)")
     states = {place: saved.generator(place) for place in generators}
     saved.finish()
+    shape = fields.raw("shape", "the digest of the sampler's type and parameters", default=None)
+    if shape is not None and shape != sampler_shape(sampler):  # None: a state from before stop 43
+        raise bad_state_field(
+            fields.name("shape"), shape, repr(sampler_shape(sampler)),
+            "the sampler's type, num_samples, replacement, weights or indices differ from the "
+            "checkpoint's: its generator would draw another order")
     fields.finish()
     return states  # type: ignore[return-value]
 
