@@ -373,6 +373,28 @@ def test_a_state_from_another_configuration_is_refused(change: dict[str, Any], n
         pipeload.DataLoader(**options).load_state_dict(state)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pipe_state_another_graph_cannot_take_is_refused_when_loaded(num_workers: int) -> None:
+    # A state carries a digest: it is what some graph wrote, not one this graph takes. A shuffle
+    # buffer of another size was refused only at the first batch (in a worker), and a second
+    # iter(loader) started the epoch over without a word.
+    def loader(buffer_size: int) -> pipeload.DataLoader:
+        pipe = IterableWrapper(range(LENGTH)).shuffle(buffer_size=buffer_size).sharding_filter()
+        return pipeload.DataLoader(pipe, batch_size=BATCH, num_workers=num_workers)
+
+    taken = loader(6)
+    iterator = iter(taken)
+    next(iterator), next(iterator)
+    state = taken.state_dict()
+    del iterator
+    other = loader(10)
+    with pytest.raises(IncompatibleStateError, match=r"epoch\.streams\.0\.snapshot is not a state that "
+                                                     r"worker 0's replica .* buffer_size differs"):
+        other.load_state_dict(state)
+    assert sum(len(batch) for batch in other) == LENGTH  # nothing was set: a whole fresh epoch
+    loader(6).load_state_dict(state)  # its own graph's kind takes it
+
+
 @pytest.mark.parametrize(("before", "after", "named"), [
     ("loader-generator", "shuffle", "generator differs (state: 'a torch.Generator', here: None)"),
     ("shuffle", "loader-generator", "generator differs (state: None, here: 'a torch.Generator')"),

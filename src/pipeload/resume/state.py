@@ -201,8 +201,11 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
     if checked.epoch is not None:
         _check_epoch_fits(loader, checked.epoch)
     check_content(state, checked)
-    if checked.epoch is not None and checked.version < 2:
-        try_replica_states(loader, checked.epoch.streams)  # no digest: the pipes' own loads check
+    if checked.epoch is not None:
+        # The pipes' own loads check each replica's state against this loader's graph: a digest
+        # says the state is what some graph wrote, not that this one takes it (a shuffle buffer
+        # of another size loaded, and failed only at the first batch, in a worker).
+        try_replica_states(loader, checked.epoch.streams)
     _set_generators(loader, checked)
     if checked.epoch is not None:
         point = _mid_epoch(checked.epoch)

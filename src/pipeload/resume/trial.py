@@ -1,9 +1,10 @@
-"""Trying a digest-less state's replica positions on copies of the graph, before loading it.
+"""Trying a state's replica positions on copies of the graph, before loading it.
 
 A version-2 state carries a digest over everything in it, the replicas' own states included, so
-what a pipe's ``state_dict()`` wrote is what its ``load_state_dict()`` will read. A version-1
-state has none: each replica's state (a pipe's, written by that pipe) is checked by the one
-code that can read it, the pipe's own ``load_state_dict()``, on a copy of the DataPipe graph
+what a pipe's ``state_dict()`` wrote is what its ``load_state_dict()`` will read; but not that
+this loader's graph takes it (another shuffle buffer size, another stage), and a version-1 state
+has no digest at all. So each replica's state (a pipe's, written by that pipe) is checked by the
+one code that can read it, the pipe's own ``load_state_dict()``, on a copy of the DataPipe graph
 sharded as that worker's replica, and the copy's run is closed at once. Catches what those
 loads refuse (a missing key, a count that is text); a well-formed wrong value, and whatever a
 pipe only finds when it reads on (a tar reader seeks when its archive opens), are beyond it.
@@ -17,7 +18,7 @@ from typing import Any
 
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
-from pipeload.engine.fetch import StreamPosition, resumed_iterator
+from pipeload.engine.fetch import StreamPosition, global_rngs_kept, resumed_iterator
 from pipeload.engine.plan import ReplicaSetup
 from pipeload.errors import IncompatibleStateError
 
@@ -32,6 +33,13 @@ def try_replica_states(loader: Any, streams: dict[int, StreamPosition]) -> None:
     rules = replica.graph_rules(loader.dataset)
     if rules is None or rules.copy_graph is None:
         return
+    # A copy's first iteration may draw from the process's generators (a shuffle's seed): the
+    # trial must leave them as the user's checkpoint restored them.
+    with global_rngs_kept():
+        _try_each(loader, streams, rules)
+
+
+def _try_each(loader: Any, streams: dict[int, StreamPosition], rules: Any) -> None:
     placement = current_placement()
     setup = ReplicaSetup(placement.rank, placement.world_size)
     for worker, position in sorted(streams.items()):
