@@ -23,6 +23,7 @@ from pipeload.datapipes.sources import (
     ArchiveMember,
     FailureBudgetExceeded,
     FailureCounts,
+    LinkLeftOutWarning,
     SkippedSampleWarning,
     SourceChangedError,
     failure_counts,
@@ -58,7 +59,7 @@ def test_a_member_larger_than_one_read_comes_whole(tmp_path: Path, monkeypatch: 
     assert [(m.name, m[1]) for m in members_of(path)] == [("big.bin", big), *MEMBERS[:2]]
 
 
-def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -> None:
+def test_directories_and_links_out_of_the_archive_are_left_out_and_members_pickle(tmp_path: Path) -> None:
     import io
     import pickle
 
@@ -75,7 +76,8 @@ def test_directories_and_links_are_left_out_and_members_pickle(tmp_path: Path) -
         info.size = 2
         tar.addfile(info, io.BytesIO(b"hi"))
     (tmp_path / "d.tar").write_bytes(buffer.getvalue())
-    (member,) = members_of(tmp_path / "d.tar")
+    with pytest.warns(LinkLeftOutWarning, match="'dir/link' is a symbolic link to 'dir/x', whose data is not in"):
+        (member,) = members_of(tmp_path / "d.tar")
     assert member.name == "dir/a.txt" and member[1] == b"hi"
     copy = pickle.loads(pickle.dumps(member))
     assert copy == member and copy.archive == member.archive and copy.name == "dir/a.txt"
@@ -107,8 +109,21 @@ def test_a_hard_linked_member_comes_with_its_targets_data(tmp_path: Path) -> Non
         link.type, link.linkname = tarfile.LNKTYPE, "a.bin"
         tar.addfile(link)
     (tmp_path / "big.tar").write_bytes(big.getvalue())
-    with pytest.raises(ArchiveError, match="'b.bin' is a hard link to 'a.bin', whose data was not kept"):
-        members_of(tmp_path / "big.tar")
+    # over what is kept for links: read again where it lies in a local archive...
+    assert [(m.name, len(m[1])) for m in members_of(tmp_path / "big.tar")] == [("a.bin", 1 << 20),
+                                                                              ("b.bin", 1 << 20)]
+    # ...and left out, said, where the stream cannot be read again
+    (tmp_path / "big.tar.gz").write_bytes(gzip.compress(big.getvalue()))
+    with pytest.warns(LinkLeftOutWarning, match="'b.bin' is a hard link to 'a.bin', whose data is over"):
+        assert [m.name for m in members_of(tmp_path / "big.tar.gz")] == ["a.bin"]
+
+
+def test_archives_joined_end_to_end_are_read_on_as_tar_does_with_ignore_zeros(tmp_path: Path) -> None:
+    # `cat a.tar b.tar`: the first archive's end-of-archive marker and padding, then the second
+    # archive. Read only to the first marker, b.tar's members vanished without a word.
+    first, second = MEMBERS[:3], MEMBERS[3:]
+    (tmp_path / "joined.tar").write_bytes(tar_bytes(first) + tar_bytes(second))
+    assert [(m.name, m[1]) for m in members_of(tmp_path / "joined.tar")] == MEMBERS
 
 
 def test_streams_are_closed_when_their_archive_ends(tmp_path: Path) -> None:
@@ -141,7 +156,7 @@ def _broken_archives(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
         "zeroed header": (whole[:second_header] + bytes(512) + whole[second_header + 512:], 1,
                           "a header was zeroed"),
         # a file preallocated and written only in part: zeros where the rest should be
-        "zeroed tail": (whole[: sum(sizes[:3])] + bytes(300 << 10), 3, "KiB of zeros follow"),
+        "zeroed tail": (whole[: sum(sizes[:3])] + bytes(17 << 20), 3, "MiB of zeros follow"),
     }
     written = {}
     for name, (data, readable, says) in cases.items():
@@ -367,6 +382,35 @@ def _checkpoint_after(path: Path, members: int, **policy: object) -> tuple[list[
     state = iterator.state_dict()
     iterator.close()
     return head, state
+
+
+@pytest.mark.parametrize("compression", ["", "gz"])
+def test_a_run_resumed_after_a_links_target_still_gives_the_link_its_data(tmp_path: Path,
+                                                                          compression: str) -> None:
+    # Moving to the checkpoint reads the headers up to it: a link after it finds its target
+    # (a small one kept; a large one read again, or read through in a compressed stream).
+    import io
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        large = 50_000 if compression else 200_000  # compressed: kept (it cannot be read again)
+        for name, size in [("a.cls", 1), ("a.bin", large), ("b.jpg", 10)]:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes([len(name)]) * size))
+        for name, target in [("b.cls", "a.cls"), ("b.bin", "a.bin")]:
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.LNKTYPE, target
+            tar.addfile(link)
+    path = tmp_path / f"links.tar{'.gz' if compression else ''}"
+    path.write_bytes(gzip.compress(buffer.getvalue()) if compression else buffer.getvalue())
+    whole = [(m.name, m[1]) for m in members_of(path)]
+    assert [name for name, _ in whole] == ["a.cls", "a.bin", "b.jpg", "b.cls", "b.bin"]
+    for taken in range(1, 5):
+        head, state = _checkpoint_after(path, taken)
+        resumed = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+        resumed.load_state_dict(state)
+        assert [(m.name, m[1]) for m in resumed] == whole[taken:], taken
 
 
 def test_a_checkpoint_does_not_resume_in_an_archive_replaced_since(tmp_path: Path) -> None:

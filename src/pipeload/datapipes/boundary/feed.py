@@ -68,27 +68,30 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     elif states:
         taker = StateTaker(lambda _count, state: carried.append(UpstreamState.of(state)),
                            lambda why: carried.append(UpstreamState(unavailable=why)))
+    def next_position() -> Any:
+        """The upstream's next item, or a ``RaisedUpstream`` holding its error for that item
+        (which takes a position, as an item does: counted by the consumer and by the states)."""
+        try:
+            return _next_unless_closed(iterator, queue)
+        except (StopIteration, QueueError, WaitCancelled):
+            raise
+        except Exception as exc:
+            if not goes_on or getattr(exc, "ends_the_run", False):
+                raise
+            return RaisedUpstream(exc)
+
     try:
         iterator = as_nonblocking(pipe)
         if resume is not None:
             stage = "resuming the upstream pipe from its checkpoint"
-            resumed(iterator, resume, lambda: _next_unless_closed(iterator, queue))
+            resumed(iterator, resume, next_position)  # an error before the checkpoint: its place
         while True:
             if prepare is not None:
                 prepare()
             stage = "iterating the upstream pipe"
-            try:
-                item = _next_unless_closed(iterator, queue)
-            except (StopIteration, QueueError, WaitCancelled):
-                raise
-            except Exception as exc:
-                if not goes_on or getattr(exc, "ends_the_run", False):
-                    raise
-                exc.add_note(f"pipeload: raised {where} while {stage}")
-                stage = "sending an upstream error to the consumer"
-                queue.put(RaisedUpstream(exc))
-                del exc
-                continue
+            item = next_position()
+            if type(item) is RaisedUpstream:
+                item.error.add_note(f"pipeload: raised {where} while {stage}")
             if taker is not None:
                 taker.left -= 1
                 if taker.left == 0:

@@ -10,6 +10,7 @@ repository).
 """
 
 from pipeload.datapipes.sources._retry import RetryPolicy, is_transient
+from pipeload.datapipes.sources._tar_stream import LinkLeftOutWarning
 from pipeload.datapipes.sources.decoders import Decoder, SampleDecodeError, default_handlers, text_lines
 from pipeload.datapipes.sources.errors import ArchiveError, SampleGroupingError, SourceChangedError, SourceError
 from pipeload.datapipes.sources.files import FileLister, FileOpener, FileReader, StreamReader, open_stream
@@ -36,6 +37,7 @@ __all__ = [
     "FileOpener",
     "FileReader",
     "IterableWrapper",
+    "LinkLeftOutWarning",
     "RetryPolicy",
     "SampleDecodeError",
     "SampleGroupingError",

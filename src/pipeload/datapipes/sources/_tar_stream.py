@@ -18,8 +18,10 @@ import bz2
 import gzip
 import io
 import lzma
+import os
 import posixpath
 import tarfile
+import warnings
 from typing import IO, Any
 
 BLOCK_BYTES = 512
@@ -129,17 +131,36 @@ _SKIP_CHUNK_BYTES = 1 << 20
 # in shards are small (a label, a caption written once for several samples).
 LINK_TARGET_BYTES = 64 << 10
 LINK_TARGETS_KEPT_BYTES = 16 << 20
-# The most zeros an archive's writer leaves after its end-of-archive marker: tar pads to whole
-# records (20 blocks, 10 KiB, by default; 256 KiB at a blocking factor of 512), Python's tarfile
-# and WebDataset's writers to 10 KiB. More is a file written only in part; less cannot be told
-# from padding.
-MAX_PADDING_BYTES = 256 << 10
+# The most zeros read as an archive's padding after its end-of-archive marker: tar pads to
+# whole records, 10 KiB by default (Python's tarfile and WebDataset's writers too), up to a few
+# MiB at the largest blocking factors GNU tar takes. More is a file written only in part (a
+# preallocated shard cut short); a shorter zeroed tail cannot be told from padding.
+MAX_PADDING_BYTES = 16 << 20
 _ZSTD_CHUNK_BYTES = 1 << 17
 _MAX_READ_BYTES = 1 << 26
 
 
 class TarFormatError(tarfile.ReadError):
     """The bytes are not a whole, valid tar archive (truncated or corrupt)."""
+
+
+class LinkLeftOutWarning(UserWarning):
+    """A tar member that links to data not at hand (out of the archive, or read before a
+    resumed position in a stream that cannot be read again) was left out."""
+
+
+def _origin(stream: Any) -> int | None:
+    """Where an uncompressed archive begins in its local, seekable stream (None otherwise)."""
+    rest = getattr(stream, "_rest", None)
+    if not isinstance(stream, _Prefixed) or rest is None:
+        return None
+    try:
+        if not rest.seekable():
+            return None
+        rest.fileno()
+        return rest.tell() - len(stream._prefix)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 class TarReader:
@@ -158,6 +179,10 @@ class TarReader:
         self.member_started_at = 0  # where the headers of the last member read begin
         self._kept: dict[str, bytes] = {}  # small members, for links to them (_keep_for_links)
         self._kept_bytes = 0
+        self._places: dict[str, tuple[int, int]] = {}  # member -> (data offset, size)
+        self.resumed = False  # moved to a checkpoint's position: earlier members were not read
+        self._skipping = False  # moving there: headers read, large data sought past
+        self._origin = _origin(stream)  # where the archive begins in a seekable local stream
 
     def next_member(self) -> tuple[str, bytes] | None:
         """``(name, data)`` of the next regular file; None at the end-of-archive marker.
@@ -173,8 +198,10 @@ class TarReader:
             header_at = self.offset
             block = self._read_exactly(BLOCK_BYTES)
             if block == _ZERO_BLOCK:
-                self._check_only_padding_follows(header_at)
-                return None
+                following = self._after_the_marker(header_at)
+                if following is None:
+                    return None
+                header_at, block = self.offset - BLOCK_BYTES, following  # archives joined end to end
             self._check_header(block, header_at)
             kind = block[156:157]
             size = int(pax["size"]) if "size" in pax else _number(block[124:136], header_at)
@@ -183,7 +210,7 @@ class TarReader:
                 self.last_member, self.in_member = name, True
                 data = self._read_data(size)
                 self.in_member = False
-                self._keep_for_links(name, data)
+                self._keep_for_links(name, data, size)
                 return self._member_read(name, data, started_at)
             if kind in _LINK_TYPES:
                 target = pax.get("linkpath") or long_link or _ustar_text(block[157:257])
@@ -213,29 +240,53 @@ class TarReader:
         self.member_started_at = started_at
         return name, data
 
-    def _keep_for_links(self, name: str, data: bytes) -> None:
-        """Keep a small member's data for links to it later in the archive (``LINK_TARGET_BYTES``
-        each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
-        if len(data) <= LINK_TARGET_BYTES and self._kept_bytes + len(data) <= LINK_TARGETS_KEPT_BYTES:
+    def _keep_for_links(self, name: str, data: bytes, size: int) -> None:
+        """Keep where a member's data lies, and a small member's data itself, for links to it
+        later in the archive (``LINK_TARGET_BYTES`` each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
+        self._places[name] = (self.offset - (-size % BLOCK_BYTES) - size, size)
+        if len(data) == size <= LINK_TARGET_BYTES and self._kept_bytes + size <= LINK_TARGETS_KEPT_BYTES:
             self._kept[name] = data
             self._kept_bytes += len(data)
+
+    def _read_again(self, target: str) -> bytes | None:
+        """A member's data read again from where it lies, in a local uncompressed archive (None
+        where the stream cannot be read at a position)."""
+        place = self._places.get(target)
+        stream = self._stream
+        rest = getattr(stream, "_rest", None)
+        if place is None or rest is None or self._origin is None:
+            return None
+        try:
+            fd = rest.fileno()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return None
+        data = os.pread(fd, place[1], self._origin + place[0])
+        return data if len(data) == place[1] else None
 
     def _linked_data(self, name: str, target: str, kind: bytes) -> bytes | None:
         """The data of a link's target, read earlier in this archive: a hard link is how tar
         (and Python's tarfile) stores a second name of a file, the sample's member all the
-        same. Left out, that sample came without it, and nothing said so.
-
-        Raises:
-            TarFormatError: a hard link whose target's data was not kept.
-        """
+        same. Left out, that sample came without it, and nothing said so. Kept when small,
+        else read again where the archive is a local uncompressed file; else (and for a
+        symbolic link out of the archive) the link is left out, with a warning."""
+        if self._skipping:
+            return b""  # handed out before the checkpoint: counted, not made again
         if kind == _SYMLINK_TYPE and not target.startswith("/"):
             target = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
         data = self._kept.get(target)
-        if data is None and kind == _HARDLINK_TYPE:
-            raise TarFormatError(
-                f"member {name!r} is a hard link to {target!r}, whose data was not kept: only "
-                f"members of up to {LINK_TARGET_BYTES >> 10} KiB read before the link in this run "
-                "of the archive are (the archive's own members, before any resumed position)")
+        if data is None:
+            data = self._read_again(target)
+        if data is None:
+            what = "a hard link" if kind == _HARDLINK_TYPE else "a symbolic link"
+            if target in self._places:
+                where = (f"over the {LINK_TARGET_BYTES >> 10} KiB kept for links, in a stream that "
+                         "cannot be read again (compressed, or remote)")
+            elif self.resumed:
+                where = "before the position this run resumed from"
+            else:
+                where = "not in this archive"
+            warnings.warn(f"pipeload: tar member {name!r} is {what} to {target!r}, whose data is "
+                          f"{where}: the member is left out", LinkLeftOutWarning, stacklevel=2)
         return data
 
     @property
@@ -244,52 +295,75 @@ class TarReader:
         at the end of the stream)."""
         return not isinstance(self._stream, _Prefixed)
 
-    def _check_only_padding_follows(self, marker_at: int) -> None:
-        """Read on past the end-of-archive marker at ``marker_at`` to the end of the data, which
-        must be zeros, and no more of them than a writer pads with (``MAX_PADDING_BYTES``).
+    def _after_the_marker(self, marker_at: int) -> bytes | None:
+        """Read on past the zero block at ``marker_at``: None at the end of the data (zeros
+        alone followed: the archive's end, and its padding), or the header of another archive
+        joined after this one (``cat a.tar b.tar``; GNU tar reads on with ``-i``).
 
-        A zero block before the end is no end: a header zeroed on disk (a lone zero block, as
-        GNU tar calls it) ended the shard there, and every member after it vanished without a
-        word; a file preallocated and written only in part ends in zeros too. And only at the
-        end of compressed data does the decompressor check its checksum (gzip's CRC-32 and
-        length, bzip2's stream CRC): a flipped bit that still decompresses, or a cut-off
-        trailer, is otherwise delivered without a word. Costs the archive's zero padding.
+        A zero block is not believed at once: a header zeroed on disk (a lone zero block, as
+        GNU tar warns of it) ended the shard there, and every member after it vanished without
+        a word. And only at the end of compressed data does the decompressor check its checksum
+        (gzip's CRC-32 and length, bzip2's stream CRC): a flipped bit that still decompresses,
+        or a cut-off trailer, is otherwise delivered without a word. Costs the archive's zero
+        padding.
 
         Raises:
-            TarFormatError: data after the marker, or more zeros than padding.
+            TarFormatError: a lone zero block before more members, data after the marker that
+                is no header, or more zeros than any writer pads with (``MAX_PADDING_BYTES``: a
+                file preallocated and written only in part).
         """
-        padding = 0
+        zeros = BLOCK_BYTES
         while True:
-            chunk = self._stream.read(_SKIP_CHUNK_BYTES)
-            if not chunk:
-                return
-            if chunk.count(0) != len(chunk):
-                at = marker_at + BLOCK_BYTES + padding + next(i for i, byte in enumerate(chunk) if byte)
+            block = self._stream.read(BLOCK_BYTES)
+            if not block or (len(block) < BLOCK_BYTES and not block.strip(b"\0")):
+                return None  # the end (a tail short of a block, zeros alone, is padding too)
+            if len(block) < BLOCK_BYTES:
+                raise TarFormatError(f"truncated: {len(block)} bytes of data after the end-of-archive "
+                                     f"marker at byte {marker_at}")
+            self.offset += BLOCK_BYTES
+            if block == _ZERO_BLOCK:
+                zeros += BLOCK_BYTES
+                if zeros > MAX_PADDING_BYTES:
+                    raise TarFormatError(
+                        f"truncated: more than {MAX_PADDING_BYTES >> 20} MiB of zeros follow the "
+                        f"end-of-archive marker at byte {marker_at}, more than any writer pads "
+                        "with: a file written only in part (preallocated, then cut short)")
+                continue
+            at = self.offset - BLOCK_BYTES
+            if zeros == BLOCK_BYTES:
                 raise TarFormatError(
-                    f"corrupt: a zero block at byte {marker_at} reads as the end of the archive, but "
-                    f"data follows it (at byte {at}): a header was zeroed (or archives were "
-                    "joined end to end), and the members from there on would be lost")
-            padding += len(chunk)
-            if padding > MAX_PADDING_BYTES:
+                    f"corrupt: a lone zero block at byte {marker_at}, with a header after it (at byte "
+                    f"{at}): a header was zeroed, and the member it began would be lost")
+            try:
+                self._check_header(block, at)
+            except TarFormatError:
                 raise TarFormatError(
-                    f"truncated: more than {MAX_PADDING_BYTES >> 10} KiB of zeros follow the "
-                    f"end-of-archive marker at byte {marker_at}, more than any writer pads with: "
-                    "a file written only in part (preallocated, then cut short)")
+                    f"corrupt: data that is no tar header follows the end-of-archive marker at byte "
+                    f"{marker_at} (at byte {at})") from None
+            return block
 
     def move_to(self, offset: int, members_read: int) -> None:
         """Continue from ``offset`` bytes into the archive (a member boundary, as a checkpoint
-        recorded it), having read ``members_read`` files: by seeking, when the archive is not
-        compressed and its stream can seek; else by reading up to there."""
-        stream = self._stream
-        rest = getattr(stream, "_rest", None)  # an uncompressed archive: _Prefixed
-        seekable = rest is not None and callable(getattr(rest, "seekable", None)) and rest.seekable()
-        if seekable and self.offset == 0:
-            start = rest.tell() - len(stream._prefix)  # where the archive begins in its stream
-            rest.seek(start + offset)
-            stream._prefix = b""
-            self.offset = offset
-        while self.offset < offset:
-            self._read_exactly(min(offset - self.offset, _SKIP_CHUNK_BYTES))
+        recorded it), having read ``members_read`` files. The headers up to there are read, so
+        that links after it find their targets (``_keep_for_links``); the data of members too
+        large to keep is sought past where the stream can seek, else read and dropped.
+
+        Raises:
+            TarFormatError: the archive ends before ``offset``, or ``offset`` is no member
+                boundary in it.
+        """
+        self.resumed = True
+        self._skipping = True
+        try:
+            while self.offset < offset:
+                if self.next_member() is None:
+                    raise TarFormatError(f"truncated: the archive ends at byte {self.offset}, before "
+                                         f"the checkpoint's position (byte {offset})")
+        finally:
+            self._skipping = False
+        if self.offset != offset:
+            raise TarFormatError(f"corrupt: byte {offset}, where the checkpoint resumes, is not "
+                                 f"where a member begins in this archive (one begins at {self.offset})")
         self.members_read = members_read
 
     def _read_exactly(self, size: int) -> bytes:
@@ -319,9 +393,22 @@ class TarReader:
         return b"".join(pieces)
 
     def _read_data(self, size: int) -> bytes:
+        if self._skipping and size > LINK_TARGET_BYTES and self._can_seek():
+            self._stream._rest.seek(size + -size % BLOCK_BYTES, io.SEEK_CUR)  # moving to a checkpoint
+            self.offset += size + -size % BLOCK_BYTES
+            return b""
         data = self._read_exactly(size)
         self._read_exactly(-size % BLOCK_BYTES)  # members are padded to whole blocks
         return data
+
+    def _can_seek(self) -> bool:
+        """Whether the data can be sought past: an uncompressed archive in a seekable stream,
+        its first bytes already read."""
+        stream = self._stream
+        if not isinstance(stream, _Prefixed) or stream._prefix:
+            return False
+        seekable = getattr(stream._rest, "seekable", None)
+        return callable(seekable) and seekable()
 
     @staticmethod
     def _check_header(block: bytes, header_at: int) -> None:
