@@ -447,11 +447,14 @@ def test_epochs_of_few_batches_whose_first_batches_take_much_of_the_time_are_nam
     assert stats.suggested_settings() == {}  # nothing a setting changes
 
 
-@pytest.mark.parametrize("opening_wait_s, first_wait_s", [(4.0, 4.0 + 3 * 0.05), (0.0, 4 * 0.2)],
-                         ids=["the first epoch's start alone", "a small share"])
+@pytest.mark.parametrize("opening_wait_s, first_wait_s, workers", [
+    (4.0, 4.0 + 3 * 0.05, None), (0.0, 4 * 0.2, None), (0.0, 4 * 1.0, ())],
+    ids=["the first epoch's start alone", "a small share", "no workers"])
 def test_first_batches_are_not_named_where_they_take_little_after_the_first_epoch(
-        opening_wait_s: float, first_wait_s: float) -> None:
-    stats = dataclasses.replace(_restarting(first_wait_s=first_wait_s, persistent=True, wait=0.04),
+        opening_wait_s: float, first_wait_s: float, workers: tuple | None) -> None:
+    # Without workers every batch is loaded while the loop waits, the first no more than others.
+    stats = dataclasses.replace(_restarting(first_wait_s=first_wait_s, persistent=workers is None,
+                                            wait=0.04, workers=workers),
                                 opening_wait_s=opening_wait_s)
     assert analysis.diagnose(stats).bottleneck == "the training loop"
 

@@ -87,14 +87,35 @@ _SHAPING = ("num_samples", "replacement", "batch_size", "drop_last")
 
 
 def _as_bytes(values: Any) -> bytes:
-    """The numbers of a tensor, an array or a sequence, as bytes (their repr where they are not
-    numbers)."""
+    """What identifies the numbers of a tensor, an array or a sequence, as bytes: a range by its
+    bounds; a long one (over ``WHOLE_UP_TO``) by its length and ``SAMPLED`` values spread over it,
+    as a state is taken at every epoch's start and a sampler over 10^9 indices must not cost
+    seconds; values that are no numbers (paths, keys) by their text, never by where they lie in
+    memory."""
+    if isinstance(values, range):
+        return f"range({values.start},{values.stop},{values.step})".encode()
     if isinstance(values, torch.Tensor):
-        return values.detach().cpu().contiguous().numpy().tobytes()
+        values = values.detach().cpu()
     try:
-        return np.asarray(values).tobytes()
-    except (TypeError, ValueError):
+        length = len(values)
+    except TypeError:
         return repr(values).encode()
+    if length > WHOLE_UP_TO:
+        step = length // SAMPLED
+        values = [values[i] for i in range(0, length, step)] + [values[length - 1]]
+    if isinstance(values, torch.Tensor):
+        return f"{length};".encode() + values.contiguous().numpy().tobytes()
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.dtype == object:
+        return f"{length};".encode() + repr(list(values)).encode()
+    return f"{length};".encode() + array.tobytes()
+
+
+WHOLE_UP_TO = 1 << 16
+SAMPLED = 4096
 
 
 def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torch.Tensor]:

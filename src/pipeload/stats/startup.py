@@ -104,7 +104,11 @@ class FirstBatches:
 
 def first_batches(stats: LoaderStats) -> FirstBatches | None:
     """The later epochs' waits for their first batches, when they take a large share of the
-    time (None otherwise, or on less than ``MIN_EPOCHS`` later epochs and ``MIN_ELAPSED_S``)."""
+    time (None otherwise, without workers, or on less evidence than :func:`restarts` needs, over
+    ``MIN_EPOCHS`` later epochs). Without workers every batch is loaded while the loop waits,
+    its first no more than the others: the steady verdict says it."""
+    if not _has_workers(stats) or not _enough_evidence(stats, 1.0):
+        return None
     later = stats.epochs - 1
     found = FirstBatches(max(0.0, stats.first_wait_s - stats.opening_wait_s),
                          max(0.0, stats.elapsed_s - stats.opening_wait_s), later,

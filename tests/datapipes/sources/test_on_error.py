@@ -108,6 +108,9 @@ def test_an_error_raised_while_handling_a_timeout_is_transient_and_says_both() -
                                        "TimeoutError: read timed out); gave up after 4 attempts")
     assert not is_transient(raised_while_handling(FileNotFoundError("gone"), TimeoutError()))
     assert not is_transient(raised_while_handling(ValueError("bad"), KeyError("x")))
+    hidden = raised_while_handling(ValueError("bad"), TimeoutError())
+    hidden.__suppress_context__ = True  # raise ... from None: the timeout is no part of it
+    assert not is_transient(hidden) and describe_failure(hidden) == "ValueError: bad"
 
 
 def test_retry_policy_checks_and_waits() -> None:

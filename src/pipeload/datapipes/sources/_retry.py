@@ -86,7 +86,7 @@ def is_transient(error: BaseException) -> bool:
         seen.add(id(error))
         if _says_transient(error):
             return True
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return False
 
 

@@ -24,6 +24,8 @@ import tarfile
 import warnings
 from typing import IO, Any
 
+from pipeload.datapipes.sources._versions import is_plain_file
+
 BLOCK_BYTES = 512
 _ZERO_BLOCK = bytes(BLOCK_BYTES)
 _CHECKSUM_FIELD = slice(148, 156)
@@ -150,9 +152,10 @@ class LinkLeftOutWarning(UserWarning):
 
 
 def _origin(stream: Any) -> int | None:
-    """Where an uncompressed archive begins in its local, seekable stream (None otherwise)."""
+    """Where an uncompressed archive begins in its local, seekable stream (None otherwise, and
+    for a stream that transforms what it reads, whose ``fileno()`` reads other bytes)."""
     rest = getattr(stream, "_rest", None)
-    if not isinstance(stream, _Prefixed) or rest is None:
+    if not isinstance(stream, _Prefixed) or rest is None or not is_plain_file(rest):
         return None
     try:
         if not rest.seekable():

@@ -115,6 +115,13 @@ def local_status(status: os.stat_result) -> ObjectVersion:
     return ObjectVersion(size=status.st_size, mtime_ns=status.st_mtime_ns, ctime_ns=status.st_ctime_ns)
 
 
+def is_plain_file(stream: Any) -> bool:
+    """Whether ``stream`` reads a file's own bytes through the operating system (its ``fileno()``
+    then reads the same bytes at the same places): not a stream that decompresses or otherwise
+    transforms what it reads from a file (``gzip.open``), whose ``fileno()`` is the file's too."""
+    return isinstance(stream, (io.FileIO, io.BufferedReader, io.BufferedRandom, ReadDigest))
+
+
 class ReadDigest:
     """A local file's stream with a running CRC-32 of the bytes read through it (from where it
     was opened or last sought): what a reader compares with the file as it is now, to tell a

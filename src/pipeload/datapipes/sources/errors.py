@@ -115,7 +115,7 @@ def describe_failure(error: BaseException) -> str:
     handler, over the timeout that matters), and how many attempts were made (pipeload's note,
     which the wrapping message would otherwise leave behind on its cause)."""
     words = _type_and_message(error)
-    context = error.__cause__ or error.__context__
+    context = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     if context is not None and not isinstance(error, SourceError):
         words += f" (raised while handling {_type_and_message(context)})"
     attempts = [note[len("pipeload: "):] for note in getattr(error, "__notes__", ())

@@ -149,8 +149,10 @@ class _OpenArchive:
         # A local file is read through the OS: rewritten in place while it is read, its new
         # bytes follow the old ones already buffered (remote reads are pinned to a version).
         self._local_fd = stream.fileno() if self.version is not None and self.version.mtime_ns is not None else None
-        binary = not isinstance(stream, io.TextIOBase)  # a text stream is refused by name below
-        self._digest = _versions.ReadDigest(stream) if self._local_fd is not None and binary else None
+        # Only a plain file's bytes can be compared with the file's (a text stream is refused
+        # by name below; a gzip.open() stream's fileno() is the compressed file's).
+        plain = self._local_fd is not None and _versions.is_plain_file(stream)
+        self._digest = _versions.ReadDigest(stream) if plain else None
         self.reader = _tar_stream.TarReader(_tar_stream.decompressed(self._digest or stream))
         self.outcome = ArchiveOutcome()
         self._held: collections.deque[tuple[ArchiveMember, tuple[int, int]]] | None = None
