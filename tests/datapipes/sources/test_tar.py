@@ -606,6 +606,20 @@ def test_a_rewrite_set_back_only_where_nothing_was_read_yet_reads_on_as_the_new_
     assert b"".join(m[1] for m in got) == b"".join(data for _, data in tarfile_members(new))
 
 
+def test_a_stream_that_decompresses_a_file_is_not_compared_with_the_files_bytes(tmp_path: Path) -> None:
+    # A gzip.open() stream's fileno() is the compressed file's: its bytes read were compared
+    # with the file's after a chmod, and the archive was taken for rewritten.
+    members = [(f"k{index:04d}.bin", bytes([index % 251]) * 1000) for index in range(40)]
+    path = tmp_path / "a.tar.gz"
+    path.write_bytes(gzip.compress(tar_bytes(members)))
+    with gzip.open(path, "rb") as stream:
+        iterator = iter(IterableWrapper([(str(path), stream)], deepcopy=False).load_from_tar())
+        got = [next(iterator) for _ in range(5)]
+        os.chmod(path, 0o600)
+        got.extend(iterator)
+    assert [(m.name, m[1]) for m in got] == members
+
+
 def test_an_archive_replaced_by_a_rename_or_given_other_permissions_is_read_on_whole(tmp_path: Path) -> None:
     # Its status-change time moves, its bytes do not: the reader holding it open reads on.
     old = [(f"k{index:04d}.bin", b"old-%04d" % index) for index in range(500)]
