@@ -132,7 +132,7 @@ _SKIP_CHUNK_BYTES = 1 << 20
 # Members kept for links to them: a link's target is read before it, and the files tar links
 # in shards are small (a label, a caption written once for several samples).
 LINK_TARGET_BYTES = 64 << 10
-LINK_TARGETS_KEPT_BYTES = 16 << 20
+LINK_TARGETS_KEPT_BYTES = 4 << 20
 # The most zeros read as an archive's padding after its end-of-archive marker: tar pads to
 # whole records, 10 KiB by default (Python's tarfile and WebDataset's writers too), up to a few
 # MiB at the largest blocking factors GNU tar takes. More is a file written only in part (a
@@ -244,9 +244,12 @@ class TarReader:
         return name, data
 
     def _keep_for_links(self, name: str, data: bytes, size: int) -> None:
-        """Keep where a member's data lies, and a small member's data itself, for links to it
-        later in the archive (``LINK_TARGET_BYTES`` each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
+        """Keep where a member's data lies, for links to it later in the archive; and, where the
+        stream cannot be read again (compressed, remote), a small member's data itself
+        (``LINK_TARGET_BYTES`` each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
         self._places[name] = (self.offset - (-size % BLOCK_BYTES) - size, size)
+        if self._origin is not None:
+            return  # a local uncompressed archive: read again where it lies, if ever linked to
         if len(data) == size <= LINK_TARGET_BYTES and self._kept_bytes + size <= LINK_TARGETS_KEPT_BYTES:
             self._kept[name] = data
             self._kept_bytes += len(data)
