@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import random
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 
@@ -77,3 +79,16 @@ def borrowed_global_rng(state: str | torch.Tensor | None) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(saved)
+
+
+@contextlib.contextmanager
+def global_rngs_kept() -> Iterator[None]:
+    """Run the block, then put the process's global generators (torch's, Python's ``random``,
+    numpy's) back as they were before it."""
+    states = random.getstate(), torch.get_rng_state(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+        np.random.set_state(states[2])

@@ -18,13 +18,10 @@ use this module.
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
+from pipeload._rng_state import global_rngs_kept
 from pipeload.engine.worker_info import WorkerRNG, derive_seed, reseed
 
 MAP_BATCH_STREAM = 3  # apart from economic mode's item (1) and batch (2) seeds
@@ -60,11 +57,6 @@ class BatchSeeding:
             reseed(seed, self.rng)
             yield
             return
-        saved = (random.getstate(), torch.get_rng_state(), np.random.get_state())
-        reseed(seed, None)
-        try:
+        with global_rngs_kept():
+            reseed(seed, None)
             yield
-        finally:
-            random.setstate(saved[0])
-            torch.set_rng_state(saved[1])
-            np.random.set_state(saved[2])

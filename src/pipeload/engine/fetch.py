@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
-import torch
 import torch.autograd.profiler as _torch_profiler
 
+from pipeload._rng_state import global_rngs_kept
 from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.plan import DatasetKind, FetchSpec
@@ -413,19 +411,6 @@ def make_fetcher(spec: FetchSpec, clock: StageClock | None = None, seeding: Batc
         return IterableFetcher(spec, clock, seeding, worker_id, resume_from, place_rows, copy_states,
                                in_main_process)
     return MapFetcher(spec, clock, seeding, place_rows)
-
-
-@contextlib.contextmanager
-def global_rngs_kept() -> Iterator[None]:
-    """Run the block, then put the process's global generators (torch's, Python's ``random``,
-    numpy's) back as they were before it."""
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
 
 
 def containers_copied(value: Any) -> Any:

@@ -18,7 +18,8 @@ from typing import Any
 
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
-from pipeload.engine.fetch import StreamPosition, global_rngs_kept, resumed_iterator
+from pipeload._rng_state import global_rngs_kept
+from pipeload.engine.fetch import StreamPosition, resumed_iterator
 from pipeload.engine.plan import ReplicaSetup
 from pipeload.errors import IncompatibleStateError
 
