@@ -135,3 +135,31 @@ def test_the_same_shard_twice_in_a_row_is_two_readings_not_a_returning_key(tmp_p
     # also when the members crossed a process boundary (their reading's outcome is not pickled)
     pickled = [pickle.loads(pickle.dumps(m)) for m in IterableWrapper(urls).open_files(mode="b").load_from_tar()]
     assert [s["__key__"] for s in IterableWrapper(pickled).webdataset()] == ["a", "b", "a", "b"]
+
+
+def test_a_sample_split_across_two_shards_is_refused_not_yielded_as_two_halves(tmp_path: Path) -> None:
+    # The last sample of one shard and the first of the next share a key and have different
+    # files: one sample cut in two by a mis-packed writer. Both halves went out as samples.
+    (tmp_path / "1.tar").write_bytes(tar_bytes([("a.jpg", b"1"), ("a.cls", b"0"), ("k.jpg", b"2")]))
+    (tmp_path / "2.tar").write_bytes(tar_bytes([("k.cls", b"1"), ("z.jpg", b"3"), ("z.cls", b"2")]))
+    urls = [str(tmp_path / "1.tar"), str(tmp_path / "2.tar")]
+    run = iter(IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset())
+    assert next(run)["__key__"] == "a"
+    with pytest.raises(SourceError, match=r"key 'k' of archive '.*2\.tar' continues the sample of that key "
+                                          r"which ended archive '.*1\.tar' \(its jpg there, 'cls' here\)"):
+        next(run)
+    run.close()
+    grouped = IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset(on_error="skip")
+    with pytest.warns(SkippedSampleWarning, match="continues the sample"):
+        assert [s["__key__"] for s in grouped] == ["a", "z"]
+    assert grouped.failure_counts() == FailureCounts(skipped=1, samples=2)  # both halves left out
+
+
+def test_shards_that_number_their_keys_alike_give_a_sample_each(tmp_path: Path) -> None:
+    # The same key, with the same files, at the end of one shard and the start of the next:
+    # two samples (keys reused from shard to shard), not one split.
+    (tmp_path / "1.tar").write_bytes(tar_bytes([("0.jpg", b"1"), ("0.cls", b"0")]))
+    (tmp_path / "2.tar").write_bytes(tar_bytes([("0.jpg", b"2"), ("0.cls", b"1")]))
+    urls = [str(tmp_path / "1.tar"), str(tmp_path / "2.tar")]
+    samples = list(IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset())
+    assert [(s["jpg"], s["cls"]) for s in samples] == [(b"1", b"0"), (b"2", b"1")]

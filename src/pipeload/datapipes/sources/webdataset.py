@@ -67,6 +67,18 @@ class WebDataset(IterDataPipe[dict[str, Any]], ErrorPolicyMixin):
         return self.length
 
 
+def _fields(sample: dict[str, Any]) -> list[str]:
+    return [name for name in sample if not name.startswith("__")]
+
+
+def _split_across(previous: dict[str, Any] | None, url: str | None, key: str, extension: str) -> bool:
+    """Whether a member of ``key`` that begins archive ``url`` continues the sample that ended
+    the archive before it: the same key, and a file that sample lacks (the same files again
+    are a sample of its own under a reused key, as shards that number their keys from 0 make)."""
+    return (previous is not None and url is not None and previous.get("__url__") not in (None, url)
+            and previous["__key__"] == key and extension not in previous)
+
+
 def _url_and_name(member: Any) -> tuple[str | None, str]:
     archive = getattr(member, "archive", None)
     if archive is not None:
@@ -129,11 +141,19 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
         finished = None
         if (self._sample is None or self._sample["__key__"] != key or self._sample.get("__url__") != url
                 or outcome is not self._outcome):
+            previous = self._sample
             finished = self._take_sample(outcome)
             self._sample = {"__key__": key, "__url__": url} if url is not None else {"__key__": key}
             self._outcome = outcome
             self._before_sample = self._upstream_before_last()
             self._check_key_is_new(url, key)
+            if finished is not None and _split_across(previous, url, key, extension):
+                # Neither part is the sample: both are left out, or the error raised.
+                self._refuse(url, key, f"continues the sample of that key which ended archive "
+                             f"{previous['__url__']!r} (its {', '.join(sorted(_fields(previous)))} there, "
+                             f"{extension!r} here): a sample's members must be in one shard")
+                self.failures.dropped(1)
+                finished = None
         if extension in self._sample:
             self._refuse(url, key, f"has two files with extension {extension!r}")
         self._sample[extension] = member[1]
