@@ -77,6 +77,33 @@ def test_a_shardable_pipe_counts_as_the_place_the_graph_splits() -> None:
         graph.apply_sharding(Strided(9).sharding_filter(), 2, 0)
 
 
+class ShardableStage(IterDataPipe):
+    """A stage that says it may be sharded (the RFC's Decode and Transform do) and, told its
+    shard, keeps every total-th item of what reaches it."""
+
+    def __init__(self, source: IterDataPipe) -> None:
+        self.source, self.total, self.shard = source, 1, 0
+
+    def is_shardable(self) -> bool:
+        return True
+
+    def sharding_settings(self, total_num_of_shards: int, id_of_shard: int) -> None:
+        self.total, self.shard = total_num_of_shards, id_of_shard
+
+    def __iter__(self) -> Iterator[int]:
+        return (x for i, x in enumerate(self.source) if i % self.total == self.shard)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_chain_of_shardable_pipes_is_split_once_at_its_source(engine: dict[str, Any]) -> None:
+    # The RFC marks LoadFiles, Decode and Transform shardable and lets the DataLoader decide:
+    # "Sharding twice on a single pipeline" refused it.
+    pipe = ShardableStage(ShardableStage(Strided(20)))
+    assert sorted(pipeload.DataLoader(pipe, batch_size=None, **engine)) == list(range(20))
+    sharded = graph.apply_sharding(ShardableStage(Strided(9)), 3, 2)
+    assert list(sharded) == [2, 5, 8] and sharded.total == 1  # the source's share, whole
+
+
 class NoSettings(IterDataPipe):
     def is_shardable(self) -> bool:
         return True

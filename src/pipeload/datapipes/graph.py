@@ -259,14 +259,20 @@ def apply_sharding(
 
     Changes the pipes in place (as torch's function does) and returns ``datapipe``.
 
+    The RFC's pipes that answer ``is_shardable()`` say where the data *may* be split: of those
+    on one path, only the one furthest upstream is.
+
     Raises:
-        RuntimeError: two sharding pipes on one path (every item would be dropped twice over).
+        RuntimeError: two sharding pipes of torch's kind on one path (every item would be
+            dropped twice over).
     """
 
     def visit(graph: DataPipeGraph, applied: Any) -> None:
         for pipe, parents in graph.values():
             here = applied
-            if is_sharding_datapipe(pipe):
+            if _rfc_only(pipe) and _shards_upstream(parents):
+                pass  # the RFC's pipes say where sharding may happen: the first on the path does
+            elif is_sharding_datapipe(pipe):
                 if applied is not None:
                     raise RuntimeError(
                         "Sharding twice on a single pipeline is likely unintended and will cause "
@@ -279,6 +285,19 @@ def apply_sharding(
 
     visit(traverse_dps(datapipe), None)
     return datapipe
+
+
+def _rfc_only(pipe: Any) -> bool:
+    """A pipe that may be sharded by the RFC's hooks alone (``is_shardable()``, no torch
+    ``apply_sharding``): one place among others where the DataLoader may split the data."""
+    return asks_to_be_sharded(pipe) and not inspect.ismethod(getattr(pipe, "apply_sharding", None))
+
+
+def _shards_upstream(graph: DataPipeGraph) -> bool:
+    """Whether a pipe upstream in ``graph`` is (or may be) sharded: the RFC's chain of shardable
+    pipes (load, decode, transform) is split once, at its source, where the least work is
+    repeated; a torch sharding pipe upstream is sharded in its stead."""
+    return any(is_sharding_datapipe(pipe) or _shards_upstream(parents) for pipe, parents in graph.values())
 
 
 def _shard(pipe: Any, num_of_instances: int, instance_id: int, sharding_group: Any) -> None:
