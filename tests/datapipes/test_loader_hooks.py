@@ -187,3 +187,28 @@ def test_nothing_asks_nothing_changes() -> None:
     assert place_separate_processes(pipe) == (pipe, [])
     loader = pipeload.DataLoader(pipe, batch_size=None)
     assert list(loader) == [1, 2, 3] and loader.stats().separate_processes == ()
+
+
+class ShardableKeys(SequenceWrapper):
+    """A map pipe that, told its shard, keeps every total-th key (the RFC's map LoadFiles)."""
+
+    def is_shardable(self) -> bool:
+        return True
+
+    def sharding_settings(self, total_num_of_shards: int, id_of_shard: int) -> None:
+        self.sequence = self.sequence[id_of_shard::total_num_of_shards]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_shardable_map_pipe_is_split_by_the_sampler_alone_as_a_map_style_dataset(engine: dict[str, Any]) -> None:
+    # The sampler spreads the indices over the workers already: sharding the pipe as well
+    # split them twice (an IndexError at index 15 of 30 in a worker holding 15).
+    loader = pipeload.DataLoader(ShardableKeys(list(range(30))), batch_size=None, **engine)
+    assert sorted(loader) == list(range(30))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_map_shuffle_over_a_shardable_map_pipe_reads_the_keys_of_its_shard(engine: dict[str, Any]) -> None:
+    # The shuffle fixed its keys when built, before the loader told the map pipe its shard.
+    loader = pipeload.DataLoader(ShardableKeys(list(range(30))).shuffle(), batch_size=None, **engine)
+    assert sorted(loader) == list(range(30))

@@ -132,9 +132,13 @@ def prepare(dataset: Any, replica: ReplicaSetup, worker_id: int, num_workers: in
     shards = num_workers * replica.world_size
     index = worker_id * replica.world_size + replica.rank
     with _GRAPH_WALK:
-        rules.apply_sharding(dataset, shards, index)
-        if rules.shards_by_hooks and rules.list_pipes is not None:
-            _shard_by_hooks(rules.list_pipes(dataset), shards, index)
+        # A map graph is a map-style dataset: the sampler spreads its indices over the workers
+        # and ranks already, and a map pipe that also took its shard split them twice (index
+        # 15 of 30 out of range in a worker holding 15). torch shards no map graph either.
+        if isinstance(dataset, rules.iterable_type):
+            rules.apply_sharding(dataset, shards, index)
+            if rules.shards_by_hooks and rules.list_pipes is not None:
+                _shard_by_hooks(rules.list_pipes(dataset), shards, index)
         if rules.apply_replica is not None:  # the shared seed alone would seed them alike
             rules.apply_replica(dataset, shards, index)
 

@@ -36,9 +36,22 @@ class Shuffler(SeededPipe, IterDataPipe[T_co]):
 
     def __init__(self, datapipe: MapDataPipe, *, indices: list[Any] | None = None) -> None:
         self.datapipe = datapipe
-        self.indices = list(range(len(datapipe))) if indices is None else indices  # type: ignore[arg-type]
+        self._indices = indices
         self._enabled = True
         self._seed: int | None = None
+
+    @property
+    def indices(self) -> list[Any]:
+        """The keys to read: those given, else every key of the pipe as it is when read (a
+        shardable map pipe upstream holds its shard's keys once the loader has sharded it; fixed
+        when the shuffle was built, they ran past its end)."""
+        if self._indices is not None:
+            return self._indices
+        return list(range(len(self.datapipe)))  # type: ignore[arg-type]
+
+    @indices.setter
+    def indices(self, keys: list[Any]) -> None:
+        self._indices = keys
 
     def __iter__(self) -> Iterator[T_co]:
         return _MapShufflerIterator(self)
@@ -64,10 +77,11 @@ class _MapShufflerIterator(PipeIterator[Any]):
 
     def _order(self) -> list[Any]:
         pipe = self._pipe
+        indices = pipe.indices
         if not pipe._enabled:
-            return list(reversed(pipe.indices))
+            return list(reversed(indices))
         rng = random.Random(pipe._take_seed())
-        return rng.sample(pipe.indices, len(pipe.indices))
+        return rng.sample(indices, len(indices))
 
     def _own_state(self) -> Any:
         return None if self._keys is None else list(self._keys)
