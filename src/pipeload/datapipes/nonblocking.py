@@ -41,7 +41,9 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
         >>> class Prefetcher(NonBlockingIterDataPipe):
         ...     def __init__(self, source_dp, buffer_size=10):
         ...         self.source_dp, self.buffer_size = source_dp, buffer_size
-        ...         self.buffer, self.depleted = [], False
+        ...         self.reset()
+        ...     def reset(self):  # iter() starts again: without it an epoch after the first
+        ...         self.buffer, self.depleted = [], False  # is empty, or repeats a buffer
         ...     def nonblocking_next(self):
         ...         while not self.depleted and len(self.buffer) < self.buffer_size:
         ...             try:
