@@ -67,6 +67,12 @@ def put_until_refused(queue: DataLoaderQueue, verdict: DataLoaderQueue) -> None:
     verdict.close()
 
 
+def put_without_waiting(queue: DataLoaderQueue, count: int) -> None:
+    for i in range(count):
+        queue.put(i, blocking=False)  # NotAvailable, were there no room
+    queue.close()
+
+
 def as_numbers(items: list) -> list[int]:
     return [int(x[0]) if isinstance(x, torch.Tensor) else x for x in items]
 
@@ -331,3 +337,20 @@ def test_numpys_bool_is_a_bool_for_blocking(kind: str) -> None:
     with DataLoaderQueue(kind=kind) as queue:
         with pytest.raises(NotAvailable):
             queue.get(blocking=np.False_)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_far_end_puts_into_the_room_there_is_before_this_end_first_uses_the_queue(blocking: bool) -> None:
+    # The RFC's layout, with the consumer busy elsewhere (joining its producer, building a
+    # model) before its first get: the producer's puts waited for good (or raised NotAvailable
+    # on an empty queue), as the ends met only in this end's own calls.
+    queue = DataLoaderQueue(kind="process", maxsize=8)
+    target = put_range if blocking else put_without_waiting
+    child = multiprocessing.get_context("fork").Process(target=target, args=(queue, 5))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0  # it put all five and closed, with nobody getting yet
+    items, ending = drain(queue)
+    assert as_numbers(items) == [0, 1, 2, 3, 4] and ending.reason == QueueError.CLOSED
+    queue.close()

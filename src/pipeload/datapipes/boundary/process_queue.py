@@ -77,6 +77,11 @@ class ProcessQueue(InboxQueue, kind="process"):
         self._owner = os.getpid()  # the accepting end's process
         self._fresh_state()
         self._finalizer = weakref.finalize(self, _release, self._state)
+        # The ends meet as soon as the far end joins, whatever this end is doing: a producer
+        # over there waits for the answer to its HELLO (its first credit), and a consumer here
+        # that first joined the producer's process, or built a model, left it waiting for good.
+        threading.Thread(target=_accept_when_joined, args=(weakref.ref(self), self._listener),
+                         name="pipeload-queue-accept", daemon=True).start()
 
     def _fresh_state(self) -> None:
         self._pid = os.getpid()
@@ -126,9 +131,11 @@ class ProcessQueue(InboxQueue, kind="process"):
         return item
 
     def close(self, error: BaseException | None = None) -> None:
+        if self._pid != os.getpid():
+            # A forked copy never used: the original's resources are not ours (and its lock
+            # may have been copied held, by the accepting thread of the process forked).
+            return
         with self._lock:
-            if self._pid != os.getpid():
-                return  # a forked copy never used: the original's resources are not ours
             # A closed queue's listener is closed (``_release``): accepting on it again would
             # raise, and close() must be safe to call twice (a boundary's failed start closes
             # the queue, then the stopping of its half-started producer closes it again).
@@ -245,6 +252,12 @@ class ProcessQueue(InboxQueue, kind="process"):
             raise self._inbox.ending.error(far_end) from None  # type: ignore[union-attr]
         link = self._make_link(sock, process_name(self._owner), None)
         link.introduce(self._token)
+        # The answer (the first window's credit) comes at once from the accepting end's thread:
+        # waited for here, so that a first put(blocking=False) finds the room there is.
+        deadline = time.monotonic() + HELLO_ANSWER_S
+        while not link.wait_for_credit(True, deadline - time.monotonic()) and time.monotonic() < deadline:
+            if self._inbox.ending is not None:
+                break
         return link
 
     def _make_link(self, sock: socket.socket, far_end: str, token: str | None) -> ProcessLink:
@@ -331,6 +344,30 @@ class ProcessQueue(InboxQueue, kind="process"):
             far_end = self._far_end_name()
             raise QueueError(f"DataLoaderQueue: timed out waiting for room at the far end ({far_end})",
                              far_end=far_end, reason=QueueError.TIMED_OUT)
+
+
+def _accept_when_joined(queue_ref: Any, listener: socket.socket) -> None:
+    """Wait for the far end to join ``listener``, and meet it, unless the queue's own calls do
+    first, it stops listening (closed, or met), or it is dropped; the queue is held only for a
+    moment each time round (a dropped queue must still be released by its finalizer)."""
+    poller = select.poll()
+    poller.register(listener.fileno(), select.POLLIN)
+    while True:
+        ready = poller.poll(int(ACCEPT_SLICE_S * 1000))
+        queue = queue_ref()
+        if queue is None or queue._listener is not listener or queue._pid != os.getpid():
+            return
+        if ready and queue._lock.acquire(blocking=False):  # a call of its own is meeting it
+            try:
+                if queue._link is None and queue._listener is listener:
+                    queue._link = queue._accept_now()
+            finally:
+                queue._lock.release()
+        del queue
+
+
+ACCEPT_SLICE_S = 0.5  # how often the accepting thread looks whether its queue is still there
+HELLO_ANSWER_S = 1.0  # the most a joining end waits for its first credit before going on
 
 
 def _joining_end(address: Any, token: str, maxsize: int, owner: int) -> ProcessQueue:
