@@ -63,3 +63,52 @@ def counts_along_an_epoch(module: ModuleType, **options: Any) -> list[Any]:
 )
 def test_num_yielded_counts_as_torchs(options: dict[str, Any]) -> None:
     assert counts_along_an_epoch(pipeload, **options) == counts_along_an_epoch(tud, **options)
+
+
+class InterruptsOnce:
+    """Item 5, the first time only, sends Ctrl-C to the training process (a worker's parent)."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.sent = multiprocessing.get_context("fork").Value("b", 0)
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> int:
+        import os
+        import signal
+
+        if index == 5:
+            with self.sent.get_lock():
+                if not self.sent.value:
+                    self.sent.value = 1
+                    os.kill(os.getppid(), signal.SIGINT)
+        return index
+
+
+def _epochs_after_a_caught_ctrl_c(module: ModuleType, **options: Any) -> tuple[list[int], float]:
+    """Seeded: one epoch cut by a Ctrl-C that the caller catches, then the next epoch's order
+    and the loop's next draw from torch's generator."""
+    import torch
+
+    torch.manual_seed(0)
+    loader = module.DataLoader(InterruptsOnce(), batch_size=None, shuffle=True, num_workers=1,
+                               persistent_workers=True, multiprocessing_context="fork", **options)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    order = list(loader)
+    return order, float(torch.rand(()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["classic", "economic"])
+def test_a_caught_ctrl_c_leaves_the_persistent_sessions_random_stream_as_torchs(mode: str) -> None:
+    # The workers stopped at the Ctrl-C (none is left half alive) were started again with a
+    # new base seed drawn from torch's generator: one draw torch never makes, and every later
+    # epoch's order, and the loop's own draws, differed from torch's.
+    ours = _epochs_after_a_caught_ctrl_c(pipeload, mode=mode)
+    theirs = _epochs_after_a_caught_ctrl_c(tud)
+    assert ours == theirs

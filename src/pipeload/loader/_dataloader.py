@@ -199,6 +199,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self.collate_fn = collate_fn
         self.persistent_workers = persistent_workers
         self._persistent_engine: Any = None
+        self._interrupted_session: tuple[int, int] | None = None  # see _engine_for_epoch
         self._persistent_epoch: weakref.ref[_EpochIterator] | None = None
         self._len_reported: int | None = None
         self._warned_every_rank_loads_all = False
@@ -294,7 +295,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         and tuner; a copy starts with none of them (torch cannot copy a loader whose
         persistent workers run at all)."""
         state = dict(self.__dict__)
-        state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None,
+        state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None, _interrupted_session=None,
                      _failure_board=None, _failures_checked=False,
                      _stats=self._stats is not None,  # a flag: the copy makes its own
                      _slab_keeper=None)  # and keeps its own slabs
@@ -408,6 +409,13 @@ class DataLoader(torch_data.DataLoader[T_co]):
             record.later_in_session = session is not None
             return engine, True, epoch_seed
         if self._persistent_engine is None or self._persistent_engine.closed:
+            interrupted, self._interrupted_session = getattr(self, "_interrupted_session", None), None
+            if session is None and interrupted is not None and point is None:
+                # Ctrl-C stopped the session's workers (none is left half alive); a caught one
+                # goes on as torch's persistent workers do, with the session's base seed and no
+                # new draw from the generators (which put the sampler's order, and the loop's
+                # own draws, out of step with torch's from then on).
+                session = (interrupted[0], interrupted[1] + 1)
             self._persistent_engine = _engine_choice.build_engine(self, point, session)
             weakref.finalize(self, self._persistent_engine.close)
             record.later_in_session = session is not None

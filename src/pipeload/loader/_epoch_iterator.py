@@ -96,6 +96,8 @@ class _EpochIterator:
             raise
         except BaseException:
             self._engine.close()  # Ctrl-C ends the epoch: no half-alive workers
+            if self._loader is not None:  # the loader's persistent session, cut short
+                self._loader._interrupted_session = self._loader._session
             self._stop_epoch_clock()
             del self
             raise
