@@ -68,6 +68,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     elif states:
         taker = StateTaker(lambda _count, state: carried.append(UpstreamState.of(state)),
                            lambda why: carried.append(UpstreamState(unavailable=why)))
+
     def next_position() -> Any:
         """The upstream's next item, or a ``RaisedUpstream`` holding its error for that item
         (which takes a position, as an item does: counted by the consumer and by the states)."""
