@@ -274,6 +274,29 @@ def test_a_dead_producer_thread_is_noticed_when_watched() -> None:
     assert end.value.reason == QueueError.DIED
 
 
+def put_two_and_end_without_closing(queue: DataLoaderQueue) -> None:
+    queue.put(1)
+    queue.put(2)
+
+
+def test_the_one_thread_that_put_is_watched_without_being_named() -> None:
+    # The README's thread example calls no watch(): a producer thread that ended without
+    # close() left the consumer waiting for good (or until its timeout, "timed out").
+    queue = DataLoaderQueue(kind="thread", maxsize=4)
+    producer = threading.Thread(target=put_two_and_end_without_closing, args=(queue,), name="producer")
+    producer.start()
+    producer.join()
+    assert [queue.get(timeout=DEADLINE_S), queue.get(timeout=DEADLINE_S)] == [1, 2]  # what it put
+    with pytest.raises(QueueError, match=r"the far end \(thread 'producer'\) died without closing") as end:
+        queue.get(timeout=DEADLINE_S)
+    assert end.value.reason == QueueError.DIED
+    mine = DataLoaderQueue(kind="thread", maxsize=2)
+    mine.put("a")  # the consumer's own puts: it is not a far end that died
+    assert mine.get() == "a"
+    with pytest.raises(NotAvailable):
+        mine.get(blocking=False)
+
+
 def test_a_thread_queue_stays_in_its_process() -> None:
     with pytest.raises(TypeError, match="kind='thread' cannot be pickled.*kind='process'"):
         pickle.dumps(DataLoaderQueue(kind="thread"))

@@ -49,11 +49,20 @@ class ThreadQueue(InboxQueue, kind="thread"):
         self._putter: tuple[int, str] | None = None
         self._taker: tuple[int, str] | None = None
         self._watched: FarEnd | None = None
+        # The one thread that puts, watched as if watch() had been called with it: a producer
+        # thread that ended without close() left its consumer waiting for good. None once a
+        # second thread has put (which of them is the far end, only watch() can say).
+        self._producer: threading.Thread | None = None
+        self._producers_known = True
         self._pid = os.getpid()
 
     def put(self, data: Any, blocking: bool = True, timeout: float | None = None) -> None:
         self._check_process()
-        self._putter = (threading.get_ident(), _thread_name())
+        me = threading.current_thread()
+        self._putter = (me.ident, _thread_name(me))  # type: ignore[assignment]
+        if self._producer is not me and self._producers_known:
+            self._producers_known = self._producer is None
+            self._producer = me if self._producers_known else None
         self._inbox.add(data, check_blocking(blocking), deadline_after(timeout), self._far_end_died)
 
     def get(self, blocking: bool = True, timeout: float | None = None) -> Any:
@@ -100,6 +109,8 @@ class ThreadQueue(InboxQueue, kind="thread"):
 
     def _far_end_died(self) -> QueueError | None:
         watched = self._watched
+        if watched is None and self._producer is not threading.current_thread():
+            watched = self._producer  # the only thread that put (a consumer's own puts: not)
         if watched is None or watched.is_alive() or self._inbox.ending is not None:
             return None
         name = self._far_end_name()
