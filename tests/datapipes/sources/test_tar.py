@@ -12,6 +12,7 @@ import sys
 import tarfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sources_for_tests import compress, sample_files, tar_bytes, write_shards
@@ -566,20 +567,12 @@ def test_a_rewrite_set_back_in_the_middle_of_what_was_read_is_never_spliced(tmp_
     # The fingerprint covers 64 KiB at each end: a rewrite (mtime set back) of members in the
     # middle, some already read and some not, got through, and the archive went out as the old
     # version's first members and the new version's last ones. The bytes read are compared now.
-    old = [(f"k{index:04d}.bin", bytes([index % 251]) * 1000) for index in range(400)]
-    path = tmp_path / "a.tar"
-    whole = tar_bytes(old)
-    path.write_bytes(whole)
-    before = path.stat()
-    iterator = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    old, whole, path, iterator = _distinct_members_opened(tmp_path)
     got = [next(iterator) for _ in range(200)]  # ~300 KiB read, past the first 64 KiB
     middle = slice(len(whole) // 4, 3 * len(whole) // 4)  # members read and members not yet read
-    with open(path, "r+b") as rewrite:
-        rewrite.seek(middle.start)
-        # member 120 (read: within the first 200) and member 260 (not yet read)
-        rewrite.write(whole[middle].replace(bytes([120]) * 1000, bytes([1]) * 1000)
+    # member 120 (read: within the first 200) and member 260 (not yet read)
+    _rewrite_set_back(path, middle.start, whole[middle].replace(bytes([120]) * 1000, bytes([1]) * 1000)
                       .replace(bytes([9]) * 1000, bytes([2]) * 1000))
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(SourceChangedError, match="the bytes already read differ from the file's now"):
         got.extend(iterator)
     iterator.close()
@@ -588,20 +581,12 @@ def test_a_rewrite_set_back_in_the_middle_of_what_was_read_is_never_spliced(tmp_
 
 def test_a_rewrite_set_back_only_where_nothing_was_read_yet_reads_on_as_the_new_version(tmp_path: Path) -> None:
     # Every byte handed out is then the file's as it is now: the same version throughout.
-    old = [(f"k{index:04d}.bin", bytes([index % 251]) * 1000) for index in range(400)]
-    path = tmp_path / "a.tar"
-    whole = tar_bytes(old)
-    path.write_bytes(whole)
-    before = path.stat()
-    iterator = iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+    _, whole, path, iterator = _distinct_members_opened(tmp_path)
     got = [next(iterator) for _ in range(10)]
     at = len(whole) // 2
     new = whole[:at] + whole[at:].replace(bytes([250]) * 1000, bytes([9]) * 1000)
     assert len(new) == len(whole) and new[-(64 << 10):] == whole[-(64 << 10):]
-    with open(path, "r+b") as rewrite:
-        rewrite.seek(at)
-        rewrite.write(new[at:])
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    _rewrite_set_back(path, at, new[at:])
     got.extend(iterator)
     assert b"".join(m[1] for m in got) == b"".join(data for _, data in tarfile_members(new))
 
@@ -641,3 +626,22 @@ def tarfile_members(data: bytes) -> list[tuple[str, bytes]]:
 
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         return [(info.name, archive.extractfile(info).read()) for info in archive if info.isfile()]
+
+
+def _distinct_members_opened(tmp_path: Path) -> tuple[list[tuple[str, bytes]], bytes, Path, Any]:
+    """An archive of 400 members of 1,000 bytes, each of one byte value: its members, its bytes,
+    its path, and a run of load_from_tar over it, started."""
+    members = [(f"k{index:04d}.bin", bytes([index % 251]) * 1000) for index in range(400)]
+    path = tmp_path / "a.tar"
+    whole = tar_bytes(members)
+    path.write_bytes(whole)
+    return members, whole, path, iter(IterableWrapper([str(path)]).open_files(mode="b").load_from_tar())
+
+
+def _rewrite_set_back(path: Path, at: int, data: bytes) -> None:
+    """Write ``data`` into ``path`` at byte ``at``, then set its times back (``rsync --inplace -t``)."""
+    before = path.stat()
+    with open(path, "r+b") as rewrite:
+        rewrite.seek(at)
+        rewrite.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
