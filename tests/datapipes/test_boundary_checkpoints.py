@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipes_for_tests import fail_at_three
 
 import pipeload
 from pipeload.datapipes import IterDataPipe
@@ -162,3 +163,21 @@ def test_a_state_loaded_after_the_run_started_is_refused() -> None:
     with pytest.raises(RuntimeError, match="comes before the first item"):
         iterator.load_state_dict(state)
     iterator.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_error_takes_its_place_and_a_checkpoint_after_it_resumes_past_it(kind: str) -> None:
+    def run() -> Any:
+        return IterableWrapper(range(10)).map(fail_at_three).queue_boundary(kind, buffer_size=2)
+
+    iterator = iter(run())
+    head = [next(iterator) for _ in range(3)]
+    with pytest.raises(KeyError, match="no item 3"):
+        next(iterator)
+    head += [next(iterator), next(iterator)]
+    state = json.loads(json.dumps(iterator.state_dict()))
+    iterator.close()
+    resumed = iter(run())
+    resumed.load_state_dict(state)
+    assert head == [0, 1, 2, 4, 5]
+    assert list(resumed) == [6, 7, 8, 9]

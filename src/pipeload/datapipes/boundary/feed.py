@@ -2,10 +2,11 @@
 
 Whatever runs the far end (a thread, a process, an actor) calls :func:`feed`: it makes the
 upstream iterator, puts each item, and closes the queue at the end, or with the error when the
-run fails. Between threads, an error the upstream raises for one item goes into the queue in
-that item's place (``RaisedUpstream``) and the run goes on: the consumer gets every item and
-every such error in order, then the end, as it would from the upstream alone. The iterator is
-made, used and closed by the calling thread alone, so nothing upstream is touched from two.
+run fails. An error the upstream raises for one item goes into the queue in that item's place
+(``RaisedUpstream``) and the run goes on: the consumer gets every item and every such error in
+order, then the end, as it would from the upstream alone (between processes the error travels
+as a ``RemoteFailure``: its type, message and traceback text). The iterator is made, used and
+closed by the calling thread alone, so nothing upstream is touched from two.
 
 A queue that can take an item's tensors where it will travel (a process queue's slabs) is told
 before each item is taken (``prepare_put``), so that ``default_collate`` upstream stacks into
@@ -15,22 +16,32 @@ be granted again while this process still viewed it.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from pipeload.datapipes.boundary.positions import Carrying, Resume, StateLog, StateTaker, UpstreamState, resumed
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue, QueueError
 from pipeload.datapipes.protocol import NotAvailable, WaitCancelled, as_nonblocking, wait_for_next
+from pipeload.errors import RemoteFailure
 
 
 @dataclass(frozen=True)
 class RaisedUpstream:
     """An error the upstream raised for one item, in the queue at that item's place: the
     consumer raises it there and goes on with the next, as a loop over the upstream alone would
-    (a source's iterator goes on past an archive it could not read; a generator ends). Between
-    threads only (see ``feed``)."""
+    (a source's iterator goes on past an archive it could not read; a generator ends).
+    ``error``: the exception itself between threads; between processes its ``RemoteFailure``
+    (an exception's traceback does not pickle)."""
 
-    error: BaseException
+    error: BaseException | RemoteFailure
+
+    def exception(self) -> BaseException:
+        """The exception the consumer raises in the item's place."""
+        error = self.error
+        return error.to_exception() if isinstance(error, RemoteFailure) else error
 
 
 def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = None,
@@ -57,12 +68,14 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     # item is taken); a process consumer's state rides with its item.
     carried: list[UpstreamState] = []
     taker = None
-    # Between threads an upstream error for one item goes in its place and the run goes on, as a
-    # loop over the upstream alone (or a DataLoader worker over its dataset) would; one whose
-    # class says ``ends_the_run`` (a failure budget spent) ends it. Between
-    # processes it ends the run: the consumer lets go of the far process and its slabs at once,
-    # where a traceback kept alive would otherwise hold them for as long.
-    goes_on = getattr(queue, "kind", None) == "thread"
+    # An upstream error for one item goes in its place and the run goes on, as a loop over the
+    # upstream alone (or a DataLoader worker over its dataset) would; one whose class says
+    # ``ends_the_run`` (a failure budget spent) ends it. Across a process the error goes as data
+    # (``RemoteFailure``), so that no traceback keeps this process's frames, and slabs, alive.
+    # Other kinds (Ray's lanes carry failures their own way) end the run.
+    kind = getattr(queue, "kind", None)
+    goes_on = kind in ("thread", "process")
+    as_data = kind == "process"
     if isinstance(states, StateLog):
         taker = StateTaker(states.record, states.no_state)
     elif states:
@@ -81,6 +94,20 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
                 raise
             return RaisedUpstream(exc)
 
+    def as_sent(raised: RaisedUpstream) -> RaisedUpstream:
+        """``raised`` as it can cross to the consumer (see ``as_data``)."""
+        if not as_data:
+            return raised
+        error = raised.error
+        failure = RemoteFailure(type(error), str(error), "".join(traceback.format_exception(error)),
+                                0, "iterating the upstream pipe", where=where)
+        try:  # a class pickles by reference: one that cannot goes as a RuntimeError
+            pickle.dumps(failure.exc_type)
+        except Exception:
+            failure = dataclasses.replace(failure, exc_type=RuntimeError,
+                                          message=f"{type(error).__qualname__}: {error}")
+        return RaisedUpstream(failure)
+
     try:
         iterator = as_nonblocking(pipe)
         if resume is not None:
@@ -93,6 +120,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
             item = next_position()
             if type(item) is RaisedUpstream:
                 item.error.add_note(f"pipeload: raised {where} while {stage}")
+                item = as_sent(item)
             if taker is not None:
                 taker.left -= 1
                 if taker.left == 0:

@@ -275,11 +275,11 @@ class _BoundaryIterator(PipeIterator[Any]):
             self._producer.close()  # type: ignore[union-attr]
             raise
         self._taken += 1  # an error takes its item's place, as the states count it (feed.py)
-        if type(item) is RaisedUpstream:  # a thread upstream's error for one item: the run goes on
-            raise item.error
         if type(item) is Carrying:  # a process producer's state after this very item
             self._position, self._position_at = item.state, self._taken
-            return item.item
+            item = item.item
+        if type(item) is RaisedUpstream:  # the upstream's error for one item: the run goes on
+            raise item.exception()
         return item
 
     def _translated(self, ending: QueueError) -> BaseException:
