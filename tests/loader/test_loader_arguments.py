@@ -8,6 +8,7 @@ the value it received.
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -568,6 +569,17 @@ def test_the_excessive_workers_warning_counts_every_process_economic_mode_starts
                                          rf"\(pipeload: {cpus} item workers and up to 1 batch workers"):
         pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=cpus, num_batch_workers=1,
                             mode="economic")
+
+
+@pytest.mark.parametrize("mode", ["classic", "economic"])
+def test_thread_workers_beyond_the_cpus_start_no_process_and_are_not_warned_about(mode: str) -> None:
+    import os
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = pipeload.DataLoader(numbers(pipeload), batch_size=2, mode=mode, worker_type="thread",
+                                     num_workers=len(os.sched_getaffinity(0)) + 2)
+        loader.check_worker_number_rationality()
 
 
 @pytest.mark.parametrize("name", ["collate_fn", "worker_init_fn"])

@@ -312,10 +312,12 @@ def resolve_context(context: Any, num_workers: int) -> Any:
     return context
 
 
-def warn_if_too_many_workers(num_workers: int, batch_workers: int = 0) -> None:
+def warn_if_too_many_workers(num_workers: int, batch_workers: int = 0, worker_type: str = "process") -> None:
     """torch's warning when more workers start than there are CPUs to run them; in economic
-    mode every process that starts counts: ``num_workers`` item workers and ``batch_workers``."""
-    if num_workers == 0:
+    mode every process that starts counts: ``num_workers`` item workers and ``batch_workers``.
+    Thread workers start no process (they share this one, and one CPU's worth of Python under
+    the GIL: more of them than CPUs is how waiting on files or a network is overlapped)."""
+    if num_workers == 0 or worker_type == "thread":
         return
     item_workers, num_workers = num_workers, num_workers + batch_workers
     # torch's count: the CPUs this process may run on (affinity, so cgroups/taskset count).

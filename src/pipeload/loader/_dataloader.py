@@ -217,7 +217,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._keep_slabs()
         self.__initialized = True
         if not auto[0]:  # "auto" chose the count: torch's warning is about a count one chose
-            arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0)
+            arguments.warn_if_too_many_workers(num_workers, self.num_batch_workers or 0, worker_type)
 
     # -- torch-compatible attributes -------------------------------------------------------
 
@@ -339,7 +339,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
     def check_worker_number_rationality(self) -> None:
         """Warn when the workers that start (economic mode: item and batch workers) exceed the
         CPUs this process may use (torch's public method)."""
-        arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0)
+        arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0, self.worker_type)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.
