@@ -12,6 +12,7 @@ import torch
 
 import pipeload
 from pipeload.engine import huge_heap
+from pipeload.engine.lifecycle import wait_for_reaped
 from pipeload.engine.huge_heap import (
     HUGE_PAGE_BYTES,
     HeapGatherer,
@@ -227,6 +228,7 @@ def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay
     loader = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2,
                                  multiprocessing_context="fork")
     first = _epoch(loader)
+    assert wait_for_reaped(5.0)  # the workers are reaped beside the loop; the round starts then
     done = gatherer.wait()
     assert done is not None and len(gatherer.rounds) == 1
     if done.refused and not done.gathered_bytes:
@@ -238,12 +240,15 @@ def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay
     # Rounds go on at each stop while one left windows for later (a heap above ROUND_BYTES, as a
     # whole test session's); then, the heap not having grown, none is chosen again.
     for _ in range(10):
+        assert wait_for_reaped(5.0)
         gatherer.wait()
         if not gatherer._more_to_gather:
             break
         _epoch(loader)
+    assert wait_for_reaped(5.0)
     rounds = len(gatherer.rounds)
     _epoch(loader)
+    assert wait_for_reaped(5.0)
     gatherer.wait()
     assert len(gatherer.rounds) == rounds and not gatherer._more_to_gather
 
@@ -270,7 +275,8 @@ def test_windows_are_chosen_again_once_the_process_has_grown(monkeypatch):
 def test_the_next_fork_waits_for_a_running_round_and_no_page_is_copied_for_the_main_process(gatherer):
     held = torch.ones(128 << 18)  # 128 MiB in the main process, as a dataset held in memory
     per_epoch = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork")
-    _epoch(per_epoch)  # its workers stop: a round starts
+    _epoch(per_epoch)  # its workers stop: a round starts once they are reaped
+    assert wait_for_reaped(5.0)
     alone = _private_bytes()
     persistent = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True,
                                      multiprocessing_context="fork")
@@ -294,6 +300,7 @@ def test_a_thread_loader_and_off_never_start_a_round(monkeypatch):
     monkeypatch.setattr(huge_heap, "GATHERER", gatherer)
     monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "off")
     _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork"))
+    assert wait_for_reaped(5.0)  # its stop has been told, under "off"
     monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
     _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, worker_type="thread"))
     assert gatherer.wait() is None and gatherer.rounds == []

@@ -20,6 +20,7 @@ from conftest import our_mappings
 from faults import ECONOMIC, FORK, MakesTensors, SampleFailed, engine_params, loader_kwargs
 
 from pipeload import DataLoader
+from pipeload.engine.lifecycle import wait_for_reaped
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -84,6 +85,8 @@ def test_a_loader_deleted_between_epochs_leaves_nothing(leak_guard):
     run_epoch(loader)
     assert loader._slab_keeper.held_bytes > 0 and our_mappings() > mappings  # kept for the next
     del loader  # no cycle holds a loader: its slabs go now, not at the next collection
+    # The epoch's workers, idle and asked to stop at its end, are reaped beside the loop
+    # (lifecycle.reap_in_background); the loader waits for that as it goes.
     assert open_descriptors() == descriptors and our_mappings() == mappings
 
 
@@ -91,9 +94,11 @@ def test_a_loader_kept_while_many_iterators_come_and_go():
     loader = DataLoader(MakesTensors(ITEMS, BIG), batch_size=4, num_workers=2,
                         multiprocessing_context="fork")
     run_epoch(loader)
+    assert wait_for_reaped(5.0)  # a finished epoch's workers are reaped beside the loop
     descriptors, mappings = open_descriptors(), our_mappings()
     for stop_after in (1, 3, None, 2, None, 1):  # some iterators dropped mid-epoch
         run_epoch(loader, stop_after)
+        assert wait_for_reaped(5.0)
         assert open_descriptors() == descriptors  # workers gone, slabs neither lost nor added
         assert our_mappings() == mappings
     assert loader._slab_keeper.counts().slabs_made <= 6

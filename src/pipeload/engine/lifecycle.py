@@ -4,6 +4,7 @@ watch their parent and stop through here."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import io
@@ -36,6 +37,8 @@ from pipeload.errors import WorkerDiedError, worker_died_message
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
+# The longest a background reap takes (its escalation), and a margin for the thread to run.
+REAPED_WITHIN_S = JOIN_GRACE_S + TERMINATE_GRACE_S + KILL_GRACE_S + 0.5
 PARENT_CHECK_INTERVAL_S = 0.2
 REAP_AT_START_S = 5.0  # how long a failed start waits to learn a fork server child's exit
 PIDFD_SLICE_MS = 60_000  # the pidfd watcher's wait slice: it is woken by the parent's exit
@@ -429,6 +432,66 @@ def stop_workers(
     """
     with ctrl_c_held():
         _stop_workers(workers, ask, force, patient)
+
+
+def reap_in_background(workers: Sequence[Any], then: Callable[[], None]) -> None:
+    """Join process workers that were asked to stop and have nothing left to do, escalating as
+    ``stop_workers`` does, in a thread of their own; then run ``then``.
+
+    A worker's exit tears down its address space (the pages it inherited at the fork, its heap,
+    its slab mappings): 6 to 12 ms on the 2-core box for a worker of 38 MiB batches, which the
+    training loop waited out at every ``StopIteration`` of a loader without persistent workers.
+    The teardown takes the same CPU either way; only the wait moves out of the loop.
+
+    The thread comes from ``_thread``, not ``threading``: ``Thread.start()`` waits until the new
+    thread has run, which on a machine whose cores are busy (the exiting workers) took up to
+    7 ms, most of what moving the wait out of the loop saves. Such a thread does not hold the
+    interpreter's exit; nothing is left unreaped by that: multiprocessing's exit hook joins its
+    children, and the workers, asked to stop, need nothing more from this process.
+    """
+    def reap() -> None:
+        try:
+            _stop_workers(workers, None, force=True)  # not asked again: they were
+            then()
+        finally:
+            _REAPING.done()
+
+    _REAPING.started()
+    try:
+        _thread.start_new_thread(reap, ())
+    except BaseException:
+        _REAPING.done()
+        raise
+
+
+class _Reaping:
+    """How many ``reap_in_background`` threads are still at work (see ``wait_for_reaped``)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._running = 0
+
+    def started(self) -> None:
+        with self._changed:
+            self._running += 1
+
+    def done(self) -> None:
+        with self._changed:
+            self._running -= 1
+            self._changed.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._running == 0, timeout)
+
+
+_REAPING = _Reaping()
+
+
+def wait_for_reaped(timeout: float | None = None) -> bool:
+    """Wait until every worker handed to ``reap_in_background`` is reaped (and what was to run
+    after it has run); returns whether that happened within ``timeout``."""
+    return _REAPING.wait(timeout)
 
 
 def _stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None, force: bool,

@@ -272,8 +272,13 @@ class PoolEngine:
         else (a dead worker, a broken channel, Ctrl-C) closes the engine before it propagates:
         the epoch is over, and the next call raises StopIteration.
         """
-        return hand_out(self._next_report, self.close, self._supply, self._numbered,
-                        self._workers.mark_failed)
+        try:
+            return hand_out(self._next_report, self.close, self._supply, self._numbered,
+                            self._workers.mark_failed)
+        except StopIteration:
+            if self._stop_when_done:
+                self._workers.all_answered()  # its workers need not be waited for (workers.py)
+            raise
 
     def close(self) -> None:
         if self._keeper is not None and not self.closed:

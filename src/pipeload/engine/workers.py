@@ -24,6 +24,7 @@ from pipeload.engine.lifecycle import (
     WorkerLaunch,
     check_picklable,
     ctrl_c_held,
+    reap_in_background,
     release_finished,
     start_processes,
     start_threads,
@@ -140,6 +141,7 @@ class WorkerGroup:
         self._unstarted: list[WorkerLaunch] = []  # process workers of the last slots, in order
         self._eager = len(plan.labels) if on_demand_from is None else on_demand_from
         self._retired: set[int] = set()  # slots asked to stop early: their exit is no death
+        self._idle = False  # every task answered, none to come (see all_answered)
         self._ctx: Any = None
         count = len(self.labels)
         try:
@@ -392,21 +394,38 @@ class WorkerGroup:
         with ctrl_c_held():
             self._close()
 
+    def all_answered(self) -> None:
+        """Every task sent to this set has been answered and no more will be (a clean end of the
+        epoch): its process workers write nothing more, so ``close()`` need not wait for them to
+        exit before it gives their slabs back (``reap_in_background``)."""
+        self._idle = True
+
     def _close(self) -> None:
         if self.closed:
             return
         self.closed = True
         if self.stop_event is not None:
             self.stop_event.set()
-        stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
+        idle = self._idle and not self.failed and self.stop_event is None
+        if idle:
+            for slot in range(len(self.handles)):
+                self.retire(slot)  # asks those not asked yet: their exits are waited for below
+        else:
+            stop_workers(self.handles, self._ask_to_stop, force=self.stop_event is None)
         self._unstarted = []
         self.channels.forget_worker_ends()  # the ends of workers that never started
         self.channels.close()
         if self.slabs is not None:
-            # The workers are gone: their grants are over.
+            # The workers are gone, or idle and asked to stop: their grants are over.
             self._keeper.give_back(self.slabs, release=self.failed)
             self.slabs = None  # the next set may borrow it now
         self.plan.close()
+        if idle and self.handles:
+            reap_in_background(list(self.handles), self._after_stopped)
+        else:
+            self._after_stopped()
+
+    def _after_stopped(self) -> None:
         release_finished(self.handles)
         if self.handles and self._ctx is not None and self._ctx.get_start_method() == "fork":
             # This process forks workers again (the next epoch, the next loader): cheaper once

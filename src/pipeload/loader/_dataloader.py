@@ -31,6 +31,7 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
@@ -313,7 +314,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         # of workers: each epoch without persistent workers, each new iterator, finds it ready.
         # It goes with the loader (or on release_shared_memory()).
         keeper = self._slab_keeper = SlabKeeper()
-        weakref.finalize(self, keeper.close).atexit = False
+        weakref.finalize(self, _let_go_of_slabs, keeper.close).atexit = False
 
     def release_shared_memory(self) -> None:
         """Free the shared memory this loader keeps between epochs for its workers' batches.
@@ -332,7 +333,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             ...         train_step(batch)
             >>> loader.release_shared_memory()  # doctest: +SKIP
         """
-        self._slab_keeper.release()
+        _let_go_of_slabs(self._slab_keeper.release)
 
     # -- running an epoch ------------------------------------------------------------------
 
@@ -518,3 +519,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
         elif engine is not None:
             engine.close()
 
+
+def _let_go_of_slabs(release: Callable[[], None]) -> None:
+    """Free a loader's kept slabs once the workers of its finished epochs, reaped beside the
+    training loop (``reap_in_background``), are gone: nothing of them (an exit handle, a
+    mapping) outlives the call. They are idle and asked to stop: a few milliseconds at most."""
+    wait_for_reaped(REAPED_WITHIN_S)
+    release()
