@@ -788,3 +788,30 @@ def test_workers_quick_to_start_are_not_told_to_persist(leak_guard) -> None:
     assert stats.elapsed_s >= 2.0  # enough to judge the start-up
     assert "persistent_workers" not in stats.suggested_settings(), stats.summary()
     del loader
+
+
+def _growing_batches() -> list[list[int]]:
+    """A batch sampler's batches that grow over the epoch (a length-sorted or token-budget
+    sampler's shape): 20 of 2 samples, then 60 of 64."""
+    sizes, start, batches = [2] * 20 + [64] * 60, 0, []
+    for size in sizes:
+        batches.append(list(range(start, start + size)))
+        start += size
+    return batches
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("engine", [ENGINES["process"], ENGINES["economic"]], ids=["process", "economic"])
+def test_process_workers_samples_are_exact_when_a_batch_samplers_sizes_change_over_the_epoch(
+        engine: dict, leak_guard) -> None:
+    # Between their timed tasks a process worker's (or batch worker's) samples were estimated
+    # from the timed ones, the first batches here: 28x too few samples, and samples/s with them.
+    # The main process knows each batch's indices: counted as each answer comes.
+    batches = _growing_batches()
+    loader = pipeload.DataLoader(list(range(4000)), batch_sampler=batches, **engine)
+    expected = sum(len(batch) for batch in loader)
+    assert expected == sum(len(batch) for batch in batches)
+    stats = loader.stats()
+    assert stats.stages["fetch"].count == expected
+    assert stats.samples_per_batch == pytest.approx(expected / len(batches))
+    del loader

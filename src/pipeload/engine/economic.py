@@ -315,6 +315,8 @@ class EconomicEngine:
         self._supply = supply
         self._ledger = BatchLedger(self._config.setup.num_batch_workers, self._config.in_order,
                                    least_loaded=True, first_batch=start.first_batch)
+        if self._stats is not None:
+            self._ledger.count_samples()  # each batch's samples: exact stats with sizes that vary
         self._scheduler = ItemScheduler(self._num_item_workers, self._sub_batches)
         self._pace.forget_epoch()
         self._first_batch = start.first_batch
@@ -397,6 +399,9 @@ class EconomicEngine:
             build_s = self._build_clock.arrived(report.batch_number, finished_at)
             if report.report is Report.BATCH:
                 self._budget.batch_built(build_s)
+            if self._stats is not None:  # in the order the worker built them (see the stats)
+                samples = self._ledger.samples_of.get(report.batch_number, 0)  # type: ignore[union-attr]
+                self._stats.batch_reported(report.worker_id, samples, report.totals is not None)
             self._ledger.record_report(report)
 
     def _top_up(self, loop_waits: bool = False) -> None:
@@ -447,7 +452,7 @@ class EconomicEngine:
             except LoaderTimeoutError:
                 del self._to_collate[number]
                 raise
-        self._ledger.record_sent(batch_worker)
+        self._ledger.record_sent(batch_worker, len(indices))
         self._build_clock.opened(number, time.monotonic())
         self._scheduler.add_batch(number, batch_worker, indices, self._next_position,
                                   least=self._least_piece_items(number, len(indices)))

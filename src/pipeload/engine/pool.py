@@ -17,7 +17,7 @@ from typing import Any
 from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
-from pipeload.engine.plan import EpochStart, WorkerSetup
+from pipeload.engine.plan import DatasetKind, EpochStart, WorkerSetup
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.worker_main import run_process_worker, run_thread_worker
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
@@ -155,6 +155,11 @@ class PoolEngine:
         slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
         # Workers' tasks are counted by the ledger, which counts each worker's answers anyway.
         self._ledger_counts = self._stats is not None
+        # A map-style task's samples are known here (its indices): counted as its answer comes,
+        # the stats need not guess them from the worker's timed tasks (batch sizes may vary).
+        fetch = config.setup.fetch
+        self._samples_counted = self._ledger_counts and fetch.kind is DatasetKind.MAP
+        self._one_sample_a_task = not fetch.auto_collation
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
                                     counted_by_engine=self._ledger_counts, keeper=keeper)
@@ -302,7 +307,11 @@ class PoolEngine:
     def _count_answers(self) -> None:
         """A new ledger: the stats count the workers' tasks from its answers (SessionStats)."""
         if self._ledger_counts:
-            self._stats.count_answers(self._ledger.answered_per_worker)  # type: ignore[union-attr]
+            ledger = self._ledger
+            if self._samples_counted:
+                ledger.count_samples()
+            self._stats.count_answers(ledger.answered_per_worker,  # type: ignore[union-attr]
+                                      ledger.answered_samples_per_worker if self._samples_counted else None)
 
     def _next_report(self) -> WorkerReport | None:
         """The next report to hand out, or None once every batch sent has been handed out."""
@@ -408,7 +417,10 @@ class PoolEngine:
         worker_id, command = self._unsent  # type: ignore[misc]
         self._workers.send(worker_id, command)
         self._unsent = None
-        self._ledger.record_sent(worker_id)
+        if self._samples_counted:
+            self._ledger.record_sent(worker_id, 1 if self._one_sample_a_task else len(command.indices))
+        else:
+            self._ledger.record_sent(worker_id)
 
     def _take_task(self, grant: bool = True) -> bool:
         """Take the sampler's next task into ``_unsent``, with its worker and (if ``grant``) a

@@ -47,6 +47,10 @@ class BatchLedger:
         self.active = [True] * num_workers
         self.sent_per_worker = [0] * num_workers
         self.answered_per_worker = [0] * num_workers
+        # Where the engine counts samples (``count_samples``): each batch's samples until it is
+        # answered, and the samples each worker has answered, counted up as its tasks are.
+        self.samples_of: dict[int, int] | None = None
+        self.answered_samples_per_worker = [0] * num_workers
         self._skipped_per_worker = [0] * num_workers
         self.taking = num_workers
         self._rotation = first_worker % num_workers if num_workers else 0
@@ -57,7 +61,8 @@ class BatchLedger:
         grow = num_workers - len(self.active)
         if grow > 0:
             self.active += [True] * grow
-        for counts in (self.sent_per_worker, self.answered_per_worker, self._skipped_per_worker):
+        for counts in (self.sent_per_worker, self.answered_per_worker, self._skipped_per_worker,
+                       self.answered_samples_per_worker):
             counts += [0] * (num_workers - len(counts))
         self.taking = num_workers
         if self._rotation >= num_workers:  # it shrank: the turn goes back to the first
@@ -106,10 +111,17 @@ class BatchLedger:
         self._rotation = (chosen + 1) % count
         return chosen
 
-    def record_sent(self, worker_id: int) -> int:
-        """Note that the next batch went to ``worker_id``; returns its batch number."""
+    def count_samples(self) -> None:
+        """Count the samples each worker answers from now on (``record_sent``'s ``samples``)."""
+        self.samples_of = {}
+
+    def record_sent(self, worker_id: int, samples: int = 0) -> int:
+        """Note that the next batch, of ``samples`` samples (where counted), went to
+        ``worker_id``; returns its batch number."""
         number = self.next_to_send
         self.building[number] = worker_id
+        if self.samples_of is not None:
+            self.samples_of[number] = samples
         self.sent_per_worker[worker_id] += 1
         self.next_to_send += 1
         return number
@@ -120,6 +132,8 @@ class BatchLedger:
         if worker_id is None:
             return  # a task of a worker already marked dry
         self.answered_per_worker[worker_id] += 1
+        if self.samples_of is not None:
+            self.answered_samples_per_worker[worker_id] += self.samples_of.pop(number, 0)
         if report.report is Report.EXHAUSTED:
             self._skip(number)
             self._retire(worker_id)

@@ -265,6 +265,12 @@ class SessionStats:
         # since its latest totals are then ``lag`` plus its answers since (``_covered``).
         self._answers: list[int] = []
         self._covered: dict[int, int] = {}
+        # Where the ledger also counts the samples of the answers (a map-style pool's, whose
+        # tasks' indices say them): the samples since a worker's latest totals are exact, not
+        # its timed tasks' mean size times its tasks since (batch sizes a batch sampler varies).
+        self._answered_samples: list[int] | None = None
+        self._covered_samples: dict[int, int] = {}
+        self._samples_carried: dict[int, int] = defaultdict(int)  # from earlier ledgers
         self._answering = recorder._answering
         self._gaps = gaps(LOOK_EVERY)
         self._consumer = recorder._consumer  # its stretch spaces the queue looks too
@@ -297,19 +303,33 @@ class SessionStats:
             elif report.report is not Report.EPOCH_STARTED:  # a lent clock's answer: no task
                 lag[key(report)] += 1
 
-    def count_answers(self, answered: list[int]) -> None:
+    def count_answers(self, answered: list[int], samples: list[int] | None = None) -> None:
         """From now on the engine's ledger counts each worker's answered tasks in ``answered``
-        (a classic pool's, a new list each epoch), so ``WorkerGroup.receive`` counts nothing and
-        the engine hands the reports with totals to :meth:`record_answered`. What the previous
-        list counted since each worker's latest totals moves to ``lag``."""
+        (a classic pool's, a new list each epoch), and, where it knows them, their samples in
+        ``samples``, so ``WorkerGroup.receive`` counts nothing and the engine hands the reports
+        with totals to :meth:`record_answered`. What the previous lists counted since each
+        worker's latest totals moves to ``lag`` (and ``_samples_carried``)."""
         for worker_id, count in enumerate(self._answers):
             self.lag[worker_id] += count - self._covered.get(worker_id, 0)
+        for worker_id, count in enumerate(self._answered_samples or ()):
+            self._samples_carried[worker_id] += count - self._covered_samples.get(worker_id, 0)
         self._answers, self._covered = answered, {}
+        self._answered_samples, self._covered_samples = samples, {}
         self._answering[self._session] = self
 
     def record_answered(self, report: Any) -> None:
         """Keep the totals ``report`` carries; if it answers a task, the ledger has counted it."""
         self._keep(report, counted=True)
+
+    def samples_since(self) -> dict[int, int] | None:
+        """Per worker, the samples of its tasks since its latest totals, where the ledger counts
+        them (None where it does not: they are estimated from the tasks)."""
+        if self._answered_samples is None:
+            return None
+        since = dict(self._samples_carried)
+        for worker_id, count in enumerate(list(self._answered_samples)):
+            since[worker_id] = since.get(worker_id, 0) + count - self._covered_samples.get(worker_id, 0)
+        return since
 
     def lags(self) -> dict[Any, int]:
         """Per worker, the tasks since its latest totals (read by a snapshot, from any thread)."""
@@ -347,6 +367,10 @@ class SessionStats:
         self.lag[worker_id] = 0
         if worker_id < len(self._answers):
             self._covered[worker_id] = self._answers[worker_id]
+        self._samples_carried.pop(worker_id, None)
+        samples = self._answered_samples
+        if samples is not None and worker_id < len(samples):
+            self._covered_samples[worker_id] = samples[worker_id]
 
     def lend_clock(self, worker_id: int, kind: str = "") -> Callable[[StageClock], None]:
         """What thread worker ``worker_id`` (of ``kind``) calls with its clock, which is then
@@ -373,8 +397,9 @@ class SessionStats:
         (``StatsRecorder._ended``), so that a worker started later under the same id adds to
         them rather than replacing them."""
         lag = self._unreported(worker_id)
+        samples = (self.samples_since() or {}).get(worker_id)
         self._settle(worker_id)
-        self._recorder.finish((self._session, "", worker_id), lag)
+        self._recorder.finish((self._session, "", worker_id), lag, samples)
 
     def handing_out(self, ready: int, in_flight: int, number: int = 0) -> int:
         """Batch ``number`` is being handed out; ``ready`` more are waiting, ``in_flight`` are
@@ -418,6 +443,18 @@ class KindedSessionStats(SessionStats):
         # exactly, as pieces differ in size (an epoch's first batch is cut finer, cheap items
         # coarser) and a ratio of samples to pieces drifted by a batch's worth over two epochs.
         self.items_since: dict[int, int] = recorder._items_since.setdefault(session, defaultdict(int))
+        # The same for batch workers' batches, whose sizes the engine knows (a batch sampler's may
+        # vary): counted in the order the engine reads the reports (``batch_reported``).
+        self.batch_samples_since: dict[int, int] = recorder._batch_samples_since.setdefault(
+            session, defaultdict(int))
+
+    def batch_reported(self, worker_id: int, samples: int, with_totals: bool) -> None:
+        """Batch worker ``worker_id`` built a batch of ``samples`` samples; totals that came with
+        it cover it and every earlier one."""
+        if with_totals:
+            self.batch_samples_since[worker_id] = 0
+        else:
+            self.batch_samples_since[worker_id] += samples
 
     def items_reported(self, worker_id: int, count: int) -> None:
         """Item worker ``worker_id`` reported a piece of ``count`` items without totals; the
@@ -478,6 +515,7 @@ class StatsRecorder:
         self._lags: dict[int, dict[Any, int]] = {}  # per session: tasks reported without totals
         self._lag_kinds: dict[int, dict[Any, str]] = {}  # economic sessions: see KindedSessionStats
         self._items_since: dict[int, dict[int, int]] = {}  # economic sessions' item workers: the same
+        self._batch_samples_since: dict[int, dict[int, int]] = {}  # and their batch workers'
         self._answering: dict[int, SessionStats] = {}  # sessions whose engine's ledger counts
         self._pin_s = 0.0
         self._pinned = 0
@@ -552,6 +590,7 @@ class StatsRecorder:
         with self._lock:
             self._lags.pop(session, None)
             self._items_since.pop(session, None)
+            self._batch_samples_since.pop(session, None)
             self._lag_kinds.pop(session, None)
             self._answering.pop(session, None)
 
@@ -592,10 +631,20 @@ class StatsRecorder:
         return lags
 
     def _items_by_kind(self) -> dict[tuple[int, str], dict[int, int]]:
-        """Items reported without totals, per (session, kind) and item worker id."""
+        """Samples reported without totals, per (session, kind) and worker id, where counted:
+        economic item workers' items, and a map-style classic pool's tasks' samples."""
         kinds = self._lag_kinds.copy()
-        return {(session, kinds[session][Report.ITEMS_DONE]): dict(items)
-                for session, items in self._items_since.copy().items() if session in kinds}
+        items = {(session, kinds[session][Report.ITEMS_DONE]): dict(items)
+                 for session, items in self._items_since.copy().items() if session in kinds}
+        for session, samples in self._batch_samples_since.copy().items():
+            batch_kind = kinds.get(session, {}).get(Report.BATCH)
+            if batch_kind is not None:
+                items[(session, batch_kind)] = dict(samples)
+        for session, stats in self._answering.copy().items():
+            since = stats.samples_since()
+            if since is not None:
+                items[(session, "")] = since
+        return items
 
     def snapshot(self) -> LoaderStats:
         """Everything so far, as a frozen :class:`LoaderStats`."""
