@@ -202,3 +202,20 @@ def test_every_listed_key_is_found_a_nan_one_too() -> None:
     assert shared == source and source == shared
     assert shared != {float("nan"): 1, "b": 2, (nan, "x"): 3, 2.5: 0.0}
     shared.close()
+
+
+def test_copy_union_and_reversed_give_what_the_dict_would() -> None:
+    # Dataset code that did `self.meta.copy()` or `defaults | self.meta` on the dict it had
+    # must keep working once share_containers put a SharedMapping there.
+    entries = {"a": 1, "b": [1, 2], 3: "c"}
+    shared = SharedMapping(entries)
+    copied = shared.copy()
+    assert copied == entries and type(copied) is dict and list(copied) == list(entries)
+    copied["a"] = 9  # a plain dict, to change
+    assert shared["a"] == 1
+    assert shared | {"a": 0, "d": 4} == entries | {"a": 0, "d": 4}
+    assert {"a": 0, "d": 4} | shared == {"a": 0, "d": 4} | entries
+    assert type(shared | {}) is dict and list({"d": 4} | shared) == ["d", "a", "b", 3]
+    assert list(reversed(shared)) == list(reversed(entries))
+    with pytest.raises(TypeError):
+        shared | [("a", 1)]  # noqa: B018  (as dict | list)

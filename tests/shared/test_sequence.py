@@ -211,3 +211,22 @@ def test_equals_the_list_it_was_built_from_when_that_holds_nan() -> None:
         assert records == [(nan, "a"), (0.5, "b")]
     assert shared != [1.5, nan, 2.5, 0.0] and 0.0 not in shared
     shared.close()
+
+
+@pytest.mark.parametrize("as_built", [list, tuple], ids=["list", "tuple"])
+def test_concatenation_repetition_and_order_give_what_the_list_or_tuple_would(as_built: type) -> None:
+    # Dataset code that did `self.samples + extra` on the list it had must keep working once
+    # share_containers put a SharedSequence there (it reads; the result is a new container).
+    values = as_built(["a", "b", "c"])
+    shared = SharedSequence(values)
+    assert shared + ["d"] == list(values) + ["d"] and type(shared + ["d"]) is list
+    assert ["z"] + shared == ["z", "a", "b", "c"] and type(["z"] + shared) is list
+    assert ("z",) + shared == ("z", "a", "b", "c") and type(("z",) + shared) is tuple
+    assert shared + SharedSequence(["d"]) == ["a", "b", "c", "d"]
+    assert shared * 2 == list(values) * 2 and 2 * shared == list(values) * 2 and shared * 0 == []
+    assert shared < ["a", "c"] and shared <= ["a", "b", "c"] and shared > ["a"] and shared >= ("a", "b")
+    assert sorted([SharedSequence([2]), SharedSequence([1, 5])]) == [[1, 5], [2]]
+    with pytest.raises(TypeError):
+        shared + "d"  # noqa: B018  (as list + str)
+    with pytest.raises(TypeError):
+        shared < 3  # noqa: B018

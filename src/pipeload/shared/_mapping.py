@@ -35,8 +35,9 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
     process (spawned workers included) and decode a fresh value each time, so workers never write
     to, and never copy, the pages that hold the data. Iteration follows the dict's order.
 
-    Supports ``m[key]``, ``in``, ``len``, iteration, ``get``, ``keys()``, ``values()``,
-    ``items()`` and ``==`` with any mapping. The memory is freed when the last user in every
+    Supports ``m[key]``, ``in``, ``len``, iteration (``reversed`` too), ``get``, ``keys()``,
+    ``values()``, ``items()``, ``==`` with any mapping, and, giving a plain dict, ``copy()`` and
+    ``|``. ``json.dumps`` takes dicts only: ``json.dumps(dict(m))``. The memory is freed when the last user in every
     process drops (or closes) it; nothing is ever left in ``/dev/shm``.
 
     Args:
@@ -151,6 +152,32 @@ class SharedMapping(SegmentBacked, Mapping[K, V]):
         return all(_holds_entry(other, key, value) for key, value in self.items())
 
     __hash__ = None  # type: ignore[assignment]
+
+    # What a dict offers besides Mapping's and reads only, so that dataset code that did
+    # ``self.meta.copy()`` or ``defaults | self.meta`` on the dict keeps working: each gives a
+    # plain dict (a copy to change is what such code wants; this one cannot be changed).
+
+    def copy(self) -> dict[K, V]:
+        """A plain dict of the entries, in order (``dict.copy``'s result, which may be changed)."""
+        return dict(self.items())
+
+    def __or__(self, other: object) -> dict[Any, Any]:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = self.copy()
+        merged.update(other)
+        return merged
+
+    def __ror__(self, other: object) -> dict[Any, Any]:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = dict(other)
+        merged.update(self.items())
+        return merged
+
+    def __reversed__(self) -> Iterator[K]:
+        self._check_open()
+        return self._reading(map(self._read_key, reversed(range(len(self)))))
 
     def __repr__(self) -> str:
         if self.closed:

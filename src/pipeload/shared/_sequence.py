@@ -28,8 +28,9 @@ class SharedSequence(SegmentBacked, Sequence[T]):
     ``(path, label)``) take fast paths; other values are pickled one by one.
 
     Supports ``len``, indexing (negative too), slicing (a view that shares the segment),
-    iteration, ``in``, ``index``, ``count``, and ``==`` with lists, tuples and other
-    SharedSequences. The memory is freed when the last SharedSequence (or view) using it is
+    iteration, ``in``, ``index``, ``count``, ``==`` and ``<`` (and the other comparisons) with
+    lists, tuples and other SharedSequences, and ``+`` and ``*``, which give a new list.
+    ``json.dumps`` takes lists and tuples only: ``json.dumps(list(s))``. The memory is freed when the last SharedSequence (or view) using it is
     dropped or closed in every process; nothing is ever left in ``/dev/shm``.
 
     Args:
@@ -149,6 +150,50 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         return all(mine == theirs or equal_with_nan(mine, theirs) for mine, theirs in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    # What lists and tuples offer besides Sequence's and reads only, so that dataset code that
+    # did ``self.samples + extra`` keeps working: a new list (a tuple with a tuple on the left),
+    # as the list this one stands for would give; and order comparisons, item by item.
+
+    def __add__(self, other: object) -> list[Any]:
+        if not isinstance(other, (SharedSequence, list, tuple)):
+            return NotImplemented
+        return [*self, *other]
+
+    def __radd__(self, other: object) -> Any:
+        if isinstance(other, tuple):
+            return other + tuple(self)
+        if isinstance(other, list):
+            return other + list(self)
+        return NotImplemented
+
+    def __mul__(self, times: object) -> list[Any]:
+        if not hasattr(times, "__index__"):
+            return NotImplemented
+        return list(self) * times  # type: ignore[operator]
+
+    __rmul__ = __mul__
+
+    def _ordered(self, other: object) -> tuple[list[Any], list[Any]] | None:
+        if not isinstance(other, (SharedSequence, list, tuple)):
+            return None
+        return list(self), list(other)
+
+    def __lt__(self, other: object) -> bool:
+        pair = self._ordered(other)
+        return NotImplemented if pair is None else pair[0] < pair[1]
+
+    def __le__(self, other: object) -> bool:
+        pair = self._ordered(other)
+        return NotImplemented if pair is None else pair[0] <= pair[1]
+
+    def __gt__(self, other: object) -> bool:
+        pair = self._ordered(other)
+        return NotImplemented if pair is None else pair[0] > pair[1]
+
+    def __ge__(self, other: object) -> bool:
+        pair = self._ordered(other)
+        return NotImplemented if pair is None else pair[0] >= pair[1]
 
     def __repr__(self) -> str:
         if self.closed:
