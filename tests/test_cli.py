@@ -365,7 +365,7 @@ def test_profile_says_warnings_in_one_line_each_and_keeps_the_users_place(
     workers = len(os.sched_getaffinity(0)) + 1
     try:
         returned = cli.main(["profile", "warns:make", "--batches", "2", "--batch-size", "4",
-                             "--num-workers", str(workers), "--worker-type", "thread"])
+                             "--num-workers", str(workers)])  # processes: threads are not warned about
     finally:
         sys.modules.pop("warns", None)
     err = capsys.readouterr().err.splitlines()

@@ -44,3 +44,45 @@ def test_torch_loader_is_rebuilt_with_the_same_batches(name: str) -> None:
 def _flat(batch: object) -> list[int]:
     tensor = batch[0] if isinstance(batch, (list, tuple)) else batch
     return torch.as_tensor(tensor).reshape(-1).tolist()
+
+
+_STARTED: dict[str, str] = {}
+
+
+def _note_the_start(worker_id: int) -> None:
+    _STARTED["by"] = f"worker {worker_id}"
+
+
+class NeedsItsWorkerInit(torch_data.Dataset):
+    """Reads what the loader's worker_init_fn set up in each worker (as datasets that open a
+    file or a connection per worker do)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, len(_STARTED["by"])])
+
+
+def test_torch_loader_is_rebuilt_with_every_setting_it_was_made_with() -> None:
+    # Rebuilt without them, a loader that needs its worker_init_fn failed with a KeyError, and
+    # one with persistent workers was told to try persistent_workers=True.
+    generator = torch.Generator().manual_seed(3)
+    theirs = torch_data.DataLoader(NeedsItsWorkerInit(), batch_size=2, shuffle=True, num_workers=2,
+                                   worker_init_fn=_note_the_start, persistent_workers=True,
+                                   prefetch_factor=3, timeout=30, generator=generator,
+                                   multiprocessing_context="fork")
+    rebuilt = as_loader(theirs, ProfileOptions(target="m:f"))
+    for name in ("worker_init_fn", "persistent_workers", "prefetch_factor", "timeout", "generator"):
+        assert getattr(rebuilt, name) == getattr(theirs, name), name
+    assert rebuilt.multiprocessing_context.get_start_method() == "fork"
+    assert sorted(torch.cat([batch[:, 0] for batch in rebuilt]).tolist()) == list(range(8))
+    del rebuilt
+
+
+def test_flags_for_a_dataset_given_for_a_dataloader_are_said_to_be_left_aside(capsys) -> None:
+    loader = as_loader(torch_data.DataLoader(DATASET, batch_size=4),
+                       ProfileOptions(target="m:f", num_workers=4, given=("num_workers",)))
+    assert loader.num_workers == 0 and loader.batch_size == 4
+    assert ("--num-workers set a dataset's loader; m:f returned a DataLoader, profiled with its own "
+            "settings (num_workers=0)") in capsys.readouterr().err

@@ -140,14 +140,16 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
                          help="batches to load (default: until there is enough to judge)")
     profile.add_argument("--max-seconds", type=_seconds, default=defaults.max_seconds,
                          help="stop loading after this long, judged or not (default: %(default)s)")
-    profile.add_argument("--batch-size", type=_at_least(1), default=defaults.batch_size,
-                         help="for a dataset (default: %(default)s)")
-    profile.add_argument("--num-workers", type=_workers, default=defaults.num_workers,
-                         help="for a dataset: a number or 'auto' (default: %(default)s)")
-    profile.add_argument("--mode", choices=("classic", "economic"), default=defaults.mode,
-                         help="for a dataset (default: %(default)s)")
-    profile.add_argument("--worker-type", choices=("process", "thread"), default=defaults.worker_type,
-                         help="for a dataset (default: %(default)s)")
+    # Given or not is told apart (default None): a DataLoader the factory returns keeps its own
+    # settings, and a flag given for nothing is said so.
+    profile.add_argument("--batch-size", type=_at_least(1), default=None,
+                         help=f"for a dataset (default: {defaults.batch_size})")
+    profile.add_argument("--num-workers", type=_workers, default=None,
+                         help=f"for a dataset: a number or 'auto' (default: {defaults.num_workers})")
+    profile.add_argument("--mode", choices=("classic", "economic"), default=None,
+                         help=f"for a dataset (default: {defaults.mode})")
+    profile.add_argument("--worker-type", choices=("process", "thread"), default=None,
+                         help=f"for a dataset (default: {defaults.worker_type})")
     profile.add_argument("--step-ms", type=_milliseconds, default=defaults.step_ms,
                          help="pretend training time per batch, in ms (default: %(default)s)")
     profile.set_defaults(handler=_profile)
@@ -163,8 +165,11 @@ def _bench(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from pipeload.cli import profile
 
-    return profile.run(ProfileOptions(args.target, args.batches, args.batch_size, args.num_workers,
-                                      args.mode, args.worker_type, args.step_ms, args.max_seconds))
+    for_a_dataset = {"batch_size": args.batch_size, "num_workers": args.num_workers, "mode": args.mode,
+                     "worker_type": args.worker_type}
+    given = {name: value for name, value in for_a_dataset.items() if value is not None}
+    return profile.run(ProfileOptions(args.target, args.batches, step_ms=args.step_ms,
+                                      max_seconds=args.max_seconds, given=tuple(given), **given))
 
 
 def _loader_names(text: str) -> tuple[str, ...]:

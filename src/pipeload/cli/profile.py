@@ -3,8 +3,9 @@
 ``FACTORY`` is a callable in an importable module (the current directory is on the path) that
 returns a dataset (map-style or iterable) or a DataLoader. A dataset gets a pipeload DataLoader
 with the command's options; a pipeload DataLoader is used as it is; torch's DataLoader is rebuilt
-as pipeload's with its dataset, sampler or batch sampler, batch size, drop_last, collate_fn and
-workers. By default it loads (epoch after epoch) until the stats have twice what a verdict needs
+as pipeload's with its dataset, sampler or batch sampler, batch size, drop_last, collate_fn,
+workers and every other setting it was made with (the flags for a dataset are then left aside,
+and said so). By default it loads (epoch after epoch) until the stats have twice what a verdict needs
 (``stats.analysis.MIN_STEADY_BATCHES`` batches and ``MIN_STEADY_S`` seconds), at most
 ``--max-seconds``; ``--batches`` sets the count instead. ``--step-ms`` of pretend training runs
 between batches. Then the loader's stats summary is printed, with the settings worth trying.
@@ -35,6 +36,11 @@ class CommandError(Exception):
         self.status = status
 
 
+# What a torch DataLoader keeps as attributes of the same name as its arguments, besides the
+# dataset, batching and sampling ones: carried over to the pipeload loader it is rebuilt as.
+_TORCH_SETTINGS = ("pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+                   "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
 # Load until the stats hold this many times what a verdict needs (analysis.evidence_shortfall).
 EVIDENCE_MARGIN = 2.0
 CHECK_EVERY = 8  # batches between looks at the evidence (a snapshot walks every worker's totals)
@@ -53,6 +59,7 @@ class ProfileOptions:
     worker_type: str = "process"
     step_ms: float = 0.0
     max_seconds: float = 60.0
+    given: tuple[str, ...] = ()  # which of batch_size, num_workers, mode, worker_type the user gave
 
 
 def run(options: ProfileOptions) -> int:
@@ -131,6 +138,8 @@ def _as_module_target(path: str, attribute: str) -> str:
 
 def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
     """The pipeload DataLoader to profile, from what the factory returned."""
+    if isinstance(made, torch_data.DataLoader) and options.given:
+        _say_flags_left_aside(made, options)
     if isinstance(made, pipeload.DataLoader):
         try:
             made.stats()
@@ -156,9 +165,22 @@ def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
                            status=1) from None
 
 
+def _say_flags_left_aside(loader: torch_data.DataLoader, options: ProfileOptions) -> None:
+    """The dataset's flags given for a DataLoader, which keeps its own settings: said, on stderr."""
+    flags = ", ".join("--" + name.replace("_", "-") for name in options.given)
+    own = ", ".join(f"{name}={getattr(loader, name, None)!r}" for name in options.given)
+    print(f"pipeload profile: {flags} set a dataset's loader; {options.target} returned a DataLoader, "
+          f"profiled with its own settings ({own})", file=sys.stderr)
+
+
 def _rebuilt(loader: torch_data.DataLoader) -> pipeload.DataLoader:
-    """torch's loader as pipeload's, batching and ordering its samples the same way."""
-    kept = {"collate_fn": loader.collate_fn, "num_workers": loader.num_workers}
+    """torch's loader as pipeload's: every setting it was made with (its samples batched and
+    ordered the same way, its workers started, seeded and kept the same way)."""
+    kept = {name: getattr(loader, name) for name in _TORCH_SETTINGS if hasattr(loader, name)}
+    kept["collate_fn"] = loader.collate_fn
+    kept["num_workers"] = loader.num_workers
+    if not isinstance(loader.multiprocessing_context, (str, type(None))):
+        kept["multiprocessing_context"] = loader.multiprocessing_context.get_start_method()
     if isinstance(loader.dataset, torch_data.IterableDataset):  # no sampler allowed
         return pipeload.DataLoader(loader.dataset, batch_size=loader.batch_size,
                                    drop_last=loader.drop_last, **kept)
