@@ -498,3 +498,17 @@ def test_auto_is_not_told_to_try_a_count_it_went_back_from() -> None:
     assert "num_workers='auto' tried 64 workers and kept 16" in verdict, verdict
     idle = _under_auto(_stats("classic", _busy(8, 0.1, 0.1), 0.01), (2, False), (8, True))
     assert "num_workers" not in idle.suggested_settings(), _verdict(idle)  # 2 was tried: it waited
+
+
+def test_workers_whose_batches_are_lighter_than_a_hand_over_are_told_to_load_in_the_main_process() -> None:
+    # Tiny items with 2 process workers: 33 us of work a batch, 200 us of waiting for each;
+    # told "keep these settings", where num_workers=0 loaded 8-10x faster.
+    def tiny(collate_s: float) -> LoaderStats:
+        workers = tuple(_worker("", i, fetch_s=0.005, collate_s=collate_s, cpu_s=0.6, tasks=50_000)
+                        for i in range(2))
+        return _stats("classic", workers, 0.97, batches=100_000, steady_s=10.0)  # 97 us of wait each
+    light = tiny(0.35)  # (0.02 + 1.4) s of work in each of 2 workers, over 100,000 batches: 28 us
+    assert light.suggested_settings() == {"num_workers": 0}, _verdict(light)
+    assert "for batches that take 28 us of work each" in _verdict(light), _verdict(light)
+    heavy = tiny(0.7)  # 56 us of work: more than half the wait, which loading inline would not halve
+    assert heavy.suggested_settings() != {"num_workers": 0}, _verdict(heavy)

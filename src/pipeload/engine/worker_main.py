@@ -41,7 +41,7 @@ from pipeload.engine.worker_info import (
     set_worker_info,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
-from pipeload.stats.clock import SAMPLE_EVERY, StageClock, now
+from pipeload.stats.clock import SAMPLE_EVERY, StageClock, count_the_whole_process, now
 from pipeload.stats import skips
 from pipeload.stats.ray_stage import ray_stage_counter
 from pipeload.transport.messages import Command, Report, WorkerCommand, WorkerReport
@@ -421,6 +421,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     schedule_as_batch_work()
     steady_heap()  # the luck of the fork must not decide whether a batch's memory is reused
     torch.set_num_threads(1)
+    count_the_whole_process()  # its stats: the CPU of its threads and children too
     return seed_process_worker(base_seed, seed_offset)
 
 

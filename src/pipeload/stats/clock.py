@@ -81,10 +81,28 @@ SCHED_LAG_SHARE = 0.1
 SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on a CPU, ns waiting for one, timeslices
 
 
+# In a worker process, the CPU its work takes is the whole process's and its children's, not the
+# worker thread's alone: a dataset whose decoder runs threads of its own, or that pipes items
+# through a program (ffmpeg, a hashing tool), computes while its thread waits, and read by the
+# thread alone it looked like I/O ("try more workers") on CPUs that were all in use.
+_WHOLE_PROCESS = [False]
+
+
+def count_the_whole_process() -> None:
+    """This process is a worker: its clocks count every thread's CPU and its children's."""
+    _WHOLE_PROCESS[0] = True
+
+
 def read_sched() -> tuple[float, float]:
-    """(seconds on a CPU, seconds waiting for one) of the calling thread."""
+    """(seconds on a CPU, seconds waiting for one) of the calling thread; in a worker process
+    (``count_the_whole_process``), the seconds on a CPU are those of every thread of the process
+    and of the children it has waited for, where that is more."""
     read = _schedstat(SCHEDSTAT)
-    return read if read is not None else (time.thread_time(), 0.0)  # no counters: CPU time alone
+    on_cpu, queued = read if read is not None else (time.thread_time(), 0.0)  # no counters: CPU time alone
+    if _WHOLE_PROCESS[0]:
+        times = os.times()
+        on_cpu = max(on_cpu, time.process_time() + times.children_user + times.children_system)
+    return on_cpu, queued
 
 
 def _schedstat(path: str) -> tuple[float, float] | None:
