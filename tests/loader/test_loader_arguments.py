@@ -8,6 +8,7 @@ the value it received.
 from __future__ import annotations
 
 import multiprocessing
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -589,3 +590,35 @@ def test_a_function_argument_that_is_not_callable_is_refused_when_the_loader_is_
     with pytest.raises(TypeError, match=rf"^'int' object is not callable: {name} should be a function, "
                                         rf"but got {name}=3$"):
         pipeload.DataLoader(list(range(4)), **{name: 3})
+
+
+@pytest.mark.parametrize("name, value, error, words", [
+    # torch's iterator refuses it as the epoch starts; ours ended every epoch after its first batch
+    ("prefetch_factor", 0, AssertionError, "prefetch_factor must be greater than 0"),
+    ("prefetch_factor", -1, AssertionError, "prefetch_factor option should be non-negative"),
+    ("num_workers", -1, ValueError, "num_workers option should be non-negative"),
+    ("num_workers", 1.5, TypeError, "num_workers should be an int"),
+    ("timeout", -2, ValueError, "timeout option should be non-negative"),
+    ("generator", 3, TypeError, "generator should be a torch.Generator or None"),
+    ("worker_type", "fiber", ValueError, "worker_type should be one of"),
+    ("in_order", "yes", TypeError, "in_order should be True or False"),
+    ("max_shm_bytes", -1, ValueError, "max_shm_bytes should be a positive number of bytes"),
+    ("worker_init_fn", 3, TypeError, "'int' object is not callable: worker_init_fn should be a function"),
+])
+def test_a_setting_assigned_after_construction_is_checked_when_set(name: str, value: Any, error: type,
+                                                                   words: str) -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=2)
+    with pytest.raises(error, match=re.escape(words)):
+        setattr(loader, name, value)
+
+
+def test_settings_assigned_after_construction_load_every_batch() -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=2)
+    loader.num_workers = 2.0  # a whole float counts as the int, as in the constructor
+    assert loader.num_workers == 2 and type(loader.num_workers) is int
+    loader.collate_fn = None  # the constructor's default, not a None to call
+    loader.multiprocessing_context = "fork"
+    batches = [batch[0].tolist() for batch in loader]  # workers, with torch's default prefetch
+    assert batches == [[0, 1], [2, 3], [4, 5]] and loader.prefetch_factor == 2
+    loader.prefetch_factor = 1
+    assert [batch[0].tolist() for batch in loader] == batches

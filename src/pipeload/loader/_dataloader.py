@@ -48,6 +48,11 @@ _FROZEN_AFTER_INIT = frozenset(
     {"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers", "mode",
      "num_batch_workers", "equal_batches", "worker_seeding"}
 )
+# Settable after construction, as in torch, and checked when set (``_checked_setting``).
+_CHECKED_WHEN_SET = frozenset(
+    {"num_workers", "prefetch_factor", "timeout", "worker_type", "in_order", "max_shm_bytes", "generator",
+     "collate_fn", "worker_init_fn"}
+)
 
 
 class DataLoader(torch_data.DataLoader[T_co]):
@@ -236,7 +241,31 @@ class DataLoader(torch_data.DataLoader[T_co]):
                 f"{name} attribute should not be set after {type(self).__name__} is initialized "
                 f"(tried to set {name}={value!r}); build a new DataLoader instead"
             )
+        if self.__initialized and name in _CHECKED_WHEN_SET:
+            value = self._checked_setting(name, value)
         super().__setattr__(name, value)
+
+    def _checked_setting(self, name: str, value: Any) -> Any:
+        """A setting torch lets one assign after construction, checked (and normalised) as the
+        constructor does: a ``prefetch_factor`` of 0 set later ended every epoch after its first
+        batch, silently; torch's iterator refuses it when the epoch starts."""
+        if name == "num_workers":
+            return arguments.resolve_num_workers(value)
+        if name == "prefetch_factor":
+            return None if value is None else arguments.resolve_prefetch_factor(value, 1)
+        if name == "timeout":
+            return arguments.resolve_timeout(value)
+        if name == "worker_type":
+            arguments.check_worker_options(1, False, value, None)
+        elif name == "in_order" and not isinstance(value, bool):
+            raise TypeError(f"in_order should be True or False, but got in_order={value!r}")
+        elif name == "max_shm_bytes":
+            arguments.check_max_shm_bytes(value)
+        elif name == "generator":
+            check_generator(value)
+        elif name in ("collate_fn", "worker_init_fn"):
+            arguments.check_callables(**{name: value})
+        return value
 
     @property
     def _auto_collation(self) -> bool:
@@ -342,6 +371,18 @@ class DataLoader(torch_data.DataLoader[T_co]):
         CPUs this process may use (torch's public method)."""
         arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0, self.worker_type)
 
+    def _settings_agree(self) -> None:
+        """Settings assigned after construction, each checked as it was set, agree with each
+        other as an epoch starts: workers asked for after ``num_workers=0`` get torch's default
+        ``prefetch_factor``, ``collate_fn=None`` the constructor's default, and what the
+        constructor refuses together is refused here."""
+        if self.num_workers > 0 and self.prefetch_factor is None:
+            self.prefetch_factor = 2
+        if self.collate_fn is None:  # the constructor's default, not a None to call
+            self.collate_fn = default_collate if self.batch_sampler is not None else default_convert
+        context = self.multiprocessing_context if self.worker_type == "process" else None
+        arguments.check_worker_options(self.num_workers, self.persistent_workers, self.worker_type, context)
+
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.
         return iter(self)
@@ -350,6 +391,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         called_at = now()  # the epoch's first batch is timed from here: starting workers included
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
         point = resume.unless_sampler_moved_on(self, point)
+        self._settings_agree()
         self._count_failures_anew()
         self._warn_if_every_rank_loads_all()
         self._warn_if_graph_unsharded()
