@@ -309,3 +309,16 @@ def test_a_replicas_failed_batches_out_of_its_range_are_refused_by_name(failed: 
     assert (position["batches"], position["snapshot"][0], position["failed"]) == (2, 1, [])  # batch 2: since
     assert named in refused(with_change(state, lambda s: s["epoch"]["streams"]["0"].update(failed=failed)),
                             iterable)
+
+
+@pytest.mark.parametrize("saved, here", [("per_batch", "torch"), ("torch", "per_batch")])
+def test_a_state_seeded_another_way_is_refused_naming_worker_seeding(saved: str, here: str) -> None:
+    # Loaded, it resumed the same indices with other random values in every later sample.
+    taken = pipeload.DataLoader(Augmented(), batch_size=4, shuffle=True, worker_seeding=saved)
+    iterator = iter(taken)
+    next(iterator)
+    state = json.loads(json.dumps(taken.state_dict()))
+    loader = pipeload.DataLoader(Augmented(), batch_size=4, shuffle=True, worker_seeding=here)
+    with pytest.raises(IncompatibleStateError, match=rf"worker_seeding.*{saved!r}.*{here!r}"):
+        loader.load_state_dict(state)
+    del iterator

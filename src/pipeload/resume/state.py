@@ -196,6 +196,7 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
     """
     checked = read_fields(state)
     _check_config(loader, checked.config)
+    _check_seeding(loader, state["worker_seeding"])  # read_fields checked it is one of the choices
     _check_generator(loader, checked.saved_generator is not None)
     _check_sampler(loader, checked.sampler, checked.sampler_path)
     if checked.epoch is not None:
@@ -224,6 +225,14 @@ def _check_config(loader: Any, saved: dict[str, Any]) -> None:
                    if saved.get(k) != here.get(k)}
     if differences:
         raise state_mismatch("this DataLoader", dict(sorted(differences.items())))
+
+
+def _check_seeding(loader: Any, saved: str) -> None:
+    """How the workers' generators are seeded decides every random value a sample draws: a
+    state seeded one way, resumed the other, gave the same indices and other augmentations,
+    silently (the speed settings may change; this is not one)."""
+    if saved != loader.worker_seeding:
+        raise state_mismatch("this DataLoader", {"worker_seeding": (saved, loader.worker_seeding)})
 
 
 def _check_generator(loader: Any, saved: bool) -> None:
