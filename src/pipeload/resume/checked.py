@@ -24,6 +24,7 @@ from pipeload._state_fields import StateFields, is_int, join
 from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.resume.epoch import EpochRecord, RepeatFrom
+from pipeload.resume.faithful import read_back
 
 FORMAT = "pipeload.DataLoader"
 VERSION = 2  # 2: a digest of the content, every field present; 1: without (still read)
@@ -229,7 +230,8 @@ def _read_position(fields: StateFields, worker: int) -> StreamPosition:
             and all(a < b for a, b in zip(failed, failed[1:]))):
         raise bad_state_field(fields.name("failed"), failed, expected)
     fields.finish()
-    return StreamPosition(worker, batches, tuple(snapshot) if snapshot is not None else None, tuple(failed))
+    snapshot = (snapshot[0], read_back(snapshot[1])) if snapshot is not None else None  # see faithful.py
+    return StreamPosition(worker, batches, snapshot, tuple(failed))
 
 
 def _read_last_worker(fields: StateFields, streams: dict[int, StreamPosition]) -> int | None:

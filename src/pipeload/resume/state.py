@@ -25,6 +25,7 @@ from pipeload.engine.fetch import StreamPosition
 from pipeload.errors import bad_state_field, state_mismatch
 from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
+from pipeload.resume.faithful import written
 from pipeload.resume.trial import try_replica_states
 from pipeload.samplers import StatefulSampler, exact_length
 from pipeload.samplers._own_generators import own_generators, read_generators_state, set_generators
@@ -155,7 +156,8 @@ def _pads_across_ranks(loader: Any) -> bool:
 
 
 def _position_state(position: StreamPosition) -> dict[str, Any]:
-    snapshot = list(position.snapshot) if position.snapshot is not None else None
+    # A replica's state may hold samples: tuples and int keys kept through JSON (faithful.py).
+    snapshot = [position.snapshot[0], written(position.snapshot[1])] if position.snapshot is not None else None
     return {"batches": position.batches, "snapshot": snapshot, "failed": list(position.failed)}
 
 
