@@ -4,6 +4,7 @@ remote read that fails through ``open_stream`` itself names the URL it was readi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ def shards(tmp_path: Path) -> list[str]:
     ({"shuffle_shards": "no"}, TypeError, "shuffle_shards"),
     ({"shuffle_shards": 1}, TypeError, "shuffle_shards"),
     ({"hold_until_checked": "yes"}, TypeError, "hold_until_checked"),
+    ({"batch_size": True}, TypeError, "batch_size"),
+    ({"on_error": "bogus"}, ValueError, "webdataset_pipeline: on_error"),  # not a stage's name
 ])
 def test_a_bad_pipeline_argument_is_refused_by_name(shards: list[str], arguments: dict[str, Any],
                                                     error: type, name: str) -> None:
@@ -175,3 +178,24 @@ def test_a_remote_read_through_open_stream_that_keeps_failing_names_the_url(serv
 def test_a_remote_read_through_open_stream_that_succeeds_is_unchanged(server: ShardServer, tmp_path: Path) -> None:
     with open_stream(server.url("shard-0000.tar")) as stream:
         assert stream.read() == (tmp_path / "shard-0000.tar").read_bytes()
+
+
+@pytest.mark.parametrize("build, error, words", [
+    # Each refused by a sibling entry point and taken here, to fail later (in a worker, per file,
+    # or every sample skipped under on_error="skip").
+    (lambda: IterableWrapper(["a"]).open_files(retry=3), TypeError, "FileOpener: retry must be a RetryPolicy"),
+    (lambda: IterableWrapper(["a"]).open_files(encoding=3), TypeError, "FileOpener: encoding must be a str"),
+    (lambda: IterableWrapper(["a"]).open_files(encoding="no-such-codec"), ValueError, "FileOpener: unknown encoding"),
+    (lambda: IterableWrapper(["a"]).open_files(length=1.5), TypeError, "FileOpener: length must be an int"),
+    (lambda: IterableWrapper([]).webdataset(length=1.5), TypeError, "WebDataset: length must be an int"),
+    (lambda: IterableWrapper([]).webdataset(length=-2), ValueError, "WebDataset: length must be 0 or more"),
+    (lambda: IterableWrapper([]).decode(handlers=3), TypeError, "Decoder: handlers must be a mapping"),
+    (lambda: IterableWrapper([]).decode(handlers={"cls": 3}, on_error="skip"), TypeError,
+     "Decoder: handlers['cls'] must be a callable"),
+    (lambda: IterableWrapper([]).prefetch(True), TypeError, "buffer_size should be an int of at least 1"),
+    (lambda: IterableWrapper([]).queue_boundary("thread", buffer_size=True), TypeError,
+     "buffer_size should be an int of at least 1"),
+])
+def test_an_option_a_sibling_refuses_is_refused_here_too_by_name(build: Any, error: type, words: str) -> None:
+    with pytest.raises(error, match=re.escape(words)):
+        build()

@@ -96,6 +96,8 @@ class QueueBoundary(IterDataPipe[T_co]):
         known = sorted(KIND_MODULES)
         if worker_type not in known and worker_type not in DataLoaderQueue._kinds:
             raise ValueError(f"worker_type should be one of {known}, but got worker_type={worker_type!r}")
+        if isinstance(buffer_size, bool):  # an int to Python; refused by the queue, later, in a worker
+            raise TypeError(f"buffer_size should be an int of at least 1, but got buffer_size={buffer_size!r}")
         check_positive(buffer_size, "buffer_size", "Buffer size")
         if multiprocessing_context is not None and worker_type != "process":
             raise ValueError(

@@ -130,6 +130,7 @@ class Decoder(IterDataPipe[Any], ErrorPolicyMixin):
         if image not in _IMAGE_OUTPUTS:
             raise ValueError(f"Decoder: image must be one of {_IMAGE_OUTPUTS}, got image={image!r}")
         check_policy(on_error, max_failures, "Decoder")
+        check_handlers(handlers, "Decoder")
         self.datapipe = datapipe
         self.handlers = {**default_handlers(image), **{k.lower(): v for k, v in (handlers or {}).items()}}
         self.image = image
@@ -199,3 +200,21 @@ def _where(sample: Any) -> tuple[str | None, str | None]:
         return sample.get("__url__"), sample.get("__key__")
     archive = getattr(sample, "archive", None)
     return (archive, sample.name) if archive is not None else (None, sample[0])
+
+
+def check_handlers(handlers: Any, caller: str) -> None:
+    """None, or a mapping of extensions to a callable or None (None leaves it undecoded),
+    refused when the pipe is built: a handler that is not a function failed every sample, which
+    ``on_error="skip"`` then skipped, an epoch of nothing for a typo."""
+    if handlers is None:
+        return
+    if not isinstance(handlers, Mapping):
+        raise TypeError(f"{caller}: handlers must be a mapping of extensions to "
+                        f"fn(bytes) or None, got handlers={handlers!r}")
+    for extension, handler in handlers.items():
+        if not isinstance(extension, str):
+            raise TypeError(f"{caller}: handlers' keys must be extensions (str), got "
+                            f"{extension!r} in handlers={handlers!r}")
+        if handler is not None and not callable(handler):
+            raise TypeError(f"{caller}: handlers[{extension!r}] must be a callable "
+                            f"fn(bytes) or None, got {handler!r} ({type(handler).__name__})")

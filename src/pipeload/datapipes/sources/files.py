@@ -16,6 +16,7 @@ from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
+from pipeload.datapipes.sources._checks import check_encoding, check_length, check_retry
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import LocalWatch, ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
@@ -186,8 +187,7 @@ def _check_lister_options(length: Any, storage_options: Any, **flags: Any) -> No
         if not isinstance(value, bool):
             raise TypeError(f"FileLister: {name} must be True or False, got {name}={value!r} "
                             f"({type(value).__name__})")
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"FileLister: length must be an int (-1: no length), got length={length!r}")
+    check_length(length, "FileLister")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"FileLister: storage_options must be a mapping (fsspec's options) or None, "
                         f"got storage_options={storage_options!r}")
@@ -304,6 +304,9 @@ class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
             raise ValueError(f"binary mode doesn't take an encoding argument (got mode={mode!r}, "
                              f"encoding={encoding!r})")
         check_policy(on_error, max_failures, "FileOpener")
+        check_encoding(encoding, "FileOpener")
+        check_length(length, "FileOpener")
+        check_retry(retry, "FileOpener")
         self.datapipe = datapipe
         self.mode = mode
         self.encoding = encoding
@@ -426,6 +429,8 @@ class FileReader(MapDataPipe[tuple[str, Any]]):
                  storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None) -> None:
         if mode not in _MODES:
             raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
+        check_encoding(encoding, "FileReader")
+        check_retry(retry, "FileReader")
         self.paths = list(paths)
         self.mode = mode
         self.encoding = encoding

@@ -12,11 +12,12 @@ from typing import Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.sources import _storage
+from pipeload.datapipes.sources._checks import check_retry
 from pipeload.datapipes.sources._retry import RetryPolicy
-from pipeload.datapipes.sources.decoders import ImageOutput
+from pipeload.datapipes.sources.decoders import ImageOutput, check_handlers
 from pipeload.datapipes.sources.errors import redact_url
 from pipeload.datapipes.sources.memory import IterableWrapper
-from pipeload.datapipes.sources.on_error import OnError
+from pipeload.datapipes.sources.on_error import OnError, check_policy
 
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _BRACE_RANGE = re.compile(r"(\d+)\.\.(\d+)")
@@ -184,14 +185,16 @@ def _check_arguments(arguments: Mapping[str, Any]) -> None:
                             f"{name}={arguments[name]!r} ({type(arguments[name]).__name__})")
     for name in ("shuffle_buffer", "read_ahead"):
         _check_count(name, arguments[name])
-    _check_handlers(arguments["handlers"])
+    check_handlers(arguments["handlers"], "webdataset_pipeline")
     options = arguments["storage_options"]
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"webdataset_pipeline: storage_options must be a mapping (fsspec's options) "
                         f"or None, got storage_options={options!r}")
-    if arguments["retry"] is not None and not isinstance(arguments["retry"], RetryPolicy):
-        raise TypeError(f"webdataset_pipeline: retry must be a RetryPolicy or None, got "
-                        f"retry={arguments['retry']!r}")
+    check_retry(arguments["retry"], "webdataset_pipeline")
+    check_policy(arguments["on_error"], arguments["max_failures"], "webdataset_pipeline")
+    if isinstance(arguments["batch_size"], bool):  # an int to Python: True batched by 1
+        raise TypeError(f"webdataset_pipeline: batch_size must be an int or None, got "
+                        f"batch_size={arguments['batch_size']!r}")
 
 
 def _check_urls(urls: Any) -> None:
@@ -213,22 +216,6 @@ def _check_count(name: str, value: Any) -> None:
                         f"({type(value).__name__})")
     if count < 0:
         raise ValueError(f"webdataset_pipeline: {name} must be 0 or more (0: none), got {name}={value!r}")
-
-
-def _check_handlers(handlers: Any) -> None:
-    """None, or a mapping of extensions to a callable or None (None leaves it undecoded)."""
-    if handlers is None:
-        return
-    if not isinstance(handlers, Mapping):
-        raise TypeError(f"webdataset_pipeline: handlers must be a mapping of extensions to "
-                        f"fn(bytes) or None, got handlers={handlers!r}")
-    for extension, handler in handlers.items():
-        if not isinstance(extension, str):
-            raise TypeError(f"webdataset_pipeline: handlers' keys must be extensions (str), got "
-                            f"{extension!r} in handlers={handlers!r}")
-        if handler is not None and not callable(handler):
-            raise TypeError(f"webdataset_pipeline: handlers[{extension!r}] must be a callable "
-                            f"fn(bytes) or None, got {handler!r} ({type(handler).__name__})")
 
 
 def _check_shards_exist(shard_urls: list[str], urls: Any, storage_options: Mapping[str, Any] | None,

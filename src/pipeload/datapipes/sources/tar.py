@@ -15,6 +15,7 @@ from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources import _storage, _tar_stream, _versions
+from pipeload.datapipes.sources._checks import check_length
 from pipeload.datapipes.sources._versions import ObjectVersion
 from pipeload.datapipes.sources.errors import ArchiveError, SourceChangedError, SourceError, describe_failure
 from pipeload.datapipes.sources.on_error import FILE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
@@ -126,8 +127,7 @@ def _check_loader_arguments(mode: Any, length: Any, hold_until_checked: Any) -> 
         raise TypeError(f"TarArchiveLoader: mode must be a str such as 'r:*', got mode={mode!r}")
     if not mode.startswith("r"):
         raise ValueError(f"TarArchiveLoader only reads archives: mode must start with 'r', got mode={mode!r}")
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise TypeError(f"TarArchiveLoader: length must be an int (-1: no length), got length={length!r}")
+    check_length(length, "TarArchiveLoader")
     if not isinstance(hold_until_checked, bool):
         raise TypeError(f"TarArchiveLoader: hold_until_checked must be True or False, got "
                         f"hold_until_checked={hold_until_checked!r} ({type(hold_until_checked).__name__})")

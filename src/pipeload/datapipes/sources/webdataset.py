@@ -9,6 +9,7 @@ from typing import Any
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import no_length
+from pipeload.datapipes.sources._checks import check_length
 from pipeload.datapipes.protocol import PipeIterator
 from pipeload.datapipes.sources.errors import SampleGroupingError
 from pipeload.datapipes.sources.on_error import SAMPLE, ErrorPolicyMixin, FailureHandler, OnError, check_policy
@@ -53,6 +54,7 @@ class WebDataset(IterDataPipe[dict[str, Any]], ErrorPolicyMixin):
     def __init__(self, datapipe: IterDataPipe, length: int = -1, *, on_error: OnError = "raise",
                  max_failures: int | None = None) -> None:
         check_policy(on_error, max_failures, "WebDataset")
+        check_length(length, "WebDataset")
         self.datapipe = datapipe
         self.length = length
         self.on_error = on_error
