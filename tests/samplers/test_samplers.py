@@ -463,3 +463,16 @@ def test_an_iteration_holds_its_order_in_a_tensor_not_as_python_ints(make) -> No
         tracemalloc.stop()
     assert held < keys  # under 1 byte a key (a list of the keys: ~36)
     assert [first, *iterator] == expected
+
+
+@pytest.mark.parametrize("weights", [[-1.0, float("nan"), 3.0], [float("nan"), 1.0], [float("inf"), -1.0, 1.0],
+                                     [float("-inf"), 1.0]])
+@pytest.mark.parametrize("num_samples, replacement", [(2, True), (1, True), (2, False)])
+def test_bad_weights_are_refused_with_the_words_torch_uses_for_that_draw(weights: list[float], num_samples: int,
+                                                                        replacement: bool) -> None:
+    # torch.multinomial has two sentences: one drawing several with replacement, one otherwise.
+    with pytest.raises(RuntimeError) as theirs:
+        list(torch.utils.data.WeightedRandomSampler(weights, num_samples, replacement))
+    with pytest.raises(RuntimeError) as mine:
+        ours.WeightedRandomSampler(weights, num_samples, replacement)
+    assert str(mine.value).startswith(str(theirs.value))

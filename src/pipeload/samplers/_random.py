@@ -253,10 +253,8 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
     for problem, where in problems.items():
         if bool(where.any()):
             positions = where.nonzero().flatten().tolist()[:10]
-            raise RuntimeError(
-                "probability tensor contains either `inf`, `nan` or element < 0 (pipeload: "
-                f"invalid weights: {problem}, at positions {positions})"
-            )
+            raise RuntimeError(f"{_multinomials_words(weights, num_samples, replacement)} (pipeload: "
+                               f"invalid weights: {problem}, at positions {positions})")
     if not float(weights.sum()) > 0:
         raise RuntimeError(
             "invalid multinomial distribution (sum of probabilities <= 0) (pipeload: the weights "
@@ -269,6 +267,18 @@ def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -
             f"cannot draw num_samples={num_samples} without replacement from "
             f"{weights.numel()} weights)"
         )
+
+
+def _multinomials_words(weights: torch.Tensor, num_samples: int, replacement: bool) -> str:
+    """What torch.multinomial says of weights that are negative, NaN or infinite: drawing more
+    than one with replacement, it names the first such entry's kind ("< 0" for a NaN too, which
+    fails its ``>= 0`` test first); otherwise one sentence for all."""
+    if not (replacement and num_samples > 1):
+        return "probability tensor contains either `inf`, `nan` or element < 0"
+    first = int((~torch.isfinite(weights) | (weights < 0)).nonzero()[0, 0])
+    if bool(torch.isinf(weights[first])) and float(weights[first]) > 0:
+        return "invalid multinomial distribution (encountering probability entry = infinity or NaN)"
+    return "invalid multinomial distribution (encountering probability entry < 0)"
 
 
 def _digest(values: Any) -> str:
