@@ -21,6 +21,7 @@ import torch
 import torch.utils.data as torch_data
 
 import pipeload
+from pipeload._state_digest import sealed
 from pipeload.errors import IncompatibleStateError
 
 DATA = list(range(11))
@@ -137,13 +138,31 @@ def test_a_torch_sampler_with_other_weights_or_num_samples_refuses_the_state(
 
 
 def test_a_state_without_the_generators_state_loads_with_the_warning_of_before() -> None:
-    # Written before generator states were kept (or for a sampler drawing from torch's global
-    # generator): it loads, and the sampler is iterated again from its start, as then, with the
-    # warning that says what that means.
-    state = _checkpoint(lambda: {"sampler": torch_data.RandomSampler(DATA), "batch_size": 3}, 1, 2)
+    # Written before generator states were kept (the sampler's state None): it loads, and the
+    # sampler is iterated again from its start, as then, with the warning that says what that means.
+    state = _checkpoint(_torch_random, 1, 2)
+    inner = sealed({**state["epoch"]["sampler"], "sampler": None})
+    state = sealed({**state, "epoch": {**state["epoch"], "sampler": inner}})
     loader = pipeload.DataLoader(DATA, **_torch_random())
     with pytest.warns(UserWarning, match="RandomSampler has no state_dict"):
         loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("taken_with, loaded_with", [
+    (lambda: torch_data.SubsetRandomSampler(range(0, 10)), lambda: torch_data.SubsetRandomSampler(range(1, 11))),
+    (lambda: torch_data.WeightedRandomSampler([1.0] * 11, 13), lambda: torch_data.WeightedRandomSampler([2.0] + [1.0] * 10, 13)),
+    (lambda: torch_data.RandomSampler(DATA, replacement=True, num_samples=12),
+     lambda: torch_data.RandomSampler(DATA, replacement=True, num_samples=15)),
+], ids=["subset-indices", "weights", "num_samples"])
+def test_a_torch_sampler_drawing_from_the_global_generator_refuses_a_state_of_another_shape(
+        taken_with: Callable[[], Any], loaded_with: Callable[[], Any]) -> None:
+    # The global generator's state is the loader's: under other indices, weights or num_samples
+    # it drew another order, which the resume took for the one it left (ours refused it).
+    state = _checkpoint(lambda: {"sampler": taken_with(), "batch_size": 3}, 1, 2)
+    with pytest.raises(IncompatibleStateError, match=r"epoch\.sampler\.sampler\.shape should be"):
+        pipeload.DataLoader(DATA, sampler=loaded_with(), batch_size=3).load_state_dict(state)
+    with pytest.warns(UserWarning, match="has no state_dict"):  # its own shape: loads, as before
+        pipeload.DataLoader(DATA, sampler=taken_with(), batch_size=3).load_state_dict(state)
 
 
 def test_ours_of_the_same_name_resumes_a_later_epoch_exactly_with_torchs_draws() -> None:

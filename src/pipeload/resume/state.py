@@ -28,7 +28,7 @@ from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_
 from pipeload.resume.faithful import written
 from pipeload.resume.trial import try_replica_states
 from pipeload.samplers import StatefulSampler, exact_length
-from pipeload.samplers._own_generators import own_generators, read_generators_state, set_generators
+from pipeload.samplers._own_generators import keeps_a_shape, own_generators, read_generators_state, set_generators
 from pipeload.samplers._state import load_users_state
 
 
@@ -250,7 +250,7 @@ def _check_sampler(loader: Any, saved: Any, path: str) -> None:
     sampler = loader._index_sampler
     keeps_one = loader._dataset_kind.label == "map" and callable(getattr(sampler, "state_dict", None))
     name = type(sampler).__name__
-    if loader._dataset_kind.label == "map" and own_generators(sampler):
+    if loader._dataset_kind.label == "map" and keeps_a_shape(sampler):
         if saved is not None:  # None: written before these states were kept (it resumes as then)
             read_generators_state(sampler, saved, path)
         return
@@ -301,7 +301,7 @@ def _load_sampler(loader: Any, saved: Any, path: str) -> None:
     sampler = loader._index_sampler
     if isinstance(sampler, StatefulSampler):
         sampler._load_state_at(saved, path)
-    elif own_generators(sampler):
+    elif keeps_a_shape(sampler):
         set_generators(sampler, read_generators_state(sampler, saved, path))
     else:
         load_users_state(sampler, saved, path)

@@ -14,6 +14,7 @@ from pipeload.samplers._base import Sampler
 from pipeload.samplers._distributed import DistributedSampler
 from pipeload.samplers._own_generators import (
     generators_state,
+    keeps_a_shape,
     own_generators,
     read_generators_state,
     set_generators,
@@ -111,7 +112,7 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         state = fields.raw("sampler", "its sampler's state, or None")
         if state is None or callable(getattr(inner, "load_state_dict", None)):
             return (state, path)
-        if own_generators(inner):
+        if keeps_a_shape(inner):
             return (read_generators_state(inner, state, path), None)
         raise bad_state_field(path, state, f"None ({type(inner).__name__} keeps no state)")
 

@@ -51,12 +51,31 @@ def own_generators(sampler: Any) -> dict[str, torch.Generator]:
     return found
 
 
+def keeps_a_shape(sampler: Any) -> bool:
+    """Whether a checkpoint keeps ``sampler``'s shape (its state, where it keeps none): it has
+    generators of its own, or it is one of torch's random samplers drawing from the global
+    generator (whose state the loader's checkpoint keeps), so that its order is fixed by its
+    parameters and that state: with other indices, weights or ``num_samples`` it resumed another
+    order, silently, where ours and those given ``generator=`` refuse the state."""
+    if sampler is None or callable(getattr(sampler, "state_dict", None)):
+        return False
+    if own_generators(sampler):
+        return True
+    holders = [h for h in (sampler, getattr(sampler, "sampler", None)) if h is not None]
+    return (all(type(h).__module__.startswith("torch.utils.data") for h in holders)
+            and any(getattr(h, name, None) is not None for h in holders for name in _DRAWING))
+
+
+_DRAWING = ("weights", "indices", "num_samples")
+
+
 def generators_state(sampler: Any) -> dict[str, Any] | None:
-    """The states of ``sampler``'s own generators now, and the digest of what else decides its
-    order (:func:`sampler_shape`); None: it has no generator of its own."""
-    generators = own_generators(sampler)
-    if not generators:
+    """The states of ``sampler``'s own generators now (none, for a torch sampler drawing from
+    the global generator: see :func:`keeps_a_shape`), and the digest of what else decides its
+    order (:func:`sampler_shape`); None: its checkpoint keeps nothing of it."""
+    if not keeps_a_shape(sampler):
         return None
+    generators = own_generators(sampler)
     return {"generators": {place: encode_state(g.get_state()) for place, g in generators.items()},
             "shape": sampler_shape(sampler)}
 
@@ -139,7 +158,7 @@ def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torc
         raise bad_state_field(
             fields.name("shape"), shape, repr(sampler_shape(sampler)),
             "the sampler's type, num_samples, replacement, weights or indices differ from the "
-            "checkpoint's: its generator would draw another order")
+            "checkpoint's: the same generator state would draw another order")
     fields.finish()
     return states  # type: ignore[return-value]
 
