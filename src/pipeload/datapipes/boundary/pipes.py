@@ -281,6 +281,8 @@ class _BoundaryIterator(PipeIterator[Any]):
             self._position, self._position_at = item.state, self._taken
             item = item.item
         if type(item) is RaisedUpstream:  # the upstream's error for one item: the run goes on
+            if hasattr(queue, "raised_an_item"):
+                queue.raised_an_item = True  # its slabs go with the run (the error may keep us)
             raise item.exception()
         return item
 

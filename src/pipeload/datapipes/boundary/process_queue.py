@@ -91,6 +91,7 @@ class ProcessQueue(InboxQueue, kind="process"):
         self._inbox = Inbox(self._maxsize, _weakly(self._far_end_name, "the far end"))
         self._link: ProcessLink | None = None
         self._lent_pool: SlabPool | None = None  # see lend_slabs
+        self.raised_an_item = False  # an item's error was raised at this end (ended_in_failure)
         self._lock = threading.Lock()  # connecting and closing take turns
         self._state: dict[str, Any] = {"listener": self._listener, "link": None, "address": self._address,
                                        "pid": self._pid}
@@ -161,10 +162,12 @@ class ProcessQueue(InboxQueue, kind="process"):
 
     @property
     def ended_in_failure(self) -> bool:
-        """Whether the far end died, or closed with an error (a queue boundary then lets go of
-        its slabs: the error may keep the pipe alive for long)."""
+        """Whether the far end died, closed with an error, or an error the far end sent for one
+        item was raised here (a queue boundary then lets go of its slabs when the run ends: the
+        error may keep the pipe alive for long)."""
         ending = self._inbox.ending
-        return ending is not None and (ending.reason == QueueError.DIED or ending.cause is not None)
+        return self.raised_an_item or (
+            ending is not None and (ending.reason == QueueError.DIED or ending.cause is not None))
 
     @property
     def slab_counts(self) -> SlabCounts | None:
