@@ -62,7 +62,7 @@ class Plain:
 
 
 def too_many_workers() -> None:
-    loader = pipeload.DataLoader(range(4), num_workers=CPUS + 1, worker_type="thread")  # warns here
+    loader = pipeload.DataLoader(range(4), num_workers=CPUS + 1)  # warns here (threads would not)
     list(loader)  # warns here (again, as torch does at each epoch)
 
 

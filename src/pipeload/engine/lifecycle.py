@@ -456,12 +456,33 @@ def reap_in_background(workers: Sequence[Any], then: Callable[[], None]) -> None
         finally:
             _REAPING.done()
 
+    for worker in workers:
+        _one_poll_at_a_time(worker)
     _REAPING.started()
     try:
         _thread.start_new_thread(reap, ())
     except BaseException:
         _REAPING.done()
         raise
+
+
+def _one_poll_at_a_time(worker: Any) -> None:
+    """Make the process handle's status reads take turns: a training loop that joins the
+    handles itself (torch's ``iterator._workers``) while the reaping thread does would lose the
+    race for the exit status (its ``waitpid`` answers "no such child"), and ``is_alive()`` then
+    said True of a process already gone, until the other thread stored what it read."""
+    popen = getattr(worker, "_popen", None)
+    poll = getattr(popen, "poll", None)
+    if poll is None or getattr(poll, "takes_turns", False):
+        return
+    turn = threading.Lock()
+
+    def poll_in_turn(flag: int = os.WNOHANG) -> int | None:
+        with turn:
+            return poll(flag)
+
+    poll_in_turn.takes_turns = True  # type: ignore[attr-defined]
+    popen.poll = poll_in_turn
 
 
 class _Reaping:
