@@ -162,3 +162,18 @@ def test_a_dataset_that_grew_since_the_sampler_was_made_fails_as_torchs(shuffle:
         grown(torch.utils.data.DistributedSampler)
     with pytest.raises(AssertionError, match=re.escape(str(theirs.value)) + r" \(pipeload: the dataset has 13 samples now"):
         grown(pipeload.DistributedSampler)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_dataset_that_shrank_since_the_sampler_was_made_fails_as_torchs_with_drop_last(shuffle: bool) -> None:
+    # The ranks got unequal counts (rank 0 two indices where len() said three), without a word.
+    def shrunk(cls: type) -> list[int]:
+        data = list(range(10))
+        sampler = cls(data, num_replicas=3, rank=0, shuffle=shuffle, drop_last=True)
+        del data[5:]
+        return list(sampler)
+
+    with pytest.raises(AssertionError, match=r"Number of indices \(5\) does not match total_size \(9\)") as theirs:
+        shrunk(torch.utils.data.DistributedSampler)
+    with pytest.raises(AssertionError, match=re.escape(str(theirs.value)) + r" \(pipeload: the dataset has 5 samples now"):
+        shrunk(pipeload.DistributedSampler)

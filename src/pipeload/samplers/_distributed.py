@@ -110,6 +110,11 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
             order = torch.arange(size)
         if self.drop_last:
             order = order[: self.total_size]
+            if len(order) < self.total_size:  # it shrank: the ranks would get unequal counts
+                raise AssertionError(
+                    f"Number of indices ({len(order)}) does not match total_size ({self.total_size}) "
+                    f"(pipeload: the dataset has {size} samples now, {self.total_size} or more when "
+                    "this sampler was made: make the sampler again after the dataset changes)")
         elif self.total_size > len(order):
             missing = self.total_size - len(order)
             order = torch.cat([order, order.repeat(math.ceil(missing / len(order)))[:missing]])
