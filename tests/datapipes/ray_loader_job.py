@@ -6,7 +6,7 @@ runs here, in a process that never touched Ray, and forks its DataLoader workers
 job would; they join the cluster named by ``RAY_ADDRESS``. Exits non-zero (an AssertionError)
 when a check fails.
 
-    python ray_loader_job.py same-batches-and-resume | ranks | random-streams
+    python ray_loader_job.py same-batches-and-resume | ranks | random-streams | spawned-workers
 """
 
 from __future__ import annotations
@@ -99,7 +99,20 @@ def random_streams() -> None:
         assert len({values[generator] for values in every}) == 16, every
 
 
+def spawned_workers() -> None:
+    """Spawned workers (as a process connected to Ray must use) with a function of this script
+    in the graph: in a spawned worker the script is ``__mp_main__``, which no actor can import;
+    every actor failed with "Can't get attribute 'square'" where num_workers=0 worked."""
+    torch.manual_seed(0)
+    expected = batches(pipeload.DataLoader(graph(ray=False), batch_size=4, num_workers=2,
+                                           multiprocessing_context="spawn"))
+    torch.manual_seed(0)
+    got = batches(pipeload.DataLoader(graph(ray=True), batch_size=4, num_workers=2,
+                                      multiprocessing_context="spawn"))
+    assert got == expected, (got, expected)
+
+
 if __name__ == "__main__":
     {"same-batches-and-resume": same_batches_and_resume, "ranks": ranks,
-     "random-streams": random_streams}[sys.argv[1]]()
+     "random-streams": random_streams, "spawned-workers": spawned_workers}[sys.argv[1]]()
     print("ok")

@@ -6,6 +6,7 @@ Every test ends with no actor process and no object of ours left in the store
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -184,6 +185,9 @@ def odd_tensors(x: int) -> dict:
         "sparse": (dense * (dense > 1)).to_sparse(),
         "requires_grad": dense.clone().requires_grad_(),
         "plain": dense,
+        # Came back in the standard layout, and as 16 MB of bytes, until stop 44:
+        "channels_last": torch.randn(2, 16, 16, 16, generator=g).to(memory_format=torch.channels_last),
+        "expanded": torch.zeros(1).expand(1 << 20),
     }
 
 
@@ -208,7 +212,21 @@ def test_tensors_whose_bytes_do_not_say_all_arrive_as_they_were_made(clean):
                 assert torch.equal(got.detach().resolve_conj().resolve_neg(),
                                    made.detach().resolve_conj().resolve_neg()), name
         assert item["subclass"].tag == f"item {x}"
+        assert item["channels_last"].stride() == odd_tensors(x)["channels_last"].stride()
+        assert item["expanded"].untyped_storage().nbytes() == 4
     del items
+
+
+def with_defaults(x: int) -> collections.defaultdict:
+    """A defaultdict beside a tensor large enough to travel apart: it came back a plain dict."""
+    return collections.defaultdict(int, {"pixels": torch.full((64, 128), float(x)), "small": collections.defaultdict(list)})
+
+
+def test_mappings_of_other_classes_arrive_with_their_class_and_default(clean):
+    item, = IterableWrapper([3]).sharding_filter().map(with_defaults).queue_boundary("ray", 2)
+    assert type(item) is collections.defaultdict and item["missing"] == 0
+    assert type(item["small"]) is collections.defaultdict and item["small"]["missing"] == []
+    assert torch.equal(item["pixels"], torch.full((64, 128), 3.0))
 
 
 def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
@@ -441,6 +459,42 @@ def test_actors_that_cannot_fit_the_cluster_are_said_at_once_with_the_numbers(cl
                                          r"the cluster has 2 now\. The actors beyond what fits wait"):
         with pytest.raises(TimeoutError, match="did not start within 2 s"):
             list(boundary)
+
+
+def test_the_actors_of_every_dataloader_worker_are_counted_against_the_cluster(clean):
+    # Each worker's graph has its own actors, all needed at once (the workers take turns batch
+    # by batch): 2 workers x 2 actors of 1 CPU on 2 CPUs waited start_timeout_s with no word.
+    import pipeload
+
+    boundary = (IterableWrapper(range(8)).sharding_filter()
+                .queue_boundary("ray", 4, num_actors=2, num_cpus=1, start_timeout_s=2))
+    loader = pipeload.DataLoader(boundary, batch_size=2, num_workers=2, worker_type="thread")
+    with pytest.warns(UserWarning, match=r"asks for 4 actors \(2 for each of the 2 DataLoader workers, "
+                                         r"whose actors all run at once.*4 x 1 CPU = 4, the cluster has 2"):
+        with pytest.raises(TimeoutError, match="did not start within 2 s"):
+            list(loader)
+    del loader
+
+
+@pytest.mark.slow  # starts a Ray cluster of its own (~7 s)
+def test_ray_shut_down_while_a_boundary_waits_is_an_error_not_a_hang():
+    # The replies asked for never came, and the loop waited for good.
+    started = time.monotonic()
+    done = _run_python(
+        "import threading, time, ray\n"
+        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "from pipeload.datapipes.iter import IterableWrapper\n"
+        "def slow(x):\n"
+        "    time.sleep(0.5)\n"
+        "    return x\n"
+        "it = iter(IterableWrapper(range(100)).map(slow).queue_boundary('ray', 2, num_actors=1, num_cpus=0.5))\n"
+        "next(it)\n"
+        "threading.Timer(0.2, ray.shutdown).start()\n"
+        "list(it)"
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: Ray actor 0 of 1") and "Ray was shut down in this process" in last, done.stderr[-3000:]
+    assert time.monotonic() - started < 50
 
 
 @pytest.mark.slow  # starts a Ray cluster of its own (~7 s); the warning above runs the same check

@@ -48,3 +48,7 @@ def test_ranks_workers_and_actors_each_get_their_share(cluster_address):
 
 def test_the_actors_of_each_rank_and_worker_draw_their_own_random_values_again_for_the_same_seed(cluster_address):
     run_job("random-streams", cluster_address)
+
+
+def test_spawned_workers_send_the_scripts_own_functions_to_the_actors(cluster_address):
+    run_job("spawned-workers", cluster_address)

@@ -114,7 +114,10 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
     try:
         ray.init(address=address, **init_options)
     except ConnectionError as error:
-        raise ConnectionError(f"could not join the Ray cluster at {named}: {error}") from None
+        # The cause Ray chained (a refused auth token, a version mismatch) is what to act on.
+        cause = error.__cause__ or error.__context__
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        raise ConnectionError(f"could not join the Ray cluster at {named}: {error}{why}") from error
     _connected_here = True
     _started_here = address is None
     return ray
@@ -124,8 +127,11 @@ def connect(address: str | None, init_options: dict[str, Any]) -> Any:
 _RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
 
 
-def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], start_timeout_s: float) -> None:
-    """Say at once when ``num_actors`` actors with ``actor_options`` ask for more of a resource
+def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], start_timeout_s: float,
+                     copies: int = 1) -> None:
+    """Say at once when ``num_actors`` actors with ``actor_options``, for each of ``copies``
+    copies of the graph that run at once on this cluster (a rank's DataLoader workers, which
+    take turns batch by batch, so all their actors must be placed), ask for more of a resource
     than the whole cluster has (only what the options name: an actor that names none needs a CPU
     to be placed, not one each). Such actors would wait for ``start_timeout_s`` and fail.
 
@@ -143,18 +149,21 @@ def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], s
         total = ray.cluster_resources()
     except Exception:  # a client connection, or an old Ray: Ray's own wait says it later
         return
-    short = [f"{num_actors} x {amount:g} {name} = {num_actors * amount:g}, the cluster has "
+    actors = num_actors * copies
+    short = [f"{actors} x {amount:g} {name} = {actors * amount:g}, the cluster has "
              f"{total.get(name, 0):g}" for name, amount in asked.items()
-             if num_actors * amount > total.get(name, 0) + 1e-9]
+             if actors * amount > total.get(name, 0) + 1e-9]
     if not short:
         return
-    what = (f"queue_boundary('ray') asks for {num_actors} actor{'s' * (num_actors != 1)} with "
+    each = (f" ({num_actors} for each of the {copies} DataLoader workers, whose actors all run at "
+            "once: the workers take turns batch by batch)") if copies > 1 else ""
+    what = (f"queue_boundary('ray') asks for {actors} actor{'s' * (actors != 1)}{each} with "
             f"{_named(actor_options)}: "
             f"{'; '.join(short)}")
     if _started_here and not _forked_from_driver:
         raise ValueError(
             f"{what}. This process started (or found) that local cluster with ray.init() and it "
-            "cannot grow: give fewer actors (num_actors) or ask less of each, start it larger "
+            "cannot grow: give fewer actors (num_actors) or workers, or ask less of each, start it larger "
             "(init_options=), or join a larger cluster (address= or RAY_ADDRESS)"
         )
     warnings.warn(

@@ -213,6 +213,7 @@ class Lane:
         """The actor died (or lost its run) while ``doing``: begin again on the restarted actor
         when restarts are allowed, else raise an error naming it and what it was doing."""
         self._owner.failed()
+        self._owner.check_connected(self)  # Ray shut down here: said so, not as a death
         if error is not None and not _is_actor_loss(error):
             raise self._failed_in_ray(doing, error) from error
         allowed = self._owner.restarts_allowed

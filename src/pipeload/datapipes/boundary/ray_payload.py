@@ -13,6 +13,7 @@ it is writable (the store maps it read-write), so a training loop may change it 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, NamedTuple
 
@@ -32,18 +33,44 @@ class TensorBytes(NamedTuple):
     shape: tuple[int, ...]
 
 
-def pack(item: Any, depth: int = 0) -> tuple[Any, bool]:
+def pack(item: Any) -> tuple[Any, bool]:
     """``item`` with its large CPU tensors (inside lists, tuples and dicts, a few levels deep)
-    replaced by :class:`TensorBytes`; and whether anything was replaced (else ``item`` itself)."""
+    replaced by :class:`TensorBytes`; and whether anything was replaced (else ``item`` itself).
+    A tensor that shares its storage with another in the item stays for Ray's pickle, which
+    keeps them one storage, as torch's does."""
+    counts: dict[int, int] = {}
+    _count_storages(item, counts, 0)
+    shared = {pointer for pointer, count in counts.items() if count > 1}
+    return _packed(item, 0, shared)
+
+
+def _count_storages(item: Any, counts: dict[int, int], depth: int) -> None:
     if isinstance(item, torch.Tensor):
-        if not _plain_bytes(item) or item.nbytes < PACK_MIN_BYTES:
+        if item.layout is torch.strided and item.device.type == "cpu":
+            pointer = item.untyped_storage().data_ptr()
+            counts[pointer] = counts.get(pointer, 0) + 1
+        return
+    if depth >= MAX_DEPTH:
+        return
+    if isinstance(item, (list, tuple)) and len(item) <= MAX_ITEMS_WALKED:
+        for part in item:
+            _count_storages(part, counts, depth + 1)
+    elif isinstance(item, dict) and len(item) <= MAX_ITEMS_WALKED:
+        for value in item.values():
+            _count_storages(value, counts, depth + 1)
+
+
+def _packed(item: Any, depth: int, shared: set[int]) -> tuple[Any, bool]:
+    if isinstance(item, torch.Tensor):
+        if (not _plain_bytes(item) or item.nbytes < PACK_MIN_BYTES
+                or item.untyped_storage().data_ptr() in shared):
             return item, False
         flat = item.contiguous().reshape(-1)  # a copy only when it is not contiguous already
         return TensorBytes(flat.view(torch.uint8).numpy(), item.dtype, tuple(item.shape)), True
     if depth >= MAX_DEPTH:
         return item, False
     if isinstance(item, (list, tuple)) and len(item) <= MAX_ITEMS_WALKED:
-        parts = [pack(part, depth + 1) for part in item]
+        parts = [_packed(part, depth + 1, shared) for part in item]
         if not any(changed for _, changed in parts):
             return item, False
         values = [value for value, _ in parts]
@@ -51,7 +78,7 @@ def pack(item: Any, depth: int = 0) -> tuple[Any, bool]:
             return values, True
         return (type(item)(*values) if hasattr(item, "_fields") else type(item)(values)), True
     if isinstance(item, dict) and len(item) <= MAX_ITEMS_WALKED:
-        packed = {key: pack(value, depth + 1) for key, value in item.items()}
+        packed = {key: _packed(value, depth + 1, shared) for key, value in item.items()}
         if not any(changed for _, changed in packed.values()):
             return item, False
         return _same_mapping(item, {key: value for key, (value, _) in packed.items()}), True
@@ -66,14 +93,28 @@ def _plain_bytes(tensor: torch.Tensor) -> bool:
     Ray's pickle whole, as torch pickles them."""
     return (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device.type == "cpu"
             and not tensor.requires_grad and not tensor.is_quantized and not tensor.is_nested
-            and not tensor.is_conj() and not tensor.is_neg())
+            and not tensor.is_conj() and not tensor.is_neg() and _whole_and_dense(tensor))
+
+
+def _whole_and_dense(tensor: torch.Tensor) -> bool:
+    """Contiguous in the standard layout, over its whole storage: the bytes sent are the
+    tensor. A channels-last tensor came back in the standard layout, and an expanded one (4
+    bytes of storage seen as 16 MB) was sent as 16 MB; a view into a larger storage is left to
+    torch's pickle too, as the rest of its storage is what its pickle carries."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.nbytes)
 
 
 def _same_mapping(original: dict[Any, Any], values: dict[Any, Any]) -> dict[Any, Any]:
+    """A mapping of ``original``'s class and attributes (a ``defaultdict``'s factory, which
+    its class cannot be called without) holding ``values``."""
     if type(original) is dict:
         return values
     try:
-        return type(original)(values)
+        same = copy.copy(original)
+        same.clear()
+        same.update(values)
+        return same
     except Exception:
         return values
 

@@ -20,6 +20,7 @@ dropped, so every item is handed out exactly once.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.boundary.seeds import Replica, run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
+from pipeload.engine.worker_info import get_worker_info
 from pipeload.errors import IncompatibleStateError, bad_state_field
 from pipeload.stats.report import RayStageStats
 
@@ -90,7 +92,8 @@ class RayUpstream:
         self._seed = run_seed(upstream_pipe, options.replica)
         share = max(1, capacity // options.num_actors)
         chunk = min(options.chunk_size or max(1, share // 2), share)
-        check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s)
+        check_actors_fit(self._ray, options.num_actors, dict(options.actor_options), options.start_timeout_s,
+                         _copies_on_this_cluster())
         handles = pool.take(self._ray, options.num_actors) if pool is not None else []
         pooled = len(handles)
         handles += [self._made_actor() for _ in range(options.num_actors - pooled)]
@@ -122,6 +125,7 @@ class RayUpstream:
             except NotAvailable:
                 if self._waiting_since is None:
                     self._waiting_since = time.perf_counter()
+                self.check_connected(lane)
                 raise
             except ShardEnded:
                 del self._active[self._turn]
@@ -137,8 +141,19 @@ class RayUpstream:
             return item
         raise StopIteration
 
+    def check_connected(self, lane: Lane) -> None:
+        """Raise when Ray was shut down in this process while ``lane`` waited: the replies asked
+        for never came then, and the loop waited for good; or they failed as the actors' deaths,
+        which is not what happened (a cluster stopped from outside is a death the lane sees)."""
+        if self._ray.is_initialized():
+            return
+        self.failed()
+        raise RuntimeError(f"{lane.describe()}: Ray was shut down in this process (ray.shutdown()) "
+                           f"while {self.name} waited for its items; the run cannot go on")
+
     def _start(self) -> None:
         self._started = True
+        _send_the_scripts_functions_by_value(self._ray)
         try:
             self._graph_ref = self._ray.put(self._pipe)
         except Exception as error:
@@ -264,3 +279,27 @@ class RayUpstream:
         self._graph_ref = None
         for lane in self._lanes:
             lane.let_go()
+
+
+def _copies_on_this_cluster() -> int:
+    """The copies of the graph whose actors run at once on this rank's cluster: its DataLoader
+    workers (one without workers: this process's own copy). Other ranks may have clusters of
+    their own, so they are not counted."""
+    info = get_worker_info()
+    return max(1, info.num_workers) if info is not None else 1
+
+
+def _send_the_scripts_functions_by_value(ray: Any) -> None:
+    """In a spawned DataLoader worker the training script is ``__mp_main__``, which Ray's
+    pickler sends by reference, and no actor can import it: every actor failed with "Can't get
+    attribute 'square' on <module '__main__'>" where the same graph ran without workers (the
+    script as ``__main__`` is sent by value). Sent by value from here too."""
+    script = sys.modules.get("__mp_main__")
+    if script is None or getattr(script, "__name__", None) != "__mp_main__":
+        return  # not a spawned process (or the parent's main module under both names)
+    register = getattr(getattr(ray, "cloudpickle", None), "register_pickle_by_value", None)
+    if register is not None:
+        try:
+            register(script)
+        except ValueError:
+            pass  # registered already (an earlier run in this worker)
