@@ -776,3 +776,32 @@ def test_samples_in_a_pipe_state_come_back_as_they_were_through_json(num_workers
     resumed = loader()
     resumed.load_state_dict(state)
     assert head + list(resumed) == expected
+
+
+class KeepsItsOwnState(pipeload.Dataset):
+    """A map-style dataset with a state of its own (an RNG for its transforms, say)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def state_dict(self) -> dict[str, int]:
+        return {"draws": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_a_map_style_datasets_own_state_left_out_of_the_checkpoint_is_said_once() -> None:
+    # torchdata's StatefulDataLoader keeps it per worker; here it was left out without a word.
+    loader = pipeload.DataLoader(KeepsItsOwnState(), batch_size=2)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.warns(UserWarning, match=r"KeepsItsOwnState has a state_dict\(\) of its own, which this "
+                                         r"checkpoint does not keep") as caught:
+        loader.state_dict()
+        loader.state_dict()
+    assert len([w for w in caught if "of its own" in str(w.message)]) == 1
+    assert caught[0].filename == __file__

@@ -114,6 +114,7 @@ def _sharding_filters(dataset: Any) -> list[Any]:
 def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress | None,
                 session: tuple[int, int] | None) -> dict[str, Any]:
     """The JSON-serialisable checkpoint of ``loader`` now."""
+    _warn_if_a_map_datasets_state_is_left_out(loader)
     state: dict[str, Any] = {"format": FORMAT, "version": VERSION, "config": config_of(loader),
                              "worker_seeding": loader.worker_seeding, "mode": loader.mode}
     if record is not None and progress is not None and not progress.ended:
@@ -323,6 +324,25 @@ def _warn_if_replicas_start_over(loader: Any, positions: dict[int, StreamPositio
             "without re-reading.",
             stacklevel=first_frame_outside_pipeload(),  # the caller of load_state_dict
         )
+
+
+def _warn_if_a_map_datasets_state_is_left_out(loader: Any) -> None:
+    """A map-style dataset with a ``state_dict()`` of its own (an RNG it keeps for its
+    transforms, say) is not in the checkpoint: its copies live in the workers, one per worker,
+    and resuming rebuilds the batches from the sampler's keys alone. torchdata's
+    StatefulDataLoader keeps each worker's; said once per loader rather than left out silently."""
+    dataset = loader.dataset
+    if (loader._dataset_kind.label != "map" or not callable(getattr(dataset, "state_dict", None))
+            or getattr(loader, "_warned_dataset_state", False)):
+        return
+    loader._warned_dataset_state = True
+    warnings.warn(
+        f"{type(dataset).__name__} has a state_dict() of its own, which this checkpoint does not "
+        "keep: pipeload resumes a map-style dataset from the sampler's keys alone (torchdata's "
+        "StatefulDataLoader keeps each worker's copy). Keep what it holds with your own checkpoint, "
+        "or draw its random values from the generators pipeload seeds (worker_seeding='per_batch')",
+        stacklevel=first_frame_outside_pipeload(),  # the caller of state_dict
+    )
 
 
 def _warn_if_sampler_cannot_resume(loader: Any, saved: Any) -> None:
