@@ -96,6 +96,8 @@ class EconomicConfig:
             has handed out is then a set, which the loader's checkpoints record.
         slab_keeper: the loader's ``SlabKeeper``, which keeps its slab pool and the budget's
             pace between the sets of workers it starts (None: the pool is the engine's own).
+        stop_when_done: this engine serves one epoch (no persistent workers): once it has
+            handed out the epoch's last batch, its workers are reaped beside the loop.
     """
 
     setup: EconomicSetup
@@ -109,6 +111,7 @@ class EconomicConfig:
     pin_slabs: bool = False
     numbered: bool = False
     slab_keeper: SlabKeeper | None = None
+    stop_when_done: bool = False
 
 
 class EconomicLaunch:
@@ -295,8 +298,13 @@ class EconomicEngine:
         when its turn comes, and the next call goes on with the following batch; a timeout leaves
         everything as it was; anything else (a dead worker, Ctrl-C) closes the engine first.
         """
-        return hand_out(self._next_report, self.close, self._supply, self._numbered,
-                        self._workers.mark_failed)
+        try:
+            return hand_out(self._next_report, self.close, self._supply, self._numbered,
+                            self._workers.mark_failed)
+        except StopIteration:
+            if self._config.stop_when_done:  # this set ends with the epoch: see WorkerGroup
+                self._workers.all_answered()
+            raise
 
     def close(self) -> None:
         if self._keeper is not None and not self.closed:

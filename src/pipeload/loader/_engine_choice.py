@@ -159,7 +159,7 @@ def _batch_sizes(loader: Any) -> Any:
 
 def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
     setup = EconomicSetup(_worker_setup(loader, spec, base_seed, replica_setup), loader.num_batch_workers)  # type: ignore[arg-type]
-    return EconomicConfig(setup=setup, **_engine_settings(loader))
+    return EconomicConfig(setup=setup, stop_when_done=not loader.persistent_workers, **_engine_settings(loader))
 
 def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
     return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup),
