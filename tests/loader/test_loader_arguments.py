@@ -601,7 +601,7 @@ def test_a_function_argument_that_is_not_callable_is_refused_when_the_loader_is_
     ("timeout", -2, ValueError, "timeout option should be non-negative"),
     ("generator", 3, TypeError, "generator should be a torch.Generator or None"),
     ("worker_type", "fiber", ValueError, "worker_type should be one of"),
-    ("in_order", "yes", TypeError, "in_order should be True or False"),
+    ("num_workers", "auto", ValueError, "num_workers='auto' is given when the DataLoader is made"),
     ("max_shm_bytes", -1, ValueError, "max_shm_bytes should be a positive number of bytes"),
     ("worker_init_fn", 3, TypeError, "'int' object is not callable: worker_init_fn should be a function"),
 ])
@@ -621,4 +621,11 @@ def test_settings_assigned_after_construction_load_every_batch() -> None:
     batches = [batch[0].tolist() for batch in loader]  # workers, with torch's default prefetch
     assert batches == [[0, 1], [2, 3], [4, 5]] and loader.prefetch_factor == 2
     loader.prefetch_factor = 1
+    loader.in_order = 0  # what the constructor takes, too
     assert [batch[0].tolist() for batch in loader] == batches
+
+
+def test_workers_set_to_none_after_construction_load_in_this_process_as_torchs_do() -> None:
+    loader = pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=2, persistent_workers=True)
+    loader.num_workers = 0
+    assert [batch[0].tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5]]

@@ -39,3 +39,16 @@ def test_torch_save_gives_them_back_too_and_keeps_what_it_keeps() -> None:
 def test_plain_json_data_is_written_as_it_is() -> None:
     plain = {"a": [1, 2, {"b": None}], "c": "d"}
     assert written(plain) == plain and read_back(plain) == plain
+
+
+def test_subclasses_that_torch_save_keeps_are_given_back_untouched() -> None:
+    # Rebuilt as plain dicts, a resumed defaultdict raised KeyError.
+    sample = {"counts": collections.defaultdict(int, {"a": 1}), "order": collections.OrderedDict(b=2),
+              "seen": collections.Counter("aab")}
+    buffer = io.BytesIO()
+    torch.save(written(sample), buffer)
+    buffer.seek(0)
+    back = read_back(torch.load(buffer, weights_only=False))
+    assert back == sample
+    assert type(back["order"]) is collections.OrderedDict and type(back["seen"]) is collections.Counter
+    assert type(back["counts"]) is collections.defaultdict and back["counts"]["missing"] == 0

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import io
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import reprlib
@@ -37,6 +38,7 @@ from pipeload.errors import WorkerDiedError, worker_died_message
 JOIN_GRACE_S = 0.5
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
+POLL_SLICE_S = 0.1  # a blocking status read looks again this often (see _one_poll_at_a_time)
 # The longest a background reap takes (its escalation), and a margin for the thread to run.
 REAPED_WITHIN_S = JOIN_GRACE_S + TERMINATE_GRACE_S + KILL_GRACE_S + 0.5
 PARENT_CHECK_INTERVAL_S = 0.2
@@ -473,13 +475,21 @@ def _one_poll_at_a_time(worker: Any) -> None:
     said True of a process already gone, until the other thread stored what it read."""
     popen = getattr(worker, "_popen", None)
     poll = getattr(popen, "poll", None)
-    if poll is None or getattr(poll, "takes_turns", False):
+    sentinel = getattr(popen, "sentinel", None)
+    if poll is None or sentinel is None or getattr(poll, "takes_turns", False):
         return
     turn = threading.Lock()
 
     def poll_in_turn(flag: int = os.WNOHANG) -> int | None:
-        with turn:
-            return poll(flag)
+        # A blocking read (``join()`` without a timeout) waits for the exit outside the turn:
+        # held across that wait, the turn kept the reaping thread from ever terminating a
+        # worker that did not leave when asked.
+        while True:
+            with turn:
+                status = poll(os.WNOHANG)
+            if status is not None or flag == os.WNOHANG:
+                return status
+            multiprocessing.connection.wait([sentinel], POLL_SLICE_S)
 
     poll_in_turn.takes_turns = True  # type: ignore[attr-defined]
     popen.poll = poll_in_turn

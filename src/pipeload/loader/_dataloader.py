@@ -50,7 +50,7 @@ _FROZEN_AFTER_INIT = frozenset(
 )
 # Settable after construction, as in torch, and checked when set (``_checked_setting``).
 _CHECKED_WHEN_SET = frozenset(
-    {"num_workers", "prefetch_factor", "timeout", "worker_type", "in_order", "max_shm_bytes", "generator",
+    {"num_workers", "prefetch_factor", "timeout", "worker_type", "max_shm_bytes", "generator",
      "collate_fn", "worker_init_fn"}
 )
 
@@ -249,6 +249,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         """A setting torch lets one assign after construction, checked (and normalised) as the
         constructor does: a ``prefetch_factor`` of 0 set later ended every epoch after its first
         batch, silently; torch's iterator refuses it when the epoch starts."""
+        if name in ("num_workers", "prefetch_factor") and isinstance(value, str) and value == arguments.AUTO:
+            raise ValueError(f"{name}='auto' is given when the DataLoader is made (its tuner starts with "
+                             f"the first epoch); after that, set a number, but got {name}={value!r}")
         if name == "num_workers":
             return arguments.resolve_num_workers(value)
         if name == "prefetch_factor":
@@ -257,8 +260,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
             return arguments.resolve_timeout(value)
         if name == "worker_type":
             arguments.check_worker_options(1, False, value, None)
-        elif name == "in_order" and not isinstance(value, bool):
-            raise TypeError(f"in_order should be True or False, but got in_order={value!r}")
         elif name == "max_shm_bytes":
             arguments.check_max_shm_bytes(value)
         elif name == "generator":
@@ -380,8 +381,10 @@ class DataLoader(torch_data.DataLoader[T_co]):
             self.prefetch_factor = 2
         if self.collate_fn is None:  # the constructor's default, not a None to call
             self.collate_fn = default_collate if self.batch_sampler is not None else default_convert
+        # persistent_workers with num_workers set to 0 since: the epoch runs in this process, as
+        # torch's does (refused only when both are given to the constructor, as by torch).
         context = self.multiprocessing_context if self.worker_type == "process" else None
-        arguments.check_worker_options(self.num_workers, self.persistent_workers, self.worker_type, context)
+        arguments.check_worker_options(self.num_workers, False, self.worker_type, context)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.

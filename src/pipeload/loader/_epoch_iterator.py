@@ -15,6 +15,7 @@ from typing import Any
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
 from pipeload.stats.clock import now, profiling, span
@@ -128,6 +129,12 @@ class _EpochIterator:
 
     @property
     def _workers(self) -> list[Any]:
+        """The engine's worker handles (torch's attribute). After an epoch without persistent
+        workers, once they are reaped: torch's are joined at ``StopIteration``, and code written
+        for it reads them there (``exitcode`` 0, not alive); ours are reaped beside the loop
+        (``reap_in_background``), so looking at them waits for that, a few milliseconds."""
+        if self._ended and self._owns_engine:
+            wait_for_reaped(REAPED_WITHIN_S)
         return self._engine.workers
 
     @property

@@ -12,8 +12,8 @@ keeps, and read back as they were:
   ``{"pipeload:pairs": [[key, value], ...]}``.
 
 Everything else is left as it is: lists, text-keyed dicts and scalars are what JSON keeps; a
-tuple's subclass (a namedtuple) is left to ``torch.save``, which keeps it (JSON cannot). Plain
-data only, so loading runs no code.
+subclass (a namedtuple, a ``defaultdict``, an ``OrderedDict``) is left to ``torch.save``, which
+keeps it (JSON cannot), and is given back untouched. Plain data only, so loading runs no code.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def written(value: Any) -> Any:
 
 def read_back(value: Any) -> Any:
     """What :func:`written` was given, from what it wrote (after JSON or ``torch.save``)."""
-    if isinstance(value, list):
+    # Exact types only, as written() converts: a defaultdict, OrderedDict or Counter that
+    # torch.save kept is given back as it is (rebuilt as a dict, a defaultdict raised KeyError).
+    if type(value) is list:
         return [read_back(item) for item in value]
-    if isinstance(value, dict):
+    if type(value) is dict:
         if len(value) == 1 and isinstance(value.get(TUPLE), list):
             return tuple(read_back(item) for item in value[TUPLE])
         pairs = value.get(PAIRS) if len(value) == 1 else None

@@ -36,8 +36,10 @@ class TensorBytes(NamedTuple):
 def pack(item: Any) -> tuple[Any, bool]:
     """``item`` with its large CPU tensors (inside lists, tuples and dicts, a few levels deep)
     replaced by :class:`TensorBytes`; and whether anything was replaced (else ``item`` itself).
-    A tensor that shares its storage with another in the item stays for Ray's pickle, which
-    keeps them one storage, as torch's does."""
+    A tensor that shares its storage with another found in those containers stays for Ray's
+    pickle (which keeps one tensor referenced twice as one; views of one storage it sends
+    apart too). One also referenced from inside another object (an attribute) is not seen
+    there, and arrives as two copies."""
     counts: dict[int, int] = {}
     _count_storages(item, counts, 0)
     shared = {pointer for pointer, count in counts.items() if count > 1}
