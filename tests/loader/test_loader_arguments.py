@@ -621,7 +621,7 @@ def test_settings_assigned_after_construction_load_every_batch() -> None:
     batches = [batch[0].tolist() for batch in loader]  # workers, with torch's default prefetch
     assert batches == [[0, 1], [2, 3], [4, 5]] and loader.prefetch_factor == 2
     loader.prefetch_factor = 1
-    loader.in_order = 0  # what the constructor takes, too
+    loader.in_order = np.True_  # what the constructor takes, too
     assert [batch[0].tolist() for batch in loader] == batches
 
 
