@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 from conftest import pid_gone, wait_until
@@ -252,3 +253,26 @@ def test_thread_worker_handles():
     for handle in handles:
         handle.join(1.0)
         assert not handle.is_alive() and handle.exitcode == 0
+
+
+def _stuck_at_exit(_worker_id: int) -> None:
+    """Makes this worker stay when asked to stop (as a C extension's teardown can)."""
+    import pipeload.engine.worker_main as worker_main
+
+    worker_main.exit_now = lambda: time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_joining_the_handles_of_a_worker_stuck_at_exit_ends_in_its_termination(leak_guard):
+    # The finished epoch's workers are reaped beside the loop; a blocking join() of the
+    # handles held their status reads' turn and kept the reaper from terminating the worker.
+    loader = DataLoader(Numbers(8), batch_size=2, num_workers=2, multiprocessing_context="fork",
+                        worker_init_fn=_stuck_at_exit)
+    iterator = iter(loader)
+    assert len(list(iterator)) == 4
+    started = time.monotonic()
+    for handle in iterator._workers:
+        handle.join()
+    assert [h.exitcode for h in iterator._workers] == [-signal.SIGTERM] * 2
+    assert time.monotonic() - started < 10
+    del iterator, loader  # the loader keeps its slabs until it goes
