@@ -229,14 +229,16 @@ def test_mappings_of_other_classes_arrive_with_their_class_and_default(clean):
     assert torch.equal(item["pixels"], torch.full((64, 128), 3.0))
 
 
-def test_an_upstream_exception_arrives_after_the_items_before_it(clean):
+def test_an_upstream_exception_arrives_in_its_place_and_the_run_goes_on(clean):
+    # As across a thread or process boundary: the run ended there, and the other actors' items
+    # of the epoch were lost (36 of 100 samples in a loop that caught the error and went on).
     iterator = iter(IterableWrapper(range(20)).sharding_filter().map(fail_at_7).queue_boundary("ray", 4, num_actors=2))
-    got = []
+    got = [next(iterator) for _ in range(7)]
     with pytest.raises(ValueError, match="bad item 7") as raised:
-        for item in iterator:
-            got.append(item)
+        next(iterator)
     assert got == [0, 1, 2, 3, 4, 5, 6]
     assert "Ray actor 1 of 2" in str(raised.value) and "fail_at_7" in str(raised.value)
+    assert list(iterator) == list(range(8, 20))
 
 
 
@@ -244,7 +246,7 @@ def a_lock(x: int) -> threading.Lock:
     return threading.Lock()
 
 
-@pytest.mark.slow  # an actor's failure is named in test_an_upstream_exception_arrives_after_the_items_before_it
+@pytest.mark.slow  # an actor's failure is named in test_an_upstream_exception_arrives_in_its_place_and_the_run_goes_on
 def test_an_item_ray_cannot_pickle_is_a_type_error_naming_the_actor_as_across_a_process(clean):
     # The process boundary says the same: TypeError: cannot pickle '_thread.lock' object.
     with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object") as raised:
@@ -481,7 +483,7 @@ def test_ray_shut_down_while_a_boundary_waits_is_an_error_not_a_hang():
     # The replies asked for never came, and the loop waited for good.
     started = time.monotonic()
     done = _run_python(
-        "import threading, time, ray\n"
+        "import time, ray\n"
         "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
         "from pipeload.datapipes.iter import IterableWrapper\n"
         "def slow(x):\n"
@@ -489,7 +491,7 @@ def test_ray_shut_down_while_a_boundary_waits_is_an_error_not_a_hang():
         "    return x\n"
         "it = iter(IterableWrapper(range(100)).map(slow).queue_boundary('ray', 2, num_actors=1, num_cpus=0.5))\n"
         "next(it)\n"
-        "threading.Timer(0.2, ray.shutdown).start()\n"
+        "ray.shutdown()  # between two items (from another thread, Ray itself may end the process)\n"
         "list(it)"
     )
     last = done.stderr.strip().splitlines()[-1]
@@ -527,10 +529,11 @@ class FailAt:
         return x * x
 
 
-@pytest.mark.slow  # an upstream failure's path runs fast in test_an_upstream_exception_arrives_after_the_items_before_it
-def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself(clean):
+@pytest.mark.slow  # an upstream failure's path runs fast in test_an_upstream_exception_arrives_in_its_place_and_the_run_goes_on
+def test_a_failure_while_a_resumed_shard_makes_its_items_again_takes_its_place_there(clean):
     # The checkpoint of a run that went well, resumed by a run that fails at an item the actor
-    # makes again (and drops) on its way to the resume point.
+    # makes again (and drops) on its way to the resume point: the failed item takes its place
+    # there, as across a thread or process boundary, and the items after the checkpoint come.
     fails = FailAt()
     boundary = IterableWrapper(range(20)).sharding_filter().map(fails).queue_boundary("ray", 4, num_actors=2)
     good = iter(boundary)
@@ -541,9 +544,7 @@ def test_a_failure_while_a_resumed_shard_makes_its_items_again_arrives_as_itself
     fails.at = 7
     failing = iter(boundary)
     failing.load_state_dict(state)
-    with pytest.raises(ValueError, match="bad item 7") as raised:
-        list(failing)
-    assert "making again the items before its resume point" in str(raised.value)
+    assert list(failing) == [x * x for x in range(10, 20)]
 
 
 @pytest.mark.slow  # checkpoints that do not fit: test_a_damaged_checkpoint_is_refused_naming_the_field runs fast

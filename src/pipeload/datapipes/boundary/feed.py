@@ -39,9 +39,21 @@ class RaisedUpstream:
     error: BaseException | RemoteFailure
 
     def exception(self) -> BaseException:
-        """The exception the consumer raises in the item's place."""
+        """The exception the consumer raises in the item's place (marked as one item's: see
+        :func:`is_one_items_error`)."""
         error = self.error
-        return error.to_exception() if isinstance(error, RemoteFailure) else error
+        raised = error.to_exception() if isinstance(error, RemoteFailure) else error
+        try:
+            raised.__pipeload_one_item__ = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass  # an exception that takes no attributes: read as the run's end
+        return raised
+
+
+def is_one_items_error(error: BaseException) -> bool:
+    """Whether ``error`` was raised in one item's place (``RaisedUpstream``): the run goes on,
+    and what reads it must not end the run for it."""
+    return getattr(error, "__pipeload_one_item__", False) is True
 
 
 def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = None,
@@ -72,7 +84,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     # upstream alone (or a DataLoader worker over its dataset) would; one whose class says
     # ``ends_the_run`` (a failure budget spent) ends it. Across a process the error goes as data
     # (``RemoteFailure``), so that no traceback keeps this process's frames, and slabs, alive.
-    # Other kinds (Ray's lanes carry failures their own way) end the run.
+    # Other kinds end the run (Ray's lanes do not feed: ray_shard.py goes on the same way).
     kind = getattr(queue, "kind", None)
     goes_on = kind in ("thread", "process")
     as_data = kind == "process"
@@ -98,15 +110,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
         """``raised`` as it can cross to the consumer (see ``as_data``)."""
         if not as_data:
             return raised
-        error = raised.error
-        failure = RemoteFailure(type(error), str(error), "".join(traceback.format_exception(error)),
-                                0, "iterating the upstream pipe", where=where)
-        try:  # a class pickles by reference: one that cannot goes as a RuntimeError
-            pickle.dumps(failure.exc_type)
-        except Exception:
-            failure = dataclasses.replace(failure, exc_type=RuntimeError,
-                                          message=f"{type(error).__qualname__}: {error}")
-        return RaisedUpstream(failure)
+        return RaisedUpstream(portable_failure(raised.error, 0, where))  # type: ignore[arg-type]
 
     try:
         iterator = as_nonblocking(pipe)
@@ -141,6 +145,20 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     finally:
         if iterator is not None:
             iterator.close()
+
+
+def portable_failure(error: BaseException, index: int, where: str) -> RemoteFailure:
+    """``error``, raised by the upstream for one item, as data that crosses to another process
+    (its traceback's text, not its frames); a class that cannot be pickled by reference goes as
+    a ``RuntimeError`` naming it."""
+    failure = RemoteFailure(type(error), str(error), "".join(traceback.format_exception(error)),
+                            index, "iterating the upstream pipe", where=where)
+    try:
+        pickle.dumps(failure.exc_type)
+    except Exception:
+        failure = dataclasses.replace(failure, exc_type=RuntimeError,
+                                      message=f"{type(error).__qualname__}: {error}")
+    return failure
 
 
 def _next_unless_closed(iterator: Any, queue: DataLoaderQueue) -> Any:

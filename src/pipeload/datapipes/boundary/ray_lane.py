@@ -107,6 +107,9 @@ class Lane:
         self._started.add_done_callback(functools.partial(_arrived, self._notifier, [0.0]))
 
     def _top_up(self) -> None:
+        # A request sent after ray.shutdown() in this process ends it from inside Ray ("the core
+        # worker has already been shutdown"): said as an error here first.
+        self._owner.check_connected(self)
         while (len(self._requests) < MAX_IN_FLIGHT
                and self.requested + self._chunk_size - self.delivered <= self._share):
             future = self.handle.next_chunk.remote(self.generation, self._chunk_size).future()

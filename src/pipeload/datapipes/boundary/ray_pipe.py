@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.boundary.feed import is_one_items_error
 from pipeload.datapipes.boundary.ray_cluster import connected_address
 from pipeload.datapipes.boundary.ray_options import check_actor_options
 from pipeload.datapipes.graph import has_sharding
@@ -207,9 +208,11 @@ class _RayBoundaryIterator(PipeIterator[Any]):
             return self._upstream.take_nowait()
         except NotAvailable:
             raise
-        except BaseException:
-            # The end, or an error: the actors go now, not when a traceback lets go of this run.
-            self._upstream.close()
+        except BaseException as error:
+            # The end, or an error: the actors go now, not when a traceback lets go of this run;
+            # one item's error is raised in its place, and the run goes on.
+            if not is_one_items_error(error):
+                self._upstream.close()
             raise
 
     def notifiers(self) -> list[Notifier]:

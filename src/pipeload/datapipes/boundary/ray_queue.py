@@ -22,6 +22,7 @@ import dataclasses
 import time
 from typing import Any
 
+from pipeload.datapipes.boundary.feed import is_one_items_error
 from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
     DataLoaderQueue,
@@ -94,6 +95,8 @@ class RayQueue(DataLoaderQueue, kind="ray"):
             raise QueueError(f"no item from {self._far_end()} within {timeout} s",
                              far_end=self._far_end(), reason=QueueError.TIMED_OUT) from None
         except BaseException as error:
+            if is_one_items_error(error):
+                raise  # in its item's place: the queue goes on
             raise self._ended_by(error) from None
 
     def _reading_end(self) -> RayUpstream:

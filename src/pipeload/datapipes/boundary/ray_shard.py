@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pipeload.datapipes.boundary.feed import RaisedUpstream, portable_failure
 from pipeload.datapipes.boundary.ray_payload import pack
 from pipeload.datapipes.graph import is_random_datapipe, is_sharding_datapipe, list_dps
 from pipeload.datapipes.protocol import as_nonblocking
@@ -193,6 +194,9 @@ class _ShardRun:
                     f"{self._position} items, before its resume point ({skip_to} items handed "
                     "out); the state does not belong to this pipe"
                 ) from None
+            except Exception as error:  # an item's error took its position (see next_chunk)
+                if getattr(error, "ends_the_run", False):
+                    raise
             self._position += 1
 
     def next_chunk(self, generation: int, count: int) -> Chunk:
@@ -202,13 +206,20 @@ class _ShardRun:
         start = self._position
         snapshot = self._snapshot()
         items: list[Any] = []
-        try:
-            while len(items) < count:
+        while len(items) < count:
+            try:
                 items.append(next(self._iterator))
-        except StopIteration:
-            self._ended = True
-        except Exception:
-            self._failure = RemoteFailure.capture(self._index, "iterating the upstream pipe", where=self._where)
+            except StopIteration:
+                self._ended = True
+                break
+            except Exception as error:
+                if getattr(error, "ends_the_run", False):  # a failure budget spent
+                    self._failure = RemoteFailure.capture(self._index, "iterating the upstream pipe",
+                                                          where=self._where)
+                    break
+                # One item's error, in its place; the run goes on, as across a thread or process
+                # boundary (a source past the archive it could not read). It takes a position.
+                items.append(RaisedUpstream(portable_failure(error, self._index, self._where)))
         self._position += len(items)
         if self._ended or self._failure is not None:
             self.close()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload._state_fields import StateFields
+from pipeload.datapipes.boundary.feed import RaisedUpstream
 from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
@@ -138,6 +139,8 @@ class RayUpstream:
                 self._wait_s += waited
                 self.tally.wait_s += waited
                 self._waiting_since = None
+            if type(item) is RaisedUpstream:  # an item's error in its place: the run goes on
+                raise item.exception()
             return item
         raise StopIteration
 
