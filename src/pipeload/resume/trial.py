@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from pipeload.datapipes.graph import list_dps
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
 from pipeload._rng_state import global_rngs_kept
@@ -32,12 +33,25 @@ def try_replica_states(loader: Any, streams: dict[int, StreamPosition]) -> None:
             (the field ``epoch.streams.<worker>.snapshot`` and the pipe's error are named).
     """
     rules = replica.graph_rules(loader.dataset)
-    if rules is None or rules.copy_graph is None:
+    if rules is None or rules.copy_graph is None or _starts_far_ends(loader.dataset):
         return
     # A copy's first iteration may draw from the process's generators (a shuffle's seed): the
     # trial must leave them as the user's checkpoint restored them.
     with global_rngs_kept():
         _try_each(loader, streams, rules)
+
+
+def _starts_far_ends(dataset: Any) -> bool:
+    """Whether iterating a copy of the graph would start what lives elsewhere: a Ray boundary
+    connects to its cluster and makes its actors as its run begins, and a main process once
+    connected could no longer fork workers that use Ray (its copy is tried in the workers, as
+    it loads there)."""
+    from pipeload.datapipes.boundary.ray_pipe import RayQueueBoundary  # imports no Ray
+
+    try:
+        return any(isinstance(pipe, RayQueueBoundary) for pipe in list_dps(dataset))
+    except Exception:
+        return True  # a graph that cannot be walked is not tried
 
 
 def _try_each(loader: Any, streams: dict[int, StreamPosition], rules: Any) -> None:
