@@ -126,7 +126,9 @@ def test_the_heap_thresholds_are_left_alone_when_asked(monkeypatch):
 def _main_thread_writes_to_a_child() -> bool:
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
-        if frame.f_code.co_name == "_launch" and "popen_spawn" in frame.f_code.co_filename:
+        # multiprocessing's spawn launch, or ours (engine/spawn_launch.py, since stop 42)
+        if frame.f_code.co_name == "_launch" and ("popen_spawn" in frame.f_code.co_filename
+                                                  or "spawn_launch" in frame.f_code.co_filename):
             return frame.f_locals.get("self") is not None and getattr(frame.f_locals["self"], "pid", None) is not None
         frame = frame.f_back
     return False
