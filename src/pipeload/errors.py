@@ -11,6 +11,8 @@ word for word (users and their tests match it with regular expressions); our det
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import signal
 import sys
 import traceback
@@ -136,6 +138,21 @@ class RemoteFailure:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where,
                    worker_kind=worker_kind)
+
+    @classmethod
+    def of(cls, error: BaseException, worker_id: int, stage: str, where: str | None = None) -> RemoteFailure:
+        """``error`` as data that crosses to another process (its traceback's text, not its
+        frames), for errors caught where no handler runs (``capture`` reads the one being
+        handled). A class that cannot be pickled by reference (defined where the reader cannot
+        import it) goes as a ``RuntimeError`` naming it."""
+        failure = cls(type(error), str(error), "".join(traceback.format_exception(error)),
+                      worker_id, stage, where=where)
+        try:
+            pickle.dumps(failure.exc_type)
+        except Exception:
+            failure = dataclasses.replace(failure, exc_type=RuntimeError,
+                                          message=f"{type(error).__qualname__}: {error}")
+        return failure
 
     def headline(self) -> str:
         """torch's sentence ("Caught KeyError in DataLoader worker process 0."), then ours."""

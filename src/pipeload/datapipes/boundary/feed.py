@@ -16,9 +16,6 @@ be granted again while this process still viewed it.
 
 from __future__ import annotations
 
-import dataclasses
-import pickle
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +107,7 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
         """``raised`` as it can cross to the consumer (see ``as_data``)."""
         if not as_data:
             return raised
-        return RaisedUpstream(portable_failure(raised.error, 0, where))  # type: ignore[arg-type]
+        return RaisedUpstream(RemoteFailure.of(raised.error, 0, "iterating the upstream pipe", where))  # type: ignore[arg-type]
 
     try:
         iterator = as_nonblocking(pipe)
@@ -145,20 +142,6 @@ def feed(pipe: Any, queue: DataLoaderQueue, where: str, resume: Resume | None = 
     finally:
         if iterator is not None:
             iterator.close()
-
-
-def portable_failure(error: BaseException, index: int, where: str) -> RemoteFailure:
-    """``error``, raised by the upstream for one item, as data that crosses to another process
-    (its traceback's text, not its frames); a class that cannot be pickled by reference goes as
-    a ``RuntimeError`` naming it."""
-    failure = RemoteFailure(type(error), str(error), "".join(traceback.format_exception(error)),
-                            index, "iterating the upstream pipe", where=where)
-    try:
-        pickle.dumps(failure.exc_type)
-    except Exception:
-        failure = dataclasses.replace(failure, exc_type=RuntimeError,
-                                      message=f"{type(error).__qualname__}: {error}")
-    return failure
 
 
 def _next_unless_closed(iterator: Any, queue: DataLoaderQueue) -> Any:

@@ -34,7 +34,6 @@ import os
 import pickle
 import socket
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -248,15 +247,7 @@ class ProcessLink:
         self._sender.close()
 
     def _send_closing(self, error: BaseException | None, where: str) -> None:
-        try:
-            self._sender.send(_closing_report(self.sent, error, where))
-        except OSError:
-            raise
-        except Exception:  # the error's type cannot be pickled: send it as a RuntimeError
-            assert error is not None
-            substitute = RuntimeError(f"{type(error).__qualname__}: {error}")
-            substitute.__traceback__ = error.__traceback__
-            self._sender.send(_closing_report(self.sent, substitute, where))
+        self._sender.send(_closing_report(self.sent, error, where))
 
     def _check_open(self) -> None:
         if self._closing:
@@ -327,9 +318,7 @@ class ProcessLink:
 def _closing_report(sent: int, error: BaseException | None, where: str) -> WorkerReport:
     if error is None:
         return WorkerReport(Report.EXHAUSTED, 0, sent)
-    text = "".join(traceback.format_exception(error))
-    failure = RemoteFailure(type(error), str(error), text, 0, "producing the items it put", where=where)
-    return WorkerReport(Report.FAILED, 0, sent, failure)
+    return WorkerReport(Report.FAILED, 0, sent, RemoteFailure.of(error, 0, "producing the items it put", where))
 
 
 def process_name(pid: int | None = None) -> str:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pipeload.datapipes.boundary.feed import RaisedUpstream, portable_failure
+from pipeload.datapipes.boundary.feed import RaisedUpstream
 from pipeload.datapipes.boundary.ray_payload import pack
 from pipeload.datapipes.graph import is_random_datapipe, is_sharding_datapipe, list_dps
 from pipeload.datapipes.protocol import as_nonblocking
@@ -219,7 +219,8 @@ class _ShardRun:
                     break
                 # One item's error, in its place; the run goes on, as across a thread or process
                 # boundary (a source past the archive it could not read). It takes a position.
-                items.append(RaisedUpstream(portable_failure(error, self._index, self._where)))
+                items.append(RaisedUpstream(RemoteFailure.of(error, self._index, "iterating the upstream pipe",
+                                                             self._where)))
         self._position += len(items)
         if self._ended or self._failure is not None:
             self.close()
