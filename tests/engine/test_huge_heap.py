@@ -18,6 +18,7 @@ from pipeload.engine.huge_heap import (
     HeapGatherer,
     aligned_windows,
     dense_windows,
+    forked_children,
     gather,
     private_anonymous_ranges,
     scan,
@@ -224,10 +225,18 @@ def gatherer(monkeypatch):
     return fresh
 
 
-def test_a_per_epoch_loader_gathers_when_its_first_workers_stop_and_batches_stay_the_same(gatherer):
+def test_a_per_epoch_loader_gathers_beside_its_first_workers_and_batches_stay_the_same(gatherer):
     loader = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2,
                                  multiprocessing_context="fork")
-    first = _epoch(loader)
+    iterator = iter(loader)
+    first = [next(iterator).clone()]
+    # Started while the epoch's workers live: their reaping comes once the next set has forked.
+    assert gatherer._thread is not None
+    assert {worker.pid for worker in iterator._workers} <= gatherer._short_lived
+    first += [batch.clone() for batch in iterator]
+    del iterator
+    gatherer.wait()
+    assert gatherer.rounds[0].beside_workers
     assert wait_for_reaped(5.0)  # the workers are reaped beside the loop; the round starts then
     done = gatherer.wait()
     assert done is not None and len(gatherer.rounds) == 1
@@ -275,14 +284,14 @@ def test_windows_are_chosen_again_once_the_process_has_grown(monkeypatch):
 def test_the_next_fork_waits_for_a_running_round_and_no_page_is_copied_for_the_main_process(gatherer):
     held = torch.ones(128 << 18)  # 128 MiB in the main process, as a dataset held in memory
     per_epoch = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork")
-    _epoch(per_epoch)  # its workers stop: a round starts once they are reaped
+    _epoch(per_epoch)  # a round beside its workers; they stop: another once they are reaped
     assert wait_for_reaped(5.0)
     alone = _private_bytes()
     persistent = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True,
                                      multiprocessing_context="fork")
     iterator = iter(persistent)  # forks at once, while the round may still run
     next(iterator)
-    assert not gatherer._thread.is_alive() and len(gatherer.rounds) == 1
+    assert not gatherer._thread.is_alive()  # the round the stop started had ended first
     # The held tensor's pages are shared with the persistent workers now, not copied for the main
     # process by a round that went on after they were forked.
     assert _private_bytes() < alone - (96 << 20)
@@ -304,3 +313,32 @@ def test_a_thread_loader_and_off_never_start_a_round(monkeypatch):
     monkeypatch.setenv(huge_heap.HUGE_HEAP_ENV, "on")
     _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, worker_type="thread"))
     assert gatherer.wait() is None and gatherer.rounds == []
+
+
+def test_no_round_runs_beside_per_epoch_workers_while_a_persistent_loaders_workers_live(gatherer):
+    persistent = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=1, persistent_workers=True,
+                                     multiprocessing_context="fork")
+    iterator = iter(persistent)
+    next(iterator)  # its worker shares every page for as long as the loader lives
+    _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork"))
+    assert wait_for_reaped(5.0)
+    gatherer.wait()
+    # (Memory allocated since the persistent worker forked is ours alone: a stop may gather it.)
+    assert not any(done.beside_workers for done in gatherer.rounds)
+    del iterator
+
+
+def test_forked_children_are_the_living_children_of_this_process():
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits until told, then leaves
+        os.close(writer)
+        os.read(reader, 1)
+        os._exit(0)
+    os.close(reader)
+    try:
+        assert pid in forked_children() and os.getpid() not in forked_children()
+    finally:
+        os.close(writer)
+        os.waitpid(pid, 0)
+    assert pid not in forked_children()

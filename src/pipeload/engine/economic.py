@@ -253,7 +253,8 @@ class EconomicEngine:
         on_demand = None if known_needed and not forked else self._num_item_workers
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
                                     config.timeout_s, slab_settings, self._stats, start_first=1,
-                                    keeper=keeper, on_demand_from=on_demand)
+                                    keeper=keeper, on_demand_from=on_demand,
+                                    short_lived=config.stop_when_done)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = setup.worker.first_epoch - 1
         self._started = False

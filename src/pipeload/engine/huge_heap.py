@@ -28,6 +28,14 @@ and goes on at the next stop (a round gathers at most ``ROUND_BYTES``: a dataset
 is gathered over several). Windows are chosen again once the process has grown by 64 MiB (a
 dataset loaded since).
 
+A loader without persistent workers rarely leaves such a stop: the last epoch's workers are
+reaped beside the loop, by which time the next epoch's have forked and share every page again.
+Its workers go with their epoch, though, so a round runs beside them once they have all started
+(``beside_short_lived_workers``), gathering the windows they share: this process holds its own
+copy of those (``ROUND_BYTES`` at most) until they exit, and the next set forks from huge pages.
+Never while another child lives that is not such a worker (a persistent loader's): that copy
+would be held for as long as it lives.
+
 ``PIPELOAD_HUGE_HEAP``: ``auto`` (the default) gathers where the kernel has transparent huge pages
 (not ``never``) and the machine has a CPU to spare beside the workers; ``on`` gathers wherever the
 kernel can; ``off`` never does. With every CPU taken by the workers, the copy and the waits come out
@@ -40,8 +48,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Set
+from collections.abc import Collection, Iterator, Set
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +76,8 @@ SCAN_WINDOWS = 512  # windows read from the page map at a time (2 MiB of it)
 SCAN_MOST_WINDOWS = 2048
 _OURS_ALONE = np.uint64((1 << 63) | (1 << 62) | (1 << 56))  # present, swapped, mapped once
 _OURS_ALONE_MASKED = np.uint64((1 << 63) | (1 << 56))  # present, not swapped, mapped once
+_THERE = np.uint64((1 << 63) | (1 << 62))  # present, swapped
+_THERE_MASKED = np.uint64(1 << 63)  # present, not swapped (mapped by others too, or not)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Round:
     refused: int
     seconds: float
     windows_done: int  # of those chosen, in order (the rest: stopped for a fork)
+    beside_workers: bool = False  # run beside short-lived workers (windows they shared)
 
 
 def setting() -> str:
@@ -133,11 +145,12 @@ def aligned_windows(start: int, end: int) -> range:
 
 
 def dense_windows(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = frozenset(),
-                  most: int | None = None) -> list[int]:
+                  most: int | None = None, shared: bool = False) -> list[int]:
     """The huge-page windows of ``ranges`` whose pages are nearly all in memory and mapped by this
-    process alone, from ``/proc/self/pagemap`` (a 64-bit word a page; bit 63 present, 62 swapped,
-    56 mapped once: none needs privilege); at most ``most`` of them, none of ``skip``."""
-    return scan(pagemap_fd, ranges, skip, most).chosen
+    process alone (``shared``: or by short-lived workers too), from ``/proc/self/pagemap`` (a
+    64-bit word a page; bit 63 present, 62 swapped, 56 mapped once: none needs privilege); at most
+    ``most`` of them, none of ``skip``."""
+    return scan(pagemap_fd, ranges, skip, most, shared=shared).chosen
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,8 @@ class Scan:
 
 
 def scan(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = frozenset(),
-         most: int | None = None, start_at: int = 0, scan_most: int | None = None) -> Scan:
+         most: int | None = None, start_at: int = 0, scan_most: int | None = None,
+         shared: bool = False) -> Scan:
     """``dense_windows``, from address ``start_at`` on, reading the page map of ``scan_most``
     windows at most (a large reservation never touched costs its whole page map to read:
     ~4 ms a GiB)."""
@@ -167,7 +181,7 @@ def scan(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = fr
             if done_choosing or (scan_most is not None and scanned >= scan_most):
                 return Scan(chosen[:most] if most is not None else chosen, windows[first])
             part = windows[first:first + SCAN_WINDOWS]
-            counts = _ours_alone_counts(pagemap_fd, part, per_window)
+            counts = _dense_counts(pagemap_fd, part, per_window, shared)
             scanned += len(part)
             if counts is None:
                 break  # the mapping went away meanwhile
@@ -175,9 +189,10 @@ def scan(pagemap_fd: int, ranges: Iterator[tuple[int, int]], skip: Set[int] = fr
     return Scan(chosen if most is None else chosen[:most], 0)
 
 
-def _ours_alone_counts(pagemap_fd: int, windows: list[int], per_window: int) -> list[int] | None:
-    """For each window, how many of its pages are present and mapped by this process alone; read
-    in one call when the windows are consecutive, one call each otherwise."""
+def _dense_counts(pagemap_fd: int, windows: list[int], per_window: int, shared: bool) -> list[int] | None:
+    """For each window, how many of its pages are present and mapped by this process alone (or,
+    ``shared``, present); read in one call when the windows are consecutive, one call each
+    otherwise."""
     if not windows:
         return []
     if windows[-1] - windows[0] == (len(windows) - 1) * HUGE_PAGE_BYTES:
@@ -193,30 +208,32 @@ def _ours_alone_counts(pagemap_fd: int, windows: list[int], per_window: int) -> 
         words = np.frombuffer(raw, dtype=np.uint64)
         if words.size != count * per_window:
             return None
-        ours = (words & _OURS_ALONE) == _OURS_ALONE_MASKED
+        ours = (words & _THERE) == _THERE_MASKED if shared else (words & _OURS_ALONE) == _OURS_ALONE_MASKED
         counts += ours.reshape(count, per_window).sum(axis=1).tolist()
     return counts
 
 
-def still_ours_alone(pagemap_fd: int, window: int) -> bool:
-    """Whether ``window`` is still nearly all there and ours alone (one 4 KiB read)."""
-    return bool(dense_windows(pagemap_fd, iter([(window, window + HUGE_PAGE_BYTES)])))
+def still_ours_alone(pagemap_fd: int, window: int, shared: bool = False) -> bool:
+    """Whether ``window`` is still nearly all there and ours alone (``shared``: still nearly all
+    there; one 4 KiB read)."""
+    return bool(dense_windows(pagemap_fd, iter([(window, window + HUGE_PAGE_BYTES)]), shared=shared))
 
 
 def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = None,
-           settled: list[int] | None = None) -> Round:
+           settled: list[int] | None = None, shared: bool = False) -> Round:
     """Ask the kernel for each window in huge pages, one window a call (a call holds this
     process's memory map locked while it copies), each checked just before: pages another process
-    has come to share, or that were given back since the choice, are left as they are (and may
-    be chosen again later). Ends early once ``stop`` is set. ``settled`` collects the windows
-    gathered or refused by the kernel: no later round need ask for them again."""
+    has come to share (unless ``shared``), or that were given back since the choice, are left as
+    they are (and may be chosen again later). Ends early once ``stop`` is set. ``settled``
+    collects the windows gathered or refused by the kernel: no later round need ask for them
+    again."""
     started = time.perf_counter()
     gathered = refused = done = 0
     for window in windows:
         if stop is not None and stop.is_set():
             break
         done += 1
-        if not still_ours_alone(pagemap_fd, window):
+        if not still_ours_alone(pagemap_fd, window, shared):
             continue
         if madvise(window, HUGE_PAGE_BYTES, MADV_COLLAPSE):
             gathered += HUGE_PAGE_BYTES
@@ -224,7 +241,7 @@ def gather(windows: list[int], pagemap_fd: int, stop: threading.Event | None = N
             refused += 1
         if settled is not None:
             settled.append(window)
-    return Round(gathered, refused, time.perf_counter() - started, done)
+    return Round(gathered, refused, time.perf_counter() - started, done, shared)
 
 
 def anonymous_bytes() -> int:
@@ -239,9 +256,10 @@ def anonymous_bytes() -> int:
     return -1
 
 
-def windows_to_gather(skip: Set[int], most: int, start_at: int = 0) -> Scan | None:
+def windows_to_gather(skip: Set[int], most: int, start_at: int = 0, shared: bool = False) -> Scan | None:
     """Up to ``most`` windows worth gathering now, none of ``skip``, from address ``start_at``
-    (``SCAN_MOST_WINDOWS`` of page map read at most); None where the page map cannot be read."""
+    (``SCAN_MOST_WINDOWS`` of page map read at most; ``shared``: windows that children share
+    too); None where the page map cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             ranges = list(private_anonymous_ranges(maps.read()))
@@ -249,7 +267,7 @@ def windows_to_gather(skip: Set[int], most: int, start_at: int = 0) -> Scan | No
     except OSError:
         return None
     try:
-        return scan(pagemap, iter(ranges), skip, most, start_at, SCAN_MOST_WINDOWS)
+        return scan(pagemap, iter(ranges), skip, most, start_at, SCAN_MOST_WINDOWS, shared)
     finally:
         os.close(pagemap)
 
@@ -276,6 +294,7 @@ class HeapGatherer:
         self._gathered: set[int] = set()  # windows gathered or refused (a later round skips them)
         self._scan_from = 0  # where the next choice reads the page map from (see SCAN_MOST_WINDOWS)
         self._stop = threading.Event()  # the running round's: set by a fork that waited enough
+        self._short_lived: set[int] = set()  # pids of workers that stop with their epoch
         self.rounds: list[Round] = []  # every finished round, first first
 
     def after_workers_stopped(self, workers: int) -> bool:
@@ -292,33 +311,76 @@ class HeapGatherer:
         finally:
             self._lock.release()
 
-    def _choose_and_start(self) -> bool:
+    def beside_short_lived_workers(self, pids: Collection[int]) -> bool:
+        """A set of forked workers that stop with their epoch (``pids``, a loader without
+        persistent workers) has just started: start a round beside them if one is due and none
+        runs; returns whether one started.
+
+        Every page of this process is shared with them by now, and they are gone at the epoch's
+        end: the windows are gathered all the same, so that the next set forks from huge pages.
+        While they live, this process holds its own copy of what was gathered (``ROUND_BYTES`` at
+        most, given back as they exit). Not where any other child shares this process's pages (a
+        persistent loader's workers): it would hold the copy for as long as they live; the round
+        then waits for a stop that leaves the pages ours alone (``after_workers_stopped``)."""
+        if self._unsupported or not worth_gathering(len(pids)) or _exiting():
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._due():
+                return False
+            self._short_lived = {pid for pid in self._short_lived if _alive(pid)} | set(pids)
+            return self._start(self._round_beside, (frozenset(self._short_lived),))
+        finally:
+            self._lock.release()
+
+    def _due(self) -> bool:
+        """Whether windows should be chosen: never yet, some left by the last round, or the
+        process grew by ``REGATHER_GROWTH_BYTES`` since; and no round runs."""
         if self._thread is not None and self._thread.is_alive():
             return False
         private = anonymous_bytes()
         grown = private >= self._chosen_at_bytes + REGATHER_GROWTH_BYTES
-        if private < 0 or not (self._chosen_at_bytes < 0 or self._more_to_gather or grown):
-            return False
-        self._chosen_at_bytes = private
+        return private >= 0 and (self._chosen_at_bytes < 0 or self._more_to_gather or grown)
+
+    def _choose(self, shared: bool) -> list[int] | None:
+        """The windows of the next round (None: the page map cannot be read)."""
+        self._chosen_at_bytes = anonymous_bytes()
         most = ROUND_BYTES // HUGE_PAGE_BYTES
-        found = windows_to_gather(self._gathered, most, self._scan_from)
+        found = windows_to_gather(self._gathered, most, self._scan_from, shared)
         if found is None:
             self._unsupported = True
-            return False
+            return None
         windows, self._scan_from = found.chosen, found.resume_at
         # More later: this choice stopped at its budget, or did not read the page map to its end.
         self._more_to_gather = len(windows) >= most or found.resume_at != 0
-        if not windows:
+        return windows
+
+    def _choose_and_start(self) -> bool:
+        if not self._due():
             return False
+        windows = self._choose(shared=False)
+        return bool(windows) and self._start(self._round, (windows,))
+
+    def _start(self, target: Any, args: tuple[Any, ...]) -> bool:
         self._stop = stop = threading.Event()
-        thread = threading.Thread(target=self._round, args=(windows, stop), name="pipeload-huge-heap",
-                                  daemon=True)
+        thread = threading.Thread(target=target, args=(*args, stop), name="pipeload-huge-heap", daemon=True)
         try:
             thread.start()
         except RuntimeError:
             return False  # the interpreter is shutting down
         self._thread = thread
         return True
+
+    def _round_beside(self, short_lived: frozenset[int], stop: threading.Event) -> None:
+        """A round beside short-lived workers: chosen here, off the loop's thread (every page is
+        shared already), unless another child shares the pages."""
+        if forked_children() - short_lived:
+            return  # still due: the next set's start, or a stop, looks again
+        with self._lock:
+            windows = self._choose(shared=True)
+        if windows:
+            self._round(windows, stop, shared=True)
 
     def before_fork(self) -> None:
         """This process is about to fork a worker: let a running round end first (for
@@ -343,7 +405,7 @@ class HeapGatherer:
         """In a forked child: the round (if any) ran in its parent; start afresh."""
         self.__init__()  # type: ignore[misc]
 
-    def _round(self, windows: list[int], stop: threading.Event) -> None:
+    def _round(self, windows: list[int], stop: threading.Event, shared: bool = False) -> None:
         try:
             pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
         except OSError:
@@ -351,7 +413,7 @@ class HeapGatherer:
             return
         settled: list[int] = []
         try:
-            result = gather(windows, pagemap, stop, settled)
+            result = gather(windows, pagemap, stop, settled, shared)
         finally:
             os.close(pagemap)
         if result.gathered_bytes == 0 and result.refused:
@@ -360,6 +422,48 @@ class HeapGatherer:
         if len(settled) < len(windows):
             self._more_to_gather = True  # stopped for a fork, or some were shared: at a next stop
         self.rounds.append(result)
+
+
+def forked_children() -> set[int]:
+    """The pids of this process's living children that share its memory: forked, not started
+    over with a new program (a fork server, a resource tracker, a subprocess). Read from each
+    process's ``/proc/PID/stat`` (a few milliseconds on a machine of a thousand processes): a
+    forked child keeps its parent's addresses, where a new program's heap and arguments lie
+    elsewhere (where addresses are not randomised, every child counts)."""
+    me = os.getpid()
+    mine = _stat_fields(me)
+    children: set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return children
+    for name in names:
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is None or len(fields) <= _ARG_START or int(fields[_PARENT]) != me or fields[0] in (b"Z", b"X"):
+            continue
+        where = fields[_BRK_START:_ARG_START + 1]
+        if mine is None or where == mine[_BRK_START:_ARG_START + 1] or not any(int(f) for f in where):
+            children.add(int(name))
+    return children
+
+
+# /proc/PID/stat after the command's closing parenthesis: state, parent, ..., the heap's start
+# (field 47 of the whole line) and the arguments' (48).
+_PARENT, _BRK_START, _ARG_START = 1, 44, 45
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None  # gone meanwhile
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 def _exiting() -> bool:

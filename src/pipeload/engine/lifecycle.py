@@ -150,6 +150,11 @@ def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
     """
     traceback = error.__traceback__
     while traceback is not None:
+        if not traceback.tb_frame.f_globals.get("__name__", "").startswith(_POPEN_MODULES):
+            # Read only where a Popen can be: a frame's locals, once read, are kept with it, and
+            # a caller's that name the error would hold it (and the loader) in a cycle.
+            traceback = traceback.tb_next
+            continue
         popen = traceback.tb_frame.f_locals.get("self")
         pid = getattr(popen, "pid", None)
         module = type(popen).__module__
@@ -163,6 +168,7 @@ def _reap_half_started(error: BaseException) -> tuple[int, int | None] | None:
 
 
 _BROKEN_WRITE = (BrokenPipeError, ConnectionResetError)
+_POPEN_MODULES = ("multiprocessing.popen_", "pipeload.engine.spawn_launch")
 
 
 def _end_forkserver_child(sentinel: int, ended: bool) -> tuple[int, int | None] | None:

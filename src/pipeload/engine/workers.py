@@ -110,7 +110,7 @@ class WorkerGroup:
         self, plan: LaunchPlan, worker_type: str, mp_context: Any, timeout_s: float,
         slab_settings: SlabSettings, stats: Any = None, start_first: int | None = None,
         counted_by_engine: bool = False, keeper: SlabKeeper | None = None,
-        on_demand_from: int | None = None,
+        on_demand_from: int | None = None, short_lived: bool = False,
     ) -> None:
         """``start_first``: process workers of the first slots to start now (None: all); the
         others start on the first command sent to them, or ``start_all()``. Economic mode forks
@@ -121,7 +121,8 @@ class WorkerGroup:
         batches the main process assembles never needs. ``counted_by_engine``: the engine counts each worker's
         answers itself and records the reports with totals (a classic pool's ledger); the group
         records only those it reads itself, between epochs. ``keeper``: where the slab pool is
-        borrowed from (None: a pool of the group's own, closed with it)."""
+        borrowed from (None: a pool of the group's own, closed with it). ``short_lived``: the
+        workers stop with the epoch (no persistent workers)."""
         self.plan = plan
         self._keeper = keeper if keeper is not None else SlabKeeper(keep=False)
         self.stats = stats  # a SessionStats, fed every report (pipeload.stats.recorder)
@@ -142,6 +143,8 @@ class WorkerGroup:
         self._eager = len(plan.labels) if on_demand_from is None else on_demand_from
         self._retired: set[int] = set()  # slots asked to stop early: their exit is no death
         self._idle = False  # every task answered, none to come (see all_answered)
+        self.start_failed = False  # a worker could not be started: the group cannot go on
+        self._short_lived = short_lived
         self._ctx: Any = None
         count = len(self.labels)
         try:
@@ -195,9 +198,17 @@ class WorkerGroup:
             self.handles += start_processes(self._ctx, launches,
                                             self.channels.forget_worker_ends if last else _nothing)
         except GoneBeforeStarting as gone:
+            self.start_failed = True
             slot = first_slot + [launch.name for launch in launches].index(gone.name)
             deaths = [(self.labels[slot].name(), gone.pid, gone.exitcode)]
             raise WorkerDiedError(worker_died_message(deaths, self._why_workers_could_not_start(deaths))) from gone
+        except BaseException:  # (unnamed: a name would hold its traceback, and the loader, in a cycle)
+            self.start_failed = True
+            raise
+        if self._short_lived and len(self.handles) >= self._eager and self._ctx.get_start_method() == "fork":
+            # Every worker the epoch needs has forked: the next set forks from huge pages
+            # (engine/huge_heap.py), gathered beside these workers, which go with the epoch.
+            huge_heap.GATHERER.beside_short_lived_workers([handle.pid for handle in self.handles])
 
     @property
     def wait_slice_s(self) -> float:

@@ -1,0 +1,65 @@
+"""How a classic pool starts its process workers: worker 0 first, with its first task, the others
+as their first tasks go out, and every one of them by the time ``iter()`` returns."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pipeload
+
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+
+
+class _Recorded:
+    """``worker_init_fn`` that leaves one file per worker id in ``folder``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, worker_id: int) -> None:
+        with open(os.path.join(self.folder, str(worker_id)), "w"):
+            pass
+
+
+def test_every_worker_starts_with_the_epoch_even_one_that_gets_no_task(tmp_path):
+    loader = pipeload.DataLoader(list(range(1)), batch_size=1, num_workers=3,
+                                 worker_init_fn=_Recorded(str(tmp_path)), multiprocessing_context="fork")
+    iterator = iter(loader)
+    assert len({worker.pid for worker in iterator._workers}) == 3
+    assert [batch.tolist() for batch in iterator] == [[0]]
+    assert all(worker.exitcode == 0 for worker in iterator._workers)  # (waits for the reaping)
+    assert sorted(os.listdir(tmp_path)) == ["0", "1", "2"]  # as torch's: all three ran it
+
+
+class _PickledCount:
+    """A dataset whose ``n``-th pickling in this process fails (0: none does)."""
+
+    pickled = 0
+    fail_at = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __reduce__(self):
+        cls = type(self)
+        cls.pickled += 1
+        if cls.pickled == cls.fail_at:
+            raise RuntimeError("this dataset cannot be pickled this time")
+        return (cls, ())
+
+
+def test_a_worker_that_cannot_start_after_worker_0_took_its_task_fails_iter_and_leaves_no_process():
+    _PickledCount.pickled, _PickledCount.fail_at = 0, 0
+    one = pipeload.DataLoader(_PickledCount(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    assert [batch.tolist() for batch in one] == [[0, 1], [2, 3]]
+    per_worker_start = _PickledCount.pickled  # the pickling check, and worker 0's start
+    _PickledCount.pickled, _PickledCount.fail_at = 0, per_worker_start + 1  # worker 1's start
+    two = pipeload.DataLoader(_PickledCount(), batch_size=1, num_workers=2, multiprocessing_context="spawn")
+    with pytest.raises(RuntimeError, match="cannot be pickled this time"):
+        iter(two)  # worker 0 had started and been sent its first task: it is stopped (leak_guard)
+    assert [batch.tolist() for batch in two] == [[0], [1], [2], [3]]  # the next epoch starts afresh
