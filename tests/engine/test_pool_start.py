@@ -1,11 +1,13 @@
-"""How a classic pool starts its process workers: worker 0 first, with its first task, the others
-as their first tasks go out, and every one of them by the time ``iter()`` returns."""
+"""How a classic pool starts its process workers: all of them, as torch's, before the sampler's
+first draw, so that each inherits the main process as ``iter()`` found it."""
 
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
+import torch.utils.data
 
 import pipeload
 
@@ -53,7 +55,7 @@ class _PickledCount:
         return (cls, ())
 
 
-def test_a_worker_that_cannot_start_after_worker_0_took_its_task_fails_iter_and_leaves_no_process():
+def test_a_worker_that_cannot_start_after_worker_0_fails_iter_and_leaves_no_process():
     _PickledCount.pickled, _PickledCount.fail_at = 0, 0
     one = pipeload.DataLoader(_PickledCount(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
     assert [batch.tolist() for batch in one] == [[0, 1], [2, 3]]
@@ -61,5 +63,48 @@ def test_a_worker_that_cannot_start_after_worker_0_took_its_task_fails_iter_and_
     _PickledCount.pickled, _PickledCount.fail_at = 0, per_worker_start + 1  # worker 1's start
     two = pipeload.DataLoader(_PickledCount(), batch_size=1, num_workers=2, multiprocessing_context="spawn")
     with pytest.raises(RuntimeError, match="cannot be pickled this time"):
-        iter(two)  # worker 0 had started and been sent its first task: it is stopped (leak_guard)
+        iter(two)  # worker 0 had started: it is stopped (leak_guard)
     assert [batch.tolist() for batch in two] == [[0], [1], [2], [3]]  # the next epoch starts afresh
+
+
+class _DrawnOrder(torch.utils.data.Sampler):
+    """A sampler that shuffles with its dataset's own generator, in the main process."""
+
+    def __init__(self, dataset: _OwnGenerator) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        order = list(range(len(self.dataset)))
+        self.dataset.rng.shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _OwnGenerator(torch.utils.data.Dataset):
+    """Each item draws from the dataset's own generator, which no worker seeding touches: a
+    worker draws on from the state it inherited."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(5)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return index, self.rng.randrange(1 << 30)
+
+
+def _batches(module, num_workers: int) -> list[list[list[int]]]:
+    dataset = _OwnGenerator()
+    loader = module.DataLoader(dataset, batch_size=2, sampler=_DrawnOrder(dataset), num_workers=num_workers,
+                               multiprocessing_context="fork")
+    return [[column.tolist() for column in batch] for batch in loader]
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_every_worker_inherits_the_main_process_from_before_the_samplers_first_draw_as_torchs(num_workers):
+    # A worker forked after the sampler's first draw would inherit the generator as the draw left
+    # it: other values in that worker's items than torch's.
+    assert _batches(pipeload, num_workers) == _batches(torch.utils.data, num_workers)

@@ -160,16 +160,10 @@ class PoolEngine:
         fetch = config.setup.fetch
         self._samples_counted = self._ledger_counts and fetch.kind is DatasetKind.MAP
         self._one_sample_a_task = not fetch.auto_collation
-        # Process worker 0 starts now, the others as their first tasks go out (all of them by the
-        # end of start_epoch): worker 0 builds its first batch while the main process forks the
-        # next. Forked all at once, it waited for its first task until every fork was done (7 to
-        # 9 ms a fork with torch imported: a CPU idle on the 2-core box, the first batch later
-        # on any machine, every epoch of a loader without persistent workers).
-        start_first = 1 if config.worker_type == "process" else None
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
-                                    start_first=start_first, counted_by_engine=self._ledger_counts,
-                                    keeper=keeper, short_lived=config.stop_when_done)
+                                    counted_by_engine=self._ledger_counts, keeper=keeper,
+                                    short_lived=config.stop_when_done)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -248,7 +242,7 @@ class PoolEngine:
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = self._new_ledger(len(self._workers.labels), start)
+        self._ledger = self._new_ledger(len(self._workers.handles), start)
         self._ledger.resize(self._num_workers)
         self._count_answers()
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
@@ -258,25 +252,7 @@ class PoolEngine:
         try:
             self._top_up()
         except WorkerDiedError:
-            if self._workers.start_failed:
-                self.close()
-                raise
-            # A worker died: said by the first next(), as torch's loader says it (the task waits
-            # unsent).
-        except BaseException:
-            if self._workers.start_failed:
-                self.close()
-            raise
-        self._start_the_rest()
-
-    def _start_the_rest(self) -> None:
-        """Start the process workers that no task has reached (an epoch of fewer tasks than
-        workers): every worker starts with the epoch, as torch's, whether it gets work or not."""
-        try:
-            self._workers.start_all()
-        except BaseException:
-            self.close()
-            raise
+            pass  # said by the first next(), as torch's loader says it: the task waits unsent
 
     def _send_what_torch_sends_ahead(self) -> None:
         """Before a persistent session's next epoch: if the last one was left early, send the
