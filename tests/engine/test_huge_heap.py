@@ -342,3 +342,52 @@ def test_forked_children_are_the_living_children_of_this_process():
         os.close(writer)
         os.waitpid(pid, 0)
     assert pid not in forked_children()
+
+
+def test_memory_shared_with_the_process_that_forked_this_one_is_not_gathered_beside_workers(gatherer):
+    # A training rank forked by a launcher that holds a dataset shares those pages with it: a
+    # copy gathered for the rank would be held for good.
+    held = torch.ones(64 << 18)  # 64 MiB, shared with the child below from its first instant
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the rank: one epoch of a per-epoch loader, then say how its memory grew
+        code = 1
+        try:
+            os.close(reader)
+            before = _private_bytes()
+            _epoch(pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork"))
+            wait_for_reaped(5.0)
+            gatherer.wait()
+            beside = [done for done in gatherer.rounds if done.beside_workers]
+            os.write(writer, f"{_private_bytes() - before} {len(beside)}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    try:
+        grown, rounds = (int(part) for part in os.read(reader, 100).split())
+    finally:
+        os.close(reader)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert grown < (24 << 20)  # not the 64 MiB held (the rank's own new pages may be gathered)
+    del held
+
+
+def test_a_fork_while_a_round_runs_beside_workers_stops_it_first(gatherer):
+    held = torch.ones(256 << 18)  # 256 MiB: a round of ROUND_BYTES, long enough to fork during it
+    loader = pipeload.DataLoader(_Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork")
+    iterator = iter(loader)
+    next(iterator)
+    thread = gatherer._thread
+    if thread is None or not thread.is_alive():
+        pytest.skip("the round ended before the fork (the kernel gathered faster than the loop)")
+    pid = os.fork()  # as a multiprocessing.Process or another library would
+    if pid == 0:
+        os._exit(0)
+    try:
+        assert gatherer._stop.is_set() and not thread.is_alive()  # stopped before the child was made
+    finally:
+        os.waitpid(pid, 0)
+    list(iterator)
+    del iterator, held

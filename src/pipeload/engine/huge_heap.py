@@ -295,6 +295,8 @@ class HeapGatherer:
         self._scan_from = 0  # where the next choice reads the page map from (see SCAN_MOST_WINDOWS)
         self._stop = threading.Event()  # the running round's: set by a fork that waited enough
         self._short_lived: set[int] = set()  # pids of workers that stop with their epoch
+        self._chosen_beside: list[int] = []  # windows chosen before such a set forked
+        self._beside = False  # the last round started runs beside short-lived workers
         self.rounds: list[Round] = []  # every finished round, first first
 
     def after_workers_stopped(self, workers: int) -> bool:
@@ -311,28 +313,52 @@ class HeapGatherer:
         finally:
             self._lock.release()
 
-    def beside_short_lived_workers(self, pids: Collection[int]) -> bool:
-        """A set of forked workers that stop with their epoch (``pids``, a loader without
-        persistent workers) has just started: start a round beside them if one is due and none
-        runs; returns whether one started.
-
-        Every page of this process is shared with them by now, and they are gone at the epoch's
-        end: the windows are gathered all the same, so that the next set forks from huge pages.
-        While they live, this process holds its own copy of what was gathered (``ROUND_BYTES`` at
-        most, given back as they exit). Not where any other child shares this process's pages (a
-        persistent loader's workers): it would hold the copy for as long as they live; the round
-        then waits for a stop that leaves the pages ours alone (``after_workers_stopped``)."""
-        if self._unsupported or not worth_gathering(len(pids)) or _exiting():
-            return False
+    def before_short_lived_workers(self, workers: int) -> None:
+        """A set of ``workers`` workers that stop with their epoch (a map-style loader without
+        persistent workers) is about to fork: if a round is due, choose its windows now, among
+        those mapped by this process alone (2 to 3 ms for torch's heap), for
+        ``beside_short_lived_workers`` to gather once they have forked. Chosen after the forks,
+        pages shared with this process's parent or siblings (a launcher that forked it) could not
+        be told from pages shared with these workers."""
+        self._chosen_beside = []
+        if self._unsupported or not worth_gathering(workers) or _exiting():
+            return
         if not self._lock.acquire(blocking=False):
-            return False
+            return
         try:
-            if not self._due():
-                return False
-            self._short_lived = {pid for pid in self._short_lived if _alive(pid)} | set(pids)
-            return self._start(self._round_beside, (frozenset(self._short_lived),))
+            if self._due():
+                self._chosen_beside = self._choose(shared=False) or []
         finally:
             self._lock.release()
+
+    def beside_short_lived_workers(self, pids: Collection[int]) -> bool:
+        """The set of workers announced by ``before_short_lived_workers`` (``pids``) has forked:
+        gather the windows chosen then, beside them; returns whether a round started.
+
+        Those windows are now shared with these workers alone, which are gone at the epoch's end:
+        this process holds its own copy of what is gathered (``ROUND_BYTES`` at most) until they
+        exit, and the next set forks from huge pages. Not where another child lives that shares
+        this process's memory (a persistent loader's workers): the copy would be held for as long
+        as it lives. A fork while the round runs stops it first (``stop_round_beside``)."""
+        windows, self._chosen_beside = self._chosen_beside, []
+        if not windows or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            self._short_lived = {pid for pid in self._short_lived if _alive(pid)} | set(pids)
+            return self._start(self._round_beside, (windows, frozenset(self._short_lived)))
+        finally:
+            self._lock.release()
+
+    def stop_round_beside(self) -> None:
+        """This process is about to fork (any fork: another loader's workers, a
+        ``multiprocessing.Process``, ``os.fork``): a round beside short-lived workers stops after
+        the window in hand, so that no window the new child shares is gathered after it."""
+        thread = self._thread
+        if self._beside and thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            self._stop.set()
+            thread.join()
 
     def _due(self) -> bool:
         """Whether windows should be chosen: never yet, some left by the last round, or the
@@ -364,6 +390,7 @@ class HeapGatherer:
 
     def _start(self, target: Any, args: tuple[Any, ...]) -> bool:
         self._stop = stop = threading.Event()
+        self._beside = target == self._round_beside
         thread = threading.Thread(target=target, args=(*args, stop), name="pipeload-huge-heap", daemon=True)
         try:
             thread.start()
@@ -372,15 +399,13 @@ class HeapGatherer:
         self._thread = thread
         return True
 
-    def _round_beside(self, short_lived: frozenset[int], stop: threading.Event) -> None:
-        """A round beside short-lived workers: chosen here, off the loop's thread (every page is
-        shared already), unless another child shares the pages."""
+    def _round_beside(self, windows: list[int], short_lived: frozenset[int], stop: threading.Event) -> None:
+        """A round beside short-lived workers, unless another child shares this process's pages
+        (then the windows are left for a later round)."""
         if forked_children() - short_lived:
-            return  # still due: the next set's start, or a stop, looks again
-        with self._lock:
-            windows = self._choose(shared=True)
-        if windows:
-            self._round(windows, stop, shared=True)
+            self._more_to_gather = True
+            return
+        self._round(windows, stop, shared=True)
 
     def before_fork(self) -> None:
         """This process is about to fork a worker: let a running round end first (for
@@ -475,4 +500,5 @@ def _exiting() -> bool:
 GATHERER = HeapGatherer()
 if hasattr(os, "register_at_fork"):
     # A child forked while the parent chose windows would inherit the lock taken.
-    os.register_at_fork(after_in_child=lambda: GATHERER.forget_in_child())
+    os.register_at_fork(before=lambda: GATHERER.stop_round_beside(),
+                        after_in_child=lambda: GATHERER.forget_in_child())

@@ -163,7 +163,7 @@ class PoolEngine:
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
                                     counted_by_engine=self._ledger_counts, keeper=keeper,
-                                    short_lived=config.stop_when_done)
+                                    short_lived=self._ends_with_its_sampler(config))
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -175,6 +175,12 @@ class PoolEngine:
         self._shrinking = False  # workers beyond them still run, to be stopped once idle
         self._prefetch_factor = config.prefetch_factor
         self._stop_when_done = config.stop_when_done and config.worker_type == "process"
+
+    @staticmethod
+    def _ends_with_its_sampler(config: PoolConfig) -> bool:
+        """Whether the workers go when a map-style epoch ends (no persistent workers); an
+        iterable dataset's epoch may go on for the whole run."""
+        return config.stop_when_done and config.setup.fetch.kind is DatasetKind.MAP
 
     @property
     def workers(self) -> list[Any]:

@@ -193,6 +193,9 @@ class WorkerGroup:
         del self._unstarted[:len(launches)]
         last = not self._unstarted
         first_slot = len(self.handles)
+        beside = self._short_lived and self._ctx.get_start_method() == "fork"
+        if beside and first_slot == 0:
+            huge_heap.GATHERER.before_short_lived_workers(self._eager)
         try:
             self.handles += start_processes(self._ctx, launches,
                                             self.channels.forget_worker_ends if last else _nothing)
@@ -200,7 +203,7 @@ class WorkerGroup:
             slot = first_slot + [launch.name for launch in launches].index(gone.name)
             deaths = [(self.labels[slot].name(), gone.pid, gone.exitcode)]
             raise WorkerDiedError(worker_died_message(deaths, self._why_workers_could_not_start(deaths))) from gone
-        if self._short_lived and len(self.handles) >= self._eager and self._ctx.get_start_method() == "fork":
+        if beside and len(self.handles) >= self._eager:
             # Every worker the epoch needs has forked: the next set forks from huge pages
             # (engine/huge_heap.py), gathered beside these workers, which go with the epoch.
             huge_heap.GATHERER.beside_short_lived_workers([handle.pid for handle in self.handles])
