@@ -5,6 +5,7 @@ archive and member, raised or skipped by the on_error policy."""
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import re
 import shutil
@@ -189,6 +190,54 @@ def test_a_broken_archive_raises_naming_the_archive_and_where(tmp_path: Path, ca
     if readable is not None:
         assert [m.name for m in got] == [name for name, _ in MEMBERS[:readable]]
     assert failure_counts(pipe) == FailureCounts(skipped=0, raised=1)
+
+
+def _with_long_names(tar_format: int) -> bytes:
+    """Two members under a directory whose name takes 120 bytes (kept past the header: a GNU
+    long-name record or a pax ``path``, which no checksum covers), the first 1000 bytes long."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tar_format) as archive:
+        for name, size in (("k0.bin", 1000), ("k0.cls", 1)):
+            info = tarfile.TarInfo("d" * 120 + "/" + name)
+            info.size = size
+            archive.addfile(info, io.BytesIO(b"7" * size))
+    return buffer.getvalue()
+
+
+def _replaced_once(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert data.count(old) >= 1 and len(old) == len(new)
+    return data.replace(old, new, 1)
+
+
+def _read_members(path: Path) -> list[tuple[str, int]]:
+    return [(member.name, len(member[1])) for member in members_of(path)]
+
+
+@pytest.mark.parametrize("damage", ["pax size", "pax record", "gnu long name start"])
+def test_damage_to_the_names_and_sizes_kept_past_a_header_is_found(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "shard.tar"
+    if damage == "gnu long name start":
+        # one bit of the long name's first 100 bytes, which the member's own header repeats
+        data = _replaced_once(_with_long_names(tarfile.GNU_FORMAT), b"d" * 120 + b"/k0.bin", b"e" + b"d" * 119 + b"/k0.bin")
+    else:
+        pax = _with_long_names(tarfile.PAX_FORMAT)
+        record = re.search(rb"\d+ path=d+/k0\.bin\n", pax).group()
+        if damage == "pax size":  # a size record as long as the path record it replaces
+            digits = len(record) - len(b"%d size=\n" % len(record))
+            replacement = b"%d size=%s\n" % (len(record), b"0" * (digits - 4) + b"1008")
+        else:  # a record whose length no longer reaches its end
+            replacement = b"9" + record[1:]
+        data = _replaced_once(pax, record, replacement)
+    path.write_bytes(data)
+    with pytest.raises(ArchiveError, match="corrupt"):
+        _read_members(path)
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_kept_past_a_header_read_as_written(tmp_path: Path, tar_format: int) -> None:
+    path = tmp_path / "shard.tar"
+    path.write_bytes(_with_long_names(tar_format))
+    assert _read_members(path) == [("d" * 120 + "/k0.bin", 1000), ("d" * 120 + "/k0.cls", 1)]
 
 
 @pytest.mark.timeout(60)

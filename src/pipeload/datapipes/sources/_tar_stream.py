@@ -207,7 +207,11 @@ class TarReader:
                 header_at, block = self.offset - BLOCK_BYTES, following  # archives joined end to end
             self._check_header(block, header_at)
             kind = block[156:157]
-            size = int(pax["size"]) if "size" in pax else _number(block[124:136], header_at)
+            size = _number(block[124:136], header_at)
+            if "size" in pax:
+                size = _pax_size(pax["size"], size, header_at)
+            if long_name is not None:
+                _check_long_name(long_name, block, header_at)
             name = pax.get("path") or long_name or _ustar_name(block)
             if kind in _REGULAR_TYPES:
                 self.last_member, self.in_member = name, True
@@ -230,7 +234,7 @@ class TarReader:
             extension = self._read_data(size)
             pax, long_name, long_link = {}, None, None  # they describe the very next header only
             if kind == _PAX_TYPE:
-                pax = _pax_records(extension)
+                pax = _pax_records(extension, header_at)
             elif kind == _GNU_LONG_NAME:
                 long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif kind == _GNU_LONG_LINK:
@@ -454,14 +458,40 @@ def _ustar_text(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
-def _pax_records(data: bytes) -> dict[str, str]:
-    """``"<length> <key>=<value>\\n"`` records, as pax extended headers hold them."""
+def _pax_records(data: bytes, header_at: int) -> dict[str, str]:
+    """``"<length> <key>=<value>\\n"`` records, as pax extended headers hold them. No checksum
+    covers them: a record whose length, separator or end does not fit is corrupt."""
     records = {}
     position = 0
     while position < len(data) and data[position:position + 1] != b"\0":
-        space = data.index(b" ", position)
-        length = int(data[position:space])
-        key, _, value = data[space + 1:position + length - 1].partition(b"=")
+        space = data.find(b" ", position, position + 20)
+        digits = data[position:space] if space > position else b""
+        length = int(digits) if digits.isdigit() else 0
+        end = position + length
+        if length <= space - position + 1 or end > len(data) or data[end - 1:end] != b"\n" or b"=" not in data[space:end]:
+            raise TarFormatError(f"corrupt: the pax header at byte {header_at} has a malformed record "
+                                 f"at byte {position} of it")
+        key, _, value = data[space + 1:end - 1].partition(b"=")
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
-        position += length
+        position = end
     return records
+
+
+def _pax_size(value: str, header_size: int, header_at: int) -> int:
+    """A member's size from its pax ``size`` record. Writers put a size there only where the
+    header's field cannot hold it, leaving that field 0; a record that disagrees with a size the
+    header holds (covered by its checksum) is damage."""
+    size = int(value) if value.isdigit() else -1
+    if size < 0 or (header_size and size != header_size):
+        raise TarFormatError(f"corrupt: the member at byte {header_at} has a pax size {value!r} that "
+                             f"does not agree with its header's ({header_size})")
+    return size
+
+
+def _check_long_name(long_name: str, block: bytes, header_at: int) -> None:
+    """A GNU long name (no checksum covers it) must begin with the first 100 bytes of the name
+    that tar and Python's tarfile also write in the member's own header (which one does)."""
+    start = block[:100].split(b"\0", 1)[0]
+    if start and not long_name.encode("utf-8", "surrogateescape").startswith(start):
+        raise TarFormatError(f"corrupt: the long name before the header at byte {header_at} does not "
+                             f"begin with the name in that header ({start[:40]!r}...)")
