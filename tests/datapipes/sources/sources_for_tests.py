@@ -22,6 +22,7 @@ import numpy as np
 from pipeload.datapipes import IterDataPipe, NotAvailable, PipeIterator
 
 STALL_SLICE_S = 0.05
+TRICKLE_BYTES = 4096  # what a trickling response sends before it hangs
 
 
 def sample_files(shard: int, index: int) -> list[tuple[str, bytes]]:
@@ -115,11 +116,14 @@ class _ShardHandler(BaseHTTPRequestHandler):
             self.send_error(404, f"no such shard: {name}")
             return
         data = path.read_bytes()
+        fault = self.shards.take_fault(name)
+        if fault == "trickle":
+            self._trickle(data)
+            return
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Content-Type", "application/x-tar")
         self.end_headers()
-        fault = self.shards.take_fault(name)
         if fault is None:
             self.wfile.write(data)
             return
@@ -130,6 +134,22 @@ class _ShardHandler(BaseHTTPRequestHandler):
             while not self.shards.released.wait(STALL_SLICE_S):
                 pass
         self.connection.shutdown(socket.SHUT_RDWR)  # cut the response half-way
+
+    def _trickle(self, data: bytes) -> None:
+        """A few bytes from where the request's range begins, then a stall until the server
+        closes: a proxy that stops forwarding after each reconnect."""
+        start = int(self.headers.get("Range", "bytes=0-")[len("bytes="):].split("-")[0])
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("ETag", '"v1"')
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        self.wfile.write(data[start:start + TRICKLE_BYTES])
+        self.wfile.flush()
+        while not self.shards.released.wait(STALL_SLICE_S):
+            pass
+        self.connection.shutdown(socket.SHUT_RDWR)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass  # quiet: the tests read the request counts instead
@@ -175,6 +195,7 @@ class ShardServer(_ServerThread):
         self.requests: collections.Counter[str] = collections.Counter()
         self._drops: dict[str, int] = {}
         self._stalls: set[str] = set()
+        self._trickles: set[str] = set()
         self.stalled = threading.Event()  # set once a stalled response is hanging
         self.released = threading.Event()
         self._serve(partial(_ShardHandler, shards=self), "test-shard-server")
@@ -187,6 +208,11 @@ class ShardServer(_ServerThread):
         with self._lock:
             self._stalls.add(name)
 
+    def trickle(self, name: str) -> None:
+        """Every response for ``name`` (ranges answered) sends ``TRICKLE_BYTES`` and hangs."""
+        with self._lock:
+            self._trickles.add(name)
+
     def note_request(self, name: str) -> None:
         with self._lock:
             self.requests[name] += 1
@@ -195,6 +221,8 @@ class ShardServer(_ServerThread):
         with self._lock:
             if name in self._stalls:
                 return "stall"
+            if name in self._trickles:
+                return "trickle"
             if self._drops.get(name, 0) > 0:
                 self._drops[name] -= 1
                 return "drop"

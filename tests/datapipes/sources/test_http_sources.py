@@ -169,6 +169,22 @@ def test_a_stalled_response_is_a_transient_error_not_a_five_minute_wait(
     assert "Timeout" in str(raised.value) and server.requests["shard-0001.tar"] >= FAST_RETRY.attempts
 
 
+@pytest.mark.timeout(30)
+def test_a_server_that_stalls_after_a_few_bytes_each_time_ends_in_an_error_after_its_attempts(
+    server: ShardServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each reconnect brings a few bytes: progress, but not enough to start the attempts afresh
+    # (followed to the end before, a stall timeout every 4 KiB).
+    monkeypatch.setattr(_storage, "HTTP_STALL_S", 0.3)
+    server.trickle("shard-0000.tar")
+    url = shard_urls(server, 1)[0]
+    pipe = IterableWrapper([url]).open_files(mode="b", retry=FAST_RETRY).load_from_tar()
+    with pytest.raises(SourceError, match=url) as raised:
+        list(pipe)
+    assert "Timeout" in str(raised.value) and f"gave up after {FAST_RETRY.attempts} attempts" in str(raised.value)
+    assert server.requests["shard-0000.tar"] == FAST_RETRY.attempts
+
+
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_workers_hanging_on_a_stalled_read_do_not_hold_up_shutdown(
     server: ShardServer, leak_guard: LeakGuard, worker_type: str

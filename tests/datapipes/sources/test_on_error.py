@@ -19,6 +19,7 @@ from pipeload.datapipes.sources import (
     failure_counts,
     is_transient,
 )
+from pipeload.datapipes.sources import _retry
 from pipeload.datapipes.sources._retry import RetryingReader, with_retries
 from pipeload.datapipes.sources._versions import ObjectVersion
 
@@ -173,7 +174,8 @@ class _CutAfter(io.RawIOBase):
 
 
 @pytest.mark.parametrize("seekable", [True, False])
-def test_the_reader_resumes_at_the_byte_it_stopped(seekable: bool) -> None:
+def test_the_reader_resumes_at_the_byte_it_stopped(seekable: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_retry, "PROGRESS_BYTES", 2000)  # what starts the attempts afresh
     data = bytes(range(256)) * 40
     opened = []
 

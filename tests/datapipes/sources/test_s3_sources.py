@@ -162,6 +162,21 @@ def test_a_key_overwritten_between_two_ranges_is_never_spliced(
     assert pairs == members[:len(pairs)] and len(pairs) < len(members)
 
 
+def test_a_key_replaced_after_the_listing_and_before_its_first_read_is_read_whole_as_it_is_now(
+    fresh_s3_clients: str,
+) -> None:
+    # The listing saw the first version; nothing of it was read: the new one is whole and
+    # consistent, not "changed while it was read" (s3fs pinned reads to the listing's ETag).
+    first = [(f"k{index:03d}.bin", bytes([index]) * 3000) for index in range(4)]
+    now = [(name, bytes([9]) * 5000) for name, _ in first]
+    _overwrite("relisted/a.tar", tar_bytes(first))
+    shards = FileLister(f"s3://{BUCKET}/relisted", "*.tar")
+    listed = list(shards)
+    _overwrite("relisted/a.tar", tar_bytes(now))
+    got = list(IterableWrapper(listed).open_files(mode="b").load_from_tar())
+    assert [(m.name, m[1]) for m in got] == now
+
+
 def test_a_reopened_read_of_an_overwritten_key_is_refused(fresh_s3_clients: str) -> None:
     members = _big_members()
     key = "changing/reopened.tar"

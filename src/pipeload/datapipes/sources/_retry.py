@@ -34,6 +34,8 @@ _TRANSIENT_HTTP_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                                errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
 SKIP_CHUNK_BYTES = 1 << 20  # a stream that cannot seek is fast-forwarded in reads of this size
+# Bytes a stream must hand out after a failed read before its attempts start afresh.
+PROGRESS_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,15 @@ def _says_transient(error: BaseException) -> bool:
     return isinstance(status, int) and status in _TRANSIENT_HTTP_STATUS
 
 
-def with_retries(action: Callable[[], Any], policy: RetryPolicy, stop: threading.Event | None = None) -> Any:
+def with_retries(action: Callable[[], Any], policy: RetryPolicy, stop: threading.Event | None = None,
+                 failed_before: int = 0) -> Any:
     """``action()``, tried again after transient failures as ``policy`` allows.
 
     ``stop`` (when given and set) ends the waiting early: the last error is raised at once.
+    ``failed_before``: failures already counted against ``policy.attempts`` (a stream's, whose
+    reads since made too little progress to start afresh).
     """
-    failures = 0
+    failures = failed_before
     while True:
         try:
             return action()
@@ -149,15 +154,24 @@ class RetryingReader(io.RawIOBase):
         self._file: IO[bytes] | None = None
         self._file, self.version, _ = with_retries(lambda: opener(0, None), policy)
         self.reconnects = 0
+        self._strikes = 0  # failed reads since the stream last made PROGRESS_BYTES of progress
+        self._since_strike = 0  # bytes handed out since the last failed read
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        data = with_retries(lambda: self._read_once(len(view)), self._policy)
+        data = with_retries(lambda: self._read_once(len(view)), self._policy, failed_before=self._strikes)
         view[:len(data)] = data
         self._position += len(data)
+        # Attempts start afresh only after real progress: a server that sends a little after
+        # each reconnect and stalls again (a proxy that stops forwarding) was followed for as
+        # long as it went on, a stall timeout each time (a 2 MiB shard sent 64 KiB at a time:
+        # 16 minutes, without a word).
+        self._since_strike += len(data)
+        if self._since_strike >= PROGRESS_BYTES:
+            self._strikes = 0
         return len(data)
 
     def _read_once(self, size: int) -> bytes:
@@ -167,6 +181,8 @@ class RetryingReader(io.RawIOBase):
             return self._file.read(size)  # type: ignore[union-attr]
         except Exception as error:
             self._drop_file()
+            self._strikes += 1
+            self._since_strike = 0
             if is_expired(error):  # the store refused the pinned version: it changed
                 raise changed_error(self.url, f"the store refused a read of the version read "
                                               f"first: {error}") from error

@@ -119,8 +119,10 @@ def open_remote(url: str, storage_options: Mapping[str, Any] | None, position: i
     fs, path = filesystem(url, storage_options)
     if url.startswith(("http://", "https://")):
         return _open_http(fs, path, url, position, pinned)
-    if pinned is not None:
-        fs.invalidate_cache(path)  # a reopened read compares what the store says now
+    # What the store says now: a reopened read compares it with the first; a first read must
+    # not pin the version a listing saw (an object replaced since, whole and consistent, was
+    # refused as changed while it was read: s3fs pins its reads to the ETag it knows).
+    fs.invalidate_cache(path)
     file = fs.open(path, "rb")
     try:
         version = _versions.details_version(getattr(file, "details", None))
