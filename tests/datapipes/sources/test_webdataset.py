@@ -14,7 +14,7 @@ from sources_for_tests import Gate, GatedPipe, tar_bytes
 from pipeload.datapipes import NotAvailable
 from pipeload.datapipes.iter import IterableWrapper
 from pipeload.datapipes.sources import (ArchiveError, ArchiveMember, FailureBudgetExceeded, FailureCounts,
-                                        SkippedSampleWarning, SourceError, split_key)
+                                        MemberLeftOutWarning, SkippedSampleWarning, SourceError, split_key)
 
 
 # every stream opened is closed when its archive ends, fails or is dropped
@@ -28,11 +28,16 @@ def test_keys_and_extensions_follow_webdatasets_convention() -> None:
 
 def test_consecutive_members_of_one_key_make_one_sample(tmp_path: Path) -> None:
     members = [("d/k1.jpg", b"j1"), ("d/k1.CLS", b"1"), ("d/k1.seg.png", b"p1"), ("README", b"x"),
-               ("d/k2.jpg", b"j2"), ("d/k2.cls", b"2")]
+               ("d/.hidden.cls", b"h"), ("d/k2.jpg", b"j2"), ("d/k2.cls", b"2")]
     (tmp_path / "a.tar").write_bytes(tar_bytes(members))
     (tmp_path / "b.tar").write_bytes(tar_bytes([("d/k2.jpg", b"j3")]))  # same key, next archive
     urls = [str(tmp_path / "a.tar"), str(tmp_path / "b.tar")]
-    samples = list(IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset())
+    with pytest.warns(MemberLeftOutWarning) as said:  # README and .hidden.cls are in no sample
+        samples = list(IterableWrapper(urls).open_files(mode="b").load_from_tar().webdataset())
+    assert [str(w.message) for w in said if w.category is MemberLeftOutWarning] == [
+        f"pipeload: member 'README' of {urls[0]!r} is left out of every sample: its name has no key and "
+        "extension (WebDataset's convention: the key runs to the first dot of the file's own name, which "
+        "must not begin with one, and an extension follows it); this is said once an archive"]
     assert samples == [
         {"__key__": "d/k1", "__url__": urls[0], "jpg": b"j1", "cls": b"1", "seg.png": b"p1"},
         {"__key__": "d/k2", "__url__": urls[0], "jpg": b"j2", "cls": b"2"},

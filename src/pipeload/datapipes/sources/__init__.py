@@ -24,7 +24,7 @@ from pipeload.datapipes.sources.on_error import (
 )
 from pipeload.datapipes.sources.pipeline import expand_urls, webdataset_pipeline
 from pipeload.datapipes.sources.tar import ArchiveMember, TarArchiveLoader
-from pipeload.datapipes.sources.webdataset import WebDataset, split_key
+from pipeload.datapipes.sources.webdataset import MemberLeftOutWarning, WebDataset, split_key
 
 __all__ = [
     "ArchiveError",
@@ -38,6 +38,7 @@ __all__ = [
     "FileReader",
     "IterableWrapper",
     "LinkLeftOutWarning",
+    "MemberLeftOutWarning",
     "RetryPolicy",
     "SampleDecodeError",
     "SampleGroupingError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,11 @@ def split_key(name: str) -> tuple[str, str] | None:
     """
     match = _KEY_AND_EXTENSION.match(name)
     return (match.group(1), match.group(2)) if match else None
+
+
+class MemberLeftOutWarning(UserWarning):
+    """A tar member whose name has no key and extension (``README``, ``.hidden.cls``) is in no
+    sample of ``webdataset``."""
 
 
 class WebDataset(IterDataPipe[dict[str, Any]], ErrorPolicyMixin):
@@ -115,6 +121,7 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
         # key's members is seen (a mis-packed shard); bounded by one archive's samples.
         self._reading: tuple[Any, Any] | None = None  # (url, outcome) of that reading
         self._keys_in_reading: set[str] = set()
+        self._warned_reading = False  # a member left out of that reading was said
 
     def nonblocking_next(self) -> dict[str, Any]:
         while True:
@@ -138,6 +145,7 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
         self._note_reading(url, outcome, getattr(member, "index", None))
         parts = split_key(name)
         if parts is None:
+            self._warn_left_out(url, name)
             return None
         key, extension = parts[0], parts[1].lower()
         finished = None
@@ -168,6 +176,19 @@ class _GroupingIterator(PipeIterator[dict[str, Any]]):
         if (url, outcome) != self._reading or index == 0:
             self._reading = (url, outcome)
             self._keys_in_reading.clear()
+            self._warned_reading = False
+
+    def _warn_left_out(self, url: str | None, name: str) -> None:
+        """Say (once an archive reading) that a member with no key and extension to group by
+        is in no sample: nothing of a shard is left out without a word."""
+        if self._warned_reading:
+            return
+        self._warned_reading = True
+        where = f" of {url!r}" if url is not None else ""
+        warnings.warn(f"pipeload: member {name!r}{where} is left out of every sample: its name has no "
+                      "key and extension (WebDataset's convention: the key runs to the first dot of "
+                      "the file's own name, which must not begin with one, and an extension follows "
+                      "it); this is said once an archive", MemberLeftOutWarning, stacklevel=2)
 
     def _check_key_is_new(self, url: str | None, key: str) -> None:
         if url is None:  # plain (path, data) pairs: no archive to hold the keys of
