@@ -6,14 +6,17 @@ import multiprocessing
 import platform
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import psutil
 import pytest
+import torch.utils.data
 from conftest import wait_until
 
+import pipeload
 from pipeload.engine import lifecycle
 
 
@@ -155,3 +158,26 @@ def test_a_ctrl_c_while_a_spawn_start_writes_the_child_its_arguments_leaves_no_z
     left = [child for child in psutil.Process().children() if child.pid not in before
             and "resource_tracker" not in " ".join(child.cmdline())]
     assert left == [], [(child.pid, child.status()) for child in left]
+
+
+class _ProgramsSigint(torch.utils.data.Dataset):
+    """Each item: whether a program started from the worker ignores Ctrl-C (SIGINT)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> bool:
+        asked = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+        answer = subprocess.run([sys.executable, "-c", asked], capture_output=True, text=True, check=True)
+        return answer.stdout.strip() == "True"
+
+
+def test_a_program_a_worker_starts_stops_on_ctrl_c_as_under_torchs_workers():
+    # Workers leave Ctrl-C to the main process; an ignored SIGINT would stay ignored across exec,
+    # and an ffmpeg the dataset runs would outlive the Ctrl-C that stopped everything else.
+    def ignored(module) -> list[bool]:
+        loader = module.DataLoader(_ProgramsSigint(), batch_size=None, num_workers=1,
+                                   multiprocessing_context="fork")
+        return [bool(answer) for answer in loader]
+
+    assert ignored(pipeload) == ignored(torch.utils.data) == [False, False]

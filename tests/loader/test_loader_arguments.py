@@ -589,7 +589,16 @@ def test_a_function_argument_that_is_not_callable_is_refused_when_the_loader_is_
     # neither the argument nor the value: said at once, with those words first.
     with pytest.raises(TypeError, match=rf"^'int' object is not callable: {name} should be a function, "
                                         rf"but got {name}=3$"):
-        pipeload.DataLoader(list(range(4)), **{name: 3})
+        pipeload.DataLoader(list(range(4)), num_workers=1, **{name: 3})
+
+
+def test_a_worker_init_fn_without_workers_is_left_alone_as_torch_does_until_workers_are_asked_for() -> None:
+    mine = pipeload.DataLoader(list(range(4)), batch_size=2, worker_init_fn=3)
+    theirs = torch.utils.data.DataLoader(list(range(4)), batch_size=2, worker_init_fn=3)
+    assert [b.tolist() for b in mine] == [b.tolist() for b in theirs] == [[0, 1], [2, 3]]
+    mine.num_workers = 1
+    with pytest.raises(TypeError, match=r"^'int' object is not callable: worker_init_fn should be a function"):
+        iter(mine)
 
 
 @pytest.mark.parametrize("name, value, error, words", [
@@ -629,3 +638,21 @@ def test_workers_set_to_none_after_construction_load_in_this_process_as_torchs_d
     loader = pipeload.DataLoader(numbers(pipeload), batch_size=2, num_workers=2, persistent_workers=True)
     loader.num_workers = 0
     assert [batch[0].tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_the_excessive_workers_warning_comes_as_torchs_does_when_workers_start(persistent_workers: bool) -> None:
+    # torch says it when the loader is made and again in every new iterator with workers: each
+    # epoch without persistent workers, the first one with them.
+    import os
+
+    def warned(module: Any) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = module.DataLoader(list(range(4)), batch_size=2, persistent_workers=persistent_workers,
+                                       num_workers=len(os.sched_getaffinity(0)) + 1)
+            for _ in range(2):
+                list(loader)
+        return [str(w.message)[:60] for w in caught if "worker processes in total" in str(w.message)]
+
+    assert warned(pipeload) == warned(torch.utils.data) and len(warned(pipeload)) == (2 if persistent_workers else 3)

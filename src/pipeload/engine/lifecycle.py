@@ -579,6 +579,19 @@ def schedule_as_batch_work() -> bool:
     return True
 
 
+def leave_ctrl_c_to_the_main_process() -> None:
+    """In a worker process: Ctrl-C (SIGINT, sent to the whole foreground process group) is the
+    main process's to handle; it stops the workers. Caught and dropped here, not ignored: an
+    ignored signal stays ignored across ``exec``, and a program the dataset runs (``ffmpeg``
+    through ``subprocess``) would then outlive a Ctrl-C too, where under torch's workers it
+    stops. A caught one is the default again in any program started from here."""
+    signal.signal(signal.SIGINT, _drop_ctrl_c)
+
+
+def _drop_ctrl_c(signum: int, frame: Any) -> None:
+    pass  # the main process stops this worker
+
+
 def keep_descriptors_from_programs() -> None:
     """In a child process: mark every descriptor past stderr close-on-exec.
 

@@ -11,7 +11,6 @@ import gc
 import math
 import os
 import re
-import signal
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_creator_dies,
     keep_descriptors_from_programs,
+    leave_ctrl_c_to_the_main_process,
     schedule_as_batch_work,
     steady_heap,
 )
@@ -411,7 +411,7 @@ def enter_worker_process(base_seed: int, seed_offset: int) -> int:
     the inherited objects, leave when the parent dies, never preempt the main process when woken
     (``schedule_as_batch_work``), reuse the heap samples free (``steady_heap``), one torch
     thread, seeded generators. Returns the seed, ``base_seed + seed_offset``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    leave_ctrl_c_to_the_main_process()
     keep_descriptors_from_programs()
     # The cyclic collector never again visits what was here at the start (under fork, the main
     # process's objects): a full collection writes to every object it visits, which would copy

@@ -160,7 +160,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         arguments.check_equal_batches(equal_batches)
         arguments.check_worker_seeding(worker_seeding)
-        arguments.check_callables(collate_fn=collate_fn, worker_init_fn=worker_init_fn)
+        # worker_init_fn only where workers will call it: torch never looks at it without them.
+        arguments.check_callables(collate_fn=collate_fn, worker_init_fn=worker_init_fn if num_workers != 0 else None)
         self.equal_batches = equal_batches
         self.worker_seeding = worker_seeding
         self.dataset = dataset
@@ -264,7 +265,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             arguments.check_max_shm_bytes(value)
         elif name == "generator":
             check_generator(value)
-        elif name in ("collate_fn", "worker_init_fn"):
+        elif name == "collate_fn" or (name == "worker_init_fn" and self.num_workers != 0):
             arguments.check_callables(**{name: value})
         return value
 
@@ -372,6 +373,13 @@ class DataLoader(torch_data.DataLoader[T_co]):
         CPUs this process may use (torch's public method)."""
         arguments.warn_if_too_many_workers(self.num_workers, self.num_batch_workers or 0, self.worker_type)
 
+    def _warn_if_too_many_workers(self) -> None:
+        """torch's warning again as new workers start (an epoch without persistent workers, a
+        first epoch, ``num_workers`` raised since): torch says it at construction and in every
+        new iterator with workers. Not where "auto" chose the count."""
+        if self.num_workers > 0 and not self._auto[0]:
+            self.check_worker_number_rationality()
+
     def _settings_agree(self) -> None:
         """Settings assigned after construction, each checked as it was set, agree with each
         other as an epoch starts: workers asked for after ``num_workers=0`` get torch's default
@@ -385,6 +393,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
         # torch's does (refused only when both are given to the constructor, as by torch).
         context = self.multiprocessing_context if self.worker_type == "process" else None
         arguments.check_worker_options(self.num_workers, False, self.worker_type, context)
+        if self.num_workers != 0:  # workers asked for since worker_init_fn was set
+            arguments.check_callables(worker_init_fn=self.worker_init_fn)
 
     def _get_iterator(self) -> _EpochIterator:
         # Some training frameworks call torch's private hook; it is one epoch's iterator.
@@ -450,6 +460,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         epoch_seed: dict[str, int] = {}
         session = point.session if point is not None else None
         if not (self.persistent_workers and self.num_workers > 0):
+            self._warn_if_too_many_workers()
             engine = _engine_choice.build_engine(self, point, session)
             record.base_seed, record.session_epoch = self._session
             record.later_in_session = session is not None
@@ -462,6 +473,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
                 # new draw from the generators (which put the sampler's order, and the loop's
                 # own draws, out of step with torch's from then on).
                 session = (interrupted[0], interrupted[1] + 1)
+            self._warn_if_too_many_workers()
             self._persistent_engine = _engine_choice.build_engine(self, point, session)
             weakref.finalize(self, self._persistent_engine.close)
             record.later_in_session = session is not None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import weakref
 from typing import Any
 
@@ -33,6 +32,7 @@ from pipeload.engine.lifecycle import (
     exit_when_creator_dies,
     held_over_a_fork,
     keep_descriptors_from_programs,
+    leave_ctrl_c_to_the_main_process,
     release_finished,
     schedule_as_batch_work,
     start_process,
@@ -121,7 +121,7 @@ def _stop_and_give_back(queue: DataLoaderQueue, process: Any, lent: Lent) -> Non
 def run_upstream_process(upstream_pipe: Any, seed: int, queue: DataLoaderQueue,
                          resume: Resume | None = None, states: bool = False) -> None:
     """Entry point of a boundary's upstream process (``resume``, ``states``: see ``feed``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    leave_ctrl_c_to_the_main_process()
     keep_descriptors_from_programs()
     exit_when_creator_dies()
     schedule_as_batch_work()  # woken by the consumer, it must not preempt it
