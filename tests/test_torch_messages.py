@@ -10,10 +10,11 @@ Left out on purpose, with the reason:
   * an iterator's pickling error: torch's ``str()`` is the repr of an argument tuple
     ("('{} cannot be pickled', ...)"); ours says "_EpochIterator cannot be pickled";
   * ``Subset`` subclasses overriding ``__getitem__`` only: torch 2.13 refuses them, we accept them;
-  * Python's incidental messages (comparing a str num_workers with 0, ``len()`` of an empty
-    TensorDataset, an empty RandomSampler): no sentence of torch's, only the exception type,
-    which we keep (a ConcatDataset index past the end is in CASES: torch's IndexError always
-    reads "list index out of range", and code written for it may match those words);
+  * Python's incidental messages (comparing a str num_workers with 0, an empty RandomSampler):
+    no sentence of torch's, only the exception type, which we keep (a ConcatDataset index past
+    the end and ``len()`` of an empty TensorDataset are in CASES: torch's IndexError always reads
+    "list index out of range" or "tuple index out of range", and code written for it may match
+    those words);
   * "Pin memory thread exited unexpectedly" and pin-thread errors: torch pins only with an
     accelerator (tests/engine/test_pin_stage.py checks ours);
   * running out of file descriptors: needs its own process (tests/engine/test_fd_limit.py).
@@ -212,6 +213,7 @@ CASES: dict[str, Case] = {
     # datasets
     "Dataset without __getitem__": Case(lambda m: m.Dataset()[0]),
     "TensorDataset sizes": Case(lambda m: m.TensorDataset(torch.zeros(2), torch.zeros(3))),
+    "TensorDataset of nothing": Case(lambda m: len(m.TensorDataset())),
     "StackDataset of nothing": Case(lambda m: m.StackDataset()),
     "StackDataset args and kwargs": Case(lambda m: m.StackDataset([1], a=[1])),
     "StackDataset sizes": Case(lambda m: m.StackDataset([1], [1, 2])),

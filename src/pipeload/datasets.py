@@ -119,7 +119,7 @@ class TensorDataset(Dataset[tuple[torch.Tensor, ...]], torch_data.TensorDataset)
 
     def __len__(self) -> int:
         if not self.tensors:
-            raise IndexError("TensorDataset has no length: it was made from no tensors")
+            raise IndexError("tuple index out of range: TensorDataset has no length, it was made from no tensors")
         return self.tensors[0].size(0)
 
 
