@@ -76,12 +76,7 @@ def _torch(images: TarImages, options: BenchOptions) -> Iterable[Any]:
 def _economic(images: TarImages, options: BenchOptions) -> Iterable[Any]:
     if options.workers == 0:
         raise LookupError("economic mode needs workers (--workers 0 was given)")
-    # Its batch workers may start besides the --workers item workers (none do for these flat
-    # samples), and torch's warning counts them: more processes than CPUs on a small machine,
-    # said in the middle of the runs on every pass. The header says it once instead (see run).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-        return _pipeload(mode="economic")(images, options)
+    return _pipeload(mode="economic")(images, options)
 
 
 @dataclass(frozen=True)
@@ -243,10 +238,16 @@ def _dataset(size: int) -> Path:
 
 
 def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -> Run:
-    loader = LOADERS[name].make(images, options)
     label = f"{name:<9} {repeat + 1}/{options.repeats}"
     total = -(-len(images) // options.batch_size)
-    with _bar(total, label, "batch") as bar:
+    with warnings.catch_warnings(), _bar(total, label, "batch") as bar:
+        if name == "economic":
+            # Its batch workers may start besides the --workers item workers (none do for these
+            # flat samples), and torch's warning counts them (when the loader is made and as its
+            # workers start): more processes than CPUs on a small machine, said in the middle of
+            # the runs on every pass. The header says it once instead (see run).
+            warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        loader = LOADERS[name].make(images, options)
         result = time_one_pass(name, repeat, loader, _batch_length, bar.update)
     _say(f"{label}: {result.samples_per_s:>9,.0f} samples/s, first batch "
          f"{result.first_batch_s * 1e3:,.0f} ms")

@@ -30,11 +30,12 @@ dataset loaded since).
 
 A loader without persistent workers rarely leaves such a stop: the last epoch's workers are
 reaped beside the loop, by which time the next epoch's have forked and share every page again.
-Its workers go with their epoch, though, so a round runs beside them once they have all started
-(``beside_short_lived_workers``), gathering the windows they share: this process holds its own
-copy of those (``ROUND_BYTES`` at most) until they exit, and the next set forks from huge pages.
-Never while another child lives that is not such a worker (a persistent loader's): that copy
-would be held for as long as it lives.
+Its workers go with their epoch, though: the windows ours alone are chosen just before such a
+set forks (``before_short_lived_workers``) and gathered beside it once it has
+(``beside_short_lived_workers``): this process holds its own copy of them (``ROUND_BYTES`` at
+most) until the set exits, and the next set forks from huge pages. Never while another child
+lives that is not such a worker (a persistent loader's), and any fork stops such a round first
+(``stop_round_beside``): that copy would be held for as long as the child lives.
 
 ``PIPELOAD_HUGE_HEAP``: ``auto`` (the default) gathers where the kernel has transparent huge pages
 (not ``never``) and the machine has a CPU to spare beside the workers; ``on`` gathers wherever the
@@ -256,10 +257,9 @@ def anonymous_bytes() -> int:
     return -1
 
 
-def windows_to_gather(skip: Set[int], most: int, start_at: int = 0, shared: bool = False) -> Scan | None:
+def windows_to_gather(skip: Set[int], most: int, start_at: int = 0) -> Scan | None:
     """Up to ``most`` windows worth gathering now, none of ``skip``, from address ``start_at``
-    (``SCAN_MOST_WINDOWS`` of page map read at most; ``shared``: windows that children share
-    too); None where the page map cannot be read."""
+    (``SCAN_MOST_WINDOWS`` of page map read at most); None where the page map cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             ranges = list(private_anonymous_ranges(maps.read()))
@@ -267,7 +267,7 @@ def windows_to_gather(skip: Set[int], most: int, start_at: int = 0, shared: bool
     except OSError:
         return None
     try:
-        return scan(pagemap, iter(ranges), skip, most, start_at, SCAN_MOST_WINDOWS, shared)
+        return scan(pagemap, iter(ranges), skip, most, start_at, SCAN_MOST_WINDOWS)
     finally:
         os.close(pagemap)
 
@@ -327,7 +327,7 @@ class HeapGatherer:
             return
         try:
             if self._due():
-                self._chosen_beside = self._choose(shared=False) or []
+                self._chosen_beside = self._choose() or []
         finally:
             self._lock.release()
 
@@ -369,11 +369,11 @@ class HeapGatherer:
         grown = private >= self._chosen_at_bytes + REGATHER_GROWTH_BYTES
         return private >= 0 and (self._chosen_at_bytes < 0 or self._more_to_gather or grown)
 
-    def _choose(self, shared: bool) -> list[int] | None:
-        """The windows of the next round (None: the page map cannot be read)."""
+    def _choose(self) -> list[int] | None:
+        """The windows of the next round, ours alone (None: the page map cannot be read)."""
         self._chosen_at_bytes = anonymous_bytes()
         most = ROUND_BYTES // HUGE_PAGE_BYTES
-        found = windows_to_gather(self._gathered, most, self._scan_from, shared)
+        found = windows_to_gather(self._gathered, most, self._scan_from)
         if found is None:
             self._unsupported = True
             return None
@@ -385,7 +385,7 @@ class HeapGatherer:
     def _choose_and_start(self) -> bool:
         if not self._due():
             return False
-        windows = self._choose(shared=False)
+        windows = self._choose()
         return bool(windows) and self._start(self._round, (windows,))
 
     def _start(self, target: Any, args: tuple[Any, ...]) -> bool:
