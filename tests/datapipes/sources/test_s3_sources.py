@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from sources_for_tests import all_keys, free_port, sample_key, tar_bytes, write_
 import pipeload
 from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import FileLister, IterableWrapper
-from pipeload.datapipes.sources import FileReader, SourceChangedError, _storage
+from pipeload.datapipes.sources import FileReader, SourceChangedError, SourceError, _storage
 
 pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
 
@@ -175,6 +176,16 @@ def test_a_key_replaced_after_the_listing_and_before_its_first_read_is_read_whol
     _overwrite("relisted/a.tar", tar_bytes(now))
     got = list(IterableWrapper(listed).open_files(mode="b").load_from_tar())
     assert [(m.name, m[1]) for m in got] == now
+
+
+def test_an_endpoint_that_refuses_connections_is_said_within_seconds(fresh_s3_clients: str) -> None:
+    # botocore's five attempts inside s3fs's retries inside ours took ~35 s to say it
+    refused = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    url = f"s3://{BUCKET}/train/shard-0000.tar"
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=re.escape(repr(url)) + ".*EndpointConnectionError"):
+        list(IterableWrapper([url]).open_files(mode="b", storage_options=refused).load_from_tar())
+    assert time.monotonic() - started < 12
 
 
 def test_a_reopened_read_of_an_overwritten_key_is_refused(fresh_s3_clients: str) -> None:

@@ -60,10 +60,24 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
     try:
         if url.startswith(("http://", "https://")):
             options = _with_stall_timeout(options)  # imports aiohttp: inside, for the hint
+        elif url.startswith(("s3://", "s3a://")):
+            options = _with_one_botocore_attempt(options)
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as error:
         raise ImportError(f"reading {url!r} needs a package that is not installed ({error}): "
                           f"{REMOTE_EXTRA_HINT}") from error
+
+
+def _with_one_botocore_attempt(options: dict[str, Any]) -> dict[str, Any]:
+    """s3 options whose botocore client tries each request once: s3fs retries a failed call
+    itself, and the read around it retries as its ``RetryPolicy`` says. Botocore's own five
+    attempts inside both made an endpoint that refuses connections take ~35 s to report
+    (~3 s now). ``retries`` the user put in ``config_kwargs`` are kept."""
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    if "retries" in config_kwargs:
+        return options
+    config_kwargs["retries"] = {"max_attempts": 1}
+    return {**options, "config_kwargs": config_kwargs}
 
 
 def _with_stall_timeout(options: dict[str, Any]) -> dict[str, Any]:
