@@ -277,7 +277,9 @@ class HeapGatherer:
     thread, and holds the next fork of workers while it runs (``FORK_WAITS_S`` at most).
 
     One per process (``GATHERER``), owned by this module; the engine calls
-    ``after_workers_stopped`` and ``before_fork``. The choice is made at once, in the calling
+    ``after_workers_stopped`` and ``before_fork``, and around a set of workers that ends with its
+    epoch ``before_short_lived_workers`` (the choice) and ``beside_short_lived_workers`` (the
+    round); every fork of this process calls ``stop_round_beside``. The choice is made at once, in the calling
     thread (2 to 3 ms for torch's ~150 MiB; ~2 ms more per 256 MiB chosen), before the next
     epoch's workers can share the pages. It is made again at the next stop while a round left
     windows for later (``ROUND_BYTES``), then only once the process's private memory has grown by
