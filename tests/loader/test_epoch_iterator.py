@@ -112,3 +112,36 @@ def test_a_caught_ctrl_c_leaves_the_persistent_sessions_random_stream_as_torchs(
     ours = _epochs_after_a_caught_ctrl_c(pipeload, mode=mode)
     theirs = _epochs_after_a_caught_ctrl_c(tud)
     assert ours == theirs
+
+
+def epochs_through_one_kept_iterator(module: ModuleType, persistent: bool) -> tuple[bool, list[list[int]]]:
+    """Whether each ``iter(loader)`` returned the first epoch's iterator, and the batches read
+    through that first iterator in each of three epochs (the first abandoned after one batch)."""
+    loader = module.DataLoader(list(range(6)), batch_size=2, num_workers=1,
+                               persistent_workers=persistent, multiprocessing_context="fork")
+    kept = iter(loader)
+    try:
+        read = [[next(kept).tolist()]]
+        same = True
+        for _ in range(2):
+            same = same and iter(loader) is kept
+            read.append([batch.tolist() for batch in kept])
+        return same, read
+    finally:
+        del kept
+        loader._iterator = None
+        gc.collect()
+
+
+def test_a_persistent_loader_hands_out_its_one_iterator_each_epoch_as_torchs() -> None:
+    # torch resets its persistent iterator at each iter(): the same object reads the new epoch.
+    ours = epochs_through_one_kept_iterator(pipeload, persistent=True)
+    assert ours == epochs_through_one_kept_iterator(tud, persistent=True)
+    assert ours == (True, [[[0, 1]], [[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4, 5]]])
+
+
+def test_a_loader_without_persistent_workers_hands_out_a_new_iterator_each_epoch() -> None:
+    same, read = epochs_through_one_kept_iterator(pipeload, persistent=False)
+    assert (same, read) == epochs_through_one_kept_iterator(tud, persistent=False)
+    assert not same
+    assert read == [[[0, 1]], [[2, 3], [4, 5]], []]  # the kept one goes on with its own epoch

@@ -425,8 +425,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         count = self._stats.epoch_started(called_at) if self._stats is not None else EpochCount()
         progress = resume.progress_from(point, self._dataset_kind is DatasetKind.ITERABLE)
         self._epoch_notes = (record, progress)
-        iterator = _EpochIterator(self, engine, owned, progress, count)
-        if not owned:
+        if owned:
+            return _EpochIterator(self, engine, owned, progress, count)
+        # torch resets and returns the one iterator of a persistent session each epoch: code
+        # that kept it (`it = iter(loader)` once, `next(it)` in every epoch) reads the new epoch.
+        iterator = self._iterator
+        if iterator is not None and iterator._engine is engine and not iterator._owns_engine:
+            iterator._start_next_epoch(self, progress, count)
+        else:
+            iterator = _EpochIterator(self, engine, owned, progress, count)
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
 

@@ -34,11 +34,20 @@ class _EpochIterator:
     def __init__(self, loader: Any, engine: Any, owns_engine: bool,
                  progress: resume.EpochProgress, count: EpochCount | None = None) -> None:
         self._engine = engine
-        self._progress = progress
         self._owns_engine = owns_engine
         # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
         # `for b in DataLoader(..., persistent_workers=True)` would close it under our feet.
         self._loader = None if owns_engine else loader
+        self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
+        self._epoch_clock: weakref.finalize | None = None
+        self._start_next_epoch(loader, progress, count)
+
+    def _start_next_epoch(self, loader: Any, progress: resume.EpochProgress,
+                          count: EpochCount | None = None) -> None:
+        """Take up the loader's new epoch: at first, and in each later epoch of a persistent
+        session (the one iterator torch hands out again). An epoch still running is left."""
+        self._stop_epoch_clock()
+        self._progress = progress
         self._index_sampler = loader._index_sampler
         self._len_reported = loader._len_reported
         self._is_iterable = loader._dataset_kind is DatasetKind.ITERABLE
@@ -50,7 +59,6 @@ class _EpochIterator:
         # Batches handed out, and when the stats time the next (never, with stats off).
         self._count = count if count is not None else EpochCount()
         self._stats = loader._stats.consumer if loader._stats is not None else None
-        self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
         # The stats' wall clock of this epoch stops at its end, or when the iterator goes (a
         # `for` loop left by `break` drops it at once): see stats/recorder.py, _Consumer.
         self._epoch_clock = (weakref.finalize(self, self._stats.epoch_ended, self._count)
