@@ -108,3 +108,58 @@ def test_every_worker_inherits_the_main_process_from_before_the_samplers_first_d
     # A worker forked after the sampler's first draw would inherit the generator as the draw left
     # it: other values in that worker's items than torch's.
     assert _batches(pipeload, num_workers) == _batches(torch.utils.data, num_workers)
+
+
+class _DrawsInWorkers(torch.utils.data.Dataset):
+    """Each item draws from torch's and Python's global generators, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, float, float]:
+        return index, float(torch.rand(())), random.random()
+
+
+def _drawn(module, num_workers: int, **options) -> list[list[list[float]]]:
+    torch.manual_seed(11)
+    loader = module.DataLoader(_DrawsInWorkers(), batch_size=2, num_workers=num_workers,
+                               multiprocessing_context="fork", **options)
+    return [[column.tolist() for column in batch] for batch in loader]
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("sampling", ["sequential", "shuffle", "distributed"])
+def test_workers_forked_after_the_first_draw_of_our_samplers_draw_what_torchs_draw(sampling, num_workers):
+    # pipeload's own samplers drawing from the global generator let worker 0 build while the
+    # others fork; every worker reseeds that generator before any user code, as torch's.
+    def options(module):
+        if sampling == "distributed":
+            return {"sampler": module.DistributedSampler(_DrawsInWorkers(), num_replicas=2, rank=1)}
+        return {"shuffle": sampling == "shuffle"}
+
+    assert _drawn(pipeload, num_workers, **options(pipeload)) == \
+        _drawn(torch.utils.data, num_workers, **options(torch.utils.data))
+
+
+@pytest.mark.parametrize("sampling", ["sequential", "shuffle", "a user's sampler", "own generator"])
+def test_worker_0_alone_forks_before_the_first_draw_of_our_samplers_and_the_rest_as_tasks_go(sampling):
+    from pipeload.loader import _engine_choice
+
+    dataset = list(range(8))
+    options = {"shuffle": sampling != "sequential"}
+    if sampling == "a user's sampler":
+        options = {"sampler": list(range(8))}
+    elif sampling == "own generator":
+        options["generator"] = torch.Generator().manual_seed(3)
+    loader = pipeload.DataLoader(dataset, batch_size=2, num_workers=3, multiprocessing_context="fork",
+                                 **options)
+    engine = _engine_choice.build_engine(loader)
+    try:
+        before_the_first_draw = len(engine._workers.handles)
+        engine.start_epoch(iter(loader._index_sampler))
+        assert len(engine._workers.handles) == 3
+        keys = sorted(key for _ in range(4) for key in engine.next_batch().tolist())
+    finally:
+        engine.close()
+    assert before_the_first_draw == (1 if sampling in ("sequential", "shuffle") else 3)
+    assert keys == dataset

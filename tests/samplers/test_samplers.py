@@ -476,3 +476,28 @@ def test_bad_weights_are_refused_with_the_words_torch_uses_for_that_draw(weights
     with pytest.raises(RuntimeError) as mine:
         ours.WeightedRandomSampler(weights, num_samples, replacement)
     assert str(mine.value).startswith(str(theirs.value))
+
+
+def test_only_our_samplers_drawing_from_the_global_generator_at_most_may_draw_between_worker_forks():
+    from pipeload.samplers import draws_unseen_by_workers
+
+    data = list(range(6))
+    own = torch.Generator().manual_seed(0)
+    unseen = [ours.SequentialSampler(data), ours.RandomSampler(data),
+              ours.SubsetRandomSampler([1, 2]), ours.WeightedRandomSampler([1.0, 2.0], 3),
+              ours.DistributedSampler(data, num_replicas=2, rank=0),
+              ours.BatchSampler(ours.RandomSampler(data), 2, False)]
+    seen = [ours.RandomSampler(data, generator=own), ours.SubsetRandomSampler([1], generator=own),
+            ours.BatchSampler(ours.RandomSampler(data, generator=own), 2, False),
+            torch.utils.data.RandomSampler(data),  # torch's own: anything may change
+            type("Mine", (ours.RandomSampler,), {})(data),  # a subclass may draw from anything
+            ours.BatchSampler(data, 2, False), iter(data)]
+    assert [draws_unseen_by_workers(s) for s in unseen] == [True] * len(unseen)
+    assert [draws_unseen_by_workers(s) for s in seen] == [False] * len(seen)
+    halfway = ours.RandomSampler(data)
+    next(iter(halfway))
+    loaded = ours.RandomSampler(data)
+    loaded.load_state_dict(halfway.state_dict())
+    # A loaded iteration replays its draws under a borrowed global generator state.
+    assert not draws_unseen_by_workers(loaded)
+    assert not draws_unseen_by_workers(ours.BatchSampler(loaded, 2, False))

@@ -53,6 +53,9 @@ class PoolConfig:
         stop_when_done: this engine serves one epoch (no persistent workers): a process worker
             that will get no more tasks is asked to stop as soon as it has answered them all,
             so that it exits while the loop takes the last batches (see ``_let_done_workers_go``).
+        forks_as_tasks_go: the sampler's draws change nothing a worker could see
+            (``samplers.draws_unseen_by_workers``): process worker 0 forks first and the others
+            as their first tasks go out. Otherwise all fork before the first draw, as torch's.
     """
 
     setup: WorkerSetup
@@ -68,6 +71,7 @@ class PoolConfig:
     batch_sizes: Callable[[], tuple[int, int | None] | None] = lambda: None
     slab_keeper: SlabKeeper | None = None
     stop_when_done: bool = False
+    forks_as_tasks_go: bool = False
 
 
 class ClassicLaunch:
@@ -160,10 +164,17 @@ class PoolEngine:
         fetch = config.setup.fetch
         self._samples_counted = self._ledger_counts and fetch.kind is DatasetKind.MAP
         self._one_sample_a_task = not fetch.auto_collation
+        # Where the sampler's draws change nothing a worker sees, process worker 0 starts now and
+        # the others as their first tasks go out (all of them by the end of start_epoch): worker
+        # 0 builds its first batch while the main process forks the next. Forked all at once, it
+        # waits for its first task until every fork is done (7 to 10 ms a fork with torch
+        # imported, one after the other: n workers, n forks before any batch is begun, in every
+        # epoch of a loader without persistent workers).
+        start_first = 1 if config.worker_type == "process" and config.forks_as_tasks_go else None
         self._workers = WorkerGroup(ClassicLaunch(config.setup, self._stats), config.worker_type,
                                     config.mp_context, config.timeout_s, slabs, self._stats,
-                                    counted_by_engine=self._ledger_counts, keeper=keeper,
-                                    short_lived=self._ends_with_its_sampler(config))
+                                    start_first=start_first, counted_by_engine=self._ledger_counts,
+                                    keeper=keeper, short_lived=self._ends_with_its_sampler(config))
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._epoch = config.setup.first_epoch - 1
         self._started = False
@@ -248,7 +259,7 @@ class PoolEngine:
         self._epoch += 1
         self._supply = TaskSupply(tasks)
         self._unsent = None
-        self._ledger = self._new_ledger(len(self._workers.handles), start)
+        self._ledger = self._new_ledger(len(self._workers.labels), start)
         self._ledger.resize(self._num_workers)
         self._count_answers()
         self._shrink_when_idle()  # the old epoch's tasks are answered or dropped by now
@@ -258,7 +269,25 @@ class PoolEngine:
         try:
             self._top_up()
         except WorkerDiedError:
-            pass  # said by the first next(), as torch's loader says it: the task waits unsent
+            if self._workers.start_failed:
+                self.close()
+                raise
+            # A worker died: said by the first next(), as torch's loader says it (the task waits
+            # unsent).
+        except BaseException:
+            if self._workers.start_failed:
+                self.close()
+            raise
+        self._start_the_rest()
+
+    def _start_the_rest(self) -> None:
+        """Start the process workers that no task has reached (an epoch of fewer tasks than
+        workers): every worker starts with the epoch, as torch's, whether it gets work or not."""
+        try:
+            self._workers.start_all()
+        except BaseException:
+            self.close()
+            raise
 
     def _send_what_torch_sends_ahead(self) -> None:
         """Before a persistent session's next epoch: if the last one was left early, send the

@@ -143,6 +143,7 @@ class WorkerGroup:
         self._eager = len(plan.labels) if on_demand_from is None else on_demand_from
         self._retired: set[int] = set()  # slots asked to stop early: their exit is no death
         self._idle = False  # every task answered, none to come (see all_answered)
+        self.start_failed = False  # a worker could not be started: the group cannot go on
         self._short_lived = short_lived
         self._ctx: Any = None
         count = len(self.labels)
@@ -200,9 +201,13 @@ class WorkerGroup:
             self.handles += start_processes(self._ctx, launches,
                                             self.channels.forget_worker_ends if last else _nothing)
         except GoneBeforeStarting as gone:
+            self.start_failed = True
             slot = first_slot + [launch.name for launch in launches].index(gone.name)
             deaths = [(self.labels[slot].name(), gone.pid, gone.exitcode)]
             raise WorkerDiedError(worker_died_message(deaths, self._why_workers_could_not_start(deaths))) from gone
+        except BaseException:  # (unnamed: a name would hold its traceback, and the loader, in a cycle)
+            self.start_failed = True
+            raise
         if beside and len(self.handles) >= self._eager:
             # Every worker the epoch needs has forked: the next set forks from huge pages
             # (engine/huge_heap.py), gathered beside these workers, which go with the epoch.

@@ -30,7 +30,7 @@ from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
-from pipeload.samplers import batch_sizes
+from pipeload.samplers import batch_sizes, draws_unseen_by_workers
 from pipeload.shared import warn_if_copy_on_read
 from pipeload.stats.recorder import usable_cpus
 from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
@@ -66,13 +66,13 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
         engine: Any = InlineEngine(spec, replica_setup, loader._stats, base_seed, loader._session[1],
                                    _batch_sizes(loader))
     elif any(loader._auto) and loader.mode == "classic":
-        engine = _auto_engine(loader, spec, base_seed, replica_setup)
+        engine = _auto_engine(loader, spec, base_seed, replica_setup, point is not None)
     elif loader.mode == "economic":
         if any(loader._auto):
             _auto_tuner(loader)  # records the starting settings, which economic mode keeps
         engine = EconomicEngine(_economic_config(loader, spec, base_seed, replica_setup))
     else:
-        engine = PoolEngine(_pool_config(loader, spec, base_seed, replica_setup))
+        engine = PoolEngine(_pool_config(loader, spec, base_seed, replica_setup, point is not None))
         if replica_setup.shared_seed is not None and session is None:
             replica.draw_shared_seed(loader.generator, share=False)
     if point is not None and point.handed_out_above:
@@ -100,12 +100,13 @@ def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
         failures=loader._failure_board,
     )
 
-def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> Any:
+def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup,
+                 resumed: bool) -> Any:
     """The engine for num_workers/prefetch_factor="auto" in classic mode: a pool the tuner
     may resize mid-epoch over a map-style dataset. An iterable dataset's replicas cannot be
     re-split mid-stream: it keeps its starting settings."""
     tuner = _auto_tuner(loader)
-    config = _pool_config(loader, spec, base_seed, replica_setup)
+    config = _pool_config(loader, spec, base_seed, replica_setup, resumed)
     # A later epoch of a loader without persistent workers starts where the tuner stands.
     setup = dataclasses.replace(config.setup, num_workers=tuner.current.num_workers)
     config = dataclasses.replace(config, setup=setup, prefetch_factor=tuner.current.prefetch_factor)
@@ -161,10 +162,14 @@ def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup
     setup = EconomicSetup(_worker_setup(loader, spec, base_seed, replica_setup), loader.num_batch_workers)  # type: ignore[arg-type]
     return EconomicConfig(setup=setup, stop_when_done=not loader.persistent_workers, **_engine_settings(loader))
 
-def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> PoolConfig:
+def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup,
+                 resumed: bool) -> PoolConfig:
+    # A resumed epoch's first draws replay under a borrowed global generator: forks before them.
+    forks_as_tasks_go = (not resumed and loader._dataset_kind is DatasetKind.MAP
+                         and draws_unseen_by_workers(loader._index_sampler))
     return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup),
                       batch_sizes=_batch_sizes(loader), stop_when_done=not loader.persistent_workers,
-                      **_engine_settings(loader))
+                      forks_as_tasks_go=forks_as_tasks_go, **_engine_settings(loader))
 
 def _engine_settings(loader: Any) -> dict[str, Any]:
     """What both worker engines (classic and economic) take from the loader alike."""

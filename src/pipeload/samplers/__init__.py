@@ -2,7 +2,8 @@
 
 One room, one module a kind: ``_sequential`` (in order), ``_random`` (the random samplers),
 ``_distributed`` (``DistributedSampler``), ``_batch`` (``BatchSampler`` and what a batch sampler
-says about its batches), ``_state`` (their checkpoints), ``_base`` (``Sampler``). Import them
+says about its batches), ``_state`` (their checkpoints), ``_draws`` (whether workers may fork after
+a draw), ``_base`` (``Sampler``). Import them
 from here (or from ``pipeload``).
 
 A sampler yields keys (or, for ``BatchSampler``, lists of keys). Random samplers draw from
@@ -19,6 +20,7 @@ torch's runs.
 from pipeload.samplers._base import Sampler
 from pipeload.samplers._batch import BatchSampler, batch_sizes, exact_length
 from pipeload.samplers._distributed import DistributedSampler
+from pipeload.samplers._draws import draws_unseen_by_workers
 from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from pipeload.samplers._sequential import SequentialSampler, _InfiniteConstantSampler
 from pipeload.samplers._state import StatefulSampler
