@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -200,41 +199,15 @@ def test_ranks_take_disjoint_shards_of_one_shared_order(tmp_path: Path, leak_gua
             assert sorted(shares[0] + shares[1]) == list(range(LENGTH)), (options, shares)
 
 
-class _StandInPipe(pipeload.IterableDataset):
-    """The least a pipeload DataPipe family must offer the loader: a pipe that shuffles with
-    the seed it is given and keeps the shard it is told (the real one lives in pipeload.datapipes)."""
-
-    def __init__(self, items: list[int]) -> None:
-        self.items, self.seed, self.shard = items, None, (1, 0)
-
-    def __iter__(self) -> Any:
-        order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed))
-        count, index = self.shard
-        return iter([self.items[i] for i in order.tolist()][index::count])
-
-
-def _stand_in_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    import types
-
-    package, base, graph = (types.ModuleType(f"pipeload.datapipes{suffix}")
-                            for suffix in ("", ".base", ".graph"))
-    base.IterDataPipe, base.MapDataPipe = _StandInPipe, type("MapPipe", (), {})
-    graph.apply_sharding = lambda pipe, count, index: setattr(pipe, "shard", (count, index))
-    graph.apply_random_seed = lambda pipe, generator: setattr(
-        pipe, "seed", int(torch.empty((), dtype=torch.int64).random_(generator=generator)))
-    package.base, package.graph = base, graph
-    for name, module in (("pipeload.datapipes", package), ("pipeload.datapipes.base", base),
-                         ("pipeload.datapipes.graph", graph)):
-        monkeypatch.setitem(sys.modules, name, module)
-
-
 @pytest.mark.parametrize("options", [{}, {"num_workers": 2, "worker_type": "thread"}],
                          ids=["inline", "threads"])
 def test_pipeloads_own_pipes_plug_into_the_same_rules(
-    options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, leak_guard: LeakGuard
+    options: dict[str, Any], leak_guard: LeakGuard
 ) -> None:
-    _stand_in_family(monkeypatch)
-    loader = pipeload.DataLoader(_StandInPipe(list(range(LENGTH))), batch_size=None, **options)
+    import pipeload.datapipes.iter as our_pipes  # pipeload's own family, not torch's
+
+    pipe = our_pipes.IterableWrapper(list(range(LENGTH))).shuffle().sharding_filter()
+    loader = pipeload.DataLoader(pipe, batch_size=None, **options)
     first, second = list(loader), list(loader)
     assert sorted(first) == sorted(second) == list(range(LENGTH))  # every sample once per epoch
     assert first != second and first != list(range(LENGTH))  # shuffled, anew each epoch

@@ -7,6 +7,7 @@ when the epoch ends, is dropped, or is interrupted.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -59,6 +60,9 @@ class _EpochIterator:
         # Batches handed out, and when the stats time the next (never, with stats off).
         self._count = count if count is not None else EpochCount()
         self._stats = loader._stats.consumer if loader._stats is not None else None
+        # From this many batches on, each call is timed in case it ends the epoch: the wait for
+        # the end (a stream running dry, workers stopping) is the loop's, timed or not.
+        self._ending_from = _batches_expected(loader) if self._stats is not None else math.inf
         # The stats' wall clock of this epoch stops at its end, or when the iterator goes (a
         # `for` loop left by `break` drops it at once): see stats/recorder.py, _Consumer.
         self._epoch_clock = (weakref.finalize(self, self._stats.epoch_ended, self._count)
@@ -69,9 +73,11 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         count = self._count
-        asked = 0.0
+        asked = ending = 0.0
         if count.handed >= count.next_timed:  # one batch in several is timed: stats/recorder.py
             asked = self._stats.asking()  # times the wait for data (holds no engine)
+        elif count.handed >= self._ending_from:
+            ending = now()
         try:
             if profiling():  # a span as torch's loader records for its __next__
                 with span("pipeload.DataLoader.__next__"):
@@ -80,9 +86,10 @@ class _EpochIterator:
                 batch = self._engine.next_batch()
         except StopIteration:
             self._progress.ended = True
-            # The loop also waits for the workers to stop (not persistent ones): timed always,
-            # from the ask when it was timed, else from here (once an epoch: no batch pays).
-            closing = now() if self._stats is not None else 0.0
+            # The loop also waits for the end itself and for the workers to stop (not
+            # persistent ones): timed always, from the ask when it was timed or expected to end
+            # the epoch, else from here (once an epoch: no batch pays).
+            closing = (ending or now()) if self._stats is not None else 0.0
             self._finish()
             if self._stats is not None:
                 self._stats.ended(asked or closing)
@@ -192,6 +199,14 @@ class _EpochIterator:
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
 
+
+
+def _batches_expected(loader: Any) -> float:
+    """The batches an epoch of ``loader`` hands out, where its length says (inf: unknown)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return math.inf
 
 
 def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:

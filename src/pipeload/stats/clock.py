@@ -409,7 +409,7 @@ class StageClock:
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._ray_stage, self._start, self.untimed_size or 0)
+                self._ray_stage, self._start, self.untimed_size or 0, self.samples)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
@@ -449,19 +449,23 @@ class StageClock:
         self.send_s += now() - started
 
 
-SUMS_LENGTH = len(WorkerTotals._fields) + 1  # what StageClock.snapshot gives before completion
+SUMS_LENGTH = len(WorkerTotals._fields) + 2  # what StageClock.snapshot gives before completion
 
 
 def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
     """A clock's sums over its timed tasks (see :meth:`StageClock.snapshot`), made totals over
     all ``tasks``: the stage times and bytes estimated (see :func:`estimated_stages`), the
     untimed tasks' samples derived (each holds ``untimed_size``; a clock without one counted
-    them into ``samples``)."""
-    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, untimed_size = sums
-    fetch_s, collate_s, send_s, bytes_out = estimated_stages(
+    them into ``samples``). Bytes go with samples, not tasks: the timed tasks' bytes a sample
+    (``timed_samples``: theirs), times all samples. Scaled by tasks, pieces of other sizes than
+    the timed ones (economic mode cuts pieces as the workers' pace allows) were counted wrong."""
+    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, untimed_size, timed_samples = sums
+    fetch_s, collate_s, send_s, estimated_bytes = estimated_stages(
         (fetch_s, collate_s, send_s, bytes_out), start, timed, tasks)
-    return (tasks, samples + (tasks - timed) * untimed_size, fetch_s, collate_s, send_s,
-            round(bytes_out), *kept, start)
+    samples += (tasks - timed) * untimed_size
+    if timed_samples:
+        estimated_bytes = bytes_out * samples / timed_samples
+    return (tasks, samples, fetch_s, collate_s, send_s, round(estimated_bytes), *kept, start)
 
 
 def estimated_stages(stages: tuple[float, ...], start: tuple[float, ...], timed: int,
