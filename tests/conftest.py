@@ -48,6 +48,17 @@ def wait_until(condition: Callable[[], bool], deadline_s: float) -> bool:
     return True
 
 
+def main_thread_is_in(function_name: str) -> bool:
+    """Whether the main thread is running ``function_name`` (anywhere on its stack) right now:
+    what a test waits for before it kills or interrupts something "while the main thread waits"."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def run_rank_processes(target: Callable[..., None], args: tuple[Any, ...], world_size: int = 2,
                        start_method: str = "spawn", join_s: float = 100.0) -> None:
     """Run ``target(rank, *args)`` in ``world_size`` real processes (a gloo job's ranks) and

@@ -9,7 +9,7 @@ for a count below its minimum are kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch.utils.data.datapipes.iter as theirs
 
 import pipeload.datapipes.iter as ours
 import pipeload.datapipes.map as ours_map
+from pipeload.datapipes import MapDataPipe
 
 
 def numbers() -> Any:
@@ -41,7 +42,7 @@ COUNTS: dict[str, Callable[[Any], Any]] = {
     "demux buffer_size": lambda n: numbers().demux(2, by_parity, buffer_size=n),
     "groupby buffer_size": lambda n: numbers().groupby(by_parity, buffer_size=n),
     "groupby group_size": lambda n: numbers().groupby(by_parity, group_size=n),
-    "unbatch unbatch_level": lambda n: numbers().batch(2).unbatch(n),
+    "unbatch unbatch_level": lambda n: numbers().batch(2).batch(2).unbatch(n),
     "header limit": lambda n: numbers().header(n),
     "cycle count": lambda n: numbers().cycle(n),
     "enumerate starting_index": lambda n: numbers().enumerate(n),
@@ -58,10 +59,35 @@ def test_a_float_count_is_refused_by_name(argument: str) -> None:
         COUNTS[argument](2.0)
 
 
-@pytest.mark.parametrize("argument", COUNTS)
-@pytest.mark.parametrize("integer", [np.int64(2), torch.tensor(2)], ids=["numpy", "tensor"])
-def test_integers_of_other_types_are_accepted(argument: str, integer: Any) -> None:
-    COUNTS[argument](integer)
+def _what_it_makes(built: Any) -> list:
+    """All that a built pipe yields: a map-style one's items by index, several pipes' (fork's and
+    demux's instances) side by side; the pipes that shuffle under one fixed seed."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # what an unseeded shuffle draws its seed from
+        if isinstance(built, (list, tuple)):
+            return list(zip(*built))  # in step: no instance runs ahead of its buffer
+        if isinstance(built, MapDataPipe):
+            return [built[index] for index in range(len(built))]
+        return list(built)
+
+
+# A fresh one for each test: a pipe that changed the one it was given must not change the next test.
+OTHER_TWOS: dict[str, Callable[[], Any]] = {"numpy": lambda: np.int64(2), "tensor": lambda: torch.tensor(2)}
+
+
+def _other_integer_cases() -> Iterator[Any]:
+    for kind in OTHER_TWOS:
+        for argument in COUNTS:
+            yield pytest.param(argument, kind, id=f"{kind}-{argument}")
+
+
+@pytest.mark.parametrize(("argument", "kind"), list(_other_integer_cases()))
+def test_integers_of_other_types_are_accepted(argument: str, kind: str) -> None:
+    # Accepted, and taken as the same count: the pipe makes what it makes with a plain 2, and
+    # leaves the caller's object as it was (a tensor counted in place was every index it gave).
+    two = OTHER_TWOS[kind]()
+    assert _what_it_makes(COUNTS[argument](two)) == _what_it_makes(COUNTS[argument](2))
+    assert two == 2
 
 
 def test_torchs_batch_takes_a_float_and_makes_one_batch_of_everything() -> None:

@@ -1,13 +1,16 @@
 """Economic mode's worker loops on their own: commands and deliveries in, reports out, through
-real in-process queues."""
+real in-process queues, or, for an item worker, through the sockets and slab writer a process
+worker sends with."""
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import socket
 import threading
 import weakref
 
+import pytest
 import torch
 
 from faults import Numbers, RaisesAt
@@ -20,7 +23,8 @@ from pipeload.engine.worker_info import make_thread_rng
 from pipeload.errors import RemoteFailure
 from pipeload.stats.clock import SAMPLE_EVERY, TIME_ALL_FIRST, WorkerTotals
 from pipeload.transport.channel import QueueEnd
-from pipeload.transport.item_links import ThreadItemOutbox
+from pipeload.transport.endpoints import Receiver, Sender
+from pipeload.transport.item_links import INLINE_GROUP_BYTES, ItemOutbox, ThreadItemOutbox
 from pipeload.transport.messages import (
     Command,
     Delivery,
@@ -30,6 +34,7 @@ from pipeload.transport.messages import (
     Report,
     WorkerCommand,
 )
+from pipeload.transport.slab_pool import SlabPool
 
 
 def _setup(dataset) -> WorkerSetup:
@@ -212,16 +217,18 @@ class _TakesItemsAway:
 
 
 class _CountsLiveItems(RaisesAt):
-    """Item i is a tensor of i; notes how many items it made are still alive at each fetch."""
+    """Item i is a tensor of ``numel`` floats of i; notes how many items it made are still alive
+    at each fetch."""
 
-    def __init__(self, length: int, bad_index: int = -1) -> None:
+    def __init__(self, length: int, bad_index: int = -1, numel: int = 4) -> None:
         super().__init__(length, bad_index)
+        self.numel = numel
         self.made: list[weakref.ref] = []
         self.alive_at_fetch: list[int] = []
 
     def __getitem__(self, index: int) -> torch.Tensor:
         self.alive_at_fetch.append(sum(ref() is not None for ref in self.made))
-        item = torch.full((4,), float(super().__getitem__(index)))
+        item = torch.full((self.numel,), float(super().__getitem__(index)))
         self.made.append(weakref.ref(item))
         return item
 
@@ -265,113 +272,127 @@ def test_a_timed_piece_counts_the_time_of_the_item_that_raised(monkeypatch):
     assert WorkerTotals._make(report.totals).fetch_s > 0  # the first piece is timed
 
 
-class _Writer:
-    """A slab writer's record of the large storages of the message it finished last."""
-
-    def __init__(self) -> None:
-        self.last_large_sizes: list[int] = []
+# -- an item worker wired as a process worker is: real sockets, slab writer and pool ----------
 
 
-class _WritingOutbox(QueueEnd):
-    """A process worker's result channel, as far as an item worker looks: it has a writer."""
+class _Pairs(RaisesAt):
+    """Item i is two tensors, each ``leaf_bytes`` of float i; ``unsendable``: that item also
+    holds a function, which the item link cannot pickle."""
 
-    def __init__(self) -> None:
-        super().__init__(queue.SimpleQueue())
-        self.writer = _Writer()
+    def __init__(self, length: int, leaf_bytes: int, bad_index: int = -1, unsendable: int = -1) -> None:
+        super().__init__(length, bad_index)
+        self.leaf_bytes, self.unsendable = leaf_bytes, unsendable
 
-    def prepare(self, grant) -> None:
-        pass
-
-
-class _WritesItems(_TakesItemsAway):
-    """Each item is two leaves of 16 bytes in shared memory; a failure, none."""
-
-    def __init__(self, writer: _Writer) -> None:
-        super().__init__()
-        self.writer = writer
-
-    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
-        super().send(batch_worker, delivery, writer)
-        items = delivery.payload if delivery.delivery is Delivery.ITEMS else []
-        self.writer.last_large_sizes = [16, 16] * len(items)
+    def __getitem__(self, index: int) -> tuple:
+        value = float(super().__getitem__(index))
+        leaves = tuple(torch.full((self.leaf_bytes // 4,), value) for _ in range(2))
+        return (*leaves, lambda: None) if index == self.unsendable else leaves
 
 
+def _first_value(item) -> int:
+    while not isinstance(item, torch.Tensor):
+        item = item[0]
+    return int(item.flatten()[0])
+
+
+def _summary(delivery: ItemDelivery) -> tuple:
+    what = (delivery.payload.indices if delivery.delivery is Delivery.FAILED
+            else [_first_value(item) for item in delivery.payload])
+    return delivery.delivery, delivery.slot, delivery.count, what
+
+
+def _run_item_worker_over_sockets(dataset, commands: list) -> tuple[list[tuple], list]:
+    """Run an item worker loop as a process worker's is wired: its reports on a result channel
+    (a socket, with that channel's slab writer) read by a main-process end with a slab pool, its
+    items on an item link (``ItemOutbox``, a socket) to a batch worker's end. Returns a summary
+    of each delivery that reached the batch worker's end, and the payloads of the reports that
+    reached the main process's."""
+    pool = SlabPool(pin=False, max_bytes=1 << 30)
+    result_main, result_worker = socket.socketpair()
+    link_out, link_in = socket.socketpair()
+    reports_in, outbox = Receiver(result_main, pool, 0), Sender(result_worker)
+    items_out, items_in = Sender(link_out), Receiver(link_in, None, 0)
+    arrived: list[tuple] = []
+
+    def read_the_link() -> None:
+        # Concurrently, as a batch worker would: a piece's messages need not fit a socket's buffer.
+        try:
+            while True:
+                arrived.append(_summary(items_in.receive()[0]))
+        except EOFError:
+            pass  # the item worker's end is closed: everything it sent has been read
+
+    reader = threading.Thread(target=read_the_link)
+    reader.start()
+    try:
+        inbox = QueueEnd(queue.SimpleQueue())
+        for command in [*commands, WorkerCommand(Command.STOP)]:
+            inbox.send(command)
+        try:
+            ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, ItemOutbox([items_out]), lambda: False,
+                           make_thread_rng(0, 0)).run()
+        finally:
+            items_out.close()  # the reader then meets the link's end
+            reader.join(10.0)
+        assert not reader.is_alive()
+        reports = []
+        while (message := reports_in.receive(block=False)) is not None:
+            reports.append(message[0].payload)
+        return arrived, reports
+    finally:
+        for end in (items_in, outbox, reports_in):
+            end.close()
+        pool.close()
+
+
+# Two leaves that together fill a message's group: each item travels in a message of its own.
+ALONE_LEAF = INLINE_GROUP_BYTES // 2
+
+
+@pytest.mark.usefixtures("leak_guard")
 def test_a_piece_that_failed_midway_says_no_item_sizes():
-    # The items before the failing one are no item's whole layout: [16, 16] from one item of a
-    # piece of two would read as items of one 16-byte leaf, and the main process would lay the
+    # The items before the failing one are no item's whole layout: item 4's two leaves, from one
+    # item of a piece of two, would read as items of one leaf, and the main process would lay the
     # next batches out so (their leaves then go to one-shot buffers).
-    inbox, outbox = QueueEnd(queue.SimpleQueue()), _WritingOutbox()
-    for command in [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0), WorkerCommand(Command.STOP)]:
-        inbox.send(command)
-    deliveries = _WritesItems(outbox.writer)
-    loop = ItemWorkerLoop(_setup(_CountsLiveItems(10, bad_index=5)), 0, inbox, outbox, deliveries, lambda: False, make_thread_rng(0, 0))
-    loop.run()
-    assert [what for _, _, _, what in deliveries.sent] == [[4], [5], [1], [2]]  # 5: a failure
-    assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
+    sent, reports = _run_item_worker_over_sockets(
+        _Pairs(10, ALONE_LEAF, bad_index=5), [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0)])
+    assert sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 1, [5]),
+                    (Delivery.ITEMS, 0, 1, [1]), (Delivery.ITEMS, 1, 1, [2])]
+    assert reports == [ItemsDone(2), ItemsDone(2, (ALONE_LEAF, ALONE_LEAF))]
 
 
-class _CannotSend(_WritesItems):
-    """Item 5 cannot be sent (a sample that does not pickle): the worker sends a failure instead."""
-
-    def send(self, batch_worker: int, delivery: ItemDelivery, writer=None) -> None:
-        if delivery.delivery is Delivery.ITEMS and int(delivery.payload[0][0]) == 5:
-            raise ValueError("cannot pickle item 5")
-        super().send(batch_worker, delivery, writer)
-
-
+@pytest.mark.usefixtures("leak_guard")
 def test_a_piece_with_an_item_not_handed_over_says_no_item_sizes():
-    inbox, outbox = QueueEnd(queue.SimpleQueue()), _WritingOutbox()
-    for command in [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0), WorkerCommand(Command.STOP)]:
-        inbox.send(command)
-    deliveries = _CannotSend(outbox.writer)
-    loop = ItemWorkerLoop(_setup(_CountsLiveItems(10)), 0, inbox, outbox, deliveries, lambda: False,
-                          make_thread_rng(0, 0))
-    loop.run()
-    assert [(kind, what) for kind, _, _, what in deliveries.sent] == [
-        (Delivery.ITEMS, [4]), (Delivery.FAILED, [5]), (Delivery.ITEMS, [1]), (Delivery.ITEMS, [2])]
-    assert [r.payload for r in _drain(outbox)] == [ItemsDone(2), ItemsDone(2, (16, 16))]
+    # Item 5 cannot be pickled for its link: the worker sends a failure in its place, and its
+    # piece, though item 4 went, tells no sizes.
+    sent, reports = _run_item_worker_over_sockets(
+        _Pairs(10, ALONE_LEAF, unsendable=5), [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0)])
+    assert sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 1, [5]),
+                    (Delivery.ITEMS, 0, 1, [1]), (Delivery.ITEMS, 1, 1, [2])]
+    assert reports == [ItemsDone(2), ItemsDone(2, (ALONE_LEAF, ALONE_LEAF))]
 
 
-class _GathersItems(_TakesItemsAway):
-    """An item outbox that, like a process worker's, asks for items in groups of ``nbytes``."""
-
-    def __init__(self, nbytes: int) -> None:
-        super().__init__()
-        self.nbytes = nbytes
-        self.asked: list[bool] = []
-
-    def group_bytes(self, placed: bool) -> int:
-        self.asked.append(placed)
-        return self.nbytes
-
-
-def _run_item_worker_with(deliveries, dataset, commands: list) -> None:
-    inbox, outbox = QueueEnd(queue.SimpleQueue()), QueueEnd(queue.SimpleQueue())
-    for command in [*commands, WorkerCommand(Command.STOP)]:
-        inbox.send(command)
-    loop = ItemWorkerLoop(_setup(dataset), 0, inbox, outbox, deliveries, lambda: False,
-                          make_thread_rng(0, 0))
-    loop.run()
-
-
+@pytest.mark.usefixtures("leak_guard")
 def test_an_item_worker_gathers_small_items_into_groups_of_about_the_bytes_its_outbox_asks():
-    # Items of 16 bytes (and a count): groups of 40 bytes hold two. The worker never holds more
-    # than a group of its own items when it fetches the next one.
-    dataset = _CountsLiveItems(10)
-    deliveries = _GathersItems(40)
-    _run_item_worker_with(deliveries, dataset, [_fetch(0, [4, 5, 6, 7, 8], slot=3)])
-    assert deliveries.sent == [(Delivery.ITEMS, 3, 2, [4, 5]), (Delivery.ITEMS, 5, 2, [6, 7]),
-                               (Delivery.ITEMS, 7, 1, [8])]
-    assert max(dataset.alive_at_fetch) <= 1 and deliveries.asked == [False]  # no grant: not placed
+    # Items of two fifths of the outbox's group for items sent without a grant (its figure for
+    # placed ones is far larger: all five would then go as one): two to a group. The worker
+    # never holds more than a group of its own items when it fetches the next one.
+    dataset = _CountsLiveItems(10, numel=INLINE_GROUP_BYTES // 10)
+    sent, _ = _run_item_worker_over_sockets(dataset, [_fetch(0, [4, 5, 6, 7, 8], slot=3)])
+    assert sent == [(Delivery.ITEMS, 3, 2, [4, 5]), (Delivery.ITEMS, 5, 2, [6, 7]),
+                    (Delivery.ITEMS, 7, 1, [8])]
+    assert max(dataset.alive_at_fetch) <= 1
 
 
+@pytest.mark.usefixtures("leak_guard")
 def test_an_item_worker_sends_what_it_gathered_before_an_item_that_raises():
-    deliveries = _GathersItems(1 << 20)
-    _run_item_worker_with(deliveries, _CountsLiveItems(10, bad_index=7), [_fetch(0, [4, 5, 6, 7, 8], slot=0)])
-    assert deliveries.sent == [(Delivery.ITEMS, 0, 3, [4, 5, 6]), (Delivery.FAILED, 3, 2, [7])]
+    sent, _ = _run_item_worker_over_sockets(_CountsLiveItems(10, bad_index=7),
+                                            [_fetch(0, [4, 5, 6, 7, 8], slot=0)])
+    assert sent == [(Delivery.ITEMS, 0, 3, [4, 5, 6]), (Delivery.FAILED, 3, 2, [7])]
 
 
+@pytest.mark.usefixtures("leak_guard")
 def test_an_item_as_large_as_a_group_travels_alone():
-    deliveries = _GathersItems(16)
-    _run_item_worker_with(deliveries, _CountsLiveItems(10), [_fetch(0, [1, 2, 3], slot=0)])
-    assert [count for _, _, count, _ in deliveries.sent] == [1, 1, 1]
+    sent, _ = _run_item_worker_over_sockets(_CountsLiveItems(10, numel=INLINE_GROUP_BYTES // 4),
+                                            [_fetch(0, [1, 2, 3], slot=0)])
+    assert [(count, what) for _, _, count, what in sent] == [(1, [1]), (1, [2]), (1, [3])]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_pids, gone_or_fail, pid_gone, wait_until
+from conftest import child_pids, gone_or_fail, main_thread_is_in, pid_gone, wait_until
 from faults import (
     ECONOMIC,
     ECONOMIC_SPAWN,
@@ -164,14 +164,6 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, l
     gone_or_fail(pids, ORPHAN_EXIT_S, "orphaned workers")
 
 
-def _main_thread_is_in(function_name: str) -> bool:
-    """Whether the main thread is running ``function_name`` (anywhere on its stack) right now."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    while frame is not None:
-        if frame.f_code.co_name == function_name:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _interrupt_main_thread() -> None:
@@ -196,11 +188,11 @@ def test_a_second_ctrl_c_while_the_first_one_stops_the_workers_still_stops_them(
     sent: list[float] = []
 
     def press_ctrl_c_twice() -> None:
-        if not wait_until(lambda: notice.exists() and _main_thread_is_in("receive"), STARTUP_S):
+        if not wait_until(lambda: notice.exists() and main_thread_is_in("receive"), STARTUP_S):
             return  # the test fails below: no KeyboardInterrupt
         sent.append(time.monotonic())
         _interrupt_main_thread()
-        if wait_until(lambda: _main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
+        if wait_until(lambda: main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
             _interrupt_main_thread()
             sent.append(time.monotonic())
 
@@ -231,7 +223,7 @@ def test_a_ctrl_c_while_a_dropped_iterator_stops_its_workers_reaches_the_users_c
     pids = child_pids()
 
     def press_ctrl_c_while_stopping() -> None:
-        if wait_until(lambda: _main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
+        if wait_until(lambda: main_thread_is_in("stop_workers"), INTERRUPTED_EXIT_S):
             _interrupt_main_thread()
 
     presser = threading.Thread(target=press_ctrl_c_while_stopping)

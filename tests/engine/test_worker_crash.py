@@ -4,13 +4,16 @@ whatever it was doing, never a ConnectionResetError or a hang. Also: the ``_work
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import signal
+import termios
 import threading
 import time
 
 import pytest
-from conftest import pid_gone, wait_until
+from conftest import main_thread_is_in, pid_gone, wait_until
 from faults import (
     FORK,
     SPAWN,
@@ -136,19 +139,29 @@ def test_idle_worker_killed_from_outside(signum, leak_guard):
         leak_guard.assert_exited(pids, within_s=1.0)
 
 
+
+
 def test_worker_killed_while_main_waits_on_it(leak_guard):
-    # Worker 0 is stuck building batch 0, so the main process blocks waiting for it. The kill
-    # is meant to land during that wait; should it land first, the error must be the same.
+    # Worker 0 is stuck building batch 0, so the main process blocks waiting for it; the kill
+    # comes once the main thread is in that wait (the pool's receive), which it cannot leave
+    # before batch 0 or worker 0's death.
     loader = DataLoader(Stalls(8, stall_index=0), batch_size=2, num_workers=2, multiprocessing_context="fork")
     iterator = iter(loader)
     pids = worker_pids(iterator)
-    timer = threading.Timer(0.2, os.kill, (pids[0], signal.SIGKILL))
-    timer.start()
+    waiting: list[bool] = []
+
+    def kill_worker_0_in_the_wait() -> None:
+        waiting.append(wait_until(lambda: main_thread_is_in("receive"), 20.0))
+        os.kill(pids[0], signal.SIGKILL)  # even if the wait was never seen: no hang, and a failure below
+
+    killer = threading.Thread(target=kill_worker_0_in_the_wait)
+    killer.start()
     try:
         with pytest.raises(WorkerDiedError, match=rf"worker 0 \(pid {pids[0]}\).*SIGKILL"):
             next(iterator)
     finally:
-        timer.cancel()
+        killer.join(30.0)
+    assert waiting == [True], "the main thread was never seen waiting for worker 0"
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
@@ -173,23 +186,42 @@ def test_worker_dies_while_the_main_process_is_blocked_sending_it_tasks(tmp_path
     leak_guard.assert_exited([int(pid_file.read_text())], within_s=1.0)
 
 
-class _DiesWhileSending(Numbers):
-    """Item 0 is a big object; the worker kills itself while that is going down the pipe."""
+class _OneHugeItem(Numbers):
+    """Item 0 is 64 MiB of bytes, far more than a socket's buffer holds; the others are small."""
 
     def __getitem__(self, index: int) -> bytes:
-        if index == 0:
-            threading.Timer(0.005, die, ("sigkill",)).start()
-            return b"x" * (64 << 20)
-        return b"small"
+        return b"x" * (64 << 20) if index == 0 else b"small"
+
+
+def _most_unread_socket_bytes() -> int:
+    """The most bytes waiting, unread, on any one socket this process holds."""
+    most = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            waiting = array.array("i", [0])
+            fcntl.ioctl(int(name), termios.FIONREAD, waiting)
+        except OSError:
+            continue  # closed meanwhile
+        most = max(most, waiting[0])
+    return most
 
 
 def test_worker_dying_halfway_through_a_message(leak_guard):
-    for _ in range(2):
-        loader = DataLoader(_DiesWhileSending(3), batch_size=None, num_workers=1,
-                            multiprocessing_context="fork")
-        error, pids = _crash_error(loader)
-        _assert_names_the_dead_worker(error, 0, pids[0], "sigkill")
-        leak_guard.assert_exited(pids, within_s=1.0)
+    loader = DataLoader(_OneHugeItem(3), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    iterator = iter(loader)
+    pids = worker_pids(iterator)
+    # Nothing reads the worker's channel until next(): once part of the 64 MiB message lies
+    # unread on it (far more than any other message the worker sends), the worker is blocked
+    # with the rest of it still to write. It is killed there.
+    assert wait_until(lambda: _most_unread_socket_bytes() > 16 << 10, 30.0)
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(BaseException) as caught:
+        while True:
+            next(iterator)
+    _assert_names_the_dead_worker(caught.value, 0, pids[0], "sigkill")
+    leak_guard.assert_exited(pids, within_s=1.0)
 
 
 class _ThreadExits(Numbers):

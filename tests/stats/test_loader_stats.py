@@ -226,6 +226,7 @@ def test_the_loop_waits_for_the_epochs_end_and_the_call_that_ends_it_is_timed(nu
     # The call that ends an epoch waits for the stream to run dry (and, without persistent
     # workers, for them to stop): timed always, as it was only when it fell on a timed call.
     loader = pipeload.DataLoader(_SlowToRunDry(), batch_size=2, num_workers=num_workers)
+    assert len(loader) == 100  # asked, as a progress bar does: the loader expects the end there
     ending_s = 0.0
     for _ in range(2):
         iterator = iter(loader)

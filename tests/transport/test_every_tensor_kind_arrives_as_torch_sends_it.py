@@ -159,11 +159,32 @@ def test_each_tensor_kind_arrives_as_torch_delivers_it(deliveries, kind, form):
     assert not problems, "\n".join(problems)
 
 
+class _KeepsWhatItReturns(TensorKinds):
+    """``TensorKinds``, holding on to every item it returned, in order."""
+
+    def __init__(self) -> None:
+        self.returned: list[Any] = []
+
+    def __getitem__(self, index: int) -> Any:
+        item = super().__getitem__(index)
+        self.returned.append(item)
+        return item
+
+
 def test_inline_loaders_hand_out_the_dataset_s_own_objects(deliveries):
-    # Without workers, nothing is sent: ours, like torch's, hands out what collate returned.
+    # Without workers, nothing is sent: ours, like torch's, hands out what collate returned,
+    # which here is the very object the dataset returned (a tensor, or a list holding one).
     for index, (mine, theirs) in enumerate(zip(deliveries["pipeload-inline"], deliveries["torch-inline"])):
         for got, truth in zip(_leaves(mine), _leaves(theirs)):
             assert _layout(got) == _layout(truth) and got.is_conj() == truth.is_conj(), index
+    for make_loader in (pipeload.DataLoader, torch.utils.data.DataLoader):
+        dataset = _KeepsWhatItReturns()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sparse and nested tensors warn on every construction
+            handed_out = list(make_loader(dataset, batch_size=1, collate_fn=first_item))
+        assert len(handed_out) == len(dataset.returned) == len(dataset)
+        for index, (got, made) in enumerate(zip(handed_out, dataset.returned)):
+            assert got is made, (make_loader.__module__, index)
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in

@@ -202,9 +202,18 @@ class _EpochIterator:
 
 
 def _batches_expected(loader: Any) -> float:
-    """The batches an epoch of ``loader`` hands out, where its length says (inf: unknown)."""
+    """The batches an epoch of ``loader`` hands out, where its length says (inf: unknown). An
+    iterable dataset's only if the user asked the loader's length (a progress bar does): asking
+    it here could list a whole store in the main process."""
+    if loader._dataset_kind is DatasetKind.ITERABLE:
+        samples = loader._len_reported  # len(dataset), when len(loader) asked it
+        if samples is None:
+            return math.inf
+        if loader.batch_size is None:
+            return samples
+        return samples // loader.batch_size if loader.drop_last else math.ceil(samples / loader.batch_size)
     try:
-        return len(loader)
+        return len(loader._index_sampler)
     except TypeError:
         return math.inf
 

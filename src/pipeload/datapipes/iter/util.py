@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -148,6 +149,7 @@ class _HeaderIterator(PipeIterator[Any]):
     def __init__(self, source: Any, limit: int | None) -> None:
         super().__init__(source)
         (self._source,) = self.upstream
+        limit = None if limit is None else operator.index(limit)  # never counts the caller's tensor down
         self._left = limit  # None: no limit
         self._limit = limit
 
@@ -207,8 +209,9 @@ class _EnumeratorIterator(PipeIterator[tuple[int, Any]]):
     def __init__(self, source: Any, start: int) -> None:
         super().__init__(source)
         (self._source,) = self.upstream
-        self._index = start
-        self._start = start
+        # As Python's enumerate takes it: a numpy or 0-d tensor integer becomes an int, so
+        # counting never changes the caller's object (a tensor counted in place was every index).
+        self._index = self._start = operator.index(start)
 
     def nonblocking_next(self) -> tuple[int, Any]:
         item = self._source.nonblocking_next()
