@@ -15,6 +15,7 @@ descriptors): CUDA keeps them for the life of the process. pipeload's own shared
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -57,6 +58,26 @@ def main_thread_is_in(function_name: str) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@contextlib.contextmanager
+def once_the_main_thread_waits(action: Callable[[], None], function_name: str = "receive",
+                               deadline_s: float = 20.0) -> Iterator[list[bool]]:
+    """Run ``action`` on a thread of its own as soon as the main thread is in ``function_name``
+    (at the deadline otherwise, so that nothing hangs); yields a list that holds, once the block
+    is left, whether the main thread was seen there."""
+    seen: list[bool] = []
+
+    def act() -> None:
+        seen.append(wait_until(lambda: main_thread_is_in(function_name), deadline_s))
+        action()
+
+    thread = threading.Thread(target=act)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        thread.join(deadline_s + 10.0)
 
 
 def run_rank_processes(target: Callable[..., None], args: tuple[Any, ...], world_size: int = 2,

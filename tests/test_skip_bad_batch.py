@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import child_pids, main_thread_is_in, wait_until
+from conftest import child_pids, once_the_main_thread_waits, wait_until
 from oracle import drain_skipping
 
 import pipeload
@@ -270,22 +270,12 @@ def test_ctrl_c_ends_the_epoch(leak_guard, ctrl_c_raises) -> None:
     pids = [worker.pid for worker in iterator._workers]
     assert next(iterator).tolist() == [0, 1]
     assert next(iterator).tolist() == [2, 3]
-    waiting: list[bool] = []
-
-    def press_ctrl_c_in_the_wait() -> None:
-        # Batch 2 stalls in its worker: the main thread waits for it in the pool's receive, and
-        # the Ctrl-C goes to the main thread once it is there.
-        waiting.append(wait_until(lambda: main_thread_is_in("receive"), 20.0))
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # even if never seen: no hang
-
-    presser = threading.Thread(target=press_ctrl_c_in_the_wait)
-    presser.start()
-    try:
+    # Batch 2 stalls in its worker: the main thread waits for it in the pool's receive, and the
+    # Ctrl-C goes to the main thread once it is there.
+    with once_the_main_thread_waits(lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)) as seen:
         with pytest.raises(KeyboardInterrupt):
             next(iterator)
-    finally:
-        presser.join(30.0)
-    assert waiting == [True], "the main thread was never seen waiting for batch 2"
+    assert seen == [True], "the main thread was never seen waiting for batch 2"
     with pytest.raises(StopIteration):
         next(iterator)
     leak_guard.assert_exited(pids, within_s=1.0)

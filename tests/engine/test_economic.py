@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from conftest import in_shared_memory, main_thread_is_in, pid_gone, wait_until
+from conftest import in_shared_memory, once_the_main_thread_waits, pid_gone, wait_until
 from faults import (
     ECONOMIC,
     ECONOMIC_THREAD,
@@ -717,20 +717,10 @@ def test_an_item_worker_killed_while_the_main_process_waits(leak_guard):
     # Index 0 is item worker 0's first piece (an idle pool starts at worker 0): it stalls there,
     # and batch 0 cannot be handed out without it. The kill comes once the main thread is in its
     # wait for reports (the engine's receive), which it cannot leave before then.
-    waiting: list[bool] = []
-
-    def kill_item_worker_0_in_the_wait() -> None:
-        waiting.append(wait_until(lambda: main_thread_is_in("receive"), 20.0))
-        os.kill(pids[0], signal.SIGKILL)  # even if the wait was never seen: no hang, and a failure below
-
-    killer = threading.Thread(target=kill_item_worker_0_in_the_wait)
-    killer.start()
-    try:
+    with once_the_main_thread_waits(lambda: os.kill(pids[0], signal.SIGKILL)) as seen:
         with pytest.raises(WorkerDiedError, match=rf"item worker 0 \(pid {pids[0]}\).*SIGKILL"):
             next(iterator)
-    finally:
-        killer.join(30.0)
-    assert waiting == [True], "the main thread was never seen waiting for item worker 0"
+    assert seen == [True], "the main thread was never seen waiting for item worker 0"
     leak_guard.assert_exited(pids, within_s=1.0)
 
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import main_thread_is_in, pid_gone, wait_until
+from conftest import once_the_main_thread_waits, pid_gone, wait_until
 from faults import (
     FORK,
     SPAWN,
@@ -148,20 +148,10 @@ def test_worker_killed_while_main_waits_on_it(leak_guard):
     loader = DataLoader(Stalls(8, stall_index=0), batch_size=2, num_workers=2, multiprocessing_context="fork")
     iterator = iter(loader)
     pids = worker_pids(iterator)
-    waiting: list[bool] = []
-
-    def kill_worker_0_in_the_wait() -> None:
-        waiting.append(wait_until(lambda: main_thread_is_in("receive"), 20.0))
-        os.kill(pids[0], signal.SIGKILL)  # even if the wait was never seen: no hang, and a failure below
-
-    killer = threading.Thread(target=kill_worker_0_in_the_wait)
-    killer.start()
-    try:
+    with once_the_main_thread_waits(lambda: os.kill(pids[0], signal.SIGKILL)) as seen:
         with pytest.raises(WorkerDiedError, match=rf"worker 0 \(pid {pids[0]}\).*SIGKILL"):
             next(iterator)
-    finally:
-        killer.join(30.0)
-    assert waiting == [True], "the main thread was never seen waiting for worker 0"
+    assert seen == [True], "the main thread was never seen waiting for worker 0"
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
