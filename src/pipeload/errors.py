@@ -35,7 +35,8 @@ class LoaderTimeoutError(WorkerError):
 
 
 class SharedMemoryError(WorkerError):
-    """Shared memory (``/dev/shm``) is too small for the batches in flight."""
+    """Shared memory (``/dev/shm``, or the memory behind it) is too small for the batches in
+    flight, or this process cannot map one more of them (its address-space limit)."""
 
 
 class TooManyOpenFilesError(WorkerError):
@@ -275,6 +276,19 @@ def _torch_death_sentence(pid: int | None, exitcode: int | None) -> str:
             "better error trace. "
         )
     return ""
+
+
+def cannot_map_message(nbytes: int) -> str:
+    """What to say when a batch's memory could not be mapped into the main process."""
+    import resource  # POSIX only, as the transport
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    limit = ("no address-space limit is set" if soft == resource.RLIM_INFINITY
+             else f"this process may map {soft / 2**30:.1f} GiB in all (ulimit -v)")
+    return (f"pipeload: a batch of {nbytes / 2**20:.0f} MiB from a worker could not be mapped into "
+            f"this process: Cannot allocate memory ({limit}). The batches in flight and the "
+            "slabs the loader keeps are all mapped here: lower batch_size or prefetch_factor, "
+            "set max_shm_bytes, or raise the limit")
 
 
 def too_many_open_files(kept_hint: str) -> str:

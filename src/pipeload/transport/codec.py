@@ -41,12 +41,12 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reductions, used 
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
-from pipeload.errors import TooManyOpenFilesError, too_many_open_files
+from pipeload.errors import SharedMemoryError, TooManyOpenFilesError, cannot_map_message, too_many_open_files
 from pipeload.transport import flat_wire, items_wire
 from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor_table_full
 from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
-from pipeload.transport.shared_memory import note_received
+from pipeload.transport.shared_memory import note_received, storage_from_descriptor
 from pipeload.transport.slab_writer import SlabWriter, one_shot_storage
 
 INLINE_MAX_BYTES = 64 * 1024
@@ -409,7 +409,12 @@ def _storage_at(slot: int, placement: int, detail: Any) -> torch.UntypedStorage:
     elif placement == Placement.DESCRIPTOR:
         index, nbytes = detail
         note_received(incoming.fds[index])
-        storage = torch.UntypedStorage._new_shared_fd_cpu(incoming.fds[index], nbytes)
+        try:
+            storage = storage_from_descriptor(incoming.fds[index], nbytes)
+        except RuntimeError as exc:
+            if "Cannot allocate memory" not in str(exc):
+                raise
+            raise SharedMemoryError(cannot_map_message(nbytes)) from exc
     elif placement == Placement.SLAB:
         storage = torch.frombuffer(_lease(detail), dtype=torch.uint8).untyped_storage()
         keep_lease_with(storage, incoming.lease)

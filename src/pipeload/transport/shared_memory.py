@@ -19,10 +19,13 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import resource
 import shutil
 import tempfile
 import threading
 import warnings
+
+import torch
 
 from pipeload._user_frame import first_frame_outside_pipeload
 
@@ -214,15 +217,74 @@ def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:
 
 
 def available_bytes() -> int | None:
-    """How much more shared memory the current backing can take, or None if unknown."""
+    """How much more shared memory the current backing can take, and this process can map
+    (a job run under ``ulimit -v``), or None if unknown."""
     backing = _choice.current
     if backing is Backing.MEMFD:
-        return memory_headroom_bytes()
-    directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
+        available = memory_headroom_bytes()
+    else:
+        directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
+        try:
+            available = shutil.disk_usage(directory).free
+        except OSError:
+            available = None
+    mappable = address_space_headroom_bytes()
+    if mappable is None:
+        return available
+    return mappable if available is None else min(available, mappable)
+
+
+def address_space_headroom_bytes() -> int | None:
+    """How much more this process may map under its address-space limit (``RLIMIT_AS``,
+    ``ulimit -v``); None without one. Every batch the main process views is mapped in it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
         return None
+    mapped = _status_bytes("VmSize")
+    return None if mapped is None else max(0, soft - mapped)
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def storage_from_descriptor(fd: int, nbytes: int) -> torch.UntypedStorage:
+    """A shared CPU storage over the first ``nbytes`` of memory file ``fd``, which the caller
+    keeps (the storage holds a duplicate). If the mapping fails, the duplicate torch made is
+    closed too: torch leaves it open, and with it the whole buffer's memory, for as long as the
+    process lives."""
+    try:
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    except RuntimeError:
+        _close_other_descriptors_of(fd)
+        raise
+
+
+def _close_other_descriptors_of(fd: int) -> None:
+    """Close every descriptor of this process but ``fd`` open on ``fd``'s file (a fresh
+    buffer's: nothing else here holds it)."""
+    try:
+        target = os.fstat(fd)
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        other = int(name)
+        if other == fd:
+            continue
+        try:
+            found = os.fstat(other)
+        except OSError:
+            continue  # closed meanwhile, or the listing's own descriptor
+        if (found.st_dev, found.st_ino) == (target.st_dev, target.st_ino):
+            os.close(other)
 
 
 def dev_shm_free_bytes() -> int | None:
