@@ -402,6 +402,24 @@ def ctrl_c_held() -> Iterator[None]:
             previous(*held[0])  # the default handler raises KeyboardInterrupt here
 
 
+def ctrl_c_kept(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback``, for a ``weakref.finalize``: a Ctrl-C raised inside it while the garbage
+    collection runs it (printed as "Exception ignored" and lost: the training loop went on) is
+    sent again to the main thread once no finalizer runs there, and lands in the user's code."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            if not _inside_a_finalizer(sys._getframe()):
+                raise
+            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.main_thread().ident,),
+                             name="pipeload-ctrl-c", daemon=True).start()
+            return None
+
+    return call
+
+
 def _inside_a_finalizer(frame: Any) -> bool:
     """Whether a ``weakref.finalize`` runs in ``frame`` or below it on its stack, called by the
     garbage collection of its object (its weakref passed as ``_``), where what it raises is

@@ -31,7 +31,7 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
-from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_held, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, Sampler
@@ -345,7 +345,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         # of workers: each epoch without persistent workers, each new iterator, finds it ready.
         # It goes with the loader (or on release_shared_memory()).
         keeper = self._slab_keeper = SlabKeeper()
-        weakref.finalize(self, _let_go_of_slabs, keeper.close).atexit = False
+        weakref.finalize(self, ctrl_c_kept(_let_go_of_slabs), keeper.close).atexit = False
 
     def release_shared_memory(self) -> None:
         """Free the shared memory this loader keeps between epochs for its workers' batches.
@@ -587,6 +587,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
 def _let_go_of_slabs(release: Callable[[], None]) -> None:
     """Free a loader's kept slabs once the workers of its finished epochs, reaped beside the
     training loop (``reap_in_background``), are gone: nothing of them (an exit handle, a
-    mapping) outlives the call. They are idle and asked to stop: a few milliseconds at most."""
-    wait_for_reaped(REAPED_WITHIN_S)
-    release()
+    mapping) outlives the call. They are idle and asked to stop: a few milliseconds at most.
+    A Ctrl-C waits for the slabs to go (a loader dropped each epoch runs this in the loop)."""
+    with ctrl_c_held():
+        wait_for_reaped(REAPED_WITHIN_S)
+        release()

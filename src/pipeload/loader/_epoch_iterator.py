@@ -16,7 +16,7 @@ from typing import Any
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
-from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
 from pipeload.stats.clock import now, profiling, span
@@ -65,7 +65,7 @@ class _EpochIterator:
         self._ending_from = _batches_expected(loader) if self._stats is not None else math.inf
         # The stats' wall clock of this epoch stops at its end, or when the iterator goes (a
         # `for` loop left by `break` drops it at once): see stats/recorder.py, _Consumer.
-        self._epoch_clock = (weakref.finalize(self, self._stats.epoch_ended, self._count)
+        self._epoch_clock = (weakref.finalize(self, ctrl_c_kept(self._stats.epoch_ended), self._count)
                              if self._stats is not None else None)
 
     def __iter__(self) -> _EpochIterator:
