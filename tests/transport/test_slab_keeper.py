@@ -211,3 +211,24 @@ def test_releases_land_in_order_once_their_copies_are_done_and_close_drains_them
     watcher.submit(late, lambda: landed.append(3))  # after close: landed at once, here
     assert landed == [0, 1, 2, 3]
     assert not any(t.name == "pipeload-pinned-release" for t in threading.enumerate())
+
+
+def test_only_the_most_recently_idle_pools_are_kept_and_a_keeper_let_go_makes_a_new_one():
+    from pipeload.transport.slab_keeper import MOST_IDLE_POOLS_KEPT
+
+    keepers = [SlabKeeper() for _ in range(MOST_IDLE_POOLS_KEPT + 2)]
+    try:
+        for keeper in keepers:  # loaders kept and used once each, as validation loaders are
+            pool = keeper.lend(SETTINGS)
+            fill(pool, 2)
+            keeper.give_back(pool)
+        held = [keeper.held_bytes > 0 for keeper in keepers]
+        assert held == [False] * 2 + [True] * MOST_IDLE_POOLS_KEPT
+        again = keepers[0].lend(SETTINGS)  # comes back to work: a pool anew
+        assert again.slab_bytes == 0
+        fill(again, 1)
+        keepers[0].give_back(again)
+        assert keepers[0].held_bytes > 0 and keepers[2].held_bytes == 0  # the least recent went
+    finally:
+        for keeper in keepers:
+            keeper.close()

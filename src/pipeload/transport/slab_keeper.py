@@ -15,6 +15,8 @@ The pool goes:
   :meth:`close`), or is pickled or deep-copied (the copy gets a keeper of its own, with no pool);
 * on request (:meth:`release`, ``DataLoader.release_shared_memory()``), and when a set of workers
   ends in a failure (a dead worker, Ctrl-C: the error may keep the loader alive for long);
+* when more than ``MOST_IDLE_POOLS_KEPT`` loaders with no workers running keep a pool: the least
+  recently used lets its pool go (loaders kept and unused would hold theirs for good);
 * in part when memory runs short: a set that may use fewer slabs, or fewer bytes (``max_shm_bytes``,
   or half of what memory can still take, counting the pool's own slabs), than the pool holds gets
   it trimmed to what it can use before it starts (``SlabPool.fit``).
@@ -39,11 +41,49 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from pipeload.transport.slab_pool import SlabCounts, SlabPool
+
+
+MOST_IDLE_POOLS_KEPT = 4  # loaders with no workers running that keep their slabs, most recent first
+
+
+class _IdleKeepers:
+    """The keepers holding a pool no set of workers uses now, least recently idle first.
+
+    A pool kept between epochs saves the next set its slabs; a loader that stays referenced and
+    unused (one validation loader per task, say) would hold its slabs, and their descriptors, for
+    as long as it lives. Beyond ``most`` idle pools, the least recently used go: a loader that
+    comes back to work starts a pool anew, as its first epoch did.
+    """
+
+    def __init__(self, most: int) -> None:
+        self._lock = threading.Lock()
+        self._order: collections.OrderedDict[int, weakref.ref[SlabKeeper]] = collections.OrderedDict()
+        self._most = most
+
+    def became_idle(self, keeper: SlabKeeper) -> None:
+        with self._lock:
+            self._order.pop(id(keeper), None)
+            self._order[id(keeper)] = weakref.ref(keeper)
+            surplus = [self._order.popitem(last=False)[1] for _ in range(len(self._order) - self._most)]
+        for gone in surplus:  # released outside the lock: each takes its own keeper's lock
+            victim = gone()
+            if victim is not None:
+                victim.release()
+
+    def not_idle(self, keeper: SlabKeeper) -> None:
+        """``keeper``'s pool is lent, or gone."""
+        with self._lock:
+            self._order.pop(id(keeper), None)
+
+
+_IDLE = _IdleKeepers(MOST_IDLE_POOLS_KEPT)
 
 
 @dataclass(frozen=True)
@@ -117,6 +157,7 @@ class SlabKeeper:
             if self._pool is None:
                 self._pool, self._pin = self._new_pool(settings), settings.pin
             self._lent = True
+            _IDLE.not_idle(self)
             self._pool.fit(settings.max_bytes, settings.batches_in_flight)
             return self._pool
 
@@ -132,8 +173,9 @@ class SlabKeeper:
             self._lent = False
             if release or self._release_when_returned or not self._keeping:
                 self._close_kept()
-            else:
-                pool.detach_producers()
+                return
+            pool.detach_producers()
+        _IDLE.became_idle(self)
 
     def release(self) -> None:
         """Let go of the kept pool: now if no set uses it, else when that set stops. The next
@@ -155,6 +197,7 @@ class SlabKeeper:
                         batches_in_flight=settings.batches_in_flight)
 
     def _close_kept(self) -> None:
+        _IDLE.not_idle(self)
         pool, self._pool = self._pool, None
         self._release_when_returned = False
         if pool is not None:
