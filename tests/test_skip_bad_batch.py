@@ -261,8 +261,6 @@ class StallsAt(Items):
         return index
 
 
-
-
 def test_ctrl_c_ends_the_epoch(leak_guard, ctrl_c_raises) -> None:
     loader = pipeload.DataLoader(StallsAt(16, frozenset({4})), batch_size=2, num_workers=2,
                                  multiprocessing_context="fork")

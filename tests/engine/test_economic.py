@@ -707,8 +707,6 @@ def test_an_idle_worker_killed_from_outside(slot, leak_guard):
     leak_guard.assert_exited(pids, within_s=1.0)
 
 
-
-
 def test_an_item_worker_killed_while_the_main_process_waits(leak_guard):
     loader = DataLoader(Stalls(16, stall_index=0), batch_size=2, num_workers=2, mode="economic",
                         multiprocessing_context="fork")

@@ -51,10 +51,13 @@ _SCRIPT = textwrap.dedent(
     from pipeload import DataLoader, get_worker_info
 
     class Busy:
-        def __init__(self, marks): self.marks = marks
+        def __init__(self, marks, hold_gil): self.marks, self.hold_gil = marks, hold_gil
         def __len__(self): return 100
         def __getitem__(self, index):
             open(os.path.join(self.marks, f"busy.{get_worker_info().id}"), "w").close()
+            if self.hold_gil:  # a regex backtracking for ever: C code that never lets the GIL go
+                import re
+                re.match(r"(a+)+$", "a" * 64 + "b")
             time.sleep(120)  # simulated slow work: the test interrupts it
             return index
 
@@ -66,7 +69,7 @@ _SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         pid_file, context, mode, loader_mode = sys.argv[1:5]
         marks = os.path.dirname(pid_file)
-        dataset = Busy(marks) if mode == "busy" else list(range(100))
+        dataset = Busy(marks, mode == "gil") if mode in ("busy", "gil") else list(range(100))
         engine = {"worker_type": "thread"} if context == "thread" else {"multiprocessing_context": context}
         loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=(mode == "idle"),
                             mode=loader_mode, **engine)
@@ -155,15 +158,16 @@ def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises
      pytest.param("spawn", "busy", "economic", marks=[pytest.mark.timeout(120), pytest.mark.slow]),
      # A forkserver worker's parent is the fork server, which lives on while any of its children
      # does: a worker stuck in user code must watch the main process itself.
-     pytest.param("forkserver", "busy", "classic", marks=pytest.mark.timeout(120))],
+     pytest.param("forkserver", "busy", "classic", marks=pytest.mark.timeout(120)),
+     # A worker whose thread holds the GIL (C code that never lets it go) cannot run its
+     # watching thread: the kernel kills it with its parent (forked by the main thread).
+     ("fork", "gil", "classic")],
 )
 def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
     proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)
     proc.kill()
     proc.communicate()
     gone_or_fail(pids, ORPHAN_EXIT_S, "orphaned workers")
-
-
 
 
 def _interrupt_main_thread() -> None:

@@ -139,8 +139,6 @@ def test_idle_worker_killed_from_outside(signum, leak_guard):
         leak_guard.assert_exited(pids, within_s=1.0)
 
 
-
-
 def test_worker_killed_while_main_waits_on_it(leak_guard):
     # Worker 0 is stuck building batch 0, so the main process blocks waiting for it; the kill
     # comes once the main thread is in that wait (the pool's receive), which it cannot leave

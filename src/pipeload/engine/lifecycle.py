@@ -112,6 +112,8 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         release_free_heap()
         # Pages the kernel gathered while the child shares them would be copied for us alone.
         huge_heap.GATHERER.before_fork()
+        # Read by the child (it inherits this process's memory): see exit_when_creator_dies.
+        _FORKING_THREAD.is_main = threading.current_thread() is threading.main_thread()
     # multiprocessing's 'spawn' Process, made by one that a dead child cannot leave blocked
     # (engine/spawn_launch.py); any other context's Process as it is.
     make = SpawnProcess if getattr(ctx, "Process", None) is mp_context.SpawnProcess else ctx.Process
@@ -653,6 +655,8 @@ def exit_when_creator_dies() -> None:
     """
     creator = _creator_pid()
     is_parent = os.getppid() == creator
+    if is_parent and _FORKING_THREAD.is_main:
+        _killed_with_parent(creator)
     pidfd = _creator_pidfd(creator, is_parent)
 
     def watch() -> None:
@@ -669,6 +673,34 @@ def exit_when_creator_dies() -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()
+
+
+class _ForkingThread:
+    """Whether the thread forking a child is its process's main thread (set before each fork)."""
+
+    is_main = False
+
+
+_FORKING_THREAD = _ForkingThread()
+_PR_SET_PDEATHSIG = 1
+
+
+def _killed_with_parent(parent: int) -> None:
+    """Have the kernel kill this forked child when its parent dies, even while it holds the
+    GIL (a regex backtracking, a C extension's loop), where the watching thread cannot run.
+
+    The kernel's signal follows the thread that forked, not the process: only a child forked
+    by its parent's main thread (whose end is the process's) asks for it. Any other keeps to
+    the watching thread alone.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(0)  # it died before the request: the kernel will not send it now
 
 
 def _creator_pid() -> int:
