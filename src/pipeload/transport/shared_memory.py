@@ -32,6 +32,7 @@ from pipeload._user_frame import first_frame_outside_pipeload
 DEV_SHM = "/dev/shm"
 BACKING_ENV = "PIPELOAD_SHM_BACKING"
 _MEMINFO = "/proc/meminfo"
+_STATUS = "/proc/self/status"
 _CGROUP_DIR = "/sys/fs/cgroup"
 MIB = 1 << 20
 
@@ -240,19 +241,8 @@ def address_space_headroom_bytes() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    mapped = _status_bytes("VmSize")
+    mapped = _kib_field_bytes(_STATUS, "VmSize")
     return None if mapped is None else max(0, soft - mapped)
-
-
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def storage_from_descriptor(fd: int, nbytes: int) -> torch.UntypedStorage:
@@ -297,7 +287,7 @@ def dev_shm_free_bytes() -> int | None:
 
 def memory_headroom_bytes() -> int | None:
     """Memory this process's container can still use: MemAvailable, capped by a cgroup v2 limit."""
-    available = _meminfo_bytes("MemAvailable")
+    available = _kib_field_bytes(_MEMINFO, "MemAvailable")
     limit = _read_int(os.path.join(_cgroup_path(), "memory.max"))
     used = _read_int(os.path.join(_cgroup_path(), "memory.current"))
     if limit is not None and used is not None:
@@ -306,10 +296,11 @@ def memory_headroom_bytes() -> int | None:
     return available
 
 
-def _meminfo_bytes(field: str) -> int | None:
+def _kib_field_bytes(path: str, field: str) -> int | None:
+    """A ``Field:   123 kB`` line's value in bytes, from a /proc file (None where it is missing)."""
     try:
-        with open(_MEMINFO) as meminfo:
-            for line in meminfo:
+        with open(path) as lines:
+            for line in lines:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
