@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import platform
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,6 +20,8 @@ from conftest import wait_until
 
 import pipeload
 from pipeload.engine import lifecycle
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _anonymous_mib() -> float:
@@ -166,3 +170,31 @@ def test_a_program_a_worker_starts_stops_on_ctrl_c_as_under_torchs_workers():
         return [bool(answer) for answer in loader]
 
     assert ignored(pipeload) == ignored(torch.utils.data) == [False, False]
+
+
+_FORKED_HELPER_SCRIPT = """
+import os, sys
+import pipeload
+
+if __name__ == "__main__":
+    loader = pipeload.DataLoader(list(range(64)), batch_size=8, num_workers=2, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    print(sum(1 for _ in loader))
+    helper = os.fork()
+    if helper == 0:
+        sys.exit(0)  # a helper (a checkpoint writer, say) that does its job and exits normally
+    os.waitpid(helper, 0)
+    print(sum(1 for _ in loader))
+"""
+
+
+def test_a_plain_fork_child_exiting_normally_leaves_the_parents_persistent_workers_alone(tmp_path):
+    # Its exit ran multiprocessing's hook, which terminated them as its own daemonic children,
+    # and our finalizers, which asked them to stop: the parent's next epoch found them dead.
+    script = tmp_path / "helper_fork.py"
+    script.write_text(_FORKED_HELPER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["8", "8"]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -126,7 +126,22 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
             if ended is not None and isinstance(error, _BROKEN_WRITE):
                 raise GoneBeforeStarting(name, *ended) from error
             raise
+    _OURS.add(process)
     return process
+
+
+def _forget_inherited_workers() -> None:
+    """In a child made by a plain ``os.fork()`` (a checkpoint writer, say): our workers are not
+    its children. multiprocessing's exit hook, which the child runs when it exits normally,
+    would terminate them as its own daemonic children: the parent's persistent workers died of a
+    SIGTERM the parent never sent (torch's too)."""
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(list(_OURS))
+
+
+_OURS: weakref.WeakSet[Any] = weakref.WeakSet()  # the processes start_process started
+os.register_at_fork(after_in_child=_forget_inherited_workers)
 
 
 class GoneBeforeStarting(WorkerDiedError):

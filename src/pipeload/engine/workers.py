@@ -9,6 +9,7 @@ are the same for both, and live here.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 import warnings
@@ -146,6 +147,7 @@ class WorkerGroup:
         self.start_failed = False  # a worker could not be started: the group cannot go on
         self._short_lived = short_lived
         self._ctx: Any = None
+        self._owner_pid = os.getpid()
         count = len(self.labels)
         try:
             if worker_type == "thread":
@@ -418,6 +420,11 @@ class WorkerGroup:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self._owner_pid:
+            # A copy of this group in a child made by a plain os.fork(), closed as that child
+            # exits: the workers are its parent's, who goes on using them. Its copies of the
+            # channels and slabs go with its exit.
+            return
         if self.stop_event is not None:
             self.stop_event.set()
         idle = self._idle and not self.failed and self.stop_event is None
