@@ -350,23 +350,14 @@ ALONE_LEAF = INLINE_GROUP_BYTES // 2
 
 
 @pytest.mark.usefixtures("leak_guard")
-def test_a_piece_that_failed_midway_says_no_item_sizes():
-    # The items before the failing one are no item's whole layout: item 4's two leaves, from one
-    # item of a piece of two, would read as items of one leaf, and the main process would lay the
-    # next batches out so (their leaves then go to one-shot buffers).
+@pytest.mark.parametrize("fault", ["bad_index", "unsendable"], ids=["failed-midway", "not-handed-over"])
+def test_a_piece_whose_item_failed_or_was_not_handed_over_says_no_item_sizes(fault: str):
+    # Item 5 raises in the dataset, or cannot be pickled for its link: the worker sends a failure
+    # in its place. The items before it are no item's whole layout (item 4's two leaves, from one
+    # item of a piece of two, would read as items of one leaf, and the main process would lay
+    # the next batches out so): its piece, though item 4 went, tells no sizes.
     sent, reports = _run_item_worker_over_sockets(
-        _Pairs(10, ALONE_LEAF, bad_index=5), [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0)])
-    assert sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 1, [5]),
-                    (Delivery.ITEMS, 0, 1, [1]), (Delivery.ITEMS, 1, 1, [2])]
-    assert reports == [ItemsDone(2), ItemsDone(2, (ALONE_LEAF, ALONE_LEAF))]
-
-
-@pytest.mark.usefixtures("leak_guard")
-def test_a_piece_with_an_item_not_handed_over_says_no_item_sizes():
-    # Item 5 cannot be pickled for its link: the worker sends a failure in its place, and its
-    # piece, though item 4 went, tells no sizes.
-    sent, reports = _run_item_worker_over_sockets(
-        _Pairs(10, ALONE_LEAF, unsendable=5), [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0)])
+        _Pairs(10, ALONE_LEAF, **{fault: 5}), [_fetch(0, [4, 5], slot=0), _fetch(1, [1, 2], slot=0)])
     assert sent == [(Delivery.ITEMS, 0, 1, [4]), (Delivery.FAILED, 1, 1, [5]),
                     (Delivery.ITEMS, 0, 1, [1]), (Delivery.ITEMS, 1, 1, [2])]
     assert reports == [ItemsDone(2), ItemsDone(2, (ALONE_LEAF, ALONE_LEAF))]
