@@ -91,9 +91,27 @@ def run_rank_processes(target: Callable[..., None], args: tuple[Any, ...], world
     ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(world_size)]
     for process in ranks:
         process.start()
+    deadline = time.monotonic() + join_s
     for process in ranks:
-        process.join(join_s)
+        process.join(max(0.0, deadline - time.monotonic()))
+    stuck = [process.pid for process in ranks if process.exitcode is None]
+    for pid in stuck:  # with everything they started: a stuck rank must fail the test, not hang the run
+        _kill_tree(pid)
+    for process in ranks:
+        process.join(10)
+    assert not stuck, f"rank processes {stuck} were still running after {join_s} s"
     assert [process.exitcode for process in ranks] == [0] * world_size
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def backing_of(tensor) -> str:

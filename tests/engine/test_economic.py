@@ -501,13 +501,14 @@ def test_persistent_epochs_draw_differently_and_repeatably(engine):
 # -- failures -------------------------------------------------------------------------------
 
 
-def _engine(dataset: Any, engine_choice, in_order: bool = True) -> EconomicEngine:
+def _engine(dataset: Any, engine_choice, in_order: bool = True, forks_as_tasks_go: bool = True) -> EconomicEngine:
     spec = FetchSpec(dataset, DatasetKind.MAP, True, default_collate, False)
     method = "thread" if engine_choice.threads else "multiprocessing"
     setup = EconomicSetup(WorkerSetup(spec, 2, 0, None, method), num_batch_workers=2)
     context = None if engine_choice.threads else multiprocessing.get_context(engine_choice.context)
     config = EconomicConfig(setup, prefetch_factor=2, in_order=in_order, timeout_s=0.0,
-                            worker_type=engine_choice.worker_type, mp_context=context)
+                            worker_type=engine_choice.worker_type, mp_context=context,
+                            forks_as_tasks_go=forks_as_tasks_go)
     return EconomicEngine(config)
 
 
@@ -529,6 +530,19 @@ def test_item_workers_are_forked_as_their_first_pieces_go_out_and_batch_workers_
                 break
         assert batches == [[i, i + 1] for i in range(0, 40, 2)]
         assert len(engine.workers) == 4
+    finally:
+        engine.close()
+
+
+def test_item_workers_all_fork_before_the_first_draw_where_a_draw_may_change_what_they_see():
+    # A sampler whose draws may run the user's code (a dataset's own __len__, a user's sampler):
+    # every item worker inherits the main process from before them, as a classic pool's.
+    engine = _engine(Numbers(8), ECONOMIC, forks_as_tasks_go=False)
+    try:
+        assert len(engine.workers) == 2  # both item workers; the batch workers when needed
+        engine.start_epoch(iter([[i, i + 1] for i in range(0, 8, 2)]))
+        assert len(engine.workers) in (2, 3, 4)
+        assert [engine.next_batch().tolist() for _ in range(4)] == [[i, i + 1] for i in range(0, 8, 2)]
     finally:
         engine.close()
 

@@ -1,5 +1,6 @@
 """How a classic pool starts its process workers: all of them, as torch's, before the sampler's
-first draw, so that each inherits the main process as ``iter()`` found it."""
+first draw (and before a dataset's own ``__len__`` is asked), so that each inherits the main
+process as ``iter()`` found it."""
 
 from __future__ import annotations
 
@@ -110,6 +111,17 @@ def test_every_worker_inherits_the_main_process_from_before_the_samplers_first_d
     assert _batches(pipeload, num_workers) == _batches(torch.utils.data, num_workers)
 
 
+class _Listed(torch.utils.data.Dataset):
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> int:
+        return self.items[index]
+
+
 class _DrawsInWorkers(torch.utils.data.Dataset):
     """Each item draws from torch's and Python's global generators, as augmentations do."""
 
@@ -141,7 +153,8 @@ def test_workers_forked_after_the_first_draw_of_our_samplers_draw_what_torchs_dr
         _drawn(torch.utils.data, num_workers, **options(torch.utils.data))
 
 
-@pytest.mark.parametrize("sampling", ["sequential", "shuffle", "a user's sampler", "own generator"])
+@pytest.mark.parametrize("sampling", ["sequential", "shuffle", "a user's sampler", "own generator",
+                                      "a dataset's own __len__"])
 def test_worker_0_alone_forks_before_the_first_draw_of_our_samplers_and_the_rest_as_tasks_go(sampling):
     from pipeload.loader import _engine_choice
 
@@ -151,6 +164,8 @@ def test_worker_0_alone_forks_before_the_first_draw_of_our_samplers_and_the_rest
         options = {"sampler": list(range(8))}
     elif sampling == "own generator":
         options["generator"] = torch.Generator().manual_seed(3)
+    elif sampling == "a dataset's own __len__":
+        dataset = _Listed(dataset)
     loader = pipeload.DataLoader(dataset, batch_size=2, num_workers=3, multiprocessing_context="fork",
                                  **options)
     engine = _engine_choice.build_engine(loader)
@@ -162,4 +177,72 @@ def test_worker_0_alone_forks_before_the_first_draw_of_our_samplers_and_the_rest
     finally:
         engine.close()
     assert before_the_first_draw == (1 if sampling in ("sequential", "shuffle") else 3)
-    assert keys == dataset
+    assert keys == list(range(8))
+
+
+class _CountsItsLength(torch.utils.data.Dataset):
+    """Each item says how many times the main process had asked the dataset's length when its
+    worker started (a ``__len__`` that does more than count: opening the file it counts in)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __len__(self) -> int:
+        self.asked += 1
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return self.asked
+
+
+@pytest.mark.parametrize("mode", ["classic", "economic"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+@pytest.mark.parametrize("sampling", ["sequential", "shuffle", "distributed"])
+def test_a_datasets_own_len_is_asked_only_after_every_worker_started_as_torchs(sampling, persistent, mode):
+    # torch starts its workers before the sampler's first draw asks the length: no worker
+    # inherits what a __len__ did (an HDF5 or LMDB handle it opened), and all see the same.
+    def first_epoch(module, **options):
+        dataset = _CountsItsLength()
+        if sampling == "distributed":
+            options["sampler"] = module.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+        else:
+            options["shuffle"] = sampling == "shuffle"
+        loader = module.DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork",
+                                   persistent_workers=persistent, **options)
+        asked_before_iter = dataset.asked
+        seen = {value for batch in loader for value in batch.tolist()}
+        return seen, asked_before_iter
+
+    theirs, asked = first_epoch(torch.utils.data)
+    assert theirs == {asked}
+    ours, asked = first_epoch(pipeload, **({"mode": mode} if mode == "economic" else {}))
+    assert ours == {asked}
+
+
+class _OpensWhatItCounts(torch.utils.data.Dataset):
+    """A ``__len__`` that opens the file it counts in and keeps it open: the dataset can no longer
+    be pickled (a spawned worker must be sent it before that)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.handle = None
+
+    def __len__(self) -> int:
+        if self.handle is None:
+            self.handle = open(self.path, "rb")  # noqa: SIM115 (kept open, as such datasets do)
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_spawned_worker_is_sent_the_dataset_before_its_len_opened_a_file(tmp_path):
+    path = tmp_path / "counts"
+    path.write_bytes(b"4")
+    dataset = _OpensWhatItCounts(str(path))
+    loader = pipeload.DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    try:
+        assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]  # as torch's
+    finally:
+        if dataset.handle is not None:
+            dataset.handle.close()

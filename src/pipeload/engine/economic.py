@@ -98,6 +98,9 @@ class EconomicConfig:
             pace between the sets of workers it starts (None: the pool is the engine's own).
         stop_when_done: this engine serves one epoch (no persistent workers): once it has
             handed out the epoch's last batch, its workers are reaped beside the loop.
+        forks_as_tasks_go: the sampler's draws change nothing an item worker could see
+            (``samplers.draws_unseen_by_workers``): item worker 0 forks first and the others as
+            their first pieces go out. Otherwise all item workers fork before the first draw.
     """
 
     setup: EconomicSetup
@@ -112,6 +115,7 @@ class EconomicConfig:
     numbered: bool = False
     slab_keeper: SlabKeeper | None = None
     stop_when_done: bool = False
+    forks_as_tasks_go: bool = False
 
 
 class EconomicLaunch:
@@ -240,7 +244,9 @@ class EconomicEngine:
         # thread once the copies out of them are done). ``_top_up`` follows the budget.
         slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
-        # fetch while the rest are forked), all of them by the end of start_epoch. A batch
+        # fetch while the rest are forked), all of them by the end of start_epoch, where the
+        # sampler's draws change nothing they could see (else all start now, as in a classic
+        # pool: see PoolConfig.forks_as_tasks_go). A batch
         # worker starts when the first batch it collates is sent to it: one whose batches the
         # main process assembles (direct_batches.py) never starts. Spawned ones (a second or more
         # each, importing torch) start with the item workers when the loader's last set needed
@@ -252,7 +258,8 @@ class EconomicEngine:
         known_needed = keeper is not None and keeper.batch_workers_started
         on_demand = None if known_needed and not forked else self._num_item_workers
         self._workers = WorkerGroup(EconomicLaunch(setup, self._stats), config.worker_type, config.mp_context,
-                                    config.timeout_s, slab_settings, self._stats, start_first=1,
+                                    config.timeout_s, slab_settings, self._stats,
+                                    start_first=1 if config.forks_as_tasks_go else None,
                                     keeper=keeper, on_demand_from=on_demand,
                                     short_lived=config.stop_when_done)
         self._finalizer = weakref.finalize(self, self._workers.close)

@@ -187,6 +187,19 @@ class PoolEngine:
         self._prefetch_factor = config.prefetch_factor
         self._stop_when_done = config.stop_when_done and config.worker_type == "process"
 
+    def _tell_the_last_batch(self) -> None:
+        """The first epoch's last batch number, for the workers' stats, where they started
+        without it: a length that runs the user's code is asked only once they have started,
+        as torch asks it (``samplers/_lengths.py``)."""
+        given = self._config.setup.batch_sizes
+        if given is None or given[1] is not None:
+            return
+        sizes = self._config.batch_sizes()
+        if sizes is None or sizes[1] is None:
+            return
+        self._workers.plan.epoch_sizes(sizes)  # type: ignore[attr-defined]
+        self._workers.tell_last_batch(sizes[1])
+
     @staticmethod
     def _ends_with_its_sampler(config: PoolConfig) -> bool:
         """Whether the workers go when a map-style epoch ends (no persistent workers); an
@@ -255,6 +268,8 @@ class PoolEngine:
             last = sizes[1] if sizes is not None and sizes[1] is not None else -1
             self._workers.plan.epoch_sizes(sizes)  # type: ignore[attr-defined]
             self._workers.start_epoch(self._epoch + 1, shared_seed, last)
+        else:
+            self._tell_the_last_batch()
         self._started = True
         self._epoch += 1
         self._supply = TaskSupply(tasks)

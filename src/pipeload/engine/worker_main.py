@@ -131,6 +131,8 @@ class WorkerLoop:
             if command.command is Command.START_EPOCH:
                 self._last_batch_is(command.batch_number)
                 self._start_epoch(command.epoch, command.shared_seed)
+            elif command.command is Command.LAST_BATCH:
+                self._last_batch_is(command.batch_number)
             else:
                 self._serve(command)
 

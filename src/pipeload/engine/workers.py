@@ -113,10 +113,11 @@ class WorkerGroup:
         counted_by_engine: bool = False, keeper: SlabKeeper | None = None,
         on_demand_from: int | None = None, short_lived: bool = False,
     ) -> None:
-        """``start_first``: process workers of the first slots to start now (None: all); the
-        others start on the first command sent to them, or ``start_all()``. Economic mode forks
-        its item workers one by one as their first pieces go out, so that the first ones fetch
-        while the rest are forked. ``on_demand_from``: process workers of this slot and up start
+        """``start_first``: process workers of the first slots to start now (None: all but those
+        that start on demand); the others start on the first command sent to them, or
+        ``start_all()``. Economic mode forks its item workers one by one as their first pieces
+        go out, where the sampler's draws allow, so that the first ones fetch while the rest are
+        forked. ``on_demand_from``: process workers of this slot and up start
         only when a command is first sent to one of them, all of them then, never with
         ``start_all()`` (None: none): economic mode's batch workers, which a loader whose
         batches the main process assembles never needs. ``counted_by_engine``: the engine counts each worker's
@@ -174,7 +175,7 @@ class WorkerGroup:
         self.handles = []
         try:
             self._unstarted = list(plan.process_launches(ctx, self.channels))
-            self._start_up_to(count if start_first is None else max(1, start_first))
+            self._start_up_to(self._eager if start_first is None else max(1, start_first))
         except BaseException:
             self.channels.forget_worker_ends()
             self.channels.close()
@@ -329,6 +330,13 @@ class WorkerGroup:
         if not any(code == 1 for _, _, code in deaths):
             return ""
         return unreachable_in_workers(self.plan.picklable_parts()) or started_outside_main_guard()
+
+    def tell_last_batch(self, number: int) -> None:
+        """Tell every started worker that the first epoch's last batch is ``number`` (for the
+        classic workers' stats); workers started later have it in their setup."""
+        told = WorkerCommand(Command.LAST_BATCH, number)
+        for slot in range(len(self.handles)):
+            self.send(slot, told)
 
     def start_epoch(self, epoch: int, shared_seed: int | None = None, last_batch: int = -1) -> None:
         """Persistent workers: tell every worker that epoch ``epoch`` begins (``shared_seed``

@@ -413,6 +413,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             tasks = iter(self._index_sampler)
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
             try:
+                resume.record_sampler_state(self, record)  # its length: once the workers started
                 tasks, start = resume.position_tasks(self, tasks, point)
             except BaseException:
                 engine.close()  # a state that cannot be resumed: no workers left behind

@@ -30,7 +30,7 @@ from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, ReplicaSetup, WorkerSetup
 from pipeload.engine.pool import PoolConfig, PoolEngine
 from pipeload.pin import pinning_available
-from pipeload.samplers import batch_sizes, draws_unseen_by_workers
+from pipeload.samplers import batch_sizes, draws_unseen_by_workers, sampler_runs_no_user_code
 from pipeload.shared import warn_if_copy_on_read
 from pipeload.stats.recorder import usable_cpus
 from pipeload.stats.tuner import AutoTuner, Settings, memory_budget_bytes
@@ -70,7 +70,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
     elif loader.mode == "economic":
         if any(loader._auto):
             _auto_tuner(loader)  # records the starting settings, which economic mode keeps
-        engine = EconomicEngine(_economic_config(loader, spec, base_seed, replica_setup))
+        engine = EconomicEngine(_economic_config(loader, spec, base_seed, replica_setup, point is not None))
     else:
         engine = PoolEngine(_pool_config(loader, spec, base_seed, replica_setup, point is not None))
         if replica_setup.shared_seed is not None and session is None:
@@ -148,7 +148,15 @@ def _worker_setup(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: R
     method = "thread" if loader.worker_type == "thread" else "multiprocessing"
     return WorkerSetup(spec, loader.num_workers, base_seed, loader.worker_init_fn, method, replica_setup,
                        stats=loader._stats is not None, first_epoch=loader._session[1],
-                       batch_sizes=_batch_sizes(loader)())
+                       batch_sizes=_sizes_before_workers(loader))
+
+def _sizes_before_workers(loader: Any) -> tuple[int, int | None] | None:
+    """What the workers' setup says the batches hold: the last batch's number only where the
+    sampler's length runs no user code (else the pool tells them once they have started)."""
+    if loader._stats is None or loader._dataset_kind is not DatasetKind.MAP:
+        return None
+    sampler = loader._index_sampler
+    return batch_sizes(sampler, loader._auto_collation, count_batches=sampler_runs_no_user_code(sampler))
 
 def _batch_sizes(loader: Any) -> Any:
     """What the loader's batches hold, read afresh each epoch (``samplers.batch_sizes``; always
@@ -158,18 +166,22 @@ def _batch_sizes(loader: Any) -> Any:
     sampler, collating = loader._index_sampler, loader._auto_collation
     return lambda: batch_sizes(sampler, collating)
 
-def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup) -> EconomicConfig:
+def _economic_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup,
+                     resumed: bool) -> EconomicConfig:
     setup = EconomicSetup(_worker_setup(loader, spec, base_seed, replica_setup), loader.num_batch_workers)  # type: ignore[arg-type]
-    return EconomicConfig(setup=setup, stop_when_done=not loader.persistent_workers, **_engine_settings(loader))
+    return EconomicConfig(setup=setup, stop_when_done=not loader.persistent_workers,
+                          forks_as_tasks_go=_forks_as_tasks_go(loader, resumed), **_engine_settings(loader))
 
 def _pool_config(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: ReplicaSetup,
                  resumed: bool) -> PoolConfig:
-    # A resumed epoch's first draws replay under a borrowed global generator: forks before them.
-    forks_as_tasks_go = (not resumed and loader._dataset_kind is DatasetKind.MAP
-                         and draws_unseen_by_workers(loader._index_sampler))
     return PoolConfig(setup=_worker_setup(loader, spec, base_seed, replica_setup),
                       batch_sizes=_batch_sizes(loader), stop_when_done=not loader.persistent_workers,
-                      forks_as_tasks_go=forks_as_tasks_go, **_engine_settings(loader))
+                      forks_as_tasks_go=_forks_as_tasks_go(loader, resumed), **_engine_settings(loader))
+
+def _forks_as_tasks_go(loader: Any, resumed: bool) -> bool:
+    # A resumed epoch's first draws replay under a borrowed global generator: forks before them.
+    return (not resumed and loader._dataset_kind is DatasetKind.MAP
+            and draws_unseen_by_workers(loader._index_sampler))
 
 def _engine_settings(loader: Any) -> dict[str, Any]:
     """What both worker engines (classic and economic) take from the loader alike."""

@@ -15,7 +15,9 @@ The engines know nothing of checkpoints: they are given an :class:`~pipeload.eng
 replica's position. See docs/design/resume.md.
 """
 
-from pipeload.resume.epoch import STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch
+from pipeload.resume.epoch import (
+    STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch, record_sampler_state,
+)
 from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.replay import (
     epoch_start_draws,
@@ -35,6 +37,7 @@ __all__ = [
     "EpochRecord",
     "ResumePoint",
     "begin_epoch",
+    "record_sampler_state",
     "build_state",
     "check_can_checkpoint",
     "epoch_start_draws",

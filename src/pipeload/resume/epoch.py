@@ -164,20 +164,41 @@ class EpochProgress:
 
 
 def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
-    """The record of an epoch about to begin (taken before anything is drawn for it).
+    """The record of an epoch about to begin (taken before anything is drawn for it), but for
+    its sampler's state, which ``record_sampler_state`` adds once the workers have started.
 
     An epoch begun again from a checkpoint keeps the global generator state it first began
     with (the one it is replayed under), so a checkpoint taken after resuming replays it too.
     """
     generator = loader.generator
-    sampler_state = None
-    if loader._dataset_kind.label == "map":
-        sampler_state = fresh_sampler_state(loader._index_sampler)
     return EpochRecord(
         global_rng=resumed.global_rng if resumed is not None else torch.get_rng_state(),
         generator=generator.get_state() if generator is not None else None,
-        sampler=sampler_state,
+        sampler=None,
     )
+
+
+def record_sampler_state(loader: Any, record: EpochRecord) -> None:
+    """Add the sampler's state as the epoch began to ``record`` (map-style datasets).
+
+    Asked after the workers started and before the sampler's first draw: the state names the
+    dataset's length, and a dataset's ``__len__`` may run code a worker must not inherit
+    (``samplers/_lengths.py``), which torch's loader first runs after its workers started. Only
+    the loader's generator is drawn from since the epoch began (the workers' base seed, a
+    graph's seed); a sampler drawing from that same generator is asked as it stood then.
+    """
+    if loader._dataset_kind.label != "map":
+        return
+    generator = loader.generator
+    if generator is None or record.generator is None:
+        record.sampler = fresh_sampler_state(loader._index_sampler)
+        return
+    now = generator.get_state()
+    generator.set_state(record.generator)
+    try:
+        record.sampler = fresh_sampler_state(loader._index_sampler)
+    finally:
+        generator.set_state(now)
 
 
 def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:

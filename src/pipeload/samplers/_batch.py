@@ -133,27 +133,34 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         return -(-count // self.batch_size)
 
 
-def exact_length(sampler: Any) -> int | None:
-    """``len(sampler)`` when it is exactly what iterating yields and iterating cannot fail
-    midway: torch's samplers and ours, as they are (a subclass may yield otherwise); else None."""
+def _is_exact(sampler: Any) -> bool:
+    """Whether ``len(sampler)`` is exactly what iterating yields and iterating cannot fail
+    midway: torch's samplers and ours, as they are (a subclass may yield otherwise)."""
     kind = type(sampler)
     if kind in (BatchSampler, torch_data.BatchSampler):
-        return len(sampler) if exact_length(sampler.sampler) is not None else None
-    return len(sampler) if kind in _EXACT_SAMPLERS else None
+        return _is_exact(sampler.sampler)
+    return kind in _EXACT_SAMPLERS
 
 
-def batch_sizes(index_sampler: Any, auto_collation: bool) -> tuple[int, int | None] | None:
+def exact_length(sampler: Any) -> int | None:
+    """``len(sampler)`` when it is exactly what iterating yields and iterating cannot fail
+    midway (see ``_is_exact``); else None."""
+    return len(sampler) if _is_exact(sampler) else None
+
+
+def batch_sizes(index_sampler: Any, auto_collation: bool,
+                count_batches: bool = True) -> tuple[int, int | None] | None:
     """What every batch of an epoch holds, when that is known without looking at each:
     ``(samples in every batch but the last, the last batch's number or None)``. One sample per
     task without auto-collation; torch's or our ``BatchSampler`` over an exact sampler holds
     ``batch_size`` in each but the last, which may be shorter. None for other batch samplers
-    (their batches may hold anything)."""
+    (their batches may hold anything). ``count_batches=False``: the last batch's number is left
+    None, and no length is asked (it may run the user's code: ``samplers/_lengths.py``)."""
     if not auto_collation:
         return 1, None
-    if type(index_sampler) not in (BatchSampler, torch_data.BatchSampler):
+    if type(index_sampler) not in (BatchSampler, torch_data.BatchSampler) or not _is_exact(index_sampler):
         return None
-    batches = exact_length(index_sampler)
-    return None if batches is None else (index_sampler.batch_size, batches - 1)
+    return index_sampler.batch_size, (len(index_sampler) - 1 if count_batches else None)
 
 
 _EXACT_SAMPLERS = frozenset({

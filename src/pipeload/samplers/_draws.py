@@ -7,10 +7,12 @@ others as their first tasks go out lets worker 0 build while the main process fo
 forked after a draw inherits what the draw changed. For pipeload's own samplers drawing from
 torch's global generator (or from none) that is nothing a worker can see: the draw advances the
 global generator, which every worker seeds afresh before any user code runs, and it records the
-iteration in the sampler, which workers never use. A user's sampler, a subclass, or one drawing
-from a generator of its own (which the dataset may hold too) may change anything: those keep the
-forks before the first draw, as does a resumed iteration (its draws replay under a borrowed
-global generator state).
+iteration in the sampler, which workers never use, as long as the length it asks for runs none of
+the user's code (``samplers/_lengths.py``: a dataset's own ``__len__`` may open a file, or count
+its calls). A user's sampler, a subclass, one drawing from a generator of its own (which the
+dataset may hold too), or one over a dataset with a ``__len__`` of its own may change anything:
+those keep the forks before the first draw, as does a resumed iteration (its draws replay under
+a borrowed global generator state).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from pipeload.samplers._batch import BatchSampler
 from pipeload.samplers._distributed import DistributedSampler
+from pipeload.samplers._lengths import sampler_runs_no_user_code
 from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from pipeload.samplers._sequential import SequentialSampler
 
@@ -38,4 +41,5 @@ def draws_unseen_by_workers(index_sampler: Any) -> bool:
         sampler = sampler.sampler
     return (type(sampler) in _DRAWING_FROM_THE_GLOBAL_GENERATOR_AT_MOST
             and getattr(sampler, "generator", None) is None
-            and sampler._pending is None)
+            and sampler._pending is None
+            and sampler_runs_no_user_code(sampler))

@@ -41,6 +41,9 @@ class Command(enum.IntEnum):
     COLLATE = 5
     """Economic mode, to a batch worker: batch ``batch_number`` of epoch ``epoch`` holds
     ``indices``; gather its items from the item workers, collate them, report the batch."""
+    LAST_BATCH = 6
+    """A classic worker's first epoch ends with batch ``batch_number``, which its stats time:
+    the workers started before the sampler's length was asked (``samplers/_lengths.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
