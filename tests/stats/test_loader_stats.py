@@ -834,3 +834,31 @@ def test_process_workers_samples_are_exact_when_a_batch_samplers_sizes_change_ov
     assert stats.stages["fetch"].count == expected
     assert stats.samples_per_batch == pytest.approx(expected / len(batches))
     del loader
+
+
+class _Counted(pipeload.Dataset):
+    """Numbers with a ``__len__`` of the dataset's own: the loader asks it only once the workers
+    have started, so they learn where the epoch ends afterwards."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.timeout(60)
+def test_a_short_last_batch_of_a_first_epoch_is_counted_as_what_it_holds_when_the_length_is_the_datasets_own(
+        leak_guard) -> None:
+    # Long enough that most tasks go untimed (their samples derived from the batch size): the
+    # epoch's short last batch must still be timed, though the workers started before the
+    # length (and so the last batch's number) was known.
+    count = 4 * 200 + 2
+    loader = pipeload.DataLoader(_Counted(count), batch_size=4, num_workers=2, worker_type="thread",
+                                 persistent_workers=True)
+    assert sum(len(batch) for batch in loader) == count
+    stats = loader.stats()
+    assert sum(worker.samples for worker in stats.workers) == count
