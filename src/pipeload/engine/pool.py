@@ -262,14 +262,13 @@ class PoolEngine:
         ``shared_seed`` reseeds the workers' DataPipe graphs for a persistent session's new epoch;
         ``start`` continues an epoch cut short (a resumed checkpoint).
         """
-        if self._started:
+        first = not self._started
+        if not first:
             self._send_what_torch_sends_ahead()
             sizes = self._config.batch_sizes()
             last = sizes[1] if sizes is not None and sizes[1] is not None else -1
             self._workers.plan.epoch_sizes(sizes)  # type: ignore[attr-defined]
             self._workers.start_epoch(self._epoch + 1, shared_seed, last)
-        else:
-            self._tell_the_last_batch()
         self._started = True
         self._epoch += 1
         self._supply = TaskSupply(tasks)
@@ -282,6 +281,8 @@ class PoolEngine:
         if self._stats is not None:
             self._next_look = start.first_batch  # the numbers start again each epoch
         try:
+            if first:
+                self._tell_the_last_batch()
             self._top_up()
         except WorkerDiedError:
             if self._workers.start_failed:
