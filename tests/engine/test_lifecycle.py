@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import platform
 import re
@@ -198,3 +199,37 @@ def test_a_plain_fork_child_exiting_normally_leaves_the_parents_persistent_worke
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["8", "8"]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def _write_later(path: str) -> None:
+    time.sleep(0.2)  # the user's slow background write: it outlasts the worker's last task
+    Path(path).write_text("done")
+
+
+class _StartsBackgroundWork:
+    """``worker_init_fn`` that leaves work running in the worker: a non-daemon thread and a
+    multiprocessing finalizer, each writing one file per worker into ``folder``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=_write_later, args=(os.path.join(self.folder, f"thread-{worker_id}"),)).start()
+        multiprocessing.util.Finalize(None, _write_later, args=(os.path.join(self.folder, f"finalizer-{worker_id}"),),
+                                      exitpriority=0)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+def test_a_worker_finishes_what_the_users_code_started_before_it_exits_as_torchs(tmp_path, persistent):
+    # torch's workers end through multiprocessing, which joins non-daemon threads and runs its
+    # finalizers before the process exits; a worker ended at once lost a cache writer's writes.
+    loader = pipeload.DataLoader(list(range(4)), batch_size=2, num_workers=2, multiprocessing_context="fork",
+                                 worker_init_fn=_StartsBackgroundWork(str(tmp_path)), persistent_workers=persistent)
+    iterator = iter(loader)
+    assert [batch.tolist() for batch in iterator] == [[0, 1], [2, 3]]
+    workers = iterator._workers
+    del iterator, loader  # persistent workers stop with their loader
+    for worker in workers:
+        worker.join(10)
+    assert all(worker.exitcode == 0 for worker in workers)
+    assert sorted(os.listdir(tmp_path)) == ["finalizer-0", "finalizer-1", "thread-0", "thread-1"]

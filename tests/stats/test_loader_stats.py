@@ -862,3 +862,23 @@ def test_a_short_last_batch_of_a_first_epoch_is_counted_as_what_it_holds_when_th
     assert sum(len(batch) for batch in loader) == count
     stats = loader.stats()
     assert sum(worker.samples for worker in stats.workers) == count
+
+
+class _LengthUnknown(torch.utils.data.Sampler):
+    """A stream of keys that cannot say how many (its ``__len__`` raises, as many do)."""
+
+    def __iter__(self):
+        return iter(range(6))
+
+    def __len__(self) -> int:
+        raise NotImplementedError("a stream has no length")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_that_cannot_say_its_length_loads_with_stats_on_as_with_torch(num_workers, leak_guard) -> None:
+    # torch never asks a sampler's length while iterating; the stats must not either.
+    ours = pipeload.DataLoader(list(range(6)), batch_size=2, sampler=_LengthUnknown(), num_workers=num_workers)
+    theirs = torch.utils.data.DataLoader(list(range(6)), batch_size=2, sampler=_LengthUnknown(),
+                                         num_workers=num_workers)
+    assert [batch.tolist() for batch in ours] == [batch.tolist() for batch in theirs]
+    assert ours.stats().batches == 3

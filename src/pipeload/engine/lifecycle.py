@@ -10,6 +10,7 @@ import ctypes
 import io
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import reprlib
@@ -18,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -36,11 +38,15 @@ from pipeload.engine.spawn_launch import SpawnProcess
 from pipeload.errors import WorkerDiedError, worker_died_message
 
 JOIN_GRACE_S = 0.5
+# A worker asked to stop with nothing left to do may still finish what the user's code started
+# (non-daemon threads, multiprocessing's finalizers: see exit_now): torch's loader waits 5 s
+# (its MP_STATUS_CHECK_INTERVAL) before it terminates one. Reaped beside the loop, so no loop waits.
+FINISHING_GRACE_S = 5.0
 TERMINATE_GRACE_S = 0.3
 KILL_GRACE_S = 1.0
 POLL_SLICE_S = 0.1  # a blocking status read looks again this often (see _one_poll_at_a_time)
 # The longest a background reap takes (its escalation), and a margin for the thread to run.
-REAPED_WITHIN_S = JOIN_GRACE_S + TERMINATE_GRACE_S + KILL_GRACE_S + 0.5
+REAPED_WITHIN_S = FINISHING_GRACE_S + TERMINATE_GRACE_S + KILL_GRACE_S + 0.5
 PARENT_CHECK_INTERVAL_S = 0.2
 REAP_AT_START_S = 5.0  # how long a failed start waits to learn a fork server child's exit
 PIDFD_SLICE_MS = 60_000  # the pidfd watcher's wait slice: it is woken by the parent's exit
@@ -494,7 +500,7 @@ def reap_in_background(workers: Sequence[Any], then: Callable[[], None]) -> None
     """
     def reap() -> None:
         try:
-            _stop_workers(workers, None, force=True)  # not asked again: they were
+            _stop_workers(workers, None, force=True, grace=FINISHING_GRACE_S)  # not asked again: they were
             then()
         finally:
             _REAPING.done()
@@ -567,13 +573,13 @@ def wait_for_reaped(timeout: float | None = None) -> bool:
 
 
 def _stop_workers(workers: Sequence[Any], ask: Callable[[int], None] | None, force: bool,
-                  patient: bool = True) -> None:
+                  patient: bool = True, grace: float = JOIN_GRACE_S) -> None:
     if ask is not None:
         for worker_id, worker in enumerate(workers):
             if worker.is_alive():
                 _quietly(ask, worker_id)
     if patient or not force:
-        _join_all(workers, JOIN_GRACE_S)
+        _join_all(workers, grace)
     if not force:
         return
     for step, grace in (("terminate", TERMINATE_GRACE_S), ("kill", KILL_GRACE_S)):
@@ -752,19 +758,35 @@ def _creator_pidfd(creator: int, is_parent: bool) -> int | None:
 
 
 def exit_now() -> None:
-    """Leave a child process without the interpreter's teardown.
+    """Leave a child process as multiprocessing leaves one, without the interpreter's teardown.
 
-    With torch imported, that teardown takes most of a second in a spawn or forkserver child:
-    longer than the parent waits before it terminates a child that was asked to stop, so every
-    stop would end in SIGTERMs. Nothing in it matters to the parent. Fork children already end
-    this way (multiprocessing calls ``os._exit`` for them), so now all start methods behave alike.
+    What the user's code started in it finishes first, as in torch's workers: non-daemon threads
+    (a cache writer, a ``ThreadPoolExecutor``'s work) are joined and multiprocessing's finalizers
+    run (an ``mp.Queue``'s feeder flushes, daemonic children go, others are joined). Then
+    ``os._exit``: with torch imported, the interpreter's teardown takes most of a second in a
+    spawn or forkserver child, longer than the parent waits before it terminates a child that
+    was asked to stop, and nothing in it matters to the parent. multiprocessing ends its fork
+    children the same way, so all start methods behave alike.
     """
+    _finish_what_user_code_started()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass  # closed or replaced streams: nothing to flush
     os._exit(0)
+
+
+def _finish_what_user_code_started() -> None:
+    """What ``multiprocessing.Process`` does before its ``os._exit``: join non-daemon threads,
+    then run the exit finalizers. Only from the process's main thread (the one that ends it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for finish in (threading._shutdown, multiprocessing.util._exit_function):  # type: ignore[attr-defined]
+        try:
+            finish()
+        except Exception:  # noqa: BLE001 (a user's thread or finalizer that failed: exit anyway)
+            traceback.print_exc()
 
 
 def release_finished(workers: Sequence[Any]) -> None:

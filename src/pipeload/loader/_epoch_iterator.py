@@ -19,6 +19,7 @@ from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
+from pipeload.samplers import exact_length
 from pipeload.stats.clock import now, profiling, span
 from pipeload.stats.recorder import EpochCount
 
@@ -212,10 +213,10 @@ def _batches_expected(loader: Any) -> float:
         if loader.batch_size is None:
             return samples
         return samples // loader.batch_size if loader.drop_last else math.ceil(samples / loader.batch_size)
-    try:
-        return len(loader._index_sampler)
-    except TypeError:
-        return math.inf
+    # Only a sampler known to tell its length exactly: torch never asks a user's sampler for it
+    # while iterating, and one may raise there (a stream of unknown length).
+    batches = exact_length(loader._index_sampler)
+    return math.inf if batches is None else batches
 
 
 def _warn_length_exceeded(dataset: Any, reported: int, yielded: int, num_workers: int) -> None:
