@@ -246,3 +246,33 @@ def test_a_spawned_worker_is_sent_the_dataset_before_its_len_opened_a_file(tmp_p
     finally:
         if dataset.handle is not None:
             dataset.handle.close()
+
+
+class _ShufflingBatches(torch.utils.data.Sampler):
+    """A batch sampler whose ``__iter__`` is a plain function that shuffles as it is asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __iter__(self):
+        self.asked += 1
+        batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+        random.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return 4
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)],
+                         ids=["no workers", "per-epoch", "persistent"])
+def test_a_users_batch_sampler_is_asked_for_iterations_as_torchs_and_gives_its_order(num_workers, persistent):
+    # torch asks it once before its workers start and once after, and draws from the second.
+    def epochs(module):
+        random.seed(0)
+        sampler = _ShufflingBatches()
+        loader = module.DataLoader(list(range(8)), batch_sampler=sampler, num_workers=num_workers,
+                                   persistent_workers=persistent, multiprocessing_context="fork" if num_workers else None)
+        return [[batch.tolist() for batch in loader] for _ in range(2)], sampler.asked
+
+    assert epochs(pipeload) == epochs(torch.utils.data)

@@ -34,7 +34,7 @@ from pipeload.engine import replica
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_held, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
-from pipeload.samplers import BatchSampler, Sampler
+from pipeload.samplers import BatchSampler, Sampler, StatefulSampler
 from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats import skips
 from pipeload.stats.clock import now
@@ -414,6 +414,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
             engine, owned, epoch_seed = self._engine_for_epoch(point, record)
             try:
                 resume.record_sampler_state(self, record)  # its length: once the workers started
+                if self._asks_users_sampler_twice(record):
+                    # torch asks a user's sampler for an iteration before its workers start, and
+                    # again once they have, and draws from the second: a batch sampler that
+                    # shuffles as it is asked gives torch's order only so.
+                    tasks = iter(self._index_sampler)
                 tasks, start = resume.position_tasks(self, tasks, point)
             except BaseException:
                 engine.close()  # a state that cannot be resumed: no workers left behind
@@ -437,6 +442,13 @@ class DataLoader(torch_data.DataLoader[T_co]):
             iterator = _EpochIterator(self, engine, owned, progress, count)
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
+
+    def _asks_users_sampler_twice(self, record: resume.EpochRecord) -> bool:
+        """Whether this epoch starts workers anew over a user's index sampler (a batch sampler,
+        or a sampler without batching), which torch's loader asks for two iterations."""
+        return (self.num_workers > 0 and not record.later_in_session
+                and self._dataset_kind is DatasetKind.MAP
+                and not isinstance(self._index_sampler, StatefulSampler))
 
     def _count_failures_anew(self) -> None:
         """A new epoch for the failure board: made on the first, if the dataset has on_error

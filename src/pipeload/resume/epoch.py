@@ -165,21 +165,26 @@ class EpochProgress:
 
 def begin_epoch(loader: Any, resumed: EpochRecord | None = None) -> EpochRecord:
     """The record of an epoch about to begin (taken before anything is drawn for it), but for
-    its sampler's state, which ``record_sampler_state`` adds once the workers have started.
+    the state of one of pipeload's samplers, which ``record_sampler_state`` adds once the
+    workers have started. A user's index sampler is recorded now: torch asks it for an iteration
+    before its workers start (see ``DataLoader.__iter__``), and its state is from before that.
 
     An epoch begun again from a checkpoint keeps the global generator state it first began
     with (the one it is replayed under), so a checkpoint taken after resuming replays it too.
     """
     generator = loader.generator
+    sampler = loader._index_sampler
+    users = loader._dataset_kind.label == "map" and not isinstance(sampler, StatefulSampler)
     return EpochRecord(
         global_rng=resumed.global_rng if resumed is not None else torch.get_rng_state(),
         generator=generator.get_state() if generator is not None else None,
-        sampler=None,
+        sampler=fresh_sampler_state(sampler) if users else None,
     )
 
 
 def record_sampler_state(loader: Any, record: EpochRecord) -> None:
-    """Add the sampler's state as the epoch began to ``record`` (map-style datasets).
+    """Add the state of pipeload's index sampler as the epoch began to ``record`` (map-style
+    datasets; a user's sampler was recorded by ``begin_epoch``).
 
     Asked after the workers started and before the sampler's first draw: the state names the
     dataset's length, and a dataset's ``__len__`` may run code a worker must not inherit
@@ -187,7 +192,7 @@ def record_sampler_state(loader: Any, record: EpochRecord) -> None:
     the loader's generator is drawn from since the epoch began (the workers' base seed, a
     graph's seed); a sampler drawing from that same generator is asked as it stood then.
     """
-    if loader._dataset_kind.label != "map":
+    if loader._dataset_kind.label != "map" or not isinstance(loader._index_sampler, StatefulSampler):
         return
     generator = loader.generator
     if generator is None or record.generator is None:
