@@ -884,3 +884,32 @@ def test_len_of_iterable_matches_torch_with_workers(worker_type: str) -> None:
     theirs = run(tud, build, worker_kwargs(2, "process"))
     mine = run(pipeload, build, worker_kwargs(2, worker_type))
     assert mine.length == theirs.length == ("len", 4)
+
+
+class _ConfiguredSampler(tud.Sampler):
+    """A sampler whose unknown attributes come from a config mapping: its ``__getattr__`` raises
+    KeyError, not AttributeError, for a name the mapping lacks."""
+
+    def __init__(self) -> None:
+        self.config = {"count": 4}
+
+    def __getattr__(self, name: str) -> Any:
+        return self.__dict__["config"][name]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_whose_getattr_raises_keyerror_loads_as_with_torch(num_workers: int) -> None:
+    # pipeload looks for hooks torch never reads (state_dict, generator, sampler): a lookup that
+    # fails otherwise than with AttributeError means the hook is absent.
+    def batches(module: ModuleType) -> list[list[int]]:
+        loader = module.DataLoader(list(range(4)), batch_size=2, sampler=_ConfiguredSampler(),
+                                   num_workers=num_workers)
+        return [batch.tolist() for _ in range(2) for batch in loader]
+
+    assert batches(pipeload) == batches(tud)

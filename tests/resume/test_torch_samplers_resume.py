@@ -216,3 +216,39 @@ def test_an_epoch_after_one_left_unfinished_resumes_exactly(arguments: Callable[
     uninterrupted, state = run()
     resumed, _ = run(state)
     assert resumed == uninterrupted[2:]
+
+
+class _EagerBatches(pipeload.Sampler):
+    """A user's batch sampler whose ``__iter__`` draws the whole order when it is called (a
+    plain function, as bucketing batch samplers often are), from a generator of its own."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.generator = torch.Generator().manual_seed(3)
+
+    def __len__(self) -> int:
+        return (self.count + 1) // 2
+
+    def __iter__(self):
+        order = torch.randperm(self.count, generator=self.generator).tolist()
+        return iter([order[i:i + 2] for i in range(0, self.count, 2)])
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)],
+                         ids=["no workers", "per-epoch", "persistent"])
+def test_a_users_eager_batch_sampler_resumes_mid_epoch_exactly(num_workers: int, persistent: bool) -> None:
+    # Its generator is recorded as the epoch began: before the loader first asks it for an
+    # iteration (torch asks twice when workers start anew), not after that draw.
+    def make() -> pipeload.DataLoader:
+        return pipeload.DataLoader(list(range(7)), batch_sampler=_EagerBatches(7), num_workers=num_workers,
+                                   persistent_workers=persistent)
+
+    loader = make()
+    [batch.tolist() for batch in loader]  # a later epoch is checkpointed
+    iterator = iter(loader)
+    next(iterator)
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [batch.tolist() for batch in iterator]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch.tolist() for batch in resumed] == rest

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch.autograd.profiler as _torch_profiler
 
+from pipeload._optional import optional_attribute
 from pipeload._rng_state import global_rngs_kept
 from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine.batch_seeding import BatchSeeding
@@ -308,7 +309,7 @@ class IterableFetcher:
         if self._stateless:
             return None
         for holder in (self._samples, self._spec.dataset):
-            state_dict = getattr(holder, "state_dict", None)
+            state_dict = optional_attribute(holder, "state_dict")
             if callable(state_dict):
                 try:
                     state = state_dict()
@@ -390,9 +391,9 @@ def resumed_iterator(dataset: Any, state: Any) -> Any:
     ``load_state_dict`` (pipes), else the dataset's (before ``iter``, as torchdata's datasets)."""
     if state is None:
         return iter(dataset)
-    load_into_dataset = getattr(dataset, "load_state_dict", None)
+    load_into_dataset = optional_attribute(dataset, "load_state_dict")
     samples = iter(dataset) if load_into_dataset is None else None
-    if samples is not None and callable(getattr(samples, "load_state_dict", None)):
+    if samples is not None and callable(optional_attribute(samples, "load_state_dict")):
         samples.load_state_dict(state)
         return samples
     if callable(load_into_dataset):

@@ -19,6 +19,7 @@ import torch
 # batches per replica from the latest snapshot.
 STREAM_SNAPSHOT_EVERY = 8
 
+from pipeload._optional import optional_attribute
 from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of, worker_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
@@ -211,7 +212,7 @@ def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
     the generators it draws from itself (samplers/_own_generators.py), or None."""
     if isinstance(sampler, StatefulSampler):
         return sampler.fresh_state_dict()
-    state_dict = getattr(sampler, "state_dict", None)
+    state_dict = optional_attribute(sampler, "state_dict")
     if not callable(state_dict):
         return generators_state(sampler)
     return fresh_state(state_dict())

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
 from pipeload._state_digest import sealed
 from pipeload._user_frame import first_frame_outside_pipeload
@@ -249,7 +250,7 @@ def _check_generator(loader: Any, saved: bool) -> None:
 def _check_sampler(loader: Any, saved: Any, path: str) -> None:
     """The index sampler's state: None when it keeps none; ours there, and checked whole."""
     sampler = loader._index_sampler
-    keeps_one = loader._dataset_kind.label == "map" and callable(getattr(sampler, "state_dict", None))
+    keeps_one = loader._dataset_kind.label == "map" and callable(optional_attribute(sampler, "state_dict"))
     name = type(sampler).__name__
     if loader._dataset_kind.label == "map" and keeps_a_shape(sampler):
         if saved is not None:  # None: written before these states were kept (it resumes as then)
@@ -332,7 +333,7 @@ def _warn_if_a_map_datasets_state_is_left_out(loader: Any) -> None:
     and resuming rebuilds the batches from the sampler's keys alone. torchdata's
     StatefulDataLoader keeps each worker's; said once per loader rather than left out silently."""
     dataset = loader.dataset
-    if (loader._dataset_kind.label != "map" or not callable(getattr(dataset, "state_dict", None))
+    if (loader._dataset_kind.label != "map" or not callable(optional_attribute(dataset, "state_dict"))
             or getattr(loader, "_warned_dataset_state", False)):
         return
     loader._warned_dataset_state = True
@@ -352,7 +353,7 @@ def _warn_if_sampler_cannot_resume(loader: Any, saved: Any) -> None:
     sampler's state)."""
     kept = _generators_kept(loader._index_sampler, saved)
     for sampler in (loader.batch_sampler, loader.sampler):
-        if (sampler is None or isinstance(sampler, Sequence) or callable(getattr(sampler, "state_dict", None))
+        if (sampler is None or isinstance(sampler, Sequence) or callable(optional_attribute(sampler, "state_dict"))
                 or any(sampler is k for k in kept)):
             continue
         warnings.warn(
@@ -370,7 +371,7 @@ def _generators_kept(index_sampler: Any, saved: Any) -> list[Any]:
     sampler's inside our BatchSampler (none in a state written before they were kept)."""
     if own_generators(index_sampler):
         return [index_sampler] if saved is not None else []
-    inner = getattr(index_sampler, "sampler", None)
+    inner = optional_attribute(index_sampler, "sampler")
     if (isinstance(index_sampler, StatefulSampler) and isinstance(saved, dict)
             and saved.get("sampler") is not None and own_generators(inner)):
         return [inner]
@@ -382,7 +383,7 @@ def _ours_instead(sampler: Any) -> str:
     draw the same numbers and keep one (no warning, and a user's subclass of ours keeps it too)."""
     from pipeload import samplers  # the package: the names it exports
 
-    theirs = [s for s in (sampler, getattr(sampler, "sampler", None))
+    theirs = [s for s in (sampler, optional_attribute(sampler, "sampler"))
               if type(s).__module__.startswith("torch.utils.data") and type(s).__name__ in samplers.__all__]
     if not theirs:
         return ""

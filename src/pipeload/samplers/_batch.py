@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
+from pipeload._optional import optional_attribute
 from pipeload.errors import bad_state_field, exact_value
 from pipeload.samplers._base import Sampler
 from pipeload.samplers._distributed import DistributedSampler
@@ -68,7 +69,7 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
 
     def _keys(self) -> Iterator[list[int]]:
         inner = self.sampler
-        if not isinstance(inner, StatefulSampler) and callable(getattr(inner, "state_dict", None)):
+        if not isinstance(inner, StatefulSampler) and callable(optional_attribute(inner, "state_dict")):
             # A user's sampler with a state of its own: where it stood as this iteration began
             # is what a checkpoint of the iteration replays it from.
             self._user_inner_start = copy.deepcopy(inner.state_dict())
@@ -97,7 +98,7 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
         in_progress = not fresh and latest is not None and not latest.finished
         if isinstance(inner, StatefulSampler):
             return {"sampler": inner._replay_state() if in_progress else inner.state_dict()}
-        if callable(getattr(inner, "state_dict", None)):
+        if callable(optional_attribute(inner, "state_dict")):
             return {"sampler": self._user_inner_start if in_progress else inner.state_dict()}
         return {"sampler": self._user_inner_start if in_progress else generators_state(inner)}
 
@@ -110,7 +111,7 @@ class BatchSampler(StatefulSampler, Sampler[list[int]], torch_data.BatchSampler)
             state = fields.raw("sampler", f"the state of a {type(inner).__name__}")
             return inner._read_state(state, path)
         state = fields.raw("sampler", "its sampler's state, or None")
-        if state is None or callable(getattr(inner, "load_state_dict", None)):
+        if state is None or callable(optional_attribute(inner, "load_state_dict")):
             return (state, path)
         if keeps_a_shape(inner):
             return (read_generators_state(inner, state, path), None)

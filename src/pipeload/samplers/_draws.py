@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeload._optional import optional_attribute
 from pipeload.samplers._batch import BatchSampler
 from pipeload.samplers._distributed import DistributedSampler
 from pipeload.samplers._lengths import sampler_runs_no_user_code
@@ -40,6 +41,6 @@ def draws_unseen_by_workers(index_sampler: Any) -> bool:
             return False
         sampler = sampler.sampler
     return (type(sampler) in _DRAWING_FROM_THE_GLOBAL_GENERATOR_AT_MOST
-            and getattr(sampler, "generator", None) is None
+            and optional_attribute(sampler, "generator") is None
             and sampler._pending is None
             and sampler_runs_no_user_code(sampler))

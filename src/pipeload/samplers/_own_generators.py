@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
 from pipeload._state_fields import GENERATOR_TEXT, StateFields
 from pipeload.errors import bad_state_field
@@ -41,11 +42,11 @@ def own_generators(sampler: Any) -> dict[str, torch.Generator]:
     """The CPU generators ``sampler`` draws from itself, by place: its ``generator``, its inner
     sampler's (a batch sampler's ``sampler``). Empty for one with a ``state_dict()``: it keeps
     its own state."""
-    if sampler is None or callable(getattr(sampler, "state_dict", None)):
+    if sampler is None or callable(optional_attribute(sampler, "state_dict")):
         return {}
     found = {}
-    for place, holder in zip(_PLACES, (sampler, getattr(sampler, "sampler", None))):
-        generator = getattr(holder, "generator", None) if holder is not None else None
+    for place, holder in zip(_PLACES, (sampler, optional_attribute(sampler, "sampler"))):
+        generator = optional_attribute(holder, "generator") if holder is not None else None
         if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
             found[place] = generator
     return found
@@ -57,11 +58,11 @@ def keeps_a_shape(sampler: Any) -> bool:
     generator (whose state the loader's checkpoint keeps), so that its order is fixed by its
     parameters and that state: with other indices, weights or ``num_samples`` it resumed another
     order, silently, where ours and those given ``generator=`` refuse the state."""
-    if sampler is None or callable(getattr(sampler, "state_dict", None)):
+    if sampler is None or callable(optional_attribute(sampler, "state_dict")):
         return False
     if own_generators(sampler):
         return True
-    holders = [h for h in (sampler, getattr(sampler, "sampler", None)) if h is not None]
+    holders = [h for h in (sampler, optional_attribute(sampler, "sampler")) if h is not None]
     return (all(type(h).__module__.startswith("torch.utils.data") for h in holders)
             and any(getattr(h, name, None) is not None for h in holders for name in _DRAWING))
 
@@ -86,7 +87,7 @@ def sampler_shape(sampler: Any) -> str:
     ``indices`` where it has them. The same generator state under other weights or another
     ``num_samples`` draws another order, which a resume would have taken for the one it left."""
     digest = hashlib.blake2b(digest_size=8)
-    for holder in (sampler, getattr(sampler, "sampler", None)):
+    for holder in (sampler, optional_attribute(sampler, "sampler")):
         if holder is None:
             continue
         digest.update(f"{type(holder).__module__}.{type(holder).__qualname__};".encode())
