@@ -183,15 +183,19 @@ def test_timeout_in_a_later_persistent_epoch(leak_guard):
 
 
 def _watched_context(method: str) -> multiprocessing.context.BaseContext:
-    """A context whose worker processes count their starts, to prove none was started."""
+    """A context whose worker processes count the processes their starts made, to prove none
+    was made (a start that cannot pickle what it sends fails before making one)."""
     base = type(multiprocessing.get_context(method))
 
     class Process(base.Process):
         starts = 0
 
         def start(self) -> None:
-            type(self).starts += 1
-            super().start()
+            try:
+                super().start()
+            finally:
+                if self.pid is not None:
+                    type(self).starts += 1
 
     class Watched(base):
         pass
@@ -287,3 +291,28 @@ def test_the_check_does_not_move_tensors_into_shared_memory():
     data = torch.arange(8.0)
     check_picklable({"dataset": TensorDataset(data)}, "spawn")
     assert not data.is_shared()
+
+
+class _CountsItsPicklings(torch.utils.data.Dataset):
+    """Numbers that count, in the process that pickles them, how often they were pickled."""
+
+    pickled = 0
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getstate__(self) -> dict[str, Any]:
+        type(self).pickled += 1
+        return self.__dict__
+
+
+def test_a_spawned_worker_is_sent_the_dataset_once_as_torchs():
+    # A check before every start pickled a large dataset once more for each set of workers;
+    # only a start that fails is checked now, to name what could not be sent.
+    _CountsItsPicklings.pickled = 0
+    loader = DataLoader(_CountsItsPicklings(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+    assert _CountsItsPicklings.pickled == 1

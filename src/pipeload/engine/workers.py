@@ -167,19 +167,27 @@ class WorkerGroup:
         start_first: int | None,
     ) -> None:
         ctx = self._ctx = mp_context or multiprocessing.get_context()
-        if ctx.get_start_method() != "fork":
-            check_picklable(plan.picklable_parts(), ctx.get_start_method())
+        sent = ctx.get_start_method() != "fork"  # pickled to each worker (spawn, forkserver)
+        if sent:
             _warn_if_started_outside_main_guard()
         self.slabs = self._keeper.lend(settings)
         self.channels = ProcessChannels(ctx, count, self.slabs)
         self.handles = []
         try:
             self._unstarted = list(plan.process_launches(ctx, self.channels))
-            self._start_up_to(self._eager if start_first is None else max(1, start_first))
+            try:
+                self._start_up_to(self._eager if start_first is None else max(1, start_first))
+            except Exception:
+                if sent and not self.handles:
+                    # The first start pickles what every worker is sent: if that failed, say
+                    # which argument could not be (raises). Checked only then: a check before
+                    # every start pickled a dataset once more per set of workers.
+                    check_picklable(plan.picklable_parts(), ctx.get_start_method())
+                raise
         except BaseException:
             self.channels.forget_worker_ends()
             self.channels.close()
-            self._keeper.give_back(self.slabs)
+            self._keeper.give_back(self.slabs, release=True)  # a failed start: see give_back
             raise
 
     def start_all(self) -> None:
