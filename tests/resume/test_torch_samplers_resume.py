@@ -252,3 +252,21 @@ def test_a_users_eager_batch_sampler_resumes_mid_epoch_exactly(num_workers: int,
     resumed = make()
     resumed.load_state_dict(state)
     assert [batch.tolist() for batch in resumed] == rest
+
+
+def test_a_loader_drawing_from_the_global_generator_as_its_own_is_warned_on_resume() -> None:
+    loader = pipeload.DataLoader(list(range(7)), batch_size=3, shuffle=True, generator=torch.default_generator)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    resumed = pipeload.DataLoader(list(range(7)), batch_size=3, shuffle=True, generator=torch.default_generator)
+    with pytest.warns(UserWarning, match="generator is torch.default_generator") as warned:
+        resumed.load_state_dict(state)
+    assert warned[0].filename == __file__
+    quiet = pipeload.DataLoader(list(range(7)), batch_size=3, shuffle=True, generator=torch.Generator())
+    iterator = iter(quiet)
+    next(iterator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipeload.DataLoader(list(range(7)), batch_size=3, shuffle=True,
+                            generator=torch.Generator()).load_state_dict(quiet.state_dict())

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
 from pipeload._state_digest import sealed
@@ -220,7 +222,24 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
         point = ResumePoint(None, session=session)
     if loader._dataset_kind.label == "map":
         _warn_if_sampler_cannot_resume(loader, checked.sampler)
+    _warn_if_the_generator_is_the_global_one(loader)
     return point
+
+
+def _warn_if_the_generator_is_the_global_one(loader: Any) -> None:
+    """``generator=torch.default_generator``: the state sets the loader's generator back to where
+    it stood, and that is the global one, which the user's checkpoint restores too (and the
+    training loop draws from): one of the two settings is lost, so the resumed batches or the
+    loop's draws differ from the run's."""
+    if loader.generator is not torch.default_generator:
+        return
+    warnings.warn(
+        "this loader's generator is torch.default_generator, the global generator: a resumed "
+        "epoch cannot give both it and the loader their states back, so its batches (or your "
+        "loop's torch draws) may differ from the run it was saved from. Give the loader a "
+        "torch.Generator() of its own.",
+        stacklevel=first_frame_outside_pipeload(),
+    )
 
 
 def _check_config(loader: Any, saved: dict[str, Any]) -> None:
