@@ -246,8 +246,8 @@ class EconomicEngine:
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), all of them by the end of start_epoch, where the
         # sampler's draws change nothing they could see (else all start now, as in a classic
-        # pool: see PoolConfig.forks_as_tasks_go). A batch
-        # worker starts when the first batch it collates is sent to it: one whose batches the
+        # pool: see PoolConfig.forks_as_tasks_go). A batch worker starts when the first batch
+        # it collates is sent to it: one whose batches the
         # main process assembles (direct_batches.py) never starts. Spawned ones (a second or more
         # each, importing torch) start with the item workers when the loader's last set needed
         # them: in the middle of an epoch their start would hold up the batches routed to them.
