@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+import pipeload
 from pipeload import DataLoader, IterableDataset, get_worker_info
 from pipeload.engine.worker_info import numpy_seed_words, seed_process_worker
 
@@ -73,3 +75,33 @@ def test_a_workers_info_repr_names_every_field_as_torchs_does(worker_type, leak_
     for text in reprs:
         for name in ("id=", "num_workers=", "seed=", "dataset=InfoReprs()", "rng="):
             assert name in text, text
+
+
+class _ReadsInAThread(torch.utils.data.IterableDataset):
+    """A stream read by a thread of its own (I/O often is), which shards by the worker's info."""
+
+    def __init__(self, info_of) -> None:
+        self.info_of = info_of
+
+    def __iter__(self):
+        read = []
+
+        def reader() -> None:
+            info = self.info_of()
+            first, step = (0, 1) if info is None else (info.id, info.num_workers)
+            read.extend(range(first, 8, step))
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        thread.join()
+        return iter(read)
+
+
+def test_every_thread_of_a_process_worker_gets_its_info_as_torchs(leak_guard):
+    # torch's is one value per worker process: a reader thread sharded by it; pipeload's
+    # answered None there, and every worker yielded every item.
+    theirs = torch.utils.data.DataLoader(_ReadsInAThread(torch.utils.data.get_worker_info), batch_size=None,
+                                         num_workers=2, multiprocessing_context="fork")
+    ours = pipeload.DataLoader(_ReadsInAThread(pipeload.get_worker_info), batch_size=None, num_workers=2,
+                               multiprocessing_context="fork")
+    assert sorted(int(item) for item in ours) == sorted(int(item) for item in theirs) == list(range(8))

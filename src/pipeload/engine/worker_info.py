@@ -64,6 +64,10 @@ class _CurrentWorker(threading.local):
 
 
 _current = _CurrentWorker()
+# A process worker's info, for every thread of that process: torch's is one value per process,
+# so a thread the user's code starts in a worker (a prefetching thread, a queue boundary's) shards
+# by it too. A thread worker's stays its own thread's (``_current``).
+_process_worker: list[WorkerInfo | None] = [None]
 # What code set by hand to pose as a worker, process-wide, as torch's private
 # ``_utils.worker._worker_info`` does (torch's own tests set it to make ``default_collate``
 # believe it runs in a worker): ``pipeload._utils.worker._worker_info`` reads and sets it.
@@ -93,12 +97,19 @@ def get_worker_info() -> WorkerInfo | None:
         ...         return iter(range(start, 100, step))
     """
     info = _current.info
+    if info is None:
+        info = _process_worker[0]
     return info if info is not None else _posed[0]
 
 
 def set_worker_info(info: WorkerInfo | None) -> None:
     """Install ``info`` for the calling thread (a worker's first act; None when it ends)."""
     _current.info = info
+
+
+def set_process_worker_info(info: WorkerInfo) -> None:
+    """Install ``info`` for every thread of this process: a process worker's, as torch's."""
+    _process_worker[0] = info
 
 
 def publish_to_torch(info: WorkerInfo) -> None:

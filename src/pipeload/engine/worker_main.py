@@ -38,6 +38,7 @@ from pipeload.engine.worker_info import (
     make_thread_rng,
     seed_process_worker,
     publish_to_torch,
+    set_process_worker_info,
     set_worker_info,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
@@ -437,6 +438,7 @@ def serve_in_process(info: WorkerInfo, loop: Any) -> None:
     more at every ``StopIteration`` of a loader without persistent workers.
     """
     set_worker_info(info)
+    set_process_worker_info(info)  # the threads its user's code starts too, as torch's
     publish_to_torch(info)
     try:
         loop.run()
