@@ -349,10 +349,13 @@ def _set_shuffles(pipes: list[Any], graph: Any, shuffle: bool) -> None:
         if callable(getattr(pipe, "set_shuffle", None)) and callable(getattr(pipe, "set_seed", None))
     ]
     if shuffle and not shufflers:
+        # torch's sentence first (a filter written for it still matches), then what happens.
         warnings.warn(
-            f"shuffle=True has no effect: the DataPipe graph {graph} has no shuffle step, so its "
-            "samples come in their own order. Add .shuffle() to the graph where the order should "
-            "be mixed.",
+            "`shuffle=True` was set, but the datapipe does not contain a `Shuffler`. Adding one at "
+            "the end. Be aware that the default buffer size might not be sufficient for your task. "
+            f"(pipeload: as with torch's loader, none is added after all, and shuffle=True has no "
+            f"effect: the DataPipe graph {graph} has no shuffle step, so its samples come in their "
+            "own order. Add .shuffle() to the graph where the order should be mixed.)",
             stacklevel=first_frame_outside_pipeload(),
         )
     for pipe in shufflers:
