@@ -170,6 +170,7 @@ def test_profile_with_few_batches_says_it_cannot_judge_yet(tmp_path: Path, facto
     assert "suggested settings: none yet (too little to judge" in out
 
 
+@pytest.mark.slow  # judged by the same code with fewer batches in test_profile_with_few_batches_says_it_cannot_judge_yet (~6 s)
 @pytest.mark.timeout(120)
 def test_profile_loads_until_it_can_judge_by_default(tmp_path: Path) -> None:
     # 7 batches by default gave a confident verdict that was wrong; now it loads (epoch after

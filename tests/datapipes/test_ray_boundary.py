@@ -334,6 +334,7 @@ def test_thread_workers_share_this_processs_connection_and_split_the_samples(cle
     del loader
 
 
+@pytest.mark.slow  # two runs of actors per worker (~5 s); one run's seeding in test_shuffles_upstream_split_one_permutation_over_the_actors
 def test_the_actors_of_different_workers_draw_different_random_values_again_for_the_same_seed(clean):
     # The loader seeds every worker's shuffle alike (one order to shard); the actors were
     # seeded from those seeds alone, so both workers' actors drew the same values.
@@ -440,6 +441,7 @@ def test_an_address_where_something_other_than_ray_listens_fails_within_seconds_
     assert re.match(r"ConnectionError: " + says, last), last
 
 
+@pytest.mark.slow  # an address refused before any connection; the unreachable and wrong-service cases stay (~3 s)
 def test_an_address_without_a_port_number_is_named():
     # In a process of its own: in this one, the module's cluster is connected already, and the
     # boundary uses that connection without reading the address.

@@ -155,6 +155,7 @@ def test_a_script_without_a_main_guard_gets_the_line_to_move_not_a_hang(tmp_path
     assert "bootstrapping phase" in out
 
 
+@pytest.mark.slow  # the spawn case runs fast enough to stay; the same path under forkserver (~3 s)
 def test_a_forkserver_worker_gone_before_reading_a_large_dataset_is_a_worker_death(tmp_path):
     # 200,000 floats pickle to ~1.8 MB: the write of the worker's start-up data breaks when it
     # dies importing the script (multiprocessing's BrokenPipeError, torch's error too).

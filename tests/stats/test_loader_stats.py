@@ -410,6 +410,7 @@ def test_economic_workers_counts_are_exact_at_each_epoch_start_in_a_long_run(eng
     del batches, loader
 
 
+@pytest.mark.slow  # the verdict's rules run fast in tests/stats/test_analysis.py (~3 s)
 @pytest.mark.timeout(60)
 def test_a_slow_training_loop_is_named(leak_guard) -> None:
     # The training step is a 50 ms sleep (a step waiting on an accelerator): a busy loop would
