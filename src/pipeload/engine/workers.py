@@ -117,10 +117,10 @@ class WorkerGroup:
         that start on demand); the others start on the first command sent to them, or
         ``start_all()``. Economic mode forks its item workers one by one as their first pieces
         go out, where the sampler's draws allow, so that the first ones fetch while the rest are
-        forked. ``on_demand_from``: process workers of this slot and up start
-        only when a command is first sent to one of them, all of them then, never with
-        ``start_all()`` (None: none): economic mode's batch workers, which a loader whose
-        batches the main process assembles never needs. ``counted_by_engine``: the engine counts each worker's
+        forked. ``on_demand_from``: process workers of this slot and up start only when a
+        command is first sent to one of them, all of them then, never with ``start_all()``
+        (None: none): economic mode's batch workers, which a loader whose batches the main
+        process assembles never needs. ``counted_by_engine``: the engine counts each worker's
         answers itself and records the reports with totals (a classic pool's ledger); the group
         records only those it reads itself, between epochs. ``keeper``: where the slab pool is
         borrowed from (None: a pool of the group's own, closed with it). ``short_lived``: the
