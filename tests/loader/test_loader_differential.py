@@ -913,3 +913,44 @@ def test_a_sampler_whose_getattr_raises_keyerror_loads_as_with_torch(num_workers
         return [batch.tolist() for _ in range(2) for batch in loader]
 
     assert batches(pipeload) == batches(tud)
+
+
+class _CountsItsLength(tud.Dataset):
+    """A dataset that counts the calls to its ``__len__`` made in the main process (a worker
+    counts on its own copy)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __len__(self) -> int:
+        self.asked += 1
+        return 6
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _length_asked(module: ModuleType, epochs: int, **kwargs: Any) -> int:
+    dataset = _CountsItsLength()
+    loader = module.DataLoader(dataset, batch_size=2, **kwargs)
+    for _ in range(epochs):
+        for _ in loader:  # not list(loader), which asks len(loader) first
+            pass
+    return dataset.asked
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_workers": 2},
+                                    {"num_workers": 2, "persistent_workers": True},
+                                    {"num_workers": 1, "drop_last": True}], ids=str)
+def test_a_datasets_len_is_asked_once_an_epoch_as_torch_asks_it(kwargs: dict[str, Any]) -> None:
+    # A __len__ may list a store or open the file it counts in: pipeload's loader needs the
+    # length in several places as an epoch starts (last batch, record, stats, draw), and asks once.
+    assert _length_asked(pipeload, 3, **kwargs) == _length_asked(tud, 3, **kwargs) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shuffled_datasets_len_is_asked_no_more_often_than_torch_asks_it(num_workers: int) -> None:
+    # torch's RandomSampler asks it several times an epoch (its num_samples, then its draw).
+    mine = _length_asked(pipeload, 3, shuffle=True, num_workers=num_workers)
+    assert mine <= _length_asked(tud, 3, shuffle=True, num_workers=num_workers)
+    assert mine == 1 + 3  # RandomSampler checks num_samples when built, as torch's

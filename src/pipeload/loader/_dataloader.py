@@ -34,7 +34,7 @@ from pipeload.engine import replica
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_held, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
-from pipeload.samplers import BatchSampler, Sampler, StatefulSampler
+from pipeload.samplers import BatchSampler, EpochLengths, Sampler, StatefulSampler
 from pipeload.stats.recorder import EpochCount, LoaderSetup, StatsRecorder, usable_cpus
 from pipeload.stats import skips
 from pipeload.stats.clock import now
@@ -401,6 +401,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
+        lengths = EpochLengths()  # the dataset's __len__, asked once an epoch as torch's loader
+        with lengths.active():
+            return self._begin_epoch(lengths)
+
+    def _begin_epoch(self, lengths: EpochLengths) -> _EpochIterator:
         called_at = now()  # the epoch's first batch is timed from here: starting workers included
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
         point = resume.unless_sampler_moved_on(self, point)
@@ -432,14 +437,14 @@ class DataLoader(torch_data.DataLoader[T_co]):
         progress = resume.progress_from(point, self._dataset_kind is DatasetKind.ITERABLE)
         self._epoch_notes = (record, progress)
         if owned:
-            return _EpochIterator(self, engine, owned, progress, count)
+            return _EpochIterator(self, engine, owned, progress, count, lengths)
         # torch resets and returns the one iterator of a persistent session each epoch: code
         # that kept it (`it = iter(loader)` once, `next(it)` in every epoch) reads the new epoch.
         iterator = self._iterator
         if iterator is not None and iterator._engine is engine and not iterator._owns_engine:
-            iterator._start_next_epoch(self, progress, count)
+            iterator._start_next_epoch(self, progress, count, lengths)
         else:
-            iterator = _EpochIterator(self, engine, owned, progress, count)
+            iterator = _EpochIterator(self, engine, owned, progress, count, lengths)
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
 

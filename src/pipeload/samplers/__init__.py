@@ -3,7 +3,8 @@
 One room, one module a kind: ``_sequential`` (in order), ``_random`` (the random samplers),
 ``_distributed`` (``DistributedSampler``), ``_batch`` (``BatchSampler`` and what a batch sampler
 says about its batches), ``_state`` (their checkpoints), ``_draws`` (whether workers may fork after
-a draw), ``_lengths`` (whether a length runs the user's code), ``_base`` (``Sampler``). Import them
+a draw), ``_lengths`` (whether a length runs the user's code), ``_epoch_lengths`` (a dataset's
+length asked once an epoch), ``_base`` (``Sampler``). Import them
 from here (or from ``pipeload``).
 
 A sampler yields keys (or, for ``BatchSampler``, lists of keys). Random samplers draw from
@@ -21,6 +22,7 @@ from pipeload.samplers._base import Sampler
 from pipeload.samplers._batch import BatchSampler, batch_sizes, exact_length
 from pipeload.samplers._distributed import DistributedSampler
 from pipeload.samplers._draws import draws_unseen_by_workers
+from pipeload.samplers._epoch_lengths import EpochLengths
 from pipeload.samplers._lengths import sampler_runs_no_user_code
 from pipeload.samplers._random import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from pipeload.samplers._sequential import SequentialSampler, _InfiniteConstantSampler

@@ -14,6 +14,7 @@ import torch
 import torch.utils.data as torch_data  # torch's class: a base for identity, never called
 
 from pipeload.samplers._base import Sampler
+from pipeload.samplers._epoch_lengths import length_of
 from pipeload.samplers._random import keys_of
 from pipeload._state_fields import StateFields
 from pipeload.samplers._state import StatefulSampler
@@ -78,8 +79,9 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
         self.total_size = self.num_samples * num_replicas
 
     def _config(self) -> dict[str, Any]:
-        return {"length": len(self.dataset), "num_replicas": self.num_replicas, "rank": self.rank,
-                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+        return {"length": length_of(self.dataset), "num_replicas": self.num_replicas,
+                "rank": self.rank, "shuffle": self.shuffle, "seed": self.seed,
+                "drop_last": self.drop_last}
 
     def _inner_state(self, fresh: bool = False) -> dict[str, Any]:
         return {"epoch": self.epoch}
@@ -101,7 +103,7 @@ class DistributedSampler(StatefulSampler, Sampler[int], torch_data.DistributedSa
 
     def _keys(self) -> Iterator[int]:
         self._loaded_epoch = None  # an iteration begins: what was loaded is used, or left
-        size = len(self.dataset)
+        size = length_of(self.dataset)
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)

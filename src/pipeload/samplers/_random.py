@@ -15,6 +15,7 @@ import torch
 import torch.utils.data as torch_data  # torch's classes: bases for identity, never called
 
 from pipeload.samplers._base import Sampler
+from pipeload.samplers._epoch_lengths import length_of
 from pipeload.samplers._state import StatefulSampler
 from pipeload.errors import check_generator, exact_value
 
@@ -73,18 +74,18 @@ class RandomSampler(StatefulSampler, Sampler[int], torch_data.RandomSampler):
     def num_samples(self) -> int:
         """Indices per iteration: the value given, or the current length of the data."""
         if self._num_samples is None:
-            return len(self.data_source)
+            return length_of(self.data_source)
         return self._num_samples
 
     def _draws_from(self) -> tuple[bool, torch.Generator | None]:
         return True, self.generator
 
     def _config(self) -> dict[str, Any]:
-        return {"length": len(self.data_source), "num_samples": self.num_samples,
+        return {"length": length_of(self.data_source), "num_samples": self.num_samples,
                 "replacement": self.replacement}
 
     def _keys(self) -> Iterator[int]:
-        size = len(self.data_source)
+        size = length_of(self.data_source)
         generator = self.generator
         if generator is None:
             # Same draw as torch: one int64 from the global RNG, made lazily on first next().

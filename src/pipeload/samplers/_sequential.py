@@ -10,6 +10,7 @@ from typing import Any
 import torch.utils.data as torch_data  # torch's class: a base for identity, never called
 
 from pipeload.samplers._base import Sampler
+from pipeload.samplers._epoch_lengths import length_of
 from pipeload.samplers._state import StatefulSampler
 
 
@@ -27,13 +28,13 @@ class SequentialSampler(StatefulSampler, Sampler[int], torch_data.SequentialSamp
         self.data_source = data_source
 
     def _keys(self) -> Iterator[int]:
-        return iter(range(len(self.data_source)))
+        return iter(range(length_of(self.data_source)))
 
     def _config(self) -> dict[str, Any]:
-        return {"length": len(self.data_source)}
+        return {"length": length_of(self.data_source)}
 
     def __len__(self) -> int:
-        return len(self.data_source)
+        return length_of(self.data_source)
 
 
 class _InfiniteConstantSampler(Sampler[None]):
