@@ -2,6 +2,7 @@
 
     python -m bench.epoch_costs [--num-workers 2] [--batch-size 64] [--item-shape 3,224,224]
                                 [--items 4096] [--epochs 4] [--scenario NAME ...] [--gpu-copy]
+                                [--order back-to-back|interleaved]
 
 Three ways a training script meets its loader's epochs, each run with both loaders:
 
@@ -20,9 +21,21 @@ worker; batches that travelled in one-shot buffers instead of slabs).
 The training loop reads each batch as a copy would: one value per 4 KiB page. ``--gpu-copy``
 loads with ``pin_memory=True`` instead, copies each batch to the GPU with ``non_blocking=True``
 (one copy in flight) and counts the batches that were ``is_pinned()``; without CUDA it says so and
-stops. Every scenario's loaders run side by side, epoch by epoch (epoch 1 of each, then epoch 2
-of each, the order turning each time), so that a machine whose load drifts weighs on all alike;
-ratios compare the same epoch of the same run.
+stops.
+
+``--order`` says how the loaders' epochs follow each other:
+
+    back-to-back  (the default) each loader runs all its epochs one after the other, as a training
+                  script does, then the next loader does; the runs' order turns with each
+                  scenario, so that a machine whose load drifts weighs on both loaders
+    interleaved   epoch 1 of every loader, then epoch 2 of every loader, and so on, the order
+                  turning each time: drift weighs on all alike, but a loader's epoch starts
+                  after another loader's, not after its own. That flatters a loader without
+                  persistent workers: its last workers finish exiting during another loader's
+                  epoch (on the 2-core box per-epoch / persistent read 0.91x interleaved and
+                  0.78x back to back, stop 48 in bench/RESULTS.md)
+
+Ratios compare the same epoch of the same run.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from bench.run import _positive_int
 
 LOADERS = ("pipeload", "torch")
 SCENARIOS = ("persistent", "per-epoch", "new-loader")
+ORDERS = ("back-to-back", "interleaved")
 PAGE_BYTES = 4096
 
 
@@ -74,6 +88,7 @@ class Options:
     scenarios: tuple[str, ...] = SCENARIOS
     gpu_copy: bool = False
     start_method: str | None = None
+    order: str = "back-to-back"
 
 
 @dataclass
@@ -190,23 +205,36 @@ def run_epoch(loader: Any, scenario: str, name: str, number: int, options: Optio
 
 
 def run_all(options: Options) -> list[Epoch]:
-    """Every scenario with both loaders, ``options.epochs`` epochs each, epoch by epoch: epoch 1
-    of each, then epoch 2 of each, and so on, the order turning each time."""
+    """Every scenario with both loaders, ``options.epochs`` epochs each, in ``options.order``."""
     runs = [(scenario, name) for scenario in options.scenarios for name in LOADERS]
+    if options.order == "interleaved":  # epoch 1 of each, then epoch 2 of each, order turning
+        steps = [(run, number) for number in range(1, options.epochs + 1)
+                 for run in _turned(runs, number - 1)]
+    else:  # each loader's epochs in a row; which loader goes first turns with each scenario
+        steps = [((scenario, name), number)
+                 for turn, scenario in enumerate(options.scenarios)
+                 for name in _turned(list(LOADERS), turn)
+                 for number in range(1, options.epochs + 1)]
     loaders: dict[tuple[str, str], Any] = {}
     epochs = []
-    for number in range(1, options.epochs + 1):
-        shift = (number - 1) % len(runs)
-        for scenario, name in runs[shift:] + runs[:shift]:
-            if (scenario, name) not in loaders or scenario == "new-loader":
-                loaders.pop((scenario, name), None)
-                gc.collect()  # the loader before is gone, workers and all, before the next starts
-                loaders[scenario, name] = make_loader(name, options, scenario == "persistent")
-            epochs.append(run_epoch(loaders[scenario, name], scenario, name, number, options))
-            _log(_describe(epochs[-1]))
+    for (scenario, name), number in steps:
+        if (scenario, name) not in loaders or scenario == "new-loader":
+            loaders.pop((scenario, name), None)
+            gc.collect()  # the loader before is gone, workers and all, before the next starts
+            loaders[scenario, name] = make_loader(name, options, scenario == "persistent")
+        epochs.append(run_epoch(loaders[scenario, name], scenario, name, number, options))
+        _log(_describe(epochs[-1]))
+        if number == options.epochs and options.order == "back-to-back":
+            del loaders[scenario, name]  # its run is over: no idle workers beside the next
+            gc.collect()
     loaders.clear()
     gc.collect()
     return sorted(epochs, key=lambda e: (options.scenarios.index(e.scenario), e.number))
+
+
+def _turned(items: list[Any], by: int) -> list[Any]:
+    shift = by % len(items)
+    return items[shift:] + items[:shift]
 
 
 HEADERS = ("scenario", "epoch", "loader", "set-up ms", "first batch ms", "samples/s",
@@ -283,13 +311,14 @@ def describe_machine(options: Options) -> str:
             f"num_workers={options.num_workers}, batch {options.batch_size} x "
             f"{'x'.join(map(str, options.item_shape))} float32, {options.items} items an epoch, "
             f"start method {options.start_method or torch.multiprocessing.get_start_method()}; "
-            f"the loop {loop}")
+            f"the loop {loop}; epochs {options.order}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     options = Options(args.num_workers, args.batch_size, args.item_shape, args.items, args.epochs,
-                      tuple(args.scenario or SCENARIOS), args.gpu_copy, args.start_method)
+                      tuple(args.scenario or SCENARIOS), args.gpu_copy, args.start_method,
+                      args.order)
     if options.gpu_copy and not torch.cuda.is_available():
         print("--gpu-copy needs CUDA, which is not available here: nothing was measured.")
         return 0
@@ -346,6 +375,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="pin_memory=True, each batch copied to CUDA with non_blocking=True")
     parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default=None,
                         help="multiprocessing context for both loaders (default: platform's)")
+    parser.add_argument("--order", choices=ORDERS, default="back-to-back",
+                        help="each loader's epochs in a row (the default), or epoch by epoch "
+                             "across loaders (see the module's doc)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return parser
 
