@@ -883,3 +883,21 @@ def test_a_sampler_that_cannot_say_its_length_loads_with_stats_on_as_with_torch(
                                          num_workers=num_workers)
     assert [batch.tolist() for batch in ours] == [batch.tolist() for batch in theirs]
     assert ours.stats().batches == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", [ENGINES["process"], ENGINES["thread"]], ids=["process", "thread"])
+def test_workers_of_an_epoch_left_early_are_seen_computing(engine: dict, leak_guard) -> None:
+    # An epoch left early ends before its workers' next timed task: their latest totals are
+    # their first tasks', extrapolated to the tasks since. The last of those tasks came after
+    # the scheduler counters were last read, so the stages grew with the extrapolation and the
+    # CPU did not: a dataset that only computes, left at batch 40, read "24% waiting inside the
+    # work (I/O, sleeps, locks)" (`pipeload profile` leaves its second epoch so).
+    loader = pipeload.DataLoader(Slow(4 * 64, 0.001), batch_size=4, **engine)
+    for number, _ in enumerate(loader):
+        if number == 40:
+            break
+    workers = [w for w in loader.stats().workers if w.kind == ""]
+    assert sum(w.tasks for w in workers) >= 41
+    running = sum(w.cpu_s + w.queued_s for w in workers) / sum(w.busy_s for w in workers)
+    assert running > 0.85, loader.stats().summary()

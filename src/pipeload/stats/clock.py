@@ -400,7 +400,13 @@ class StageClock:
         # snapshot: it reads the owner's counters by its thread id (kept as they were once the
         # thread has ended).
         unread_s = at - self._sched_read_at
-        if unread_s >= SCHED_READ_EVERY_S or unread_s >= SCHED_LAG_SHARE * (at - self.started_at):
+        # Past its first tasks a clock is snapshot once a timed task (rarely), and the stages'
+        # seconds since its first tasks stand for every task after them (estimated_stages): the
+        # counters must cover the same tasks, or an epoch left before the next timed task read
+        # its CPU seconds still where the first tasks left them (24% "waiting inside the work"
+        # for a dataset that only computes).
+        if (unread_s >= SCHED_READ_EVERY_S or unread_s >= SCHED_LAG_SHARE * (at - self.started_at)
+                or self._start):
             read = read_sched() if threading.get_ident() == self._owner else _schedstat(self._owner_schedstat)
             if read is not None:
                 self._sched, self._sched_read_at = read, at
