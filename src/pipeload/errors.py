@@ -43,6 +43,12 @@ class TooManyOpenFilesError(WorkerError):
     """The main process ran out of file descriptors while receiving a batch from a worker."""
 
 
+class ArgumentAssertionError(ValueError, AssertionError):
+    """An argument torch refuses with an AssertionError (``timeout`` > 0 without workers,
+    ``prefetch_factor=0``). It is a ValueError in truth, so it is both: ``except`` clauses
+    written for either keep working."""
+
+
 class IncompatibleStateError(ValueError):
     """A checkpoint (``state_dict()``) that cannot be loaded: taken from another configuration
     (another dataset length, batch size, world size, ...: the message names what differs), or

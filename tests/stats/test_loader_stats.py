@@ -301,6 +301,12 @@ def test_economic_item_workers_that_only_compute_are_seen_computing(leak_guard) 
     assert running > 0.75, loader.stats().summary()
 
 
+def test_stats_before_any_batch_say_no_batch_came_yet() -> None:
+    # "first batch after 0.0 ms" read as a loader that started at once.
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH)
+    assert loader.stats().summary().splitlines()[0].endswith("; no batch yet")
+
+
 def test_the_first_batch_figure_says_it_is_the_latest_epochs() -> None:
     # After the first epoch the figure is the latest epoch's first batch, no longer the
     # loader's start-up: said so, the line cannot be read as how long the loader took to start.

@@ -867,7 +867,9 @@ def check_picklable(
         except Exception as exc:
             if sender == "DataLoader" and isinstance(exc, _ERRORS_TORCH_WARNS_ABOUT):
                 warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
-            raise _unpicklable(exc, name, obj, start_method, sender) from exc
+            # One traceback, as torch's: the message carries the pickling error's own, and the
+            # probe's frames (and the failed start's, where this runs) would say nothing more.
+            raise _unpicklable(exc, name, obj, start_method, sender) from None
         finally:
             set_spawning_popen(None)
 

@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from pipeload._user_frame import first_frame_outside_pipeload
-from pipeload.errors import exact_value
+from pipeload.errors import ArgumentAssertionError, exact_value
 from pipeload.samplers import (
     RandomSampler,
     Sampler,
@@ -27,12 +27,6 @@ WORKER_TYPES = ("process", "thread")
 MODES = ("classic", "economic")
 EQUAL_BATCHES = (None, "drop", "pad")
 WORKER_SEEDINGS = ("torch", "per_batch")
-
-
-class ArgumentAssertionError(ValueError, AssertionError):
-    """An argument torch refuses with an AssertionError (timeout > 0 without workers,
-    prefetch_factor=0). It is a ValueError in truth, so it is both: ``except`` clauses written
-    for either keep working."""
 
 
 AUTO = "auto"
@@ -220,9 +214,11 @@ def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | Non
         return 2
     count = plain_number(prefetch_factor)
     if count is not None and count < 0:  # before the type: torch says this of -1.5 too
+        # torch raises a ValueError at construction, an AssertionError for one set later
         raise ArgumentAssertionError(
-            "prefetch_factor option should be non-negative (pipeload: it should be a positive "
-            f"integer, but got prefetch_factor={prefetch_factor!r})"
+            f"prefetch_factor option should be non-negative (pipeload: got "
+            f"prefetch_factor={prefetch_factor!r}; each worker needs at least one batch in flight, "
+            f"so it takes a positive integer)"
         )
     if not isinstance(count, int):  # torch fails on any float, 2.0 included, in range()
         raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")

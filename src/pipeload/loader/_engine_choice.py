@@ -21,6 +21,7 @@ from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.loader import _arguments as arguments
 from pipeload import resume
 from pipeload.distributed import check_ranks_can_agree, current_placement, unshared_seed_warning
+from pipeload.errors import ArgumentAssertionError
 from pipeload.engine import replica
 from pipeload.engine.auto import AutoEngine
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
@@ -56,7 +57,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
     base_seed = draw_base_seed(loader.generator) if session is None else session[0]
     loader._session = (base_seed, 1 if session is None else session[1])
     if loader.timeout > 0 and loader.num_workers == 0:
-        raise arguments.ArgumentAssertionError(TORCH_TIMEOUT_WITHOUT_WORKERS + " (pipeload: "
+        raise ArgumentAssertionError(TORCH_TIMEOUT_WITHOUT_WORKERS + " (pipeload: "
             f"timeout={loader.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
         )
     if loader.equal_batches is not None:

@@ -78,8 +78,14 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        if self._lengths is not None:
-            return self._first_next()
+        if self._lengths is not None:  # the epoch's first: a lazy sampler draws now
+            lengths, self._lengths = self._lengths, None
+            with lengths.active():
+                try:
+                    return self.__next__()
+                except BaseException:
+                    del self  # as below: an error kept must not keep the iterator's workers
+                    raise
         count = self._count
         asked = ending = 0.0
         if count.handed >= count.next_timed:  # one batch in several is timed: stats/recorder.py
@@ -203,11 +209,6 @@ class _EpochIterator:
         self._finalizer = weakref.finalize(self, self._engine.close)
         if self._ended:
             self.close()
-
-    def _first_next(self) -> Any:
-        lengths, self._lengths = self._lengths, None
-        with lengths.active():
-            return self.__next__()
 
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")

@@ -16,7 +16,7 @@ def summarise(stats: LoaderStats) -> str:
     lines = [
         f"pipeload stats: {stats.batches:,} batches in {stats.epochs} epoch(s), "
         f"{stats.batches_per_s:,.1f} batches/s, {stats.samples_per_s:,.0f} samples/s; "
-        f"{_first_batch_words(stats)} after {stats.first_batch_s * 1e3:,.1f} ms",
+        f"{_first_batch_words(stats)}",
         _setup_line(stats),
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
         f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
@@ -69,9 +69,12 @@ def _size(count: int) -> str:
 
 
 def _first_batch_words(stats: LoaderStats) -> str:
-    """Whose first batch the figure is: the latest epoch's (``LoaderStats.first_batch_s``), which
-    after the first epoch is no longer the loader's start."""
-    return "first batch" if stats.epochs <= 1 else "the latest epoch's first batch"
+    """When the first batch came, and whose it is: the latest epoch's
+    (``LoaderStats.first_batch_s``), which after the first epoch is no longer the loader's start."""
+    if not stats.batches:
+        return "no batch yet"
+    whose = "first batch" if stats.epochs <= 1 else "the latest epoch's first batch"
+    return f"{whose} after {stats.first_batch_s * 1e3:,.1f} ms"
 
 
 def _stage_line(stats: LoaderStats) -> str:
