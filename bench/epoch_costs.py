@@ -267,11 +267,18 @@ def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
 
 def summary_lines(epochs: Sequence[Epoch]) -> list[str]:
     """Medians over epochs 2 and later: each scenario against torch, and pipeload's scenarios
-    against its own persistent loader."""
+    against its own persistent loader; and each scenario over all its epochs, the first (where
+    pipeload makes its slabs) included."""
     def median(scenario: str, loader: str, field: str = "samples_per_s") -> float | None:
         values = [getattr(e, field) for e in epochs
                   if e.scenario == scenario and e.loader == loader and e.number >= 2]
         return statistics.median(values) if values else None
+
+    def overall(scenario: str, loader: str) -> float | None:
+        # Every epoch, the first included, as a run adds them up: epochs of equal size, so the
+        # harmonic mean of their rates.
+        rates = [e.samples_per_s for e in epochs if e.scenario == scenario and e.loader == loader]
+        return len(rates) / sum(1 / rate for rate in rates) if rates and min(rates) > 0 else None
 
     lines = []
     persistent = median("persistent", "pipeload")
@@ -282,6 +289,10 @@ def summary_lines(epochs: Sequence[Epoch]) -> list[str]:
             continue
         line = (f"{scenario}, epochs 2+: pipeload {ours:,.0f}/s, torch {theirs:,.0f}/s, "
                 f"{ours / theirs:.2f}x torch")
+        ours_all, theirs_all = overall(scenario, "pipeload"), overall(scenario, "torch")
+        if ours_all and theirs_all:
+            line += (f"; all epochs, the first included: pipeload {ours_all:,.0f}/s, "
+                     f"{ours_all / theirs_all:.2f}x torch")
         cpu = median(scenario, "pipeload", "tree_cpu_s")
         if persistent and persistent_cpu and cpu and scenario != "persistent":
             line += (f", {ours / persistent:.2f}x pipeload persistent (tree CPU an epoch "

@@ -35,7 +35,15 @@ import psutil
 
 from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
-from pipeload.cli.measure import SAMPLE_INTERVAL_S, rss_bytes_of, shared_memory_bytes_of, shm_used_bytes
+from pipeload.cli.measure import (
+    SAMPLE_INTERVAL_S,
+    child_pids,
+    read_every_page,
+    rss_bytes_of,
+    shared_memory_bytes_of,
+    shm_used_bytes,
+    wait_for_workers_gone,
+)
 from pipeload.cli.sampler import Window, shared_sampler
 from pipeload.cli.tree_memory import tree_pids_by_proc
 
@@ -150,9 +158,10 @@ def measure(
     """Build a fresh loader, iterate it ``epochs`` times, and time it.
 
     The clock starts before the loader is built, so ``first_batch_s`` includes construction and
-    worker start-up; ``total_s`` ends when the last epoch's iterator is exhausted (torch shuts its
-    workers down at that point). The loader is dropped and its worker processes awaited before
-    returning, so one measurement does not spill into the next.
+    worker start-up; every batch is read (one value per 4 KiB page); ``total_s`` ends once the
+    loader is dropped and its worker processes have exited (torch joins them as an epoch ends,
+    pipeload's leave beside the loop: either way a script pays before its next loader), so one
+    measurement does not spill into the next.
 
     Args:
         make_loader: returns a new loader each call.
@@ -211,17 +220,26 @@ def _iterate(
     make_loader: Callable[[], Iterable[Any]], count_samples: Callable[[Any], int], epochs: int,
     step: Callable[[Any], None] | None = None,
 ) -> tuple[int, float | None, float]:
+    """Samples, first-batch and total seconds of ``epochs`` passes over a new loader, each batch
+    read (one value per 4 KiB page, as a copy would: a loop that reads nothing flatters batches
+    in shared memory). The clock stops once the loader is dropped and its workers have exited:
+    torch joins them as each epoch ends, pipeload's leave beside the loop."""
     samples = 0
     first_batch_s = None
+    children_before = child_pids()
     started = time.perf_counter()
     loader = make_loader()
+    batch = None
     for _ in range(epochs):
         for batch in loader:
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
             samples += count_samples(batch)
+            read_every_page(batch)
             if step is not None:
                 step(batch)
+    del batch, loader
+    wait_for_workers_gone(children_before)
     return samples, first_batch_s, time.perf_counter() - started
 
 

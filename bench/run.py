@@ -5,12 +5,15 @@
 For every workload, each loader first takes a few untimed warm-up batches. Then, for every
 repeat, both loaders run one after the other with a fresh loader each, and the order alternates
 (pipeload first, then torch first, ...) so warm-up and drifting machine load fall on both alike.
-The table gives, per workload and loader, the median samples/s and time to first batch over the
+Every batch is read as a training step's copy would (one value per 4 KiB page), and a pass is
+timed until its loader is dropped and its workers have exited (bench/measure.py). The table
+gives, per workload and loader, the median samples/s and time to first batch over the
 repeats, the peak RSS of the whole process tree and the peak shared memory the tree holds (see
 bench/measure.py: /dev/shm segments, memfd files and anonymous shared mappings alike), the median
 CPU time the tree spent per sample (main process and workers; on a shared machine it does not
 swing with other programs' load as wall-clock rates do), then the ratio pipeload/torch for each
-column.
+column. Under the table, each workload's ratio repeat by repeat says whether the pairs tell the
+loaders apart at all.
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ def run_workload(
         )
         for loader_name in LOADER_NAMES
     }
-    for loader_name in LOADER_NAMES:
+    # Which loader forks first turns too: a process's first loader may leave its allocator in a
+    # state the other's workers inherit.
+    for loader_name in (reversed(LOADER_NAMES) if first_loader % 2 else LOADER_NAMES):
         warm_up(_loader_factory(loader_name, datasets[loader_name], workload, options),
                 WARMUP_BATCHES)
     measurements = []
@@ -222,6 +227,26 @@ def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
     return rows
 
 
+def paired_ratio_lines(measurements: Sequence[Measurement]) -> list[str]:
+    """Per workload, pipeload/torch samples/s of each repeat (the two loaders ran back to back,
+    so a drifting load weighs on both of a pair alike), and whether the pairs tell the loaders
+    apart: the medians' ratio in the table divides runs of different repeats."""
+    lines = []
+    for workload in dict.fromkeys(m.workload for m in measurements):
+        runs = {name: [m for m in measurements if (m.workload, m.loader) == (workload, name)]
+                for name in LOADER_NAMES}
+        pairs = [ours.samples_per_s / theirs.samples_per_s
+                 for ours, theirs in zip(runs["pipeload"], runs["torch"]) if theirs.samples_per_s > 0]
+        if not pairs:
+            continue
+        verdict = ("pipeload faster in every pair" if min(pairs) > 1 else
+                   "torch faster in every pair" if max(pairs) < 1 else
+                   "the pairs straddle 1: no difference this run can tell")
+        lines.append(f"{workload}: pipeload/torch by repeat "
+                     f"{', '.join(f'{ratio:.2f}x' for ratio in pairs)} ({verdict})")
+    return lines
+
+
 def _ratio(ours: float, theirs: float, floor: float = 0.0) -> str:
     # Below the floor, a ratio of two near-zero amounts is noise: say so instead of printing it.
     if theirs <= 0 or ours < 0 or max(ours, theirs) <= floor:
@@ -274,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             measurements += run_workload(name, options, Path(scratch), first_loader=index)
     print(describe_machine(options))
     print(format_table(table_rows(summarise(measurements)), markdown=args.markdown))
+    for line in paired_ratio_lines(measurements):
+        print(line)
     if args.json is not None:
         _write_json(args.json, options, measurements)
     return 0

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+import torch
 
+import pipeload
 from pipeload.cli import measure
 
 SEGMENT_BYTES = 4 << 20
@@ -39,8 +41,36 @@ def memfd() -> Iterator[int]:
 
 def test_bench_sees_a_memfd_segment_the_process_holds(memfd: int) -> None:
     # /dev/shm does not show memfd segments: its growth read 0 MiB for pipeload's slabs
-    run = measure.time_one_pass("classic", 0, [[0]] * 3, len, lambda: None)
+    run = measure.time_one_pass("classic", 0, lambda: [[0]] * 3, len, lambda: None)
     assert run.peak_shm_bytes >= SEGMENT_BYTES
+
+
+class _Filled(pipeload.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((2048,), float(index))
+
+
+def test_a_pass_is_timed_until_its_workers_are_gone() -> None:
+    # torch joins its workers as the pass ends; pipeload's leave beside the loop, which a pass
+    # timed to its last batch never paid for.
+    with measure.PeakSampler():  # its sampler process starts on first use, and stays
+        before = measure.child_pids()
+    run = measure.time_one_pass("classic", 0, lambda: pipeload.DataLoader(_Filled(), batch_size=2, num_workers=2),
+                                len, lambda: None)
+    assert run.samples == 4
+    alive = [pid for pid in measure.child_pids() - before if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+             and not measure._is_helper(psutil.Process(pid))]
+    assert not alive, "workers outlived the timed pass"
+
+
+def test_one_value_of_every_page_of_a_batch_is_read() -> None:
+    # 3 x 4096 float32: 12 pages of 1.0; a 0-d tensor; an empty one; a string.
+    batch = {"image": torch.ones(3, 4096), "label": [torch.tensor(2), torch.zeros(0)], "name": "x"}
+    assert measure.read_every_page(batch) == 12 + 2
 
 
 def test_a_segment_mapped_by_two_processes_counts_once(memfd: int) -> None:

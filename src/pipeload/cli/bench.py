@@ -247,8 +247,8 @@ def _one_run(name: str, repeat: int, images: TarImages, options: BenchOptions) -
             # workers start): more processes than CPUs on a small machine, said in the middle of
             # the runs on every pass. The header says it once instead (see run).
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-        loader = LOADERS[name].make(images, options)
-        result = time_one_pass(name, repeat, loader, _batch_length, bar.update)
+        result = time_one_pass(name, repeat, lambda: LOADERS[name].make(images, options),
+                               _batch_length, bar.update)
     _say(f"{label}: {result.samples_per_s:>9,.0f} samples/s, first batch "
          f"{result.first_batch_s * 1e3:,.0f} ms")
     return result

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeload.cli.sampler import Window
 
 # The readings themselves live in tree_memory.py (the sampler process loads that file alone);
@@ -67,17 +69,84 @@ class PeakSampler(Window):
         self.peaks.update(rss=0, shm=0)
 
 
-def time_one_pass(name: str, repeat: int, loader: Iterable[Any], batch_length: Callable[[Any], int],
-                  on_batch: Callable[[], None]) -> Run:
-    """Iterate ``loader`` once, timing the first batch and the whole pass, sampling memory."""
+PAGE_BYTES = 4096
+CHILD_EXIT_POLL_S = 0.001
+CHILD_EXIT_WAIT_S = 10.0
+
+
+def read_every_page(batch: Any) -> float:
+    """Read one value per 4 KiB page of every tensor in ``batch`` (in lists, tuples and dicts), as
+    a training step's copy would read them all: a loop that reads nothing of its batches flatters
+    a loader whose batches arrive in shared memory, which only a read maps into the process."""
+    if isinstance(batch, torch.Tensor):
+        if batch.layout is not torch.strided or batch.is_nested or batch.numel() == 0:
+            return 0.0
+        step = max(1, PAGE_BYTES // batch.element_size())
+        return float(batch.reshape(-1)[::step].sum().real)
+    if isinstance(batch, (list, tuple)):
+        return sum(read_every_page(item) for item in batch)
+    if isinstance(batch, dict):
+        return sum(read_every_page(item) for item in batch.values())
+    return 0.0
+
+
+def time_one_pass(name: str, repeat: int, make_loader: Callable[[], Iterable[Any]],
+                  batch_length: Callable[[Any], int], on_batch: Callable[[], None]) -> Run:
+    """Make a loader and iterate it once, reading every batch, sampling memory.
+
+    The clock runs from ``iter()`` until the loader is dropped and its worker processes have
+    exited: torch joins its workers as the pass ends, pipeload's leave beside the loop, and a
+    script pays for both before its next loader (or its end)."""
     samples = 0
     first_batch_s = 0.0
     with PeakSampler() as sampler:
+        children_before = child_pids()
+        loader = make_loader()
+        batch = None
         started = time.perf_counter()
         for batch in loader:
             if samples == 0:
                 first_batch_s = time.perf_counter() - started
             samples += batch_length(batch)
+            read_every_page(batch)
             on_batch()
+        del batch, loader
+        wait_for_workers_gone(children_before)
         seconds = time.perf_counter() - started
     return Run(name, repeat, samples, seconds, first_batch_s, sampler.peaks["rss"], sampler.peaks["shm"])
+
+
+def child_pids() -> set[int]:
+    import psutil  # the `bench` extra
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def wait_for_workers_gone(children_before: set[int]) -> None:
+    """Wait until the processes started since ``children_before`` have exited (multiprocessing's
+    resource tracker, which stays, excepted)."""
+    import psutil  # the `bench` extra
+
+    deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        started = [child for child in psutil.Process().children(recursive=True)
+                   if child.pid not in children_before and not _is_helper(child)]
+        if not any(_is_running(child) for child in started):
+            return
+        time.sleep(CHILD_EXIT_POLL_S)
+
+
+def _is_helper(child: Any) -> bool:
+    try:
+        return any("resource_tracker" in part or "forkserver" in part for part in child.cmdline())
+    except Exception:  # gone meanwhile
+        return True
+
+
+def _is_running(child: Any) -> bool:
+    import psutil  # the `bench` extra
+
+    try:
+        return child.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
