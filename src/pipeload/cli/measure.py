@@ -1,5 +1,9 @@
 """Timing one pass of a loader, with the memory peaks it reaches, for ``pipeload bench``.
 
+The pass reads every batch (one value per 4 KiB page, as a training step's copy would) and is
+timed until the loader is dropped and its worker processes have exited, so that a loader whose
+workers leave beside the loop pays for them as one that joins them does (``time_one_pass``).
+
 A sampler process of its own (sampler.py: a thread here would slow the main process it measures)
 reads, every ``SAMPLE_INTERVAL_S``, the resident memory of this process and all its descendants
 (RSS summed over the tree: pages shared between processes count once per process, an upper bound

@@ -4,8 +4,8 @@ One room, one module a kind: ``_sequential`` (in order), ``_random`` (the random
 ``_distributed`` (``DistributedSampler``), ``_batch`` (``BatchSampler`` and what a batch sampler
 says about its batches), ``_state`` (their checkpoints), ``_draws`` (whether workers may fork after
 a draw), ``_lengths`` (whether a length runs the user's code), ``_epoch_lengths`` (a dataset's
-length asked once an epoch), ``_base`` (``Sampler``). Import them
-from here (or from ``pipeload``).
+length asked once an epoch), ``_base`` (``Sampler``). Import them from here (or from
+``pipeload``).
 
 A sampler yields keys (or, for ``BatchSampler``, lists of keys). Random samplers draw from
 torch's generators in exactly the order ``torch.utils.data`` does, so the same seed gives the
