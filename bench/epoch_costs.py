@@ -30,10 +30,9 @@ stops.
                   scenario, so that a machine whose load drifts weighs on both loaders
     interleaved   epoch 1 of every loader, then epoch 2 of every loader, and so on, the order
                   turning each time: drift weighs on all alike, but a loader's epoch starts
-                  after another loader's, not after its own. That flatters a loader without
-                  persistent workers: its last workers finish exiting during another loader's
-                  epoch (on the 2-core box per-epoch / persistent read 0.91x interleaved and
-                  0.78x back to back, stop 48 in bench/RESULTS.md)
+                  after another loader's, not after its own. That can flatter a loader
+                  without persistent workers: its last workers finish exiting during another
+                  loader's epoch (bench/RESULTS.md, stop 48)
 
 Ratios compare the same epoch of the same run.
 """
