@@ -44,7 +44,7 @@ def test_the_tuner_doubles_while_it_pays_then_goes_back_to_the_best() -> None:
     assert tuner._step(rate=19.5, waited=0.5) == Settings(4, 2)  # no faster: back, and stop
     assert tuner.done and tuner.current == Settings(4, 2)
     reasons = [d.reason for d in tuner._recorder.snapshot().decisions]
-    assert reasons[0].startswith("start: 2 usable CPUs") and "back to the best" in reasons[-1]
+    assert reasons[0].startswith("start: 2 usable CPUs") and "back to those" in reasons[-1]
 
 
 def test_the_tuner_stops_once_the_loop_no_longer_waits() -> None:
@@ -86,6 +86,18 @@ def test_workers_that_compute_are_tried_up_to_twice_the_cpus_and_kept_only_if_th
 
     waiting = _tuner(cpus=2)  # the same loop, with workers that mostly wait: more of them
     assert waiting._step(rate=10.0, waited=0.9, share=0.1) == Settings(8, 2)  # 2 / 0.1, at most 4x
+
+
+def test_going_back_names_the_settings_and_their_own_rate() -> None:
+    # A crowded step kept a little slower (9.8 after 10.0 batches/s) kept the faster rate as the
+    # best's: "back to the best" then compared with 10.0, a rate the settings it went back to
+    # never reached.
+    tuner = _tuner(cpus=2, prefetch=True)
+    assert tuner._step(rate=10.0, waited=0.9, share=0.95, queued=0.5) == Settings(4, 2)
+    assert tuner._step(rate=9.8, waited=0.9, share=0.95, queued=0.5) == Settings(4, 4)
+    assert tuner._step(rate=9.7, waited=0.9, share=0.95, queued=0.5) == Settings(4, 2)
+    reason = tuner._recorder.snapshot().decisions[-1].reason
+    assert "(9.7 vs 9.8 batches/s with num_workers=4, prefetch_factor=2): back to those" in reason
 
 
 def test_prefetch_doubles_while_it_pays_when_workers_are_capped() -> None:

@@ -155,8 +155,11 @@ class AutoTuner:
             floor = self.best_rate * ((1 - MIN_GAIN) if self._crowded_step else (1 + MIN_GAIN))
             if rate < floor:
                 return self._finish(self.best, rate, f"{self._describe(self.current)} was no faster "
-                                    f"({rate:,.1f} vs {self.best_rate:,.1f} batches/s): back to the best")
-            self.best, self.best_rate = self.current, max(rate, self.best_rate)
+                                    f"({rate:,.1f} vs {self.best_rate:,.1f} batches/s with "
+                                    f"{self._describe(self.best)}): back to those")
+            # The rate kept is the kept settings' own: a crowded step kept a little slower must
+            # not inherit the faster rate of the settings before it (the log read as if it had).
+            self.best, self.best_rate = self.current, rate
         elif rate > self.best_rate:
             self.best, self.best_rate = self.current, rate
         computing = share >= COMPUTING
