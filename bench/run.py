@@ -239,9 +239,11 @@ def paired_ratio_lines(measurements: Sequence[Measurement]) -> list[str]:
                  for ours, theirs in zip(runs["pipeload"], runs["torch"]) if theirs.samples_per_s > 0]
         if not pairs:
             continue
-        verdict = ("pipeload faster in every pair" if min(pairs) > 1 else
-                   "torch faster in every pair" if max(pairs) < 1 else
+        verdict = (f"pipeload faster in all {len(pairs)} pairs" if min(pairs) > 1 else
+                   f"torch faster in all {len(pairs)} pairs" if max(pairs) < 1 else
                    "the pairs straddle 1: no difference this run can tell")
+        if len(pairs) < 3:
+            verdict += "; too few pairs to say more"
         lines.append(f"{workload}: pipeload/torch by repeat "
                      f"{', '.join(f'{ratio:.2f}x' for ratio in pairs)} ({verdict})")
     return lines

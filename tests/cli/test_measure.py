@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -67,10 +68,17 @@ def test_a_pass_is_timed_until_its_workers_are_gone() -> None:
     assert not alive, "workers outlived the timed pass"
 
 
-def test_one_value_of_every_page_of_a_batch_is_read() -> None:
-    # 3 x 4096 float32: 12 pages of 1.0; a 0-d tensor; an empty one; a string.
-    batch = {"image": torch.ones(3, 4096), "label": [torch.tensor(2), torch.zeros(0)], "name": "x"}
-    assert measure.read_every_page(batch) == 12 + 2
+def test_one_byte_of_every_page_of_a_batch_is_read() -> None:
+    # 3 x 4096 uint8 ones: 3 pages; a 0-d tensor; an empty one; a string; a numpy array.
+    batch = {"image": torch.ones(3, 4096, dtype=torch.uint8), "label": [torch.tensor(2), torch.zeros(0)],
+             "name": "x", "mask": np.ones(4096, dtype=np.uint8)}
+    assert measure.read_every_page(batch) == 3 + 2 + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bool, torch.complex64, torch.bfloat16])
+def test_a_batch_of_any_dtype_can_be_read(dtype: torch.dtype) -> None:
+    assert measure.read_every_page(torch.zeros(2, 4096, dtype=dtype).t()) == 0.0  # a view, too
+    assert measure.read_every_page(torch.quantize_per_tensor(torch.zeros(8), 0.1, 0, torch.quint8)) == 0.0
 
 
 def test_a_segment_mapped_by_two_processes_counts_once(memfd: int) -> None:

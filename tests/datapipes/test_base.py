@@ -153,6 +153,31 @@ def test_the_rfcs_lazy_init_method_is_called_once_before_the_first_iter_or_len()
     assert listing[2] == 20 and len(listing) == 4 and listing.lazy_inits == 1
 
 
+class _ListsWhenAsked(pipeload.datapipes.NonBlockingIterDataPipe):
+    """A non-blocking source read only through ``nonblocking_next()``, as the RFC's loop reads."""
+
+    def __init__(self) -> None:
+        self.names: list[str] | None = None
+        self.position = 0
+
+    def lazy_init(self) -> None:
+        self.names = ["a", "b"]
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def nonblocking_next(self) -> str:
+        if self.position == len(self.names):
+            raise StopIteration
+        self.position += 1
+        return self.names[self.position - 1]
+
+
+def test_the_rfcs_lazy_init_runs_before_a_first_nonblocking_next() -> None:
+    source = _ListsWhenAsked()
+    assert [source.nonblocking_next(), source.nonblocking_next()] == ["a", "b"]
+
+
 def test_the_rfcs_lazy_init_runs_again_in_each_copy() -> None:
     pipe = ListsWhereUsed(3)
     list(pipe)

@@ -204,6 +204,20 @@ def test_closing_twice_before_a_far_end_joined_is_harmless(kind: str) -> None:
     assert end.value.reason == QueueError.CLOSED and end.value.by_this_end
 
 
+def test_a_process_queue_closed_before_a_far_end_joined_ends_its_accepting_thread_quietly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The accepting thread woke on the closed listener, took the lock close() had let go and
+    # accepted on it: "OSError: [Errno 9] Bad file descriptor" printed from a thread.
+    failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    queue = DataLoaderQueue(kind="process")
+    queue.close()  # the queue itself stays alive: its thread looks at it again
+    assert wait_until(lambda: not any(t.name == "pipeload-queue-accept" for t in threading.enumerate()),
+                      DEADLINE_S)
+    assert failures == []
+    del queue
+
+
 def test_a_process_queue_joins_exactly_two_processes() -> None:
     queue = DataLoaderQueue(kind="process")
     first = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 1))

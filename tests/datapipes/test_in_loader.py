@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.utils.data as tud
 import torch.utils.data.datapipes.iter as theirs_iter
 import torch.utils.data.datapipes.map as theirs_map
-from conftest import run_rank_processes
+from conftest import run_rank_processes, wait_until
 from pipes_for_tests import ListsWhereUsed, MadeWhereUsed, double, is_even, normalise, parity
 
 import pipeload
@@ -343,3 +344,22 @@ def test_mixed_map_and_iter_graphs_are_seeded_as_torchs_loader_seeds_them(engine
     assert ours == theirs
     (first, second), _ = ours
     assert first != second  # the loader's seed reaches the map pipe's shuffle: a new order each epoch
+
+
+class _NeverReady(pipeload.datapipes.NonBlockingIterDataPipe):
+    """A source whose items never come (a remote store that stopped answering)."""
+
+    def nonblocking_next(self) -> int:
+        raise pipeload.datapipes.NotAvailable
+
+
+def test_a_thread_worker_waiting_for_a_source_stops_once_its_iterator_is_gone() -> None:
+    # After the timeout, the iterator dropped, the worker thread kept polling the source for the
+    # rest of the process (a thread cannot be killed; pipeload's own wait must give up).
+    loader = pipeload.DataLoader(_NeverReady(), batch_size=None, num_workers=1, worker_type="thread",
+                                 timeout=0.3)
+    iterator = iter(loader)
+    with pytest.raises(pipeload.errors.LoaderTimeoutError):
+        next(iterator)
+    del iterator, loader
+    assert wait_until(lambda: not any(t.name.startswith("pipeload-worker") for t in threading.enumerate()), 10.0)

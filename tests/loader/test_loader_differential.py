@@ -939,8 +939,7 @@ def _length_asked(module: ModuleType, epochs: int, **kwargs: Any) -> int:
     return dataset.asked
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"num_workers": 2},
-                                    {"num_workers": 2, "persistent_workers": True},
+@pytest.mark.parametrize("kwargs", [{"num_workers": 2}, {"num_workers": 2, "persistent_workers": True},
                                     {"num_workers": 1, "drop_last": True}], ids=str)
 def test_a_datasets_len_is_asked_once_an_epoch_as_torch_asks_it(kwargs: dict[str, Any]) -> None:
     # A __len__ may list a store or open the file it counts in: pipeload's loader needs the
@@ -948,9 +947,52 @@ def test_a_datasets_len_is_asked_once_an_epoch_as_torch_asks_it(kwargs: dict[str
     assert _length_asked(pipeload, 3, **kwargs) == _length_asked(tud, 3, **kwargs) == 3
 
 
+def test_without_workers_the_draw_asks_the_length_again_as_torch_draws() -> None:
+    # torch draws at the first next(): the length drawn from is the one the dataset has then,
+    # which iter(loader)'s own questions (asked once) may not be.
+    assert _length_asked(pipeload, 3) == 2 * _length_asked(tud, 3) == 6
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_shuffled_datasets_len_is_asked_no_more_often_than_torch_asks_it(num_workers: int) -> None:
     # torch's RandomSampler asks it several times an epoch (its num_samples, then its draw).
     mine = _length_asked(pipeload, 3, shuffle=True, num_workers=num_workers)
     assert mine <= _length_asked(tud, 3, shuffle=True, num_workers=num_workers)
-    assert mine == 1 + 3  # RandomSampler checks num_samples when built, as torch's
+    # RandomSampler checks num_samples when built, as torch's; then once an epoch, or without
+    # workers once for iter(loader) and twice for the draw at the first next() (its size and
+    # its num_samples, as torch's draw asks them)
+    assert mine == 1 + 3 * (1 if num_workers else 3)
+
+
+_BANK: list[int] = []
+
+
+class _AsksASamplerOfItsBank(tud.Dataset):
+    """Each item: how long a per-worker bank that grows with every item is, told by a sampler."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        _BANK.append(index)
+        return len(list(SAMPLERS_OF[self.module](_BANK)))
+
+    module = "pipeload"
+
+
+SAMPLERS_OF = {"pipeload": pipeload.SequentialSampler, "torch": tud.SequentialSampler}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-epoch", "persistent"])
+def test_lengths_a_forked_worker_asks_are_its_own_as_in_torch(persistent: bool) -> None:
+    # Workers forked while the loader's epoch lengths were kept inherited them for life: every
+    # length a sampler asked in them came out as the first one ([[1, 1, 1, 1], ...]).
+    def batches(module: ModuleType) -> list[list[list[int]]]:
+        _BANK.clear()
+        dataset = _AsksASamplerOfItsBank()
+        dataset.module = module.__name__.split(".")[0]
+        loader = module.DataLoader(dataset, batch_size=4, num_workers=1, persistent_workers=persistent,
+                                   multiprocessing_context="fork")
+        return [[batch.tolist() for batch in loader] for _ in range(2)]
+
+    assert batches(pipeload) == batches(tud)

@@ -15,12 +15,15 @@ readings, which it takes from here.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeload.cli.sampler import Window
@@ -74,7 +77,7 @@ class PeakSampler(Window):
 
 
 PAGE_BYTES = 4096
-CHILD_EXIT_POLL_S = 0.001
+CHILD_EXIT_POLL_S = 0.005  # a pass's time is known to this much (listing /proc costs CPU)
 CHILD_EXIT_WAIT_S = 10.0
 
 
@@ -85,11 +88,17 @@ def read_every_page(batch: Any) -> float:
     if isinstance(batch, torch.Tensor):
         if batch.layout is not torch.strided or batch.is_nested or batch.numel() == 0:
             return 0.0
-        step = max(1, PAGE_BYTES // batch.element_size())
-        return float(batch.reshape(-1)[::step].sum().real)
+        if batch.is_quantized:
+            batch = batch.int_repr()
+        # One byte a page, whatever the dtype (float8 and others have no sum); a view that is
+        # not contiguous is copied first (none of the benchmarks' loaders yields one).
+        data = batch.contiguous().reshape(-1).view(torch.uint8)
+        return float(data[::PAGE_BYTES].sum())
+    if isinstance(batch, np.ndarray):
+        return read_every_page(torch.from_numpy(np.ascontiguousarray(batch)))
     if isinstance(batch, (list, tuple)):
         return sum(read_every_page(item) for item in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return sum(read_every_page(item) for item in batch.values())
     return 0.0
 
@@ -128,20 +137,31 @@ def child_pids() -> set[int]:
 
 def wait_for_workers_gone(children_before: set[int]) -> None:
     """Wait until the processes started since ``children_before`` have exited (multiprocessing's
-    resource tracker, which stays, excepted)."""
+    resource tracker and fork server, which stay, excepted; the fork server's own children, the
+    workers it forked, included). Says so on stderr if some are still running after
+    ``CHILD_EXIT_WAIT_S``."""
     import psutil  # the `bench` extra
 
     deadline = time.monotonic() + CHILD_EXIT_WAIT_S
-    while time.monotonic() < deadline:
+    while True:
         started = [child for child in psutil.Process().children(recursive=True)
                    if child.pid not in children_before and not _is_helper(child)]
-        if not any(_is_running(child) for child in started):
+        running = [child.pid for child in started if _is_running(child)]
+        if not running:
+            return
+        if time.monotonic() >= deadline:
+            print(f"warning: worker processes {running} still running {CHILD_EXIT_WAIT_S:.0f} s after "
+                  "their loader was dropped; the pass is timed without them", file=sys.stderr)
             return
         time.sleep(CHILD_EXIT_POLL_S)
 
 
 def _is_helper(child: Any) -> bool:
+    """multiprocessing's resource tracker or fork server: started by this process, and staying.
+    The fork server's workers carry its command line too, but are its children, not ours."""
     try:
+        if child.ppid() != os.getpid():
+            return False
         return any("resource_tracker" in part or "forkserver" in part for part in child.cmdline())
     except Exception:  # gone meanwhile
         return True

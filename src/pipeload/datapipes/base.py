@@ -86,10 +86,12 @@ class _DescribedPipe:
 
 
 # The RFC's lazy initialisation: a pipe class that defines a ``lazy_init(self)`` method has it
-# called once before the first ``__iter__``, ``__len__`` or ``__getitem__`` of each copy of the
-# pipe (the flag is transient: a copy pickled to a worker, or a thread worker's copy, calls it
-# again there, which is the point: a file listing is made after the workers start, not before).
-_LAZY_HOOKED = ("__iter__", "__len__", "__getitem__")
+# called once before the first ``__iter__``, ``__len__``, ``__getitem__``, ``nonblocking_next``
+# or ``nonblocking_get`` of each copy of the pipe (the flag is transient: a copy pickled to a
+# worker, or a thread worker's copy, calls it again there, which is the point: a file listing is
+# made after the workers start, not before). The RFC's own loop reads a non-blocking source
+# through ``nonblocking_next()`` alone.
+_LAZY_HOOKED = ("__iter__", "__len__", "__getitem__", "nonblocking_next", "nonblocking_get")
 _LAZY_DONE = TRANSIENT_PREFIX + "lazy_init_done"
 
 

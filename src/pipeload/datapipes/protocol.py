@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from pipeload._state_fields import StateFields, join
 from pipeload.errors import IncompatibleStateError, bad_state_field, shortened, state_mismatch
+from pipeload.engine.worker_info import worker_stopping
 
 T_co = TypeVar("T_co", covariant=True)
 R = TypeVar("R")
@@ -276,8 +277,12 @@ def wait_until_ready(
     none.
 
     Raises:
-        WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice).
+        WaitCancelled: ``should_stop()`` turned True while waiting (checked every slice); without
+            one, in a thread worker, once that worker should stop (its loader's iterator is gone:
+            a thread cannot be killed, and a source that never gets ready would keep it polling).
     """
+    if should_stop is None:
+        should_stop = worker_stopping()
     ready = threading.Event()
     for notifier in notifiers:
         notifier.subscribe(ready)

@@ -709,7 +709,7 @@ def run_item_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: An
     info = WorkerInfo(worker_id, common.num_workers, common.base_seed + worker_id,
                       common.fetch.dataset, rng, "thread", ITEM)
     serve_in_thread(info, ItemWorkerLoop(common, worker_id, inbox, outbox, deliveries, stop.is_set, rng,
-                                         share_clock))
+                                         share_clock), stop.is_set)
 
 
 def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: Any, stop: Any,
@@ -720,7 +720,8 @@ def run_batch_thread(setup: EconomicSetup, worker_id: int, inbox: Any, outbox: A
     rng = make_thread_rng(common.base_seed, offset)
     info = WorkerInfo(worker_id, setup.num_batch_workers, common.base_seed + offset,
                       common.fetch.dataset, rng, "thread", BATCH)
-    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng, share_clock))
+    serve_in_thread(info, BatchWorkerLoop(common, worker_id, inbox, outbox, stop.is_set, rng, share_clock),
+                    stop.is_set)
 
 
 def _with_thread_replica(setup: WorkerSetup) -> WorkerSetup:

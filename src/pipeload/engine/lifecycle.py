@@ -869,7 +869,10 @@ def check_picklable(
                 warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
             # One traceback, as torch's: the message carries the pickling error's own, and the
             # probe's frames (and the failed start's, where this runs) would say nothing more.
-            raise _unpicklable(exc, name, obj, start_method, sender) from None
+            error = _unpicklable(exc, name, obj, start_method, sender)
+            for note in getattr(exc, "__notes__", ()):  # pickle's own (Python 3.14: the attribute)
+                error.add_note(note)
+            raise error from None
         finally:
             set_spawning_popen(None)
 

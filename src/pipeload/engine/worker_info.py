@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,9 @@ class WorkerInfo:
 
 class _CurrentWorker(threading.local):
     info: WorkerInfo | None = None
+    # A thread worker's "stop now" (its engine closed): what a wait of pipeload's own inside the
+    # dataset (a non-blocking pipe read as a blocking one) checks, since a thread cannot be killed.
+    stopping: Callable[[], bool] | None = None
 
 
 _current = _CurrentWorker()
@@ -105,6 +109,16 @@ def get_worker_info() -> WorkerInfo | None:
 def set_worker_info(info: WorkerInfo | None) -> None:
     """Install ``info`` for the calling thread (a worker's first act; None when it ends)."""
     _current.info = info
+
+
+def set_worker_stopping(check: Callable[[], bool] | None) -> None:
+    """Install the calling thread worker's "stop now" check (None when it ends)."""
+    _current.stopping = check
+
+
+def worker_stopping() -> Callable[[], bool] | None:
+    """The calling thread worker's "stop now" check; None outside a thread worker."""
+    return _current.stopping
 
 
 def set_process_worker_info(info: WorkerInfo) -> None:

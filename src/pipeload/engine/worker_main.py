@@ -40,6 +40,7 @@ from pipeload.engine.worker_info import (
     publish_to_torch,
     set_process_worker_info,
     set_worker_info,
+    set_worker_stopping,
 )
 from pipeload.errors import RemoteFailure, SharedMemoryError
 from pipeload.stats.clock import SAMPLE_EVERY, StageClock, count_the_whole_process, now
@@ -460,14 +461,17 @@ def run_thread_worker(
     seed = setup.base_seed + worker_id
     info = WorkerInfo(worker_id, setup.num_workers, seed, setup.fetch.dataset, rng, "thread")
     serve_in_thread(info, WorkerLoop(setup, worker_id, inbox, outbox, should_stop=stop.is_set,
-                                     share_clock=share_clock))
+                                     share_clock=share_clock), stop.is_set)
 
 
-def serve_in_thread(info: WorkerInfo, loop: Any) -> None:
-    """Run ``loop`` as this thread's worker; ``get_worker_info()`` answers ``info`` meanwhile."""
+def serve_in_thread(info: WorkerInfo, loop: Any, stopping: Callable[[], bool]) -> None:
+    """Run ``loop`` as this thread's worker; ``get_worker_info()`` answers ``info`` meanwhile,
+    and pipeload's own waits inside the dataset give up once ``stopping()`` (the loop's stop)."""
     set_worker_info(info)
+    set_worker_stopping(stopping)
     try:
         loop.run()
     finally:
+        set_worker_stopping(None)
         set_worker_info(None)
         loop.thread_ends()

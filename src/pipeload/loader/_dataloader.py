@@ -401,11 +401,12 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
-        lengths = EpochLengths()  # the dataset's __len__, asked once an epoch as torch's loader
-        with lengths.active():
-            return self._begin_epoch(lengths)
+        # The dataset's __len__, asked once for all that starting the epoch needs of it (the
+        # last batch's size, the record, the stats, the draws made now): samplers/_epoch_lengths.py.
+        with EpochLengths().active():
+            return self._begin_epoch()
 
-    def _begin_epoch(self, lengths: EpochLengths) -> _EpochIterator:
+    def _begin_epoch(self) -> _EpochIterator:
         called_at = now()  # the epoch's first batch is timed from here: starting workers included
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
         point = resume.unless_sampler_moved_on(self, point)
@@ -437,14 +438,14 @@ class DataLoader(torch_data.DataLoader[T_co]):
         progress = resume.progress_from(point, self._dataset_kind is DatasetKind.ITERABLE)
         self._epoch_notes = (record, progress)
         if owned:
-            return _EpochIterator(self, engine, owned, progress, count, lengths)
+            return _EpochIterator(self, engine, owned, progress, count)
         # torch resets and returns the one iterator of a persistent session each epoch: code
         # that kept it (`it = iter(loader)` once, `next(it)` in every epoch) reads the new epoch.
         iterator = self._iterator
         if iterator is not None and iterator._engine is engine and not iterator._owns_engine:
-            iterator._start_next_epoch(self, progress, count, lengths)
+            iterator._start_next_epoch(self, progress, count)
         else:
-            iterator = _EpochIterator(self, engine, owned, progress, count, lengths)
+            iterator = _EpochIterator(self, engine, owned, progress, count)
             self._persistent_epoch = weakref.ref(iterator)
         return iterator
 

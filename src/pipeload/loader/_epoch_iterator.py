@@ -19,7 +19,7 @@ from pipeload.engine.equal_batches import EqualBatches
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
-from pipeload.samplers import EpochLengths, exact_length
+from pipeload.samplers import exact_length
 from pipeload.stats.clock import now, profiling, span
 from pipeload.stats.recorder import EpochCount
 
@@ -34,8 +34,7 @@ class _EpochIterator:
     """
 
     def __init__(self, loader: Any, engine: Any, owns_engine: bool,
-                 progress: resume.EpochProgress, count: EpochCount | None = None,
-                 lengths: EpochLengths | None = None) -> None:
+                 progress: resume.EpochProgress, count: EpochCount | None = None) -> None:
         self._engine = engine
         self._owns_engine = owns_engine
         # A borrowed (persistent) engine lives as long as its loader: hold the loader, or
@@ -43,17 +42,13 @@ class _EpochIterator:
         self._loader = None if owns_engine else loader
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
         self._epoch_clock: weakref.finalize | None = None
-        self._start_next_epoch(loader, progress, count, lengths)
+        self._start_next_epoch(loader, progress, count)
 
     def _start_next_epoch(self, loader: Any, progress: resume.EpochProgress,
-                          count: EpochCount | None = None,
-                          lengths: EpochLengths | None = None) -> None:
+                          count: EpochCount | None = None) -> None:
         """Take up the loader's new epoch: at first, and in each later epoch of a persistent
         session (the one iterator torch hands out again). An epoch still running is left."""
         self._stop_epoch_clock()
-        # The lengths ``iter(loader)`` asked, kept for the first ``next``, where a sampler that
-        # draws lazily begins (samplers/_epoch_lengths.py).
-        self._lengths = lengths
         self._progress = progress
         self._index_sampler = loader._index_sampler
         self._len_reported = loader._len_reported
@@ -78,14 +73,6 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        if self._lengths is not None:  # the epoch's first: a lazy sampler draws now
-            lengths, self._lengths = self._lengths, None
-            with lengths.active():
-                try:
-                    return self.__next__()
-                except BaseException:
-                    del self  # as below: an error kept must not keep the iterator's workers
-                    raise
         count = self._count
         asked = ending = 0.0
         if count.handed >= count.next_timed:  # one batch in several is timed: stats/recorder.py

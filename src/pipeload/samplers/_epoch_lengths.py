@@ -1,17 +1,24 @@
-"""A dataset's length, asked once an epoch.
+"""A dataset's length, asked once for all that starting an epoch needs of it.
 
 torch's loader asks a dataset's ``__len__`` once an epoch, when its sampler begins to draw.
 pipeload's loader needs that length in more places as an epoch starts: the size of the last batch
 (told to the workers), the epoch's checkpoint record, the stats' count of batches, and the draw
 itself. A ``__len__`` is the user's code: it may list a store, open the file it counts in, or
-count its calls. While an epoch's lengths are active (:meth:`EpochLengths.active`, entered by the
-loader around the start of each epoch), a sampler asks each source once and reuses the answer;
-outside of one (a user's own ``len(sampler)``), every question asks again, as torch's samplers do.
+count its calls. While an epoch's lengths are active (:meth:`EpochLengths.active`, entered by
+``iter(loader)`` alone), a sampler asks each source once and reuses the answer; outside of one
+(a user's own ``len(sampler)``, a dataset's ``__getitem__``, a sampler that draws at the first
+``next()``, as one does without workers), every question asks again, as torch's samplers do: the
+length then drawn from is the one the dataset has at the draw, as in torch. So with workers (whose
+first draws ``iter()`` makes) the length is asked once an epoch; without, twice.
+
+A process forked while the lengths are active (a worker) forgets them: they would freeze every
+length its own samplers ask for the rest of its life.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sized
 from contextvars import ContextVar
 
@@ -32,10 +39,17 @@ def length_of(source: Sized) -> int:
     return entry[1]
 
 
+def _forget_in_forked_child() -> None:
+    _ACTIVE.set(None)
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 class EpochLengths:
-    """The lengths one epoch asked, kept between the calls that start it (``iter(loader)`` and
-    the first ``next``). Owned by the loader's epoch; the context variable makes it the one that
-    samplers consult only while one of those calls runs, in the thread that runs it."""
+    """The lengths the start of one epoch asked. The context variable makes it the one samplers
+    consult only while ``active()`` runs, in the thread that runs it (a thread started meanwhile
+    begins with an empty context)."""
 
     def __init__(self) -> None:
         self._known: _Known = {}

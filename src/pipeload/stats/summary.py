@@ -72,7 +72,7 @@ def _first_batch_words(stats: LoaderStats) -> str:
     """When the first batch came, and whose it is: the latest epoch's
     (``LoaderStats.first_batch_s``), which after the first epoch is no longer the loader's start."""
     if not stats.batches:
-        return "no batch yet"
+        return "no batch yet" if not stats.epochs else "no batch"
     whose = "first batch" if stats.epochs <= 1 else "the latest epoch's first batch"
     return f"{whose} after {stats.first_batch_s * 1e3:,.1f} ms"
 

@@ -362,6 +362,8 @@ def _accept_when_joined(queue_ref: Any, listener: socket.socket) -> None:
             return
         if ready and queue._lock.acquire(blocking=False):  # a call of its own is meeting it
             try:
+                if not queue._finalizer.alive:
+                    return  # closed meanwhile (under the lock): its listener is closed too
                 if queue._link is None and queue._listener is listener:
                     queue._link = queue._accept_now()
             finally:
