@@ -3,7 +3,13 @@ a Prefetcher over a non-blocking source, a pipe served from another process by r
 response over two DataLoaderQueues, and GreedyJoin over three branches of one source (directly
 and through the DataLoader). Where the RFC's text has a typo (``self._souce_pd``, ``dp2`` for
 ``dp3``) the evident meaning is used; where it used multiprocessing.Queue's ``block=``, the
-DataLoaderQueue's ``blocking=``."""
+DataLoaderQueue's ``blocking=``. Two changes go beyond spelling, in the process loop: it answers
+each request with one item and then reads the next request (``break``), and ends with ``return``
+where the RFC raises StopIteration inside a generator (an error since PEP 479). As written, the
+loop answers one request with every item: over a bounded queue (a DataLoaderQueue holds 8 by
+default) both ends then wait for good once the answers fill it, while the RFC's unbounded
+multiprocessing.Queue would take them all. The RFC's Prefetcher keeps its run on the pipe and
+defines no ``reset()``: a second ``iter()`` of it yields nothing (here, as it would in torch)."""
 
 from __future__ import annotations
 
