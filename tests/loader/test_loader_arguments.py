@@ -410,10 +410,14 @@ def test_num_batch_workers_without_economic_mode_is_refused() -> None:
     assert "num_batch_workers=2" in str(caught.value) and "mode='economic'" in str(caught.value)
 
 
-def test_economic_mode_needs_item_workers() -> None:
-    with pytest.raises(ValueError) as caught:
-        pipeload.DataLoader(numbers(pipeload), mode="economic")
-    assert "num_workers=0" in str(caught.value) and "mode='economic'" in str(caught.value)
+def test_economic_mode_without_workers_loads_in_the_main_process() -> None:
+    # The economic RFC: num_workers=0 "disables multiprocessing (as today)"; it used to be refused.
+    loader = pipeload.DataLoader(numbers(pipeload), mode="economic", batch_size=3, shuffle=True,
+                                 generator=torch.Generator().manual_seed(5))
+    classic = pipeload.DataLoader(numbers(pipeload), batch_size=3, shuffle=True,
+                                  generator=torch.Generator().manual_seed(5))
+    assert [b[0].tolist() for b in loader] == [b[0].tolist() for b in classic]
+    assert loader.num_batch_workers == 0 and loader.stats().setup.num_workers == 0
 
 
 def test_economic_mode_refuses_an_iterable_dataset_naming_the_mode() -> None:

@@ -115,18 +115,15 @@ def resolve_mode(
                 f"num_batch_workers={num_batch_workers!r} with mode='classic'"
             )
         return None
-    if num_workers == 0:
-        raise ValueError(
-            "mode='economic' fetches items in worker processes or threads: num_workers (the "
-            "number of item workers) should be > 0, but got num_workers=0; use mode='classic' "
-            "to load in the main process"
-        )
     if iterable:
         raise ValueError(
             "mode='economic' needs a map-style dataset (it fetches items by index), but got the "
             f"IterableDataset {type(dataset).__name__}; use mode='classic' for iterable datasets"
         )
-    return _resolve_num_batch_workers(num_batch_workers, prefetch_factor)
+    batch_workers = _resolve_num_batch_workers(num_batch_workers, prefetch_factor)
+    # The economic RFC: "Setting it to 0 disables multiprocessing (as today)": the main process
+    # loads, as in classic mode, and no worker of either kind starts.
+    return 0 if num_workers == 0 else batch_workers
 
 
 def _resolve_num_batch_workers(num_batch_workers: Any, prefetch_factor: int | None) -> int:
