@@ -157,7 +157,10 @@ def interrupted(make: Callable[[], pipeload.DataLoader], taken: int | None,
     loader = make()
     run = Run([epoch_of(loader, epoch)[0] for epoch in range(CHECKPOINT_EPOCH)])
     head, iterator = epoch_of(loader, CHECKPOINT_EPOCH, taken)
-    ended = taken is None or len(head) < taken  # the epoch had fewer batches: it reached its end
+    # The epoch reached its end (it had fewer batches), or handed out its last batch: a map-style
+    # loader's state then resumes with the next epoch, as torchdata's (an iterable's cannot know).
+    ended = taken is None or len(head) < taken or (
+        not isinstance(loader.dataset, torch.utils.data.IterableDataset) and len(head) == len(loader))
     state = json.loads(json.dumps(loader.state_dict()))
     saved = user_generators()
     del iterator, loader

@@ -21,6 +21,7 @@ from pipeload.resume.epoch import (
 from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.replay import (
     epoch_start_draws,
+    loaded_epoch_is_over,
     position_tasks,
     progress_from,
     resumed_streams,
@@ -40,6 +41,7 @@ __all__ = [
     "build_state",
     "check_can_checkpoint",
     "epoch_start_draws",
+    "loaded_epoch_is_over",
     "position_tasks",
     "progress_from",
     "read_state",

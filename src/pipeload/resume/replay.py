@@ -61,6 +61,17 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
     return None
 
 
+def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
+    """Whether ``point`` resumes a map-style epoch that had handed out all its batches (a state
+    saved after its last batch, before its end was seen): nothing of it is left to hand out."""
+    if point is None or point.record is None or loader._dataset_kind.label != "map":
+        return False
+    if point.handed_out_above or point.repeat_from is not None or point.padded:
+        return False  # batches handed out out of order, or made again: not a plain count
+    total = exact_length(loader._index_sampler)
+    return total is not None and point.consumed == total
+
+
 def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None) -> tuple[Iterator[Any], EpochStart]:
     """Where an epoch begins: a resumed map-style epoch skips the keys already handed out, an
     iterable one goes on with the worker whose turn it was. With ``equal_batches``, a sampler
