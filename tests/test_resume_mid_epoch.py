@@ -423,6 +423,38 @@ def test_another_world_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         pipeload.DataLoader(RandomAugment(), batch_size=BATCH).load_state_dict(state)
 
 
+def _distributed_loader(rank: int, monkeypatch: pytest.MonkeyPatch) -> pipeload.DataLoader:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dataset = RandomAugment()
+    sampler = pipeload.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=3)
+    return pipeload.DataLoader(dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(1))
+
+
+def test_another_ranks_state_of_a_map_style_loader_resumes_this_ranks_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning saves rank 0's loader state in its checkpoint and loads it on every rank: rank 1
+    # refused it ("rank differs") and the whole DDP job failed to resume.
+    whole = [as_lists(b) for b in _distributed_loader(1, monkeypatch)]
+    saving = _distributed_loader(0, monkeypatch)
+    head, iterator = epoch_of(saving, 0, 2)
+    state = json.loads(json.dumps(saving.state_dict()))
+    del iterator
+    resumed = _distributed_loader(1, monkeypatch)
+    with pytest.warns(UserWarning, match="saved on rank 0 and is loaded on rank 1"):
+        resumed.load_state_dict(state)
+    indices = [as_lists(b)[0] for b in resumed]  # (the augmentations draw from the global RNG)
+    assert indices == [batch[0] for batch in whole[2:]] and indices
+
+
+def test_another_ranks_state_of_an_iterable_is_refused_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    state = plain_loader().state_dict()
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(IncompatibleStateError, match=r"rank differs \(state: 0, here: 1\)"):
+        plain_loader().load_state_dict(state)
+
+
 def test_iterable_replicas_need_the_same_num_workers() -> None:
     state = plain_loader(num_workers=2, worker_type="thread").state_dict()
     with pytest.raises(IncompatibleStateError, match=r"num_workers differs \(state: 2, here: 1\)"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,8 @@ def test_set_epoch_to_another_epoch_after_loading_a_mid_epoch_state_begins_that_
 def test_a_loader_resumed_then_moved_to_the_next_epoch_yields_that_epoch_whole(taken: int) -> None:
     # A checkpoint after the last batch of epoch 3, loaded by a loop that goes on with
     # set_epoch(4): the loader skipped epoch 4's first 5 batches, all of them, and the epoch was
-    # empty without a word. Now epoch 4 comes whole, with a warning that epoch 3 is not resumed.
+    # empty without a word. Now epoch 4 comes whole, with a warning that epoch 3 is not resumed
+    # where some of it was left (none where it had handed out every batch: nothing is lost).
     import pipeload
 
     def made() -> tuple[Any, Any]:
@@ -140,8 +142,11 @@ def test_a_loader_resumed_then_moved_to_the_next_epoch_yields_that_epoch_whole(t
     sampler, resumed = made()
     resumed.load_state_dict(state)
     sampler.set_epoch(4)
-    with pytest.warns(UserWarning, match=r"set_epoch\(4\).*epoch 3.*not resumed"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         batches = [batch.tolist() for batch in resumed]
+    said = [str(w.message) for w in caught if re.search(r"set_epoch\(4\).*epoch 3.*not resumed", str(w.message))]
+    assert len(said) == (1 if taken < 5 else 0)
     assert sum(batches, []) == _fresh_epoch(4)
     sampler, resumed = made()
     resumed.load_state_dict(state)

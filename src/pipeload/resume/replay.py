@@ -29,7 +29,7 @@ from pipeload.engine.plan import EpochStart
 from pipeload.errors import IncompatibleStateError
 from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
-from pipeload.samplers import exact_length
+from pipeload.samplers import DistributedSampler, exact_length
 
 _END = object()
 
@@ -48,10 +48,11 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
     and skipping as many of another epoch's would lose them. That epoch then begins whole."""
     if point is None or point.record is None:
         return point
-    ask = getattr(loader._index_sampler, "_replay_abandoned_because", None)
-    why = ask() if callable(ask) else None
+    why = _moved_on_because(loader)
     if why is None:
         return point
+    if _handed_out_whole(loader, point):
+        return None  # nothing of the loaded epoch was left: nothing is lost, nothing to say
     warnings.warn(
         f"{why}, taken {point.consumed} batches into that epoch: this iteration begins the new "
         "epoch from its start, and what was left of the loaded epoch is not resumed (call "
@@ -63,13 +64,28 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
 
 def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
     """Whether ``point`` resumes a map-style epoch that had handed out all its batches (a state
-    saved after its last batch, before its end was seen): nothing of it is left to hand out."""
+    saved after its last batch, before its end was seen), so that the next epoch should begin.
+    Not with a ``DistributedSampler``: its epoch is the caller's ``set_epoch`` (one that moved it
+    on begins that epoch; one that kept the loaded epoch asks for its rest, empty)."""
     if point is None or point.record is None or loader._dataset_kind.label != "map":
         return False
+    sampler = loader._index_sampler
+    if isinstance(getattr(sampler, "sampler", sampler), DistributedSampler) or isinstance(sampler, DistributedSampler):
+        return False
+    return _moved_on_because(loader) is None and _handed_out_whole(loader, point)
+
+
+def _handed_out_whole(loader: Any, point: ResumePoint) -> bool:
+    """Whether the loaded map-style epoch had handed out every batch, in order."""
     if point.handed_out_above or point.repeat_from is not None or point.padded:
         return False  # batches handed out out of order, or made again: not a plain count
     total = exact_length(loader._index_sampler)
     return total is not None and point.consumed == total
+
+
+def _moved_on_because(loader: Any) -> str | None:
+    ask = getattr(loader._index_sampler, "_replay_abandoned_because", None)
+    return ask() if callable(ask) else None
 
 
 def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None) -> tuple[Iterator[Any], EpochStart]:

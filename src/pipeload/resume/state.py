@@ -8,6 +8,7 @@ dataset length, batch size, world size, ... differ refuses it, naming each diffe
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import torch
 
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
-from pipeload._state_digest import sealed
+from pipeload._state_digest import DIGEST_FIELD, check_digest, sealed
+from pipeload._state_fields import is_int
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes import graph
 from pipeload.datapipes.base import IterDataPipe
@@ -200,6 +202,7 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
             a damaged state (a field named by its path, or content that does not match its
             digest).
     """
+    state = _as_this_ranks(loader, state)
     checked = read_fields(state)
     _check_config(loader, checked.config)
     _check_seeding(loader, state["worker_seeding"])  # read_fields checked it is one of the choices
@@ -224,6 +227,54 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
         _warn_if_sampler_cannot_resume(loader, checked.sampler)
     _warn_if_the_generator_is_the_global_one(loader)
     return point
+
+
+def _as_this_ranks(loader: Any, state: Any) -> Any:
+    """``state``, or, when it is another rank's state of this map-style loader (only the rank
+    differs, the world size agrees), the same state for this rank.
+
+    Lightning saves its checkpoint on rank 0 and loads rank 0's loader state on every rank. A
+    map-style loader's position is a count of batches, the same on every rank in step (a
+    ``DistributedSampler`` gives each rank as many), and its order comes from the seed, the epoch
+    and its own rank: this rank goes on in its own order from the same count. Only an intact
+    state is taken so (its digest is checked first); an iterable dataset's positions belong to
+    the rank that wrote them, and another rank's state is refused, naming the rank."""
+    if loader._dataset_kind.label != "map" or not isinstance(state, dict):
+        return state
+    saved, here = state.get("config"), config_of(loader)
+    if not isinstance(saved, dict) or DIGEST_FIELD not in state:
+        return state  # a state without a digest (version 1) is checked field by field, as it is
+    rank = saved.get("rank")
+    if rank == here["rank"] or not (is_int(rank) and 0 <= rank < here["world_size"]):
+        return state
+    if any(saved.get(key) != here.get(key) for key in here.keys() | saved.keys() if key != "rank"):
+        return state  # refused by name, as any other configuration
+    check_digest(state)
+    warnings.warn(
+        f"this state was saved on rank {saved.get('rank')!r} and is loaded on rank {here['rank']}: "
+        "its position (the batches handed out) is taken as this rank's, which holds when the ranks "
+        "go in step (Lightning saves rank 0's loader state for every rank); this rank goes on in "
+        "its own order",
+        stacklevel=first_frame_outside_pipeload(),
+    )
+    return _with_rank(copy.deepcopy(state), here["rank"])
+
+
+def _with_rank(state: Any, rank: int) -> Any:
+    """``state`` (a copy) with every ``config.rank`` in it set to ``rank``, and every digest
+    sealed again, innermost first (a batch sampler's covers its sampler's state)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key != "config":
+                state[key] = _with_rank(value, rank)
+        config = state.get("config")
+        if isinstance(config, dict) and "rank" in config:
+            config["rank"] = rank
+        if DIGEST_FIELD in state:
+            sealed(state)
+    elif isinstance(state, list):
+        return [_with_rank(item, rank) for item in state]
+    return state
 
 
 def _warn_if_the_generator_is_the_global_one(loader: Any) -> None:
