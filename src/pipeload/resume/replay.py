@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeload._optional import optional_attribute
 from pipeload._rng_state import borrowed_global_rng
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine.fetch import StreamPosition
@@ -65,12 +66,14 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
 def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
     """Whether ``point`` resumes a map-style epoch that had handed out all its batches (a state
     saved after its last batch, before its end was seen), so that the next epoch should begin.
-    Not with a ``DistributedSampler``: its epoch is the caller's ``set_epoch`` (one that moved it
-    on begins that epoch; one that kept the loaded epoch asks for its rest, empty)."""
+    Not with pipeload's ``DistributedSampler``, whose state records its epoch: the epoch is the
+    caller's ``set_epoch`` (one that moved it on begins that epoch; one that kept the loaded
+    epoch asks for its rest, empty). torch's records none: Lightning's, set to the next epoch
+    only once that epoch's iterator is made, goes on as with torch's loader."""
     if point is None or point.record is None or loader._dataset_kind.label != "map":
         return False
     sampler = loader._index_sampler
-    if isinstance(getattr(sampler, "sampler", sampler), DistributedSampler) or isinstance(sampler, DistributedSampler):
+    if any(isinstance(s, DistributedSampler) for s in (sampler, optional_attribute(sampler, "sampler"))):
         return False
     return _moved_on_because(loader) is None and _handed_out_whole(loader, point)
 
