@@ -869,10 +869,7 @@ def check_picklable(
                 warnings.warn(PICKLE_WARNING, stacklevel=first_frame_outside_pipeload())
             # One traceback, as torch's: the message carries the pickling error's own, and the
             # probe's frames (and the failed start's, where this runs) would say nothing more.
-            error = _unpicklable(exc, name, obj, start_method, sender)
-            for note in getattr(exc, "__notes__", ()):  # pickle's own (Python 3.14: the attribute)
-                error.add_note(note)
-            raise error from None
+            raise _unpicklable(exc, name, obj, start_method, sender) from None
         finally:
             set_spawning_popen(None)
 
@@ -889,6 +886,17 @@ PICKLE_WARNING = (
 
 
 def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str, sender: str) -> Exception:
+    """The error to raise: ``exc``'s type, its message with ours after it, and its notes (pickle's
+    own: Python 3.14 names the attribute there). Made here, not in a local of the raising frame:
+    the raised error's traceback holds that frame, and a local holding the error makes a cycle
+    that keeps the failed start's worker ends and slabs until the collector runs."""
+    error = _unpicklable_error(exc, name, obj, start_method, sender)
+    for note in getattr(exc, "__notes__", ()):
+        error.add_note(note)
+    return error
+
+
+def _unpicklable_error(exc: Exception, name: str, obj: Any, start_method: str, sender: str) -> Exception:
     message = (
         f"{exc} (pipeload: {sender} cannot send {name}={_short_repr(obj)} to its "
         f"'{start_method}' worker processes because it cannot be pickled. Define it at module "
