@@ -36,7 +36,6 @@ import psutil
 from bench.memory import machine_shmem_bytes, memory_bytes_of, pss_bytes_of
 # The readings `pipeload bench` takes too, from the package (bench/ builds on it, not the reverse).
 from pipeload.cli.measure import (
-    SAMPLE_INTERVAL_S,
     child_pids,
     read_every_page,
     rss_bytes_of,
@@ -50,7 +49,6 @@ from pipeload.cli.tree_memory import tree_pids_by_proc
 TREE_SHM_EVERY = 2  # often enough to see a batch that lives for a 200 ms training step
 PSS_EVERY = 10
 FULL_READINGS = "bench.measure:FullReadings"
-CHILD_EXIT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,7 @@ def measure(
     """Build a fresh loader, iterate it ``epochs`` times, and time it.
 
     The clock starts before the loader is built, so ``first_batch_s`` includes construction and
-    worker start-up; every batch is read (one value per 4 KiB page); ``total_s`` ends once the
+    worker start-up; every batch is read (one byte of each 4 KiB page); ``total_s`` ends once the
     loader is dropped and its worker processes have exited (torch joins them as an epoch ends,
     pipeload's leave beside the loop: either way a script pays before its next loader), so one
     measurement does not spill into the next.
@@ -177,12 +175,12 @@ def measure(
         RuntimeError: if the loader yielded no batch at all.
     """
     start_sampler()  # first: a child of this process that outlives the measurement
-    children_before = _child_pids()
+    children_before = child_pids()
     cpu_before = _tree_cpu_s()
     with PeakSampler() as sampler:
         samples, first_batch_s, total_s = _iterate(make_loader, count_samples, epochs, step)
         gc.collect()  # drop the loader and any iterator cycles while still sampling
-        _wait_for_children(children_before)
+        wait_for_workers_gone(children_before)
     # The sampler process is not reaped until the command ends: its CPU is not in the tree's.
     cpu_s = _tree_cpu_s() - cpu_before
     if first_batch_s is None:
@@ -207,13 +205,13 @@ def warm_up(make_loader: Callable[[], Iterable[Any]], batches: int) -> None:
     Pays for imports, worker start-up paths, allocators and file caches before anything is timed.
     """
     start_sampler()
-    children_before = _child_pids()
+    children_before = child_pids()
     iterator = iter(make_loader())
     for _ in zip(range(batches), iterator):
         pass
     del iterator
     gc.collect()
-    _wait_for_children(children_before)
+    wait_for_workers_gone(children_before)
 
 
 def _iterate(
@@ -221,8 +219,8 @@ def _iterate(
     step: Callable[[Any], None] | None = None,
 ) -> tuple[int, float | None, float]:
     """Samples, first-batch and total seconds of ``epochs`` passes over a new loader, each batch
-    read (one value per 4 KiB page, as a copy would: a loop that reads nothing flatters batches
-    in shared memory). The clock stops once the loader is dropped and its workers have exited:
+    read (one byte of each 4 KiB page, as a copy would read them all: a loop that reads nothing
+    flatters batches in shared memory). The clock stops once the loader is dropped and its workers have exited:
     torch joins them as each epoch ends, pipeload's leave beside the loop."""
     samples = 0
     first_batch_s = None
@@ -241,26 +239,3 @@ def _iterate(
     del batch, loader
     wait_for_workers_gone(children_before)
     return samples, first_batch_s, time.perf_counter() - started
-
-
-def _child_pids() -> set[int]:
-    return {child.pid for child in psutil.Process().children(recursive=True)}
-
-
-def _wait_for_children(expected: set[int]) -> None:
-    # Helpers such as multiprocessing's resource tracker may start during a run and stay; only
-    # wait (with a deadline) for the rest, which are the loader's workers.
-    deadline = time.monotonic() + CHILD_EXIT_WAIT_S
-    while time.monotonic() < deadline:
-        extra = [c for c in psutil.Process().children(recursive=True) if c.pid not in expected]
-        if all(_is_helper(child) for child in extra):
-            return
-        time.sleep(SAMPLE_INTERVAL_S)
-
-
-def _is_helper(process: psutil.Process) -> bool:
-    try:
-        command = " ".join(process.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return True  # gone already
-    return "resource_tracker" in command or "forkserver" in command

@@ -5,7 +5,7 @@
 For every workload, each loader first takes a few untimed warm-up batches. Then, for every
 repeat, both loaders run one after the other with a fresh loader each, and the order alternates
 (pipeload first, then torch first, ...) so warm-up and drifting machine load fall on both alike.
-Every batch is read as a training step's copy would (one value per 4 KiB page), and a pass is
+Every batch is read as a training step's copy would (one byte of each 4 KiB page), and a pass is
 timed until its loader is dropped and its workers have exited (bench/measure.py). The table
 gives, per workload and loader, the median samples/s and time to first batch over the
 repeats, the peak RSS of the whole process tree and the peak shared memory the tree holds (see

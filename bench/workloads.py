@@ -7,7 +7,7 @@ Every dataset is a module-level class holding only plain, picklable values, so i
     tiny          200k Python ints, batch 64: per-batch overhead of the loader itself
     float_images  3x224x224 float32 items, batch 64: moving big tensors between processes
     augmented_images  the same items cropped, flipped and normalised from uint8 images held in
-                  memory (~1 ms an item): moving them beside the work of making them
+                  memory (~0.7 ms an item here): moving them beside the work of making them
     python_work   ~2 ms of pure-Python work per item: spreading compute over workers
     jpeg          small JPEG files decoded and resized with Pillow: a realistic mix
     iterable      an IterableDataset sharding itself with its loader's get_worker_info()
@@ -125,8 +125,8 @@ class FloatImages(torch.utils.data.Dataset):
 
 class AugmentedImages(torch.utils.data.Dataset):
     """Item ``i``: a random 224x224 crop of one of a few uint8 ``3 x 256 x 256`` images held in
-    memory, flipped at random, made float32 and normalised per channel: ~1 ms of torch ops an
-    item, the work a vision training set does on images already decoded. ``float_images``
+    memory, flipped at random, made float32 and normalised per channel: ~0.7 ms of torch ops an
+    item on the 2-core box, the work a vision training set does on images already decoded. ``float_images``
     costs a memset an item, so moving the batch is nearly all its work; here it is a part.
     """
 

@@ -1,6 +1,6 @@
 """Timing one pass of a loader, with the memory peaks it reaches, for ``pipeload bench``.
 
-The pass reads every batch (one value per 4 KiB page, as a training step's copy would) and is
+The pass reads every batch (one byte of each 4 KiB page, as a training step's copy would) and is
 timed until the loader is dropped and its worker processes have exited, so that a loader whose
 workers leave beside the loop pays for them as one that joins them does (``time_one_pass``).
 
@@ -82,7 +82,7 @@ CHILD_EXIT_WAIT_S = 10.0
 
 
 def read_every_page(batch: Any) -> float:
-    """Read one value per 4 KiB page of every tensor in ``batch`` (in lists, tuples and dicts), as
+    """Read one byte of each 4 KiB page of every tensor in ``batch`` (in lists, tuples and dicts), as
     a training step's copy would read them all: a loop that reads nothing of its batches flatters
     a loader whose batches arrive in shared memory, which only a read maps into the process."""
     if isinstance(batch, torch.Tensor):
