@@ -68,7 +68,11 @@ ARRANGEMENTS = [_torch_random, _torch_random_with_replacement, _torch_subset, _t
 
 
 def _batches(loader: pipeload.DataLoader) -> list[Any]:
-    return [batch.tolist() if isinstance(batch, torch.Tensor) else batch for batch in loader]
+    return [_listed(batch) for batch in loader]
+
+
+def _listed(batch: Any) -> Any:
+    return batch.tolist() if isinstance(batch, torch.Tensor) else batch
 
 
 def _uninterrupted(arguments: Callable[[], dict[str, Any]]) -> list[list[Any]]:
@@ -270,3 +274,128 @@ def test_a_loader_drawing_from_the_global_generator_as_its_own_is_warned_on_resu
         warnings.simplefilter("error")
         pipeload.DataLoader(list(range(7)), batch_size=3, shuffle=True,
                             generator=torch.Generator()).load_state_dict(quiet.state_dict())
+
+
+# -- torch's DistributedSampler: its order is its epoch's ---------------------------------------
+
+def _distributed(rank: int = 0) -> torch_data.DistributedSampler:
+    return torch_data.DistributedSampler(list(range(40)), num_replicas=2, rank=rank, shuffle=True, seed=3)
+
+
+def _distributed_batched(sampler: Any) -> dict[str, Any]:
+    return {"sampler": sampler, "batch_size": 2}
+
+
+def _distributed_unbatched(sampler: Any) -> dict[str, Any]:
+    return {"sampler": sampler, "batch_size": None}
+
+
+def _distributed_in_torchs_batch_sampler(sampler: Any) -> dict[str, Any]:
+    return {"batch_sampler": torch_data.BatchSampler(sampler, 2, drop_last=False)}
+
+
+DISTRIBUTED = [_distributed_batched, _distributed_unbatched, _distributed_in_torchs_batch_sampler]
+
+
+def _epochs_of(arrange: Callable[[Any], dict[str, Any]], num_workers: int, epochs: int) -> list[list[Any]]:
+    """Each epoch's batches of an uninterrupted run that calls set_epoch before each."""
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), num_workers=num_workers, **arrange(sampler))
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out.append(_batches(loader))
+    return out
+
+
+def _saved_in_epoch(arrange: Callable[[Any], dict[str, Any]], epoch: int, taken: int | None) -> dict[str, Any]:
+    """The state after ``taken`` batches of epoch ``epoch`` (None: all of them)."""
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), **arrange(sampler))
+    for earlier in range(epoch):
+        sampler.set_epoch(earlier)
+        _batches(loader)
+    sampler.set_epoch(epoch)
+    iterator = iter(loader)
+    for _ in range(len(loader) if taken is None else taken):
+        next(iterator)
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("arrange", DISTRIBUTED, ids=lambda a: a.__name__.strip("_"))
+def test_torchs_distributed_sampler_resumes_its_epoch_when_set_epoch_comes_after_iter(
+        arrange: Callable[[Any], dict[str, Any]], num_workers: int) -> None:
+    # Lightning loads the loader's state, makes the iterator, and only then calls set_epoch:
+    # the sampler was still at epoch 0, so the resumed epoch skipped 3 batches of epoch 0's
+    # order and handed out the rest of it, silently (torch's loader does the same).
+    expected = _epochs_of(arrange, num_workers, 4)
+    state = _saved_in_epoch(arrange, 2, 3)
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), num_workers=num_workers, **arrange(sampler))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its epoch is kept: nothing to warn about
+        loader.load_state_dict(state)
+    assert sampler.epoch == 2
+    iterator = iter(loader)
+    sampler.set_epoch(2)
+    assert [_listed(b) for b in iterator] == expected[2][3:]
+    sampler.set_epoch(3)
+    assert _batches(loader) == expected[3]
+
+
+@pytest.mark.parametrize("arrange", DISTRIBUTED, ids=lambda a: a.__name__.strip("_"))
+def test_torchs_distributed_sampler_saved_after_its_epochs_last_batch_resumes_with_the_next_epochs_order(
+        arrange: Callable[[Any], dict[str, Any]]) -> None:
+    # The loaded epoch is over: the next begins, in its own order (set_epoch(3)), not in the
+    # loaded epoch's again.
+    expected = _epochs_of(arrange, 2, 4)
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), num_workers=2, **arrange(sampler))
+    loader.load_state_dict(_saved_in_epoch(arrange, 2, None))
+    iterator = iter(loader)
+    assert sampler.epoch == 3
+    sampler.set_epoch(3)  # Lightning's, after the iterator is made
+    assert [_listed(b) for b in iterator] == expected[3]
+
+
+def test_torchs_distributed_sampler_moved_to_another_epoch_after_loading_begins_that_epoch_whole() -> None:
+    expected = _epochs_of(_distributed_batched, 0, 4)
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), **_distributed_batched(sampler))
+    loader.load_state_dict(_saved_in_epoch(_distributed_batched, 2, 3))
+    sampler.set_epoch(3)
+    with pytest.warns(UserWarning, match=r"set_epoch\(3\) was called after loading a state of epoch 2, "
+                                         r"taken 3 batches into that epoch"):
+        assert _batches(loader) == expected[3]
+
+
+def test_torchs_distributed_sampler_of_another_rank_resumes_this_ranks_order() -> None:
+    # Lightning loads rank 0's loader state on every rank: the sampler's rank is no part of
+    # what the state checks, and rank 1 goes on in its own order, in epoch 2.
+    full = pipeload.DataLoader(list(range(40)), sampler=_distributed(rank=1), batch_size=2)
+    full.sampler.set_epoch(2)
+    expected = _batches(full)
+    state = _saved_in_epoch(_distributed_batched, 2, 3)
+    sampler = _distributed(rank=1)
+    loader = pipeload.DataLoader(list(range(40)), sampler=sampler, batch_size=2)
+    loader.load_state_dict(state)
+    assert _batches(loader) == expected[3:]
+
+
+@pytest.mark.parametrize("epochs, message", [
+    ({"epoch": "2"}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int, but got .*'2'"),
+    ({"epoch": 2, "sampler.epoch": 1}, r"epoch\.sampler\.sampler\.epochs should be the epochs of the samplers at \['epoch'\]"),
+    ([2], r"epoch\.sampler\.sampler\.epochs should be a dict or None"),
+])
+def test_a_damaged_epoch_of_torchs_distributed_sampler_is_refused_by_name(epochs: Any, message: str) -> None:
+    state = _saved_in_epoch(_distributed_batched, 2, 3)
+    inner = state["epoch"]["sampler"]
+    assert inner["sampler"]["epochs"] == {"epoch": 2}
+    inner = sealed({**inner, "sampler": {**inner["sampler"], "epochs": epochs}})
+    state = sealed({**state, "epoch": {**state["epoch"], "sampler": inner}})
+    sampler = _distributed()
+    loader = pipeload.DataLoader(list(range(40)), sampler=sampler, batch_size=2)
+    with pytest.raises(IncompatibleStateError, match=message):
+        loader.load_state_dict(state)
+    assert sampler.epoch == 0  # refused: nothing set

@@ -401,13 +401,15 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return iter(self)
 
     def __iter__(self) -> _EpochIterator:
-        if resume.loaded_epoch_is_over(self, self._resume_point):
+        point = self._resume_point
+        if resume.loaded_epoch_is_over(self, point):
             # A state saved after an epoch's last batch resumes with the next epoch, as
             # torchdata's StatefulDataLoader does and Lightning expects (it counts that epoch as
             # done): the loaded one is run to its end, empty, so that its sampler's draws and its
             # workers' session stand as after a whole epoch, then the next begins.
             for _ in self._begin_epoch_asking_lengths_once():
                 raise AssertionError("an epoch loaded as over handed out a batch")  # never: checked
+            resume.move_loaded_epochs_on(self, point)
         return self._begin_epoch_asking_lengths_once()
 
     def _begin_epoch_asking_lengths_once(self) -> _EpochIterator:

@@ -22,6 +22,7 @@ from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.replay import (
     epoch_start_draws,
     loaded_epoch_is_over,
+    move_loaded_epochs_on,
     position_tasks,
     progress_from,
     resumed_streams,
@@ -42,6 +43,7 @@ __all__ = [
     "check_can_checkpoint",
     "epoch_start_draws",
     "loaded_epoch_is_over",
+    "move_loaded_epochs_on",
     "position_tasks",
     "progress_from",
     "read_state",

@@ -31,6 +31,8 @@ from pipeload.errors import IncompatibleStateError
 from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
 from pipeload.samplers import DistributedSampler, exact_length
+from pipeload.samplers._own_generators import epochs_moved_on, move_epochs_on
+from pipeload.samplers._state import StatefulSampler
 
 _END = object()
 
@@ -49,7 +51,7 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
     and skipping as many of another epoch's would lose them. That epoch then begins whole."""
     if point is None or point.record is None:
         return point
-    why = _moved_on_because(loader)
+    why = _moved_on_because(loader, point)
     if why is None:
         return point
     if _handed_out_whole(loader, point):
@@ -68,14 +70,36 @@ def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
     saved after its last batch, before its end was seen), so that the next epoch should begin.
     Not with pipeload's ``DistributedSampler``, whose state records its epoch: the epoch is the
     caller's ``set_epoch`` (one that moved it on begins that epoch; one that kept the loaded
-    epoch asks for its rest, empty). torch's records none: Lightning's, set to the next epoch
-    only once that epoch's iterator is made, goes on as with torch's loader."""
+    epoch asks for its rest, empty). torch's is set to the loaded epoch as the state is loaded
+    (Lightning sets the next epoch only once that epoch's iterator is made): the loader moves it
+    on to the next (:func:`move_loaded_epochs_on`)."""
     if point is None or point.record is None or loader._dataset_kind.label != "map":
         return False
     sampler = loader._index_sampler
     if any(isinstance(s, DistributedSampler) for s in (sampler, optional_attribute(sampler, "sampler"))):
         return False
-    return _moved_on_because(loader) is None and _handed_out_whole(loader, point)
+    return _moved_on_because(loader, point) is None and _handed_out_whole(loader, point)
+
+
+def move_loaded_epochs_on(loader: Any, point: ResumePoint | None) -> None:
+    """After a loaded epoch found over: the samplers whose epoch the state set (torch's
+    ``DistributedSampler``) go to the next epoch, as the loop that saved it would have set them,
+    so that the next epoch draws its own order, not the loaded one's again."""
+    sampler, epochs = _loaded_epochs(loader, point)
+    if epochs:
+        move_epochs_on(sampler, epochs)
+
+
+def _loaded_epochs(loader: Any, point: ResumePoint | None) -> tuple[Any, dict[str, int]]:
+    """The sampler without a state of its own whose epochs the loaded state set (the index
+    sampler, or the one inside pipeload's BatchSampler), and those epochs by place."""
+    if point is None or point.record is None or not isinstance(point.record.sampler, dict):
+        return None, {}
+    sampler, saved = loader._index_sampler, point.record.sampler
+    if isinstance(sampler, StatefulSampler):
+        sampler, saved = optional_attribute(sampler, "sampler"), saved.get("sampler")
+    epochs = saved.get("epochs") if isinstance(saved, dict) else None
+    return (sampler, epochs) if isinstance(epochs, dict) else (None, {})
 
 
 def _handed_out_whole(loader: Any, point: ResumePoint) -> bool:
@@ -86,9 +110,15 @@ def _handed_out_whole(loader: Any, point: ResumePoint) -> bool:
     return total is not None and point.consumed == total
 
 
-def _moved_on_because(loader: Any) -> str | None:
+def _moved_on_because(loader: Any, point: ResumePoint) -> str | None:
+    """Why the loaded epoch's order is no longer the sampler's: pipeload's samplers say; for one
+    without a state, its epoch moved from the one the state set."""
     ask = getattr(loader._index_sampler, "_replay_abandoned_because", None)
-    return ask() if callable(ask) else None
+    why = ask() if callable(ask) else None
+    if why is not None:
+        return why
+    sampler, epochs = _loaded_epochs(loader, point)
+    return epochs_moved_on(sampler, epochs) if epochs else None
 
 
 def position_tasks(loader: Any, tasks: Iterator[Any], point: ResumePoint | None) -> tuple[Iterator[Any], EpochStart]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.data as torch_data
 
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
@@ -33,7 +34,13 @@ from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_
 from pipeload.resume.faithful import written
 from pipeload.resume.trial import try_replica_states
 from pipeload.samplers import StatefulSampler, exact_length
-from pipeload.samplers._own_generators import keeps_a_shape, own_generators, read_generators_state, set_generators
+from pipeload.samplers._own_generators import (
+    epoch_holders,
+    keeps_a_shape,
+    own_generators,
+    read_generators_state,
+    set_generators,
+)
 from pipeload.samplers._state import load_users_state
 
 
@@ -437,15 +444,26 @@ def _warn_if_sampler_cannot_resume(loader: Any, saved: Any) -> None:
 
 
 def _generators_kept(index_sampler: Any, saved: Any) -> list[Any]:
-    """The samplers whose own generators' states ``saved`` holds: the index sampler's, or the
-    sampler's inside our BatchSampler (none in a state written before they were kept)."""
-    if own_generators(index_sampler):
-        return [index_sampler] if saved is not None else []
+    """The samplers whose draws ``saved`` holds: the index sampler's, or the sampler's inside
+    our BatchSampler (none in a state written before they were kept)."""
+    if _draws_kept(index_sampler, saved):
+        return [index_sampler]
     inner = optional_attribute(index_sampler, "sampler")
-    if (isinstance(index_sampler, StatefulSampler) and isinstance(saved, dict)
-            and saved.get("sampler") is not None and own_generators(inner)):
+    if isinstance(index_sampler, StatefulSampler) and isinstance(saved, dict) and _draws_kept(inner, saved.get("sampler")):
         return [inner]
     return []
+
+
+def _draws_kept(sampler: Any, saved: Any) -> bool:
+    """Whether ``saved`` (``sampler``'s generators state) holds what decides its order: its own
+    generators' states, or the epoch of torch's ``DistributedSampler`` (its order is its seed,
+    its rank and its epoch; a user's sampler with an epoch may draw from more)."""
+    if sampler is None or not isinstance(saved, dict):
+        return False
+    if own_generators(sampler):
+        return True
+    return "epochs" in saved and any(isinstance(holder, torch_data.DistributedSampler)
+                                     for holder in epoch_holders(sampler).values())
 
 
 def _ours_instead(sampler: Any) -> str:

@@ -8,9 +8,18 @@ resumed epoch sets them back before the sampler is iterated again, so that it dr
 order (pipeload then skips what was handed out). A sampler with a ``state_dict()`` of its own
 keeps its state that way instead.
 
+torch's ``DistributedSampler`` draws from a generator it seeds with ``seed + epoch`` as its
+iteration begins: its order is decided by its epoch. The checkpoint keeps the epoch of each
+sampler that has one (an int ``epoch`` and a ``set_epoch()``, and no ``state_dict()``), and
+loading it calls ``set_epoch`` with it. Lightning makes a resumed run's iterator before it calls
+``set_epoch`` (torch's loader then draws epoch 0's order, and skipped as many batches of it as
+the interrupted epoch had handed out, silently); a loop that calls ``set_epoch`` with another
+epoch after loading begins that epoch whole instead (:func:`epochs_moved_on` says why).
+
 The state is ``{"generators": {"generator": text, "sampler.generator": text}, "shape": text}``,
 one entry for each ``torch.Generator`` found at those two places (the sampler's, and its inner
-sampler's), and a digest of what else decides the order (``sampler_shape``), checked on load.
+sampler's), and a digest of what else decides the order (``sampler_shape``), checked on load;
+with ``"epochs": {"epoch": int, "sampler.epoch": int}`` for the samplers there that have one.
 
 Example:
     >>> import torch
@@ -25,17 +34,26 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import encode_state
-from pipeload._state_fields import GENERATOR_TEXT, StateFields
+from pipeload._state_fields import GENERATOR_TEXT, StateFields, is_int
 from pipeload.errors import bad_state_field
 
 _PLACES = ("generator", "sampler.generator")
+_EPOCH_PLACES = ("epoch", "sampler.epoch")
+
+
+class KeptDraws(NamedTuple):
+    """What a checkpoint keeps of a sampler without a state: its generators' states and its
+    epochs, by place (:func:`read_generators_state` checks them, :func:`set_generators` sets them)."""
+
+    generators: dict[str, torch.Tensor]
+    epochs: dict[str, int]
 
 
 def own_generators(sampler: Any) -> dict[str, torch.Generator]:
@@ -52,6 +70,42 @@ def own_generators(sampler: Any) -> dict[str, torch.Generator]:
     return found
 
 
+def epoch_holders(sampler: Any) -> dict[str, Any]:
+    """The samplers at ``sampler`` and inside it (a batch sampler's ``sampler``) whose order an
+    epoch decides, by place: those with an int ``epoch`` and a ``set_epoch()``, and no
+    ``state_dict()`` (one with a state keeps its epoch there). Empty for one with a
+    ``state_dict()``, as :func:`own_generators`."""
+    if sampler is None or callable(optional_attribute(sampler, "state_dict")):
+        return {}
+    found = {}
+    for place, holder in zip(_EPOCH_PLACES, (sampler, optional_attribute(sampler, "sampler"))):
+        if (holder is not None and callable(optional_attribute(holder, "set_epoch"))
+                and is_int(optional_attribute(holder, "epoch"))
+                and not callable(optional_attribute(holder, "state_dict"))):
+            found[place] = holder
+    return found
+
+
+def epochs_moved_on(sampler: Any, loaded: dict[str, int]) -> str | None:
+    """Why the epochs ``loaded`` (set when a state was loaded) no longer decide ``sampler``'s
+    next order: ``set_epoch`` was called with another since; None while they still do."""
+    for place, holder in epoch_holders(sampler).items():
+        epoch = loaded.get(place)
+        if epoch is not None and holder.epoch != epoch:
+            return f"set_epoch({holder.epoch}) was called after loading a state of epoch {epoch}"
+    return None
+
+
+def move_epochs_on(sampler: Any, loaded: dict[str, int]) -> None:
+    """Call ``set_epoch(epoch + 1)`` where ``sampler`` still stands at a loaded epoch: the next
+    epoch, as the loop that wrote the state would have set it (a state saved after an epoch's
+    last batch resumes with the next epoch)."""
+    for place, holder in epoch_holders(sampler).items():
+        epoch = loaded.get(place)
+        if epoch is not None and holder.epoch == epoch:
+            holder.set_epoch(epoch + 1)
+
+
 def keeps_a_shape(sampler: Any) -> bool:
     """Whether a checkpoint keeps ``sampler``'s shape (its state, where it keeps none): it has
     generators of its own, or it is one of torch's random samplers drawing from the global
@@ -60,7 +114,7 @@ def keeps_a_shape(sampler: Any) -> bool:
     order, silently, where ours and those given ``generator=`` refuse the state."""
     if sampler is None or callable(optional_attribute(sampler, "state_dict")):
         return False
-    if own_generators(sampler):
+    if own_generators(sampler) or epoch_holders(sampler):
         return True
     holders = [h for h in (sampler, optional_attribute(sampler, "sampler")) if h is not None]
     return (all(type(h).__module__.startswith("torch.utils.data") for h in holders)
@@ -77,8 +131,12 @@ def generators_state(sampler: Any) -> dict[str, Any] | None:
     if not keeps_a_shape(sampler):
         return None
     generators = own_generators(sampler)
-    return {"generators": {place: encode_state(g.get_state()) for place, g in generators.items()},
-            "shape": sampler_shape(sampler)}
+    state = {"generators": {place: encode_state(g.get_state()) for place, g in generators.items()},
+             "shape": sampler_shape(sampler)}
+    epochs = {place: holder.epoch for place, holder in epoch_holders(sampler).items()}
+    if epochs:  # absent otherwise: a state as it was before epochs were kept
+        state["epochs"] = epochs
+    return state
 
 
 def sampler_shape(sampler: Any) -> str:
@@ -138,9 +196,10 @@ WHOLE_UP_TO = 1 << 16
 SAMPLED = 4096
 
 
-def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torch.Tensor]:
+def read_generators_state(sampler: Any, state: Any, path: str) -> KeptDraws:
     """``state`` (from :func:`generators_state`) checked against ``sampler``: the same places,
-    each a generator state; nothing is set.
+    each a generator state, and the same places of epochs, each an int (a state without epochs,
+    written before they were kept, sets none); nothing is set.
 
     Raises:
         IncompatibleStateError: naming the field at ``path`` that does not fit.
@@ -160,13 +219,29 @@ def read_generators_state(sampler: Any, state: Any, path: str) -> dict[str, torc
             fields.name("shape"), shape, repr(sampler_shape(sampler)),
             "the sampler's type, num_samples, replacement, weights or indices differ from the "
             "checkpoint's: the same generator state would draw another order")
+    epochs = _read_epochs(sampler, fields)
     fields.finish()
-    return states  # type: ignore[return-value]
+    return KeptDraws(states, epochs)  # type: ignore[arg-type]
 
 
-def set_generators(sampler: Any, states: dict[str, torch.Tensor]) -> None:
-    """Set ``sampler``'s own generators to ``states`` (from :func:`read_generators_state`)."""
+def _read_epochs(sampler: Any, fields: StateFields) -> dict[str, int]:
+    saved = fields.fields("epochs", none=True, default=None)
+    if saved is None:
+        return {}
+    places = sorted(epoch_holders(sampler))
+    if sorted(saved.state) != places:
+        raise bad_state_field(saved.path, saved.state, f"the epochs of the samplers at {places} (an int each)")
+    epochs = {place: saved.integer(place, low=None) for place in places}  # set_epoch takes any int
+    saved.finish()
+    return epochs
+
+
+def set_generators(sampler: Any, kept: KeptDraws) -> None:
+    """Set ``sampler``'s own generators and epochs to ``kept`` (from :func:`read_generators_state`)."""
     generators = own_generators(sampler)
-    for place, state in states.items():
+    for place, state in kept.generators.items():
         generators[place].set_state(state)
+    holders = epoch_holders(sampler)
+    for place, epoch in kept.epochs.items():
+        holders[place].set_epoch(epoch)
 
