@@ -838,7 +838,13 @@ def test_process_workers_samples_are_exact_when_a_batch_samplers_sizes_change_ov
     expected = sum(len(batch) for batch in loader)
     assert expected == sum(len(batch) for batch in batches)
     stats = loader.stats()
-    assert stats.stages["fetch"].count == expected
+    if engine.get("mode") == "economic":
+        # An item worker reports its pieces after handing them over: the last piece of the
+        # epoch (at most a batch) may still be on its way when the epoch ends, and nothing waits
+        # for it (test_every_engine_counts_batches_samples_stages_and_bytes says the same).
+        assert expected - 64 <= stats.stages["fetch"].count <= expected
+    else:
+        assert stats.stages["fetch"].count == expected
     assert stats.samples_per_batch == pytest.approx(expected / len(batches))
     del loader
 
