@@ -120,6 +120,60 @@ def test_a_hard_linked_member_comes_with_its_targets_data(tmp_path: Path) -> Non
         assert [m.name for m in members_of(tmp_path / "big.tar.gz")] == ["a.bin"]
 
 
+def _archive(*infos: tuple[tarfile.TarInfo, bytes], tar_format: int = tarfile.USTAR_FORMAT) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tar_format) as archive:
+        for info, data in infos:
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, **pax: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.pax_headers = kind, pax
+    return info
+
+
+def test_a_member_of_a_type_no_writer_here_makes_is_read_as_a_regular_file(tmp_path: Path) -> None:
+    # POSIX, tar and tarfile read an unknown type as a regular file; it was dropped, silently,
+    # and the sample came without that field.
+    path = tmp_path / "a.tar"
+    path.write_bytes(_archive((_info("k0.jpg"), b"JJ"), (_info("k0.cls", b"A"), b"7"),
+                              (_info("k0.dir", tarfile.DIRTYPE), b""), (_info("k0.fifo", tarfile.FIFOTYPE), b"")))
+    assert [(m.name, m[1]) for m in members_of(path)] == [("k0.jpg", b"JJ"), ("k0.cls", b"7")]
+    assert [m.name for m in tarfile.open(path) if m.isfile() or m.type not in tarfile.SUPPORTED_TYPES] == ["k0.jpg", "k0.cls"]
+
+
+@pytest.mark.parametrize("record", ["GNU.sparse.size", "GNU.sparse.map", "GNU.sparse.major"])
+def test_a_sparse_member_in_pax_format_is_refused_by_name(tmp_path: Path, record: str) -> None:
+    # tar --sparse --format=pax: the data is the file's non-hole parts (its map in front, from
+    # format 1.0 on), which were handed out as the file's bytes.
+    sparse = _info("GNUSparseFile.0/k0.bin", **{record: "1", "GNU.sparse.name": "k0.bin"})
+    path = tmp_path / "a.tar"
+    path.write_bytes(_archive((_info("k0.cls"), b"7"), (sparse, b"packed"), tar_format=tarfile.PAX_FORMAT))
+    with pytest.raises(ArchiveError, match=r"TarFormatError: member 'k0\.bin' is a GNU sparse file \(pax format\), "
+                                           r"which is not supported"):
+        members_of(path)
+
+
+def test_a_multi_volume_continuation_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(_archive((_info("k0.bin", b"M"), b"the rest of a file")))
+    with pytest.raises(ArchiveError, match="member 'k0.bin' continues a file from another volume"):
+        members_of(path)
+
+
+def test_a_plain_archive_whose_first_name_begins_as_bzip2_data_is_read(tmp_path: Path) -> None:
+    # A tar's first bytes are its first member's name, and bzip2's magic "BZh" is printable.
+    path = tmp_path / "a.tar"
+    path.write_bytes(_archive((_info("BZh91AY.jpg"), b"J"), (_info("BZh91AY.cls"), b"3")))
+    assert [(m.name, m[1]) for m in members_of(path)] == [("BZh91AY.jpg", b"J"), ("BZh91AY.cls", b"3")]
+    empty = tmp_path / "empty.tar.bz2"
+    empty.write_bytes(compress(tar_bytes([]), "bz2"))
+    assert members_of(empty) == []
+
+
 def test_archives_joined_end_to_end_are_read_on_as_tar_does_with_ignore_zeros(tmp_path: Path) -> None:
     # `cat a.tar b.tar`: the first archive's end-of-archive marker and padding, then the second
     # archive. Read only to the first marker, b.tar's members vanished without a word.

@@ -6,7 +6,9 @@ shard, and every sample after the damage would vanish without a word. It is also
 shards need (a general TarInfo per member). So members are read here, header by header: a zero
 block is the end-of-archive marker, a short block means the data ran out (truncated), a block
 whose checksum does not add up is corrupt. ustar, GNU long names and pax headers (``path``,
-``size``) are understood, which covers what tar, Python's tarfile and WebDataset's writers make.
+``size``) are understood, which covers what tar, Python's tarfile and WebDataset's writers make;
+a type no writer here makes is read as a regular file, as POSIX asks; sparse files (GNU's type
+and pax's) and multi-volume continuations are refused.
 
 Compression is recognised from the first bytes, not the name: gzip, bzip2 and xz with the
 standard library, zstd with the ``zstandard`` package (the ``zstd`` extra).
@@ -33,10 +35,19 @@ _CHECKSUM_SPACES = 8 * ord(" ")  # the checksum is computed with its own field r
 _REGULAR_TYPES = frozenset({b"0", b"\0", b"7"})
 _PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK, _GNU_SPARSE = b"x", b"g", b"L", b"K", b"S"
 _HARDLINK_TYPE, _SYMLINK_TYPE = b"1", b"2"
+_SOLARIS_PAX_TYPE, _MULTIVOLUME_TYPE = b"X", b"M"
+# Entries that hold no file's bytes: character and block devices, directories, FIFOs, GNU's
+# dump directories and volume labels. Any other type a writer invents is read as a regular file,
+# as POSIX asks and tar and Python's tarfile do (dropping it lost a sample's field silently).
+_NO_FILE_TYPES = frozenset({b"3", b"4", b"5", b"6", b"D", b"V"})
+_SPARSE_PAX_KEYS = "GNU.sparse."
 _LINK_TYPES = frozenset({_HARDLINK_TYPE, _SYMLINK_TYPE})
 _POSIX_USTAR_MAGIC = b"ustar\x0000"
-_MAGIC_BYTES = 6
+_MAGIC_BYTES = 10
 _GZIP, _BZIP2, _XZ, _ZSTD = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"
+# What follows bzip2's "BZh" and its block-size digit: a block's or the stream's end's magic.
+# "BZh" alone is printable, and a plain tar begins with its first member's name ("BZh91AY.jpg").
+_BZIP2_BLOCKS = (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90")
 ZSTD_EXTRA_HINT = "pip install 'pipeload[zstd]' (the zstandard package)"
 
 
@@ -66,13 +77,18 @@ def decompressed(stream: IO[bytes]) -> Any:
     source = _Prefixed(head, stream)
     if head.startswith(_GZIP):
         return gzip.GzipFile(fileobj=source)  # type: ignore[arg-type]
-    if head.startswith(_BZIP2):
+    if _is_bzip2(head):
         return bz2.BZ2File(source)  # type: ignore[arg-type]
     if head.startswith(_XZ):
         return lzma.LZMAFile(source)  # type: ignore[arg-type]
     if head.startswith(_ZSTD):
         return _zstd_reader(source)
     return source
+
+
+def _is_bzip2(head: bytes) -> bool:
+    return (head.startswith(_BZIP2) and head[3:4] in b"123456789" and len(head[3:4]) == 1
+            and head[4:10] in _BZIP2_BLOCKS)
 
 
 def _zstd_reader(source: Any) -> Any:
@@ -213,7 +229,16 @@ class TarReader:
             if long_name is not None:
                 _check_long_name(long_name, block, header_at)
             name = pax.get("path") or long_name or _ustar_name(block)
-            if kind in _REGULAR_TYPES:
+            if any(key.startswith(_SPARSE_PAX_KEYS) for key in pax):
+                # tar --sparse --format=pax: the member's data is the file's non-hole parts (with
+                # its map in front from format 1.0 on), under a made-up name from 0.1 on; read
+                # as a regular file it gave those bytes for the file's, silently.
+                raise TarFormatError(f"member {pax.get('GNU.sparse.name', name)!r} is a GNU sparse "
+                                     "file (pax format), which is not supported")
+            if kind == _MULTIVOLUME_TYPE:
+                raise TarFormatError(f"member {name!r} continues a file from another volume of a "
+                                     "multi-volume archive, which is not supported")
+            if kind in _REGULAR_TYPES or not _known_type(kind):
                 self.last_member, self.in_member = name, True
                 data = self._read_data(size)
                 self.in_member = False
@@ -233,7 +258,7 @@ class TarReader:
                 raise TarFormatError(f"member {name!r} is a GNU sparse file, which is not supported")
             extension = self._read_data(size)
             pax, long_name, long_link = {}, None, None  # they describe the very next header only
-            if kind == _PAX_TYPE:
+            if kind in (_PAX_TYPE, _SOLARIS_PAX_TYPE):
                 pax = _pax_records(extension, header_at)
             elif kind == _GNU_LONG_NAME:
                 long_name = extension.rstrip(b"\0").decode("utf-8", "surrogateescape")
@@ -431,6 +456,13 @@ class TarReader:
         if stored != unsigned - 256 * high_bytes:
             raise TarFormatError(f"corrupt: the header at byte {header_at} is not a valid tar header "
                                  "(its checksum does not match)")
+
+
+def _known_type(kind: bytes) -> bool:
+    """Whether a header's type is one read here as something other than a regular file."""
+    return (kind in _NO_FILE_TYPES or kind in _LINK_TYPES
+            or kind in (_PAX_TYPE, _SOLARIS_PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK,
+                        _GNU_SPARSE))
 
 
 def _number(field: bytes, header_at: int) -> int:
