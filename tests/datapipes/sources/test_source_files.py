@@ -9,6 +9,7 @@ import io
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +256,64 @@ def test_a_file_replaced_by_a_rename_while_read_is_read_whole_from_the_version_o
     os.replace(replacement, path)
     pieces.extend(data for _, data in run)
     assert b"".join(pieces) == b"A" * (1 << 20)
+
+
+def test_file_reader_never_hands_out_a_file_rewritten_while_it_was_read(tmp_path: Path) -> None:
+    # FileReader read without the check the other sources make after a read: a file rewritten in
+    # place while it was read came back whole-length, half old bytes and half new, silently.
+    path = tmp_path / "big.bin"
+    versions = [bytes([65 + k]) * (16 << 20) for k in range(2)]
+    path.write_bytes(versions[0])
+    reader = FileReader([str(path)])
+    done = threading.Event()
+
+    def rewrite_until_done() -> None:
+        # In 64 KiB writes, as a regenerating job writes: a write already under way when the
+        # reader takes the file's times is seen only by the times of the writes after it (the
+        # kernel stamps a write as it begins), which a rewrite of more than one write always has.
+        turn, piece = 0, 64 << 10
+        while not done.is_set():
+            turn += 1
+            with open(path, "r+b") as file:
+                for start in range(0, len(versions[0]), piece):
+                    file.write(versions[turn % 2][start:start + piece])
+                    file.flush()
+                    os.utime(file.fileno(), ns=(turn, start + 1))  # each write a time of its own
+
+    writer = threading.Thread(target=rewrite_until_done)
+    writer.start()
+    outcomes = []
+    try:
+        for _ in range(5):
+            try:
+                _, data = reader[0]
+            except SourceChangedError as error:
+                assert repr(str(path)) in str(error)
+                outcomes.append("refused")
+            else:
+                assert data in versions, "two versions spliced into one read"
+                outcomes.append("whole")
+    finally:
+        done.set()
+        writer.join()
+    assert "refused" in outcomes, outcomes
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"paths": "/data/a.txt"}, r"FileReader: paths must be a list of paths or URLs, got one path, "
+                                r"paths='/data/a.txt' \(give \['/data/a.txt'\]\)"),
+    ({"paths": 5}, r"FileReader: paths must be a list of paths or URLs, got paths=5 \(int\)"),
+    ({"paths": ["a", 3]}, r"FileReader: paths must be a list of paths or URLs, got paths\[1\]=3 \(int\)"),
+    ({"paths": ["a"], "mode": "b", "encoding": "utf-8"},
+     r"binary mode doesn't take an encoding argument \(FileReader got mode='b', encoding='utf-8'\)"),
+    ({"paths": ["a"], "storage_options": 5},
+     r"FileReader: storage_options must be a mapping \(fsspec's options\) or None, got storage_options=5"),
+])
+def test_file_reader_refuses_bad_arguments_naming_them(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        FileReader(**arguments)
+
+
+def test_file_opener_refuses_storage_options_that_are_no_mapping() -> None:
+    with pytest.raises(TypeError, match=r"FileOpener: storage_options must be a mapping .* got storage_options=5"):
+        IterableWrapper(["a"]).open_files(mode="b", storage_options=5)

@@ -16,7 +16,13 @@ from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import no_length
 from pipeload.datapipes.protocol import PipeIterator, SkipToResume
 from pipeload.datapipes.sources import _storage
-from pipeload.datapipes.sources._checks import check_encoding, check_length, check_retry
+from pipeload.datapipes.sources._checks import (
+    check_length,
+    check_mode_and_encoding,
+    check_retry,
+    check_storage_options,
+    checked_paths,
+)
 from pipeload.datapipes.sources._retry import RetryingReader, RetryPolicy
 from pipeload.datapipes.sources._versions import LocalWatch, ObjectVersion
 from pipeload.datapipes.sources.memory import IterableWrapper
@@ -188,9 +194,7 @@ def _check_lister_options(length: Any, storage_options: Any, **flags: Any) -> No
             raise TypeError(f"FileLister: {name} must be True or False, got {name}={value!r} "
                             f"({type(value).__name__})")
     check_length(length, "FileLister")
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise TypeError(f"FileLister: storage_options must be a mapping (fsspec's options) or None, "
-                        f"got storage_options={storage_options!r}")
+    check_storage_options(storage_options, "FileLister")
 
 
 class _ListingIterator(PipeIterator[str]):
@@ -300,13 +304,11 @@ class FileOpener(IterDataPipe[tuple[str, IO[Any]]], ErrorPolicyMixin):
                  max_failures: int | None = None) -> None:
         if mode not in _MODES:
             raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
-        if encoding is not None and _MODES[mode] == "rb":
-            raise ValueError(f"binary mode doesn't take an encoding argument (got mode={mode!r}, "
-                             f"encoding={encoding!r})")
+        check_mode_and_encoding(mode, encoding, _MODES[mode] == "rb", "FileOpener")
         check_policy(on_error, max_failures, "FileOpener")
-        check_encoding(encoding, "FileOpener")
         check_length(length, "FileOpener")
         check_retry(retry, "FileOpener")
+        check_storage_options(storage_options, "FileOpener")
         self.datapipe = datapipe
         self.mode = mode
         self.encoding = encoding
@@ -429,9 +431,10 @@ class FileReader(MapDataPipe[tuple[str, Any]]):
                  storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None) -> None:
         if mode not in _MODES:
             raise ValueError(f"Invalid mode {mode}: mode must be one of {sorted(_MODES)}")
-        check_encoding(encoding, "FileReader")
+        check_mode_and_encoding(mode, encoding, _MODES[mode] == "rb", "FileReader")
         check_retry(retry, "FileReader")
-        self.paths = list(paths)
+        check_storage_options(storage_options, "FileReader")
+        self.paths = checked_paths(paths, "FileReader")
         self.mode = mode
         self.encoding = encoding
         self.storage_options = dict(storage_options) if storage_options else None
@@ -440,7 +443,11 @@ class FileReader(MapDataPipe[tuple[str, Any]]):
     def __getitem__(self, index: int) -> tuple[str, Any]:
         url = self.paths[index]
         with open_stream(url, self.mode, self.encoding, self.storage_options, self.retry) as stream:
-            return url, read_naming(stream, url)
+            watch = LocalWatch.of(url, stream)
+            data = read_naming(stream, url)
+            if watch is not None:
+                watch.check()  # a file rewritten while it was read: two versions spliced, never handed out
+            return url, data
 
     def __len__(self) -> int:
         return len(self.paths)

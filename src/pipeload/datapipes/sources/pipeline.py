@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.sources import _storage
-from pipeload.datapipes.sources._checks import check_retry
+from pipeload.datapipes.sources._checks import check_retry, check_storage_options
 from pipeload.datapipes.sources._retry import RetryPolicy
 from pipeload.datapipes.sources.decoders import ImageOutput, check_handlers
 from pipeload.datapipes.sources.errors import redact_url
@@ -186,10 +186,7 @@ def _check_arguments(arguments: Mapping[str, Any]) -> None:
     for name in ("shuffle_buffer", "read_ahead"):
         _check_count(name, arguments[name])
     check_handlers(arguments["handlers"], "webdataset_pipeline")
-    options = arguments["storage_options"]
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(f"webdataset_pipeline: storage_options must be a mapping (fsspec's options) "
-                        f"or None, got storage_options={options!r}")
+    check_storage_options(arguments["storage_options"], "webdataset_pipeline")
     check_retry(arguments["retry"], "webdataset_pipeline")
     check_policy(arguments["on_error"], arguments["max_failures"], "webdataset_pipeline")
     if isinstance(arguments["batch_size"], bool):  # an int to Python: True batched by 1
