@@ -384,7 +384,9 @@ def test_torchs_distributed_sampler_of_another_rank_resumes_this_ranks_order() -
 
 
 @pytest.mark.parametrize("epochs, message", [
-    ({"epoch": "2"}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int, but got .*'2'"),
+    ({"epoch": "2"}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int from .*, but got .*'2'"),
+    ({"epoch": 2**70}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int from -9223372036854775808 to "
+                       r"9223372036854775807"),
     ({"epoch": 2, "sampler.epoch": 1}, r"epoch\.sampler\.sampler\.epochs should be the epochs of the samplers at \['epoch'\]"),
     ([2], r"epoch\.sampler\.sampler\.epochs should be a dict or None"),
 ])

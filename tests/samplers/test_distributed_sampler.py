@@ -151,7 +151,13 @@ def test_a_loader_resumed_then_moved_to_the_next_epoch_yields_that_epoch_whole(t
     sampler, resumed = made()
     resumed.load_state_dict(state)
     sampler.set_epoch(3)
-    assert len(list(resumed)) == 5 - taken
+    batches = [batch.tolist() for batch in resumed]
+    if taken < 5:
+        assert len(batches) == 5 - taken
+    else:
+        # After the last batch: the next epoch begins, the sampler moved on to it (torchdata's
+        # rule; Lightning calls set_epoch only after it has made the iterator, and lost an epoch).
+        assert sum(batches, []) == _fresh_epoch(4) and sampler.epoch == 4
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

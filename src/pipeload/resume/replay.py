@@ -22,15 +22,18 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.utils.data as torch_data
+
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import borrowed_global_rng
+from pipeload._state_fields import is_int
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine.fetch import StreamPosition
 from pipeload.engine.plan import EpochStart
 from pipeload.errors import IncompatibleStateError
 from pipeload.resume.epoch import EpochProgress
 from pipeload.resume.state import ResumePoint
-from pipeload.samplers import DistributedSampler, exact_length
+from pipeload.samplers import BatchSampler, DistributedSampler, exact_length
 from pipeload.samplers._own_generators import epochs_moved_on, move_epochs_on
 from pipeload.samplers._state import StatefulSampler
 
@@ -67,37 +70,49 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
 
 def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
     """Whether ``point`` resumes a map-style epoch that had handed out all its batches (a state
-    saved after its last batch, before its end was seen), so that the next epoch should begin.
-    Not with pipeload's ``DistributedSampler``, whose state records its epoch: the epoch is the
-    caller's ``set_epoch`` (one that moved it on begins that epoch; one that kept the loaded
-    epoch asks for its rest, empty). torch's is set to the loaded epoch as the state is loaded
-    (Lightning sets the next epoch only once that epoch's iterator is made): the loader moves it
-    on to the next (:func:`move_loaded_epochs_on`)."""
+    saved after its last batch, before its end was seen), so that the next epoch should begin,
+    unless the sampler was moved to another epoch since (that epoch then begins, whole). A
+    ``DistributedSampler`` still at the loaded epoch is moved on to the next by
+    :func:`move_loaded_epochs_on` (Lightning sets the next epoch only once that epoch's iterator
+    is made: with the loaded epoch's empty rest, it lost a whole epoch)."""
     if point is None or point.record is None or loader._dataset_kind.label != "map":
-        return False
-    sampler = loader._index_sampler
-    if any(isinstance(s, DistributedSampler) for s in (sampler, optional_attribute(sampler, "sampler"))):
         return False
     return _moved_on_because(loader, point) is None and _handed_out_whole(loader, point)
 
 
 def move_loaded_epochs_on(loader: Any, point: ResumePoint | None) -> None:
-    """After a loaded epoch found over: the samplers whose epoch the state set (torch's
-    ``DistributedSampler``) go to the next epoch, as the loop that saved it would have set them,
-    so that the next epoch draws its own order, not the loaded one's again."""
-    sampler, epochs = _loaded_epochs(loader, point)
-    if epochs:
+    """After a loaded epoch found over: a sampler whose epoch decides its order, still at the
+    loaded epoch (set by the state), goes to the next, as the loop that saved it would have set
+    it, so that the next epoch draws its own order, not the loaded one's again."""
+    sampler, saved = _loaded_sampler_state(loader, point)
+    if not isinstance(saved, dict):
+        return
+    if isinstance(sampler, DistributedSampler):  # ours: its own state holds its epoch
+        epoch = saved.get("epoch")
+        if is_int(epoch) and sampler.epoch == epoch:
+            sampler.set_epoch(epoch + 1)
+        return
+    epochs = saved.get("epochs")
+    if isinstance(epochs, dict):
         move_epochs_on(sampler, epochs)
 
 
-def _loaded_epochs(loader: Any, point: ResumePoint | None) -> tuple[Any, dict[str, int]]:
-    """The sampler without a state of its own whose epochs the loaded state set (the index
-    sampler, or the one inside pipeload's BatchSampler), and those epochs by place."""
+def _loaded_sampler_state(loader: Any, point: ResumePoint | None) -> tuple[Any, Any]:
+    """The sampler that draws the keys (the index sampler, or the one inside pipeload's
+    BatchSampler) and its state as the loaded epoch began."""
     if point is None or point.record is None or not isinstance(point.record.sampler, dict):
-        return None, {}
+        return None, None
     sampler, saved = loader._index_sampler, point.record.sampler
-    if isinstance(sampler, StatefulSampler):
-        sampler, saved = optional_attribute(sampler, "sampler"), saved.get("sampler")
+    inner = optional_attribute(sampler, "sampler")
+    if isinstance(sampler, StatefulSampler) and inner is not None:
+        sampler, saved = inner, saved.get("sampler")
+    return sampler, saved
+
+
+def _loaded_epochs(loader: Any, point: ResumePoint | None) -> tuple[Any, dict[str, int]]:
+    """The sampler without a state of its own whose epochs the loaded state set, and those
+    epochs by place (none: an empty dict)."""
+    sampler, saved = _loaded_sampler_state(loader, point)
     epochs = saved.get("epochs") if isinstance(saved, dict) else None
     return (sampler, epochs) if isinstance(epochs, dict) else (None, {})
 
@@ -106,8 +121,20 @@ def _handed_out_whole(loader: Any, point: ResumePoint) -> bool:
     """Whether the loaded map-style epoch had handed out every batch, in order."""
     if point.handed_out_above or point.repeat_from is not None or point.padded:
         return False  # batches handed out out of order, or made again: not a plain count
-    total = exact_length(loader._index_sampler)
+    total = _epoch_length(loader._index_sampler)
     return total is not None and point.consumed == total
+
+
+def _epoch_length(sampler: Any) -> int | None:
+    """The batches (or keys) of an epoch, where the sampler's length is exactly what it yields:
+    torch's and our samplers, and subclasses of torch's ``DistributedSampler`` (Lightning's
+    ``DistributedSamplerWrapper``), whose iteration holds ``num_samples`` keys, its length."""
+    total = exact_length(sampler)
+    if total is not None:
+        return total
+    batched = type(sampler) in (BatchSampler, torch_data.BatchSampler)
+    keys = optional_attribute(sampler, "sampler") if batched else sampler
+    return len(sampler) if isinstance(keys, torch_data.DistributedSampler) else None
 
 
 def _moved_on_because(loader: Any, point: ResumePoint) -> str | None:

@@ -456,14 +456,16 @@ def _generators_kept(index_sampler: Any, saved: Any) -> list[Any]:
 
 def _draws_kept(sampler: Any, saved: Any) -> bool:
     """Whether ``saved`` (``sampler``'s generators state) holds what decides its order: its own
-    generators' states, or the epoch of torch's ``DistributedSampler`` (its order is its seed,
-    its rank and its epoch; a user's sampler with an epoch may draw from more)."""
+    generators' states, or the epoch of torch's ``DistributedSampler`` itself (its order is its
+    seed, its rank and its epoch; a subclass, Lightning's ``DistributedSamplerWrapper`` around a
+    sampler with a generator of its own, or a user's sampler with an epoch may draw from more)."""
     if sampler is None or not isinstance(saved, dict):
         return False
     if own_generators(sampler):
         return True
-    return "epochs" in saved and any(isinstance(holder, torch_data.DistributedSampler)
-                                     for holder in epoch_holders(sampler).values())
+    holders = epoch_holders(sampler).values()
+    return (isinstance(saved.get("epochs"), dict) and bool(holders)
+            and all(type(holder) is torch_data.DistributedSampler for holder in holders))
 
 
 def _ours_instead(sampler: Any) -> str:

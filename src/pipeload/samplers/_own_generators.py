@@ -231,7 +231,8 @@ def _read_epochs(sampler: Any, fields: StateFields) -> dict[str, int]:
     places = sorted(epoch_holders(sampler))
     if sorted(saved.state) != places:
         raise bad_state_field(saved.path, saved.state, f"the epochs of the samplers at {places} (an int each)")
-    epochs = {place: saved.integer(place, low=None) for place in places}  # set_epoch takes any int
+    # torch's sampler seeds a generator with seed + epoch, which takes a 64-bit number
+    epochs = {place: saved.integer(place, low=-(1 << 63), high=(1 << 63) - 1) for place in places}
     saved.finish()
     return epochs
 
