@@ -112,6 +112,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
         name = self._name()
         path = self.shards.root / name
         self.shards.note_request(name)
+        self.shards.encodings_asked.append(self.headers.get("Accept-Encoding"))
         if not path.is_file():
             self.send_error(404, f"no such shard: {name}")
             return
@@ -193,6 +194,7 @@ class ShardServer(_ServerThread):
         self.root = root
         self._lock = threading.Lock()
         self.requests: collections.Counter[str] = collections.Counter()
+        self.encodings_asked: list[str | None] = []  # each GET's Accept-Encoding
         self._drops: dict[str, int] = {}
         self._stalls: set[str] = set()
         self._trickles: set[str] = set()

@@ -101,6 +101,26 @@ def test_file_lister_finds_the_shards_by_mask(fresh_s3_clients: str) -> None:
     assert f"s3://{BUCKET}/train/README.txt" in everything and len(everything) == SHARDS + 1
 
 
+def test_a_lister_iterated_again_lists_the_bucket_as_it_is_now(fresh_s3_clients: str) -> None:
+    # fsspec keeps a listing for the life of the process: the next epoch of a lister kept a
+    # deleted shard (its read then failed) and missed a new one.
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=fresh_s3_clients, region_name="us-east-1")
+    lister = FileLister(f"s3://{BUCKET}/extra", "*.tar")
+    client.put_object(Bucket=BUCKET, Key="extra/a.tar", Body=b"a")
+    client.put_object(Bucket=BUCKET, Key="extra/b.tar", Body=b"b")
+    assert list(lister) == [f"s3://{BUCKET}/extra/a.tar", f"s3://{BUCKET}/extra/b.tar"]
+    client.delete_object(Bucket=BUCKET, Key="extra/a.tar")
+    client.put_object(Bucket=BUCKET, Key="extra/c.tar", Body=b"c")
+    try:
+        assert list(lister) == [f"s3://{BUCKET}/extra/b.tar", f"s3://{BUCKET}/extra/c.tar"]
+        assert list(FileLister(f"s3://{BUCKET}/extra", "*.tar")) == list(lister)
+    finally:
+        for key in ("extra/b.tar", "extra/c.tar"):
+            client.delete_object(Bucket=BUCKET, Key=key)
+
+
 def test_a_missing_object_is_named_by_its_whole_url(fresh_s3_clients: str) -> None:
     url = f"s3://{BUCKET}/train/no-such-shard.tar"
     with pytest.raises(FileNotFoundError, match=re.escape(repr(url))):

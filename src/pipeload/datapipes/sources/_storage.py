@@ -152,10 +152,13 @@ def _open_http(fs: Any, path: str, url: str, position: int,
                pinned: ObjectVersion | None) -> tuple[IO[bytes], ObjectVersion, int]:
     # A stream needs no size; any size given keeps fsspec from asking the server for it first
     # (one more round trip per shard, and a whole GET where HEAD is not answered).
-    options: dict[str, Any] = {"block_size": 0, "size": _SIZE_NOT_NEEDED}
+    # The bytes as stored, never a compressed representation: aiohttp does not notice a gzip body
+    # cut short (no Content-Length, the connection closed: the file came back short, silently),
+    # and a resumed read's Range counts the bytes as stored.
+    headers = {**(getattr(fs, "kwargs", {}).get("headers") or {}), "Accept-Encoding": "identity"}
     if pinned is not None and position > 0:
-        options["headers"] = {**(getattr(fs, "kwargs", {}).get("headers") or {}),
-                              **_versions.http_resume_headers(pinned, position)}
+        headers.update(_versions.http_resume_headers(pinned, position))
+    options: dict[str, Any] = {"block_size": 0, "size": _SIZE_NOT_NEEDED, "headers": headers}
     try:
         file = fs.open(path, "rb", **options)
     except Exception as error:  # noqa: BLE001  (a refusal that says the object changed)
@@ -186,6 +189,9 @@ def expand(root: str, masks: list[str], recursive: bool,
     if is_local(root):
         return _expand_local(local_path(root), masks, recursive)
     fs, path = filesystem(root, storage_options)
+    # Listed anew each time: fsspec keeps listings for the life of the process, and a lister
+    # iterated again (the next epoch) kept a deleted shard and missed a new one.
+    fs.invalidate_cache(path)
     if fs.isfile(path):
         found = [path]
     else:
