@@ -446,6 +446,24 @@ def test_another_ranks_state_of_a_map_style_loader_resumes_this_ranks_order(monk
     assert indices == [batch[0] for batch in whole[2:]] and indices
 
 
+def test_another_ranks_state_damaged_inside_is_refused_as_on_its_own_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Taken as this rank's, every digest in the state is sealed again: one inside (the sampler's)
+    # that no longer matched its content loaded on rank 1 while rank 0 refused it.
+    from pipeload._state_digest import sealed
+
+    saving = _distributed_loader(0, monkeypatch)
+    head, iterator = epoch_of(saving, 0, 2)
+    state = json.loads(json.dumps(saving.state_dict()))
+    del iterator
+    inner = state["epoch"]["sampler"]["sampler"]
+    inner["epoch"] = 5  # its own digest no longer matches; the outer ones sealed again over it
+    state["epoch"]["sampler"] = sealed(dict(state["epoch"]["sampler"]))
+    state = sealed(dict(state))
+    for rank in (0, 1):
+        with pytest.raises(IncompatibleStateError, match=r"epoch\.sampler\.sampler does not match its digest"):
+            _distributed_loader(rank, monkeypatch).load_state_dict(state)
+
+
 def test_another_ranks_state_of_an_iterable_is_refused_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

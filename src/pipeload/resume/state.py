@@ -256,7 +256,7 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
         return state
     if any(saved.get(key) != here.get(key) for key in here.keys() | saved.keys() if key != "rank"):
         return state  # refused by name, as any other configuration
-    check_digest(state)
+    _check_every_digest(state)  # before _with_rank seals them again: damage inside stays refused
     warnings.warn(
         f"this state was saved on rank {saved.get('rank')!r} and is loaded on rank {here['rank']}: "
         "its position (the batches handed out) is taken as this rank's, which holds when the ranks "
@@ -265,6 +265,19 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
         stacklevel=first_frame_outside_pipeload(),
     )
     return _with_rank(copy.deepcopy(state), here["rank"])
+
+
+def _check_every_digest(state: Any, path: str = "") -> None:
+    """Check the digest of ``state`` and of every part of it that has one (a sampler's state
+    inside), innermost first, each named by its path."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _check_every_digest(value, f"{path}.{key}" if path else str(key))
+        if DIGEST_FIELD in state:
+            check_digest(state, path)
+    elif isinstance(state, list):
+        for index, item in enumerate(state):
+            _check_every_digest(item, f"{path}.{index}")
 
 
 def _with_rank(state: Any, rank: int) -> Any:
