@@ -288,6 +288,31 @@ def test_a_dead_producer_thread_is_noticed_when_watched() -> None:
     assert end.value.reason == QueueError.DIED
 
 
+def exit_before_joining(queue: DataLoaderQueue) -> None:
+    os._exit(3)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_far_end_that_died_is_said_to_a_consumer_that_only_polls(kind: str) -> None:
+    # get(blocking=False) answered NotAvailable for ever (a process boundary whose upstream
+    # died while importing hung): only a blocking get looked at the far end.
+    queue = DataLoaderQueue(kind=kind)
+    if kind == "thread":
+        far_end = threading.Thread(target=put_two_and_end_without_closing, args=(queue,), name="prod")
+    else:
+        far_end = multiprocessing.get_context("fork").Process(target=exit_before_joining, args=(queue,))
+    queue.watch(far_end)
+    far_end.start()
+    far_end.join(DEADLINE_S)
+    taken = []
+    with pytest.raises(QueueError, match="died without closing") as end:
+        for _ in range(3):
+            taken.append(queue.get(blocking=False))
+    assert end.value.reason == QueueError.DIED
+    assert taken == ([1, 2] if kind == "thread" else [])
+    queue.close()
+
+
 def put_two_and_end_without_closing(queue: DataLoaderQueue) -> None:
     queue.put(1)
     queue.put(2)

@@ -85,6 +85,11 @@ class Inbox:
         with self._lock:
             while len(self._items) >= self.capacity and self._ending is None:
                 if not blocking:
+                    # A far end that died without closing is said here too: a consumer that only
+                    # polls (a boundary, a non-blocking pipe) was told NotAvailable for ever.
+                    problem = check()
+                    if problem is not None:
+                        raise problem
                     raise NotAvailable
                 self._wait(deadline, check)
             if self._ending is not None:
@@ -113,6 +118,11 @@ class Inbox:
                 if self._ending is not None:
                     raise self._ending.error(self._far_end())
                 if not blocking:
+                    # A far end that died without closing is said here too: a consumer that only
+                    # polls (a boundary, a non-blocking pipe) was told NotAvailable for ever.
+                    problem = check()
+                    if problem is not None:
+                        raise problem
                     raise NotAvailable
                 self._wait(deadline, check)
             item = self._items.popleft()

@@ -227,6 +227,11 @@ class ProcessQueue(InboxQueue, kind="process"):
                 self._link = self._accept_now() if self._accepting else self._join()
                 if self._link is None:
                     if not blocking:
+                        # A far end that died before it joined (killed while importing, or its
+                        # pipe failed to unpickle): a boundary polls, and waited for ever.
+                        problem = self._far_end_died()
+                        if problem is not None:
+                            raise problem
                         raise NotAvailable
                     self._wait_for_far_end(deadline)
             return self._link
