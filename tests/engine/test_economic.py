@@ -335,6 +335,28 @@ def test_the_next_set_of_workers_sends_samples_that_are_not_flat_to_batch_worker
     assert _batch_worker_tasks(loader) == 17
 
 
+class _LargeArrays(torch.utils.data.Dataset):
+    """numpy arrays of 256 KiB: samples that are not tensors, each larger than a socket's buffer."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(65536, index, dtype=np.float32)
+
+
+@pytest.mark.timeout(60)
+def test_a_later_epoch_of_large_samples_that_are_not_flat_starts_its_batch_worker() -> None:
+    # The second epoch hung: its first batch's COLLATE (which forks the batch worker) waited for
+    # an item worker's first report, and the item worker was blocked handing its large item to
+    # that batch worker, never started.
+    loader = DataLoader(_LargeArrays(), batch_size=4, num_workers=2, mode="economic",
+                        multiprocessing_context="fork", timeout=20)
+    expected = [[float(i) for i in range(start, start + 4)] for start in (0, 4)]
+    for _ in range(3):
+        assert [batch[:, 0].tolist() for batch in loader] == expected
+
+
 class _SubBatches(Numbers):
     """Defines ``__getitems__``; each call's size is recorded with its first item."""
 

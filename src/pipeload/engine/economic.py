@@ -582,7 +582,11 @@ class EconomicEngine:
                 first = piece.slot == 0
                 if number in self._to_collate and (
                         not learning or self._scheduler.last_of(number)
-                        or (first and self._item_bytes is None and self._may_go_direct())):
+                        or (first and self._item_bytes is None and self._may_go_direct())
+                        or not self._workers.started(self._num_item_workers + piece.batch_worker)):
+                    # A batch worker not started yet (forked on demand) starts with its COLLATE:
+                    # held back, an item worker blocked handing it a large item before any report
+                    # (a later epoch of items that are not flat, whose batches cannot go direct).
                     self._send_collate(number, first_piece=first)
                 route = ItemRoute(piece.batch_worker, piece.slot, piece.position, number in self._direct)
                 fetch = WorkerCommand(Command.FETCH_ITEMS, piece.batch_number, piece.indices,

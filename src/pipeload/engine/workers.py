@@ -190,6 +190,10 @@ class WorkerGroup:
             self._keeper.give_back(self.slabs, release=True)  # a failed start: see give_back
             raise
 
+    def started(self, slot: int) -> bool:
+        """Whether the worker in ``slot`` has started (a process worker may start on demand)."""
+        return slot < len(self.handles)
+
     def start_all(self) -> None:
         """Start the process workers not started yet (see ``start_first``), less those that
         start on demand (``on_demand_from``)."""
