@@ -239,10 +239,13 @@ def test_a_per_epoch_loader_gathers_beside_its_first_workers_and_batches_stay_th
     assert gatherer.rounds[0].beside_workers
     assert wait_for_reaped(5.0)  # the workers are reaped beside the loop; the round starts then
     done = gatherer.wait()
-    assert done is not None and len(gatherer.rounds) == 1
-    if done.refused and not done.gathered_bytes:
+    # One round beside the workers; a heap above ROUND_BYTES (a whole test session's) that it
+    # left windows of goes on at their reaping, in a round of its own (the suite met one).
+    assert done is not None and not any(r.beside_workers for r in gatherer.rounds[1:])
+    gathered = sum(r.gathered_bytes for r in gatherer.rounds)
+    if all(r.refused for r in gatherer.rounds) and not gathered:
         pytest.skip("this kernel cannot gather on request (MADV_COLLAPSE, Linux 6.1)")
-    assert done.gathered_bytes > 0
+    assert gathered > 0
     second = _epoch(loader)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert torch.equal(torch.cat(second)[:, 0], torch.arange(64, dtype=torch.float32))
