@@ -313,6 +313,25 @@ def test_a_far_end_that_died_is_said_to_a_consumer_that_only_polls(kind: str) ->
     queue.close()
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_polling_before_the_watched_far_end_starts_is_not_a_death(kind: str) -> None:
+    # Not started is not alive either: the first version of the poll above called it "died",
+    # and the queue ended before its producer put anything.
+    queue = DataLoaderQueue(kind=kind)
+    if kind == "thread":
+        far_end = threading.Thread(target=put_range, args=(queue, 3))
+    else:
+        far_end = multiprocessing.get_context("fork").Process(target=put_range, args=(queue, 3))
+    queue.watch(far_end)
+    with pytest.raises(NotAvailable):
+        queue.get(blocking=False)
+    far_end.start()
+    items, end = drain(queue)
+    assert as_numbers(items) == [0, 1, 2] and end.reason == QueueError.CLOSED
+    far_end.join(DEADLINE_S)
+    queue.close()
+
+
 def put_two_and_end_without_closing(queue: DataLoaderQueue) -> None:
     queue.put(1)
     queue.put(2)

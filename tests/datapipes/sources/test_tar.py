@@ -157,6 +157,20 @@ def test_a_sparse_member_in_pax_format_is_refused_by_name(tmp_path: Path, record
         members_of(path)
 
 
+@pytest.mark.parametrize("compression", ["", "gz"])
+def test_a_symbolic_link_beside_its_target_under_dot_slash_names_comes_with_its_data(
+        tmp_path: Path, compression: str) -> None:
+    # `tar -C dir -cf x.tar .` names members ./a.txt; a link ./link -> a.txt was left out, its
+    # target "not in this archive".
+    link = _info("./link", tarfile.SYMTYPE)
+    link.linkname = "a.txt"
+    path = tmp_path / ("a.tar" + (f".{compression}" if compression else ""))
+    path.write_bytes(compress(_archive((_info("./a.txt"), b"A"), (link, b"")), compression))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [(m.name, m[1]) for m in members_of(path)] == [("./a.txt", b"A"), ("./link", b"A")]
+
+
 def test_a_multi_volume_continuation_is_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "a.tar"
     path.write_bytes(_archive((_info("k0.bin", b"M"), b"the rest of a file")))
@@ -164,11 +178,13 @@ def test_a_multi_volume_continuation_is_refused_by_name(tmp_path: Path) -> None:
         members_of(path)
 
 
-def test_a_plain_archive_whose_first_name_begins_as_bzip2_data_is_read(tmp_path: Path) -> None:
-    # A tar's first bytes are its first member's name, and bzip2's magic "BZh" is printable.
+@pytest.mark.parametrize("name", ["BZh91AY.jpg", "BZh91AY&SY_000.jpg"])
+def test_a_plain_archive_whose_first_name_begins_as_bzip2_data_is_read(tmp_path: Path, name: str) -> None:
+    # A tar's first bytes are its first member's name, and bzip2's magic, even with its block
+    # magic after it ("1AY&SY"), is printable.
     path = tmp_path / "a.tar"
-    path.write_bytes(_archive((_info("BZh91AY.jpg"), b"J"), (_info("BZh91AY.cls"), b"3")))
-    assert [(m.name, m[1]) for m in members_of(path)] == [("BZh91AY.jpg", b"J"), ("BZh91AY.cls", b"3")]
+    path.write_bytes(_archive((_info(name), b"J"), (_info("k.cls"), b"3")))
+    assert [(m.name, m[1]) for m in members_of(path)] == [(name, b"J"), ("k.cls", b"3")]
     empty = tmp_path / "empty.tar.bz2"
     empty.write_bytes(compress(tar_bytes([]), "bz2"))
     assert members_of(empty) == []

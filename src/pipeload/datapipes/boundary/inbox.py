@@ -193,6 +193,12 @@ class InboxQueue(DataLoaderQueue):
         self._watched = far_end
 
 
+def has_died(far_end: FarEnd) -> bool:
+    """Whether a watched thread or process ran and is gone. One not started yet has not died: a
+    consumer may poll (or wait) before its producer starts, and was told "died" for good."""
+    return getattr(far_end, "ident", None) is not None and not far_end.is_alive()
+
+
 def deadline_after(timeout: float | None) -> float | None:
     """The monotonic time a wait of ``timeout`` seconds ends (None: never).
 

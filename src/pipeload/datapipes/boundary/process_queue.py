@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-from pipeload.datapipes.boundary.inbox import WAIT_SLICE_S, Ending, Inbox, InboxQueue, deadline_after
+from pipeload.datapipes.boundary.inbox import WAIT_SLICE_S, Ending, Inbox, InboxQueue, deadline_after, has_died
 from pipeload.datapipes.boundary.process_link import ProcessLink, process_name
 from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
@@ -324,7 +324,7 @@ class ProcessQueue(InboxQueue, kind="process"):
     def _far_end_died(self) -> QueueError | None:
         """An error when the watched far end died and the reader cannot say so itself."""
         watched = self._watched
-        if watched is None or watched.is_alive() or self._inbox.ending is not None:
+        if watched is None or not has_died(watched) or self._inbox.ending is not None:
             return None
         link = self._link
         if link is not None and link.reading():

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any
 
-from pipeload.datapipes.boundary.inbox import Ending, Inbox, InboxQueue, deadline_after
+from pipeload.datapipes.boundary.inbox import Ending, Inbox, InboxQueue, deadline_after, has_died
 from pipeload.datapipes.boundary.queue_interface import (
     DEFAULT_MAXSIZE,
     DataLoaderQueue,
@@ -111,7 +111,7 @@ class ThreadQueue(InboxQueue, kind="thread"):
         watched = self._watched
         if watched is None and self._producer is not threading.current_thread():
             watched = self._producer  # the only thread that put (a consumer's own puts: not)
-        if watched is None or watched.is_alive() or self._inbox.ending is not None:
+        if watched is None or not has_died(watched) or self._inbox.ending is not None:
             return None
         name = self._far_end_name()
         self._inbox.end(Ending(QueueError.DIED, name))

@@ -43,7 +43,6 @@ _NO_FILE_TYPES = frozenset({b"3", b"4", b"5", b"6", b"D", b"V"})
 _SPARSE_PAX_KEYS = "GNU.sparse."
 _LINK_TYPES = frozenset({_HARDLINK_TYPE, _SYMLINK_TYPE})
 _POSIX_USTAR_MAGIC = b"ustar\x0000"
-_MAGIC_BYTES = 10
 _GZIP, _BZIP2, _XZ, _ZSTD = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"
 # What follows bzip2's "BZh" and its block-size digit: a block's or the stream's end's magic.
 # "BZh" alone is printable, and a plain tar begins with its first member's name ("BZh91AY.jpg").
@@ -70,11 +69,13 @@ class _Prefixed:
 
 def decompressed(stream: IO[bytes]) -> Any:
     """``stream`` with any compression taken off, recognised by its magic bytes."""
-    head = b"" if isinstance(stream, io.TextIOBase) else stream.read(_MAGIC_BYTES)
+    head = b"" if isinstance(stream, io.TextIOBase) else stream.read(BLOCK_BYTES)
     if not isinstance(head, bytes) or isinstance(stream, io.TextIOBase):
         raise TypeError(f"load_from_tar needs binary streams, got a text stream ({type(stream).__name__}): "
                         "open the files with mode='b'")
     source = _Prefixed(head, stream)
+    if _is_tar_header(head):
+        return source  # a plain archive, whatever its first name ("BZh91AY&SY.jpg") begins with
     if head.startswith(_GZIP):
         return gzip.GzipFile(fileobj=source)  # type: ignore[arg-type]
     if _is_bzip2(head):
@@ -84,6 +85,18 @@ def decompressed(stream: IO[bytes]) -> Any:
     if head.startswith(_ZSTD):
         return _zstd_reader(source)
     return source
+
+
+def _is_tar_header(block: bytes) -> bool:
+    """Whether ``block`` is a whole tar header whose checksum adds up (no compressed stream's
+    first bytes do, while printable magic such as bzip2's can be a member's name)."""
+    if len(block) != BLOCK_BYTES or block == _ZERO_BLOCK:
+        return False
+    try:
+        TarReader._check_header(block, 0)
+    except TarFormatError:
+        return False
+    return True
 
 
 def _is_bzip2(head: bytes) -> bool:
@@ -276,11 +289,11 @@ class TarReader:
         """Keep where a member's data lies, for links to it later in the archive; and, where the
         stream cannot be read again (compressed, remote), a small member's data itself
         (``LINK_TARGET_BYTES`` each, ``LINK_TARGETS_KEPT_BYTES`` in all)."""
-        self._places[name] = (self.offset - (-size % BLOCK_BYTES) - size, size)
+        self._places[_link_key(name)] = (self.offset - (-size % BLOCK_BYTES) - size, size)
         if self._origin is not None:
             return  # a local uncompressed archive: read again where it lies, if ever linked to
         if len(data) == size <= LINK_TARGET_BYTES and self._kept_bytes + size <= LINK_TARGETS_KEPT_BYTES:
-            self._kept[name] = data
+            self._kept[_link_key(name)] = data
             self._kept_bytes += len(data)
 
     def _read_again(self, target: str) -> bytes | None:
@@ -308,12 +321,13 @@ class TarReader:
             return b""  # handed out before the checkpoint: counted, not made again
         if kind == _SYMLINK_TYPE and not target.startswith("/"):
             target = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
-        data = self._kept.get(target)
+        key = _link_key(target)
+        data = self._kept.get(key)
         if data is None:
-            data = self._read_again(target)
+            data = self._read_again(key)
         if data is None:
             what = "a hard link" if kind == _HARDLINK_TYPE else "a symbolic link"
-            if target in self._places:
+            if key in self._places:
                 where = (f"over the {LINK_TARGET_BYTES >> 10} KiB kept for links, in a stream that "
                          "cannot be read again (compressed, or remote)")
             elif self.resumed:
@@ -456,6 +470,13 @@ class TarReader:
         if stored != unsigned - 256 * high_bytes:
             raise TarFormatError(f"corrupt: the header at byte {header_at} is not a valid tar header "
                                  "(its checksum does not match)")
+
+
+def _link_key(name: str) -> str:
+    """A member's name as links find it: ``tar -C dir -cf x.tar .`` names ``./a.txt``, and a
+    symbolic link beside it points to ``a.txt`` (it was left out, its target "not in this
+    archive")."""
+    return posixpath.normpath(name)
 
 
 def _known_type(kind: bytes) -> bool:
