@@ -311,6 +311,8 @@ def test_a_far_end_that_died_is_said_to_a_consumer_that_only_polls(kind: str) ->
     assert end.value.reason == QueueError.DIED
     assert taken == ([1, 2] if kind == "thread" else [])
     queue.close()
+    if kind == "process":
+        far_end.close()  # its exit sentinel, a descriptor
 
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
@@ -330,6 +332,8 @@ def test_polling_before_the_watched_far_end_starts_is_not_a_death(kind: str) -> 
     assert as_numbers(items) == [0, 1, 2] and end.reason == QueueError.CLOSED
     far_end.join(DEADLINE_S)
     queue.close()
+    if kind == "process":
+        far_end.close()  # its exit sentinel, a descriptor
 
 
 def put_two_and_end_without_closing(queue: DataLoaderQueue) -> None:

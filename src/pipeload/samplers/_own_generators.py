@@ -89,9 +89,8 @@ def epoch_holders(sampler: Any) -> dict[str, Any]:
 def epochs_moved_on(sampler: Any, loaded: dict[str, int]) -> str | None:
     """Why the epochs ``loaded`` (set when a state was loaded) no longer decide ``sampler``'s
     next order: ``set_epoch`` was called with another since; None while they still do."""
-    for place, holder in epoch_holders(sampler).items():
-        epoch = loaded.get(place)
-        if epoch is not None and holder.epoch != epoch:
+    for holder, epoch in _with_loaded_epochs(sampler, loaded):
+        if holder.epoch != epoch:
             return f"set_epoch({holder.epoch}) was called after loading a state of epoch {epoch}"
     return None
 
@@ -100,10 +99,14 @@ def move_epochs_on(sampler: Any, loaded: dict[str, int]) -> None:
     """Call ``set_epoch(epoch + 1)`` where ``sampler`` still stands at a loaded epoch: the next
     epoch, as the loop that wrote the state would have set it (a state saved after an epoch's
     last batch resumes with the next epoch)."""
-    for place, holder in epoch_holders(sampler).items():
-        epoch = loaded.get(place)
-        if epoch is not None and holder.epoch == epoch:
+    for holder, epoch in _with_loaded_epochs(sampler, loaded):
+        if holder.epoch == epoch:
             holder.set_epoch(epoch + 1)
+
+
+def _with_loaded_epochs(sampler: Any, loaded: dict[str, int]) -> list[tuple[Any, int]]:
+    """Each of ``sampler``'s epoch holders with the epoch ``loaded`` holds for its place."""
+    return [(holder, loaded[place]) for place, holder in epoch_holders(sampler).items() if loaded.get(place) is not None]
 
 
 def keeps_a_shape(sampler: Any) -> bool:

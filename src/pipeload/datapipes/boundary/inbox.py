@@ -85,12 +85,7 @@ class Inbox:
         with self._lock:
             while len(self._items) >= self.capacity and self._ending is None:
                 if not blocking:
-                    # A far end that died without closing is said here too: a consumer that only
-                    # polls (a boundary, a non-blocking pipe) was told NotAvailable for ever.
-                    problem = check()
-                    if problem is not None:
-                        raise problem
-                    raise NotAvailable
+                    _not_now(check)
                 self._wait(deadline, check)
             if self._ending is not None:
                 raise self._ending.error(self._far_end())
@@ -118,12 +113,7 @@ class Inbox:
                 if self._ending is not None:
                     raise self._ending.error(self._far_end())
                 if not blocking:
-                    # A far end that died without closing is said here too: a consumer that only
-                    # polls (a boundary, a non-blocking pipe) was told NotAvailable for ever.
-                    problem = check()
-                    if problem is not None:
-                        raise problem
-                    raise NotAvailable
+                    _not_now(check)
                 self._wait(deadline, check)
             item = self._items.popleft()
             self._lock.notify_all()  # a producer waiting for room
@@ -191,6 +181,15 @@ class InboxQueue(DataLoaderQueue):
 
     def watch(self, far_end: FarEnd) -> None:
         self._watched = far_end
+
+
+def _not_now(check: Callable[[], QueueError | None]) -> None:
+    """Raise NotAvailable to a call that would wait; or what ``check`` says, where the far end
+    died without closing (a caller that only polls, a boundary, heard NotAvailable for ever)."""
+    problem = check()
+    if problem is not None:
+        raise problem
+    raise NotAvailable
 
 
 def has_died(far_end: FarEnd) -> bool:

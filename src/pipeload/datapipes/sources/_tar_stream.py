@@ -42,6 +42,9 @@ _SOLARIS_PAX_TYPE, _MULTIVOLUME_TYPE = b"X", b"M"
 _NO_FILE_TYPES = frozenset({b"3", b"4", b"5", b"6", b"D", b"V"})
 _SPARSE_PAX_KEYS = "GNU.sparse."
 _LINK_TYPES = frozenset({_HARDLINK_TYPE, _SYMLINK_TYPE})
+# The types read here as something other than a regular file.
+_OTHER_KNOWN_TYPES = _NO_FILE_TYPES | _LINK_TYPES | {
+    _PAX_TYPE, _SOLARIS_PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK, _GNU_SPARSE}
 _POSIX_USTAR_MAGIC = b"ustar\x0000"
 _GZIP, _BZIP2, _XZ, _ZSTD = b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"
 # What follows bzip2's "BZh" and its block-size digit: a block's or the stream's end's magic.
@@ -100,8 +103,8 @@ def _is_tar_header(block: bytes) -> bool:
 
 
 def _is_bzip2(head: bytes) -> bool:
-    return (head.startswith(_BZIP2) and head[3:4] in b"123456789" and len(head[3:4]) == 1
-            and head[4:10] in _BZIP2_BLOCKS)
+    """"BZh", a block size from 1 to 9, then a block's or the stream's end's magic."""
+    return head.startswith(_BZIP2) and head[3:4].isdigit() and head[3:4] != b"0" and head[4:10] in _BZIP2_BLOCKS
 
 
 def _zstd_reader(source: Any) -> Any:
@@ -251,7 +254,7 @@ class TarReader:
             if kind == _MULTIVOLUME_TYPE:
                 raise TarFormatError(f"member {name!r} continues a file from another volume of a "
                                      "multi-volume archive, which is not supported")
-            if kind in _REGULAR_TYPES or not _known_type(kind):
+            if kind in _REGULAR_TYPES or kind not in _OTHER_KNOWN_TYPES:
                 self.last_member, self.in_member = name, True
                 data = self._read_data(size)
                 self.in_member = False
@@ -477,13 +480,6 @@ def _link_key(name: str) -> str:
     symbolic link beside it points to ``a.txt`` (it was left out, its target "not in this
     archive")."""
     return posixpath.normpath(name)
-
-
-def _known_type(kind: bytes) -> bool:
-    """Whether a header's type is one read here as something other than a regular file."""
-    return (kind in _NO_FILE_TYPES or kind in _LINK_TYPES
-            or kind in (_PAX_TYPE, _SOLARIS_PAX_TYPE, _PAX_GLOBAL_TYPE, _GNU_LONG_NAME, _GNU_LONG_LINK,
-                        _GNU_SPARSE))
 
 
 def _number(field: bytes, header_at: int) -> int:
