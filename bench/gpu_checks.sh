@@ -61,6 +61,8 @@ step tests 150 "$py" -m pytest tests -k "pin or cuda or slab" -q -p no:cacheprov
 step epoch_costs_gpu_8 120 "$py" -m bench.epoch_costs --num-workers 8 --gpu-copy
 step gpu_copy_4 90 "$py" -m bench.run --workload gpu_copy --num-workers 4 --repeats 3
 step epoch_costs_8 90 "$py" -m bench.epoch_costs --num-workers 8
+# What a fresh pinned loader's first epoch pays for its slabs: fresh pages, page-locking, copies.
+step pin_costs 40 "$py" -m bench.pin_costs --threads 1,18
 # Without persistent loaders alive beside them (their workers share the main process's pages, which
 # then stay in small pages): what a script with one per-epoch loader sees, forks in huge pages.
 step epoch_costs_8_per_epoch 60 "$py" -m bench.epoch_costs --num-workers 8 --scenario per-epoch \

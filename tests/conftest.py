@@ -8,8 +8,9 @@ Some long-lived helpers are not leaks and are left out of the comparison: the mu
 resource tracker and the forkserver (Python starts each once per process, the first time a spawn
 or forkserver context needs it, and keeps it and one fd to it until exit), the arenas of
 multiprocessing's shared heap, which it keeps mapped for reuse, and what the CUDA runtime opens
-for itself once a test has initialised it (``/dev/nvidia*`` devices, eventfds, epoll and timer
-descriptors): CUDA keeps them for the life of the process. pipeload's own shared memory
+for itself (``/dev/nvidia*`` devices, eventfds, epoll and timer descriptors): CUDA keeps them for
+the life of the process. Where CUDA is, it is woken before the first test, so that what its start
+opens (a pipe among it) is no test's. pipeload's own shared memory
 (``/memfd:pipeload-*``) always counts, as descriptors and as mappings.
 """
 
@@ -188,19 +189,25 @@ def _helper_fds() -> set[str]:
     return {str(fd) for fd in fds if fd is not None}
 
 
-def _cuda_initialised() -> bool:
+def _cuda_initialised(targets: Iterable[str] = ()) -> bool:
+    # torch's flag misses a driver that pinning alone woke (``Tensor.pin_memory`` allocates page-
+    # locked memory without torch's lazy initialisation), so the driver's device files count too.
     torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
+    if torch is not None and bool(torch.cuda.is_initialized()):
+        return True
+    return any(target.startswith("/dev/nvidia") for target in targets)
 
 
 def _open_fds() -> dict[str, str]:
     fds = {}
-    cuda = _cuda_initialised()
+    targets = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # the fd listdir itself used, already closed
+    cuda = _cuda_initialised(targets.values())
+    for fd, target in targets.items():
         # multiprocessing's heap (Value, Array) keeps small arenas mapped for reuse, for good.
         if target.startswith(f"{SHM_DIR}/pym-"):
             continue
@@ -361,6 +368,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cuda_opened_before_any_test() -> None:
+    """Where CUDA is, wake it once before the first test's snapshot of descriptors.
+
+    The driver opens descriptors of its own when it starts (a pipe among them, which cannot be
+    told apart from ours by name) and keeps them until the process exits; opened inside a test,
+    they would read as that test's leak.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return
+    torch.empty(1, device="cuda")
+    torch.empty(1, pin_memory=True)
+    torch.cuda.synchronize()
 
 
 @pytest.fixture(autouse=True)
