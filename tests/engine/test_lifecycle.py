@@ -162,7 +162,7 @@ class _ProgramsSigint(torch.utils.data.Dataset):
         return answer.stdout.strip() == "True"
 
 
-def test_a_program_a_worker_starts_stops_on_ctrl_c_as_under_torchs_workers():
+def test_a_program_a_worker_starts_stops_on_ctrl_c_as_under_torchs_workers(ctrl_c_raises: None) -> None:
     # Workers leave Ctrl-C to the main process; an ignored SIGINT would stay ignored across exec,
     # and an ffmpeg the dataset runs would outlive the Ctrl-C that stopped everything else.
     def ignored(module) -> list[bool]:

@@ -54,7 +54,7 @@ SCRIPT = """
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["epoch_ended", "_absorb"])
-def test_a_ctrl_c_during_a_finalizer_reaches_the_training_loop(name: str) -> None:
+def test_a_ctrl_c_during_a_finalizer_reaches_the_training_loop(name: str, ctrl_c_raises: None) -> None:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT).format(name=name)],
                           capture_output=True, text=True, timeout=100, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert done.stdout.split() == ["interrupted"], done.stderr[-2000:]

@@ -105,7 +105,7 @@ def _epochs_after_a_caught_ctrl_c(module: ModuleType, **options: Any) -> tuple[l
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["classic", "economic"])
-def test_a_caught_ctrl_c_leaves_the_persistent_sessions_random_stream_as_torchs(mode: str) -> None:
+def test_a_caught_ctrl_c_leaves_the_persistent_sessions_random_stream_as_torchs(mode: str, ctrl_c_raises: None) -> None:
     # The workers stopped at the Ctrl-C (none is left half alive) were started again with a
     # new base seed drawn from torch's generator: one draw torch never makes, and every later
     # epoch's order, and the loop's own draws, differed from torch's.
