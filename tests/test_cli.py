@@ -130,6 +130,8 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["profile", "factories:exits"], 1, "factories:exits raised SystemExit: 3"),
     (["profile", "factories:broken_len"], 1, "loading failed after 0 batches: RuntimeError: no length"),
     (["profile", "factories:fails_to_load"], 1, "loading failed after 0 batches: KeyError"),
+    (["profile", "factories:fails_in_a_worker"], 1, "in DataLoader worker process 0. It was raised while "
+     "fetching a batch (sample indices [0, 1, 2, 3]). The original error: ValueError: corrupt sample 0"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_input_is_one_line_and_a_non_zero_status(
@@ -327,6 +329,16 @@ def not_a_dataset():
 
 def fails_to_load():
     return {"a": 1}
+
+class Corrupt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        raise ValueError(f"corrupt sample {index}")
+
+def fails_in_a_worker():
+    return pipeload.DataLoader(Corrupt(), batch_size=4, num_workers=1)
 
 def stats_off():
     return pipeload.DataLoader(Slow(), batch_size=4, stats=False)

@@ -333,6 +333,32 @@ def test_without_workers_the_batches_made_again_to_resume_leave_the_loops_genera
     assert assert_same(make, taken=5).warnings == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterator_from_before_a_load_advanced_after_it_leaves_the_resumed_stream_alone(
+    num_workers: int, leak_guard: LeakGuard
+) -> None:
+    # The load set the loader's generator at once, and the older iterator, advanced after it,
+    # drew from it (its workers' seeds): the resumed epoch was another order, silently.
+    def make() -> pipeload.DataLoader:
+        return pipeload.DataLoader(list(range(23)), batch_size=4, shuffle=True, num_workers=num_workers,
+                                   generator=torch.Generator().manual_seed(1234),
+                                   multiprocessing_context="fork" if num_workers else None)
+
+    wanted = [batch.tolist() for batch in make()]
+    loader = make()
+    first = iter(loader)
+    next(first), next(first)
+    state = loader.state_dict()
+    del first
+    older = iter(loader)  # the next epoch, under way
+    next(older)
+    loader.load_state_dict(state)
+    next(older)  # advanced after the load
+    del older
+    assert [batch.tolist() for batch in loader] == wanted[2:]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["inline", "processes"])
 def test_an_iterable_without_state_is_fast_forwarded_with_a_warning(engine: str, leak_guard: LeakGuard) -> None:

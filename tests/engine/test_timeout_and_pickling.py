@@ -243,6 +243,8 @@ def test_unpicklable_object_is_refused_before_any_worker_starts(method, name, mo
     assert f"{name}=" in text, text
     assert "cannot be pickled" in text and f"'{method}'" in text
     assert "lambda" in text or "local" in text  # the inner reason is kept
+    if name == "dataset":  # the class is at module level: what cannot be pickled is named
+        assert "because dataset.transform (a function) cannot be pickled" in text, text
     assert context.Process.starts == 0
 
 

@@ -229,12 +229,24 @@ def _one_epoch(loader: pipeload.DataLoader, options: ProfileOptions, step_s: flo
                 break
     except Exception as error:
         raise CommandError(f"loading failed after {before + batches} batches: {type(error).__name__}: "
-                           f"{str(error).splitlines()[0] if str(error) else ''}", status=1) from None
+                           f"{_in_one_line(error)}", status=1) from None
     finally:
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
     return batches
+
+
+def _in_one_line(error: Exception) -> str:
+    """The error's first line and, where a worker's traceback follows it (torch's "Caught ...
+    in DataLoader worker process N" and the original traceback), the original error's last line:
+    the first alone names the worker, not what went wrong."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if len(lines) > 1 and lines[-1] != lines[0]:
+        return f"{lines[0]} The original error: {lines[-1]}"
+    return lines[0]
 
 
 def _enough(loader: pipeload.DataLoader, options: ProfileOptions, batches: int) -> bool:

@@ -897,15 +897,51 @@ def _unpicklable(exc: Exception, name: str, obj: Any, start_method: str, sender:
 
 
 def _unpicklable_error(exc: Exception, name: str, obj: Any, start_method: str, sender: str) -> Exception:
+    part = _unpicklable_part(obj, name)
+    culprit = "it cannot" if part is None else f"{part[0]} (a {type(part[1]).__qualname__}) cannot"
     message = (
         f"{exc} (pipeload: {sender} cannot send {name}={_short_repr(obj)} to its "
-        f"'{start_method}' worker processes because it cannot be pickled. Define it at module "
+        f"'{start_method}' worker processes because {culprit} be pickled. Define it at module "
         "level (not as a lambda or local function/class), or use multiprocessing_context='fork'.)"
     )
     try:
         return type(exc)(message)
     except Exception:  # an exception type that needs other constructor arguments
         return pickle.PicklingError(message)
+
+
+# Parts taken as picklable without trying: pickling a tensor for a process moves it into shared
+# memory, and a large array would be copied for nothing.
+_TAKEN_AS_PICKLABLE = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor)
+_PARTS_LOOKED_AT = 1000  # of a container: its first items only (this runs on a failure path)
+
+
+def _unpicklable_part(obj: Any, path: str, depth: int = 4) -> tuple[str, Any] | None:
+    """The deepest part of ``obj`` (an attribute, a value, an item, within ``depth`` levels) that
+    cannot be pickled, with its path (``dataset.transform``); None when no part is to blame (``obj``
+    itself is: a lambda, a local class)."""
+    if depth == 0:
+        return None
+    for part_path, part in _parts(obj, path):
+        if isinstance(part, _TAKEN_AS_PICKLABLE) or type(part).__module__ == "numpy":
+            continue
+        try:
+            pickle.dumps(part, pickle.HIGHEST_PROTOCOL)  # not ForkingPickler: it shares tensors
+        except Exception:
+            return _unpicklable_part(part, part_path, depth - 1) or (part_path, part)
+    return None
+
+
+def _parts(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"{path}[{key!r}]", value) for key, value in list(obj.items())[:_PARTS_LOOKED_AT]]
+    if isinstance(obj, (list, tuple)):
+        return [(f"{path}[{index}]", item) for index, item in enumerate(obj[:_PARTS_LOOKED_AT])]
+    try:
+        attributes = vars(obj)
+    except TypeError:
+        return []
+    return [(f"{path}.{key}", value) for key, value in list(attributes.items())[:_PARTS_LOOKED_AT]]
 
 
 def _short_repr(obj: Any) -> str:

@@ -221,6 +221,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._epoch_notes: tuple[resume.EpochRecord, resume.EpochProgress] | None = None
         self._resume_point: resume.ResumePoint | None = None
         self._loaded_state: dict[str, Any] | None = None  # what _resume_point was read from
+        self._loaded_generators: tuple = ()  # set again at the next iter() (resume/state.py)
         self._keep_slabs()
         self.__initialized = True
         if not auto[0]:  # "auto" chose the count: torch's warning is about a count one chose
@@ -334,6 +335,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_loaded_generators", ())  # a loader pickled by an older pipeload
         self.__dict__.update(state)  # not through __setattr__: the frozen ones are restored
         self._stats = self._new_stats() if state["_stats"] else None
         self._keep_slabs()
@@ -421,6 +423,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
     def _begin_epoch(self) -> _EpochIterator:
         called_at = now()  # the epoch's first batch is timed from here: starting workers included
         point, self._resume_point, self._loaded_state = self._resume_point, None, None
+        resume.set_generators_as_loaded(self._loaded_generators)
+        self._loaded_generators = ()
         point = resume.unless_sampler_moved_on(self, point)
         self._settings_agree()
         self._count_failures_anew()
@@ -571,6 +575,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._epoch_notes = None
         self._resume_point = point
         self._loaded_state = copy.deepcopy(state)
+        self._loaded_generators = resume.generators_as_loaded(self)
 
     def _warn_if_every_rank_loads_all(self) -> None:
         if self._warned_every_rank_loads_all or self._dataset_kind is not DatasetKind.MAP:

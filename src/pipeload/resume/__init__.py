@@ -30,7 +30,10 @@ from pipeload.resume.replay import (
     stream_start,
     unless_sampler_moved_on,
 )
-from pipeload.resume.state import ResumePoint, build_state, check_can_checkpoint, read_state
+from pipeload.resume.state import (
+    ResumePoint, build_state, check_can_checkpoint, generators_as_loaded, read_state,
+    set_generators_as_loaded,
+)
 
 __all__ = [
     "STREAM_SNAPSHOT_EVERY",
@@ -42,6 +45,7 @@ __all__ = [
     "build_state",
     "check_can_checkpoint",
     "epoch_start_draws",
+    "generators_as_loaded",
     "loaded_epoch_is_over",
     "move_loaded_epochs_on",
     "position_tasks",
@@ -49,6 +53,7 @@ __all__ = [
     "read_state",
     "record_sampler_state",
     "resumed_streams",
+    "set_generators_as_loaded",
     "skip_handed_out",
     "stream_start",
     "unless_sampler_moved_on",

@@ -387,6 +387,28 @@ def _set_generators(loader: Any, checked: CheckedState) -> None:
         raise
 
 
+def generators_as_loaded(loader: Any) -> tuple[tuple[torch.Generator, torch.Tensor], ...]:
+    """The generators a loaded state sets (the loader's, and its sampler's), each with the state
+    it holds now, just after the load: the next ``iter()`` sets them so again
+    (:func:`set_generators_as_loaded`), so that draws made in between, by an iterator made before
+    the load and advanced after it, do not shift the resumed stream. torchdata's loader applies a
+    loaded state at the next ``iter()`` likewise."""
+    generators = [loader.generator]
+    sampler = loader._index_sampler
+    if keeps_a_shape(sampler):
+        generators.extend(own_generators(sampler).values())
+    for holder in (sampler, getattr(sampler, "sampler", None)):
+        generators.append(getattr(holder, "generator", None))
+    unique = {id(g): g for g in generators if isinstance(g, torch.Generator)}
+    return tuple((generator, generator.get_state()) for generator in unique.values())
+
+
+def set_generators_as_loaded(loaded: tuple[tuple[torch.Generator, torch.Tensor], ...]) -> None:
+    """Set each generator back to the state a load left it in (see :func:`generators_as_loaded`)."""
+    for generator, state in loaded:
+        generator.set_state(state)
+
+
 def _load_sampler(loader: Any, saved: Any, path: str) -> None:
     if saved is None:
         return
