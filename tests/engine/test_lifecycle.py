@@ -150,6 +150,34 @@ def test_a_ctrl_c_while_a_spawn_start_writes_the_child_its_arguments_leaves_no_z
     assert left == [], [(child.pid, child.status()) for child in left]
 
 
+CTRL_C_DURING_NUMPY_RANDOM = """
+import os, signal, sys
+from pipeload.engine import lifecycle
+
+class PressCtrlC:  # a Ctrl-C that comes while numpy.random is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy.random":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+assert "numpy.random" not in sys.modules
+sys.meta_path.insert(0, PressCtrlC())
+try:
+    lifecycle._import_what_workers_seed()
+except KeyboardInterrupt:
+    print("interrupted after the import:", "numpy.random" in sys.modules)
+"""
+
+
+def test_a_ctrl_c_while_workers_import_numpy_random_is_raised_once_it_is_imported(ctrl_c_raises: None) -> None:
+    # numpy's compiled modules drop a KeyboardInterrupt raised while they are set up: a Ctrl-C
+    # pressed as spawn workers started was lost, and the loop trained on.
+    done = subprocess.run([sys.executable, "-c", CTRL_C_DURING_NUMPY_RANDOM], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC})
+    assert done.stdout.split(":") == ["interrupted after the import", " True\n"], done.stderr[-2000:]
+
+
 class _ProgramsSigint(torch.utils.data.Dataset):
     """Each item: whether a program started from the worker ignores Ctrl-C (SIGINT)."""
 

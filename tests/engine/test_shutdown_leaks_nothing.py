@@ -160,8 +160,9 @@ def test_ctrl_c_with_other_workers(tmp_path, context, loader_mode, ctrl_c_raises
      # does: a worker stuck in user code must watch the main process itself.
      pytest.param("forkserver", "busy", "classic", marks=pytest.mark.timeout(120)),
      # A worker whose thread holds the GIL (C code that never lets it go) cannot run its
-     # watching thread: the kernel kills it with its parent (forked by the main thread).
-     ("fork", "gil", "classic")],
+     # watching thread: the kernel kills it with its parent (forked, or spawned, by the main
+     # thread). A spawned one was left running at 100% CPU (stop 50's lifecycle skeptic).
+     ("fork", "gil", "classic"), pytest.param("spawn", "gil", "classic", marks=pytest.mark.timeout(120))],
 )
 def test_workers_exit_when_the_main_process_is_killed(tmp_path, context, mode, loader_mode):
     proc, pids = _start_script(tmp_path, context, mode, loader_mode=loader_mode)

@@ -124,6 +124,8 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
     # (engine/spawn_launch.py); any other context's Process as it is.
     make = SpawnProcess if getattr(ctx, "Process", None) is mp_context.SpawnProcess else ctx.Process
     process = make(target=target, args=args, name=name, daemon=True)
+    # A spawned child gets this with its pickled Process (a forked one reads _FORKING_THREAD).
+    process.pipeload_started_by_main_thread = threading.current_thread() is threading.main_thread()
     with _children_allowed(current):
         try:
             process.start()
@@ -250,8 +252,15 @@ def _import_what_workers_seed() -> None:
     """Import ``numpy.random`` here, before a fork, if it is not yet: every process worker seeds
     numpy's global generator, and numpy 2 imports that module on first use only, which in a
     forked worker costs about 4.5 MiB of its own memory each, where here it costs one copy that
-    all forked workers share."""
-    import numpy.random  # noqa: F401
+    all forked workers share.
+
+    Ctrl-C is held over the import: numpy's compiled modules drop a KeyboardInterrupt raised
+    while they are set up, without a word, so a Ctrl-C pressed as the first workers started was
+    lost (under spawn and forkserver, which no fork's hold covers) and the loop trained on."""
+    if "numpy.random" in sys.modules:
+        return
+    with ctrl_c_held():
+        import numpy.random  # noqa: F401
 
 
 _libc: Any = None
@@ -676,7 +685,7 @@ def exit_when_creator_dies() -> None:
     """
     creator = _creator_pid()
     is_parent = os.getppid() == creator
-    if is_parent and _FORKING_THREAD.is_main:
+    if is_parent and _started_by_main_thread():
         _killed_with_parent(creator)
     pidfd = _creator_pidfd(creator, is_parent)
 
@@ -706,13 +715,22 @@ _FORKING_THREAD = _ForkingThread()
 _PR_SET_PDEATHSIG = 1
 
 
+def _started_by_main_thread() -> bool:
+    """Whether this child was started by its creator's main thread: forked by it (the forked
+    memory says so), or spawned by it (the ``Process`` object the child was sent says so: its
+    interpreter is new, and a spawn's fork and exec run on the thread that started it)."""
+    started = getattr(multiprocessing.current_process(), "pipeload_started_by_main_thread", None)
+    return _FORKING_THREAD.is_main or started is True
+
+
 def _killed_with_parent(parent: int) -> None:
     """Have the kernel kill this forked child when its parent dies, even while it holds the
     GIL (a regex backtracking, a C extension's loop), where the watching thread cannot run.
 
     The kernel's signal follows the thread that forked, not the process: only a child forked
-    by its parent's main thread (whose end is the process's) asks for it. Any other keeps to
-    the watching thread alone.
+    (or spawned: a fork, then an exec) by its parent's main thread, whose end is the process's,
+    asks for it. Any other keeps to the watching thread alone, and so does a fork server's child,
+    whose parent is the server.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
