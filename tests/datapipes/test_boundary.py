@@ -191,7 +191,8 @@ def test_spawn_sends_the_description_and_refuses_what_cannot_travel() -> None:
     assert list(pipe) == list(range(1, 7))
     lambdas = IterableWrapper(range(3)).map(lambda x: x).queue_boundary(
         "process", multiprocessing_context=multiprocessing.get_context("spawn"))
-    with pytest.raises(Exception, match="A queue boundary cannot send datapipe=.*because it cannot be pickled"):
+    with pytest.raises(Exception, match=r"A queue boundary cannot send datapipe=.*because datapipe\.fn "
+                                        r"\(a function\) cannot be pickled"):
         list(lambdas)
 
 
