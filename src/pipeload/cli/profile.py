@@ -244,7 +244,7 @@ def _in_one_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:
         return ""
-    if len(lines) > 1 and lines[-1] != lines[0]:
+    if "Original Traceback (most recent call last):" in lines[1:-1]:
         return f"{lines[0]} The original error: {lines[-1]}"
     return lines[0]
 

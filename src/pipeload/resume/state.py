@@ -399,7 +399,11 @@ def generators_as_loaded(loader: Any) -> tuple[tuple[torch.Generator, torch.Tens
         generators.extend(own_generators(sampler).values())
     for holder in (sampler, getattr(sampler, "sampler", None)):
         generators.append(getattr(holder, "generator", None))
-    unique = {id(g): g for g in generators if isinstance(g, torch.Generator)}
+    # Never the global generator: the loop draws from it too (a model's initialisation, the
+    # user's own torch.set_rng_state after the load), and its state resumes from the user's own
+    # checkpoint, not the loader's.
+    unique = {id(g): g for g in generators
+              if isinstance(g, torch.Generator) and g is not torch.default_generator}
     return tuple((generator, generator.get_state()) for generator in unique.values())
 
 
