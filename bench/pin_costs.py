@@ -114,8 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     line("make + populate", _timed(lambda: holder.extend(_made_slabs(args.slabs, size))))
     addresses = [array.ctypes.data for _, _, array in holder]
     for threads in (int(text) for text in args.threads.split(",")):
+        registered: list[bool] = []
         line(f"register, {threads} threads",
-             _timed(lambda: _register_all(addresses, size, min(threads, args.slabs))))
+             _timed(lambda: registered.append(_register_all(addresses, size, min(threads, args.slabs)))))
+        if not all(registered):
+            print("  (cudaHostRegister failed for some slab: the time above is not page-locking's)")
         line("unregister", _timed(lambda: [host_pinning.unregister(a) for a in addresses]))
     while holder:
         fd, mapping, array = holder.pop()
@@ -143,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{_copy_rate(pageable):6.1f} GB/s")
     for slab in holder:
         slab.unpin()
+        slab.close_fd()
     return 0
 
 

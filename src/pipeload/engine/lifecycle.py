@@ -118,13 +118,12 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
         release_free_heap()
         # Pages the kernel gathered while the child shares them would be copied for us alone.
         huge_heap.GATHERER.before_fork()
-        # Read by the child (it inherits this process's memory): see exit_when_creator_dies.
-        _FORKING_THREAD.is_main = threading.current_thread() is threading.main_thread()
     # multiprocessing's 'spawn' Process, made by one that a dead child cannot leave blocked
     # (engine/spawn_launch.py); any other context's Process as it is.
     make = SpawnProcess if getattr(ctx, "Process", None) is mp_context.SpawnProcess else ctx.Process
     process = make(target=target, args=args, name=name, daemon=True)
-    # A spawned child gets this with its pickled Process (a forked one reads _FORKING_THREAD).
+    # The child reads it on its Process object (forked with it, or sent it pickled by spawn and
+    # forkserver): see exit_when_creator_dies.
     process.pipeload_started_by_main_thread = threading.current_thread() is threading.main_thread()
     with _children_allowed(current):
         try:
@@ -705,22 +704,14 @@ def exit_when_creator_dies() -> None:
     threading.Thread(target=watch, name="pipeload-parent-watch", daemon=True).start()
 
 
-class _ForkingThread:
-    """Whether the thread forking a child is its process's main thread (set before each fork)."""
-
-    is_main = False
-
-
-_FORKING_THREAD = _ForkingThread()
 _PR_SET_PDEATHSIG = 1
 
 
 def _started_by_main_thread() -> bool:
-    """Whether this child was started by its creator's main thread: forked by it (the forked
-    memory says so), or spawned by it (the ``Process`` object the child was sent says so: its
-    interpreter is new, and a spawn's fork and exec run on the thread that started it)."""
+    """Whether this child was started by its creator's main thread, as its ``Process`` object
+    says (``start_process`` marks it; a spawn's fork and exec run on the thread that started it)."""
     started = getattr(multiprocessing.current_process(), "pipeload_started_by_main_thread", None)
-    return _FORKING_THREAD.is_main or started is True
+    return started is True
 
 
 def _killed_with_parent(parent: int) -> None:
