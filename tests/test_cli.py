@@ -114,6 +114,7 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["bench", "--loaders", "classic,threads,classic"], 2, "loader 'classic' named twice"),
     (["bench", "--chart", "."], 2, "--chart . is a directory"),
     (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png"),
+    (["bench", "--size", "32", "--batch-size", "32", "--workers", "2"], 2, "makes 1 batch(es) per pass, fewer than the 2 workers"),
     (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer >= 0 or 'auto', got 'many'"),
     (["profile", "factories:slow_dataset", "--step-ms", "-5"], 2, "expected a number of milliseconds >= 0, got '-5'"),
     (["profile", "factories:slow_dataset", "--step-ms", "nan"], 2, "expected a number of milliseconds >= 0, got 'nan'"),
@@ -153,6 +154,9 @@ def test_bad_input_is_one_line_and_a_non_zero_status(
     lines = capsys.readouterr().err.strip().splitlines()
     assert returned == status and len(lines) == 1, lines
     assert words in lines[0], lines[0]
+    # A mistake in what was asked reads as argparse's own do, whichever check caught it.
+    usage_mistake = lines[0].startswith(f"pipeload {args[0]}: error: ")
+    assert usage_mistake == (status == 2), lines[0]
     assert not (tmp_path / "cache").exists()  # refused before any dataset was written
 
 

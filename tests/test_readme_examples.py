@@ -68,3 +68,11 @@ def test_the_separate_process_example_prints_what_its_comment_shows() -> None:
     printed = run(prelude + supplied).strip()
     promised = block.rsplit("# ", 1)[1].strip()
     assert printed == promised
+
+
+def test_the_stats_example_runs_as_written_and_prints_the_summary() -> None:
+    # It named a `dataset` and a `train_step` the reader had to invent: a NameError as written.
+    printed = run(block_with("print(loader.stats())"))
+    assert printed.startswith("pipeload stats: 96 batches in 3 epoch(s)"), printed
+    assert "setup: a map-style dataset, mode=classic, num_workers=2" in printed, printed
+    assert "\nverdict: " in printed, printed

@@ -62,6 +62,8 @@ def test_too_few_batches_or_seconds_give_no_verdict_and_say_how_many_more() -> N
     assert "about 43 more batches" in _verdict(few)  # 50 needed; 2 s at 17.5 batches/s is 35 more
     slow = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.0)
     assert "about 499 more batches" in _verdict(slow)  # 1 s more at 499 batches/s
+    nearly = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.999)
+    assert _verdict(nearly).endswith("about 1 more batch"), _verdict(nearly)  # 1 ms at 499 batches/s
 
 
 def test_enough_evidence_gives_a_verdict() -> None:

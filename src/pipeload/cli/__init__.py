@@ -46,10 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _one_line_warning(args.command, _callers(sys._getframe(1)))
             return args.handler(args)
     except CommandError as error:
-        print(f"pipeload {args.command}: {error}", file=sys.stderr)
+        print(f"pipeload {args.command}: {_usage_prefix(error.status)}{error}", file=sys.stderr)
         return error.status
     except LookupError as error:  # a loader that cannot run here (no checkout, no workers)
-        print(f"pipeload {args.command}: {error.args[0]}", file=sys.stderr)
+        print(f"pipeload {args.command}: {_usage_prefix(2)}{error.args[0]}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
         package = OPTIONAL_PACKAGES.get((error.name or "").split(".")[0])
@@ -63,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left early (`| head`): not worth a traceback
         _silence_stdout()
         return 128 + signal.SIGPIPE
+
+
+def _usage_prefix(status: int) -> str:
+    """argparse's word before a usage mistake (exit status 2), so that every mistake in what was
+    asked reads alike, whichever check caught it; failures while running (status 1) have none."""
+    return "error: " if status == 2 else ""
 
 
 def _callers(frame: Any) -> set[tuple[str, int]]:

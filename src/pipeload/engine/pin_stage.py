@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeload._user_frame import UserSite, lend_user_site, user_site
 from pipeload.errors import RemoteFailure
 from pipeload.pin import pin_memory
 from pipeload.stats.clock import now, profiling, span
@@ -111,7 +112,8 @@ class ThreadedPinning:
         self._pinned = queue.Queue(maxsize=PINNED_AHEAD)
         self._finished = False
         self._thread = threading.Thread(
-            target=self._pin_ahead, args=(self._stop, self._pinned), name="pipeload-pin", daemon=True
+            target=self._pin_ahead, args=(self._stop, self._pinned, user_site()), name="pipeload-pin",
+            daemon=True,
         )
         self._thread.start()
 
@@ -155,7 +157,8 @@ class ThreadedPinning:
             self._finished = outcome.ended or outcome.last
             return outcome
 
-    def _pin_ahead(self, stop: threading.Event, pinned: queue.Queue) -> None:
+    def _pin_ahead(self, stop: threading.Event, pinned: queue.Queue, site: UserSite | None) -> None:
+        lend_user_site(site)  # what the engine warns of here points at the user's iter(loader)
         while not stop.is_set():
             outcome = self._pin_next()
             delivered = _put_unless_stopped(pinned, outcome, stop)

@@ -175,7 +175,8 @@ def evidence_shortfall(stats: LoaderStats, factor: float = 1.0) -> str | None:
     rate = batches / seconds if batches and seconds > 0 else 0.0
     more = max(need_batches - batches, math.ceil((need_s - seconds) * rate) if rate else 0)
     return (f"too little to judge yet: {batches} batches after each epoch's first, in {seconds:.1f} s; "
-            f"a verdict needs {need_batches} batches and {need_s:.0f} s of them: about {more:,} more batches")
+            f"a verdict needs {need_batches} batches and {need_s:.0f} s of them: about {more:,} more "
+            f"{'batch' if more == 1 else 'batches'}")
 
 
 def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:

@@ -23,11 +23,10 @@ import resource
 import shutil
 import tempfile
 import threading
-import warnings
 
 import torch
 
-from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload._user_frame import warn_user
 
 DEV_SHM = "/dev/shm"
 BACKING_ENV = "PIPELOAD_SHM_BACKING"
@@ -190,12 +189,11 @@ def note_received(fd: int) -> None:
     if not os.path.basename(target or "").startswith(BUFFER_PREFIX):
         return  # not one of our buffers (see BUFFER_PREFIX)
     _choice.warned = True
-    warnings.warn(
+    warn_user(  # on the pin thread too, which starts at the user's iter(loader)
         f"pipeload: could not make shared memory in {_describe(_choice.preferred)} (full, or not "
         f"allowed here); batches now travel in {_describe(backing)}, which is slower. Give the "
         "container more shared memory, or lower max_shm_bytes.",
         RuntimeWarning,
-        stacklevel=first_frame_outside_pipeload(),
     )
 
 
@@ -206,14 +204,13 @@ def warn_if_dev_shm_too_small(batch_bytes: int, batches_in_flight: int) -> None:
     needed = batch_bytes * batches_in_flight
     if free is None or backing is Backing.DEV_SHM or needed <= free:
         return
-    warnings.warn(
+    warn_user(
         f"pipeload: batches of {batch_bytes / MIB:.1f} MiB, up to {batches_in_flight} in flight, "
         f"do not fit in /dev/shm ({free / MIB:.1f} MiB free), where torch.utils.data would fail; "
         f"pipeload passes them in {_describe(backing)}, which the size of /dev/shm does "
         "not limit. That memory still counts against the container's memory limit; the "
         "DataLoader's max_shm_bytes bounds how much of it the loader keeps.",
         RuntimeWarning,
-        stacklevel=first_frame_outside_pipeload(),
     )
 
 

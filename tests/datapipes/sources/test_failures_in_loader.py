@@ -150,6 +150,21 @@ def test_a_pipe_read_outside_a_loader_keeps_the_budget_of_one_run(tmp_path: Path
 
 
 @pytest.mark.parametrize("read_ahead", [64, 0], ids=["read-ahead", "no read-ahead"])
+def test_a_skipped_sample_is_said_at_the_users_line_even_from_the_read_ahead_thread(
+        tmp_path: Path, read_ahead: int) -> None:
+    # The read-ahead thread's stack holds no line of the user's: the warning pointed into
+    # threading.py. It now points at the loop that started the thread (this file).
+    urls, keys = bad_shards(tmp_path)
+    pipe = webdataset_pipeline(urls, shuffle_shards=False, shuffle_buffer=0, on_error="skip",
+                               read_ahead=read_ahead)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert sorted(s["__key__"] for s in pipe) == keys
+    skipped = [w for w in said if w.category.__name__ == "SkippedSampleWarning"]
+    assert skipped and {w.filename for w in skipped} == {__file__}, [(w.filename, w.lineno) for w in skipped]
+
+
+@pytest.mark.parametrize("read_ahead", [64, 0], ids=["read-ahead", "no read-ahead"])
 @pytest.mark.parametrize("engine", ["inline", "process-2", "thread-2"])
 def test_a_loop_that_catches_a_raised_shard_error_gets_every_other_shard(tmp_path: Path, engine: str,
                                                                          read_ahead: int) -> None:

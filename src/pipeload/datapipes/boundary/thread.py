@@ -6,6 +6,7 @@ import threading
 import weakref
 from typing import Any
 
+from pipeload._user_frame import UserSite, lend_user_site, user_site
 from pipeload.datapipes.boundary.feed import feed
 from pipeload.datapipes.boundary.positions import Resume, StateLog
 from pipeload.datapipes.boundary.queue_interface import DataLoaderQueue
@@ -25,8 +26,8 @@ class ThreadProducer:
         """``resume``: where the run starts (None: at the start); ``states``: put the upstream's
         state after items, for the consumer (see ``positions.py``)."""
         thread = threading.Thread(
-            target=feed, args=(pipe, queue, f"upstream of a thread queue boundary ({name})", resume,
-                                       states if states is not None else False),
+            target=_feed_under, args=(user_site(), pipe, queue, f"upstream of a thread queue boundary ({name})",
+                                      resume, states if states is not None else False),
             name=name, daemon=True,
         )
         self._handle = ThreadWorkerHandle(thread, threading.Event())
@@ -36,6 +37,13 @@ class ThreadProducer:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _feed_under(site: UserSite | None, *args: Any) -> None:
+    """``feed``, with the user's line that started the thread lent to it: a warning the upstream
+    raises (a source skipping a broken shard) points there, not into ``threading``."""
+    lend_user_site(site)
+    feed(*args)
 
 
 def _stop_thread(queue: DataLoaderQueue, handle: ThreadWorkerHandle) -> None:

@@ -20,14 +20,13 @@ one run. Every pipe that takes ``on_error`` counts what it skipped and what that
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeload.datapipes.sources.errors import SourceError, redact_url
 from pipeload.stats.skips import BoardSlot, Counts
-from pipeload._user_frame import first_frame_outside_pipeload
+from pipeload._user_frame import warn_user
 
 OnError = Literal["raise", "skip"] | Callable[[BaseException, "FailureSite"], None]
 _POLICIES = ("raise", "skip")
@@ -196,8 +195,8 @@ class FailureHandler:
             ) from error
         if self._on_error == "skip":
             notes = "".join(f" ({note.removeprefix('pipeload: ')})" for note in getattr(error, "__notes__", ()))
-            warnings.warn(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
-                          SkippedSampleWarning, stacklevel=first_frame_outside_pipeload())
+            warn_user(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
+                      SkippedSampleWarning)
         else:
             try:
                 self._on_error(error, site)  # type: ignore[operator]
