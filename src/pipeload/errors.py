@@ -191,7 +191,11 @@ class RemoteFailure:
     def to_exception(self) -> BaseException:
         """Rebuild an exception of the original type whose str() tells the whole story: torch's
         sentence, the original error in one line, then the worker's traceback."""
-        text = f"{self.headline()}\n{self.summary()}\nOriginal {self.traceback_text}"
+        text = f"{self.headline()}\n{self.summary()}"
+        if self.traceback_text.startswith("Traceback"):
+            text += f"\nOriginal {self.traceback_text}"
+        # else it was never raised (a producer closing a queue with it): no frames to show, and
+        # the summary line has already said what it is.
         if self.exc_type is KeyError:
             text = _KeyErrorMessage(text)
         try:

@@ -40,6 +40,11 @@ def put_then_fail(queue: DataLoaderQueue) -> None:
         queue.close(error=error)
 
 
+def close_at_once(queue: DataLoaderQueue, message: str | None) -> None:
+    # never raised: the error has no traceback
+    queue.close(error=None if message is None else ValueError(message))
+
+
 def put_then_die(queue: DataLoaderQueue, code: int) -> None:
     queue.put("last words")
     queue.put("more")
@@ -165,6 +170,25 @@ def test_an_error_the_far_end_closes_with_arrives_after_its_items() -> None:
     assert items == ["before"]
     assert isinstance(end.cause, KeyError) and end.__cause__ is end.cause
     assert "no such sample" in str(end.cause) and "in put_then_fail" in str(end.cause)  # its traceback
+    queue.close()
+    child.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("message", [None, "the source is gone"], ids=["closed", "closed-with-error"])
+def test_a_far_end_that_closes_before_its_first_put_ends_the_queue(method: str, message: str | None) -> None:
+    # It never joined, so the consumer waited for it to join for ever (or for its timeout).
+    queue = DataLoaderQueue(kind="process")
+    child = multiprocessing.get_context(method).Process(target=close_at_once, args=(queue, message))
+    child.start()
+    items, end = drain(queue)
+    child.join(DEADLINE_S)
+    assert items == [] and end.reason == QueueError.CLOSED, end
+    if message is None:
+        assert end.cause is None
+    else:  # said once: with no traceback, an "Original ..." line repeated the summary word for word
+        said = str(end.cause)
+        assert isinstance(end.cause, ValueError) and said.count(message) == 1 and "Original" not in said, said
     queue.close()
     child.close()
 

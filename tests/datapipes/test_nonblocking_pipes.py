@@ -5,6 +5,7 @@ workers (processes and threads), sharded, and resumed from a checkpoint."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections.abc import Callable
 from typing import Any
@@ -283,6 +284,21 @@ def test_every_epoch_of_a_pipe_reading_its_parent_without_blocking_is_whole(
         loader = pipeload.DataLoader(pipe, batch_size=None, **engine)
         epochs = [[int(x) for x in loader] for _ in range(3)]
     assert epochs == [expected] * 3
+
+
+def test_iter_on_a_partly_read_run_goes_on_where_it_stands_as_pythons_iterators_do() -> None:
+    # iter() on the pipe's own run started it again: `first = next(it)` then `for x in it`
+    # saw `first` twice, and islice over one iterator repeated its first items.
+    pipe = Prefetcher(IterableWrapper(range(6)).map(add_one))
+    it = iter(pipe)
+    first = [next(it), next(it)]
+    assert first + list(it) == [1, 2, 3, 4, 5, 6]
+    it = iter(pipe)  # iter() on the pipe itself still starts a new run
+    assert [list(itertools.islice(it, 2)) for _ in range(3)] == [[1, 2], [3, 4], [5, 6]]
+    it = iter(pipe)
+    assert it.nonblocking_next() == 1 and next(it) == 2 and next(pipe) == 3  # one run, three ways in
+    assert list(zip(it, "ab")) == [(4, "a"), (5, "b")]
+    assert list(pipe) == [1, 2, 3, 4, 5, 6]
 
 
 class Fetched(NonBlockingMapDataPipe):

@@ -82,6 +82,26 @@ def test_bucketbatch_options() -> None:
         IterableWrapper([]).bucketbatch(3, bucket_num=0)
 
 
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_one_bucket_with_a_sort_key_holds_consecutive_items_as_torchdatas_does(in_batch: bool) -> None:
+    # torchdata shuffles items only with several buckets or no sort_key: items were mixed
+    # across buckets here when use_in_batch_shuffle was False.
+    pipe = IterableWrapper(range(40)).bucketbatch(2, batch_num=5, sort_key=sorted, use_in_batch_shuffle=in_batch)
+    in_order = [[i, i + 1] for i in range(0, 40, 2)]
+    orders = []
+    for seed in range(5):
+        batches = list(pipe.set_seed(seed))
+        assert sorted(batches) == in_order, batches
+        # each run of 5 batches (a bucket, here a pool) is 10 consecutive items
+        assert [sorted(sum(batches[start:start + 5], [])) for start in range(0, 20, 5)] == [
+            list(range(start, start + 10)) for start in range(0, 40, 10)]
+        orders.append(batches)
+    if in_batch:  # torchdata's batch shuffle runs over bucket_num batches: one leaves them in order
+        assert orders == [in_order] * 5
+    else:  # the pool's batches are shuffled
+        assert any(order != in_order for order in orders)
+
+
 def test_in_batch_shuffle_draws_torchdatas_stream() -> None:
     batches = [list(range(i, i + 4)) for i in range(0, 20, 4)] + [[20, 21]]
     pipe = IterableWrapper(batches).in_batch_shuffle()

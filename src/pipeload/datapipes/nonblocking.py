@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pipeload.datapipes.base import IterDataPipe, MapDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter._columns import length_of
-from pipeload.datapipes.protocol import Notifier, as_nonblocking, wait_until_ready
+from pipeload.datapipes.protocol import RUN_OF, Notifier, as_nonblocking, wait_until_ready
 from torch.utils.data import IterableDataset  # ours and torch's plain iterable datasets alike
 
 T_co = TypeVar("T_co", covariant=True)
@@ -24,13 +24,16 @@ T_co = TypeVar("T_co", covariant=True)
 class NonBlockingIterDataPipe(IterDataPipe[T_co]):
     """An iterable pipe whose subclass writes only ``nonblocking_next()`` (the RFC's base).
 
-    The pipe is its own iterator, as in the RFC: its run state lives on the pipe. ``next()``
-    asks ``nonblocking_next()`` until it answers, sleeping between tries on the notifiers of
-    the pipes it reads from (so a waiting consumer wakes as soon as an upstream queue delivers)
-    or, with none, backing off from a short poll. ``iter()`` starts again: the runs its
-    parents keep for their ``nonblocking_next()`` are started afresh (so a second epoch reads
-    them from the top), then :meth:`reset` is called, which does nothing unless the subclass
-    says how to start again.
+    The pipe is its own iterator, as in the RFC: its run state lives on the pipe, and
+    ``next(pipe)`` and ``pipe.nonblocking_next()`` read it. ``next()`` asks
+    ``nonblocking_next()`` until it answers, sleeping between tries on the notifiers of the pipes
+    it reads from (so a waiting consumer wakes as soon as an upstream queue delivers) or, with
+    none, backing off from a short poll. ``iter(pipe)`` starts again: the runs its parents keep
+    for their ``nonblocking_next()`` are started afresh (so a second epoch reads them from the
+    top), then :meth:`reset` is called, which does nothing unless the subclass says how to start
+    again. What ``iter(pipe)`` returns reads the pipe's run and is an iterator as Python's are:
+    ``iter()`` on it again goes on where it stands (``first = next(it)`` then ``for x in it``
+    does not see ``first`` twice), as torch's pipes that are their own iterators do.
 
     Optional extras a subclass may define: ``reset()`` (start again: called by ``iter()``),
     ``notifiers()`` (what to sleep on), ``close()`` (release what a run holds; by default the
@@ -64,7 +67,7 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
     def __iter__(self) -> Iterator[T_co]:
         self._restart_parents()
         self.reset()
-        return self
+        return _OwnRun(self)
 
     def _restart_parents(self) -> None:
         """Have the parents this pipe reads through ``nonblocking_next()`` start from the top
@@ -107,6 +110,32 @@ class NonBlockingIterDataPipe(IterDataPipe[T_co]):
             reset = getattr(parent, "reset", None)
             if isinstance(parent, IterDataPipe) and callable(reset):
                 reset()
+
+
+class _OwnRun(Iterator[T_co]):
+    """What ``iter()`` gives for a :class:`NonBlockingIterDataPipe`: its run, read through the
+    pipe, as an iterator whose own ``iter()`` starts nothing. Anything else asked of it
+    (``reset``, ``notifiers``, ``state_dict``, attributes) is the pipe's."""
+
+    __slots__ = (RUN_OF,)
+
+    def __init__(self, pipe: NonBlockingIterDataPipe[T_co]) -> None:
+        setattr(self, RUN_OF, pipe)
+
+    def __iter__(self) -> _OwnRun[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        return next(getattr(self, RUN_OF))
+
+    def nonblocking_next(self) -> T_co:
+        return getattr(self, RUN_OF).nonblocking_next()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(getattr(self, RUN_OF), name)
+
+    def __repr__(self) -> str:
+        return f"<the run of {getattr(self, RUN_OF)!r}>"
 
 
 class NonBlockingMapDataPipe(MapDataPipe[T_co]):

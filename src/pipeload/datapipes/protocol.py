@@ -343,8 +343,10 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
     if isinstance(source, PipeIterator):
         return source
     # iter() even on an iterator: a pipe that is its own iterator (a NonBlockingIterDataPipe)
-    # starts its run there; any other iterator answers itself.
+    # starts its run there; any other iterator answers itself. The run a NonBlockingIterDataPipe
+    # gives is read through the pipe itself (its checkpoints and errors name the user's class).
     source = iter(source)
+    source = getattr(source, RUN_OF, source)
     if isinstance(source, PipeIterator):
         return source
     if _reads_itself_without_blocking(source):
@@ -353,6 +355,7 @@ def as_nonblocking(source: Iterable[T_co] | Iterator[T_co]) -> PipeIterator[T_co
 
 
 STARTS_A_RUN = "_starts_a_run"  # marks IterDataPipe.nonblocking_next (see below)
+RUN_OF = "pipe_whose_run_this_is"  # the pipe behind the iterator a NonBlockingIterDataPipe's iter() gives
 
 
 def _reads_itself_without_blocking(iterator: Any) -> bool:

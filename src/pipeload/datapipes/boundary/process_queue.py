@@ -133,15 +133,21 @@ class ProcessQueue(InboxQueue, kind="process"):
 
     def close(self, error: BaseException | None = None) -> None:
         if self._pid != os.getpid():
-            # A forked copy never used: the original's resources are not ours (and its lock
-            # may have been copied held, by the accepting thread of the process forked).
-            return
+            if not self._accepting or self._link is not None:
+                return  # a forked copy of an end in use: the original's resources are not ours
+            # A forked copy never used (a producer passed the queue by fork, closing before its
+            # first put): it becomes the joining end, as its put() would make it, and joins to
+            # say it closes. Its lock is made anew (the original's may have been copied held).
+            self._check_process()
         with self._lock:
             # A closed queue's listener is closed (``_release``): accepting on it again would
             # raise, and close() must be safe to call twice (a boundary's failed start closes
             # the queue, then the stopping of its half-started producer closes it again).
-            if self._link is None and self._accepting and self._finalizer.alive:
-                self._link = self._accept_now()  # a far end waiting to be accepted hears of it
+            if self._link is None and self._finalizer.alive:
+                # The far end hears of the close: one waiting to be accepted, or, from a joining
+                # end that never put (a producer with nothing to send, or failing at once), the
+                # owner, which would otherwise wait for it to join for ever.
+                self._link = self._accept_now() if self._accepting else self._join_to_close()
             self._inbox.discard(Ending(QueueError.CLOSED, process_name(), here=True, cause=error))
             if self._link is not None:
                 self._link.close(error, self._where())
@@ -235,6 +241,15 @@ class ProcessQueue(InboxQueue, kind="process"):
                         raise NotAvailable
                     self._wait_for_far_end(deadline)
             return self._link
+
+    def _join_to_close(self) -> ProcessLink | None:
+        """Join only to say that this end closes; None if the owner has gone or closed."""
+        if self._inbox.ending is not None or self._pid != os.getpid():
+            return None
+        try:
+            return self._join()
+        except QueueError:
+            return None
 
     def _accept_now(self) -> ProcessLink | None:
         listener = self._listener

@@ -102,10 +102,13 @@ def _pad_tensors(samples: list[torch.Tensor], value: Any) -> list[torch.Tensor]:
 class BucketBatcher(SeededPipe, IterDataPipe[DataChunk]):
     """Batch items of similar size together, to cut padding (functional name: ``bucketbatch``).
 
-    The source is read in pools of ``batch_size * batch_num * bucket_num`` items. A pool is
-    shuffled (unless there is one bucket and a ``sort_key``), cut into ``bucket_num`` buckets
-    that ``sort_key`` sorts, cut into batches, and the pool's batches are shuffled. The
-    arguments are torchdata's; ``set_seed``/``set_shuffle`` work as for ``shuffle``.
+    The source is read in pools of ``batch_size * batch_num * bucket_num`` items. A pool's
+    items are shuffled (unless there is one bucket and a ``sort_key``: each bucket is then that
+    many consecutive items, as torchdata keeps them), cut into ``bucket_num`` buckets that
+    ``sort_key`` sorts, and cut into batches; with a ``sort_key`` the batches are shuffled too
+    (``use_in_batch_shuffle=True``: within each run of ``bucket_num`` batches, as torchdata
+    does, so one bucket keeps its batches in order). The arguments are torchdata's;
+    ``set_seed``/``set_shuffle`` work as for ``shuffle``.
 
     Args:
         datapipe: the source pipe.
@@ -115,8 +118,9 @@ class BucketBatcher(SeededPipe, IterDataPipe[DataChunk]):
         bucket_num: buckets per pool.
         sort_key: bucket (a list) -> the same items sorted, e.g.
             ``lambda bucket: sorted(bucket, key=len)``; None leaves buckets unsorted.
-        use_in_batch_shuffle: shuffle each pool on its own (True) or mix items across pools
-            through a reservoir of one pool's size (False).
+        use_in_batch_shuffle: shuffle each pool's items on its own (True) or mix items across
+            pools through a reservoir of one pool's size (False); and each run of
+            ``bucket_num`` batches on its own (True) or the pool's batches together (False).
 
     Example:
         >>> dp = IterableWrapper(sentences).bucketbatch(32, sort_key=by_length)
@@ -155,6 +159,12 @@ class BucketBatcher(SeededPipe, IterDataPipe[DataChunk]):
     def pool_size(self) -> int:
         return self.bucket_size * self.bucket_num
 
+    @property
+    def _mixes_items(self) -> bool:
+        """Whether items are shuffled before they are bucketed: not with one bucket and a
+        ``sort_key`` (torchdata's rule: a bucket is then consecutive items)."""
+        return self._enabled and (self.bucket_num > 1 or self.sort_key is None)
+
     def __iter__(self) -> Iterator[DataChunk]:
         return _BucketIterator(self, self.datapipe)
 
@@ -188,7 +198,7 @@ class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):
 
     def _fill_pool(self) -> None:
         pipe, rng = self._pipe, self._rng
-        mixing = pipe._enabled and not pipe.use_in_batch_shuffle
+        mixing = pipe._mixes_items and not pipe.use_in_batch_shuffle
         while not self._source_done and len(self._pool) < pipe.pool_size:
             try:
                 item = self._source.nonblocking_next()
@@ -210,7 +220,7 @@ class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):
     def _cut(self, pool: list[Any]) -> list[DataChunk]:
         pipe, rng = self._pipe, self._rng
         assert rng is not None
-        if pipe._enabled and (pipe.bucket_num > 1 or pipe.sort_key is None):
+        if pipe._mixes_items and pipe.use_in_batch_shuffle:  # else the reservoir mixed them
             rng.shuffle(pool)
         if pipe.sort_key is not None:
             size = pipe.bucket_size
@@ -223,5 +233,13 @@ class _BucketIterator(SkipToResume, PipeIterator[DataChunk]):
         if batches and pipe.drop_last and len(batches[-1]) < size:
             batches.pop()
         if pipe._enabled and pipe.sort_key is not None:
-            rng.shuffle(batches)
+            if not pipe.use_in_batch_shuffle:
+                rng.shuffle(batches)
+                return batches
+            # Runs of bucket_num batches, from the pool's start: a pool holds batch_num of them,
+            # so they line up with torchdata's runs over the whole stream.
+            runs = [batches[start:start + pipe.bucket_num] for start in range(0, len(batches), pipe.bucket_num)]
+            for run in runs:
+                rng.shuffle(run)
+            batches = [batch for run in runs for batch in run]
         return batches
