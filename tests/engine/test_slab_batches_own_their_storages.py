@@ -137,5 +137,5 @@ def test_addresses_taken_from_a_batch_before_it_moves_to_shared_memory_keep_its_
         queue.join_thread()
         from multiprocessing import resource_sharer
         resource_sharer.stop()  # the thread that served the batch's descriptor to the reader
-    del kept, array, rows, capsule_tensor, loader
+    del kept, array, rows, capsule_tensor, loader, _  # (the last batch's middle part, inline)
     assert leases_kept() == 0  # each went with its tensors

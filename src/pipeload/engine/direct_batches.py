@@ -25,12 +25,16 @@ its own, thread workers, items so small that a whole batch rides in one message)
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from pipeload.collate import collate, default_collate, default_collate_fn_map
 from pipeload.errors import RemoteFailure
 from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs
+from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GrantOutcome, ItemPlacement, ItemsDone, Report, WorkerReport
 from pipeload.transport.slab_pool import SlabPool
 
@@ -192,7 +196,29 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
         else:
             samples += payload
     # The samples' views of the slab die with this frame: the batch is a copy of them.
-    return default_collate(samples), False
+    return _kept_with_their_bytes(default_collate(samples)), False
+
+
+def _kept_with_their_bytes(batch: Any) -> Any:
+    """``batch`` with each plain CPU tensor in it moved, in place, to memory of its own that
+    lives as long as its storage does, as a batch decoded from a message is (codec.py): then
+    ``share_memory_()`` (a ``torch.multiprocessing`` queue's put) cannot free the bytes under a
+    numpy array taken before, and ``resize_()`` refuses it as it refuses a worker's batch."""
+    if isinstance(batch, torch.Tensor):
+        if (batch.layout is torch.strided and batch.device.type == "cpu" and not batch.requires_grad
+                and batch.is_contiguous() and batch.numel()):
+            buffer = bytearray(batch.numel() * batch.element_size())
+            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+            keep_lease_with(storage, buffer)
+            torch.empty((0,), dtype=batch.dtype).set_(storage, 0, batch.shape).copy_(batch)
+            batch.set_(storage, 0, batch.shape, batch.stride())
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _kept_with_their_bytes(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            _kept_with_their_bytes(value)
+    return batch
 
 
 def _collating(batch: DirectBatch) -> str:

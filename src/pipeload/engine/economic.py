@@ -551,7 +551,7 @@ class EconomicEngine:
         """A slab for batch ``number``, granted to ``producer`` (None: the main process), with
         the place of each of its ``count`` items in it when they fit."""
         slabs = self._workers.slabs
-        grant = slabs.grant(producer, number)
+        grant = slabs.grant(producer, number, shared=True)  # item workers write their items there
         if grant is None:
             return None
         placement = item_placement(self._item_bytes, count, slabs.granted_size(number))

@@ -513,6 +513,10 @@ class BatchWorkerLoop(WorkerLoop):
                 gathering = self._batches.setdefault(key, _Gathering())
                 gathering.indices, gathering.grant = message.indices, message.grant
                 self._finish_if_complete(key)
+            del message  # (a delivery's items view the batch's slab)
+            # A batch sent is let go of by now: which slabs user code here still views (a
+            # collate function keeping its last output), so that no other producer is granted them.
+            self._outbox.confirm_views()
 
     def _share(self) -> tuple[int, int]:
         return 0, 1  # as an item worker's copy (it fetches nothing, but worker_init_fn may look)

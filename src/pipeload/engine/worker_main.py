@@ -137,6 +137,9 @@ class WorkerLoop:
                 self._last_batch_is(command.batch_number)
             else:
                 self._serve(command)
+                # The batch sent is let go of by now: which slabs user code here still views (a
+                # collate function keeping its last output), so that no other worker is granted them.
+                self._outbox.confirm_views()
 
     def _next_command(self) -> WorkerCommand | None:
         """The next command worth doing, after reading everything already waiting.

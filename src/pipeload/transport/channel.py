@@ -339,6 +339,9 @@ class QueueEnd:
     def prepare(self, grant: SlabGrant | None) -> None:
         """Threads share memory: no slab, no shared-memory collation."""
 
+    def confirm_views(self) -> None:
+        """No slab was written: nothing to say."""
+
     def receive(self, timeout_s: float) -> Any | None:
         try:
             return self.queue.get(timeout=timeout_s)

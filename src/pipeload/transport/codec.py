@@ -404,8 +404,11 @@ def _storage_at(slot: int, placement: int, detail: Any) -> torch.UntypedStorage:
         known = incoming.storages[slot]
         return known if isinstance(known, torch.UntypedStorage) else known.untyped_storage()
     if placement == Placement.INLINE:
-        storage = (torch.frombuffer(detail, dtype=torch.uint8).untyped_storage() if len(detail)
-                   else torch.UntypedStorage(0))
+        if len(detail):
+            storage = torch.frombuffer(detail, dtype=torch.uint8).untyped_storage()
+            keep_lease_with(storage, detail)  # see _inline_tensor
+        else:
+            storage = torch.UntypedStorage(0)
     elif placement == Placement.DESCRIPTOR:
         index, nbytes = detail
         note_received(incoming.fds[index])
@@ -442,6 +445,10 @@ def _lease(slab_id: int) -> memoryview:
 def _inline_tensor(slot: int, data: bytearray, dtype_index: int,
                    shape: tuple[int, ...]) -> torch.Tensor:
     tensor = torch.frombuffer(data, dtype=_DTYPES[dtype_index]).view(shape)
+    # The message's bytes stay for as long as the storage does, not only while it views them:
+    # share_memory_() (a torch.multiprocessing queue's put) moves it and would free them under
+    # a numpy array or memoryview taken before (lease_holders.py).
+    keep_lease_with(tensor.untyped_storage(), data)
     _incoming.storages[slot] = tensor  # its storage is made only if another tensor shares it
     return tensor
 

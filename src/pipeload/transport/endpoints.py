@@ -10,6 +10,9 @@ pair (item workers feeding batch workers, a pipe's process boundary) the same wa
   :meth:`Receiver.send_controls` so the producer can learn about new slabs first.
 * The :class:`Sender` (producer side) applies those controls when a grant needs them
   (:meth:`Sender.prepare`), lets collation write into the granted slab, and sends the message.
+  A producer that may keep what it sent (a worker running user code) calls
+  :meth:`Sender.confirm_views` once it has let go of a message's objects: a short note of the
+  slabs it still views, which the receiver hands to the pool and never returns as a message.
 
 Example (two threads standing in for two processes)::
 
@@ -32,10 +35,13 @@ from typing import Any
 from pipeload.transport import collate_output
 from pipeload.transport.codec import MessageInfo, decode, encode
 from pipeload.transport.fd_passing import MessageReader, receive_message, send_message
-from pipeload.transport.messages import SlabControl, SlabGrant
+from pipeload.transport.messages import GrantOutcome, SlabControl, SlabGrant
 from pipeload.transport.slab_writer import SlabWriter
 
 CONTROL_WAIT_S = 5.0  # controls are written before the grant that needs them: they are there
+# The first byte of a views note (see Sender.confirm_views). A pickle starts with 0x80, and the
+# short wires with 0xF1 and 0xF2 (codec.py).
+VIEWS_TAG = 0xF3
 
 
 class Sender:
@@ -111,6 +117,20 @@ class Sender:
         send_message(self.sock, payload, fds)
         del keep_alive  # the descriptors are in the kernel's hands now
 
+    def confirm_views(self) -> None:
+        """After a message written into its granted slab, once the caller holds nothing of it:
+        tell the receiver which mapped slabs something here still views (usually none).
+
+        Until the pool hears this, it grants the slab to no other producer: user code that kept
+        the batch (a collate function returning its last output again) would read what another
+        producer wrote there. A slab still viewed is retired; any other may go to anyone.
+        """
+        if self.writer.last_outcome is not GrantOutcome.USED:
+            return
+        self.writer.last_outcome = GrantOutcome.NO_GRANT
+        held = self.writer.slabs_still_viewed()
+        send_message(self.sock, memoryview(bytes((VIEWS_TAG,)) + pickle.dumps(held, pickle.HIGHEST_PROTOCOL)), [])
+
     def close(self) -> None:
         collate_output.set_writer(None)
         self.writer.close()
@@ -130,15 +150,22 @@ class Receiver:
         return self.sock.fileno()
 
     def receive(self, block: bool = True) -> tuple[Any, MessageInfo] | None:
-        """The next message, or None if ``block`` is False and none is waiting.
+        """The next message, or None if ``block`` is False and none is waiting (or, however
+        ``block`` is, when what was waiting was only a views note: see ``confirm_views``).
 
         Raises EOFError if the producer is gone.
         """
-        message = self._reader.next_message(block)
-        if message is None:
-            return None
-        payload, fds = message
-        return decode(payload, fds, self.pool)
+        while True:
+            message = self._reader.next_message(block)
+            if message is None:
+                return None
+            payload, fds = message
+            if not (payload and payload[0] == VIEWS_TAG and not fds):
+                return decode(payload, fds, self.pool)
+            # A views note (Sender.confirm_views): the pool's, then the next message if one waits.
+            if self.pool is not None:
+                self.pool.producer_views(self.producer, pickle.loads(memoryview(payload)[1:]))
+            block = False
 
     def send_controls(self) -> None:
         """Pass the pool's pending slab controls for this producer (call before a grant)."""

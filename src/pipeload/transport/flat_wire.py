@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GrantOutcome, Report, WorkerReport
 
 FLAT_TAG = 0xF1
@@ -128,6 +129,8 @@ def decode_report(payload: bytes | bytearray | memoryview,
         dtype = dtypes[dtype_number]
         if nbytes:
             flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            # The bytes outlive a move to shared memory (share_memory_), as codec.py's inline ones.
+            keep_lease_with(flat.untyped_storage(), payload)
             tensors.append(flat.view(*shape) if shape else flat.view(()))
         else:
             tensors.append(torch.empty(shape, dtype=dtype))

@@ -195,17 +195,19 @@ class SlabPool:
         self._controls.clear()
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.clear()
+            slab.unconfirmed_by = None  # its producer stopped: nothing of it will be sent again
 
     # -- granting ------------------------------------------------------------------------
 
-    def grant(self, producer: int | None, token: int) -> SlabGrant | None:
+    def grant(self, producer: int | None, token: int, shared: bool = False) -> SlabGrant | None:
         """A slab for the message ``token`` that ``producer`` builds next, or None (fresh memory).
         ``producer`` None: the consumer builds it itself from what producers write into the slab
-        by ``share_grant`` (economic mode's direct batches); nobody is announced the slab here."""
+        by ``share_grant`` (economic mode's direct batches); nobody is announced the slab here.
+        ``shared``: other producers will write into it too (``share_grant``)."""
         if self._closed or self._wanted_size == 0:
             return None
         self._retire_surplus()
-        slab, releases = self._choose(producer)
+        slab, releases = self._choose(producer, shared or producer is None)
         if slab is None:
             return None
         self.settle(token, GrantOutcome.UNUSED)  # a token is granted once; never leak a slab
@@ -248,7 +250,7 @@ class SlabPool:
             return False
         return not self._about_to_be_released(peek=True)  # (the latest's counts: its wait is short)
 
-    def _choose(self, producer: int | None) -> tuple[SlabRecord | None, int]:
+    def _choose(self, producer: int | None, shared: bool = False) -> tuple[SlabRecord | None, int]:
         """The slab for ``producer``'s next message, and the board count it must wait for.
 
         A slab the producer has mapped already costs it nothing; any other costs it a mapping (a
@@ -257,8 +259,9 @@ class SlabPool:
         for as long as the pool lives. So: the producer's own slab, free or about to be released;
         then anyone's free slab; then the slab of the batch being dropped; then a new one.
         """
-        free = [s for s in self._slabs.values() if self._is_free(s) and s.size >= self._wanted_size]
-        deferred = self._about_to_be_released()
+        free = [s for s in self._slabs.values()
+                if self._is_free(s) and s.size >= self._wanted_size and self._may_take(s, producer, shared)]
+        deferred = [s for s in self._about_to_be_released() if self._may_take(s, producer, shared)]
         for slab in (*free, *deferred):
             if producer in slab.mapped_by:
                 return slab, slab.leases_made
@@ -271,6 +274,25 @@ class SlabPool:
         if self._may_grow():
             return self._make_slab(), 0
         return None, 0
+
+    @staticmethod
+    def _may_take(slab: SlabRecord, producer: int | None, shared: bool) -> bool:
+        """Whether ``producer`` may write into ``slab``: yes unless the producer that wrote its
+        last batch may still view it (it has not said otherwise since, see ``producer_views``).
+        That producer alone may, when it writes alone: it checks its own views before writing."""
+        return slab.unconfirmed_by is None or (slab.unconfirmed_by == producer and not shared)
+
+    def producer_views(self, producer: int, still_viewed: tuple[int, ...]) -> None:
+        """``producer`` holds nothing of what it sent but views of ``still_viewed`` (slab ids):
+        its other slabs may go to anyone now; those it still views are never written again."""
+        for slab in list(self._slabs.values()):
+            if slab.unconfirmed_by != producer:
+                continue
+            if slab.slab_id not in still_viewed:
+                slab.unconfirmed_by = None
+            elif slab.granted_to is None:  # (granted again to it: its own check refuses it, BUSY)
+                self.counts.busy += 1
+                self._retire(slab)
 
     def _make_slab(self) -> SlabRecord:
         if self._pin and self._pin_device is None:
@@ -330,6 +352,8 @@ class SlabPool:
         if outcome is GrantOutcome.USED:
             slab.lease_token = token
             self.counts.batches_in_slabs += 1
+            if slab.granted_producer is not None and slab.granted_producer >= 0:
+                slab.unconfirmed_by = slab.granted_producer
         elif outcome is GrantOutcome.BUSY:
             self.counts.busy += 1
             self._retire(slab)  # the producer still views it: never write into it again
@@ -368,6 +392,8 @@ class SlabPool:
         self._controls.forget(producer)
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.discard(producer)
+            if slab.unconfirmed_by == producer:
+                slab.unconfirmed_by = None
 
     def handed_out(self, token: int) -> None:
         """Batch ``token`` was just given to the consumer (feeds the choice of deferred grants)."""

@@ -72,7 +72,7 @@ class SlabRecord:
     """
 
     __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
-                 "granted_releases", "lease_token", "mapped_by", "retired", "__weakref__")
+                 "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "__weakref__")
 
     def __init__(self, slab_id: int, size: int, pin_device: int | None) -> None:
         self.slab_id = slab_id
@@ -85,6 +85,9 @@ class SlabRecord:
         self.lease_token: int | None = None  # the token of the batch that last viewed it
         self.mapped_by: set[int] = set()
         self.retired = False
+        # The producer that wrote the last batch into it, until it has said that nothing of its
+        # own still views the slab (see SlabPool.producer_views); None: nobody may still view it.
+        self.unconfirmed_by: int | None = None
 
     @property
     def fd(self) -> int:

@@ -128,6 +128,7 @@ class SlabWriter:
         self._occupied_source: Callable[[], list[tuple[int, int]] | None] | None = None
         self.large_sizes: list[int] = []  # of the storages the current message asked room for
         self.last_large_sizes: list[int] = []  # the same, for the message finished last
+        self.last_outcome = GrantOutcome.NO_GRANT  # what became of the grant of the message finished last
 
     # -- controls from the owner -------------------------------------------------------
 
@@ -454,7 +455,15 @@ class SlabWriter:
         sizes = self.large_sizes
         self.begin(None)
         self.last_large_sizes = sizes
+        self.last_outcome = result[1]
         return result
+
+    def slabs_still_viewed(self) -> tuple[int, ...]:
+        """The mapped slabs some tensor of this process still views, between messages: user code
+        that kept a batch it sent (a collate function keeping its last output). Another producer
+        granted such a slab would write over what this one may send again."""
+        return tuple(slab_id for slab_id, slab in self._slabs.items()
+                     if _uses(slab.storage) != slab.baseline_uses)
 
     def close(self) -> None:
         for slab in self._slabs.values():
