@@ -108,6 +108,11 @@ BAD_CALLS: dict[str, BadCall] = {
         # torch takes it when the loader is built and fails in range() when the epoch starts.
         lambda m: iterate(m.DataLoader(numbers(m), num_workers=0.5)), lambda m: ["num_workers=0.5"]
     ),
+    "num-workers-whole-float": BadCall(
+        # torch takes it too when the loader is built, and fails in range() as the epoch starts;
+        # 0.0 alone it loads with (compared with 0: no workers).
+        lambda m: iterate(m.DataLoader(numbers(m), num_workers=2.0)), lambda m: ["num_workers=2.0"]
+    ),
     "prefetch-factor-negative-float": BadCall(
         lambda m: m.DataLoader(numbers(m), num_workers=1, prefetch_factor=-1.5), lambda m: ["prefetch_factor=-1.5"]
     ),
@@ -611,6 +616,7 @@ def test_a_worker_init_fn_without_workers_is_left_alone_as_torch_does_until_work
     ("prefetch_factor", -1, AssertionError, "prefetch_factor option should be non-negative"),
     ("num_workers", -1, ValueError, "num_workers option should be non-negative"),
     ("num_workers", 1.5, TypeError, "num_workers should be an int"),
+    ("num_workers", 2.0, TypeError, "'float' object cannot be interpreted as an integer"),
     ("timeout", -2, ValueError, "timeout option should be non-negative"),
     ("generator", 3, TypeError, "generator should be a torch.Generator or None"),
     ("worker_type", "fiber", ValueError, "worker_type should be one of"),
@@ -627,7 +633,7 @@ def test_a_setting_assigned_after_construction_is_checked_when_set(name: str, va
 
 def test_settings_assigned_after_construction_load_every_batch() -> None:
     loader = pipeload.DataLoader(numbers(pipeload), batch_size=2)
-    loader.num_workers = 2.0  # a whole float counts as the int, as in the constructor
+    loader.num_workers = np.int64(2)  # a numpy integer counts as the int, as in the constructor
     assert loader.num_workers == 2 and type(loader.num_workers) is int
     loader.collate_fn = None  # the constructor's default, not a None to call
     loader.multiprocessing_context = "fork"

@@ -139,6 +139,38 @@ def test_process_workers_warn_once_naming_the_attribute_and_the_fix() -> None:
         list(DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="fork"))
 
 
+def test_each_dataset_is_warned_about_even_equal_ones_and_one_at_a_freed_address() -> None:
+    # Known by == (a dataclass dataset equal to another was not named) or, unhashable, by an id()
+    # never forgotten (a new dataset at a freed one's address was not named either).
+    import dataclasses
+    import gc
+
+    from pipeload.shared import warn_if_copy_on_read
+
+    @dataclasses.dataclass(eq=True)
+    class Table(torch.utils.data.Dataset):
+        rows: list
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+    rows, addresses = _big_table(), set()
+    for _ in range(4):
+        dataset = Table(rows)
+        addresses.add(id(dataset))
+        with pytest.warns(CopyOnReadWarning, match="dataset.rows is a list of 500,001 items"):
+            warn_if_copy_on_read(dataset, "process")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_if_copy_on_read(dataset, "process")  # the same dataset: once
+        del dataset
+        gc.collect()
+    first, second = Table(rows), Table(rows)  # equal, both alive
+    for dataset in (first, second):
+        with pytest.warns(CopyOnReadWarning):
+            warn_if_copy_on_read(dataset, "process")
+
+
 def test_a_plain_list_as_the_dataset_is_told_to_wrap_it() -> None:
     dataset = list(range(1_000_001))
     loader = DataLoader(dataset, batch_size=2, num_workers=1, sampler=[0, 1], multiprocessing_context="fork")

@@ -191,6 +191,17 @@ def test_another_interpreter_with_another_hash_seed_finds_every_key() -> None:
     assert done.stdout.strip() == b"True", done.stderr.decode()
 
 
+def test_equals_the_dict_it_was_built_from_when_that_holds_tensors_or_arrays() -> None:
+    import numpy as np
+    import torch
+
+    source = {"t": torch.tensor([1.0, float("nan")]), "a": np.zeros((2, 2)), "n": {"x": float("nan")}}
+    shared = SharedMapping(source)
+    assert shared == source  # == raised: a tensor's == answers element by element
+    assert shared != {**source, "a": np.ones((2, 2))}
+    shared.close()
+
+
 def test_every_listed_key_is_found_a_nan_one_too() -> None:
     nan = float("nan")
     source = {nan: 1, "b": 2, (nan, "x"): 3, 2.5: nan}

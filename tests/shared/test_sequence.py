@@ -213,6 +213,23 @@ def test_equals_the_list_it_was_built_from_when_that_holds_nan() -> None:
     shared.close()
 
 
+def test_equals_the_list_it_was_built_from_when_that_holds_arrays_tensors_or_other_nans() -> None:
+    # A list finds its own arrays and NaNs by identity; ours are read back as new objects: ==
+    # raised for arrays and tensors (element-wise), and complex, float32 and nested NaNs differed.
+    import numpy as np
+    import torch
+
+    nan = float("nan")
+    values = [np.arange(3.0), np.array([nan, 1.0]), torch.tensor([nan, 2.0]), complex(nan, 0),
+              np.float32(nan), {"v": nan, "w": [nan]}, np.array(["a", "b"])]
+    shared = SharedSequence(values)
+    assert shared == values and all(value in shared for value in values)
+    assert shared.index(values[2]) == 2 and shared.count(values[0]) == 1
+    assert np.arange(3) not in shared  # another dtype: an identical object could not be it
+    assert torch.tensor([nan, 3.0]) not in shared and shared != values[:-1] + [np.array(["a", "c"])]
+    shared.close()
+
+
 @pytest.mark.parametrize("as_built", [list, tuple], ids=["list", "tuple"])
 def test_concatenation_repetition_and_order_give_what_the_list_or_tuple_would(as_built: type) -> None:
     # Dataset code that did `self.samples + extra` on the list it had must keep working once

@@ -62,7 +62,11 @@ def test_the_tuner_stops_at_the_cap_and_within_the_memory_budget() -> None:
     recorder._consumer.count.handed = 10  # ten batches handed out
     recorder._seen[(1, "", 0)] = ((10, 80, 0.1, 0.1, 0.0, 10 * 1024, 0.0, 0.0, 0.0), 1.0)
     squeezed = AutoTuner(recorder, 2, True, False, Settings(2, 2), budget_bytes=4 * 1024 + 1)
-    assert squeezed._step(rate=10.0, waited=0.9) is None  # 4 x 2 batches of 1 KiB would not fit
+    assert squeezed._step(rate=10.0, waited=0.9) is None  # 3 x 2 batches of 1 KiB would not fit
+    # A step the budget cannot take whole is taken as far as it fits: 6 x 2 of 1 KiB, not 8 x 2
+    # (the tuning stopped there, at 2, where 6 workers would have paid).
+    roomier = AutoTuner(recorder, 2, True, False, Settings(2, 2), budget_bytes=12 * 1024 + 1)
+    assert roomier._step(rate=10.0, waited=0.9) == Settings(6, 2)
 
 
 def test_workers_that_compute_are_tried_up_to_twice_the_cpus_and_kept_only_if_they_pay() -> None:
@@ -113,12 +117,19 @@ def test_auto_grows_the_pool_for_waiting_workers_and_keeps_sampler_order(leak_gu
     loader = pipeload.DataLoader(RemoteReads(1200), batch_size=8, num_workers="auto",
                                  prefetch_factor="auto", multiprocessing_context="fork")
     assert loader.num_workers == len(__import__("os").sched_getaffinity(0))
-    got = [int(i) for batch in loader for i in batch]
+    got, running = [], []
+    for batch in loader:
+        got += [int(i) for i in batch]
+        running.append(loader.num_workers)
     assert got == list(range(1200))  # every batch once, in order, across the pool swaps
     decisions = loader.stats().decisions
     assert len(decisions) >= 2, decisions
     assert decisions[1].num_workers >= 2 * decisions[0].num_workers
     assert "auto (now" in loader.stats().summary()
+    # loader.num_workers reads the count running now (it stayed at the starting count)
+    assert loader.num_workers == decisions[-1].num_workers == loader._tuner.current.num_workers
+    assert loader.prefetch_factor == loader._tuner.current.prefetch_factor
+    assert running[0] == decisions[0].num_workers and running[-1] == decisions[-1].num_workers
 
 
 @pytest.mark.timeout(90)

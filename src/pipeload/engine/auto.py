@@ -13,20 +13,24 @@ Map-style datasets only: an iterable dataset's replicas cannot be re-split mid-s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeload.engine.plan import EpochStart
 from pipeload.engine.pool import PoolEngine
-from pipeload.stats.tuner import AutoTuner
+from pipeload.stats.tuner import AutoTuner, Settings
 
 
 class AutoEngine:
     """A :class:`PoolEngine` and the tuner that resizes it. Driven by one thread at a time."""
 
-    def __init__(self, pool: PoolEngine, tuner: AutoTuner) -> None:
+    def __init__(self, pool: PoolEngine, tuner: AutoTuner,
+                 on_resize: Callable[[Settings], None] | None = None) -> None:
+        """``on_resize``: told each new setting once the pool has taken it (the loader shows it
+        in ``num_workers`` and ``prefetch_factor``)."""
         self._pool = pool
         self._tuner = tuner
+        self._on_resize = on_resize
 
     @property
     def workers(self) -> list[Any]:
@@ -46,6 +50,8 @@ class AutoEngine:
         wanted = self._tuner.observe(self._pool.workers)
         if wanted is not None:
             self._pool.resize(wanted.num_workers, wanted.prefetch_factor)
+            if self._on_resize is not None:
+                self._on_resize(wanted)
         return batch
 
     def close(self) -> None:

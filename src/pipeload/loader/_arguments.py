@@ -72,14 +72,19 @@ def plain_number(value: Any) -> int | float | None:
 
 
 def resolve_num_workers(num_workers: Any) -> int:
-    """num_workers as an int; a whole float (0.0) counts as the int it equals, as in torch."""
+    """num_workers as an int. A float counts only as 0.0, which torch compares with 0 and loads
+    without workers; any other float torch refuses once iterating, when it counts workers with
+    ``range()`` (2.0 included)."""
     count = plain_number(num_workers)
     if count is not None and count < 0:  # before the type: torch says this of -0.5 too
         raise ValueError(
             "num_workers option should be non-negative; use num_workers=0 to disable "
             f"multiprocessing. (pipeload: got num_workers={num_workers!r})"
         )
-    if count is None or not float(count).is_integer():
+    if isinstance(count, float) and count != 0:
+        raise TypeError(f"'float' object cannot be interpreted as an integer (pipeload: num_workers should "
+                        f"be an int (or 'auto'), but got num_workers={num_workers!r})")
+    if count is None:
         raise TypeError(f"num_workers should be an int (or 'auto'), but got num_workers={num_workers!r}")
     return int(count)
 

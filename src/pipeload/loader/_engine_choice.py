@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,7 +113,30 @@ def _auto_engine(loader: Any, spec: FetchSpec, base_seed: int, replica_setup: Re
     # A later epoch of a loader without persistent workers starts where the tuner stands.
     setup = dataclasses.replace(config.setup, num_workers=tuner.current.num_workers)
     config = dataclasses.replace(config, setup=setup, prefetch_factor=tuner.current.prefetch_factor)
-    return AutoEngine(PoolEngine(config), tuner)
+    _show_settings(loader, tuner.current)
+    return AutoEngine(PoolEngine(config), tuner, on_resize=_showing_settings_on(loader))
+
+
+def _show_settings(loader: Any, settings: Settings) -> None:
+    """The loader's ``num_workers`` and ``prefetch_factor`` read what the tuner runs now (what
+    code written for torch sizes things by), as set by the tuner, not by the user: not checked
+    as an assignment is, nor taken as one."""
+    auto_workers, auto_prefetch = loader._auto
+    if auto_workers:
+        loader.__dict__["num_workers"] = settings.num_workers
+    if auto_prefetch:
+        loader.__dict__["prefetch_factor"] = settings.prefetch_factor
+
+
+def _showing_settings_on(loader: Any) -> Callable[[Settings], None]:
+    """``_show_settings`` for ``loader``, held weakly (the engine must not keep its loader alive)."""
+    ref = weakref.ref(loader)
+
+    def show(settings: Settings) -> None:
+        alive = ref()
+        if alive is not None:
+            _show_settings(alive, settings)
+    return show
 
 def _auto_tuner(loader: Any) -> AutoTuner:
     """The loader's tuner, made once; it re-tunes only map-style datasets in classic mode."""

@@ -268,22 +268,41 @@ def _size(item: Any) -> int:
 
 
 class _WarnedDatasets:
-    """Datasets already warned about, so each is named once however many loaders use it."""
+    """Datasets already warned about, so each is named once however many loaders use it.
+
+    Known by identity, not by ``==`` (two equal datasets are two datasets), and forgotten when
+    collected, so that a new dataset given a freed one's ``id()`` is warned about too. A list or
+    dict cannot be referenced weakly: it is known by its id and length, which a new one of the
+    same length at the same address would match (it is then not named again)."""
 
     def __init__(self) -> None:
-        self._weak: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._ids: set[int] = set()  # lists and dicts cannot be weakly referenced
+        self._weak: dict[int, weakref.ref[Any]] = {}
+        self._plain: set[tuple[int, int]] = set()
 
     def first_time(self, dataset: Any) -> bool:
+        key = id(dataset)
         try:
-            if dataset in self._weak:
+            known = self._weak.get(key)
+            if known is not None and known() is dataset:
                 return False
-            self._weak.add(dataset)
+            self._weak[key] = weakref.ref(dataset, lambda _ref, key=key: self._forget(key, _ref))
         except TypeError:
-            if id(dataset) in self._ids:
+            plain = (key, _length(dataset))
+            if plain in self._plain:
                 return False
-            self._ids.add(id(dataset))
+            self._plain.add(plain)
         return True
+
+    def _forget(self, key: int, ref: weakref.ref[Any]) -> None:
+        if self._weak.get(key) is ref:
+            del self._weak[key]
+
+
+def _length(dataset: Any) -> int:
+    try:
+        return len(dataset)
+    except Exception:
+        return -1
 
 
 _warned = _WarnedDatasets()

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeload.shared._nan import equal_with_nan
+from pipeload.shared._nan import same_value
 from pipeload.shared._segment import Segment, SegmentWriter
 
 KEY_TYPES = "str, bytes, int, float, bool, None, or tuples of these"
@@ -199,7 +199,7 @@ def key_finder(
                 if encoded is not None and key_text_offsets is not None:
                     if data[key_text_offsets[number] : key_text_offsets[number + 1]] == encoded:
                         return number
-                elif (stored := read_key(number)) == key or equal_with_nan(stored, key):
+                elif same_value(read_key(number), key):
                     return number  # a stored NaN is read back as a new float: == alone never finds it
             slot = (slot + 1) & mask
         return -1

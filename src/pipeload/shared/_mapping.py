@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
 from pipeload.shared._index import IndexLayout, UnsupportedKey, key_finder, write_index
-from pipeload.shared._nan import equal_with_nan, holds_nan
+from pipeload.shared._nan import holds_nan, same_value
 from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 K = TypeVar("K")
@@ -210,8 +210,8 @@ def _holds_entry(other: Mapping[Any, Any], key: Any, value: Any) -> bool:
     theirs = other.get(key, _MISSING)
     if theirs is _MISSING and holds_nan(key):
         # A dict finds its NaN key only by identity, and ours is read back as a new float.
-        theirs = next((v for k, v in other.items() if equal_with_nan(k, key)), _MISSING)
-    return theirs is not _MISSING and (theirs == value or equal_with_nan(theirs, value))
+        theirs = next((v for k, v in other.items() if same_value(k, key)), _MISSING)
+    return theirs is not _MISSING and same_value(theirs, value)
 
 
 def _first(mapping: SharedMapping[Any, Any], count: int) -> list[tuple[Any, Any]]:

@@ -1,33 +1,75 @@
-"""NaN in shared containers: a value read back is a new object, so identity cannot stand in for it.
+"""Equality in shared containers: a value read back is a new object, so identity cannot stand in
+for it.
 
-A list finds a NaN it holds because ``x in list`` and ``list == list`` try identity before
-``==``, and a dict finds a NaN key the same way. A shared container decodes a fresh float on
-every read, never the object it was built from, so ``==`` alone would never match a stored NaN:
-a mapping could list a NaN key that no lookup finds. Here a NaN therefore matches any NaN, in
-tuples and lists too, where ``==`` has already said no.
+A list finds an item it holds because ``x in list`` and ``list == list`` try identity before
+``==``: a NaN equals itself there, and a numpy array or tensor (whose ``==`` answers element by
+element, which ``bool()`` refuses) is found without ``==`` being asked. A dict finds a NaN key the
+same way. A shared container decodes a fresh object on every read, never the one it was built
+from, so ``==`` alone would never match a stored NaN, and would raise for arrays: a mapping could
+list a NaN key that no lookup finds, and a sequence would not equal the list it was built from.
+Here a value read back matches what an identical object would: NaN matches NaN (floats, complex,
+numpy's scalars), arrays and tensors match by dtype, shape and every element (NaN where NaN is),
+and tuples, lists and dicts item by item.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 
-def equal_with_nan(stored: Any, wanted: Any) -> bool:
-    """Whether ``stored`` and ``wanted`` are equal once every NaN counts as equal to every NaN.
+_NAN_KINDS = (float, complex, np.floating, np.complexfloating)
 
-    For callers whose ``==`` was False: floats (numpy's float64 too), and tuples or lists of
-    one type holding them, item by item. Anything else is left unequal.
-    """
-    if isinstance(stored, float) and isinstance(wanted, float):
-        return stored != stored and wanted != wanted
-    kind = type(stored)
-    if kind is not type(wanted) or not isinstance(stored, (tuple, list)) or len(stored) != len(wanted):
+
+def same_value(stored: Any, wanted: Any) -> bool:
+    """Whether ``stored`` (read back) equals ``wanted`` as the object it was made from would:
+    ``==``, or, where that says no or cannot say, as identity would have said yes."""
+    if isinstance(stored, (np.ndarray, torch.Tensor)) or isinstance(wanted, (np.ndarray, torch.Tensor)):
+        return _same_elements(stored, wanted)
+    try:
+        if stored == wanted:
+            return True
+    except Exception:  # an object whose == raises: only identity could have matched it
         return False
-    return all(mine == theirs or equal_with_nan(mine, theirs) for mine, theirs in zip(stored, wanted))
+    if isinstance(stored, _NAN_KINDS) and isinstance(wanted, _NAN_KINDS):
+        return _is_nan(stored) and _is_nan(wanted)
+    kind = type(stored)
+    if kind is not type(wanted):
+        return False
+    if isinstance(stored, (tuple, list)):
+        return len(stored) == len(wanted) and all(map(same_value, stored, wanted))
+    if isinstance(stored, dict):
+        return stored.keys() == wanted.keys() and all(same_value(stored[k], wanted[k]) for k in stored)
+    return False
+
+
+def _is_nan(value: Any) -> bool:
+    return value != value
+
+
+def _same_elements(stored: Any, wanted: Any) -> bool:
+    if type(stored) is not type(wanted):
+        return False
+    if isinstance(stored, np.ndarray):
+        if stored.dtype != wanted.dtype or stored.shape != wanted.shape:
+            return False
+        try:
+            return bool(np.array_equal(stored, wanted, equal_nan=stored.dtype.kind in "fc"))
+        except TypeError:  # object or structured dtypes
+            return all(same_value(a, b) for a, b in zip(stored.ravel().tolist(), wanted.ravel().tolist()))
+    if stored.dtype != wanted.dtype or stored.shape != wanted.shape or stored.layout != wanted.layout:
+        return False
+    if stored.layout is not torch.strided:
+        return bool(torch.equal(stored.to_dense(), wanted.to_dense()))
+    if stored.is_floating_point() or stored.is_complex():
+        return bool(((stored == wanted) | (stored.isnan() & wanted.isnan())).all())
+    return bool(torch.equal(stored, wanted))
 
 
 def holds_nan(value: Any) -> bool:
-    """Whether ``value`` is a NaN float or a tuple or list holding one (at any depth)."""
-    if isinstance(value, float):
-        return value != value
+    """Whether ``value`` is a NaN or a tuple or list holding one (at any depth): a key a dict
+    finds only by identity."""
+    if isinstance(value, _NAN_KINDS):
+        return _is_nan(value)
     return isinstance(value, (tuple, list)) and any(map(holds_nan, value))

@@ -9,7 +9,7 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar, overload
 
 from pipeload.shared._columns import ColumnLayout, column_reader, text_offsets, write_column
-from pipeload.shared._nan import equal_with_nan
+from pipeload.shared._nan import same_value
 from pipeload.shared._segment import Segment, SegmentBacked, SegmentWriter
 
 T = TypeVar("T")
@@ -124,7 +124,7 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         self._check_open()
         for number in range(len(self))[start:stop]:  # a slice clamps start and stop as a list does
             item = self._read(self._positions[number])
-            if item == value or equal_with_nan(item, value):
+            if same_value(item, value):
                 return number
         # collections.abc.Sequence.index raises a bare ValueError; a list names the value.
         raise ValueError(f"{value!r} is not in SharedSequence")
@@ -133,11 +133,11 @@ class SharedSequence(SegmentBacked, Sequence[T]):
     # objects, so NaN matches NaN instead (the design note's "NaN" section).
 
     def __contains__(self, value: object) -> bool:
-        return any(item == value or equal_with_nan(item, value) for item in self)
+        return any(same_value(item, value) for item in self)
 
     def count(self, value: Any) -> int:
         """How many items equal ``value`` (a NaN counts every NaN)."""
-        return sum(1 for item in self if item == value or equal_with_nan(item, value))
+        return sum(1 for item in self if same_value(item, value))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, (SharedSequence, list, tuple)):
@@ -147,7 +147,7 @@ class SharedSequence(SegmentBacked, Sequence[T]):
         if isinstance(other, SharedSequence) and other._segment is self._segment:
             if other._positions == self._positions:
                 return True
-        return all(mine == theirs or equal_with_nan(mine, theirs) for mine, theirs in zip(self, other))
+        return all(same_value(mine, theirs) for mine, theirs in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
 

@@ -188,14 +188,24 @@ class AutoTuner:
         workers, prefetch = self.current.num_workers, self.current.prefetch_factor
         most = min(self._max_workers, COMPUTING_PER_CPU * self.cpus) if computing else self._max_workers
         if self._tune_workers and workers < most:
-            wanted = Settings(min(most, self._grown(workers, waited)), prefetch)
-            if self._fits(wanted):
-                return wanted
+            # As far as the step asks, or as far as the memory budget lets it, if that is less
+            # (a step that did not fit stopped the tuning, where a smaller one would have paid).
+            count = min(most, self._grown(workers, waited), self._most_workers_fitting(prefetch))
+            if count > workers:
+                return Settings(count, prefetch)
         if self._tune_prefetch and prefetch == self.best.prefetch_factor and prefetch < MAX_PREFETCH:
             wanted = Settings(workers, prefetch * 2)
             if self._fits(wanted):
                 return wanted
         return None
+
+    def _most_workers_fitting(self, prefetch: int) -> int | float:
+        """The most workers whose batches in flight fit the memory budget (``_fits``)."""
+        snapshot = self._recorder.snapshot()
+        per_batch = snapshot.bytes_moved / snapshot.batches if snapshot.batches else 0
+        if self._budget is None or per_batch <= 0:
+            return math.inf
+        return int(self._budget // (prefetch * per_batch))
 
     def _fits(self, settings: Settings) -> bool:
         """Batches in flight, at the size measured so far, stay within the memory budget."""
