@@ -76,3 +76,8 @@ def test_the_stats_example_runs_as_written_and_prints_the_summary() -> None:
     assert printed.startswith("pipeload stats: 96 batches in 3 epoch(s)"), printed
     assert "setup: a map-style dataset, mode=classic, num_workers=2" in printed, printed
     assert "\nverdict: " in printed, printed
+
+
+def test_the_datapipes_example_loads_each_sample_once() -> None:
+    printed = run(block_with(".queue_boundary(\"thread\", buffer_size=32)"))
+    assert printed.strip() == "True", printed
