@@ -174,12 +174,12 @@ def test_an_error_the_far_end_closes_with_arrives_after_its_items() -> None:
     child.close()
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.parametrize("message", [None, "the source is gone"], ids=["closed", "closed-with-error"])
-def test_a_far_end_that_closes_before_its_first_put_ends_the_queue(method: str, message: str | None) -> None:
-    # It never joined, so the consumer waited for it to join for ever (or for its timeout).
+def test_a_far_end_sent_the_queue_that_closes_before_its_first_put_ends_it(message: str | None) -> None:
+    # It never joined, so the consumer waited for it to join for ever (or for its timeout). A
+    # queue sent to its far end (pickled, as spawn sends it) is that end's: it joins to close.
     queue = DataLoaderQueue(kind="process")
-    child = multiprocessing.get_context(method).Process(target=close_at_once, args=(queue, message))
+    child = multiprocessing.get_context("spawn").Process(target=close_at_once, args=(queue, message))
     child.start()
     items, end = drain(queue)
     child.join(DEADLINE_S)
@@ -191,6 +191,24 @@ def test_a_far_end_that_closes_before_its_first_put_ends_the_queue(method: str, 
         assert isinstance(end.cause, ValueError) and said.count(message) == 1 and "Original" not in said, said
     queue.close()
     child.close()
+
+
+def test_a_forked_copy_that_closes_without_a_put_never_takes_the_producers_place() -> None:
+    # Any process forked while the queue waits for its far end holds a copy: closing it must not
+    # join (a stray child's close ended the queue empty, and the producer was refused).
+    fork = multiprocessing.get_context("fork")
+    queue = DataLoaderQueue(kind="process")
+    stray = fork.Process(target=close_at_once, args=(queue, None))
+    stray.start()
+    stray.join(DEADLINE_S)
+    producer = fork.Process(target=put_range, args=(queue, 6))
+    producer.start()
+    items, end = drain(queue)
+    producer.join(DEADLINE_S)
+    assert len(items) == 6 and end.reason == QueueError.CLOSED and end.cause is None
+    queue.close()
+    stray.close()
+    producer.close()
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])

@@ -301,6 +301,27 @@ def test_iter_on_a_partly_read_run_goes_on_where_it_stands_as_pythons_iterators_
     assert list(pipe) == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_run_iter_gives_copies_pickles_and_tells_its_length_as_the_pipe_did() -> None:
+    # It recursed for ever in copy and pickle (its attributes are the pipe's), and had no len().
+    import copy
+    import pickle
+
+    class Sized(Prefetcher):
+        def __len__(self) -> int:
+            return len(self.source_dp)
+
+    pipe = Sized(IterableWrapper(range(6)).map(add_one))
+    it = iter(pipe)
+    assert next(it) == 1
+    assert len(it) == len(pipe) == 6
+    assert list(copy.deepcopy(iter(pipe))) == [1, 2, 3, 4, 5, 6]  # a copy reads as the pipe's copy
+    pickled = iter(Prefetcher(IterableWrapper(range(6)).map(add_one)))  # (a local class does not pickle)
+    assert list(pickle.loads(pickle.dumps(pickled))) == [1, 2, 3, 4, 5, 6]
+    assert list(IterableWrapper(iter(pipe))) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(AttributeError):
+        it.no_such_attribute  # noqa: B018
+
+
 class Fetched(NonBlockingMapDataPipe):
     """A map-style pipe whose items each need two asks (the first sends the request)."""
 

@@ -228,6 +228,13 @@ def test_equals_the_list_it_was_built_from_when_that_holds_arrays_tensors_or_oth
     assert np.arange(3) not in shared  # another dtype: an identical object could not be it
     assert torch.tensor([nan, 3.0]) not in shared and shared != values[:-1] + [np.array(["a", "c"])]
     shared.close()
+    pairs = [(np.arange(3.0), "a"), (torch.ones(2), "b")]  # inside tuples too
+    with SharedSequence(pairs) as shared_pairs:
+        assert shared_pairs == pairs and pairs[1] in shared_pairs
+    numbers = SharedSequence([1, 2, 3])  # a one-element tensor or array beside numbers, as a list
+    assert torch.tensor(2) in numbers and np.array(3) in numbers and numbers.index(torch.tensor(3)) == 2
+    assert numbers.count(np.array(1)) == [1, 2, 3].count(np.array(1)) == 1
+    numbers.close()
 
 
 @pytest.mark.parametrize("as_built", [list, tuple], ids=["list", "tuple"])

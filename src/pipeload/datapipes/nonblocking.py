@@ -132,7 +132,17 @@ class _OwnRun(Iterator[T_co]):
         return getattr(self, RUN_OF).nonblocking_next()
 
     def __getattr__(self, name: str) -> Any:
+        # Not for its own slot, nor for what copy and pickle ask of an object made without
+        # __init__ (the slot unset): asking the pipe for those recursed for ever.
+        if name == RUN_OF or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(getattr(self, RUN_OF), name)
+
+    def __len__(self) -> int:
+        return len(getattr(self, RUN_OF))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _OwnRun, (getattr(self, RUN_OF),)  # the pipe, its run with it
 
     def __repr__(self) -> str:
         return f"<the run of {getattr(self, RUN_OF)!r}>"

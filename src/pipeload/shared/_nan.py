@@ -25,23 +25,27 @@ _NAN_KINDS = (float, complex, np.floating, np.complexfloating)
 def same_value(stored: Any, wanted: Any) -> bool:
     """Whether ``stored`` (read back) equals ``wanted`` as the object it was made from would:
     ``==``, or, where that says no or cannot say, as identity would have said yes."""
-    if isinstance(stored, (np.ndarray, torch.Tensor)) or isinstance(wanted, (np.ndarray, torch.Tensor)):
-        return _same_elements(stored, wanted)
-    try:
-        if stored == wanted:
-            return True
-    except Exception:  # an object whose == raises: only identity could have matched it
-        return False
-    if isinstance(stored, _NAN_KINDS) and isinstance(wanted, _NAN_KINDS):
-        return _is_nan(stored) and _is_nan(wanted)
     kind = type(stored)
-    if kind is not type(wanted):
-        return False
-    if isinstance(stored, (tuple, list)):
-        return len(stored) == len(wanted) and all(map(same_value, stored, wanted))
-    if isinstance(stored, dict):
+    if kind is str or kind is bytes or kind is int:  # the common case, at the cost of one ==
+        result = stored == wanted
+        if type(result) is bool:
+            return result
+    arrays = (np.ndarray, torch.Tensor)
+    if isinstance(stored, arrays) and type(wanted) is kind:
+        return _same_elements(stored, wanted)
+    if kind is type(wanted) and isinstance(stored, (tuple, list)):  # item by item, as == does,
+        return len(stored) == len(wanted) and all(map(same_value, stored, wanted))  # each as here
+    if kind is type(wanted) and isinstance(stored, dict):
         return stored.keys() == wanted.keys() and all(same_value(stored[k], wanted[k]) for k in stored)
-    return False
+    try:
+        result = stored == wanted
+        if type(result) is not bool:
+            result = bool(result)  # a one-element array or tensor beside a number, say
+    except Exception:  # an == that raises (an array of several elements): only identity could match
+        return False
+    if result:
+        return True
+    return isinstance(stored, _NAN_KINDS) and isinstance(wanted, _NAN_KINDS) and _is_nan(stored) and _is_nan(wanted)
 
 
 def _is_nan(value: Any) -> bool:

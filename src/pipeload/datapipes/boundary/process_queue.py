@@ -133,12 +133,12 @@ class ProcessQueue(InboxQueue, kind="process"):
 
     def close(self, error: BaseException | None = None) -> None:
         if self._pid != os.getpid():
-            if not self._accepting or self._link is not None:
-                return  # a forked copy of an end in use: the original's resources are not ours
-            # A forked copy never used (a producer passed the queue by fork, closing before its
-            # first put): it becomes the joining end, as its put() would make it, and joins to
-            # say it closes. Its lock is made anew (the original's may have been copied held).
-            self._check_process()
+            # A forked copy: the original's resources are not ours (and its lock may have been
+            # copied held). Nor is it known to be the far end: any process forked while the
+            # queue waits for its far end holds such a copy, and joining to say it closes would
+            # take the place of the producer. (A producer that may close before its first put
+            # gets the queue pickled, as spawn sends it, or is watched: see watch().)
+            return
         with self._lock:
             # A closed queue's listener is closed (``_release``): accepting on it again would
             # raise, and close() must be safe to call twice (a boundary's failed start closes
