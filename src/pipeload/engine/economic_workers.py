@@ -84,6 +84,10 @@ FAILED_BATCHES_KEPT = 16  # an item worker skips later pieces of this many recen
 class ItemWorkerLoop(WorkerLoop):
     """Serves FETCH_ITEMS: fetch a piece, hand it to its batch worker, tell the main process."""
 
+    # Its pieces go into slabs that the batch's main grantee answers for, and it runs no
+    # collate function: nothing of a piece is kept here once sent, so no note follows one.
+    confirms_views = False
+
     kind = ITEM
 
     def __init__(self, setup: WorkerSetup, worker_id: int, inbox: Any, outbox: Any, deliveries: Any,

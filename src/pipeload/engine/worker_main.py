@@ -68,6 +68,10 @@ class WorkerLoop:
     Economic mode's item worker is this loop with another ``_serve``.
     """
 
+    # Whether it says, after each batch written into a slab, which slabs it still views
+    # (``Sender.confirm_views``): a worker that runs the user's collate function does.
+    confirms_views = True
+
     kind = ""  # how failures name this kind of worker: "" for a classic worker
 
     def __init__(
@@ -137,9 +141,10 @@ class WorkerLoop:
                 self._last_batch_is(command.batch_number)
             else:
                 self._serve(command)
-                # The batch sent is let go of by now: which slabs user code here still views (a
-                # collate function keeping its last output), so that no other worker is granted them.
-                self._outbox.confirm_views()
+                if self.confirms_views:
+                    # The batch sent is let go of by now: which slabs user code here still views (a
+                    # collate function keeping its last output), so that no other worker is granted them.
+                    self._outbox.confirm_views()
 
     def _next_command(self) -> WorkerCommand | None:
         """The next command worth doing, after reading everything already waiting.
