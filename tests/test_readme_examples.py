@@ -73,9 +73,10 @@ def test_the_separate_process_example_prints_what_its_comment_shows() -> None:
 def test_the_stats_example_runs_as_written_and_prints_the_summary() -> None:
     # It named a `dataset` and a `train_step` the reader had to invent: a NameError as written.
     printed = run(block_with("print(loader.stats())"))
-    assert printed.startswith("pipeload stats: 96 batches in 3 epoch(s)"), printed
+    assert printed.startswith("pipeload stats: 128 batches in 4 epoch(s)"), printed
     assert "setup: a map-style dataset, mode=classic, num_workers=2" in printed, printed
-    assert "\nverdict: " in printed, printed
+    # 124 batches past the epochs' first, 20 ms each at least: enough to judge, on any box.
+    assert "\nverdict: " in printed and "too little" not in printed, printed
 
 
 def test_the_datapipes_example_loads_each_sample_once() -> None:

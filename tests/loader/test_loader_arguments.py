@@ -666,3 +666,17 @@ def test_the_excessive_workers_warning_comes_as_torchs_does_when_workers_start(p
         return [str(w.message)[:60] for w in caught if "worker processes in total" in str(w.message)]
 
     assert warned(pipeload) == warned(torch.utils.data) and len(warned(pipeload)) == (2 if persistent_workers else 3)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_workers": "2"}, {"num_workers": None}, {"num_workers": 2.0},
+                                    {"num_workers": 1, "prefetch_factor": 2.0}],
+                         ids=["num-workers-str", "num-workers-none", "num-workers-whole-float",
+                              "prefetch-factor-whole-float"])
+def test_number_arguments_of_the_wrong_type_are_refused_in_torchs_words_first(kwargs: dict[str, Any]) -> None:
+    # torch's own sentence (from its comparison with 0, or from range() once iterating) came
+    # after ours, or not at all: a match= written for torch failed.
+    with pytest.raises(TypeError) as theirs:
+        iterate(tud.DataLoader(numbers(tud), batch_size=2, multiprocessing_context="fork", **kwargs))
+    with pytest.raises(TypeError) as mine:
+        pipeload.DataLoader(numbers(pipeload), batch_size=2, multiprocessing_context="fork", **kwargs)
+    assert str(mine.value).startswith(str(theirs.value).splitlines()[0]), (str(mine.value), str(theirs.value))

@@ -99,9 +99,10 @@ LOADERS: dict[str, LoaderKind] = {
                            "batch workers collate what the main process cannot name in place",
                            "large items (video, volumes, audio): memory stays at `prefetch_factor` "
                            "batches whatever `num_workers` is, and the first batch is built by all "
-                           "workers at once; with small items (such as the demo's JPEGs) it runs within a "
-                           "few percent of classic mode (each item is seeded on its own, and the main "
-                           "process hands out every piece)"),
+                           "workers at once; small items (such as the demo's JPEGs) gain nothing from it: "
+                           "on the 2-core box it ran 0.7x to 1.3x classic mode from run to run, 0.95x "
+                           "to 1.02x in quiet five-run medians (each item is seeded on its own, and the "
+                           "main process hands out every piece)"),
     "threads": LoaderKind(_pipeload(worker_type="thread"), "pipeload, thread workers",
                           "light samples, or work that mostly releases the GIL (numpy, torch ops, "
                           "I/O): no pickling, no shared memory, fast start; Python code per sample "

@@ -85,7 +85,11 @@ def resolve_num_workers(num_workers: Any) -> int:
         raise TypeError(f"'float' object cannot be interpreted as an integer (pipeload: num_workers should "
                         f"be an int (or 'auto'), but got num_workers={num_workers!r})")
     if count is None:
-        raise TypeError(f"num_workers should be an int (or 'auto'), but got num_workers={num_workers!r}")
+        # torch compares it with 0 first: a str (or any other type int cannot be compared with)
+        # fails there, in those words.
+        words = f"'<' not supported between instances of '{type(num_workers).__name__}' and 'int' "
+        raise TypeError(f"{words}(pipeload: num_workers should be an int (or 'auto'), but got "
+                        f"num_workers={num_workers!r})")
     return int(count)
 
 
@@ -222,7 +226,10 @@ def resolve_prefetch_factor(prefetch_factor: Any, num_workers: int) -> int | Non
             f"prefetch_factor={prefetch_factor!r}; each worker needs at least one batch in flight, "
             f"so it takes a positive integer)"
         )
-    if not isinstance(count, int):  # torch fails on any float, 2.0 included, in range()
+    if isinstance(count, float):  # torch fails on any float, 2.0 included, in range()
+        raise TypeError(f"'float' object cannot be interpreted as an integer (pipeload: prefetch_factor "
+                        f"should be an int, but got prefetch_factor={prefetch_factor!r})")
+    if count is None:
         raise TypeError(f"prefetch_factor should be an int, but got prefetch_factor={prefetch_factor!r}")
     if count == 0:
         raise ArgumentAssertionError(
