@@ -417,3 +417,8 @@ class _DemuxRun(_Run):
 
     def source_done(self) -> bool:
         return self._source_done
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+DemultiplexerIterDataPipe = Demultiplexer
+ForkerIterDataPipe = Forker

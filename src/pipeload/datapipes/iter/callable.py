@@ -216,3 +216,8 @@ class _FlatMapperIterator(PipeIterator[Any]):
     def _load_own_state(self, state: Any) -> None:
         if state is not None:
             self._item, self._taken, self._current = state
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+CollatorIterDataPipe = Collator
+MapperIterDataPipe = Mapper

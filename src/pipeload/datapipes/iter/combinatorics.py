@@ -309,3 +309,8 @@ class Sampler(IterDataPipe[T_co]):
 
     def __len__(self) -> int:
         return length_of(self.sampler, self)
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+SamplerIterDataPipe = Sampler
+ShufflerIterDataPipe = Shuffler

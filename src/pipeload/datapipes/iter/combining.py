@@ -250,3 +250,15 @@ class _GreedyIterator(SkipToResume, PipeIterator[Any]):
         for source in self._live:
             found.extend(source.notifiers())
         return found
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+ConcaterIterDataPipe = Concater
+MultiplexerIterDataPipe = Multiplexer
+ZipperIterDataPipe = Zipper
+# torch keeps fork and demux in this submodule; ours are in branching.py (imported last: it needs
+# nothing of this module, and this module needs them only here).
+from pipeload.datapipes.iter.branching import Demultiplexer, Forker  # noqa: E402
+
+DemultiplexerIterDataPipe = Demultiplexer
+ForkerIterDataPipe = Forker

@@ -285,3 +285,9 @@ class _GrouperIterator(SkipToResume, PipeIterator[Any]):
     def _emit(self, key: Any, group: list[Any]) -> None:
         batch = self._pipe.wrapper_class(group)
         self._ready.append((key, batch) if self._pipe.keep_key else batch)
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+BatcherIterDataPipe = Batcher
+GrouperIterDataPipe = Grouper
+UnBatcherIterDataPipe = UnBatcher

@@ -62,3 +62,7 @@ class _FilterIterator(PipeIterator[Any]):
             data = self._source.nonblocking_next()
             if self._keeps(data):
                 return data
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+FilterIterDataPipe = Filter

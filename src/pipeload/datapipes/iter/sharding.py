@@ -136,3 +136,7 @@ class _ShardingIterator(PipeIterator[Any]):
 
     def _load_own_state(self, state: Any) -> None:
         self._seen = state
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+ShardingFilterIterDataPipe = ShardingFilter

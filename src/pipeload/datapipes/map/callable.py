@@ -45,3 +45,7 @@ class Mapper(MapDataPipe[T_co]):
 
     def __len__(self) -> int:
         return len(self.datapipe)  # type: ignore[arg-type]
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+MapperMapDataPipe = Mapper

@@ -96,3 +96,8 @@ class Zipper(MapDataPipe[tuple[Any, ...]]):
 
     def __len__(self) -> int:
         return min(len(dp) for dp in self.datapipes)  # type: ignore[arg-type]
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+ConcaterMapDataPipe = Concater
+ZipperMapDataPipe = Zipper

@@ -63,3 +63,7 @@ class Batcher(MapDataPipe[DataChunk]):
 
     def __len__(self) -> int:
         return batch_count(length_of(self.datapipe, self), self.batch_size, self.drop_last)
+
+# torch's long names, for scripts that import them from torch's submodule of this name: the
+# same classes (torch's package exports the short names, as ours does).
+BatcherMapDataPipe = Batcher
