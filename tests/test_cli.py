@@ -433,3 +433,15 @@ def test_profile_under_auto_judges_once_the_tuner_settles(
     assert returned == 0, out
     assert "still tuning" not in out and "too little" not in out, out
     assert "try num_workers=64" not in out, out
+
+
+def test_the_command_tells_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import pipeload
+    from pipeload import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pipeload {pipeload.__version__} (torch {torch.__version__})"

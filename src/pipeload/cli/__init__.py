@@ -104,11 +104,20 @@ def _silence_stdout() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipeload", description="pipeload: torch.utils.data's interface, its own engine.")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=_Parser)
     _add_bench(commands)
     _add_profile(commands)
     return parser
+
+
+def _version() -> str:
+    import torch
+
+    import pipeload
+
+    return f"pipeload {pipeload.__version__} (torch {torch.__version__})"
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
