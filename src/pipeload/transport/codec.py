@@ -164,6 +164,12 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         offset, nbytes = piece
         return (_rebuild_tensor, (_SlabPiece(offset, nbytes), dtype_index, shape, tensor.stride(),
                                   tensor.storage_offset() - offset // tensor.element_size()))
+    if writer is not None and writer.maps_other_slab(storage):
+        # Kept by user code from an earlier batch (a collate returning its last output): its
+        # storage is that whole slab, which would travel whole, and the next slab, sized to fit
+        # it, whole again with the next batch: slabs grew by a slab a batch. Its own bytes go.
+        tensor = tensor.clone()
+        storage = tensor.untyped_storage()
     inline = _whole_inline_tensor(tensor, storage)
     if inline is not None:
         return (_inline_tensor, (inline[0], inline[1], dtype_index, shape))

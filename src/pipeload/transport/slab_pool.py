@@ -195,7 +195,7 @@ class SlabPool:
         self._controls.clear()
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.clear()
-            slab.unconfirmed_by = None  # its producer stopped: nothing of it will be sent again
+            slab.unconfirmed_by, slab.still_viewed = None, False  # its producer stopped: nothing of it is sent again
 
     # -- granting ------------------------------------------------------------------------
 
@@ -280,16 +280,23 @@ class SlabPool:
         """Whether ``producer`` may write into ``slab``: yes unless the producer that wrote its
         last batch may still view it (it has not said otherwise since, see ``producer_views``).
         That producer alone may, when it writes alone: it checks its own views before writing."""
-        return slab.unconfirmed_by is None or (slab.unconfirmed_by == producer and not shared)
+        if slab.unconfirmed_by is None:
+            return True
+        return slab.unconfirmed_by == producer and not shared and not slab.still_viewed
 
     def producer_views(self, producer: int, still_viewed: tuple[int, ...]) -> None:
         """``producer`` holds nothing of what it sent but views of ``still_viewed`` (slab ids):
-        its other slabs may go to anyone now; those it still views are never written again."""
+        its other slabs may go to anyone now. One it still views is held back from everyone,
+        itself included: a collate function that keeps its last output lets go of it with its
+        next batch, and the next note frees the slab; one still viewed at the next note too (a
+        batch kept for longer) is retired, so that the pool makes another rather than wait."""
         for slab in list(self._slabs.values()):
             if slab.unconfirmed_by != producer:
                 continue
             if slab.slab_id not in still_viewed:
-                slab.unconfirmed_by = None
+                slab.unconfirmed_by, slab.still_viewed = None, False
+            elif not slab.still_viewed:
+                slab.still_viewed = True
             elif slab.granted_to is None:  # (granted again to it: its own check refuses it, BUSY)
                 self.counts.busy += 1
                 self._retire(slab)
@@ -353,7 +360,7 @@ class SlabPool:
             slab.lease_token = token
             self.counts.batches_in_slabs += 1
             if slab.granted_producer is not None and slab.granted_producer >= 0:
-                slab.unconfirmed_by = slab.granted_producer
+                slab.unconfirmed_by, slab.still_viewed = slab.granted_producer, False
         elif outcome is GrantOutcome.BUSY:
             self.counts.busy += 1
             self._retire(slab)  # the producer still views it: never write into it again
@@ -393,7 +400,7 @@ class SlabPool:
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.discard(producer)
             if slab.unconfirmed_by == producer:
-                slab.unconfirmed_by = None
+                slab.unconfirmed_by, slab.still_viewed = None, False
 
     def handed_out(self, token: int) -> None:
         """Batch ``token`` was just given to the consumer (feeds the choice of deferred grants)."""

@@ -72,7 +72,8 @@ class SlabRecord:
     """
 
     __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
-                 "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "__weakref__")
+                 "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "still_viewed",
+                 "__weakref__")
 
     def __init__(self, slab_id: int, size: int, pin_device: int | None) -> None:
         self.slab_id = slab_id
@@ -88,6 +89,9 @@ class SlabRecord:
         # The producer that wrote the last batch into it, until it has said that nothing of its
         # own still views the slab (see SlabPool.producer_views); None: nobody may still view it.
         self.unconfirmed_by: int | None = None
+        # That producer's last note said it still views the slab: held back from everyone, itself
+        # included, until a note says otherwise (a second note saying so retires it).
+        self.still_viewed = False
 
     @property
     def fd(self) -> int:

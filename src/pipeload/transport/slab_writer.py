@@ -424,6 +424,14 @@ class SlabWriter:
         return (slab is not None and self._outcome is GrantOutcome.USED
                 and storage.data_ptr() == slab.storage.data_ptr())
 
+    def maps_other_slab(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is a whole slab this producer maps, other than the one granted now
+        (what a tensor kept from an earlier message views)."""
+        address = storage.data_ptr()
+        granted = self._slab
+        return any(slab.storage.data_ptr() == address for slab in self._slabs.values()
+                   if slab is not granted) and address != 0
+
     @property
     def slab_id(self) -> int:
         return -1 if self._grant is None else self._grant.slab_id
