@@ -123,7 +123,8 @@ class Sender:
 
         Until the pool hears this, it grants the slab to no other producer: user code that kept
         the batch (a collate function returning its last output again) would read what another
-        producer wrote there. A slab still viewed is retired; any other may go to anyone.
+        producer wrote there. A slab still viewed waits for a later note (retired if that one
+        names it too); any other may go to anyone.
         """
         if self.writer.last_outcome is not GrantOutcome.USED:
             return
