@@ -132,9 +132,10 @@ def test_a_workers_kept_output_is_never_written_over_by_another_worker(engine, p
                 compared += 1
     assert compared >= 3 * 96 // 8 - 2 * 3
     # The kept tensor travels as its own bytes, not as the whole slab it views: slabs grew by a
-    # slab a batch (each sized for the last one's, sent again), 134 made for 200 batches.
+    # slab a batch (each sized for the last one's, sent again), 134 made for 200 batches. And
+    # the slab a worker holds back does not take the place of one for the batches in flight.
     counts = loader._slab_keeper.counts()
-    assert counts.slabs_made <= 12 and counts.batches_in_slabs >= 10, counts
+    assert counts.slabs_made <= 12 and counts.batches_in_slabs >= 30, counts
 
 
 @pytest.mark.parametrize("engine, width", [pytest.param(FORK, 16, id="inline"),

@@ -334,9 +334,15 @@ class SlabPool:
         return found
 
     def _may_grow(self) -> bool:
-        return (len(self._slabs) < self._slab_limit
+        return (len(self._slabs) - self._held_back() < self._slab_limit
                 and len(self._slabs) + len(self._retired_in_use) < MAX_SLABS
                 and self.slab_bytes + self._wanted_size <= self._max_bytes)
+
+    def _held_back(self) -> int:
+        """Slabs a worker's note said it still views: out of use until a later note (a collate
+        function keeping its last output holds one at a time). They count against the byte
+        budget, not against the slab limit, which is for the batches in flight."""
+        return sum(1 for slab in self._slabs.values() if slab.still_viewed)
 
     def _next_id(self) -> int:
         # A retired slab's id is reused only once its last batch is released: a late release
@@ -458,7 +464,7 @@ class SlabPool:
         for slab in free:
             if slab.size < self._wanted_size:
                 self._retire(slab)
-        excess = len(self._slabs) - self._slab_limit
+        excess = len(self._slabs) - self._held_back() - self._slab_limit
         self._surplus_grants = self._surplus_grants + 1 if excess > 0 else 0
         if self._surplus_grants < SURPLUS_PATIENCE_GRANTS:
             return
