@@ -41,12 +41,18 @@ def first_frame_outside_pipeload() -> int:
 def user_site() -> UserSite | None:
     """The user's line the calling thread runs under: the first frame outside pipeload (and
     ``threading``), or the site lent to this thread when it started; None if neither."""
-    frame = sys._getframe(1)
-    while frame is not None and not _is_users(frame):
-        frame = frame.f_back
+    frame, _level = _first_user_frame(sys._getframe(1))
     if frame is None:
         return getattr(_lent, "site", None)
     return UserSite(frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "__main__"))
+
+
+def _first_user_frame(frame):  # type: ignore[no-untyped-def]
+    """The first frame from ``frame`` up that is the user's, and how many up it is (1: itself)."""
+    level = 1
+    while frame is not None and not _is_users(frame):
+        frame, level = frame.f_back, level + 1
+    return frame, level
 
 
 def lend_user_site(site: UserSite | None) -> None:
@@ -57,9 +63,7 @@ def lend_user_site(site: UserSite | None) -> None:
 def warn_user(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` pointed at the user's line: the caller's, or, on a thread of
     pipeload's own, the line that started it."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and not _is_users(frame):
-        frame, level = frame.f_back, level + 1
+    frame, level = _first_user_frame(sys._getframe(1))
     site = getattr(_lent, "site", None)
     if frame is not None or site is None:
         warnings.warn(message, category, stacklevel=level + 1)  # + this function's own frame

@@ -200,7 +200,8 @@ class AutoTuner:
         return None
 
     def _most_workers_fitting(self, prefetch: int) -> int | float:
-        """The most workers whose batches in flight fit the memory budget (``_fits``)."""
+        """The most workers whose batches in flight, at the size measured so far, fit the memory
+        budget."""
         snapshot = self._recorder.snapshot()
         per_batch = snapshot.bytes_moved / snapshot.batches if snapshot.batches else 0
         if self._budget is None or per_batch <= 0:
@@ -209,10 +210,7 @@ class AutoTuner:
 
     def _fits(self, settings: Settings) -> bool:
         """Batches in flight, at the size measured so far, stay within the memory budget."""
-        snapshot = self._recorder.snapshot()
-        per_batch = snapshot.bytes_moved / snapshot.batches if snapshot.batches else 0
-        needed = settings.num_workers * settings.prefetch_factor * per_batch
-        return self._budget is None or needed <= self._budget
+        return settings.num_workers <= self._most_workers_fitting(settings.prefetch_factor)
 
     def _change(self, settings: Settings, rate: float, why: str) -> Settings:
         self._settle = SETTLE_BATCHES + _in_flight(self.current) + _in_flight(settings)
