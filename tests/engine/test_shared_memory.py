@@ -138,6 +138,39 @@ def test_a_workers_kept_output_is_never_written_over_by_another_worker(engine, p
     assert counts.slabs_made <= 12 and counts.batches_in_slabs >= 30, counts
 
 
+class KeepsEveryOutput:
+    """A collate function that keeps every output it made (a worker-side replay memory) and
+    checks, after collating each batch where it travels, that none of them has changed."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, list[float]]] = []
+
+    def __call__(self, samples):
+        batch = default_collate(samples)
+        for old, values in self.kept:
+            if old[:, 0].tolist() != values:
+                raise AssertionError(f"kept output written over: {old[:, 0].tolist()}, collated as {values}")
+        self.kept.append((batch, [float(sample[0]) for sample in samples]))
+        return batch
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_kept_output_of_a_new_loaders_first_batches_is_never_written_over(num_workers):
+    # A new loader's first batches travel in buffers their workers make, which the pool takes
+    # over as slabs. A buffer the worker's collate function still views must be granted to no
+    # one, nor written by its own worker through a second mapping of it. (The byte budget keeps
+    # the pool to a few slabs, so that each is granted again.)
+    for _ in range(2):
+        loader = DataLoader(MakesTensors(48, BIG), batch_size=4, num_workers=num_workers,
+                            max_shm_bytes=4 << 20, collate_fn=KeepsEveryOutput(),
+                            multiprocessing_context="fork")
+        for number, batch in enumerate(loader):
+            assert batch[:, 0].tolist() == expected_rows(number, 4)
+        counts = loader._slab_keeper.counts()
+        assert counts.slabs_adopted > 0 and counts.busy > 0, counts  # taken over, then refused
+        del loader
+
+
 @pytest.mark.parametrize("engine, width", [pytest.param(FORK, 16, id="inline"),
                                            pytest.param(ECONOMIC, 1 << 14, id="economic-first-batches")])
 def test_a_numpy_view_keeps_its_values_when_the_batch_moves_to_shared_memory(engine, width):

@@ -136,6 +136,22 @@ def test_an_error_mid_epoch_releases_the_slabs_even_while_the_error_is_kept(engi
     del loader
 
 
+def test_a_new_loaders_first_batches_travel_in_buffers_that_become_its_slabs():
+    # A new loader knows no batch size: its first batches travel in buffers their workers make.
+    # It takes those over as its first slabs rather than make (and fault in) slabs anew.
+    loader = DataLoader(MakesTensors(ITEMS, BIG), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    run_epoch(loader)
+    counts = loader._slab_keeper.counts()
+    assert counts.slabs_adopted >= 1 and counts.batches_in_fresh_memory >= 1, counts
+    assert counts.slabs_made + counts.slabs_adopted <= 6, counts
+    assert loader._slab_keeper.held_bytes > 0
+    run_epoch(loader)  # the next set of workers writes into them
+    again = loader._slab_keeper.counts()
+    assert again.batches_in_fresh_memory == counts.batches_in_fresh_memory, again
+    del loader
+
+
 def test_a_copied_or_pickled_loader_keeps_slabs_of_its_own():
     loader = DataLoader(MakesTensors(ITEMS, BIG), batch_size=4, num_workers=2,
                         multiprocessing_context="fork")
@@ -144,7 +160,11 @@ def test_a_copied_or_pickled_loader_keeps_slabs_of_its_own():
     for twin in (copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
         assert twin._slab_keeper is not loader._slab_keeper
         assert twin._slab_keeper.held_bytes == 0  # starts with none
-        assert not run_epoch(twin)[0]  # and learns the size for itself
+        run_epoch(twin)
+        # It learns the size for itself: its first batches travel in buffers their workers made
+        # (which it takes over as its first slabs), not in slabs it had.
+        counts = twin._slab_keeper.counts()
+        assert counts.batches_in_fresh_memory > 0 and counts.slabs_adopted > 0, counts
         assert twin._slab_keeper.held_bytes > 0
         del twin
     assert loader._slab_keeper.held_bytes == held and run_epoch(loader)[0]

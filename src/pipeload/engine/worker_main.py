@@ -87,6 +87,10 @@ class WorkerLoop:
         self._id = worker_id
         self._inbox = inbox
         self._outbox = outbox
+        if self.kind == "" and self.confirms_views:
+            # Its first large batches, before the pool knows their size, travel in buffers the
+            # pool may take over as slabs (transport/slab_writer.py).
+            outbox.offer_buffers()
         self._should_stop = should_stop
         self._fetcher: Any = None
         self._init_failure: RemoteFailure | None = None

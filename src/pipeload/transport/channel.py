@@ -342,6 +342,9 @@ class QueueEnd:
     def confirm_views(self) -> None:
         """No slab was written: nothing to say."""
 
+    def offer_buffers(self) -> None:
+        """Threads share memory: no buffer to offer."""
+
     def receive(self, timeout_s: float) -> Any | None:
         try:
             return self.queue.get(timeout=timeout_s)

@@ -14,6 +14,11 @@ whatever the number of tensors viewing it, in the first way that applies:
 4. copied into the rest of the granted slab, when there is room;
 5. copied into a fresh one-shot buffer, whose descriptor rides along (SCM_RIGHTS).
 
+A large message with no slab granted, from a producer that offers its buffers (a classic worker,
+see slab_writer.py), is written into a buffer of its own laid out as a slab: 1 and 4 then apply to
+that buffer, named in the message by its descriptor (a negative slab reference, ``_slab_ref``),
+and the consumer's pool may take it over as a slab (``SlabPool.adopt``).
+
 A batch report whose batch is one small tensor, or a plain list or tuple of a few, skips all of
 this and takes ``flat_wire.py``, which delivers it the same way for a fraction of the cost.
 
@@ -28,6 +33,7 @@ import copyreg
 import ctypes
 import io
 import math
+import mmap
 import os
 import pickle
 import struct
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions, used for the rest)
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
@@ -47,7 +54,7 @@ from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor
 from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
 from pipeload.transport.shared_memory import note_received, storage_from_descriptor
-from pipeload.transport.slab_writer import SlabWriter, one_shot_storage
+from pipeload.transport.slab_writer import OFFERED_SLAB_ID, SlabWriter, one_shot_storage
 
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_BUDGET_BYTES = 1 << 20
@@ -91,6 +98,7 @@ class _Outgoing(threading.local):
     keep_alive: list[Any] = []
     slots: dict[tuple[int, int], int] = {}
     inline_left = 0
+    offer_ref: int | None = None  # the offered buffer's name in the message, once passed
 
 
 _outgoing = _Outgoing()
@@ -109,7 +117,7 @@ def encode(obj: Any, writer: SlabWriter | None) -> tuple[memoryview, list[int], 
         return memoryview(flat), [], []
     out = _outgoing
     out.writer, out.fds, out.keep_alive, out.slots = writer, [], [], {}
-    out.inline_left = INLINE_BUDGET_BYTES
+    out.inline_left, out.offer_ref = INLINE_BUDGET_BYTES, None
     buffer = io.BytesIO()
     try:
         pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
@@ -206,7 +214,21 @@ def _reduce_piece(piece: _SlabPiece) -> Any:
     if slot is not None:
         return (_storage_at, (slot, Placement.CACHED, None))
     slot = out.slots[key] = len(out.slots)
-    return (_storage_at, (slot, Placement.REGION, (writer.slab_id, piece.offset, piece.nbytes)))
+    return (_storage_at, (slot, Placement.REGION, (_slab_ref(out), piece.offset, piece.nbytes)))
+
+
+def _slab_ref(out: _Outgoing) -> int:
+    """How the message names the slab its writer writes into: the granted slab's id, or, for a
+    buffer the writer offers (``SlabWriter.offers_buffers``), -1 - the index of its descriptor,
+    which travels once with the message."""
+    writer = out.writer
+    slab_id = writer.slab_id
+    if slab_id != OFFERED_SLAB_ID:
+        return slab_id
+    if out.offer_ref is None:
+        out.fds.append(writer.offered_descriptor())
+        out.offer_ref = -len(out.fds)
+    return out.offer_ref
 
 
 _QUANTIZED_SCHEMES = (torch.per_tensor_affine, torch.per_channel_affine,
@@ -304,7 +326,7 @@ def _place(storage: torch.UntypedStorage, nbytes: int, out: _Outgoing) -> tuple[
     if nbytes == 0:
         return Placement.INLINE, bytearray()
     if writer is not None and writer.owns(storage):
-        return Placement.SLAB, writer.slab_id
+        return Placement.SLAB, _slab_ref(out)
     if nbytes <= INLINE_MAX_BYTES and nbytes <= out.inline_left:
         out.inline_left -= nbytes
         return Placement.INLINE, _raw_bytes(storage)
@@ -316,7 +338,7 @@ def _place(storage: torch.UntypedStorage, nbytes: int, out: _Outgoing) -> tuple[
     if room is not None:
         slab_storage, offset = room
         _copy_bytes(slab_storage, offset, storage, nbytes)
-        return Placement.REGION, (writer.slab_id, offset, nbytes)
+        return Placement.REGION, (_slab_ref(out), offset, nbytes)
     fresh = writer.one_shot(nbytes) if writer is not None else one_shot_storage(nbytes)
     _copy_bytes(fresh, 0, storage, nbytes)
     return Placement.DESCRIPTOR, (_pass_descriptor(fresh, out), nbytes)
@@ -359,6 +381,8 @@ class _Incoming(threading.local):
     """Per-message state of the decoder, for the thread decoding it."""
 
     pool: Any = None
+    producer: int | None = None  # the pool's number for the producer that sent it
+    shared_bytes = 0  # what the message says it needed outside it
     fds: list[int] = []
     storages: dict[int, Any] = {}  # slot -> storage, or a tensor that is all of one
     lease: memoryview | None = None
@@ -368,7 +392,8 @@ class _Incoming(threading.local):
 _incoming = _Incoming()
 
 
-def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -> tuple[Any, MessageInfo]:
+def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any,
+           producer: int | None = None) -> tuple[Any, MessageInfo]:
     """Rebuild a message made by :func:`encode`; closes every received descriptor.
 
     Args:
@@ -376,6 +401,8 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -
         fds: the descriptors that came with it.
         pool: the :class:`~pipeload.transport.slab_pool.SlabPool` its slab references belong to
             (None where no slab can have been granted).
+        producer: the pool's number for the producer that sent it, which may offer the pool the
+            buffer it wrote the message into (None: the pool takes over no such buffer).
 
     Raises:
         TooManyOpenFilesError: mapping a storage failed because this process is out of file
@@ -389,8 +416,9 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -
     incoming = _incoming
     incoming.pool, incoming.fds, incoming.storages, incoming.lease = pool, fds, {}, None
     try:
-        obj = pickle.loads(payload)  # stops at the pickle's end; the trailer follows
         shared, outcome = _TRAILER.unpack_from(payload, len(payload) - _TRAILER.size)
+        incoming.producer, incoming.shared_bytes = producer, shared
+        obj = pickle.loads(payload)  # stops at the pickle's end; the trailer follows
         if shared == 0 and outcome == GrantOutcome.NO_GRANT:
             return obj, NO_INFO
         return obj, MessageInfo(shared, GRANT_OUTCOMES[outcome])
@@ -400,6 +428,7 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int], pool: Any) -
         raise
     finally:
         incoming.pool, incoming.fds, incoming.storages, incoming.lease = None, [], {}, None
+        incoming.producer = None
         for fd in fds:
             os.close(fd)
 
@@ -439,13 +468,41 @@ def _storage_at(slot: int, placement: int, detail: Any) -> torch.UntypedStorage:
 def _lease(slab_id: int) -> memoryview:
     incoming = _incoming
     if incoming.lease is None:
-        if incoming.pool is None:
+        if slab_id < 0:
+            incoming.lease = _offered_lease(slab_id)
+        elif incoming.pool is None:
             raise ValueError(f"a message refers to slab {slab_id} but no slab pool receives it")
-        incoming.lease = incoming.pool.open_lease(slab_id)
+        else:
+            incoming.lease = incoming.pool.open_lease(slab_id)
         incoming.lease_slab = slab_id
     elif incoming.lease_slab != slab_id:
         raise ValueError(f"a message refers to two slabs ({incoming.lease_slab}, {slab_id})")
     return incoming.lease
+
+
+def _offered_lease(ref: int) -> memoryview:
+    """A view of the buffer the producer wrote the message into (``_slab_ref``): taken over by
+    the pool as a slab when it has a use for one, else mapped for this message alone."""
+    incoming = _incoming
+    index = -1 - ref
+    if not 0 <= index < len(incoming.fds):
+        raise ValueError(f"a message refers to descriptor {index}, which did not come with it")
+    fd = incoming.fds[index]
+    size = os.fstat(fd).st_size
+    pool, producer = incoming.pool, incoming.producer
+    if pool is not None and producer is not None:
+        adopted = pool.adopt(fd, size, incoming.shared_bytes, producer)
+        if adopted is not None:
+            return adopted
+    note_received(fd)
+    # What the message wrote lies within what it says it needed: the slab's headroom beyond
+    # that is not mapped for one batch (an address-space limit counts every byte mapped).
+    nbytes = min(size, -(-incoming.shared_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    try:
+        mapping = mmap.mmap(fd, nbytes)
+    except OSError as exc:
+        raise SharedMemoryError(cannot_map_message(nbytes)) from exc
+    return memoryview(np.frombuffer(mapping, dtype=np.uint8))
 
 
 def _inline_tensor(slot: int, data: bytearray, dtype_index: int,

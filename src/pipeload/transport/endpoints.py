@@ -126,11 +126,17 @@ class Sender:
         producer wrote there. A slab still viewed waits for a later note (retired if that one
         names it too); any other may go to anyone.
         """
-        if self.writer.last_outcome is not GrantOutcome.USED:
+        writer = self.writer
+        if writer.last_outcome is not GrantOutcome.USED and not writer.offered_last:
             return
-        self.writer.last_outcome = GrantOutcome.NO_GRANT
-        held = self.writer.slabs_still_viewed()
-        send_message(self.sock, memoryview(bytes((VIEWS_TAG,)) + pickle.dumps(held, pickle.HIGHEST_PROTOCOL)), [])
+        writer.last_outcome = GrantOutcome.NO_GRANT
+        note = (writer.slabs_still_viewed(), writer.offer_still_viewed())
+        send_message(self.sock, memoryview(bytes((VIEWS_TAG,)) + pickle.dumps(note, pickle.HIGHEST_PROTOCOL)), [])
+
+    def offer_buffers(self) -> None:
+        """Let a large message with no slab offer the buffer it is written into as a slab (see
+        slab_writer.py): for a producer that calls ``confirm_views`` after each message."""
+        self.writer.offers_buffers = True
 
     def close(self) -> None:
         collate_output.set_writer(None)
@@ -162,10 +168,10 @@ class Receiver:
                 return None
             payload, fds = message
             if not (payload and payload[0] == VIEWS_TAG and not fds):
-                return decode(payload, fds, self.pool)
+                return decode(payload, fds, self.pool, self.producer)
             # A views note (Sender.confirm_views): the pool's, then the next message if one waits.
             if self.pool is not None:
-                self.pool.producer_views(self.producer, pickle.loads(memoryview(payload)[1:]))
+                self.pool.producer_views(self.producer, *pickle.loads(memoryview(payload)[1:]))
             block = False
 
     def send_controls(self) -> None:

@@ -48,6 +48,8 @@ MADV_HUGEPAGE = 14
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _THP_MODES_FOR_MEMFD = ("always", "within_size", "advise", "force")
+SLAB_HEADROOM_BYTES = 256 * 1024  # alignment padding and small extras beyond the largest batch
+SIZE_STEP_BYTES = 64 * 1024
 
 
 @functools.cache
@@ -109,6 +111,12 @@ def slab_size_for(nbytes: int, step: int) -> int:
     return size
 
 
+def batch_slab_size(shared_bytes: int) -> int:
+    """The size of a slab for batches that need ``shared_bytes`` outside their message: the
+    pool's rule, which a worker offering its own buffer as a slab follows too (slab_writer.py)."""
+    return slab_size_for(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
+
+
 class Preparation:
     """Work on a mapping, done by a short-lived daemon thread; ``wait()`` returns its result.
 
@@ -166,10 +174,14 @@ class SlabMemory:
 
     __slots__ = ("size", "fd", "mapping", "array", "_preparation", "_pinned_address")
 
-    def __init__(self, size: int, pin_device: int | None) -> None:
+    def __init__(self, size: int, pin_device: int | None, fd: int | None = None) -> None:
+        """A new slab of ``size`` bytes, or (``fd``) one over a buffer a producer made and
+        offered, whose descriptor the memory takes over."""
         self.size = size
-        self.fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
-        note_received(self.fd)
+        if fd is None:
+            fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
+            note_received(fd)
+        self.fd = fd
         self.mapping = mmap.mmap(self.fd, size)
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self._pinned_address = 0

@@ -17,6 +17,13 @@ first writes, for the release to land. A pinned slab's release lands once a CUDA
 at release time shows that asynchronous copies out of the slab are done (a watcher thread waits
 for it, see host_pinning.py), so pinned slabs are granted ahead the same way.
 
+A producer with no slab to write a large message into (a new set of workers' first batches, before
+the pool knows how large a batch is) may write it into a buffer of its own, sized as a slab, and
+offer it (see slab_writer.py). The pool takes it over (``adopt``) when it has room for another
+slab: the batch is leased from it as from any slab, and once the producer's views note says its
+code keeps nothing of it, it is granted like the others. A new loader's first slabs are then the
+buffers its first batches travelled in, whose pages were paid for once, not made again.
+
 The pool may outlive the producers it serves: a loader keeps one pool for the worker sets it
 starts one after another (see slab_keeper.py). ``detach_producers`` forgets the producers of a set
 that has stopped, and the next set is announced the slabs it is granted, mapped and page-locked
@@ -26,13 +33,14 @@ already; ``fit`` shrinks the pool to what the next set may use.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 
 from pipeload.transport import host_pinning
 from pipeload.transport.messages import GrantOutcome, SlabControl, SlabControlKind, SlabGrant
 from pipeload.transport.shared_memory import warn_if_dev_shm_too_small
-from pipeload.transport.slab_memory import slab_size_for
+from pipeload.transport.slab_memory import batch_slab_size
 from pipeload.transport.slab_records import (
     MAX_SLABS,
     ControlQueues,
@@ -43,8 +51,6 @@ from pipeload.transport.slab_records import (
 )
 
 __all__ = ["SlabCounts", "SlabPool"]
-SLAB_HEADROOM_BYTES = 256 * 1024  # alignment padding and small extras beyond the largest batch
-SIZE_STEP_BYTES = 64 * 1024
 LATE_PAUSE_GRANTS = 64  # after a deferred grant came too late, grant only free slabs this long
 LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters for the peak
 # A free slab beyond the limit is retired only once the pool has held more than its limit for
@@ -99,6 +105,7 @@ class SlabPool:
         self._controls = ControlQueues()
         self._handed_out: collections.deque[int] = collections.deque(maxlen=2)
         self._late_pause = 0
+        self._adopted_unsettled: SlabRecord | None = None  # taken over by the message being read
         self._board = ReleaseBoard()
         self._watcher: host_pinning.ReleaseWatcher | None = None  # made with the first pinned slab
         self.pin_lock = threading.Lock()
@@ -169,8 +176,7 @@ class SlabPool:
         if self._largest_batch == 0:
             warn_if_dev_shm_too_small(shared_bytes, self._batches_in_flight)
         self._largest_batch = shared_bytes
-        wanted = slab_size_for(shared_bytes + SLAB_HEADROOM_BYTES, SIZE_STEP_BYTES)
-        self._wanted_size = max(self._wanted_size, wanted)
+        self._wanted_size = max(self._wanted_size, batch_slab_size(shared_bytes))
 
     # -- between worker sets -------------------------------------------------------------
 
@@ -196,6 +202,7 @@ class SlabPool:
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.clear()
             slab.unconfirmed_by, slab.still_viewed = None, False  # its producer stopped: nothing of it is sent again
+            slab.offered_by = None
 
     # -- granting ------------------------------------------------------------------------
 
@@ -280,17 +287,28 @@ class SlabPool:
         """Whether ``producer`` may write into ``slab``: yes unless the producer that wrote its
         last batch may still view it (it has not said otherwise since, see ``producer_views``).
         That producer alone may, when it writes alone: it checks its own views before writing."""
+        if slab.offered_by is not None:  # its producer has not said yet whether it views it
+            return slab.offered_by == producer and not shared  # (its own check sees its views)
         if slab.unconfirmed_by is None:
             return True
         return slab.unconfirmed_by == producer and not shared and not slab.still_viewed
 
-    def producer_views(self, producer: int, still_viewed: tuple[int, ...]) -> None:
+    def producer_views(self, producer: int, still_viewed: tuple[int, ...], offer_viewed: bool = False) -> None:
         """``producer`` holds nothing of what it sent but views of ``still_viewed`` (slab ids):
         its other slabs may go to anyone now. One it still views is held back from everyone,
         itself included: a collate function that keeps its last output lets go of it with its
         next batch, and the next note frees the slab; one still viewed at the next note too (a
-        batch kept for longer) is retired, so that the pool makes another rather than wait."""
+        batch kept for longer) is retired, so that the pool makes another rather than wait.
+
+        ``offer_viewed``: whether it still views the buffer it offered with its last message;
+        one taken over (``adopt``) may then be granted, or, if still viewed, is retired."""
         for slab in list(self._slabs.values()):
+            if slab.offered_by == producer:
+                slab.offered_by = None
+                if offer_viewed and slab.granted_to is None:  # (granted to it: it refuses, BUSY)
+                    self.counts.busy += 1
+                    self._retire(slab)
+                continue
             if slab.unconfirmed_by != producer:
                 continue
             if slab.slab_id not in still_viewed:
@@ -302,13 +320,49 @@ class SlabPool:
                 self._retire(slab)
 
     def _make_slab(self) -> SlabRecord:
-        if self._pin and self._pin_device is None:
-            self._pin_device = host_pinning.current_device()
-        slab = SlabRecord(self._next_id(), self._wanted_size, self._pin_device if self._pin else None)
-        self._board.counts[slab.slab_id] = 0
-        self._slabs[slab.slab_id] = slab
+        slab = self._new_record(self._wanted_size)
         self.counts.slabs_made += 1
         return slab
+
+    def _new_record(self, size: int, fd: int | None = None) -> SlabRecord:
+        if self._pin and self._pin_device is None:
+            self._pin_device = host_pinning.current_device()
+        slab = SlabRecord(self._next_id(), size, self._pin_device if self._pin else None, fd)
+        self._board.counts[slab.slab_id] = 0
+        self._slabs[slab.slab_id] = slab
+        return slab
+
+    def adopt(self, fd: int, size: int, shared_bytes: int, producer: int) -> memoryview | None:
+        """A lease on the buffer of ``size`` bytes (descriptor ``fd``, which stays the caller's)
+        that ``producer`` wrote the message being decoded into, taken over as a slab; None when
+        the pool has no use for it: closed, the buffer smaller than a slab for these batches
+        (``shared_bytes``, what the message needed, counts), or no room for another slab under
+        the slab limit or the byte budget. The caller then maps it for this batch alone.
+
+        Until ``producer``'s next views note, the slab is granted to ``producer`` alone: user code
+        there (a collate function keeping its output) may still view the buffer, which that
+        producer's check before writing sees (it maps the slab through its own mapping of the
+        buffer, see ``SlabWriter.apply``) and another producer's would not.
+        """
+        if self._closed or size < batch_slab_size(max(self._largest_batch, shared_bytes)):
+            return None
+        if not (len(self._slabs) - self._held_back() < self._slab_limit
+                and len(self._slabs) + len(self._retired_in_use) < MAX_SLABS
+                and self.slab_bytes + size <= self._max_bytes):
+            return None
+        owned = os.dup(fd)
+        try:
+            slab = self._new_record(size, owned)
+        except OSError:
+            os.close(owned)
+            return None  # (cannot be mapped: the caller's own attempt says so, and why)
+        except BaseException:
+            os.close(owned)
+            raise
+        slab.offered_by = producer
+        self._adopted_unsettled = slab
+        self.counts.slabs_adopted += 1
+        return self._lease_on(slab)
 
     def _about_to_be_released(self, peek: bool = False) -> list[SlabRecord]:
         """Slabs that may be granted before they are free, best first: the one of the batch
@@ -357,7 +411,11 @@ class SlabPool:
         return slab.granted_to is None and self._board.released(slab.slab_id) == slab.leases_made
 
     def settle(self, token: int, outcome: GrantOutcome) -> None:
-        """The message ``token`` has arrived (or failed): its grant is over."""
+        """The message ``token`` has arrived (or failed): its grant is over. A slab just taken
+        over from it (``adopt``) learns whose batch it holds, as a granted one does."""
+        adopted, self._adopted_unsettled = self._adopted_unsettled, None
+        if adopted is not None:
+            adopted.lease_token = token  # (its slab may be granted ahead once the batch is dropped)
         slab = self._grants.pop(token, None)
         if slab is None:
             return
@@ -407,6 +465,8 @@ class SlabPool:
             slab.mapped_by.discard(producer)
             if slab.unconfirmed_by == producer:
                 slab.unconfirmed_by, slab.still_viewed = None, False
+            if slab.offered_by == producer:
+                slab.offered_by = None
 
     def handed_out(self, token: int) -> None:
         """Batch ``token`` was just given to the consumer (feeds the choice of deferred grants)."""
@@ -446,8 +506,12 @@ class SlabPool:
             raise ValueError(f"a message refers to slab {slab_id}, which was not granted")
         if self._pin:
             slab.memory.wait_prepared()
-            if self._watcher is None:
-                self._watcher = host_pinning.ReleaseWatcher(self._pin_device)
+        return self._lease_on(slab)
+
+    def _lease_on(self, slab: SlabRecord) -> memoryview:
+        """A per-batch view of ``slab``, counted as one of its leases."""
+        if self._pin and self._watcher is None:
+            self._watcher = host_pinning.ReleaseWatcher(self._pin_device)
         lease = slab.memory.array[:]
         slab.leases_made += 1
         finalizer = weakref.finalize(lease, *release_callback(slab, self._board, self._watcher,

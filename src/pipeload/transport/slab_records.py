@@ -41,6 +41,8 @@ class SlabCounts:
 
     Attributes:
         slabs_made: slabs created (each costs its pages once, and page-locking when pinned).
+        slabs_adopted: ... of which were a buffer a producer made for one batch, taken over as a
+            slab once that batch was sent (its pages were paid for already).
         slabs_retired: slabs retired (surplus, too small, refused, or the pool closed).
         slab_mappings: slabs announced to a producer, which maps it (page-table entries for every
             page, in that producer, for as long as it lives).
@@ -51,6 +53,7 @@ class SlabCounts:
     """
 
     slabs_made: int = 0
+    slabs_adopted: int = 0
     slabs_retired: int = 0
     slab_mappings: int = 0
     batches_in_shared_memory: int = 0
@@ -73,12 +76,13 @@ class SlabRecord:
 
     __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
                  "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "still_viewed",
-                 "__weakref__")
+                 "offered_by", "__weakref__")
 
-    def __init__(self, slab_id: int, size: int, pin_device: int | None) -> None:
+    def __init__(self, slab_id: int, size: int, pin_device: int | None, fd: int | None = None) -> None:
+        """``fd``: the slab is a buffer a producer made and offered (see SlabPool.adopt)."""
         self.slab_id = slab_id
         self.size = size
-        self.memory = SlabMemory(size, pin_device)
+        self.memory = SlabMemory(size, pin_device, fd)
         self.leases_made = 0
         self.granted_to: int | None = None  # the token (batch number) of the outstanding grant
         self.granted_producer = -1
@@ -92,6 +96,10 @@ class SlabRecord:
         # That producer's last note said it still views the slab: held back from everyone, itself
         # included, until a note says otherwise (a second note saying so retires it).
         self.still_viewed = False
+        # The producer that made it, until its note says whether its own code still views it (see
+        # SlabPool.producer_views): granted to nobody meanwhile, that producer included, which
+        # maps a granted slab afresh and cannot see its old views through the new mapping.
+        self.offered_by: int | None = None
 
     @property
     def fd(self) -> int:

@@ -12,6 +12,13 @@ shows the count the grant names (the batch that viewed the slab before has been 
 most ``RELEASE_WAIT_S``), and that no tensor of an earlier message still views the slab in this
 process (user code that kept a batch). Either failing, the message goes to fresh memory and the
 owner learns why from the grant's outcome.
+
+A producer that runs the user's collate function (a classic worker) may *offer* its fresh memory
+as a slab: a large message with no slab to go to (a new set of workers' first batches, before the
+owner knows how large a batch is) is written into one buffer, sized and laid out as a slab would
+be, which travels as the message's slab. The owner may take it over (``SlabPool.adopt``) once the
+producer's next views note says that nothing here still views it: its pages, paid for by this
+batch, then serve later ones instead of a new slab's.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from pipeload.transport.messages import (
     SlabGrant,
 )
 from pipeload.transport.shared_memory import create_buffer
-from pipeload.transport.slab_memory import Preparation, populate_in_background
+from pipeload.transport.slab_memory import Preparation, batch_slab_size, populate, populate_in_background
 
+OFFER_FROM_BYTES = 1 << 20  # smaller messages go to plain one-shot buffers: a slab costs little
+OFFERED_SLAB_ID = -1  # the slab id of a message's own buffer (see SlabWriter.offers_buffers)
 RELEASE_WAIT_S = 0.1
 RELEASE_POLL_S = 0.0002
 ALIGN_BYTES = 64
@@ -129,6 +138,12 @@ class SlabWriter:
         self.large_sizes: list[int] = []  # of the storages the current message asked room for
         self.last_large_sizes: list[int] = []  # the same, for the message finished last
         self.last_outcome = GrantOutcome.NO_GRANT  # what became of the grant of the message finished last
+        # Whether a large message with no slab may be written into a buffer of its own, offered
+        # to the owner as a slab (see the module): only a producer that sends views notes.
+        self.offers_buffers = False
+        self._offer: _Offer | None = None  # the current message's
+        self._sent_offer: _Offer | None = None  # the last message's, until the views note
+        self._kept_offers: list[_Offer] = []  # sent ones user code here still viewed then
 
     # -- controls from the owner -------------------------------------------------------
 
@@ -139,8 +154,9 @@ class SlabWriter:
                 board = mmap.mmap(fds[0], control.size, prot=mmap.PROT_READ)
                 self._board = np.frombuffer(board, dtype=np.uint64)
             elif control.kind is SlabControlKind.MAP:
-                self._slabs[control.slab_id] = _MappedSlab(control.slab_id, control.size, fds[0],
-                                                           self.populate)
+                self._slabs[control.slab_id] = (self._own_offer(control.slab_id, fds[0])
+                                                or _MappedSlab(control.slab_id, control.size, fds[0],
+                                                               self.populate))
             elif control.kind is SlabControlKind.FORGET:
                 # Unmapped once no tensor here views it any more (usually at once).
                 self._slabs.pop(control.slab_id, None)
@@ -170,6 +186,9 @@ class SlabWriter:
             self._regions = []
         self._occupied, self._occupied_source = None, None
         self.large_sizes = []
+        if self._offer is not None:  # a message that ended without finish(): never sent
+            self._offer.close_fd()
+            self._offer = None
 
     def occupied_from(self, source: Callable[[], list[tuple[int, int]] | None]) -> None:
         """The byte ranges of the slab that this message's items view are ``source()``, asked
@@ -209,11 +228,14 @@ class SlabWriter:
             self.used_bytes = 0
 
     def allocate(self, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
-        """Room for ``nbytes`` in the granted slab: (its storage, byte offset), or None."""
+        """Room for ``nbytes`` in the granted slab, or in the buffer this message offers: (its
+        storage, byte offset), or None."""
         self.large_sizes.append(nbytes)
         slab = self._slab
         if slab is None:
-            return None
+            slab = self._make_offer(nbytes)
+            if slab is None:
+                return None
         if self._placing is not None:
             offset = self._placing.next_offset(nbytes)
             if offset is None or offset + nbytes > slab.size:
@@ -226,15 +248,32 @@ class SlabWriter:
             self._regions.append((offset, nbytes))
             return slab.storage, offset
         if not self._checked and not self._may_write(slab):
-            self._slab = None
-            return None
+            self._slab = slab = self._make_offer(nbytes)  # (the refusal stays the grant's outcome)
+            if slab is None:
+                return None
         offset = -(-self.used_bytes // ALIGN_BYTES) * ALIGN_BYTES
         if offset + nbytes > slab.size:
             return None
         self.used_bytes = offset + nbytes
-        self._outcome = GrantOutcome.USED
+        if self._offer is None:
+            self._outcome = GrantOutcome.USED
         self._regions.append((offset, nbytes))
         return slab.storage, offset
+
+    def _make_offer(self, nbytes: int) -> _MappedSlab | None:
+        """A buffer of this message's own, sized as a slab for it, when it may offer one (see
+        the module): it is the message's slab from now on; None otherwise."""
+        if (not self.offers_buffers or self.carries_items or self._placing is not None
+                or self._offer is not None or self.used_bytes or nbytes < OFFER_FROM_BYTES):
+            return None
+        started = time.perf_counter()
+        # Sized for what the last message needed outside it, when that was more: a batch of
+        # several large tensors meets its first one here.
+        size = batch_slab_size(max(nbytes, sum(self.last_large_sizes)))
+        offer = _Offer(size)
+        self._offer, self._slab, self._checked = offer, offer.mapped, True
+        self.setup_s += time.perf_counter() - started
+        return offer.mapped
 
     def allocate_run(self, leaf: int, count: int, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
         """Room for leaf ``leaf`` (``nbytes`` each) of this message's ``count`` items at once,
@@ -419,9 +458,10 @@ class SlabWriter:
         return None if slab is None else memoryview(slab.mapping)
 
     def owns(self, storage: torch.UntypedStorage) -> bool:
-        """Whether ``storage`` is the slab granted for this message (after a write into it)."""
+        """Whether ``storage`` is the slab granted for this message (after a write into it), or
+        the buffer it offers."""
         slab = self._slab
-        return (slab is not None and self._outcome is GrantOutcome.USED
+        return (slab is not None and (self._outcome is GrantOutcome.USED or self._offer is not None)
                 and storage.data_ptr() == slab.storage.data_ptr())
 
     def maps_other_slab(self, storage: torch.UntypedStorage) -> bool:
@@ -429,12 +469,21 @@ class SlabWriter:
         (what a tensor kept from an earlier message views)."""
         address = storage.data_ptr()
         granted = self._slab
-        return any(slab.storage.data_ptr() == address for slab in self._slabs.values()
+        sent = [offer.mapped for offer in (self._sent_offer, *self._kept_offers) if offer is not None]
+        return any(slab.storage.data_ptr() == address for slab in (*self._slabs.values(), *sent)
                    if slab is not granted) and address != 0
 
     @property
     def slab_id(self) -> int:
+        """The id of the slab this message writes into: the grant's, or ``OFFERED_SLAB_ID``."""
+        if self._offer is not None:
+            return OFFERED_SLAB_ID
         return -1 if self._grant is None else self._grant.slab_id
+
+    def offered_descriptor(self) -> int:
+        """The descriptor of the buffer this message offers (valid until its views note)."""
+        assert self._offer is not None
+        return self._offer.fd
 
     def one_shot(self, nbytes: int) -> torch.UntypedStorage:
         """A fresh shared storage of ``nbytes`` for what the slab cannot hold (counted, timed)."""
@@ -458,13 +507,54 @@ class SlabWriter:
 
     def finish(self) -> tuple[int, GrantOutcome]:
         """End the message; returns the bytes it put in shared memory and what became of its grant."""
-        used = self.used_bytes if self._outcome is GrantOutcome.USED else 0
+        offer = self._offer
+        used = self.used_bytes if self._outcome is GrantOutcome.USED or offer is not None else 0
         result = (used + self.one_shot_bytes, self._outcome)
         sizes = self.large_sizes
+        if offer is not None:
+            self._settle_sent_offer()  # (a note comes after each message: none is left here)
+            self._sent_offer, self._offer = offer, None
         self.begin(None)
         self.last_large_sizes = sizes
         self.last_outcome = result[1]
         return result
+
+    @property
+    def offered_last(self) -> bool:
+        """Whether the message finished last offered a buffer (its views note must say)."""
+        return self._sent_offer is not None
+
+    def offer_still_viewed(self) -> bool:
+        """Whether something here still views the buffer the last message offered; forgets it
+        (the owner has its own descriptor). One still viewed is watched until it is let go of,
+        so that a kept tensor of it is copied into a later message, not sent whole."""
+        self._kept_offers = [offer for offer in self._kept_offers if offer.viewed]
+        return self._settle_sent_offer()
+
+    def _settle_sent_offer(self) -> bool:
+        offer, self._sent_offer = self._sent_offer, None
+        if offer is None:
+            return False
+        offer.close_fd()
+        if offer.viewed:
+            self._kept_offers.append(offer)
+            return True
+        return False
+
+    def _own_offer(self, slab_id: int, fd: int) -> _MappedSlab | None:
+        """The mapping of a buffer this producer offered and still views (a kept batch), when
+        the owner took it over as slab ``slab_id`` (``fd``): mapped anew, the check before
+        writing could not see those views. One nothing here viewed at its note needs no such
+        care: nothing here can view it again."""
+        if not self._kept_offers:
+            return None
+        found = os.fstat(fd)
+        for offer in self._kept_offers:
+            if (offer.device, offer.inode) == (found.st_dev, found.st_ino):
+                self._kept_offers.remove(offer)
+                offer.mapped.slab_id = slab_id
+                return offer.mapped
+        return None
 
     def slabs_still_viewed(self) -> tuple[int, ...]:
         """The mapped slabs some tensor of this process still views, between messages: user code
@@ -479,6 +569,40 @@ class SlabWriter:
                 slab.populating.wait()
         self._slabs.clear()
         self._board = None
+        if self._sent_offer is not None:
+            self._sent_offer.close_fd()
+        self._offer = self._sent_offer = None
+        self._kept_offers = []
+
+
+class _Offer:
+    """A buffer made for one message, mapped here, whose descriptor travels with it (see
+    ``SlabWriter.offers_buffers``). Its pages are allocated now (running out of shared memory is
+    an error here, not a SIGBUS on first write), as a one-shot buffer's are."""
+
+    __slots__ = ("fd", "mapped", "device", "inode")
+
+    def __init__(self, size: int) -> None:
+        self.fd = create_buffer(size, allocate=True)
+        try:
+            found = os.fstat(self.fd)
+            self.device, self.inode = found.st_dev, found.st_ino  # how the owner's MAP names it
+            self.mapped = _MappedSlab(OFFERED_SLAB_ID, size, self.fd, populate=False)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        # Mapped in one call rather than a fault per page: the batch is about to fill it.
+        populate(self.mapped.storage.data_ptr(), size, write=True)
+
+    @property
+    def viewed(self) -> bool:
+        """Whether a tensor here still views the buffer."""
+        return _uses(self.mapped.storage) != self.mapped.baseline_uses
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class _ItemCursor:
