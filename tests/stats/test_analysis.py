@@ -422,6 +422,22 @@ def test_start_up_suggestion_comes_with_the_steady_verdicts_own() -> None:
     assert "Between the starts, the workers limit loading" in diagnosis.advice, diagnosis.advice
 
 
+def test_start_up_of_workers_for_batches_lighter_than_a_hand_over_suggests_no_workers() -> None:
+    # A trivially cheap dataset, 2 workers started each epoch: told to persist, where
+    # num_workers=0 (which the steady verdict would name) loaded it faster than either. 200
+    # batches, each worker fetching 8 ms of its 4 s: 2 x 8 ms / 200 = 80 us a batch.
+    cheap = _restarting(first_wait_s=4 * 1.0, end_wait_s=4 * 0.05,
+                        workers=tuple(_worker("", i, fetch_s=0.002, cpu_s=0.002) for i in range(2)))
+    diagnosis = analysis.diagnose(cheap)
+    assert diagnosis.bottleneck == "worker start-up"
+    assert cheap.suggested_settings() == {"num_workers": 0}
+    assert "try num_workers=0, which loads them in the main process" in diagnosis.advice, diagnosis.advice
+    assert "persistent_workers=True" not in diagnosis.advice
+    # A worker_init_fn sets up what a loader without workers would not have: persist instead.
+    setup = dataclasses.replace(cheap.setup, worker_init_fn=True)
+    assert dataclasses.replace(cheap, setup=setup).suggested_settings() == {"persistent_workers": True}
+
+
 @pytest.mark.parametrize("stats", [
     pytest.param(_restarting(first_wait_s=4 * 0.2), id="a small share"),
     pytest.param(_restarting(first_wait_s=4 * 1.0, persistent=True), id="persistent already"),

@@ -318,7 +318,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
         kind = "pipe" if replica.graph_rules(self.dataset) is not None else self._dataset_kind.label
         return LoaderSetup(self.mode, self.worker_type, self.num_workers, self.prefetch_factor,
                            self.batch_size, self.pin_memory, usable_cpus(), kind,
-                           bool(self.persistent_workers))
+                           bool(self.persistent_workers), self.worker_init_fn is not None)
 
     # -- copies ----------------------------------------------------------------------------
 

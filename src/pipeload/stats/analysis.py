@@ -127,7 +127,7 @@ def _opening(stats: LoaderStats, found: Restarts | None, firsts: FirstBatches | 
              steady_verdict: Diagnosis | None) -> Diagnosis | None:
     """The epochs' starts, where they take a large share of the time (None: they do not)."""
     if found is not None:
-        return _restarting(found, steady_verdict)
+        return _restarting(stats, found, steady_verdict)
     if firsts is not None:
         return _first_batches(firsts, steady_verdict)
     return None
@@ -144,10 +144,20 @@ def _first_batches(found: FirstBatches, steady_verdict: Diagnosis | None) -> Dia
                      steady_verdict.suggestions)
 
 
-def _restarting(found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
+def _restarting(stats: LoaderStats, found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
     """Starting workers each epoch takes a large share: said first, with ``persistent_workers``;
     the steady verdict follows where it suggests something (its "keep these settings" would
-    contradict the suggestion)."""
+    contradict the suggestion). Where a batch takes less work than a worker adds to each it
+    hands over, no worker at all is faster still: a trivially cheap dataset, 2 workers started
+    each epoch, was told to persist where num_workers=0 loaded it faster than either. (Not with
+    a ``worker_init_fn``: what it sets up, a loader without workers would not.)"""
+    work_s = _work_per_batch(stats)
+    if (work_s < WORKER_BATCH_COST_S and stats.setup.mode == "classic" and not stats.decisions
+            and not stats.setup.worker_init_fn):
+        words = (f"a batch takes {work_s * 1e6:,.0f} us of work (fetch and collate), less than a worker adds "
+                 "to each batch it hands over: try num_workers=0, which loads them in the main "
+                 "process and starts no worker")
+        return Diagnosis("worker start-up", restart_words(found, words), {"num_workers": 0})
     suggestions: dict[str, Any] = {"persistent_workers": True}
     advice = restart_words(found)
     if steady_verdict is not None and steady_verdict.suggestions:
@@ -229,9 +239,7 @@ def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
     settings"). None where that is not so, or ``"auto"`` chooses the count."""
     if stats.setup.mode != "classic" or stats.decisions or not stats.batches:
         return None
-    stages = stats.stages
-    built = stages["collate"].count or stats.batches
-    work_s = (stages["fetch"].seconds + stages["collate"].seconds) / built
+    work_s = _work_per_batch(stats)
     batches, _ = steady(stats)
     wait_s = stats.wait_s / batches if batches else 0.0
     if work_s >= WORKER_BATCH_COST_S or 2 * work_s >= wait_s:
@@ -241,6 +249,13 @@ def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
                      "of work each (fetch and collate), less than a worker adds to each batch it "
                      "hands over: try num_workers=0, which loads them in the main process",
                      {"num_workers": 0})
+
+
+def _work_per_batch(stats: LoaderStats) -> float:
+    """Seconds of fetch and collate a batch took, in whichever process built it."""
+    stages = stats.stages
+    built = stages["collate"].count or stats.batches
+    return (stages["fetch"].seconds + stages["collate"].seconds) / built if built else 0.0
 
 
 def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:

@@ -79,12 +79,12 @@ def _enough_evidence(stats: LoaderStats, factor: float) -> bool:
             and stats.elapsed_s >= factor * MIN_ELAPSED_S)
 
 
-def restart_words(found: Restarts) -> str:
-    """The verdict's sentence, with its figures."""
+def restart_words(found: Restarts, advice: str = "try persistent_workers=True, which starts them once") -> str:
+    """The verdict's sentence, with its figures, ending with ``advice``."""
     return (f"the workers start anew each epoch (persistent_workers=False): {found.restart_s:.2f} s "
             f"of each epoch's {found.epoch_s:.2f} s ({found.share:.0%}) went on starting them before "
             f"the first batch, beyond a batch's own {found.batch_work_s * 1e3:,.1f} ms of work, and "
-            "stopping them at the end; try persistent_workers=True, which starts them once")
+            f"stopping them at the end; {advice}")
 
 
 @dataclass(frozen=True)
