@@ -103,6 +103,7 @@ class Epoch:
     faults_per_batch: float
     tree_cpu_s: float = 0.0
     slabs_made: int | None = None
+    slabs_adopted: int | None = None  # buffers the first batches came in, kept as slabs
     slab_maps: int | None = None
     fresh_batches: int | None = None
     pinned: int | None = None
@@ -196,6 +197,8 @@ def run_epoch(loader: Any, scenario: str, name: str, number: int, options: Optio
     counts = _slab_counts(loader)
     if counts is not None:
         epoch.slabs_made = counts.slabs_made - counts_before.slabs_made
+        # (getattr: a tree from before stop 52, run with this script for an A/B, has no such count)
+        epoch.slabs_adopted = getattr(counts, "slabs_adopted", 0) - getattr(counts_before, "slabs_adopted", 0)
         epoch.slab_maps = counts.slab_mappings - counts_before.slab_mappings
         epoch.fresh_batches = counts.batches_in_fresh_memory - counts_before.batches_in_fresh_memory
     if options.gpu_copy:
@@ -237,7 +240,7 @@ def _turned(items: list[Any], by: int) -> list[Any]:
 
 
 HEADERS = ("scenario", "epoch", "loader", "set-up ms", "first batch ms", "samples/s",
-           "tree CPU ms", "faults/batch", "slabs made", "slab maps", "fresh batches")
+           "tree CPU ms", "faults/batch", "slabs made", "slabs adopted", "slab maps", "fresh batches")
 
 
 def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
@@ -251,7 +254,7 @@ def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
                 rows.append((scenario, str(number), epoch.loader, f"{epoch.setup_s * 1e3:.1f}",
                              f"{epoch.first_batch_s * 1e3:.1f}", f"{epoch.samples_per_s:,.0f}",
                              f"{epoch.tree_cpu_s * 1e3:,.0f}", f"{epoch.faults_per_batch:.0f}",
-                             _maybe(epoch.slabs_made), _maybe(epoch.slab_maps),
+                             _maybe(epoch.slabs_made), _maybe(epoch.slabs_adopted), _maybe(epoch.slab_maps),
                              _maybe(epoch.fresh_batches)))
         ours, theirs = pair
         if ours is not None and theirs is not None:
@@ -260,7 +263,7 @@ def table_rows(epochs: Sequence[Epoch]) -> list[tuple[str, ...]]:
                          _ratio(ours.first_batch_s, theirs.first_batch_s),
                          _ratio(ours.samples_per_s, theirs.samples_per_s),
                          _ratio(ours.tree_cpu_s, theirs.tree_cpu_s),
-                         _ratio(ours.faults_per_batch, theirs.faults_per_batch), "", "", ""))
+                         _ratio(ours.faults_per_batch, theirs.faults_per_batch), "", "", "", ""))
     return rows
 
 
