@@ -127,10 +127,10 @@ class Sender:
         names it too); any other may go to anyone.
         """
         writer = self.writer
-        if writer.last_outcome is not GrantOutcome.USED and not writer.offered_last:
+        if writer.last_outcome is not GrantOutcome.USED and not writer.owes_offer_note:
             return
         writer.last_outcome = GrantOutcome.NO_GRANT
-        note = (writer.slabs_still_viewed(), writer.offer_still_viewed())
+        note = (writer.slabs_still_viewed(), writer.offers_still_viewed())
         send_message(self.sock, memoryview(bytes((VIEWS_TAG,)) + pickle.dumps(note, pickle.HIGHEST_PROTOCOL)), [])
 
     def offer_buffers(self) -> None:

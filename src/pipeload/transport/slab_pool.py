@@ -293,25 +293,23 @@ class SlabPool:
             return True
         return slab.unconfirmed_by == producer and not shared and not slab.still_viewed
 
-    def producer_views(self, producer: int, still_viewed: tuple[int, ...], offer_viewed: bool = False) -> None:
+    def producer_views(self, producer: int, still_viewed: tuple[int, ...],
+                       offers_viewed: tuple[tuple[int, int], ...] = ()) -> None:
         """``producer`` holds nothing of what it sent but views of ``still_viewed`` (slab ids):
         its other slabs may go to anyone now. One it still views is held back from everyone,
         itself included: a collate function that keeps its last output lets go of it with its
         next batch, and the next note frees the slab; one still viewed at the next note too (a
         batch kept for longer) is retired, so that the pool makes another rather than wait.
 
-        ``offer_viewed``: whether it still views the buffer it offered with its last message;
-        one taken over (``adopt``) may then be granted, or, if still viewed, is retired."""
+        ``offers_viewed``: the buffers it offered (``adopt``) that it still views, by (device,
+        inode): each is dealt with as a slab named in ``still_viewed``, from the note that follows
+        the batch it came with on."""
         for slab in list(self._slabs.values()):
-            if slab.offered_by == producer:
-                slab.offered_by = None
-                if offer_viewed and slab.granted_to is None:  # (granted to it: it refuses, BUSY)
-                    self.counts.busy += 1
-                    self._retire(slab)
-                continue
+            if slab.offered_by == producer:  # the note after its batch: now it is as a written slab
+                slab.offered_by, slab.unconfirmed_by, slab.still_viewed = None, producer, False
             if slab.unconfirmed_by != producer:
                 continue
-            if slab.slab_id not in still_viewed:
+            if slab.slab_id not in still_viewed and (slab.buffer is None or slab.buffer not in offers_viewed):
                 slab.unconfirmed_by, slab.still_viewed = None, False
             elif not slab.still_viewed:
                 slab.still_viewed = True
@@ -359,7 +357,8 @@ class SlabPool:
         except BaseException:
             os.close(owned)
             raise
-        slab.offered_by = producer
+        found = os.fstat(fd)
+        slab.offered_by, slab.buffer = producer, (found.st_dev, found.st_ino)
         self._adopted_unsettled = slab
         self.counts.slabs_adopted += 1
         return self._lease_on(slab)

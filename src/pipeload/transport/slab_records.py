@@ -76,7 +76,7 @@ class SlabRecord:
 
     __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
                  "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "still_viewed",
-                 "offered_by", "__weakref__")
+                 "offered_by", "buffer", "__weakref__")
 
     def __init__(self, slab_id: int, size: int, pin_device: int | None, fd: int | None = None) -> None:
         """``fd``: the slab is a buffer a producer made and offered (see SlabPool.adopt)."""
@@ -100,6 +100,9 @@ class SlabRecord:
         # SlabPool.producer_views): granted to nobody meanwhile, that producer included, which
         # maps a granted slab afresh and cannot see its old views through the new mapping.
         self.offered_by: int | None = None
+        # A buffer a producer made and offered: its (device, inode), by which that producer's
+        # views notes name it (it knows no slab id for it). None for a slab the pool made.
+        self.buffer: tuple[int, int] | None = None
 
     @property
     def fd(self) -> int:

@@ -14,11 +14,13 @@ process (user code that kept a batch). Either failing, the message goes to fresh
 owner learns why from the grant's outcome.
 
 A producer that runs the user's collate function (a classic worker) may *offer* its fresh memory
-as a slab: a large message with no slab to go to (a new set of workers' first batches, before the
-owner knows how large a batch is) is written into one buffer, sized and laid out as a slab would
-be, which travels as the message's slab. The owner may take it over (``SlabPool.adopt``) once the
-producer's next views note says that nothing here still views it: its pages, paid for by this
-batch, then serve later ones instead of a new slab's.
+as a slab: a large message with no slab to go to, before it has been granted any (a new set of
+workers' first batches: the owner does not know how large a batch is yet), is written into one
+buffer, sized and laid out as a slab would be, which travels as the message's slab. The owner may
+take it over (``SlabPool.adopt``); its views notes then name the buffer, by its inode, for as long
+as something here still views it, and the owner grants it to no one meanwhile. Its pages, paid for
+by this batch, serve later ones instead of a new slab's. A producer that has been granted slabs
+offers nothing more: a batch without a slab then means the owner has no room for another.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ class SlabWriter:
     def _make_offer(self, nbytes: int) -> _MappedSlab | None:
         """A buffer of this message's own, sized as a slab for it, when it may offer one (see
         the module): it is the message's slab from now on; None otherwise."""
-        if (not self.offers_buffers or self.carries_items or self._placing is not None
+        if (not self.offers_buffers or self._slabs or self.carries_items or self._placing is not None
                 or self._offer is not None or self.used_bytes or nbytes < OFFER_FROM_BYTES):
             return None
         started = time.perf_counter()
@@ -520,26 +522,27 @@ class SlabWriter:
         return result
 
     @property
-    def offered_last(self) -> bool:
-        """Whether the message finished last offered a buffer (its views note must say)."""
-        return self._sent_offer is not None
+    def owes_offer_note(self) -> bool:
+        """Whether a views note must say what became of offered buffers: the message finished
+        last offered one, or an earlier one is still viewed here."""
+        return self._sent_offer is not None or bool(self._kept_offers)
 
-    def offer_still_viewed(self) -> bool:
-        """Whether something here still views the buffer the last message offered; forgets it
-        (the owner has its own descriptor). One still viewed is watched until it is let go of,
-        so that a kept tensor of it is copied into a later message, not sent whole."""
+    def offers_still_viewed(self) -> tuple[tuple[int, int], ...]:
+        """The (device, inode) pairs of the buffers this producer offered that something here still views (the
+        last message's among them, if so): the owner holds back those it took over as slabs. The
+        last message's buffer is forgotten unless still viewed (the owner has its own
+        descriptor); one still viewed is watched until it is let go of, so that a kept tensor of
+        it is copied into a later message, not sent whole."""
+        self._settle_sent_offer()
         self._kept_offers = [offer for offer in self._kept_offers if offer.viewed]
-        return self._settle_sent_offer()
+        return tuple((offer.device, offer.inode) for offer in self._kept_offers)
 
-    def _settle_sent_offer(self) -> bool:
+    def _settle_sent_offer(self) -> None:
         offer, self._sent_offer = self._sent_offer, None
-        if offer is None:
-            return False
-        offer.close_fd()
-        if offer.viewed:
-            self._kept_offers.append(offer)
-            return True
-        return False
+        if offer is not None:
+            offer.close_fd()
+            if offer.viewed:
+                self._kept_offers.append(offer)
 
     def _own_offer(self, slab_id: int, fd: int) -> _MappedSlab | None:
         """The mapping of a buffer this producer offered and still views (a kept batch), when
@@ -569,8 +572,9 @@ class SlabWriter:
                 slab.populating.wait()
         self._slabs.clear()
         self._board = None
-        if self._sent_offer is not None:
-            self._sent_offer.close_fd()
+        for offer in (self._offer, self._sent_offer):
+            if offer is not None:
+                offer.close_fd()
         self._offer = self._sent_offer = None
         self._kept_offers = []
 
