@@ -434,7 +434,7 @@ def test_start_up_of_workers_for_batches_lighter_than_a_hand_over_suggests_no_wo
     assert "try num_workers=0, which loads them in the main process" in diagnosis.advice, diagnosis.advice
     assert "persistent_workers=True" not in diagnosis.advice
     # A worker_init_fn sets up what a loader without workers would not have: persist instead.
-    setup = dataclasses.replace(cheap.setup, worker_init_fn=True)
+    setup = dataclasses.replace(cheap.setup, has_worker_init_fn=True)
     assert dataclasses.replace(cheap, setup=setup).suggested_settings() == {"persistent_workers": True}
 
 

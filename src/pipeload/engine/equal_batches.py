@@ -48,45 +48,6 @@ from pipeload.errors import LoaderTimeoutError
 POLICIES = ("drop", "pad")
 
 
-class AgreedCounts:
-    """The least and the most batches the ranks' epochs have, agreed once an epoch, for
-    ``len(loader)`` and for the equal-batches stage alike.
-
-    ``len(loader)`` must say how many steps every rank will take (a framework stops its epoch
-    there: Lightning ended a padding rank's epoch after its own 3 batches while another padded
-    on to 7, and that rank's next collective found no peer). That needs the other ranks' counts:
-    a collective. So that a ``len()`` asked on some ranks only (a progress bar on rank 0) cannot
-    leave the ranks' collectives out of step, each epoch has exactly one such collective on each
-    rank, made by whichever comes first there: ``len(loader)`` before the epoch (kept for it), or
-    the epoch's start. During an epoch ``len()`` answers from that epoch's agreement.
-
-    One per loader; used by the training thread (``len()`` and ``iter()`` run there).
-    """
-
-    def __init__(self) -> None:
-        self._pending: tuple[int, int] | None = None  # agreed by len() for the next epoch
-        self._current: tuple[int, int] | None = None  # the running epoch's
-        self._in_epoch = False
-
-    def for_len(self, own: int) -> tuple[int, int]:
-        """(least, most) for ``len(loader)``, this rank's own count being ``own``."""
-        if self._in_epoch and self._current is not None:
-            return self._current
-        if self._pending is None:
-            self._pending = all_ranks_range(own)
-        return self._pending
-
-    def for_epoch(self, own: int) -> tuple[int, int]:
-        """(least, most) for the epoch starting now: what ``len()`` agreed on for it, else a
-        collective now."""
-        agreed = self._pending if self._pending is not None else all_ranks_range(own)
-        self._pending, self._current, self._in_epoch = None, agreed, True
-        return agreed
-
-    def epoch_ended(self) -> None:
-        self._in_epoch = False
-
-
 class PaddedBatch(NamedTuple):
     """A batch handed out again by ``"pad"`` (this rank's own are spent): the loader's progress
     counts it apart, since a resumed rank must make the batch it repeats again, not skip it."""
@@ -104,10 +65,9 @@ class EqualBatches:
     every rank still takes this epoch (agreed as it began).
     """
 
-    def __init__(self, engine: Any, policy: str, counts: AgreedCounts | None = None) -> None:
+    def __init__(self, engine: Any, policy: str) -> None:
         self._engine = engine
         self._policy = policy
-        self._counts = counts if counts is not None else AgreedCounts()
         self._kept: Any = None
         self._may_pad = False
         self._handed_out = 0
@@ -126,12 +86,11 @@ class EqualBatches:
         self._ended = False
         self._steps_left = None
         self._may_pad = self._policy == "pad"
-        own = start.reported_batches if start.reported_batches is not None else start.epoch_batches
-        if own is not None:  # a collective every rank makes as its epoch starts (or made in len())
-            fewest, most = self._ask_ranks(self._counts.for_epoch, own, "how many batches its epoch has")
-            if start.epoch_batches is not None:  # exact: the count to stop at, no more asking
-                self._steps_left = (fewest if self._policy == "drop" else most) - start.steps_done
-                self._may_pad = self._may_pad and start.epoch_batches < most
+        if start.epoch_batches is not None:  # a collective every rank makes as its epoch starts
+            fewest, most = self._ask_ranks(all_ranks_range, start.epoch_batches,
+                                           "how many batches its epoch has")
+            self._steps_left = (fewest if self._policy == "drop" else most) - start.steps_done
+            self._may_pad = self._may_pad and start.epoch_batches < most
         for turn in range(start.remake):
             self._make_again(raised_before=turn > 0)
 
@@ -263,7 +222,6 @@ class EqualBatches:
     def _end_epoch(self) -> None:
         self._ended = True
         self._kept = None
-        self._counts.epoch_ended()
 
     def close(self) -> None:
         self._kept = None

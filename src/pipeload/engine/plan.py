@@ -128,9 +128,6 @@ class EpochStart:
             with the other ranks once, not per batch. None when not known.
         steps_done: steps this rank took in the epoch before the checkpoint (handed out,
             raised, or repeated by ``"pad"``).
-        reported_batches: ``equal_batches`` across ranks: the batch count ``len(loader)``
-            gives this rank alone (None: it has no length), on which the ranks agree as the
-            epoch starts, or earlier, when ``len(loader)`` was asked first (``AgreedCounts``).
     """
 
     first_batch: int = 0
@@ -140,7 +137,6 @@ class EpochStart:
     handed_out: frozenset[int] = frozenset()
     epoch_batches: int | None = None
     steps_done: int = 0
-    reported_batches: int | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ loader code runs: its ``__init__`` is never called and every method it defines i
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import multiprocessing
 import warnings
@@ -32,7 +31,6 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
-from pipeload.engine.equal_batches import AgreedCounts
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_held, ctrl_c_kept, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
@@ -211,7 +209,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self._interrupted_session: tuple[int, int] | None = None  # see _engine_for_epoch
         self._persistent_epoch: weakref.ref[_EpochIterator] | None = None
         self._len_reported: int | None = None
-        self._agreed_counts = AgreedCounts()  # equal_batches: what len() and each epoch agree on
         self._warned_every_rank_loads_all = False
         self._checked_rank_seeds = False  # _engine_choice: may the ranks' shuffles differ?
         self._checked_graph_sharding = False
@@ -287,33 +284,32 @@ class DataLoader(torch_data.DataLoader[T_co]):
         return self._len_reported
 
     def __len__(self) -> int:
-        """The batches an epoch yields. With ``equal_batches`` across ranks, the count every
-        rank yields (the least of the ranks' own for ``"drop"``, the most for ``"pad"``): the
-        first ``len()`` before an epoch agrees on it with the other ranks, in the collective the
-        epoch's start would otherwise make (``AgreedCounts``)."""
         if self._dataset_kind is DatasetKind.ITERABLE:
-            self._len_reported = len(self.dataset)  # type: ignore[arg-type]
-        own = self._own_len()
-        if self.equal_batches is None or current_placement().world_size == 1:
-            return own
-        fewest, most = self._agreed_counts.for_len(own)
-        return fewest if self.equal_batches == "drop" else most
-
-    def _own_len(self) -> int:
-        """This rank's own batch count (what ``len()`` is without ``equal_batches``)."""
-        if self._dataset_kind is DatasetKind.ITERABLE:
+            self._refuse_len_the_ranks_agree_on_as_they_go()
             length = len(self.dataset)  # type: ignore[arg-type]
+            self._len_reported = length
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
             return length
         return len(self._index_sampler)
 
-    def _reported_len(self) -> int | None:
-        """``_own_len()``, or None where the dataset or sampler has no length."""
-        try:
-            return self._own_len()
-        except TypeError:
-            return None
+    def _refuse_len_the_ranks_agree_on_as_they_go(self) -> None:
+        """An iterable's ranks agree on their batch count under ``equal_batches`` only as the
+        epoch runs: this rank's own count is not what it will yield, and a framework that stops
+        an epoch at ``len(loader)`` (Lightning does) stopped a padding rank after its own 3
+        batches while the other padded on to 7, whose next collective found no peer. Without a
+        length, such a framework runs the loader to the end the ranks agree on. (Asking the
+        other ranks here would be a collective, which a ``len()`` on rank 0 alone, a progress
+        bar's, would put out of step with the ranks' other collectives.)"""
+        if self.equal_batches is None:
+            return
+        placement = current_placement()
+        if placement.world_size > 1:
+            raise TypeError(
+                f"len() of a DataLoader over an iterable dataset with equal_batches="
+                f"{self.equal_batches!r} across {placement.world_size} ranks is not known in "
+                "advance: the ranks agree on when the epoch ends as it runs (each rank's dataset "
+                "has its own length), so iterate it to its end")
 
     # -- stats -----------------------------------------------------------------------------
 
@@ -354,13 +350,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
         state.update(_persistent_engine=None, _persistent_epoch=None, _tuner=None, _interrupted_session=None,
                      _failure_board=None, _failures_checked=False,
                      _stats=self._stats is not None,  # a flag: the copy makes its own
-                     _slab_keeper=None,  # and keeps its own slabs
-                     _agreed_counts=AgreedCounts())  # and agrees with its ranks afresh
+                     _slab_keeper=None)  # and keeps its own slabs
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_loaded_generators", ())  # a loader pickled by an older pipeload
-        state.setdefault("_agreed_counts", AgreedCounts())
         self.__dict__.update(state)  # not through __setattr__: the frozen ones are restored
         self._stats = self._new_stats() if state["_stats"] else None
         self._keep_slabs()
@@ -467,8 +461,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
                     # shuffles as it is asked gives torch's order only so.
                     tasks = iter(self._index_sampler)
                 tasks, start = resume.position_tasks(self, tasks, point)
-                if self.equal_batches is not None:
-                    start = dataclasses.replace(start, reported_batches=self._reported_len())
             except BaseException:
                 engine.close()  # a state that cannot be resumed: no workers left behind
                 raise

@@ -85,7 +85,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
 def _balance_ranks(loader: Any, engine: Any) -> Any:
     if loader.equal_batches is None or current_placement().world_size == 1:
         return engine
-    return EqualBatches(engine, loader.equal_batches, loader._agreed_counts)
+    return EqualBatches(engine, loader.equal_batches)
 
 def _fetch_spec(loader: Any, point: resume.ResumePoint | None) -> FetchSpec:
     iterable = loader._dataset_kind is DatasetKind.ITERABLE

@@ -122,10 +122,8 @@ class _EpochIterator:
             self._stats.handed(asked)
         batch = self._progress.handed_out(batch)
         count.handed += 1
-        # (A batch equal_batches="pad" repeats was not fetched: the dataset gave no more.)
-        fetched = count.handed - self._progress.padded
-        if self._is_iterable and self._len_reported is not None and fetched > self._len_reported:
-            _warn_length_exceeded(self._dataset, self._len_reported, fetched, self._num_workers)
+        if self._is_iterable and self._len_reported is not None and count.handed > self._len_reported:
+            _warn_length_exceeded(self._dataset, self._len_reported, count.handed, self._num_workers)
         return batch
 
     def __len__(self) -> int:

@@ -152,8 +152,8 @@ def _restarting(stats: LoaderStats, found: Restarts, steady_verdict: Diagnosis |
     each epoch, was told to persist where num_workers=0 loaded it faster than either. (Not with
     a ``worker_init_fn``: what it sets up, a loader without workers would not.)"""
     work_s = _work_per_batch(stats)
-    if (work_s < WORKER_BATCH_COST_S and stats.setup.mode == "classic" and not stats.decisions
-            and not stats.setup.worker_init_fn):
+    if (0 < work_s < WORKER_BATCH_COST_S and stats.setup.mode == "classic" and not stats.decisions
+            and not stats.setup.has_worker_init_fn):
         words = (f"a batch takes {work_s * 1e6:,.0f} us of work (fetch and collate), less than a worker adds "
                  "to each batch it hands over: try num_workers=0, which loads them in the main "
                  "process and starts no worker")

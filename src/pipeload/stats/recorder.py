@@ -484,8 +484,8 @@ class LoaderSetup:
     """The settings a snapshot reports and the analysis reasons about; ``dataset`` says what
     kind it is: "map", "iterable" or "pipe" (a DataPipe graph); ``persistent_workers`` whether
     the workers live across epochs (otherwise each epoch starts and stops its own);
-    ``worker_init_fn`` whether one is set (a set-up the workers may need, which a loader without
-    workers never runs)."""
+    ``has_worker_init_fn`` whether a ``worker_init_fn`` is set (a set-up the workers may need,
+    which a loader without workers never runs)."""
 
     mode: str
     worker_type: str
@@ -496,7 +496,7 @@ class LoaderSetup:
     cpus: int = field(default_factory=usable_cpus)
     dataset: str = "map"
     persistent_workers: bool = False
-    worker_init_fn: bool = False
+    has_worker_init_fn: bool = False
 
 
 class StatsRecorder:

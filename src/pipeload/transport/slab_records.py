@@ -97,8 +97,9 @@ class SlabRecord:
         # included, until a note says otherwise (a second note saying so retires it).
         self.still_viewed = False
         # The producer that made it, until its note says whether its own code still views it (see
-        # SlabPool.producer_views): granted to nobody meanwhile, that producer included, which
-        # maps a granted slab afresh and cannot see its old views through the new mapping.
+        # SlabPool.producer_views): granted to no other producer meanwhile (their checks before
+        # writing cannot see that producer's views); that producer may have it, since its MAP of
+        # the slab reuses its own mapping of the buffer, whose views its check sees.
         self.offered_by: int | None = None
         # A buffer a producer made and offered: its (device, inode), by which that producer's
         # views notes name it (it knows no slab id for it). None for a slab the pool made.

@@ -19,8 +19,8 @@ workers' first batches: the owner does not know how large a batch is yet), is wr
 buffer, sized and laid out as a slab would be, which travels as the message's slab. The owner may
 take it over (``SlabPool.adopt``); its views notes then name the buffer, by its inode, for as long
 as something here still views it, and the owner grants it to no one meanwhile. Its pages, paid for
-by this batch, serve later ones instead of a new slab's. A producer that has been granted slabs
-offers nothing more: a batch without a slab then means the owner has no room for another.
+by this batch, serve later ones instead of a new slab's. A producer that maps slabs offers nothing:
+a batch without a slab then means the owner has no room for another.
 """
 
 from __future__ import annotations
@@ -250,9 +250,8 @@ class SlabWriter:
             self._regions.append((offset, nbytes))
             return slab.storage, offset
         if not self._checked and not self._may_write(slab):
-            self._slab = slab = self._make_offer(nbytes)  # (the refusal stays the grant's outcome)
-            if slab is None:
-                return None
+            self._slab = None
+            return None
         offset = -(-self.used_bytes // ALIGN_BYTES) * ALIGN_BYTES
         if offset + nbytes > slab.size:
             return None

@@ -193,21 +193,17 @@ class FailureHandler:
                 f"{self._budget_scope()}; the last was {type(error).__name__} reading "
                 f"{site.describe()}: {error}"
             ) from error
-        left_out = FailureCounts(files=1) if self._unit == FILE else FailureCounts(samples=1)
         if self._on_error == "skip":
-            # Counted before the warning is shown: a worker whose failure takes the total past
-            # the budget ends the epoch, and the loader reads the counts then; one still in the
-            # middle of its warning had a failure on the board and no skip for it.
-            self._count(FailureCounts(skipped=1) + left_out, note=note)
             notes = "".join(f" ({note.removeprefix('pipeload: ')})" for note in getattr(error, "__notes__", ()))
             warn_user(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
                       SkippedSampleWarning)
-            return
-        try:
-            self._on_error(error, site)  # type: ignore[operator]
-        except BaseException:
-            self._count(FailureCounts(raised=1), note=note)
-            raise
+        else:
+            try:
+                self._on_error(error, site)  # type: ignore[operator]
+            except BaseException:
+                self._count(FailureCounts(raised=1), note=note)
+                raise
+        left_out = FailureCounts(files=1) if self._unit == FILE else FailureCounts(samples=1)
         self._count(FailureCounts(skipped=1) + left_out, note=note)
 
     def dropped(self, samples: int) -> None:
