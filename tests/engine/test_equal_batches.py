@@ -354,7 +354,7 @@ def _lengths_seen(rank: int, init_file: str, out_dir: str) -> None:
 def test_len_of_an_iterable_loader_under_equal_batches_is_unknown_so_frameworks_run_it_to_the_end(
         tmp_path: Path) -> None:
     # Lightning stops an epoch at len(loader): it read each rank's own count, so a padding rank
-    # (3 batches of its own) stopped after 3 steps while the other went on to 5, whose next
+    # stopped after its own batches (3 of 7, a skeptic's run) while the other went on, whose next
     # collective found no peer ("Connection closed by peer"). Without a length it runs the loader
     # to the end the ranks agree on. (Agreeing in len() would be a collective, which a len() on
     # rank 0 alone would put out of step with the ranks' other collectives.)
