@@ -635,6 +635,8 @@ def test_a_loader_without_workers_gives_the_batches_and_random_stream_of_the_sam
     ({"num_actors": 2.5}, TypeError, r"num_actors should be an int, but got num_actors=2\.5"),
     ({"num_actors": True}, TypeError, r"num_actors should be an int, but got num_actors=True"),
     ({"chunk_size": 1.5}, TypeError, r"chunk_size should be an int or None, but got chunk_size=1\.5"),
+    # It was cut to each actor's share of buffer_size (4 here) without a word.
+    ({"chunk_size": 5}, ValueError, r"chunk_size should be at most each actor's share of (buffer_size|maxsize) .* but got chunk_size=5"),
     ({"start_timeout_s": -1}, ValueError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s=-1"),
     ({"start_timeout_s": "x"}, TypeError, r"start_timeout_s should be a number of seconds > 0, but got start_timeout_s='x'"),
     ({"init_options": 5}, TypeError, r"init_options should be a dict of ray\.init\(\) keyword arguments or None, but got init_options=5"),
@@ -663,6 +665,12 @@ def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments,
     ({"max_concurrency": 4}, ValueError, r"max_concurrency should be 1 .* but got max_concurrency=4"),
     ({"num_cpu": 1}, ValueError, r"cannot use the actor option num_cpu=1: Invalid option keyword num_cpu"),
     ({"lifetime": "forever"}, ValueError, r"cannot use the actor option lifetime='forever': actor `lifetime`"),
+    # Passed by Ray's .options(), then refused inside Ray as the first run made its actors (a
+    # TypeError naming no option), or outliving a crashed process (detached).
+    ({"max_restarts": None}, TypeError, r"max_restarts should be an int >= 0, or -1 for no limit, but got max_restarts=None"),
+    ({"max_task_retries": None}, TypeError, r"but got max_task_retries=None"),
+    ({"scheduling_strategy": "BAD"}, ValueError, r"scheduling_strategy should be one of .* but got scheduling_strategy='BAD'"),
+    ({"lifetime": "detached"}, ValueError, r"cannot use the actor option lifetime='detached': .* outlived a crashed"),
 ])
 def test_actor_options_that_cannot_work_are_named_when_the_pipe_is_built(options, error, named):
     # They were Ray's to refuse when the first run started its actors (maybe in a DataLoader
@@ -717,3 +725,67 @@ def test_actors_killed_on_rays_own_thread_go_without_the_thread_waiting(clean):
 
     assert wait_for(victim_gone), "the actor was not killed"
     ray.kill(other)
+
+
+class StuckFrom:
+    """Hangs on items from ``first`` on while ``marker`` exists (a hung read, say); once it has
+    hung it stays hung, whatever becomes of the marker."""
+
+    def __init__(self, first: int, marker: str) -> None:
+        self.first, self.marker = first, marker
+
+    def __call__(self, x: int) -> int:
+        if x >= self.first and os.path.exists(self.marker):
+            time.sleep(600)
+        return x
+
+
+def test_an_actor_stuck_in_an_abandoned_run_is_not_handed_to_the_next(clean, tmp_path):
+    # The run ended cleanly (the loop let go of it), so its actor, still inside the hung call, went
+    # back to the pool; the next run's start queued behind that call for start_timeout_s and then
+    # blamed the cluster's resources ("may lack the resources it asks for").
+    marker = tmp_path / "hang"
+    marker.touch()
+    pipe = IterableWrapper(range(40)).sharding_filter().map(StuckFrom(10, str(marker))).queue_boundary(
+        "ray", 8, num_actors=1, start_timeout_s=30)
+    first = iter(pipe)
+    assert [next(first) for _ in range(8)] == list(range(8))
+    first.close()  # its actor is in the hung call for item 10's chunk
+    marker.unlink()
+    started = time.monotonic()
+    assert list(pipe) == list(range(40))
+    assert time.monotonic() - started < 20  # a new actor, not the hung one
+    pipe.release_actors()
+
+
+def test_idle_actors_of_another_pipe_give_way_to_a_pipe_whose_actors_would_not_fit(clean):
+    # A train pipe's idle actors kept the cluster's CPUs between its runs: a validation pipe's
+    # actors, each of which fits the cluster alone, waited start_timeout_s and failed.
+    cpus = int(ray.cluster_resources()["CPU"])
+    train = IterableWrapper(range(20)).sharding_filter().queue_boundary(
+        "ray", 2 * cpus, num_actors=cpus, num_cpus=1, start_timeout_s=30)
+    val = IterableWrapper(range(10)).sharding_filter().queue_boundary(
+        "ray", 2 * cpus, num_actors=cpus, num_cpus=1, start_timeout_s=30)
+    for _ in range(2):
+        assert list(train) == list(range(20))
+        started = time.monotonic()
+        assert list(val) == list(range(10))
+        assert time.monotonic() - started < 20
+    train.release_actors()
+    val.release_actors()
+
+
+@pytest.mark.parametrize("pipe, maxsize, named", [
+    pytest.param(IterableWrapper(range(10)), 4, r"needs a sharding_filter\(\) upstream", id="unsharded"),
+    pytest.param(IterableWrapper(range(10)).sharding_filter(), 1, r"needs maxsize >= num_actors .* maxsize=1, num_actors=2",
+                 id="maxsize-below-actors"),
+])
+def test_a_ray_queue_made_by_hand_is_checked_as_the_boundary_is(pipe, maxsize, named):
+    # Its actors started without the boundary's checks: 2 actors over an unsharded pipe gave every
+    # item twice, and a maxsize below num_actors was exceeded.
+    from pipeload.datapipes import DataLoaderQueue
+    from pipeload.datapipes.boundary.ray_queue import RayQueue
+
+    queue = DataLoaderQueue(kind="ray", maxsize=maxsize, num_actors=2)
+    with pytest.raises(ValueError, match=named):
+        RayQueue.start_producer(pipe, queue, "by-hand", {})

@@ -68,6 +68,17 @@ class ActorPool:
     def __init__(self) -> None:
         self._held: dict[str, Any] = {"ray": None, "job": None, "idle": []}
         self._finalizer = weakref.finalize(self, _kill_held, self._held)
+        _POOLS.add(self)
+
+    @property
+    def idle(self) -> int:
+        """How many idle actors it keeps."""
+        return len(self._held["idle"])
+
+    def let_idle_go(self) -> None:
+        """Kill the idle actors now; the pool keeps the next run's (another pipe needs what
+        these hold)."""
+        _kill_held(self._held)
 
     def take(self, ray: Any, count: int) -> list[Any]:
         """Up to ``count`` idle actors of this connection (none after ``ray.shutdown()`` and a
@@ -96,6 +107,21 @@ class ActorPool:
         self._finalizer()
 
 
+_POOLS: weakref.WeakSet[ActorPool] = weakref.WeakSet()  # every pipe's, in this process
+
+
+def let_other_pools_go(keep: ActorPool | None) -> int:
+    """Kill the idle actors every pool of this process but ``keep`` holds; how many there were.
+    A train pipe's idle actors keep their CPUs for as long as training runs: a validation pipe
+    whose actors then did not fit waited start_timeout_s and failed, blaming the cluster."""
+    let_go = 0
+    for pool in list(_POOLS):
+        if pool is not keep and pool.idle:
+            let_go += pool.idle
+            pool.let_idle_go()
+    return let_go
+
+
 def _job(ray: Any) -> Any:
     """This process's current connection, or None when not connected: its job on its node (a
     new local cluster numbers its jobs from 1 again, but its node is new)."""
@@ -119,6 +145,7 @@ class RunActors:
         self.ray = ray
         self.handles = handles
         self.reusable = True
+        self.busy: set[int] = set()  # actors still in a call as the run ended: never pooled
         self._pool = weakref.ref(pool) if pool is not None else None
 
     def replace(self, index: int, handle: Any) -> None:
@@ -134,12 +161,17 @@ class RunActors:
         if not self.reusable or pool is None or not self.ray.is_initialized() or on_a_foreign_thread():
             kill(self.ray, self.handles)
             return
-        for handle in self.handles:
+        # One still in a call (a stage that hangs, or a slow one) would make the next run's start
+        # wait behind it, up to start_timeout_s, and then blame the cluster's resources.
+        busy = [handle for index, handle in enumerate(self.handles) if index in self.busy]
+        idle = [handle for index, handle in enumerate(self.handles) if index not in self.busy]
+        kill(self.ray, busy)
+        for handle in idle:
             try:
                 handle.stop.remote()  # its run's iterator closes before the next run begins
             except Exception:
                 self.reusable = False
         if self.reusable:
-            pool.give(self.ray, self.handles)
+            pool.give(self.ray, idle)
         else:
-            kill(self.ray, self.handles)
+            kill(self.ray, idle)

@@ -142,9 +142,7 @@ def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], s
     Warns:
         UserWarning: any other cluster (an autoscaler may add nodes while the actors wait).
     """
-    asked = {_RESOURCE_NAMES[key]: float(value) for key, value in actor_options.items()
-             if key in _RESOURCE_NAMES and value}
-    asked.update({name: float(value) for name, value in (actor_options.get("resources") or {}).items()})
+    asked = _asked(actor_options)
     try:
         total = ray.cluster_resources()
     except Exception:  # a client connection, or an old Ray: Ray's own wait says it later
@@ -171,6 +169,27 @@ def check_actors_fit(ray: Any, num_actors: int, actor_options: dict[str, Any], s
         f"for at most start_timeout_s={start_timeout_s:g} s, then the run fails",
         stacklevel=first_frame_outside_pipeload(),
     )
+
+
+def fit_now(ray: Any, num_actors: int, actor_options: dict[str, Any]) -> bool:
+    """Whether ``num_actors`` more actors with ``actor_options`` fit in what the cluster has free
+    now (what the options name; True where Ray cannot say)."""
+    asked = _asked(actor_options)
+    if not asked:
+        return True
+    try:
+        free = ray.available_resources()
+    except Exception:
+        return True
+    return all(num_actors * amount <= free.get(name, 0) + 1e-9 for name, amount in asked.items())
+
+
+def _asked(actor_options: dict[str, Any]) -> dict[str, float]:
+    """What one actor asks of each resource, by the names cluster_resources() uses."""
+    asked = {_RESOURCE_NAMES[key]: float(value) for key, value in actor_options.items()
+             if key in _RESOURCE_NAMES and value}
+    asked.update({name: float(value) for name, value in (actor_options.get("resources") or {}).items()})
+    return asked
 
 
 def _named(actor_options: dict[str, Any]) -> str:

@@ -299,6 +299,13 @@ class Lane:
             self._owner.failed()
             raise RuntimeError(f"{self.describe()} could not begin its shard: {error}") from error
 
+    def calls_in_flight(self) -> list[Any]:
+        """The futures of this actor's calls not answered yet (its start, its chunks)."""
+        futures = [request.future for request in self._requests]
+        if self._started is not None:
+            futures.append(self._started)
+        return [future for future in futures if not future.done()]
+
     def let_go(self) -> None:
         """Drop the replies held and asked for (the run ended): the store frees them now."""
         self.describe()  # where the actor ran, kept for messages

@@ -21,6 +21,9 @@ _REFUSED = {
             "name belongs to one actor",
     "get_if_exists": "each run takes its own actors (a name would be needed, and is refused)",
 }
+_DETACHED = ("the boundary's actors must go with the process that started them: detached ones "
+             "outlived a crashed training process, holding their CPUs until `ray stop`")
+_STRATEGY_NAMES = ("DEFAULT", "SPREAD")  # or one of Ray's strategy objects
 
 
 def check_actor_options(options: dict[str, Any]) -> None:
@@ -42,6 +45,12 @@ def check_actor_options(options: dict[str, Any]) -> None:
                              f"items in order, one request at a time), but got max_concurrency={value!r}")
         elif key == "resources":
             _check_resources(value)
+        elif key == "lifetime" and value == "detached":
+            raise ValueError(f"queue_boundary('ray') cannot use the actor option {key}={value!r}: {_DETACHED}")
+        elif key == "scheduling_strategy" and isinstance(value, str) and value not in _STRATEGY_NAMES:
+            # Ray checks a strategy's name only when an actor is made: the first run, an epoch on.
+            raise ValueError(f"queue_boundary('ray') scheduling_strategy should be one of {_STRATEGY_NAMES}, "
+                             f"None or one of Ray's strategy objects, but got scheduling_strategy={value!r}")
         elif key == "runtime_env" and value is not None and not isinstance(value, dict):
             raise TypeError(f"queue_boundary('ray') runtime_env should be a dict or None, but got runtime_env={value!r}")
     others = {key: value for key, value in options.items()
@@ -64,8 +73,8 @@ def _check_amount(key: str, value: Any) -> None:
 
 
 def _check_retry_count(key: str, value: Any) -> None:
-    if value is None:
-        return
+    # None passes Ray's .options() but fails inside Ray when the actor is made, with a TypeError
+    # that names no option: refused here.
     expected = f"{key} should be an int >= 0, or -1 for no limit, but got {key}={value!r}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"queue_boundary('ray') {expected}")

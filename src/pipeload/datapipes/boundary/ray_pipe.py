@@ -86,16 +86,7 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         check_positive(buffer_size, "buffer_size", "Buffer size")
         check_ray_arguments(num_actors, chunk_size, address, init_options, start_timeout_s)
         check_actor_options(actor_options)
-        if buffer_size < num_actors:
-            raise ValueError(
-                f"queue_boundary('ray') needs buffer_size >= num_actors (each actor is asked for at "
-                f"least one item at a time), but got buffer_size={buffer_size}, num_actors={num_actors}"
-            )
-        if num_actors > 1 and not has_sharding(datapipe):
-            raise ValueError(
-                f"queue_boundary('ray', num_actors={num_actors}) needs a sharding_filter() upstream: "
-                f"without one every actor would yield every item of {datapipe!r}"
-            )
+        check_actors_fit_the_pipe(datapipe, buffer_size, num_actors, chunk_size)
         self.datapipe = datapipe
         self.buffer_size = buffer_size
         self.num_actors = num_actors
@@ -193,6 +184,36 @@ def check_ray_arguments(num_actors: Any, chunk_size: Any, address: Any, init_opt
         raise TypeError(f"queue_boundary('ray') {expected}")
     if not 0 < start_timeout_s < math.inf:
         raise ValueError(f"queue_boundary('ray') {expected}")
+
+
+def check_actors_fit_the_pipe(datapipe: Any, buffer_size: int, num_actors: int, chunk_size: int | None,
+                              size_name: str = "buffer_size") -> None:
+    """Refuse ``num_actors`` actors over ``datapipe`` with room for ``buffer_size`` items, asked
+    for ``chunk_size`` at a time.
+
+    Raises:
+        ValueError: fewer items of room than actors (each is asked for one at least), a chunk
+            larger than an actor's share of the room (it was cut to the share without a word),
+            or several actors over a pipe with no ``sharding_filter()`` (each would yield every
+            item).
+    """
+    if buffer_size < num_actors:
+        raise ValueError(
+            f"queue_boundary('ray') needs {size_name} >= num_actors (each actor is asked for at "
+            f"least one item at a time), but got {size_name}={buffer_size}, num_actors={num_actors}"
+        )
+    share = buffer_size // num_actors
+    if chunk_size is not None and chunk_size > share:
+        raise ValueError(
+            f"queue_boundary('ray') chunk_size should be at most each actor's share of {size_name} "
+            f"({size_name} // num_actors = {share}), but got chunk_size={chunk_size} "
+            f"({size_name}={buffer_size}, num_actors={num_actors})"
+        )
+    if num_actors > 1 and not has_sharding(datapipe):
+        raise ValueError(
+            f"queue_boundary('ray', num_actors={num_actors}) needs a sharding_filter() upstream: "
+            f"without one every actor would yield every item of {datapipe!r}"
+        )
 
 
 class _RayBoundaryIterator(PipeIterator[Any]):

@@ -20,6 +20,7 @@ dropped, so every item is handed out exactly once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 import weakref
@@ -28,8 +29,14 @@ from typing import Any
 
 from pipeload._state_fields import StateFields
 from pipeload.datapipes.boundary.feed import RaisedUpstream
-from pipeload.datapipes.boundary.ray_actors import ActorPool, RunActors, actor_class
-from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect
+from pipeload.datapipes.boundary.ray_actors import (
+    ActorPool,
+    RunActors,
+    actor_class,
+    let_other_pools_go,
+    on_a_foreign_thread,
+)
+from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect, fit_now
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.boundary.seeds import Replica, run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
@@ -97,7 +104,10 @@ class RayUpstream:
                          _copies_on_this_cluster())
         handles = pool.take(self._ray, options.num_actors) if pool is not None else []
         pooled = len(handles)
-        handles += [self._made_actor() for _ in range(options.num_actors - pooled)]
+        missing = options.num_actors - pooled
+        if missing and not fit_now(self._ray, missing, dict(options.actor_options)):
+            let_other_pools_go(pool)  # their idle actors hold what these need
+        handles += [self._made_actor() for _ in range(missing)]
         self._actors = RunActors(self._ray, handles, pool)
         self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk, from_pool=index < pooled)
                        for index, handle in enumerate(handles)]
@@ -273,15 +283,39 @@ class RayUpstream:
                                              lane.transfer_s, 0.0, lane.restarts))
         return total
 
+    def _still_busy(self) -> set[int]:
+        """The actors still in a call as the run ends (after ``CLOSE_GRACE_S``): killed, not
+        pooled. A stage that hung kept its actor busy, and the next run, handed that actor,
+        waited start_timeout_s behind the call and then blamed the cluster's resources. Not
+        waited for on Ray's own thread, where everything is killed anyway (``RunActors``)."""
+        if self._closed or on_a_foreign_thread():
+            return set()
+        return _wait_for_calls(self._lanes, CLOSE_GRACE_S)
+
     def close(self) -> None:
-        """End the run: its actors go back to the pipe's pool (or are killed, after a failure),
-        and the replies it holds leave the object store now, not when this object is freed.
-        Idempotent; the run hands out nothing more."""
+        """End the run: its actors go back to the pipe's pool (or are killed, after a failure,
+        or when still in a call), and the replies it holds leave the object store now, not when
+        this object is freed. Idempotent; the run hands out nothing more."""
+        self._actors.busy = self._still_busy()
         self._closed = True
         self._finalizer()
         self._graph_ref = None
         for lane in self._lanes:
             lane.let_go()
+
+
+CLOSE_GRACE_S = 1.0  # how long a run's end waits for its actors' calls in flight to be answered
+
+
+def _wait_for_calls(lanes: list[Lane], timeout_s: float) -> set[int]:
+    """The lanes whose actors still have a call unanswered after waiting up to ``timeout_s`` (a
+    run ended mid-epoch leaves the chunks it asked ahead for in flight: usually answered within
+    a chunk's time)."""
+    pending = {lane.index: lane.calls_in_flight() for lane in lanes}
+    waiting = [future for futures in pending.values() for future in futures]
+    if waiting:
+        concurrent.futures.wait(waiting, timeout=timeout_s)
+    return {index for index, futures in pending.items() if any(not f.done() for f in futures)}
 
 
 def _copies_on_this_cluster() -> int:
