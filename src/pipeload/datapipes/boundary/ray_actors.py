@@ -62,11 +62,13 @@ def _kill_each(ray: Any, handles: list[Any]) -> None:
 
 
 class ActorPool:
-    """Idle actors of one boundary pipe, kept for its next run. Used from one thread at a time
-    (the threads that start and end the pipe's runs)."""
+    """Idle actors of one boundary pipe, kept for its next run. Its pipe's runs start and end on
+    one thread at a time; another pipe's run, on any thread, may let its idle actors go
+    (``let_other_pools_go``): the idle list changes under ``_lock``."""
 
     def __init__(self) -> None:
         self._held: dict[str, Any] = {"ray": None, "job": None, "idle": []}
+        self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _kill_held, self._held)
         _POOLS.add(self)
 
@@ -78,18 +80,20 @@ class ActorPool:
     def let_idle_go(self) -> None:
         """Kill the idle actors now; the pool keeps the next run's (another pipe needs what
         these hold)."""
-        _kill_held(self._held)
+        with self._lock:
+            _kill_held(self._held)
 
     def take(self, ray: Any, count: int) -> list[Any]:
         """Up to ``count`` idle actors of this connection (none after ``ray.shutdown()`` and a
         new ``ray.init()``: the old cluster's actors went with it)."""
-        if not self._finalizer.alive or ray is not self._held["ray"] or _job(ray) != self._held["job"]:
-            self._held["idle"] = []
-            return []
-        idle = self._held["idle"]
-        taken = idle[:count]
-        del idle[:count]
-        return taken
+        with self._lock:
+            if not self._finalizer.alive or ray is not self._held["ray"] or _job(ray) != self._held["job"]:
+                self._held["idle"] = []
+                return []
+            idle = self._held["idle"]
+            taken = idle[:count]
+            del idle[:count]
+            return taken
 
     def give(self, ray: Any, handles: list[Any]) -> None:
         """Keep ``handles`` (actors with no run) for a later run."""
@@ -97,10 +101,11 @@ class ActorPool:
             kill(ray, handles)
             return
         job = _job(ray)
-        if self._held["ray"] is not ray or self._held["job"] != job:
-            _kill_held(self._held)
-            self._held["ray"], self._held["job"] = ray, job
-        self._held["idle"].extend(handles)
+        with self._lock:
+            if self._held["ray"] is not ray or self._held["job"] != job:
+                _kill_held(self._held)
+                self._held["ray"], self._held["job"] = ray, job
+            self._held["idle"].extend(handles)
 
     def close(self) -> None:
         """Kill the idle actors now. Idempotent."""

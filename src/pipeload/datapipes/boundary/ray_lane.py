@@ -89,6 +89,7 @@ class Lane:
         self._started: Any = None  # the future of the run's start: where the actor runs
         self._host = ""
         self.actor_s = self.transfer_s = 0.0
+        self.longest_chunk_s = 0.0  # the actor's longest chunk so far (see call_running)
         self.restarts = 0
         self._recovery: _Recovery | None = None
         self._begun_at = time.monotonic()
@@ -181,6 +182,7 @@ class Lane:
                 self._snapshot = chunk.snapshot
         transfer_s = max(0.0, request.arrival[0] - chunk.done_at)
         self.actor_s += chunk.busy_s
+        self.longest_chunk_s = max(self.longest_chunk_s, chunk.busy_s)
         self.transfer_s += transfer_s
         tally = self._owner.tally
         tally.items += len(chunk.items)
@@ -299,12 +301,13 @@ class Lane:
             self._owner.failed()
             raise RuntimeError(f"{self.describe()} could not begin its shard: {error}") from error
 
-    def calls_in_flight(self) -> list[Any]:
-        """The futures of this actor's calls not answered yet (its start, its chunks)."""
+    def call_running(self) -> Any:
+        """The future of the oldest of this actor's calls not answered yet (its start, then its
+        chunks, which the actor answers one after another): the one it is in now; None."""
         futures = [request.future for request in self._requests]
         if self._started is not None:
-            futures.append(self._started)
-        return [future for future in futures if not future.done()]
+            futures.insert(0, self._started)
+        return next((future for future in futures if not future.done()), None)
 
     def let_go(self) -> None:
         """Drop the replies held and asked for (the run ended): the store frees them now."""

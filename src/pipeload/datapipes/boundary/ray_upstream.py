@@ -288,9 +288,10 @@ class RayUpstream:
         pooled. A stage that hung kept its actor busy, and the next run, handed that actor,
         waited start_timeout_s behind the call and then blamed the cluster's resources. Not
         waited for on Ray's own thread, where everything is killed anyway (``RunActors``)."""
-        if self._closed or on_a_foreign_thread():
-            return set()
-        return _wait_for_calls(self._lanes, CLOSE_GRACE_S)
+        if (self._closed or not self._actors.reusable or not self._ray.is_initialized()
+                or on_a_foreign_thread()):
+            return set()  # (a failed run's actors, or a closed connection's, all go anyway)
+        return _wait_for_calls(self._lanes)
 
     def close(self) -> None:
         """End the run: its actors go back to the pipe's pool (or are killed, after a failure,
@@ -304,18 +305,24 @@ class RayUpstream:
             lane.let_go()
 
 
-CLOSE_GRACE_S = 1.0  # how long a run's end waits for its actors' calls in flight to be answered
+# How long a run's end waits for the call each actor is in to be answered: this, or one and a
+# half of the actor's longest chunk so far, whichever is longer.
+CLOSE_GRACE_S = 1.0
+CLOSE_GRACE_CHUNKS = 1.5
 
 
-def _wait_for_calls(lanes: list[Lane], timeout_s: float) -> set[int]:
-    """The lanes whose actors still have a call unanswered after waiting up to ``timeout_s`` (a
-    run ended mid-epoch leaves the chunks it asked ahead for in flight: usually answered within
-    a chunk's time)."""
-    pending = {lane.index: lane.calls_in_flight() for lane in lanes}
-    waiting = [future for futures in pending.values() for future in futures]
+def _wait_for_calls(lanes: list[Lane]) -> set[int]:
+    """The lanes whose actors are still in the call they were in, after waiting for it up to
+    ``CLOSE_GRACE_S`` or ``CLOSE_GRACE_CHUNKS`` of the actor's longest chunk. A run ended
+    mid-epoch leaves the chunks it asked ahead for in flight; an actor that answers the one it
+    is in works, whatever is queued behind (a slow stage's actor, given 1 s for all of them,
+    was killed on every close, and each next run waited for a new one)."""
+    running = {lane.index: lane.call_running() for lane in lanes}
+    waiting = [future for future in running.values() if future is not None]
     if waiting:
-        concurrent.futures.wait(waiting, timeout=timeout_s)
-    return {index for index, futures in pending.items() if any(not f.done() for f in futures)}
+        longest = max(lane.longest_chunk_s for lane in lanes)
+        concurrent.futures.wait(waiting, timeout=max(CLOSE_GRACE_S, CLOSE_GRACE_CHUNKS * longest))
+    return {index for index, future in running.items() if future is not None and not future.done()}
 
 
 def _copies_on_this_cluster() -> int:
