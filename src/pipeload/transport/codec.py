@@ -54,7 +54,7 @@ from pipeload.transport.fd_passing import DESCRIPTORS_PER_KEPT_BATCH, descriptor
 from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GRANT_OUTCOMES, GrantOutcome
 from pipeload.transport.shared_memory import note_received, storage_from_descriptor
-from pipeload.transport.slab_writer import OFFERED_SLAB_ID, SlabWriter, one_shot_storage
+from pipeload.transport.slab_writer import SlabWriter, one_shot_storage
 
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_BUDGET_BYTES = 1 << 20
@@ -222,9 +222,8 @@ def _slab_ref(out: _Outgoing) -> int:
     buffer the writer offers (``SlabWriter.offers_buffers``), -1 - the index of its descriptor,
     which travels once with the message."""
     writer = out.writer
-    slab_id = writer.slab_id
-    if slab_id != OFFERED_SLAB_ID:
-        return slab_id
+    if not writer.offering:
+        return writer.slab_id
     if out.offer_ref is None:
         out.fds.append(writer.offered_descriptor())
         out.offer_ref = -len(out.fds)

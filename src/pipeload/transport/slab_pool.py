@@ -202,7 +202,6 @@ class SlabPool:
         for slab in (*self._slabs.values(), *self._retired_in_use.values()):
             slab.mapped_by.clear()
             slab.unconfirmed_by, slab.still_viewed = None, False  # its producer stopped: nothing of it is sent again
-            slab.offered_by = None
 
     # -- granting ------------------------------------------------------------------------
 
@@ -287,8 +286,6 @@ class SlabPool:
         """Whether ``producer`` may write into ``slab``: yes unless the producer that wrote its
         last batch may still view it (it has not said otherwise since, see ``producer_views``).
         That producer alone may, when it writes alone: it checks its own views before writing."""
-        if slab.offered_by is not None:  # its producer has not said yet whether it views it
-            return slab.offered_by == producer and not shared  # (its own check sees its views)
         if slab.unconfirmed_by is None:
             return True
         return slab.unconfirmed_by == producer and not shared and not slab.still_viewed
@@ -305,8 +302,6 @@ class SlabPool:
         inode): each is dealt with as a slab named in ``still_viewed``, from the note that follows
         the batch it came with on."""
         for slab in list(self._slabs.values()):
-            if slab.offered_by == producer:  # the note after its batch: now it is as a written slab
-                slab.offered_by, slab.unconfirmed_by, slab.still_viewed = None, producer, False
             if slab.unconfirmed_by != producer:
                 continue
             if slab.slab_id not in still_viewed and (slab.buffer is None or slab.buffer not in offers_viewed):
@@ -344,9 +339,7 @@ class SlabPool:
         """
         if self._closed or size < batch_slab_size(max(self._largest_batch, shared_bytes)):
             return None
-        if not (len(self._slabs) - self._held_back() < self._slab_limit
-                and len(self._slabs) + len(self._retired_in_use) < MAX_SLABS
-                and self.slab_bytes + size <= self._max_bytes):
+        if not self._may_grow(size):
             return None
         owned = os.dup(fd)
         try:
@@ -358,7 +351,9 @@ class SlabPool:
             os.close(owned)
             raise
         found = os.fstat(fd)
-        slab.offered_by, slab.buffer = producer, (found.st_dev, found.st_ino)
+        # As a slab it has just written: its producer alone may have it until its note says it
+        # views it no more (producer_views), and its notes name it by (device, inode).
+        slab.unconfirmed_by, slab.buffer = producer, (found.st_dev, found.st_ino)
         self._adopted_unsettled = slab
         self.counts.slabs_adopted += 1
         return self._lease_on(slab)
@@ -386,10 +381,11 @@ class SlabPool:
                     found.append(slab)
         return found
 
-    def _may_grow(self) -> bool:
+    def _may_grow(self, size: int | None = None) -> bool:
+        """Whether the pool may hold one more slab (of ``size``, else of the wanted size)."""
         return (len(self._slabs) - self._held_back() < self._slab_limit
                 and len(self._slabs) + len(self._retired_in_use) < MAX_SLABS
-                and self.slab_bytes + self._wanted_size <= self._max_bytes)
+                and self.slab_bytes + (self._wanted_size if size is None else size) <= self._max_bytes)
 
     def _held_back(self) -> int:
         """Slabs a worker's note said it still views: out of use until a later note (a collate
@@ -464,8 +460,6 @@ class SlabPool:
             slab.mapped_by.discard(producer)
             if slab.unconfirmed_by == producer:
                 slab.unconfirmed_by, slab.still_viewed = None, False
-            if slab.offered_by == producer:
-                slab.offered_by = None
 
     def handed_out(self, token: int) -> None:
         """Batch ``token`` was just given to the consumer (feeds the choice of deferred grants)."""

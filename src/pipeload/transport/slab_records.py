@@ -41,8 +41,8 @@ class SlabCounts:
 
     Attributes:
         slabs_made: slabs created (each costs its pages once, and page-locking when pinned).
-        slabs_adopted: ... of which were a buffer a producer made for one batch, taken over as a
-            slab once that batch was sent (its pages were paid for already).
+        slabs_adopted: buffers a producer made for one batch, taken over as slabs (not in
+            ``slabs_made``: their pages were paid for with that batch).
         slabs_retired: slabs retired (surplus, too small, refused, or the pool closed).
         slab_mappings: slabs announced to a producer, which maps it (page-table entries for every
             page, in that producer, for as long as it lives).
@@ -76,7 +76,7 @@ class SlabRecord:
 
     __slots__ = ("slab_id", "size", "memory", "leases_made", "granted_to", "granted_producer",
                  "granted_releases", "lease_token", "mapped_by", "retired", "unconfirmed_by", "still_viewed",
-                 "offered_by", "buffer", "__weakref__")
+                 "buffer", "__weakref__")
 
     def __init__(self, slab_id: int, size: int, pin_device: int | None, fd: int | None = None) -> None:
         """``fd``: the slab is a buffer a producer made and offered (see SlabPool.adopt)."""
@@ -96,11 +96,6 @@ class SlabRecord:
         # That producer's last note said it still views the slab: held back from everyone, itself
         # included, until a note says otherwise (a second note saying so retires it).
         self.still_viewed = False
-        # The producer that made it, until its note says whether its own code still views it (see
-        # SlabPool.producer_views): granted to no other producer meanwhile (their checks before
-        # writing cannot see that producer's views); that producer may have it, since its MAP of
-        # the slab reuses its own mapping of the buffer, whose views its check sees.
-        self.offered_by: int | None = None
         # A buffer a producer made and offered: its (device, inode), by which that producer's
         # views notes name it (it knows no slab id for it). None for a slab the pool made.
         self.buffer: tuple[int, int] | None = None

@@ -44,7 +44,7 @@ from pipeload.transport.shared_memory import create_buffer
 from pipeload.transport.slab_memory import Preparation, batch_slab_size, populate, populate_in_background
 
 OFFER_FROM_BYTES = 1 << 20  # smaller messages go to plain one-shot buffers: a slab costs little
-OFFERED_SLAB_ID = -1  # the slab id of a message's own buffer (see SlabWriter.offers_buffers)
+OFFERED_SLAB_ID = -1  # what a message's own buffer is called where a slab id is kept
 RELEASE_WAIT_S = 0.1
 RELEASE_POLL_S = 0.0002
 ALIGN_BYTES = 64
@@ -476,10 +476,12 @@ class SlabWriter:
 
     @property
     def slab_id(self) -> int:
-        """The id of the slab this message writes into: the grant's, or ``OFFERED_SLAB_ID``."""
-        if self._offer is not None:
-            return OFFERED_SLAB_ID
         return -1 if self._grant is None else self._grant.slab_id
+
+    @property
+    def offering(self) -> bool:
+        """Whether this message writes into a buffer of its own, which it offers (not a grant)."""
+        return self._offer is not None
 
     def offered_descriptor(self) -> int:
         """The descriptor of the buffer this message offers (valid until its views note)."""

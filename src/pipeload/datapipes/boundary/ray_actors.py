@@ -115,16 +115,13 @@ class ActorPool:
 _POOLS: weakref.WeakSet[ActorPool] = weakref.WeakSet()  # every pipe's, in this process
 
 
-def let_other_pools_go(keep: ActorPool | None) -> int:
-    """Kill the idle actors every pool of this process but ``keep`` holds; how many there were.
-    A train pipe's idle actors keep their CPUs for as long as training runs: a validation pipe
-    whose actors then did not fit waited start_timeout_s and failed, blaming the cluster."""
-    let_go = 0
+def let_other_pools_go(keep: ActorPool | None) -> None:
+    """Kill the idle actors every pool of this process but ``keep`` holds. A train pipe's idle
+    actors keep their CPUs for as long as training runs: a validation pipe whose actors then did
+    not fit waited start_timeout_s and failed, blaming the cluster."""
     for pool in list(_POOLS):
         if pool is not keep and pool.idle:
-            let_go += pool.idle
             pool.let_idle_go()
-    return let_go
 
 
 def _job(ray: Any) -> Any:

@@ -186,17 +186,9 @@ def check_ray_arguments(num_actors: Any, chunk_size: Any, address: Any, init_opt
         raise ValueError(f"queue_boundary('ray') {expected}")
 
 
-def check_actors_fit_the_pipe(datapipe: Any, buffer_size: int, num_actors: int, chunk_size: int | None,
-                              size_name: str = "buffer_size") -> None:
-    """Refuse ``num_actors`` actors over ``datapipe`` with room for ``buffer_size`` items, asked
-    for ``chunk_size`` at a time.
-
-    Raises:
-        ValueError: fewer items of room than actors (each is asked for one at least), a chunk
-            larger than an actor's share of the room (it was cut to the share without a word),
-            or several actors over a pipe with no ``sharding_filter()`` (each would yield every
-            item).
-    """
+def check_room(buffer_size: int, num_actors: int, chunk_size: int | None, size_name: str = "buffer_size") -> None:
+    """Refuse room for fewer items than ``num_actors`` (each is asked for one at least), or a
+    ``chunk_size`` larger than an actor's share of it (it was cut to the share without a word)."""
     if buffer_size < num_actors:
         raise ValueError(
             f"queue_boundary('ray') needs {size_name} >= num_actors (each actor is asked for at "
@@ -209,6 +201,20 @@ def check_actors_fit_the_pipe(datapipe: Any, buffer_size: int, num_actors: int, 
             f"({size_name} // num_actors = {share}), but got chunk_size={chunk_size} "
             f"({size_name}={buffer_size}, num_actors={num_actors})"
         )
+
+
+def check_actors_fit_the_pipe(datapipe: Any, buffer_size: int, num_actors: int, chunk_size: int | None,
+                              size_name: str = "buffer_size") -> None:
+    """Refuse ``num_actors`` actors over ``datapipe`` with room for ``buffer_size`` items, asked
+    for ``chunk_size`` at a time.
+
+    Raises:
+        ValueError: fewer items of room than actors (each is asked for one at least), a chunk
+            larger than an actor's share of the room (it was cut to the share without a word),
+            or several actors over a pipe with no ``sharding_filter()`` (each would yield every
+            item).
+    """
+    check_room(buffer_size, num_actors, chunk_size, size_name)
     if num_actors > 1 and not has_sharding(datapipe):
         raise ValueError(
             f"queue_boundary('ray', num_actors={num_actors}) needs a sharding_filter() upstream: "

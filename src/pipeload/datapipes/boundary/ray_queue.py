@@ -32,7 +32,7 @@ from pipeload.datapipes.boundary.queue_interface import (
     check_timeout,
 )
 from pipeload.datapipes.boundary.ray_options import check_actor_options
-from pipeload.datapipes.boundary.ray_pipe import check_actors_fit_the_pipe, check_ray_arguments
+from pipeload.datapipes.boundary.ray_pipe import check_actors_fit_the_pipe, check_ray_arguments, check_room
 from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
 from pipeload.datapipes.protocol import NotAvailable, Notifier, PipeIterator, WaitCancelled, wait_for_next
 from pipeload.errors import WorkerDiedError
@@ -54,8 +54,8 @@ class RayQueue(DataLoaderQueue, kind="ray"):
                  **actor_options: Any) -> None:
         self._maxsize = check_maxsize(maxsize)
         self._options = _options(num_actors, chunk_size, address, init_options, start_timeout_s, **actor_options)
-        if chunk_size is not None and chunk_size > self._maxsize // max(1, num_actors):
-            check_actors_fit_the_pipe(None, self._maxsize, num_actors, chunk_size, size_name="maxsize")
+        if chunk_size is not None and self._maxsize >= num_actors:  # (the rest when the actors start)
+            check_room(self._maxsize, num_actors, chunk_size, size_name="maxsize")
         self._upstream: RayUpstream | None = None
         self._closed = False
 
