@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from pipeload._state_fields import StateFields, join
-from pipeload.errors import IncompatibleStateError, bad_state_field, shortened, state_mismatch
+from pipeload.errors import MISSING, IncompatibleStateError, bad_state_field, shortened, state_mismatch
 from pipeload.engine.worker_info import worker_stopping
 
 T_co = TypeVar("T_co", covariant=True)
@@ -166,13 +166,17 @@ class PipeIterator(Iterator[T_co], Generic[T_co]):
         assert saved is not None
         differences = {}
         for name, here in settings.items():
-            was = saved.raw(name, f"the {name} this {self._pipe_name()} ran with")
+            unchecked = here if name in self._settings_unchecked_when_missing else MISSING
+            was = saved.raw(name, f"the {name} this {self._pipe_name()} ran with", default=unchecked)
             if was != here or type(was) is not type(here):
                 differences[name] = (was, here)
         saved.finish()
         if differences:
             place = f" at {fields.path}" if fields.path else ""
             raise state_mismatch(f"this {self._pipe_name()}{place}", differences)
+
+    # Settings added since states were first written: a state without one still loads.
+    _settings_unchecked_when_missing: frozenset[str] = frozenset()
 
     def _settings(self) -> dict[str, Any]:
         """The settings this run's stream depends on, recorded in its state and compared when

@@ -58,6 +58,15 @@ def test_a_callback_that_raises_ends_the_run() -> None:
     assert pipe.failure_counts() == FailureCounts(raised=1)
 
 
+def test_a_skip_that_warnings_as_errors_turn_into_a_raise_counts_as_raised() -> None:
+    pipe = IterableWrapper([GOOD, BROKEN, GOOD]).decode(on_error="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Warning, match="skipped the sample"):
+            list(pipe)
+    assert pipe.failure_counts() == FailureCounts(raised=1)
+
+
 def ignore(error: BaseException, where: object) -> None:
     """A callback that skips quietly (module level, so it pickles)."""
 

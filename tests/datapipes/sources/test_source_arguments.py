@@ -49,6 +49,9 @@ def shards(tmp_path: Path) -> list[str]:
     ({"shuffle_shards": 1}, TypeError, "shuffle_shards"),
     ({"hold_until_checked": "yes"}, TypeError, "hold_until_checked"),
     ({"batch_size": True}, TypeError, "batch_size"),
+    ({"batch_size": 0}, ValueError, "webdataset_pipeline: batch_size"),
+    ({"batch_size": -2}, ValueError, "webdataset_pipeline: batch_size"),
+    ({"batch_size": 2.5}, TypeError, "webdataset_pipeline: batch_size"),
     ({"on_error": "bogus"}, ValueError, "webdataset_pipeline: on_error"),  # not a stage's name
 ])
 def test_a_bad_pipeline_argument_is_refused_by_name(shards: list[str], arguments: dict[str, Any],

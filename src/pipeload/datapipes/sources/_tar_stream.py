@@ -170,6 +170,10 @@ LINK_TARGETS_KEPT_BYTES = 4 << 20
 # MiB at the largest blocking factors GNU tar takes. More is a file written only in part (a
 # preallocated shard cut short); a shorter zeroed tail cannot be told from padding.
 MAX_PADDING_BYTES = 16 << 20
+# Tar's default record (blocking factor 20): tar, Python's tarfile and WebDataset's writers pad an
+# archive to whole records after its end-of-archive marker, so an archive joined after another
+# (`cat a.tar b.tar`) begins on a record boundary, right after the first one's padding.
+RECORD_BYTES = 20 * BLOCK_BYTES
 _ZSTD_CHUNK_BYTES = 1 << 17
 _MAX_READ_BYTES = 1 << 26
 
@@ -350,7 +354,8 @@ class TarReader:
     def _after_the_marker(self, marker_at: int) -> bytes | None:
         """Read on past the zero block at ``marker_at``: None at the end of the data (zeros
         alone followed: the archive's end, and its padding), or the header of another archive
-        joined after this one (``cat a.tar b.tar``; GNU tar reads on with ``-i``).
+        joined after this one (``cat a.tar b.tar``; GNU tar reads on with ``-i``), where it can
+        only be: on the record boundary that ends this one's padding (``RECORD_BYTES``).
 
         A zero block is not believed at once: a header zeroed on disk (a lone zero block, as
         GNU tar warns of it) ended the shard there, and every member after it vanished without
@@ -360,9 +365,10 @@ class TarReader:
         padding.
 
         Raises:
-            TarFormatError: a lone zero block before more members, data after the marker that
-                is no header, or more zeros than any writer pads with (``MAX_PADDING_BYTES``: a
-                file preallocated and written only in part).
+            TarFormatError: a lone zero block before more members, zeros then a header
+                anywhere but there (a stretch zeroed on disk), data after the marker that is no
+                header, or more zeros than any writer pads with (``MAX_PADDING_BYTES``: a file
+                preallocated and written only in part).
         """
         zeros = BLOCK_BYTES
         while True:
@@ -386,6 +392,15 @@ class TarReader:
                 raise TarFormatError(
                     f"corrupt: a lone zero block at byte {marker_at}, with a header after it (at byte "
                     f"{at}): a header was zeroed, and the member it began would be lost")
+            joined_at = -(-(marker_at + 2 * BLOCK_BYTES) // RECORD_BYTES) * RECORD_BYTES
+            if at != joined_at:
+                # A stretch zeroed on disk (a page, a hole a crash left) looks like a marker
+                # followed by another archive; read on, the members it held vanished silently.
+                raise TarFormatError(
+                    f"corrupt: {zeros // BLOCK_BYTES} zero blocks at byte {marker_at}, then a header "
+                    f"at byte {at}: a stretch was zeroed, and the members it held would be lost (an "
+                    f"archive joined after this one, as `cat a.tar b.tar` makes, would begin where "
+                    f"tar's padding to {RECORD_BYTES // 1024} KiB records ends, at byte {joined_at})")
             try:
                 self._check_header(block, at)
             except TarFormatError:

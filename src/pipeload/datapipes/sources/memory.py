@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, TypeVar
@@ -51,6 +53,7 @@ class _WrapperIterator(PipeIterator[Any]):
         self._pipe = pipe
         self._items: Iterator[Any] | None = None
         self._position = 0  # items handed out, for checkpoints
+        self._names_digest: str | None = None  # of the data's names, once a run ("": not paths)
 
     def nonblocking_next(self) -> Any:
         if self._items is None:
@@ -75,11 +78,23 @@ class _WrapperIterator(PipeIterator[Any]):
     def _own_state(self) -> Any:
         return self._position
 
+    # States written before stop 53 have no names: they still load, unchecked.
+    _settings_unchecked_when_missing = frozenset({"names_in_order"})
+
     def _settings(self) -> dict[str, Any]:
         # A list grown or shrunk since (a shard appended to a shuffled shard list): the same
-        # position would be replayed through another shuffle, into other items.
+        # position would be replayed through another shuffle, into other items. The same shards
+        # in another order (a list from glob or listdir on another machine) would be too: for
+        # a list of paths or URLs, their names in order are recorded as well.
         data = self._pipe.iterable
-        return {"length": len(data)} if isinstance(data, Sized) else {}
+        if not isinstance(data, Sized):
+            return {}
+        settings: dict[str, Any] = {"length": len(data)}
+        if self._names_digest is None:
+            self._names_digest = names_digest(data)
+        if self._names_digest:
+            settings["names_in_order"] = self._names_digest
+        return settings
 
     def _pipe_name(self) -> str:
         return "IterableWrapper"
@@ -96,6 +111,23 @@ class _WrapperIterator(PipeIterator[Any]):
 
     def _load_own_state(self, state: Any) -> None:
         self._items, self._position = state
+
+
+def names_digest(data: Any) -> str:
+    """A digest of the last part of each path or URL in ``data``, in order; "" when ``data`` is
+    not all paths (or is not a list or tuple). Names, not whole paths, so that a dataset moved
+    to another directory or bucket still resumes, as a shard's own check allows."""
+    if not isinstance(data, (list, tuple)) or not data:
+        return ""
+    digest = hashlib.blake2b(digest_size=12)
+    for item in data:
+        if isinstance(item, os.PathLike):
+            item = os.fspath(item)
+        if not isinstance(item, str):
+            return ""
+        digest.update(item.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+    return "blake2b:" + digest.hexdigest()
 
 
 class SequenceWrapper(MapDataPipe[T]):

@@ -185,40 +185,51 @@ class FailureHandler:
             self._count(FailureCounts(raised=1), note=note)
             raise error
         self.failures += 1
-        used = self._budget_used()
+        # Counted as a skip as it is published against the budget, in one step: a loader that
+        # another worker's failure ends a moment later reads this one whole (counted only after
+        # the warning, it could be read as a failure that was neither skipped nor raised).
+        # Turned into a raise below if it is not skipped after all.
+        skip = FailureCounts(skipped=1, files=1) if self._unit == FILE else FailureCounts(skipped=1, samples=1)
+        used = self._budget_used(skip, note)
         if self._max_failures is not None and used > self._max_failures:
-            self._count(FailureCounts(raised=1), note=note)
+            self._raised_instead(skip)
             raise FailureBudgetExceeded(
                 f"{self.stage}: more than max_failures={self._max_failures} failures "
                 f"{self._budget_scope()}; the last was {type(error).__name__} reading "
                 f"{site.describe()}: {error}"
             ) from error
-        if self._on_error == "skip":
-            notes = "".join(f" ({note.removeprefix('pipeload: ')})" for note in getattr(error, "__notes__", ()))
-            warn_user(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
-                      SkippedSampleWarning)
-        else:
-            try:
+        try:
+            if self._on_error == "skip":
+                notes = "".join(f" ({note.removeprefix('pipeload: ')})" for note in getattr(error, "__notes__", ()))
+                # Raises where warnings are errors: then the failure ends the run.
+                warn_user(f"{self.stage}: skipped {self.skips} after {type(error).__name__}: {error}{notes}",
+                          SkippedSampleWarning)
+            else:
                 self._on_error(error, site)  # type: ignore[operator]
-            except BaseException:
-                self._count(FailureCounts(raised=1), note=note)
-                raise
-        left_out = FailureCounts(files=1) if self._unit == FILE else FailureCounts(samples=1)
-        self._count(FailureCounts(skipped=1) + left_out, note=note)
+        except BaseException:
+            self._raised_instead(skip)
+            raise
 
     def dropped(self, samples: int) -> None:
         """``samples`` left out because of a failure already counted (a sample its archive cut
         short): counted as left out, not as failures."""
         self._count(FailureCounts(samples=samples))
 
-    def _budget_used(self) -> int:
-        """Failures so far, this one included: the loader's this epoch, else this run's."""
+    def _budget_used(self, counts: FailureCounts, note: str) -> int:
+        """Count ``counts`` for this failure, and return the failures so far, this one
+        included: the loader's this epoch, else this run's."""
+        self._tally.add(counts)
         if self._slot is not None:
-            self._slot.add(Counts(), failures=1)  # published first: a worker failing at the same
-            used = self._slot.budget_used()       # moment sees this one in its own sum
+            # Published first: a worker failing at the same moment sees this one in its own sum.
+            self._slot.add(_board_counts(counts), failures=1, note=note)
+            used = self._slot.budget_used()
             if used is not None:
                 return used
         return self.failures
+
+    def _raised_instead(self, skip: FailureCounts) -> None:
+        """A failure counted as ``skip`` that ends the run after all: counted as raised."""
+        self._count(FailureCounts(-skip.skipped, 1, -skip.files, -skip.samples))
 
     def _budget_scope(self) -> str:
         if self._slot is not None and self._slot.row is not None:
@@ -228,7 +239,11 @@ class FailureHandler:
     def _count(self, counts: FailureCounts, note: str | None = None) -> None:
         self._tally.add(counts)
         if self._slot is not None:
-            self._slot.add(Counts(counts.skipped, counts.raised, counts.files, counts.samples), note=note)
+            self._slot.add(_board_counts(counts), note=note)
+
+
+def _board_counts(counts: FailureCounts) -> Counts:
+    return Counts(counts.skipped, counts.raised, counts.files, counts.samples)
 
 
 def failure_counts(datapipe: Any) -> FailureCounts:

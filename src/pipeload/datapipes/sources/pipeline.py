@@ -177,7 +177,7 @@ def _check_arguments(arguments: Mapping[str, Any]) -> None:
     """Refuse arguments of ``webdataset_pipeline`` that its stages would take wrongly
     (``shuffle_shards="no"`` is true, ``handlers={"cls": 5}`` fails every sample, skipped under
     ``on_error="skip"``) or refuse under another name (``buffer_size``), naming them. The
-    stages check the rest (``image``, ``on_error``, ``max_failures``, ``batch_size``)."""
+    stages check the rest (``image``, ``on_error``, ``max_failures``)."""
     _check_urls(arguments["urls"])
     for name in ("shuffle_shards", "hold_until_checked"):
         if not isinstance(arguments[name], bool):
@@ -189,9 +189,14 @@ def _check_arguments(arguments: Mapping[str, Any]) -> None:
     check_storage_options(arguments["storage_options"], "webdataset_pipeline")
     check_retry(arguments["retry"], "webdataset_pipeline")
     check_policy(arguments["on_error"], arguments["max_failures"], "webdataset_pipeline")
-    if isinstance(arguments["batch_size"], bool):  # an int to Python: True batched by 1
+    batch_size = arguments["batch_size"]
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
+        # a bool is an int to Python: True batched by 1
         raise TypeError(f"webdataset_pipeline: batch_size must be an int or None, got "
-                        f"batch_size={arguments['batch_size']!r}")
+                        f"batch_size={batch_size!r}")
+    if batch_size is not None and batch_size <= 0:  # .batch() asserts, as torch's Batcher does
+        raise ValueError(f"webdataset_pipeline: batch_size must be a positive int or None, got "
+                         f"batch_size={batch_size}")
 
 
 def _check_urls(urls: Any) -> None:
