@@ -559,6 +559,8 @@ class BatchWorkerLoop(WorkerLoop):
         self._outbox.prepare(gathering.grant)  # collation writes where the batch will travel
         failure = self._init_failure or _first_failure(gathering)
         if failure is not None:
+            if self._init_failure is None:  # a worker whose setup failed builds no batch at all
+                self._count_failed(gathering)
             self._report_with_totals(Report.FAILED, number, failure)
             return
         started = time.perf_counter()
@@ -570,6 +572,17 @@ class BatchWorkerLoop(WorkerLoop):
         setup_s = self._outbox.setup_s
         build_s = max(0.0, time.perf_counter() - started - setup_s)
         self._send_batch(number, batch, indices, build_s, setup_s, time.monotonic())
+
+    def _count_failed(self, gathering: _Gathering) -> None:
+        """A batch that failed counts the samples it was to hold, as a classic worker's does
+        (counted as none, they took the stats' samples a batch below what the loop received)."""
+        clock = self._clock
+        if clock is None:
+            return
+        if clock.timing:
+            clock.count_samples(len(gathering.indices))
+        else:
+            clock.untimed_samples += len(gathering.indices)
 
     def _count_down_to_timing(self) -> None:
         clock = self._clock
@@ -587,6 +600,7 @@ class BatchWorkerLoop(WorkerLoop):
         gathering.failed_early = True
         gathering.pieces.clear()
         self._count_down_to_timing()
+        self._count_failed(gathering)
         self._outbox.prepare(gathering.grant)
         writer = getattr(self._outbox, "writer", None)  # (process workers' outboxes have one)
         if writer is not None and gathering.grant is not None and gathering.grant.items is not None:

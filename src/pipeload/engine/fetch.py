@@ -160,11 +160,15 @@ class MapFetcher:
         spec = self._spec
         if _torch_profiler._is_profiler_enabled:
             take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
-            return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, timed)
+            return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, timed,
+                           _meant(index, spec.auto_collation))
         # A timed task without a profiler, kept lean: no closures, three clock reads.
         started = now()
         try:
             samples = self.samples(index) if spec.auto_collation else [spec.dataset[index]]
+        except BaseException:
+            clock.count_samples(_meant(index, spec.auto_collation))
+            raise
         finally:
             fetched = now()
             clock.fetch_s += fetched - started
@@ -356,11 +360,19 @@ class IterableFetcher:
         return samples
 
 
+def _meant(index: Any, auto_collation: bool) -> int:
+    """The samples a task was to hold: a batch that failed counts them, as an untimed batch
+    counts its sampler's size whatever happens to it (counted as none, failed batches took the
+    stats' samples a batch, and samples/s, below what the loop received)."""
+    return len(index) if auto_collation and hasattr(index, "__len__") else 1
+
+
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
-            auto_collation: bool, traced: bool, timing: bool) -> Any:
+            auto_collation: bool, traced: bool, timing: bool, meant: int = 0) -> Any:
     """``collate_fn`` over what ``take`` returns, each in a profiler span when ``traced``, and
     each timed into ``clock`` when ``timing`` (the clock samples this task). Time spent in a
-    call that raised counts too."""
+    call that raised counts too, and so do the ``meant`` samples of a task whose fetch raised
+    (0: not known, an iterable's)."""
     started = now()
     try:
         if traced:
@@ -368,6 +380,12 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
                 samples = take()
         else:
             samples = take()
+    except BaseException:
+        if meant and timing:
+            clock.count_samples(meant)
+        elif meant:
+            clock.count_untimed(meant)
+        raise
     finally:
         fetched = now()
         if timing:
