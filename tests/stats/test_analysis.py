@@ -20,10 +20,11 @@ LOADING_SETTINGS = {"num_workers", "worker_type", "prefetch_factor", "num_batch_
 
 
 def _worker(kind: str, worker_id: int, *, fetch_s: float = 0.0, collate_s: float = 0.0,
-            cpu_s: float = 0.0, queued_s: float = 0.0, tasks: int = 100) -> WorkerStats:
+            cpu_s: float = 0.0, queued_s: float = 0.0, tasks: int = 100,
+            bytes_out: int = 1024) -> WorkerStats:
     """A worker of ALIVE_S seconds; the seconds given are fractions of it, scaled."""
     return WorkerStats(kind, worker_id, tasks=tasks, samples=8 * tasks, fetch_s=fetch_s * ALIVE_S,
-                       collate_s=collate_s * ALIVE_S, transfer_s=0.01 * ALIVE_S, bytes_out=1024,
+                       collate_s=collate_s * ALIVE_S, transfer_s=0.01 * ALIVE_S, bytes_out=bytes_out,
                        alive_s=ALIVE_S, cpu_s=cpu_s * ALIVE_S, queued_s=queued_s * ALIVE_S)
 
 
@@ -378,6 +379,24 @@ def test_batches_the_main_process_loads_faster_than_a_worker_hands_one_over_stay
                                    "each batch it hands over: keep num_workers=0"), _verdict(fast)
     assert fast.suggested_settings() == {}
     assert inline(BATCHES).suggested_settings() == {"num_workers": 2}  # 18 ms a batch: workers help
+
+
+def test_large_batches_the_main_process_loads_in_less_than_their_hand_over_stay_there() -> None:
+    # 1.5 MiB batches of cheap items, 160 us each inline, were told "try num_workers=2": 1.7x
+    # slower when followed (a skeptic's probe at stop 53); handing one over costs more the
+    # larger it is.
+    def inline(batches: int, batch_bytes: int) -> LoaderStats:
+        return _stats("classic", (_worker("main", 0, fetch_s=0.3, collate_s=0.6, tasks=batches,
+                                          bytes_out=batch_bytes * batches),), 0.9, batches=batches)
+    mib = 1 << 20
+    large = inline(20_000, 3 * mib // 2)  # 180 us a batch
+    assert large.suggested_settings() == {}
+    assert _verdict(large).endswith("less than a worker process adds to each batch it hands over "
+                                    "(about 400 us for a batch of 1.5 MiB): keep num_workers=0"), _verdict(large)
+    between = inline(7_000, 3 * mib // 2)  # 514 us: above one hand-over, short of paying off
+    assert between.suggested_settings() == {} and "for workers to pay off" in _verdict(between)
+    assert inline(20_000, 16 * 1024).suggested_settings() == {"num_workers": 2}  # small: 180 us pays
+    assert inline(BATCHES, 3 * mib // 2).suggested_settings() == {"num_workers": 2}  # 18 ms a batch
 
 
 # -- workers started anew each epoch ----------------------------------------------------------

@@ -101,6 +101,8 @@ class InlineEngine:
         except Exception as error:
             mark_worker(error, 0)  # the batch's turn passed: its replica's position counts it
             raise
+        if self._clock is not None and self._clock.timing:
+            self._clock.done(batch)  # its bytes: what a worker would have to hand over (analysis.py)
         return batch
 
     def close(self) -> None:

@@ -77,6 +77,14 @@ CROWDED = 0.25  # queued for a CPU this share of their life: crowded out, not th
 # in the main process): a batch the main process loads in less stays there. Tiny items on the
 # 2-core box: inline 59,601 batches/s, 2 process workers 3,696 (`pipeload profile` at stop 37).
 WORKER_BATCH_COST_S = 100e-6
+# And what it adds for each MiB of the batch (writing it into shared memory, the main process's
+# side of a slab). Cheap items in batches of 1.5 MiB, 2 persistent workers against
+# num_workers=0 on the 2-core box (stop 53): 0.63x at 140 us of loading a batch, 1.13x at 466
+# us, 1.52x at 1,159 us; 6 MiB at 328 us: 0.64x. "try num_workers=2" on a batch of 1.5 MiB that
+# loaded in 200 us made the loader 1.7x slower (a skeptic's probe at stop 53).
+HAND_OVER_S_PER_MIB = 200e-6
+# Workers are suggested for batches that take this many hand-overs to load: at one they break even.
+WORKERS_PAY_OFF = 1.5
 # What "occupied" and "idle" mean in a verdict (see occupancy()): more than the stats line's
 # "busy", which counts the stages alone; said where they appear, as the two figures differ.
 OCCUPIED_WORDS = ("in their stages, or else running or queued for a CPU",
@@ -152,7 +160,7 @@ def _restarting(stats: LoaderStats, found: Restarts, steady_verdict: Diagnosis |
     each epoch, was told to persist where num_workers=0 loaded it faster than either. (Not with
     a ``worker_init_fn``: what it sets up, a loader without workers would not.)"""
     work_s = _work_per_batch(stats)
-    if (0 < work_s < WORKER_BATCH_COST_S and stats.setup.mode == "classic" and not stats.decisions
+    if (0 < work_s < hand_over_s(stats) and stats.setup.mode == "classic" and not stats.decisions
             and not stats.setup.has_worker_init_fn):
         words = (f"a batch takes {work_s * 1e6:,.0f} us of work (fetch and collate), less than a worker adds "
                  "to each batch it hands over: try num_workers=0, which loads them in the main "
@@ -206,9 +214,15 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
                              "take turns with it")
         batches, _ = steady(stats)
         per_batch = stats.wait_s / batches if batches else 0.0
-        if per_batch < WORKER_BATCH_COST_S:
+        hand_over = hand_over_s(stats)
+        if per_batch < hand_over:
             return Diagnosis("the main process", f"{words}; a batch takes {per_batch * 1e6:.0f} us to "
-                             "load, less than a worker process adds to each batch it hands over: "
+                             f"load, less than a worker process adds to each batch it hands over"
+                             f"{_hand_over_words(stats, hand_over)}: keep num_workers=0")
+        if per_batch < WORKERS_PAY_OFF * hand_over:
+            return Diagnosis("the main process", f"{words}; a batch takes {per_batch * 1e6:.0f} us to "
+                             f"load, too little beside what a worker process adds to each batch it "
+                             f"hands over{_hand_over_words(stats, hand_over)} for workers to pay off: "
                              "keep num_workers=0")
         target = _workers_for(stats, 1)
         return Diagnosis("the main process", f"{words}; try num_workers={target}", {"num_workers": target})
@@ -242,13 +256,33 @@ def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
     work_s = _work_per_batch(stats)
     batches, _ = steady(stats)
     wait_s = stats.wait_s / batches if batches else 0.0
-    if work_s >= WORKER_BATCH_COST_S or 2 * work_s >= wait_s:
+    if work_s >= hand_over_s(stats) or 2 * work_s >= wait_s:
         return None
     return Diagnosis("handing over", f"the loop waits {stats.wait_fraction:.0%} of the time, "
                      f"{wait_s * 1e6:,.0f} us a batch, for batches that take {work_s * 1e6:,.0f} us "
                      "of work each (fetch and collate), less than a worker adds to each batch it "
                      "hands over: try num_workers=0, which loads them in the main process",
                      {"num_workers": 0})
+
+
+def hand_over_s(stats: LoaderStats) -> float:
+    """What a worker process adds to each batch it hands over, for batches of the size seen."""
+    return WORKER_BATCH_COST_S + _bytes_per_batch(stats) / (1 << 20) * HAND_OVER_S_PER_MIB
+
+
+def _hand_over_words(stats: LoaderStats, hand_over: float) -> str:
+    """``hand_over`` in words, where the batches' size adds to it."""
+    size = _bytes_per_batch(stats)
+    if size < (1 << 20) // 10:
+        return ""
+    return f" (about {hand_over * 1e6:,.0f} us for a batch of {size / (1 << 20):,.1f} MiB)"
+
+
+def _bytes_per_batch(stats: LoaderStats) -> float:
+    """Tensor bytes a batch held, in whichever process built it (0: not known)."""
+    built = [w for w in stats.workers if w.kind in ("", "main")]
+    tasks = sum(w.tasks for w in built)
+    return sum(w.bytes_out for w in built) / tasks if tasks else 0.0
 
 
 def _work_per_batch(stats: LoaderStats) -> float:
