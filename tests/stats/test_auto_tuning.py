@@ -15,7 +15,7 @@ import pipeload
 from pipeload.engine.lifecycle import ThreadWorkerHandle
 from pipeload.stats.clock import running_s
 from pipeload.stats.recorder import LoaderSetup, StatsRecorder
-from pipeload.stats.tuner import AutoTuner, Settings
+from pipeload.stats.tuner import COMPUTING, AutoTuner, Settings, _sched_between
 
 
 class RemoteReads(pipeload.Dataset):
@@ -234,3 +234,42 @@ def test_only_the_decision_the_tuner_stops_at_is_settled() -> None:
     fixed = AutoTuner(StatsRecorder(LoaderSetup("classic", "process", 2, 2, 8, False, 2)), 2, False,
                       False, Settings(2, 2), None)  # nothing to tune (economic mode, iterables)
     assert [d.settled for d in fixed._recorder.snapshot().decisions] == [True]
+
+
+def test_a_windows_cpu_time_counts_workers_that_left_or_came_in_it() -> None:
+    # A pool of one short epoch starts and stops inside a window: its workers' time read as
+    # gone, and computing workers read -1% on a CPU (a skeptic's probe at stop 53).
+    start = {("process", 1): (1.0, 0.5), ("process", 2): (2.0, 0.0)}
+    left = {("process", 1): (1.5, 0.5), ("process", 3): (0.25, 0.125)}  # 1 left; 3 came and left
+    end = {("process", 2): (2.5, 0.25), ("process", 4): (0.5, 0.0)}  # 2 stayed; 4 came
+    assert _sched_between(start, end, left) == (0.5 + 0.5 + 0.25 + 0.5, 0.25 + 0.125)
+    assert _sched_between(start, {}, {}) == (0.0, 0.0)  # gone unread: nothing, never below
+
+
+class Busy(pipeload.Dataset):
+    """Each item computes for ``cost_s`` (a busy loop: the workers must be on a CPU)."""
+
+    def __init__(self, count: int, cost_s: float = 0.0003) -> None:
+        self.count, self.cost_s = count, cost_s
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        until = time.perf_counter() + self.cost_s
+        while time.perf_counter() < until:
+            pass
+        return index
+
+
+@pytest.mark.timeout(90)
+def test_workers_started_each_epoch_are_seen_computing_by_the_tuner(leak_guard) -> None:
+    loader = pipeload.DataLoader(Busy(96), batch_size=8, num_workers="auto", multiprocessing_context="fork")
+    for _ in range(200):  # epochs of 12 batches: the tuner's first window takes about 30
+        if len(loader.stats().decisions) >= 2:
+            break
+        for _ in loader:
+            pass
+    reason = loader.stats().decisions[1].reason
+    share = int(reason.split("workers on or queued for a CPU ")[1].split("%")[0])
+    assert share >= 100 * COMPUTING, reason

@@ -49,10 +49,13 @@ class AutoEngine:
         batch = self._pool.next_batch()
         wanted = self._tuner.observe(self._pool.workers)
         if wanted is not None:
+            self._tuner.workers_leaving(self._pool.workers)  # those a smaller pool stops
             self._pool.resize(wanted.num_workers, wanted.prefetch_factor)
             if self._on_resize is not None:
                 self._on_resize(wanted)
         return batch
 
     def close(self) -> None:
+        if not self._pool.closed:
+            self._tuner.workers_leaving(self._pool.workers)  # an epoch's workers, stopping now
         self._pool.close()

@@ -127,20 +127,33 @@ def sched_s(workers: list[Any]) -> tuple[float, float]:
     """(seconds on a CPU, seconds ready and queued for one) of the workers' threads, summed.
     ``workers``: process handles (every thread of the process), or thread handles with a
     ``thread_id``. Workers that are gone count nothing."""
-    on_cpu = queued = 0
+    readings = sched_by_worker(workers).values()
+    return sum(ran for ran, _ in readings), sum(waited for _, waited in readings)
+
+
+def sched_by_worker(workers: list[Any]) -> dict[tuple[str, int], tuple[float, float]]:
+    """``sched_s`` of each worker apart, keyed ``("thread", id)`` or ``("process", pid)``;
+    workers that are gone are left out."""
+    readings = {}
     for handle in workers:
         thread_id = getattr(handle, "thread_id", None)
+        key = ("thread", thread_id) if thread_id is not None else ("process", handle.pid)
         paths = ([f"/proc/self/task/{thread_id}/schedstat"] if thread_id is not None else
                  [f"{task}/schedstat" for task in _tasks(handle.pid)])
+        on_cpu = queued = 0
+        found = False
         for path in paths:
             try:
                 with open(path, "rb") as file:
                     ran, waited, _ = file.read().split()
                 on_cpu += int(ran)
                 queued += int(waited)
+                found = True
             except (OSError, ValueError):
                 pass  # ended meanwhile, or no scheduler counters
-    return on_cpu / 1e9, queued / 1e9
+        if found:
+            readings[key] = (on_cpu / 1e9, queued / 1e9)
+    return readings
 
 
 def _tasks(pid: int | None) -> list[str]:

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.stats.clock import now, sched_s
+from pipeload.stats.clock import now, sched_by_worker
 from pipeload.stats.report import TuningDecision
 
 LOG = logging.getLogger("pipeload.auto")
@@ -109,8 +109,12 @@ class AutoTuner:
         self._max_workers = min(MAX_WORKERS, MAX_WORKERS_PER_CPU * cpus)
         self._since_change = 0
         self._settle = SETTLE_BATCHES + _in_flight(start)
-        # The window being measured, at its start: (at, batches, wait_s, workers' sched_s).
-        self._window: tuple[float, int, float, tuple[float, float]] | None = None
+        # The window being measured, at its start: (at, batches, wait_s, each worker's sched_s).
+        self._window: tuple[float, int, float, dict[Any, tuple[float, float]]] | None = None
+        # The last readings of workers that left since (a pool of one epoch stopped, workers
+        # stopped by a resize): without them, a window across an epoch of workers started anew
+        # read their time as gone, and computing workers read -1% on a CPU (stop 53's skeptic).
+        self._left: dict[Any, tuple[float, float]] = {}
         # (batches/s, waited, share on or queued for a CPU, share queued), per window
         self._measured: list[tuple[float, float, float, float]] = []
         self._crowded_step = False  # the last step added computing workers to a crowded machine
@@ -128,15 +132,17 @@ class AutoTuner:
         consumer = self._recorder.consumer
         at = now()
         if self._window is None:
-            self._window = (at, consumer.batches, consumer.wait_estimate(), sched_s(list(workers)))
+            self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)))
+            self._left = {}
             return None
         started, batches, wait_s, running = self._window
         elapsed = at - started
         if elapsed < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
-        window = self._window = (at, consumer.batches, consumer.wait_estimate(), sched_s(list(workers)))
+        window = self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)))
         per_worker_s = elapsed * max(1, len(workers))
-        on_cpu, queued = (window[3][i] - running[i] for i in range(2))
+        on_cpu, queued = _sched_between(running, window[3], self._left)
+        self._left = {}
         self._measured.append(((window[1] - batches) / elapsed,
                                min(1.0, max(0.0, window[2] - wait_s) / elapsed),
                                (on_cpu + queued) / per_worker_s, queued / per_worker_s))
@@ -145,6 +151,12 @@ class AutoTuner:
         rate, waited, share, queued_share = (statistics.median(m[i] for m in self._measured) for i in range(4))
         self._measured = []
         return self._step(rate, waited, share, queued_share)
+
+    def workers_leaving(self, workers: Sequence[Any]) -> None:
+        """``workers`` are about to stop (or may: a pool's workers as it closes): keep their
+        scheduler counters for the window being measured."""
+        if not self.done and self._window is not None:
+            self._left.update(sched_by_worker(list(workers)))
 
     def _step(self, rate: float, waited: float, share: float = 0.0, queued: float = 0.0) -> Settings | None:
         if waited < STOP_WAITING:
@@ -239,3 +251,21 @@ class AutoTuner:
     @staticmethod
     def _describe(settings: Settings) -> str:
         return f"num_workers={settings.num_workers}, prefetch_factor={settings.prefetch_factor}"
+
+
+def _sched_between(start: dict[Any, tuple[float, float]], end: dict[Any, tuple[float, float]],
+                   left: dict[Any, tuple[float, float]]) -> tuple[float, float]:
+    """Seconds on a CPU and queued for one between two readings of each worker: a worker that
+    left in between counts to its last reading (``left``; nothing where none was taken), one
+    started in between from its start (a pool of one short epoch can start and stop inside a
+    window)."""
+    on_cpu = queued = 0.0
+    for key, (ran, waited) in start.items():
+        ended = end.get(key) or left.get(key) or (ran, waited)
+        on_cpu += max(0.0, ended[0] - ran)
+        queued += max(0.0, ended[1] - waited)
+    for key, (ran, waited) in {**left, **end}.items():
+        if key not in start:
+            on_cpu += ran
+            queued += waited
+    return on_cpu, queued
