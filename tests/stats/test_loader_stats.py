@@ -942,3 +942,21 @@ def test_workers_of_an_epoch_left_early_are_seen_computing(leak_guard) -> None:
     assert sum(w.tasks for w in workers) >= 41
     running = sum(w.cpu_s + w.queued_s for w in workers) / sum(w.busy_s for w in workers)
     assert running > 0.85, loader.stats().summary()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_two_live_iterators_of_one_loader_count_every_batch_they_hand_out(engine: dict, leak_guard) -> None:
+    # Without persistent workers each iterator has its own (torch lets two run at once): the
+    # older one's batches after the newer one started went uncounted (12 of 20, stop 53).
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, **engine)
+    first = iter(loader)
+    received = [next(first), next(first)]
+    second = iter(loader)
+    for pair in zip(first, second):
+        received += pair
+    received += list(first) + list(second)
+    stats = loader.stats()
+    assert len(received) == 2 * ITEMS // BATCH == stats.batches and stats.epochs == 2
+    del first, second
+    assert loader.stats().batches == 2 * ITEMS // BATCH  # and once they are gone

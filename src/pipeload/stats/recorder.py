@@ -90,11 +90,12 @@ class EpochCount:
     stats off, ``next_timed`` never comes.
     """
 
-    __slots__ = ("handed", "next_timed")
+    __slots__ = ("handed", "next_timed", "ended")
 
     def __init__(self, next_timed: float = math.inf) -> None:
         self.handed = 0
         self.next_timed = next_timed
+        self.ended = False  # its epoch is over: it counts no more batches
 
 
 class _Consumer:
@@ -124,7 +125,11 @@ class _Consumer:
         self.first_batch_s = 0.0
         self.opening_wait_s = 0.0  # the first epoch's first wait
         self._count: EpochCount | None = None
-        self._earlier = 0  # batches of the epochs before the current one
+        self._earlier = 0  # batches of the epochs before the current one that have ended
+        # Earlier epochs whose iterators may still hand out batches: without persistent workers
+        # each iterator has its own, and torch lets two run at once (their batches went
+        # uncounted once the second had started: 12 of 20, a skeptic's probe at stop 53).
+        self._still_running: list[EpochCount] = []
         self._firsts = 0
         self._wait_s = 0.0  # over the timed steady batches
         self._waits = 0
@@ -147,7 +152,8 @@ class _Consumer:
     @property
     def batches(self) -> int:
         count = self._count
-        return self._earlier + (count.handed if count is not None else 0)
+        current = count.handed if count is not None else 0
+        return self._earlier + current + sum(other.handed for other in self._still_running)
 
     @property
     def count(self) -> EpochCount:
@@ -162,7 +168,12 @@ class _Consumer:
         # one epoch runs at a time (a persistent pool abandons the previous one).
         self._stop_wall_clock(started)
         self.epochs += 1
-        self._earlier = self.batches
+        last = self._count
+        if last is not None and last.ended:
+            self._earlier += last.handed
+        elif last is not None:  # its iterator may go on: its batches count, none is timed
+            last.next_timed = math.inf
+            self._still_running.append(last)
         self._count = EpochCount(0)  # the epoch's first batch is timed
         self._second = False
         self._epoch_started_at = self._running_since = started
@@ -171,8 +182,14 @@ class _Consumer:
     def epoch_ended(self, count: EpochCount) -> None:
         """The epoch counted in ``count`` is over (its last call, ``close()``, or its iterator
         dropped: a ``break``); a later call for it (its iterator's finalizer) does nothing."""
+        if count.ended:
+            return
+        count.ended = True
         if count is self._count:
             self._stop_wall_clock(now())
+        elif count in self._still_running:  # (by identity: EpochCount has no __eq__)
+            self._still_running.remove(count)
+            self._earlier += count.handed
 
     def _stop_wall_clock(self, at: float) -> None:
         if self._running_since is not None:
