@@ -680,3 +680,12 @@ def test_number_arguments_of_the_wrong_type_are_refused_in_torchs_words_first(kw
     with pytest.raises(TypeError) as mine:
         pipeload.DataLoader(numbers(pipeload), batch_size=2, multiprocessing_context="fork", **kwargs)
     assert str(mine.value).startswith(str(theirs.value).splitlines()[0]), (str(mine.value), str(theirs.value))
+
+
+@pytest.mark.parametrize("timeout", [None, "1"], ids=["None", "str"])
+def test_a_timeout_that_is_no_number_is_refused_in_torchs_words_first(timeout: Any) -> None:
+    with pytest.raises(TypeError) as theirs:
+        torch.utils.data.DataLoader(list(range(4)), timeout=timeout)
+    with pytest.raises(TypeError) as mine:
+        pipeload.DataLoader(list(range(4)), timeout=timeout)
+    assert str(mine.value).startswith(str(theirs.value)) and "timeout=" in str(mine.value)

@@ -59,7 +59,7 @@ from pipeload.engine.plan import EconomicSetup, EpochStart
 from pipeload.engine.pool import picklable_parts
 from pipeload.engine.reorder import BatchLedger
 from pipeload.engine.workers import SlabSettings, WorkerGroup, WorkerLabel
-from pipeload.errors import LoaderTimeoutError
+from pipeload.errors import LoaderTimeoutError, RemoteFailure
 from pipeload.transport.channel import ProcessChannels, ThreadChannels
 from pipeload.transport.codec import INLINE_MAX_BYTES
 from pipeload.transport.item_links import ItemLinks, ThreadItemOutbox
@@ -442,11 +442,27 @@ class EconomicEngine:
                 task = self._supply.take()
                 if self._supply.done:
                     break
-                indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
+                try:
+                    indices = list(task) if self._config.setup.worker.fetch.auto_collation else [task]
+                except TypeError:  # a batch sampler's batch that is no indices (an int, None)
+                    self._fail_in_turn(task)
+                    continue
                 self._unopened = (self._ledger.choose_worker(), indices)
             self._open_batch(*self._unopened)
             self._unopened = None
         self._send_pieces()
+
+    def _fail_in_turn(self, task: Any) -> None:
+        """A batch that cannot be cut into items (``task``: what the batch sampler gave, with the
+        TypeError being handled) fails when its turn comes, and the epoch goes on: as torch's
+        worker fails at such a batch, where ending the epoch here lost the batches around it."""
+        failure = RemoteFailure.capture(0, "cutting the batch sampler's batch into items", task,
+                                        where="in the main process")
+        number = self._ledger.next_to_send
+        worker = self._ledger.choose_worker()
+        self._ledger.record_sent(worker, 0)
+        self._build_clock.opened(number, time.monotonic())
+        self._record(WorkerReport(Report.FAILED, worker, number, failure))
 
     def _expected_batch_bytes(self) -> int:
         """A batch's bytes in its slab, from the items' size and the last batch's length, before

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -145,7 +146,7 @@ class MapFetcher:
         if not spec.auto_collation:
             clock.untimed_samples += 1  # type: ignore[union-attr]
             return spec.collate_fn(spec.dataset[index])
-        clock.untimed_samples += len(index)  # type: ignore[union-attr]
+        clock.untimed_samples += operator.length_hint(index, 0)  # type: ignore[union-attr]
         return spec.collate_fn(self.samples(index))
 
     def _timed(self, clock: StageClock, index: Any, number: int) -> Any:
@@ -183,7 +184,9 @@ class MapFetcher:
         if self._getitems is not None:
             return self._getitems(indices)
         dataset = self._spec.dataset
-        rows = rows_for(len(indices)) if self._places_rows and collates_as_shipped() else None
+        # (An iterator of indices, which torch takes too, has no length to lay rows out by.)
+        placing = self._places_rows and hasattr(indices, "__len__") and collates_as_shipped()
+        rows = rows_for(len(indices)) if placing else None
         if rows is None:
             return [dataset[i] for i in indices]
         samples: list[Any] = []
@@ -364,7 +367,7 @@ def _meant(index: Any, auto_collation: bool) -> int:
     """The samples a task was to hold: a batch that failed counts them, as an untimed batch
     counts its sampler's size whatever happens to it (counted as none, failed batches took the
     stats' samples a batch, and samples/s, below what the loop received)."""
-    return len(index) if auto_collation and hasattr(index, "__len__") else 1
+    return operator.length_hint(index, 0) if auto_collation else 1
 
 
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 import time
 import weakref
@@ -470,7 +471,7 @@ class PoolEngine:
         self._workers.send(worker_id, command)
         self._unsent = None
         if self._samples_counted:
-            self._ledger.record_sent(worker_id, 1 if self._one_sample_a_task else len(command.indices))
+            self._ledger.record_sent(worker_id, 1 if self._one_sample_a_task else samples_in(command.indices))
         else:
             self._ledger.record_sent(worker_id)
 
@@ -490,3 +491,10 @@ class PoolEngine:
         granted = slabs.grant(worker_id, number) if slabs is not None and grant else None
         self._unsent = (worker_id, WorkerCommand(Command.FETCH, number, indices, grant=granted))
         return True
+
+
+def samples_in(indices: Any) -> int:
+    """The samples a batch sampler's batch names, for the stats: its length, or its length hint
+    (torch takes any iterable of indices, an iterator too; a batch that is none, an int, fails
+    in its worker at its turn, as torch's does, and counts none here)."""
+    return operator.length_hint(indices, 0)

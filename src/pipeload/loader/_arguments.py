@@ -201,7 +201,9 @@ def resolve_timeout(timeout: Any) -> float:
     """timeout as a plain int or float (an int stays one: torch prints "after 1 seconds")."""
     seconds = plain_number(timeout)
     if seconds is None:
-        raise TypeError(f"timeout should be a number of seconds, but got timeout={timeout!r}")
+        # torch's own words are its comparison's, `timeout < 0`, failing
+        raise TypeError(f"'<' not supported between instances of '{type(timeout).__name__}' and 'int' "
+                        f"(pipeload: timeout should be a number of seconds, but got timeout={timeout!r})")
     if seconds < 0 or math.isnan(seconds):
         raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
     return seconds
