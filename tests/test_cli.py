@@ -113,7 +113,7 @@ def test_the_command_exits_non_zero_with_one_line(tmp_path: Path) -> None:
     (["bench", "--loaders", "classic,"], 2, "empty loader name in 'classic,'"),
     (["bench", "--loaders", "classic,threads,classic"], 2, "loader 'classic' named twice"),
     (["bench", "--chart", "."], 2, "--chart . is a directory"),
-    (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png"),
+    (["bench", "--chart", "factories.py/chart.png"], 2, "cannot write the chart to factories.py/chart.png: factories.py is a file, not a directory"),
     (["bench", "--size", "32", "--batch-size", "32", "--workers", "2"], 2, "makes 1 batch(es) per pass, fewer than the 2 workers"),
     (["profile", "factories:slow_dataset", "--num-workers", "many"], 2, "expected an integer >= 0 or 'auto', got 'many'"),
     (["profile", "factories:slow_dataset", "--step-ms", "-5"], 2, "expected a number of milliseconds >= 0, got '-5'"),

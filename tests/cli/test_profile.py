@@ -86,3 +86,7 @@ def test_flags_for_a_dataset_given_for_a_dataloader_are_said_to_be_left_aside(ca
     assert loader.num_workers == 0 and loader.batch_size == 4
     assert ("--num-workers set a dataset's loader; m:f returned a DataLoader, profiled with its own "
             "settings (num_workers=0)") in capsys.readouterr().err
+    # torch's loader has no mode: it loads as classic mode does, which the setup line says too
+    as_loader(torch_data.DataLoader(DATASET, batch_size=4),
+              ProfileOptions(target="m:f", mode="economic", given=("mode",)))
+    assert "profiled with its own settings (mode='classic')" in capsys.readouterr().err

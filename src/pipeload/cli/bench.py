@@ -346,6 +346,9 @@ def _check_chart_path(path: Path) -> None:
     # Refused before the runs, not after minutes of them.
     if path.is_dir():
         raise CommandError(f"--chart {path} is a directory; give a file name such as {path / 'bench.png'}")
+    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:  # mkdir says "File exists" of it
+        raise CommandError(f"cannot write the chart to {path}: {blocking} is a file, not a directory")
     existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

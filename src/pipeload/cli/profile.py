@@ -168,7 +168,9 @@ def as_loader(made: Any, options: ProfileOptions) -> pipeload.DataLoader:
 def _say_flags_left_aside(loader: torch_data.DataLoader, options: ProfileOptions) -> None:
     """The dataset's flags given for a DataLoader, which keeps its own settings: said, on stderr."""
     flags = ", ".join("--" + name.replace("_", "-") for name in options.given)
-    own = ", ".join(f"{name}={getattr(loader, name, None)!r}" for name in options.given)
+    # A torch DataLoader has no mode or worker_type: it loads as classic mode with processes.
+    defaults = {"mode": "classic", "worker_type": "process"}
+    own = ", ".join(f"{name}={getattr(loader, name, defaults.get(name))!r}" for name in options.given)
     print(f"pipeload profile: {flags} set a dataset's loader; {options.target} returned a DataLoader, "
           f"profiled with its own settings ({own})", file=sys.stderr)
 
