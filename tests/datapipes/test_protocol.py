@@ -182,3 +182,36 @@ def test_greedy_join_over_ready_inputs_takes_turns_and_outlasts_the_shortest() -
     pipe = IterableWrapper([1, 2, 3]).greedy_join(IterableWrapper("ab"), IterableWrapper([]))
     assert list(pipe) == [1, "a", 2, "b", 3]
     assert len(pipe) == 5
+
+
+class _YieldsAfterItsEnd:
+    """An iterator with a bug: after its StopIteration, it yields again."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        self.calls += 1
+        if self.calls == 3:
+            raise StopIteration
+        return self.calls
+
+
+@pytest.mark.parametrize("build", [
+    lambda source: iter(IterableWrapper(source, deepcopy=False)),
+    lambda source: iter(IterableWrapper(source, deepcopy=False).map(add_one).batch(1)),
+    lambda source: iter(IterableWrapper(source, deepcopy=False).filter(is_even).enumerate()),
+    lambda source: as_nonblocking(source),
+], ids=["wrapper", "map-batch", "filter-enumerate", "adapter"])
+def test_a_run_that_ended_stays_ended_as_torchs_generators_do(build) -> None:
+    # Past its end, the source yielded again and the pipes passed it on; torch's pipes are
+    # generators, which end for good.
+    run = build(_YieldsAfterItsEnd())
+    ahead = list(run)
+    for _ in range(3):
+        with pytest.raises(StopIteration):
+            next(run)
+    assert len(ahead) <= 2

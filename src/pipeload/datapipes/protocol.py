@@ -310,6 +310,9 @@ def wait_until_ready(
             notifier.unsubscribe(ready)
 
 
+_ENDED: Iterator[Any] = iter(())  # what an ended source reads from: StopIteration, always
+
+
 class BlockingAdapter(PipeIterator[T_co]):
     """A synchronous iterator seen through the protocol: it is always 'ready' (it blocks)."""
 
@@ -317,7 +320,13 @@ class BlockingAdapter(PipeIterator[T_co]):
         self._iterator = iterator
 
     def nonblocking_next(self) -> T_co:
-        return next(self._iterator)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            # Ended for good, as a generator is (torch's pipes are generators): an iterator that
+            # yields again after its end is not read past it.
+            self._iterator = _ENDED
+            raise
 
     __next__ = nonblocking_next
 

@@ -58,7 +58,13 @@ class _WrapperIterator(PipeIterator[Any]):
     def nonblocking_next(self) -> Any:
         if self._items is None:
             self._items = iter(self._source_data())
-        item = next(self._items)
+        try:
+            item = next(self._items)
+        except StopIteration:
+            # Ended for good, as torch's generator-based wrapper is: an iterable that yields
+            # again after its end is not read past it.
+            self._items = iter(())
+            raise
         self._position += 1
         return item
 
