@@ -123,17 +123,13 @@ def names_digest(data: Any) -> str:
     """A digest of the last part of each path or URL in ``data``, in order; "" when ``data`` is
     not all paths (or is not a list or tuple). Names, not whole paths, so that a dataset moved
     to another directory or bucket still resumes, as a shard's own check allows."""
-    if not isinstance(data, (list, tuple)) or not data:
+    if not isinstance(data, (list, tuple)) or not isinstance(data[0] if data else None, (str, os.PathLike)):
+        return ""  # (a list of numbers or samples is told apart at its first item)
+    paths = [os.fspath(item) if isinstance(item, os.PathLike) else item for item in data]
+    if not all(isinstance(path, str) for path in paths):
         return ""
-    digest = hashlib.blake2b(digest_size=12)
-    for item in data:
-        if isinstance(item, os.PathLike):
-            item = os.fspath(item)
-        if not isinstance(item, str):
-            return ""
-        digest.update(item.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].encode("utf-8", "surrogatepass"))
-        digest.update(b"\0")
-    return "blake2b:" + digest.hexdigest()
+    names = "\0".join(path.replace("\\", "/").rstrip("/").rpartition("/")[2] for path in paths)
+    return "blake2b:" + hashlib.blake2b(names.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
 class SequenceWrapper(MapDataPipe[T]):
