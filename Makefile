@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
 BENCH_EXTRA := tqdm, Pillow, psutil, matplotlib
-TEST_EXTRA := pytest, pytest-timeout, Lightning, accelerate, fsspec, aiohttp, s3fs, moto[server], zstandard
+TEST_EXTRA := pytest, pytest-timeout, Lightning, accelerate, fsspec, aiohttp, s3fs, moto[server], zstandard, Ray
 
 .PHONY: demo test test-all bench clean
 

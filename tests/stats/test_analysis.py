@@ -62,7 +62,7 @@ def test_too_few_batches_or_seconds_give_no_verdict_and_say_how_many_more() -> N
     assert "7 batches after each epoch's first, in 0.4 s" in _verdict(few)
     assert "about 43 more batches" in _verdict(few)  # 50 needed; 2 s at 17.5 batches/s is 35 more
     slow = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.0)
-    assert "about 499 more batches" in _verdict(slow)  # 1 s more at 499 batches/s
+    assert "about 499 more batches, or 1.0 s more of them" in _verdict(slow)  # 1 s more at 499 batches/s
     nearly = _stats("classic", _busy(2, 0.84, 0.0), 0.9, batches=500, steady_s=1.999)
     assert _verdict(nearly).endswith("about 1 more batch"), _verdict(nearly)  # 1 ms at 499 batches/s
 

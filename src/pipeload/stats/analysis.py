@@ -192,9 +192,13 @@ def evidence_shortfall(stats: LoaderStats, factor: float = 1.0) -> str | None:
                 f"of two or more batches, {need_batches} of them after the epochs' first and {need_s:.0f} s")
     rate = batches / seconds if batches and seconds > 0 else 0.0
     more = max(need_batches - batches, math.ceil((need_s - seconds) * rate) if rate else 0)
-    return (f"too little to judge yet: {batches} batches after each epoch's first, in {seconds:.1f} s; "
+    # Where the seconds are short, the batches follow from this run's rate: said with the
+    # seconds (epochs of a few batches, each a burst of batches already waiting, read "about
+    # 5,420 more batches" at a rate no longer run would keep).
+    time_short = f", or {need_s - seconds:.1f} s more of them" if need_s - seconds >= 0.1 else ""
+    return (f"too little to judge yet: {batches:,} batches after each epoch's first, in {seconds:.1f} s; "
             f"a verdict needs {need_batches} batches and {need_s:.0f} s of them: about {more:,} more "
-            f"{'batch' if more == 1 else 'batches'}")
+            f"{'batch' if more == 1 else 'batches'}{time_short}")
 
 
 def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:

@@ -19,8 +19,8 @@ def summarise(stats: LoaderStats) -> str:
         f"{_first_batch_words(stats)}",
         _setup_line(stats),
         f"the training loop waited {stats.wait_fraction:.0%} of the time after each epoch's first "
-        f"batch ({stats.wait_s:.2f} s of {stats.wait_s + stats.compute_s:.2f} s), and "
-        f"{stats.first_wait_s:.2f} s for the first batches and {stats.end_wait_s:.2f} s at the ends",
+        f"batch ({seconds(stats.wait_s)} of {seconds(stats.wait_s + stats.compute_s)}), and "
+        f"{seconds(stats.first_wait_s)} for the first batches and {seconds(stats.end_wait_s)} at the ends",
         _stage_line(stats),
     ]
     if stats.ray is not None:
@@ -37,6 +37,11 @@ def summarise(stats: LoaderStats) -> str:
                      f"prefetch_factor={decision.prefetch_factor} ({decision.reason})")
     lines.append(f"verdict: {diagnose(stats).advice}")
     return "\n".join(lines)
+
+
+def seconds(value: float) -> str:
+    """``1.23 s``, or ``4.5 ms`` under a tenth of a second (``0.00 s of 0.00 s`` said nothing)."""
+    return f"{value:.2f} s" if value >= 0.1 or value == 0 else f"{value * 1e3:.1f} ms"
 
 
 def _setup_line(stats: LoaderStats) -> str:
