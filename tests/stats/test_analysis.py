@@ -350,7 +350,7 @@ def test_workers_running_outside_their_stages_are_not_idle() -> None:
     # The README's ten lines: the stages read 26% to 40% busy for workers that were on a CPU or
     # queued for one 60% to 70% of their life (per-task work outside the timed stages), and the
     # verdict flipped between "the main process" and "no single bottleneck".
-    stats = _stats("classic", _busy(2, 0.3, 0.55, queued=0.1), 0.98)
+    stats = _stats("classic", _busy(2, 0.4, 0.65), 0.98)
     assert analysis.occupancy(stats.workers[0]) == pytest.approx(0.65)
     assert analysis.diagnose(stats).bottleneck == "no single bottleneck"
     assert "occupied 65%" in _verdict(stats)
@@ -392,11 +392,29 @@ def test_large_batches_the_main_process_loads_in_less_than_their_hand_over_stay_
     large = inline(20_000, 3 * mib // 2)  # 180 us a batch
     assert large.suggested_settings() == {}
     assert _verdict(large).endswith("less than a worker process adds to each batch it hands over "
-                                    "(about 400 us for a batch of 1.5 MiB): keep num_workers=0"), _verdict(large)
+                                    "(about 412 us for a batch of 1.5 MiB): keep num_workers=0"), _verdict(large)
     between = inline(7_000, 3 * mib // 2)  # 514 us: above one hand-over, short of paying off
     assert between.suggested_settings() == {} and "for workers to pay off" in _verdict(between)
-    assert inline(20_000, 16 * 1024).suggested_settings() == {"num_workers": 2}  # small: 180 us pays
+    assert inline(20_000, 16 * 1024).suggested_settings() == {}  # small, 180 us: still too little
+    assert inline(3_000, 16 * 1024).suggested_settings() == {"num_workers": 2}  # 1.2 ms pays
     assert inline(BATCHES, 3 * mib // 2).suggested_settings() == {"num_workers": 2}  # 18 ms a batch
+
+
+def test_workers_whose_batches_take_less_than_their_measured_hand_over_are_sent_back_to_none() -> None:
+    # A stream of 8 us samples: 2 persistent workers at 575 us a batch, 255 us of work each, and
+    # 600 us of each worker's time writing each batch over, read "keep these settings" where
+    # num_workers=0 loaded 2.2x as fast (a newcomer's probe at stop 53).
+    tasks = 2000
+    def worker(worker_id: int) -> WorkerStats:
+        return WorkerStats("", worker_id, tasks=tasks, samples=16 * tasks, fetch_s=tasks * 200e-6,
+                           collate_s=tasks * 55e-6, transfer_s=tasks * 600e-6, bytes_out=tasks * 2048,
+                           alive_s=2.4, cpu_s=2.2)
+    waits = _stats("classic", (worker(0), worker(1)), 0.95, batches=2 * tasks, steady_s=2 * tasks * 575e-6 / 0.95)
+    assert analysis._work_per_batch(waits) < analysis.hand_over_s(waits)  # ~255 us against ~300
+    assert waits.suggested_settings() == {"num_workers": 0}, _verdict(waits)
+    assert "try num_workers=0" in _verdict(waits)
+    fed = _stats("classic", (worker(0), worker(1)), 0.95, batches=2 * tasks, steady_s=2 * tasks * 300e-6 / 0.95)
+    assert fed.suggested_settings() != {"num_workers": 0}, _verdict(fed)  # waits under twice the work
 
 
 # -- workers started anew each epoch ----------------------------------------------------------
@@ -547,5 +565,5 @@ def test_workers_whose_batches_are_lighter_than_a_hand_over_are_told_to_load_in_
     light = tiny(0.35)  # (0.02 + 1.4) s of work in each of 2 workers, over 100,000 batches: 28 us
     assert light.suggested_settings() == {"num_workers": 0}, _verdict(light)
     assert "for batches that take 28 us of work each" in _verdict(light), _verdict(light)
-    heavy = tiny(0.7)  # 56 us of work: more than half the wait, which loading inline would not halve
+    heavy = tiny(0.9)  # 72 us of work: more than 1/1.5 of the wait, which loading inline would not gain
     assert heavy.suggested_settings() != {"num_workers": 0}, _verdict(heavy)

@@ -73,17 +73,20 @@ STAGES = ("fetch", "collate", "transfer")  # the loading stages, in the workers 
 GIL_BAND = 0.3
 GIL_MIN_CPUS = 3
 CROWDED = 0.25  # queued for a CPU this share of their life: crowded out, not the GIL
-# What a worker process adds to each batch it hands over (its task, its answer, the hand-over
-# in the main process): a batch the main process loads in less stays there. Tiny items on the
-# 2-core box: inline 59,601 batches/s, 2 process workers 3,696 (`pipeload profile` at stop 37).
-WORKER_BATCH_COST_S = 100e-6
-# And what it adds for each MiB of the batch (writing it into shared memory, the main process's
-# side of a slab). Cheap items in batches of 1.5 MiB, 2 persistent workers against
-# num_workers=0 on the 2-core box (stop 53): 0.63x at 140 us of loading a batch, 1.13x at 466
-# us, 1.52x at 1,159 us; 6 MiB at 328 us: 0.64x. "try num_workers=2" on a batch of 1.5 MiB that
-# loaded in 200 us made the loader 1.7x slower (a skeptic's probe at stop 53).
-HAND_OVER_S_PER_MIB = 200e-6
-# Workers are suggested for batches that take this many hand-overs to load: at one they break even.
+# What a worker process adds to each batch it hands over, in CPU time (its task, its answer, the
+# hand-over in the main process), and what it adds for each MiB of the batch (writing it into
+# shared memory, the main process's side of a slab). On a machine whose CPUs the workers fill,
+# the main process's share is taken from them: 2 workers load faster than none only for batches
+# that take longer than this to load. Cheap items, 2 persistent workers against num_workers=0 on
+# the 2-core box (stop 53, `python -m bench.hand_over`), read as 2 CPUs over (load + hand-over):
+# 320 us a batch of 0.09 MiB and 0.38 MiB, 337 us at 1.5 MiB, 739 us at 6 MiB. (Stop 37: tiny
+# items inline at 59,601 batches/s, 3,696 with 2 workers.) 100 us, the figure before, told a
+# stream of 8 us samples (255 us a batch) and 1.5 MiB batches of 160 us to "try num_workers=2":
+# 2.2x and 1.7x slower when followed (a newcomer's and a skeptic's probes at stop 53).
+WORKER_BATCH_COST_S = 300e-6
+HAND_OVER_S_PER_MIB = 75e-6
+# Workers are suggested for batches that take this many hand-overs to load: 2 workers then load
+# about 1.2 times as fast as none on 2 CPUs; at one they only break even.
 WORKERS_PAY_OFF = 1.5
 # What "occupied" and "idle" mean in a verdict (see occupancy()): more than the stats line's
 # "busy", which counts the stages alone; said where they appear, as the two figures differ.
@@ -250,23 +253,36 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
 
 
 def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
-    """Classic workers whose batches take less work than a worker adds to each (its task, its
-    answer, the hand-over) while the loop waits: the main process would load them faster
-    itself. Tiny items, 2 process workers on the 2-core box: 19,000 to 24,000 samples/s,
-    num_workers=0 184,000 to 192,000; the workers' stages alone did not stand out ("keep these
-    settings"). None where that is not so, or ``"auto"`` chooses the count."""
+    """Classic workers whose batches take one process less time to load than the loop now waits
+    for each (``WORKERS_PAY_OFF`` times less): handing them over costs more than the workers
+    gain, and the main process would load them faster itself. Tiny items, 2 process workers on
+    the 2-core box: 19,000 to 24,000 samples/s, num_workers=0 184,000 to 192,000; a stream of 8
+    us samples, 1,740 batches/s with 2 workers against 3,920 with none (stop 53), where the
+    workers' stages alone did not stand out ("keep these settings"). The work is the workers'
+    fetch and collate less the share of it they spent queued for a CPU (on 2 CPUs they queue
+    behind each other and the main process: the stream's 240 us batches read 553 us). None
+    where that is not so, or ``"auto"`` chooses the count."""
     if stats.setup.mode != "classic" or stats.decisions or not stats.batches:
         return None
-    work_s = _work_per_batch(stats)
+    work_s = _cpu_work_per_batch(stats)
     batches, _ = steady(stats)
     wait_s = stats.wait_s / batches if batches else 0.0
-    if work_s >= hand_over_s(stats) or 2 * work_s >= wait_s:
+    if work_s <= 0 or WORKERS_PAY_OFF * work_s >= wait_s:
         return None
     return Diagnosis("handing over", f"the loop waits {stats.wait_fraction:.0%} of the time, "
                      f"{wait_s * 1e6:,.0f} us a batch, for batches that take {work_s * 1e6:,.0f} us "
-                     "of work each (fetch and collate), less than a worker adds to each batch it "
-                     "hands over: try num_workers=0, which loads them in the main process",
+                     "of work each (fetch and collate, on a CPU): handing them over costs more than "
+                     "the workers gain: try num_workers=0, which loads them in the main process",
                      {"num_workers": 0})
+
+
+def _cpu_work_per_batch(stats: LoaderStats) -> float:
+    """``_work_per_batch`` less the share of the workers' busy time they were queued for a CPU:
+    what one process with a CPU of its own would spend."""
+    workers = [w for w in stats.workers if w.kind in ("", "main")]
+    busy = sum(w.busy_s for w in workers)
+    queued = min(1.0, sum(w.queued_s for w in workers) / busy) if busy > 0 else 0.0
+    return _work_per_batch(stats) * (1.0 - queued)
 
 
 def hand_over_s(stats: LoaderStats) -> float:
