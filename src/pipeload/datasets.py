@@ -324,6 +324,10 @@ class Subset(Dataset[T_co], torch_data.Subset):
             return [self[idx] for idx in indices]
         return _fetch_many(self.dataset, [self.indices[idx] for idx in indices])
 
+    # It fetches as its dataset does: economic mode looks through it (engine/fetch.py,
+    # fetches_items_one_by_one).
+    __getitems__.passes_indices_on = True  # type: ignore[attr-defined]
+
     def __len__(self) -> int:
         return len(self.indices)
 

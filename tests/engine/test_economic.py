@@ -41,7 +41,7 @@ from faults import (
     worker_pids,
 )
 
-from pipeload import BatchSampler, DataLoader, SequentialSampler, default_collate, get_worker_info
+from pipeload import BatchSampler, DataLoader, SequentialSampler, default_collate, get_worker_info, random_split
 from pipeload.engine.budget import POOL_TOLERATED_WAIT
 from pipeload.engine.economic import EconomicConfig, EconomicEngine
 from pipeload.engine.plan import DatasetKind, EconomicSetup, FetchSpec, WorkerSetup
@@ -511,6 +511,19 @@ def test_the_same_seed_gives_the_same_batches_whatever_the_timing_and_worker_cou
     assert _epochs(ECONOMIC, seed=5, in_order=False) == reference
     assert _epochs(ECONOMIC_THREAD, seed=5) == reference  # threads draw from their own generators
     assert _epochs(ECONOMIC, seed=6) != reference
+
+
+def test_a_random_split_subset_gives_the_same_batches_whatever_the_worker_count():
+    # A Subset's __getitems__ only passes its indices on: cut into one call (one seed) per item
+    # worker, its values changed with num_workers (a newcomer's probe at stop 53).
+    def epochs(**kwargs: Any) -> list[list[tuple]]:
+        loader = DataLoader(random_split(_Draws(32, unit_s=0.0), [24, 8],
+                                         generator=torch.Generator().manual_seed(0))[0],
+                            batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3),
+                            collate_fn=_collate_with_a_draw, **kwargs, **loader_kwargs(ECONOMIC))
+        return [sorted((tuple(b.flatten().tolist()), noise) for b, noise in loader)]
+    reference = epochs(num_workers=1)
+    assert epochs(num_workers=2) == reference and epochs(num_workers=3) == reference
 
 
 @pytest.mark.parametrize("engine", BOTH)

@@ -45,6 +45,7 @@ from pipeload.engine.economic_workers import (
     run_item_thread,
 )
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
+from pipeload.engine.fetch import fetches_items_one_by_one
 from pipeload.engine.item_scheduler import (
     PIECES_IN_HAND,
     ItemPace,
@@ -208,7 +209,7 @@ class EconomicEngine:
         setup = config.setup
         self._num_item_workers = setup.worker.num_workers
         fetch = setup.worker.fetch
-        self._sub_batches = fetch.auto_collation and bool(getattr(fetch.dataset, "__getitems__", None))
+        self._sub_batches = fetch.auto_collation and not fetches_items_one_by_one(fetch.dataset)
         # Item workers write items straight into their batch's slab once their size is known:
         # only for default_collate, whose stack of them is then a view (see ItemPlacement).
         self._places_items = (config.worker_type == "process" and fetch.auto_collation

@@ -27,6 +27,7 @@ import torch.autograd.profiler as _torch_profiler
 from pipeload.collate import collates_as_shipped, default_collate
 from pipeload.engine import replica
 from pipeload.engine.direct_batches import collate_field
+from pipeload.engine.fetch import fetches_items_one_by_one
 from pipeload.engine.item_seeds import ItemSeeds
 from pipeload.engine.lifecycle import release_free_heap
 from pipeload.engine.plan import EconomicSetup, WorkerSetup
@@ -95,6 +96,9 @@ class ItemWorkerLoop(WorkerLoop):
                  share_clock: Callable[[Any], None] | None = None) -> None:
         super().__init__(setup, worker_id, inbox, outbox, should_stop, share_clock)
         self._deliveries = deliveries
+        # One __getitems__ call a piece (one seed), or item by item (a Subset's passes its
+        # indices on: looked through, as the main process cuts the pieces).
+        self._sub_batches = setup.fetch.auto_collation and not fetches_items_one_by_one(setup.fetch.dataset)
         # Items are handed over in groups of about ``group_bytes(placed)`` bytes (an outbox that
         # does not say takes each item alone; see item_links.PLACED_GROUP_BYTES).
         self._group_bytes = getattr(deliveries, "group_bytes", lambda placed: 0)
@@ -277,7 +281,7 @@ class ItemWorkerLoop(WorkerLoop):
         if self._init_failure is not None:
             yield _failed(piece, self._init_failure)
             return
-        if self._fetcher.has_getitems and self._setup.fetch.auto_collation:
+        if self._sub_batches:
             self._reseed(command.epoch, route.position)  # one call, one seed: its first item's
             fetched = self._fetched(indices, lambda: self._sub_batch(indices), timing)
             yield (_failed(piece, fetched) if isinstance(fetched, RemoteFailure)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch.autograd.profiler as _torch_profiler
+import torch.utils.data as torch_data
 
 from pipeload._optional import optional_attribute
 from pipeload._rng_state import global_rngs_kept
@@ -199,6 +200,21 @@ class MapFetcher:
     @property
     def has_getitems(self) -> bool:
         return self._getitems is not None
+
+
+def fetches_items_one_by_one(dataset: Any) -> bool:
+    """Whether ``dataset`` has no ``__getitems__`` that fetches a batch in one go: none at all,
+    or a ``Subset``'s (``random_split``'s), which passes the indices on to a dataset that has
+    none of its own. Economic mode then cuts and seeds such batches item by item, the same
+    values whatever ``num_workers`` is; a ``__getitems__`` call is one call and one seed, which
+    made a ``random_split`` subset's values change with the number of item workers (a
+    newcomer's probe at stop 53)."""
+    while isinstance(dataset, torch_data.Subset):
+        method = type(dataset).__getitems__
+        if method is not torch_data.Subset.__getitems__ and not getattr(method, "passes_indices_on", False):
+            return False  # a subclass's own
+        dataset = dataset.dataset
+    return not getattr(dataset, "__getitems__", None)
 
 
 class IterableFetcher:
