@@ -31,7 +31,8 @@ from pipeload.collate import default_collate, default_convert
 from pipeload.datasets import Dataset, _is_iterable_dataset
 from pipeload.distributed import current_placement, replication_warning
 from pipeload.engine import replica
-from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_held, ctrl_c_kept, wait_for_reaped
+from pipeload._interrupts import ctrl_c_held, ctrl_c_kept
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
 from pipeload.engine.plan import DatasetKind
 from pipeload.errors import check_generator
 from pipeload.samplers import BatchSampler, EpochLengths, Sampler, StatefulSampler

@@ -16,7 +16,8 @@ from typing import Any
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
 from pipeload.engine.equal_batches import EqualBatches
-from pipeload.engine.lifecycle import REAPED_WITHIN_S, ctrl_c_kept, wait_for_reaped
+from pipeload._interrupts import ctrl_c_kept
+from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
 from pipeload.engine.pin_stage import InlinePinning, ThreadedPinning
 from pipeload.engine.plan import DatasetKind
 from pipeload.samplers import exact_length

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from pipeload._interrupts import ctrl_c_held
 from pipeload._user_frame import warn_user
 
 DEV_SHM = "/dev/shm"
@@ -137,18 +138,24 @@ BUFFER_PREFIX = "pipeload-"  # the name of every buffer made here, whatever its 
 
 
 def _create_in(backing: Backing, nbytes: int, allocate: bool) -> int:
-    if backing is Backing.MEMFD:
-        fd = os.memfd_create(BUFFER_PREFIX + "batch", os.MFD_CLOEXEC)
-    else:
-        directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix=BUFFER_PREFIX, dir=directory)
-        os.unlink(path)  # nameless from here on: nothing to leak
+    fd = -1
     try:
-        os.ftruncate(fd, nbytes)
-        if allocate and nbytes > 0:
-            os.posix_fallocate(fd, 0, nbytes)
+        # Ctrl-C held until the descriptor is made and sized: raised just after memfd_create
+        # returned, it left a descriptor nobody would close, one per Ctrl-C (stop 53's
+        # lifecycle skeptic); held, it is raised at the end of the block, and closes it below.
+        with ctrl_c_held():
+            if backing is Backing.MEMFD:
+                fd = os.memfd_create(BUFFER_PREFIX + "batch", os.MFD_CLOEXEC)
+            else:
+                directory = DEV_SHM if backing is Backing.DEV_SHM else tempfile.gettempdir()
+                fd, path = tempfile.mkstemp(prefix=BUFFER_PREFIX, dir=directory)
+                os.unlink(path)  # nameless from here on: nothing to leak
+            os.ftruncate(fd, nbytes)
+            if allocate and nbytes > 0:
+                os.posix_fallocate(fd, 0, nbytes)
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     return fd
 

@@ -178,11 +178,19 @@ class SlabMemory:
         """A new slab of ``size`` bytes, or (``fd``) one over a buffer a producer made and
         offered, whose descriptor the memory takes over."""
         self.size = size
+        made = fd is None
         if fd is None:
             fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
-            note_received(fd)
         self.fd = fd
-        self.mapping = mmap.mmap(self.fd, size)
+        try:
+            note_received(fd)
+            self.mapping = mmap.mmap(self.fd, size)
+        except BaseException:
+            # A Ctrl-C, or no room to map: nobody else holds a descriptor made here (one taken
+            # over is closed by whoever passed it, see SlabPool.adopt).
+            if made:
+                os.close(fd)
+            raise
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self._pinned_address = 0
         self._preparation = self._prepare(pin_device)
