@@ -146,7 +146,6 @@ def test_persistent_workers_keep_counting_across_epochs(leak_guard) -> None:
     del loader
 
 
-@pytest.mark.timeout(60)
 class FailsInOddBatches(Squares):
     """Every other batch of BATCH fails at its first item (module level: spawn pickles it)."""
 
@@ -176,6 +175,7 @@ def test_failed_batches_leave_samples_per_batch_at_what_the_loop_received(engine
     assert stats.samples_per_batch == BATCH
 
 
+@pytest.mark.timeout(60)
 def test_a_failing_batch_is_counted_and_the_epoch_goes_on(leak_guard) -> None:
     class FailsOnFive(Squares):
         def __getitem__(self, index: int) -> torch.Tensor:

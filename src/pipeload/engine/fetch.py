@@ -315,14 +315,24 @@ class IterableFetcher:
                     raise self._found_dry()
                 return samples
         clock = self._clock
+        # A batch whose read raised counts the samples it was to hold (its batch size), as a
+        # map-style one does; the stream's end counts none.
+        meant = _meant(index, spec.auto_collation)
         if clock is not None:  # count down to the next timed task (stats/clock.py)
             clock.left -= 1
             if clock.left <= 0:
                 clock.start_timed()
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True)
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True, meant)
             if profiling():
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False)
-        samples = take()
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False, meant)
+        try:
+            samples = take()
+        except DatasetExhausted:
+            raise
+        except BaseException:
+            if clock is not None:
+                clock.untimed_samples += meant
+            raise
         if clock is not None:
             clock.untimed_samples += len(samples)
         return spec.collate_fn(samples if spec.auto_collation else samples[0])
@@ -399,6 +409,8 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
                 samples = take()
         else:
             samples = take()
+    except DatasetExhausted:
+        raise  # an iterable's end: no batch was meant
     except BaseException:
         if meant and timing:
             clock.count_samples(meant)

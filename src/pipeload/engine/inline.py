@@ -100,6 +100,8 @@ class InlineEngine:
             raise StopIteration from None
         except Exception as error:
             mark_worker(error, 0)  # the batch's turn passed: its replica's position counts it
+            if self._clock is not None:
+                self._clock.done()  # no bytes: the next, untimed, batch must not count its own
             raise
         if self._clock is not None and self._clock.timing:
             self._clock.done(batch)  # its bytes: what a worker would have to hand over (analysis.py)

@@ -201,9 +201,14 @@ def resolve_timeout(timeout: Any) -> float:
     """timeout as a plain int or float (an int stays one: torch prints "after 1 seconds")."""
     seconds = plain_number(timeout)
     if seconds is None:
-        # torch's own words are its comparison's, `timeout < 0`, failing
-        raise TypeError(f"'<' not supported between instances of '{type(timeout).__name__}' and 'int' "
-                        f"(pipeload: timeout should be a number of seconds, but got timeout={timeout!r})")
+        # torch's own words are those of its check, `if timeout < 0`, failing on the value
+        try:
+            bool(timeout < 0)
+            words, kind = "", TypeError
+        except Exception as error:  # noqa: BLE001 - its words and type are torch's
+            words, kind = f"{error} ", type(error)
+        raise kind(f"{words}(pipeload: timeout should be a number of seconds, but got "
+                   f"timeout={timeout!r})".lstrip())
     if seconds < 0 or math.isnan(seconds):
         raise ValueError(f"timeout option should be non-negative, but got timeout={timeout!r}")
     return seconds

@@ -286,8 +286,11 @@ def _cpu_work_per_batch(stats: LoaderStats) -> float:
 
 
 def hand_over_s(stats: LoaderStats) -> float:
-    """What a worker process adds to each batch it hands over, for batches of the size seen."""
-    return WORKER_BATCH_COST_S + _bytes_per_batch(stats) / (1 << 20) * HAND_OVER_S_PER_MIB
+    """What a worker process adds to each batch it hands over, for batches of the size seen
+    (thread workers hand the batch itself over: its size adds nothing)."""
+    threads = stats.setup.worker_type == "thread" and stats.setup.num_workers > 0
+    per_mib = 0.0 if threads else HAND_OVER_S_PER_MIB
+    return WORKER_BATCH_COST_S + _bytes_per_batch(stats) / (1 << 20) * per_mib
 
 
 def _hand_over_words(stats: LoaderStats, hand_over: float) -> str:

@@ -23,7 +23,8 @@ class WorkerStats:
         fetch_s: seconds in the dataset.
         collate_s: seconds in ``collate_fn``.
         transfer_s: seconds handing results over (pickling and writing them to the channel).
-        bytes_out: bytes of tensor data it handed over.
+        bytes_out: bytes of tensor data it handed over (the main process, loading without
+            workers: of the batches it made, which workers would hand over).
         alive_s: seconds from its start to its latest report.
         cpu_s: seconds it ran on a CPU meanwhile.
         queued_s: seconds it was ready to run but waited for a CPU (a crowded machine).

@@ -148,12 +148,13 @@ def _dispatch_table() -> dict[Any, Any]:
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
-    """A numpy array as torch's worker queue sends it (pickle's protocol 4): its bytes copied,
-    arriving writable and in the machine's byte order. Protocol 5, this message's, kept a
-    read-only array (``np.frombuffer`` of bytes, which a dataset decoding files often returns)
-    read-only and a big-endian one big-endian: an in-place update, or ``torch.from_numpy``, that
-    works on what torch's workers hand over failed (a skeptic's probe at stop 53)."""
-    return array.__reduce_ex__(4)
+    """A numpy array as torch's worker queue sends it (pickle's protocol 4): arriving writable
+    and in the machine's byte order. Protocol 5, this message's, kept a read-only array
+    (``np.frombuffer`` of bytes, which a dataset decoding files often returns) read-only and a
+    big-endian one big-endian: an in-place update, or ``torch.from_numpy``, that works on what
+    torch's workers hand over failed (a skeptic's probe at stop 53). Only those take protocol 4,
+    whose copy made a 100 MB array's encoding 3x slower; any other arrives the same either way."""
+    return array.__reduce_ex__(5 if array.flags.writeable and array.dtype.isnative else 4)
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:

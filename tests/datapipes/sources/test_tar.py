@@ -191,12 +191,33 @@ def test_a_plain_archive_whose_first_name_begins_as_bzip2_data_is_read(tmp_path:
     assert members_of(empty) == []
 
 
-def test_archives_joined_end_to_end_are_read_on_as_tar_does_with_ignore_zeros(tmp_path: Path) -> None:
+def _in_records_of(data: bytes, record: int) -> bytes:
+    """``data`` padded with zeros to whole records of ``record`` bytes (tar -b record/512)."""
+    return data + bytes(-len(data) % record)
+
+
+@pytest.mark.parametrize("joined", ["a+b", "a+empty+b", "empty+empty+b", "a+b, 20 KiB records"])
+def test_archives_joined_end_to_end_are_read_on_as_tar_does_with_ignore_zeros(tmp_path: Path, joined: str) -> None:
     # `cat a.tar b.tar`: the first archive's end-of-archive marker and padding, then the second
-    # archive. Read only to the first marker, b.tar's members vanished without a word.
-    first, second = MEMBERS[:3], MEMBERS[3:]
-    (tmp_path / "joined.tar").write_bytes(tar_bytes(first) + tar_bytes(second))
+    # archive. Read only to the first marker, b.tar's members vanished without a word. Each
+    # begins on a record boundary, after archives with no member too (10 KiB of zeros each).
+    first, second, empty = tar_bytes(MEMBERS[:3]), tar_bytes(MEMBERS[3:]), tar_bytes([])
+    data = {"a+b": first + second, "a+empty+b": first + empty + second,
+            "empty+empty+b": empty + empty + tar_bytes(MEMBERS),
+            "a+b, 20 KiB records": _in_records_of(first, 20480) + _in_records_of(second, 20480)}[joined]
+    (tmp_path / "joined.tar").write_bytes(data)
     assert [(m.name, m[1]) for m in members_of(tmp_path / "joined.tar")] == MEMBERS
+
+
+def test_archives_joined_after_one_that_ends_with_its_marker_alone_are_refused(tmp_path: Path) -> None:
+    # Go's and Rust's writers end an archive with the marker alone: joined, the next header sits
+    # where a stretch zeroed on disk would leave it. An error, not a guess.
+    first = tar_bytes(MEMBERS[:3])
+    end = len(first.rstrip(b"\0"))
+    end += -end % 512 + 1024  # the last member's data, then the two blocks of the marker
+    (tmp_path / "joined.tar").write_bytes(first[:end] + tar_bytes(MEMBERS[3:]))
+    with pytest.raises(ArchiveError, match="a stretch was zeroed"):
+        members_of(tmp_path / "joined.tar")
 
 
 def test_streams_are_closed_when_their_archive_ends(tmp_path: Path) -> None:

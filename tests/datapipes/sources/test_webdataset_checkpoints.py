@@ -180,3 +180,18 @@ def test_a_state_written_before_shard_names_were_recorded_still_resumes(tmp_path
     resumed.load_state_dict(drop_names(state))
     every = [key for batch in head + list(resumed) for key in batch]
     assert sorted(every) == every_key(4)
+
+
+def test_a_shard_lists_names_are_taken_below_the_directory_its_paths_share() -> None:
+    from pipeload.datapipes.sources.memory import NAMES_DIGEST_MAX_ITEMS, names_digest
+
+    parts = [f"s3://bucket/part-{index}/data.tar" for index in range(3)]
+    assert names_digest(parts) != names_digest(parts[::-1])  # one name, in directories of their own
+    assert names_digest(parts) == names_digest([f"gs://other/copy/part-{index}/data.tar" for index in range(3)])
+    assert names_digest(["/old/a.tar", "/old/b.tar"]) == names_digest(["/new/place/a.tar", "/new/place/b.tar"])
+    assert names_digest(["C:\\data\\a.tar"]) == names_digest(["/mnt/data/a.tar"])
+    signed = names_digest(["https://host/a.tar?X-Amz-Signature=1", "https://host/b.tar?X-Amz-Signature=1"])
+    assert signed == names_digest(["https://host/a.tar?X-Amz-Signature=2", "https://host/b.tar?X-Amz-Signature=3"])
+    assert names_digest(["/x/a?b.tar"]) != names_digest(["/x/a.tar"])  # a file's "?" is its name's
+    assert names_digest([1, 2, 3]) == names_digest([]) == ""
+    assert names_digest(["/x/a.tar"] * (NAMES_DIGEST_MAX_ITEMS + 1)) == ""  # a path a sample: length alone
