@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import wait_until
+from stats.loops import Busy
 
 import pipeload
 from pipeload.engine.lifecycle import ThreadWorkerHandle
@@ -246,25 +247,9 @@ def test_a_windows_cpu_time_counts_workers_that_left_or_came_in_it() -> None:
     assert _sched_between(start, {}, {}) == (0.0, 0.0)  # gone unread: nothing, never below
 
 
-class Busy(pipeload.Dataset):
-    """Each item computes for ``cost_s`` (a busy loop: the workers must be on a CPU)."""
-
-    def __init__(self, count: int, cost_s: float = 0.0003) -> None:
-        self.count, self.cost_s = count, cost_s
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> int:
-        until = time.perf_counter() + self.cost_s
-        while time.perf_counter() < until:
-            pass
-        return index
-
-
 @pytest.mark.timeout(90)
 def test_workers_started_each_epoch_are_seen_computing_by_the_tuner(leak_guard) -> None:
-    loader = pipeload.DataLoader(Busy(96), batch_size=8, num_workers="auto", multiprocessing_context="fork")
+    loader = pipeload.DataLoader(Busy(96, 0.0003), batch_size=8, num_workers="auto", multiprocessing_context="fork")
     for _ in range(200):  # epochs of 12 batches: the tuner's first window takes about 30
         if len(loader.stats().decisions) >= 2:
             break

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from stats.loops import Busy, sizes_past_errors
 
 import pipeload
 from pipeload.engine.item_scheduler import piece_size
@@ -33,22 +34,6 @@ class Squares(pipeload.Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.full((4,), float(index * index))
-
-
-class Slow(pipeload.Dataset):
-    """Each item costs ``cost_s`` of CPU (a busy loop, not a sleep: the workers must be busy)."""
-
-    def __init__(self, count: int, cost_s: float) -> None:
-        self.count, self.cost_s = count, cost_s
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> int:
-        until = time.perf_counter() + self.cost_s
-        while time.perf_counter() < until:
-            pass
-        return index
 
 
 @pytest.mark.timeout(60)
@@ -161,15 +146,7 @@ def test_failed_batches_leave_samples_per_batch_at_what_the_loop_received(engine
     # A failed batch counted as a task with no samples took samples a batch (and samples/s)
     # to 6.3 of 8 in classic mode, 4.0 in economic mode (a skeptic's probe at stop 53).
     loader = pipeload.DataLoader(FailsInOddBatches(), batch_size=BATCH, **engine)
-    received = []
-    iterator = iter(loader)
-    while True:
-        try:
-            received.append(len(next(iterator)))
-        except ValueError:
-            continue
-        except StopIteration:
-            break
+    received = sizes_past_errors(loader, ValueError)
     stats = loader.stats()
     assert received == [BATCH] * (ITEMS // BATCH // 2) and stats.batches == len(received)
     assert stats.samples_per_batch == BATCH
@@ -276,7 +253,7 @@ def test_thread_workers_time_on_a_cpu_is_read(engine: dict) -> None:
     # A thread worker's clock is read by the main thread, which refreshed the scheduler
     # counters only for its own thread: thread workers read 0 s on a CPU, and computing ones
     # were told they "mostly wait in it (I/O, sleep, locks)".
-    loader = pipeload.DataLoader(Slow(96, 0.005), batch_size=4, **engine)
+    loader = pipeload.DataLoader(Busy(96, 0.005), batch_size=4, **engine)
     assert len(list(loader)) == 24
     fetching = [w for w in loader.stats().workers if w.kind in ("", "item")]
     assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.1 * sum(w.fetch_s for w in fetching)
@@ -288,15 +265,15 @@ def test_short_lived_workers_time_on_a_cpu_is_read(engine: dict, leak_guard) -> 
     # Workers that live under 0.1 s (short epochs, workers not persistent) never refreshed their
     # scheduler counters: "0% on a CPU, 100% waiting inside the work (I/O, sleeps, locks)" for a
     # dataset that only computes, and a verdict asking for more workers than CPUs.
-    loader = pipeload.DataLoader(Slow(8, 0.004), batch_size=2, **engine)
+    loader = pipeload.DataLoader(Busy(8, 0.004), batch_size=2, **engine)
     for _ in range(4):
         assert len(list(loader)) == 4
     fetching = [w for w in loader.stats().workers if w.kind in ("", "item")]
     assert sum(w.cpu_s + w.queued_s for w in fetching) > 0.5 * sum(w.fetch_s for w in fetching)
 
 
-class ColdStart(Slow):
-    """As Slow, and each process's first item costs ``cold_s`` more (imports, first page faults)."""
+class ColdStart(Busy):
+    """As Busy, and each process's first item costs ``cold_s`` more (imports, first page faults)."""
 
     def __init__(self, count: int, cost_s: float, cold_s: float) -> None:
         super().__init__(count, cost_s)
@@ -305,7 +282,7 @@ class ColdStart(Slow):
     def __getitem__(self, index: int) -> int:
         if self.warm_in != os.getpid():
             self.warm_in = os.getpid()
-            Slow(1, self.cold_s)[0]
+            Busy(1, self.cold_s)[0]
         return super().__getitem__(index)
 
 
@@ -358,7 +335,7 @@ def test_stats_off() -> None:
 @pytest.mark.timeout(60)
 def test_slow_getitem_is_named_and_more_workers_suggested(leak_guard) -> None:
     # Enough to judge: more than 50 batches and 2 s after the first (analysis.MIN_STEADY_*).
-    loader = pipeload.DataLoader(Slow(1200, 0.002), batch_size=4, num_workers=1,
+    loader = pipeload.DataLoader(Busy(1200, 0.002), batch_size=4, num_workers=1,
                                  multiprocessing_context="fork")
     list(loader)  # the loop does nothing: it waits for nearly every batch
     stats = loader.stats()
@@ -934,7 +911,7 @@ def test_workers_of_an_epoch_left_early_are_seen_computing(leak_guard) -> None:
     # CPU did not: a dataset that only computes, left at batch 40, read "24% waiting inside the
     # work (I/O, sleeps, locks)" (`pipeload profile` leaves its second epoch so).
     # (Process workers: thread workers also wait for the GIL, which reads as waiting.)
-    loader = pipeload.DataLoader(Slow(4 * 64, 0.001), batch_size=4, **ENGINES["process"])
+    loader = pipeload.DataLoader(Busy(4 * 64, 0.001), batch_size=4, **ENGINES["process"])
     for number, _ in enumerate(loader):
         if number == 40:
             break
