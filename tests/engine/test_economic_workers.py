@@ -171,7 +171,8 @@ def test_an_item_worker_times_a_sample_of_its_pieces_and_counts_them_all():
 
 def test_a_batch_worker_times_a_sample_of_its_batches_and_counts_them_all():
     # Batches of 1 to 3 samples; every seventh has a failed piece: it fails with the totals
-    # (counted as a task, its samples not collated).
+    # (counted as a task with the samples it was to hold, as a classic worker's failed batch:
+    # the stats' samples a batch stay what the loop received).
     failure = RemoteFailure(KeyError, "bad", "trace", 0, "fetching items", [0], "item")
     messages, collated = [], [0]
     for number in range(PIECES):
@@ -179,7 +180,7 @@ def test_a_batch_worker_times_a_sample_of_its_batches_and_counts_them_all():
         messages.append(WorkerCommand(Command.COLLATE, number, samples, epoch=1))
         if number % 7 == 3:
             messages.append(ItemDelivery(Delivery.FAILED, 0, 1, number, 0, len(samples), failure))
-            collated.append(collated[-1])
+            collated.append(collated[-1] + len(samples))
         else:
             messages.append(_items(number, 0, samples))
             collated.append(collated[-1] + len(samples))
