@@ -164,8 +164,10 @@ class _Consumer:
 
     def epoch_started(self, called_at: float | None = None) -> EpochCount:
         started = now() if called_at is None else called_at
-        # An epoch still running (its iterator kept, not exhausted) ends where this one starts:
-        # one epoch runs at a time (a persistent pool abandons the previous one).
+        # An epoch still running (its iterator kept, not exhausted) ends where this one starts
+        # for the wall clock: one clock runs at a time (a persistent pool abandons the previous
+        # epoch). Its batches still count if its iterator goes on (its own workers, without
+        # persistent ones: see _still_running).
         self._stop_wall_clock(started)
         self.epochs += 1
         last = self._count
