@@ -526,6 +526,39 @@ def test_a_random_split_subset_gives_the_same_batches_whatever_the_worker_count(
     assert epochs(num_workers=2) == reference and epochs(num_workers=3) == reference
 
 
+class _MixedDtypes(Numbers):
+    """float32 samples, every fourth float64; or (``grad``) some that require grad."""
+
+    def __init__(self, count: int, grad: bool = False) -> None:
+        super().__init__(count)
+        self.grad = grad
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.grad:
+            return torch.full((4,), float(index), requires_grad=index % 2 == 0)
+        return torch.full((4,), index + 0.1, dtype=torch.float64 if index % 4 == 3 else torch.float32)
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_every_batch_is_collated_as_a_worker_collates_it_whoever_collates_it(num_workers: int) -> None:
+    # The session's first batch, collated by the main process, took the promoted dtype (float64
+    # among float32 samples) and let samples that require grad through, where batch workers and
+    # torch's workers give the first sample's dtype and refuse them (stop 53's economic skeptic).
+    loader = DataLoader(_MixedDtypes(32), batch_size=8, num_workers=num_workers, **loader_kwargs(ECONOMIC))
+    theirs = torch.utils.data.DataLoader(_MixedDtypes(32), batch_size=8, num_workers=2, multiprocessing_context="fork")
+    assert [(b.dtype, b.tolist()) for b in loader] == [(b.dtype, b.tolist()) for b in theirs]
+    grads = DataLoader(_MixedDtypes(32, grad=True), batch_size=8, num_workers=num_workers, **loader_kwargs(ECONOMIC))
+    iterator, failed = iter(grads), 0
+    while True:
+        try:
+            next(iterator)
+        except RuntimeError:
+            failed += 1
+        except StopIteration:
+            break
+    assert failed == 4  # every batch, the first included, as torch's workers refuse them
+
+
 @pytest.mark.parametrize("engine", BOTH)
 def test_persistent_epochs_draw_differently_and_repeatably(engine):
     first = _epochs(engine, seed=1, epochs=2, persistent_workers=True)

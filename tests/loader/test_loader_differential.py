@@ -1072,3 +1072,24 @@ def test_numpy_arrays_from_process_workers_arrive_as_torchs_do(num_workers: int)
                 for batch in loader for sample in batch for array in sample]
     assert arrays(pipeload) == arrays(tud)
     assert {(kind, writeable) for kind, writeable, _ in arrays(pipeload)} == {("|u1", True), ("<i4", True)}
+
+
+class _MixedDtypes(tud.Dataset):
+    """float32 samples, every fourth float64."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((3,), index + 0.1, dtype=torch.float64 if index % 4 == 3 else torch.float32)
+
+
+def test_thread_workers_collate_as_torchs_worker_processes_do() -> None:
+    # torch's workers stack into memory of the first sample's dtype (its shared memory): float64
+    # samples among float32 ones are cast. Thread workers stacked without it, and promoted.
+    theirs = tud.DataLoader(_MixedDtypes(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    mine = pipeload.DataLoader(_MixedDtypes(), batch_size=4, num_workers=2, worker_type="thread")
+    assert [(b.dtype, b.tolist()) for b in mine] == [(b.dtype, b.tolist()) for b in theirs]
+    assert {b.dtype for b in mine} == {torch.float32}
+    inline = pipeload.DataLoader(_MixedDtypes(), batch_size=4)  # without workers: torch promotes
+    assert [b.dtype for b in inline] == [b.dtype for b in tud.DataLoader(_MixedDtypes(), batch_size=4)]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pipeload.collate import collate, default_collate, default_collate_fn_map
+from pipeload.collate import collate, collating_as_a_worker, default_collate, default_collate_fn_map
 from pipeload.errors import RemoteFailure
 from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs
 from pipeload.transport.lease_holders import keep_lease_with
@@ -195,8 +195,11 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
             samples += payload.samples(lease, batch.items, slot)
         else:
             samples += payload
-    # The samples' views of the slab die with this frame: the batch is a copy of them.
-    return _kept_with_their_bytes(default_collate(samples)), False
+    # The samples' views of the slab die with this frame: the batch is a copy of them, made as
+    # a worker makes it (the first sample's dtype: see collating_as_a_worker).
+    with collating_as_a_worker():
+        made = default_collate(samples)
+    return _kept_with_their_bytes(made), False
 
 
 def _kept_with_their_bytes(batch: Any) -> Any:
