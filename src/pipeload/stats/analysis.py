@@ -85,6 +85,10 @@ CROWDED = 0.25  # queued for a CPU this share of their life: crowded out, not th
 # 2.2x and 1.7x slower when followed (a newcomer's and a skeptic's probes at stop 53).
 WORKER_BATCH_COST_S = 300e-6
 HAND_OVER_S_PER_MIB = 75e-6
+# The most of a worker's busy time taken for queueing when its work is judged: 2 workers and the
+# main process on 2 CPUs queue a third of it; a machine full of another program's work would
+# otherwise read any batch as costing nothing to load.
+MOST_QUEUED = 0.5
 # Workers are suggested for batches that take this many hand-overs to load: 2 workers then load
 # about 1.2 times as fast as none on 2 CPUs; at one they only break even.
 WORKERS_PAY_OFF = 1.5
@@ -267,7 +271,11 @@ def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
     work_s = _cpu_work_per_batch(stats)
     batches, _ = steady(stats)
     wait_s = stats.wait_s / batches if batches else 0.0
-    if work_s <= 0 or WORKERS_PAY_OFF * work_s >= wait_s:
+    # Only batches lighter than a hand-over: heavier ones, whose workers queue because another
+    # program loads the machine, are the workers' to build (the rule read 38 ms batches queued
+    # behind another program as lighter than handing over, stop 53's second review). The same
+    # line the num_workers=0 rule draws, so that the two never send a loader back and forth.
+    if work_s <= 0 or work_s >= hand_over_s(stats) or WORKERS_PAY_OFF * work_s >= wait_s:
         return None
     return Diagnosis("handing over", f"the loop waits {stats.wait_fraction:.0%} of the time, "
                      f"{wait_s * 1e6:,.0f} us a batch, for batches that take {work_s * 1e6:,.0f} us "
@@ -281,7 +289,7 @@ def _cpu_work_per_batch(stats: LoaderStats) -> float:
     what one process with a CPU of its own would spend."""
     workers = [w for w in stats.workers if w.kind in ("", "main")]
     busy = sum(w.busy_s for w in workers)
-    queued = min(1.0, sum(w.queued_s for w in workers) / busy) if busy > 0 else 0.0
+    queued = min(MOST_QUEUED, sum(w.queued_s for w in workers) / busy) if busy > 0 else 0.0
     return _work_per_batch(stats) * (1.0 - queued)
 
 

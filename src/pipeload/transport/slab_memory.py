@@ -29,6 +29,7 @@ pages are simply faulted in on first use, as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -182,18 +183,24 @@ class SlabMemory:
         if fd is None:
             fd = create_buffer(size, allocate=current_backing() is not Backing.MEMFD)
         self.fd = fd
+        self.mapping: mmap.mmap | None = None
         try:
-            note_received(fd)
+            if made:
+                note_received(fd)
             self.mapping = mmap.mmap(self.fd, size)
+            self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+            self._pinned_address = 0
+            self._preparation = self._prepare(pin_device)
         except BaseException:
-            # A Ctrl-C, or no room to map: nobody else holds a descriptor made here (one taken
-            # over is closed by whoever passed it, see SlabPool.adopt).
+            # A Ctrl-C, no room to map, no thread to prepare it: nobody else holds a descriptor
+            # made here (one taken over is closed by whoever passed it, see SlabPool.adopt).
+            self.array = None  # (the mapping closes only once no view of it is left)
+            if self.mapping is not None:
+                with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+                    self.mapping.close()
             if made:
                 os.close(fd)
             raise
-        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
-        self._pinned_address = 0
-        self._preparation = self._prepare(pin_device)
 
     def _prepare(self, pin_device: int | None) -> Preparation | None:
         address, size, huge = self.array.ctypes.data, self.size, huge_page_bytes()

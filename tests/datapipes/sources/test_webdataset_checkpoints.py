@@ -182,13 +182,15 @@ def test_a_state_written_before_shard_names_were_recorded_still_resumes(tmp_path
     assert sorted(every) == every_key(4)
 
 
-def test_a_shard_lists_names_are_taken_below_the_directory_its_paths_share() -> None:
+def test_a_shard_lists_names_are_its_paths_last_parts_as_many_as_tell_them_apart() -> None:
     from pipeload.datapipes.sources.memory import NAMES_DIGEST_MAX_ITEMS, names_digest
 
     parts = [f"s3://bucket/part-{index}/data.tar" for index in range(3)]
     assert names_digest(parts) != names_digest(parts[::-1])  # one name, in directories of their own
     assert names_digest(parts) == names_digest([f"gs://other/copy/part-{index}/data.tar" for index in range(3)])
     assert names_digest(["/old/a.tar", "/old/b.tar"]) == names_digest(["/new/place/a.tar", "/new/place/b.tar"])
+    assert names_digest(["http://a/x.tar", "https://b/y.tar"]) == names_digest(["http://c/x.tar", "http://c/y.tar"])
+    assert names_digest(["/x/a.tar/"]) == names_digest(["/x/a.tar"])
     assert names_digest(["C:\\data\\a.tar"]) == names_digest(["/mnt/data/a.tar"])
     signed = names_digest(["https://host/a.tar?X-Amz-Signature=1", "https://host/b.tar?X-Amz-Signature=1"])
     assert signed == names_digest(["https://host/a.tar?X-Amz-Signature=2", "https://host/b.tar?X-Amz-Signature=3"])

@@ -126,12 +126,12 @@ NAMES_DIGEST_MAX_ITEMS = 100_000
 
 
 def names_digest(data: Any) -> str:
-    """A digest of each path or URL in ``data``, in order, below the directory they all share;
-    "" when ``data`` is not all paths, is not a list or tuple, or is longer than
-    ``NAMES_DIGEST_MAX_ITEMS``. Below the shared part, so that a dataset moved to another
-    directory or bucket still resumes (as a shard's own check allows), and shards of one name in
-    directories of their own (``part-3/data.tar``) are told apart; a URL's query string is left
-    out (a presigned URL signed again)."""
+    """A digest of each path or URL in ``data``, in order, by as many of its last parts as tell
+    the list's paths apart; "" when ``data`` is not all paths, is not a list or tuple, or is
+    longer than ``NAMES_DIGEST_MAX_ITEMS``. Last parts, so that a dataset moved to another
+    directory, bucket or host still resumes (as a shard's own check allows), and shards of one
+    name in directories of their own (``part-3/data.tar``) are told apart; a URL's query string
+    is left out (a presigned URL signed again)."""
     if not isinstance(data, (list, tuple)) or not isinstance(data[0] if data else None, (str, os.PathLike)):
         return ""  # (a list of numbers or samples is told apart at its first item)
     if len(data) > NAMES_DIGEST_MAX_ITEMS:
@@ -140,16 +140,22 @@ def names_digest(data: Any) -> str:
     if not all(isinstance(path, str) for path in paths):
         return ""
     normal = [_normal(path) for path in paths]
-    cut = os.path.commonprefix(normal).rfind("/") + 1  # whole directories (one path: its name)
-    names = "\0".join(path[cut:] for path in normal)
-    return "blake2b:" + hashlib.blake2b(names.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    names = [path.rpartition("/")[2] for path in normal]
+    if len(set(names)) < len(names):  # one name in several directories: deeper, until told apart
+        parts = [path.split("/") for path in normal]
+        for depth in range(2, max(len(each) for each in parts) + 1):
+            names = ["/".join(each[-depth:]) for each in parts]
+            if len(set(names)) == len(names):
+                break
+    joined = "\0".join(names)
+    return "blake2b:" + hashlib.blake2b(joined.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
 def _normal(path: str) -> str:
-    """``path`` with separators of either kind as "/", without a URL's query string."""
+    """``path`` with separators of either kind as "/", no trailing one, without a URL's query."""
     if "://" in path:
         path = path.partition("?")[0]
-    return path.replace("\\", "/")
+    return path.replace("\\", "/").rstrip("/")
 
 
 class SequenceWrapper(MapDataPipe[T]):
