@@ -257,15 +257,16 @@ def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
 
 
 def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
-    """Classic workers whose batches take one process less time to load than the loop now waits
-    for each (``WORKERS_PAY_OFF`` times less): handing them over costs more than the workers
-    gain, and the main process would load them faster itself. Tiny items, 2 process workers on
+    """Classic workers whose batches are lighter than a hand-over (``hand_over_s``) and take one
+    process less time to load than the loop now waits for each (``WORKERS_PAY_OFF`` times
+    less): handing them over costs more than the workers gain, and the main process would load
+    them faster itself. Tiny items, 2 process workers on
     the 2-core box: 19,000 to 24,000 samples/s, num_workers=0 184,000 to 192,000; a stream of 8
     us samples, 1,740 batches/s with 2 workers against 3,920 with none (stop 53), where the
     workers' stages alone did not stand out ("keep these settings"). The work is the workers'
     fetch and collate less the share of it they spent queued for a CPU (on 2 CPUs they queue
-    behind each other and the main process: the stream's 240 us batches read 553 us). None
-    where that is not so, or ``"auto"`` chooses the count."""
+    behind each other and the main process: the stream's 240 us batches read 553 us), at most
+    ``MOST_QUEUED`` of it. None where that is not so, or ``"auto"`` chooses the count."""
     if stats.setup.mode != "classic" or stats.decisions or not stats.batches:
         return None
     work_s = _cpu_work_per_batch(stats)
