@@ -390,10 +390,17 @@ class _ForeignNonblocking(PipeIterator[T_co]):
 
     def __init__(self, iterator: Any) -> None:
         self._iterator = iterator
-        self.nonblocking_next = iterator.nonblocking_next  # type: ignore[method-assign]
+        self._next = iterator.nonblocking_next
 
     def nonblocking_next(self) -> T_co:
-        return self._iterator.nonblocking_next()
+        try:
+            return self._next()
+        except StopIteration:
+            # Ended for good: a pipe that asks again (a batch handed out short at the end) is
+            # told so here, without a call the user's iterator may refuse (the RFC's own queue
+            # end raises on any call after its StopIteration: stop 53's pipes skeptic).
+            self._next = _ENDED.__next__
+            raise
 
     def notifiers(self) -> list[Notifier]:
         notifiers = getattr(self._iterator, "notifiers", None)
