@@ -52,6 +52,21 @@ def test_list_and_find() -> None:
     assert graph.list_dps(pipe, exclude_dps=zipper) == nodes[:2]
 
 
+def test_the_graph_functions_take_a_traversed_graph_as_torchdatas_do() -> None:
+    # torchdata's list_dps, find_dps, replace_dp and remove_dp take traverse_dps() graphs: ours
+    # read one as a pipe, and found nothing in it (stop 53's pipes skeptic).
+    dp = IterableWrapper(range(6)).shuffle().map(add_one).batch(2)
+    traversed = graph.traverse_dps(dp)
+    assert graph.list_dps(traversed) == graph.list_dps(dp)
+    (shuffle,) = graph.find_dps(traversed, Shuffler)
+    without = graph.remove_dp(traversed, shuffle)
+    assert isinstance(without, dict) and graph.find_dps(without, Shuffler) == []
+    ((last, _),) = without.values()
+    assert list(last) == [[1, 2], [3, 4], [5, 6]]
+    with pytest.raises(TypeError, match="list_dps: expected a DataPipe or a traverse_dps"):
+        graph.list_dps([dp])
+
+
 def test_replace_builds_a_new_graph_and_leaves_the_old_one() -> None:
     pipe = IterableWrapper(range(9)).shuffle().set_seed(1).map(add_one).batch(3)
     (shuffle,) = graph.find_dps(pipe, Shuffler)

@@ -113,14 +113,30 @@ def _traverse(datapipe: Any, on_path: frozenset[int]) -> DataPipeGraph:
     return {here: (datapipe, parents)}
 
 
+def _last_pipe(graph: Any, function: str) -> Any:
+    """The last pipe of ``graph``: a pipe, or a :func:`traverse_dps` graph of one, which
+    torchdata's graph functions take (its result read as a pipe found nothing in it)."""
+    if isinstance(graph, dict):
+        if len(graph) != 1:
+            raise ValueError(f"{function}: a traverse_dps() graph has one last pipe, but this one has "
+                             f"{len(graph)}")
+        ((last, _),) = graph.values()
+        return last
+    if not is_datapipe(graph):
+        raise TypeError(f"{function}: expected a DataPipe or a traverse_dps() graph, but got "
+                        f"{type(graph).__name__}")
+    return graph
+
+
 def list_dps(datapipe: Any, exclude_dps: Any = None) -> list[Any]:
     """Every pipe in the graph above (and including) ``datapipe``, each once, root first
     (depth-first, parents in order: the order torch's graph functions use).
 
     Args:
-        datapipe: the graph's last pipe.
+        datapipe: the graph's last pipe, or its :func:`traverse_dps` graph (as torchdata takes).
         exclude_dps: a pipe or list of pipes to leave out, with everything above them.
     """
+    datapipe = _last_pipe(datapipe, "list_dps")
     excluded = {id(dp) for dp in _as_list(exclude_dps)}
     found: list[Any] = []
     seen: set[int] = set()
@@ -142,24 +158,28 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def find_dps(datapipe: Any, dp_type: type | tuple[type, ...]) -> list[Any]:
-    """The pipes of type ``dp_type`` in the graph, in :func:`list_dps` order."""
-    return [dp for dp in list_dps(datapipe) if isinstance(dp, dp_type)]
+    """The pipes of type ``dp_type`` in the graph (a pipe or its :func:`traverse_dps` graph),
+    in :func:`list_dps` order."""
+    return [dp for dp in list_dps(_last_pipe(datapipe, "find_dps")) if isinstance(dp, dp_type)]
 
 
 def replace_dp(datapipe: Any, old_dp: Any, new_dp: Any) -> Any:
     """A graph like ``datapipe``'s with ``old_dp`` replaced by ``new_dp``.
 
     The pipes between ``old_dp`` and the end are copied with their new parents; everything else
-    (and the original graph) is left as it was. Returns the new last pipe.
+    (and the original graph) is left as it was. Returns the new last pipe, or (given a
+    :func:`traverse_dps` graph, as torchdata's takes) the new graph.
 
     Example:
         >>> dp = IterableWrapper(range(9)).shuffle().batch(3)
         >>> (shuffle,) = find_dps(dp, Shuffler)
         >>> ordered = replace_dp(dp, shuffle, shuffle.datapipe)
     """
-    if not any(node is old_dp for node in list_dps(datapipe)):
-        raise ValueError(f"replace_dp: {old_dp!r} is not in the graph of {datapipe!r}")
-    return _rebuild(datapipe, {id(old_dp): new_dp}, {}, copy_all=False)
+    last = _last_pipe(datapipe, "replace_dp")
+    if not any(node is old_dp for node in list_dps(last)):
+        raise ValueError(f"replace_dp: {old_dp!r} is not in the graph of {last!r}")
+    rebuilt = _rebuild(last, {id(old_dp): new_dp}, {}, copy_all=False)
+    return traverse_dps(rebuilt) if isinstance(datapipe, dict) else rebuilt
 
 
 def remove_dp(datapipe: Any, dp: Any) -> Any:
@@ -172,7 +192,7 @@ def remove_dp(datapipe: Any, dp: Any) -> Any:
     parents = parents_of(dp)
     if len(parents) != 1:
         raise ValueError(f"remove_dp needs a pipe with exactly one parent; {dp!r} has {len(parents)}")
-    if dp is datapipe:
+    if dp is _last_pipe(datapipe, "remove_dp"):
         raise ValueError(f"remove_dp cannot remove the graph's last pipe {dp!r}; use its parent instead")
     return replace_dp(datapipe, dp, parents[0])
 
