@@ -220,6 +220,9 @@ def test_another_num_workers_or_mode_gives_the_same_samples(before: str, after: 
         assert [batch[0] for batch in have] == [batch[0] for batch in want]  # the samples
         if same_seeding:
             assert have == want  # and every random value: per-batch seeds do not name a worker
+    # Another mode draws other values: said when the state is loaded (it was silent, stop 53)
+    told = [w for w in got.warnings if "is resumed with mode=" in w]
+    assert len(told) == (0 if same_seeding else 1), got.warnings
 
 
 @pytest.mark.timeout(120)

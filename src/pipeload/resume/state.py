@@ -213,6 +213,7 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
     checked = read_fields(state)
     _check_config(loader, checked.config)
     _check_seeding(loader, state["worker_seeding"])  # read_fields checked it is one of the choices
+    _warn_if_the_mode_draws_otherwise(loader, state["mode"])
     _check_generator(loader, checked.saved_generator is not None)
     _check_sampler(loader, checked.sampler, checked.sampler_path)
     if checked.epoch is not None:
@@ -327,6 +328,22 @@ def _check_seeding(loader: Any, saved: str) -> None:
     silently (the speed settings may change; this is not one)."""
     if saved != loader.worker_seeding:
         raise state_mismatch("this DataLoader", {"worker_seeding": (saved, loader.worker_seeding)})
+
+
+def _warn_if_the_mode_draws_otherwise(loader: Any, saved: str) -> None:
+    """Another ``mode`` may resume a state (its samples and their order are the same), but
+    economic mode seeds each item from its position, classic mode each worker: the random values
+    drawn while building batches differ from the run's from the first resumed batch on. Said,
+    not refused: stop 53's resume skeptic found it silent."""
+    if saved != loader.mode:
+        warnings.warn(
+            f"this state was saved with mode={saved!r} and is resumed with mode={loader.mode!r}: "
+            "the samples and their order go on as saved, but the random values drawn while "
+            "building batches (augmentations) differ from the run's, as the two modes seed "
+            "their workers differently. Resume with the mode the state was saved with to draw "
+            "the same values.",
+            stacklevel=first_frame_outside_pipeload(),
+        )
 
 
 def _check_generator(loader: Any, saved: bool) -> None:
