@@ -448,3 +448,15 @@ def ctrl_c_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def sizes_past_errors(loader: Iterable[Any], error: type[BaseException]) -> list[int]:
+    """The length of each batch the loop received, going on past those that raised ``error``."""
+    received, iterator = [], iter(loader)
+    while True:
+        try:
+            received.append(len(next(iterator)))
+        except error:
+            continue
+        except StopIteration:
+            return received

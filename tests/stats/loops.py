@@ -1,11 +1,8 @@
-"""What several stats tests load and how they read it: a dataset whose items compute, and a loop
-that goes on past the batches that raise."""
+"""What several stats tests load: a dataset whose items compute."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import Any
 
 import pipeload
 
@@ -24,15 +21,3 @@ class Busy(pipeload.Dataset):
         while time.perf_counter() < until:
             pass
         return index
-
-
-def sizes_past_errors(loader: Iterable[Any], error: type[BaseException]) -> list[int]:
-    """The length of each batch the loop received, going on past those that raised ``error``."""
-    received, iterator = [], iter(loader)
-    while True:
-        try:
-            received.append(len(next(iterator)))
-        except error:
-            continue
-        except StopIteration:
-            return received

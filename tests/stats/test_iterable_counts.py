@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from stats.loops import sizes_past_errors
+from conftest import sizes_past_errors
 
 import pipeload
 

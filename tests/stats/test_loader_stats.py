@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from stats.loops import Busy, sizes_past_errors
+from conftest import sizes_past_errors
+from stats.loops import Busy
 
 import pipeload
 from pipeload.engine.item_scheduler import piece_size

@@ -317,21 +317,22 @@ class IterableFetcher:
         clock = self._clock
         # A batch whose read raised counts the samples it was to hold (its batch size), as a
         # map-style one does; the stream's end counts none.
-        meant = _meant(index, spec.auto_collation)
         if clock is not None:  # count down to the next timed task (stats/clock.py)
             clock.left -= 1
             if clock.left <= 0:
                 clock.start_timed()
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True, meant)
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True,
+                               _meant(index, spec.auto_collation))
             if profiling():
-                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False, meant)
+                return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False,
+                               _meant(index, spec.auto_collation))
         try:
             samples = take()
         except DatasetExhausted:
             raise
         except BaseException:
             if clock is not None:
-                clock.untimed_samples += meant
+                clock.untimed_samples += _meant(index, spec.auto_collation)
             raise
         if clock is not None:
             clock.untimed_samples += len(samples)
