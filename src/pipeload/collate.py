@@ -305,11 +305,14 @@ def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     shape = (len(batch), *elem.shape)
     out = shared_output(shape, elem.dtype)
-    if out is None and (_torch_worker_info() is not None or _in_process_worker()):
-        out = _fresh_shared_output(shape, elem.dtype)
-    elif out is None and (_COLLATING.as_a_worker or get_worker_info() is not None):
-        out = torch.empty(shape, dtype=elem.dtype)
-    return out
+    if out is not None:
+        return out
+    info = get_worker_info()  # once: the inline path asks for every tensor of every batch
+    if _torch_worker_info() is not None or (info is not None and not _is_thread_worker(info)):
+        return _fresh_shared_output(shape, elem.dtype)
+    if info is not None or _COLLATING.as_a_worker:
+        return torch.empty(shape, dtype=elem.dtype)
+    return None
 
 
 class _Collating(threading.local):
@@ -333,11 +336,10 @@ def collating_as_a_worker() -> Iterator[None]:
         _COLLATING.as_a_worker = before
 
 
-def _in_process_worker() -> bool:
-    """Whether ``get_worker_info()`` says a worker process (or code posing as one, see
-    ``pipeload._utils.worker``) runs this: a thread worker's batches stay in ordinary memory."""
-    info = get_worker_info()
-    return info is not None and getattr(info, "worker_method", "multiprocessing") != "thread"
+def _is_thread_worker(info: Any) -> bool:
+    """Whether ``get_worker_info()``'s ``info`` is a thread worker's (a process worker, or code
+    posing as one, see ``pipeload._utils.worker``, stacks into shared memory)."""
+    return getattr(info, "worker_method", "multiprocessing") == "thread"
 
 
 def _fresh_shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
