@@ -209,6 +209,25 @@ def test_any_checkpoint_position(taken: int | None) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["inline", "persistent", "economic-threads-persistent"])
+def test_a_state_saved_after_the_last_batch_then_set_epoch_draws_the_next_epoch_as_uninterrupted(
+        engine: str, leak_guard: LeakGuard) -> None:
+    # The distributed loop calls sampler.set_epoch(epoch) before iter(loader). A state saved after
+    # the loaded epoch's last batch began the next epoch without the loaded one's draws: a loader
+    # generator drew the loaded epoch's base seed again, persistent workers began a new session.
+    # The samples were right; every augmentation of the following epochs differed.
+    def make() -> pipeload.DataLoader:
+        dataset = RandomAugment()
+        sampler = pipeload.DistributedSampler(dataset, num_replicas=2, rank=1, seed=3)
+        return pipeload.DataLoader(dataset, batch_size=BATCH, sampler=sampler, worker_seeding="per_batch",
+                                   generator=torch.Generator().manual_seed(5), **ENGINES[engine])
+
+    whole_epoch = len(make())
+    got = assert_same(make, taken=whole_epoch)
+    assert not got.warnings  # nothing of the loaded epoch was left: nothing to say
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("before", "after"), [("processes", "inline"), ("inline", "threads"),
                                                ("economic", "processes")])
 def test_another_num_workers_or_mode_gives_the_same_samples(before: str, after: str, leak_guard: LeakGuard) -> None:

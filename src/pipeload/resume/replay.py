@@ -55,10 +55,8 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
     if point is None or point.record is None:
         return point
     why = _moved_on_because(loader, point)
-    if why is None:
-        return point
-    if _handed_out_whole(loader, point):
-        return None  # nothing of the loaded epoch was left: nothing is lost, nothing to say
+    if why is None or _handed_out_whole(loader, point):
+        return point  # an epoch handed out whole is run empty all the same: loaded_epoch_is_over
     warnings.warn(
         f"{why}, taken {point.consumed} batches into that epoch: this iteration begins the new "
         "epoch from its start, and what was left of the loaded epoch is not resumed (call "
@@ -70,14 +68,18 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
 
 def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
     """Whether ``point`` resumes a map-style epoch that had handed out all its batches (a state
-    saved after its last batch, before its end was seen), so that the next epoch should begin,
-    unless the sampler was moved to another epoch since (that epoch then begins, whole). A
+    saved after its last batch, before its end was seen), so that the next epoch should begin.
+    The loaded epoch is run to its end first, empty, even when ``set_epoch`` has moved the
+    sampler on since (the usual loop: ``sampler.set_epoch(epoch)``, then ``iter(loader)``): its
+    draws from the loader's generator and its persistent workers' session are the ones the next
+    epoch follows; begun without them, that epoch drew the loaded one's base seed again, or a
+    new session's, and its augmentations differed from the uninterrupted run's. A
     ``DistributedSampler`` still at the loaded epoch is moved on to the next by
     :func:`move_loaded_epochs_on` (Lightning sets the next epoch only once that epoch's iterator
     is made: with the loaded epoch's empty rest, it lost a whole epoch)."""
     if point is None or point.record is None or loader._dataset_kind.label != "map":
         return False
-    return _moved_on_because(loader, point) is None and _handed_out_whole(loader, point)
+    return _handed_out_whole(loader, point)
 
 
 def move_loaded_epochs_on(loader: Any, point: ResumePoint | None) -> None:
