@@ -245,6 +245,24 @@ def test_another_num_workers_or_mode_gives_the_same_samples(before: str, after: 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("before", "after", "told"), [("persistent", "processes", 1), ("processes", "persistent", 1),
+                                                       ("persistent", "persistent", 0), ("processes", "inline", 0)])
+def test_resuming_with_persistent_workers_changed_is_said(before: str, after: str, told: int,
+                                                          leak_guard: LeakGuard) -> None:
+    # A persistent session draws its base seed once, other loaders one each epoch, from the
+    # generator the shuffle draws from too: resumed the other way, the later epochs' order and
+    # augmentations differ from the run's (stop 53: silent).
+    expected = uninterrupted(lambda: map_loader("shuffle", **ENGINES[before]))
+    got = interrupted(lambda: map_loader("shuffle", **ENGINES[before]), taken=3,
+                      resume_with=lambda: map_loader("shuffle", **ENGINES[after]))
+    assert got.epochs[CHECKPOINT_EPOCH] == expected.epochs[CHECKPOINT_EPOCH]  # the loaded epoch's rest: as saved
+    if not told:
+        assert got.epochs == expected.epochs
+    said = [w for w in got.warnings if "persistent workers and is resumed by one" in w]
+    assert len(said) == told, got.warnings
+
+
+@pytest.mark.timeout(120)
 def test_torch_seeding_resumes_the_samples_not_the_worker_draws(leak_guard: LeakGuard) -> None:
     make = lambda: map_loader("shuffle", num_workers=2, worker_seeding="torch")  # noqa: E731
     expected = uninterrupted(make)

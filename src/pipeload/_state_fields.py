@@ -71,8 +71,11 @@ class StateFields:
             raise bad_state_field(self.name(key), value, expected)
         return value
 
-    def boolean(self, key: str) -> bool:
-        value = self.raw(key, "True or False")
+    def boolean(self, key: str, default: Any = MISSING) -> Any:
+        """True or False; missing, ``default`` (refused when there is none)."""
+        value = self.raw(key, "True or False", default)
+        if value is default and default is not MISSING:
+            return value
         if not isinstance(value, bool):
             raise bad_state_field(self.name(key), value, "True or False")
         return value

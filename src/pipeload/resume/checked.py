@@ -66,6 +66,7 @@ class CheckedState:
     config: dict[str, Any]
     epoch: CheckedEpoch | None
     next: CheckedNext | None
+    persistent: bool | None = None  # whether its loader ran persistent workers (None: not said)
 
     @property
     def saved_generator(self) -> torch.Tensor | None:
@@ -95,6 +96,8 @@ def read_fields(state: Any) -> CheckedState:
     config = _read_config(fields)
     fields.choice("worker_seeding", WORKER_SEEDINGS)
     fields.choice("mode", MODES)
+    # Written since stop 54: states saved before it do not say, and load without the warning.
+    persistent = fields.boolean("persistent_workers", default=None)
     has_epoch, has_next = "epoch" in state, "next" in state
     if has_epoch == has_next:
         raise IncompatibleStateError(
@@ -106,7 +109,7 @@ def read_fields(state: Any) -> CheckedState:
     if version >= 2:
         fields.raw(DIGEST_FIELD, "the digest state_dict() writes")
     fields.finish()
-    return CheckedState(version, config, epoch, upcoming)
+    return CheckedState(version, config, epoch, upcoming, persistent)
 
 
 def check_content(state: dict[str, Any], checked: CheckedState) -> None:

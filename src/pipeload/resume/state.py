@@ -128,7 +128,8 @@ def build_state(loader: Any, record: EpochRecord | None, progress: EpochProgress
     """The JSON-serialisable checkpoint of ``loader`` now."""
     _warn_if_a_map_datasets_state_is_left_out(loader)
     state: dict[str, Any] = {"format": FORMAT, "version": VERSION, "config": config_of(loader),
-                             "worker_seeding": loader.worker_seeding, "mode": loader.mode}
+                             "worker_seeding": loader.worker_seeding, "mode": loader.mode,
+                             "persistent_workers": _runs_a_session(loader)}
     if record is not None and progress is not None and not progress.ended:
         state["epoch"] = _epoch_state(record, progress, _pads_across_ranks(loader))
         # Engines with workers ask the sampler for tasks as the epoch starts; without workers
@@ -214,6 +215,7 @@ def read_state(loader: Any, state: Any) -> ResumePoint:
     _check_config(loader, checked.config)
     _check_seeding(loader, state["worker_seeding"])  # read_fields checked it is one of the choices
     _warn_if_the_mode_draws_otherwise(loader, state["mode"])
+    _warn_if_persistence_draws_otherwise(loader, checked.persistent)
     _check_generator(loader, checked.saved_generator is not None)
     _check_sampler(loader, checked.sampler, checked.sampler_path)
     if checked.epoch is not None:
@@ -328,6 +330,32 @@ def _check_seeding(loader: Any, saved: str) -> None:
     silently (the speed settings may change; this is not one)."""
     if saved != loader.worker_seeding:
         raise state_mismatch("this DataLoader", {"worker_seeding": (saved, loader.worker_seeding)})
+
+
+def _runs_a_session(loader: Any) -> bool:
+    """Whether the loader's workers outlive an epoch (persistent, and there are workers)."""
+    return bool(loader.persistent_workers) and loader.num_workers > 0
+
+
+def _warn_if_persistence_draws_otherwise(loader: Any, saved: bool | None) -> None:
+    """A loader with persistent workers draws its session's base seed once; one without draws
+    one from its generator every epoch, as torch's do. Resumed the other way, the loaded epoch's
+    rest goes on as saved, but every later epoch draws otherwise, and a shuffle drawing from the
+    same generator (the global one, by default) shuffles otherwise: said, not refused (stop 53's
+    resume skeptic found it silent). ``saved`` None: a state from before the field."""
+    if saved is None or saved == _runs_a_session(loader):
+        return
+    had, has = ("with", "without") if saved else ("without", "with")
+    warnings.warn(
+        f"this state was saved by a loader {had} persistent workers and is resumed by one {has} "
+        "them: the rest of the loaded epoch goes on as saved, but from the next epoch on the "
+        "loader draws from its generator otherwise (a persistent session draws its workers' base "
+        "seed once, other loaders once an epoch), so the order a shuffle draws from that "
+        "generator and the random values drawn while building batches (augmentations) differ "
+        "from the run's. Resume with the persistent_workers and num_workers the state was saved "
+        "with to go on as the run would have.",
+        stacklevel=first_frame_outside_pipeload(),
+    )
 
 
 def _warn_if_the_mode_draws_otherwise(loader: Any, saved: str) -> None:
