@@ -51,6 +51,11 @@ def put_then_die(queue: DataLoaderQueue, code: int) -> None:
     os._exit(code)
 
 
+def put_then_raise(queue: DataLoaderQueue) -> None:
+    queue.put("last words")
+    raise RuntimeError("the producer failed before closing its queue")
+
+
 def echo_until_closed(requests: DataLoaderQueue, answers: DataLoaderQueue) -> None:
     while True:
         try:
@@ -232,6 +237,20 @@ def test_a_far_end_that_dies_is_a_queue_error_after_what_it_sent(how: str) -> No
     else:
         assert as_numbers([first, *items]) == list(range(1 + len(items)))
     child.join(DEADLINE_S)
+    queue.close()
+    child.close()
+
+
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_a_producer_that_raises_without_closing_is_a_death_not_an_end(start: str) -> None:
+    # A spawned producer runs its queue end's finalizer as it exits: that told the consumer "closed",
+    # as a finished stream does, and a stream cut short read as whole (a forked one said "died").
+    queue = DataLoaderQueue(kind="process")
+    child = multiprocessing.get_context(start).Process(target=put_then_raise, args=(queue,))
+    child.start()
+    items, end = drain(queue)
+    child.join(DEADLINE_S)
+    assert items == ["last words"] and end.reason == QueueError.DIED, end
     queue.close()
     child.close()
 

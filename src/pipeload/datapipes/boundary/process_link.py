@@ -218,11 +218,13 @@ class ProcessLink:
         payload = bytes((LINK_TAG,)) + pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         send_message(self.sock, payload, fds or [])
 
-    def close(self, error: BaseException | None, where: str) -> None:
+    def close(self, error: BaseException | None, where: str, tell: bool = True) -> None:
         """Tell the far end we closed (with ``error``, if any), then release the socket, the
         slab writer's mappings, and a slab pool of this end's own.
 
-        ``where`` says where this end is, for the far end's message about ``error``.
+        ``where`` says where this end is, for the far end's message about ``error``. ``tell``
+        False: no word of closing, only the socket's end, which the far end reads as this end's
+        death (an end dropped without ``close()``, whose stream may be cut short).
         """
         with self._send_lock:
             if self._closing:
@@ -230,7 +232,8 @@ class ProcessLink:
             self._closing = True
             self._sender.writer.begin(None)  # an item begun and never sent keeps no slab
             try:
-                self._send_closing(error, where)
+                if tell:
+                    self._send_closing(error, where)
             except OSError:
                 pass  # gone already: it learns nothing more from us
         with self._credit:

@@ -408,12 +408,16 @@ def _joining_end(address: Any, token: str, maxsize: int, owner: int) -> ProcessQ
 
 def _release(state: dict[str, Any]) -> None:
     """The backstop when a queue end is dropped unclosed: close its link and listener (in the
-    process that made them only: a fork's copy must not speak on the original's connection)."""
+    process that made them only: a fork's copy must not speak on the original's connection).
+
+    The far end is not told of a close, only of the connection's end: it reads "died", as it
+    does when a forked process leaves without running this. A spawned producer that raised
+    mid-stream runs this at its exit, and a word of closing made its cut stream look whole."""
     if state["pid"] != os.getpid():
         return
     link = state.get("link")
     if link is not None:
-        link.close(None, f"in {process_name()}")
+        link.close(None, f"in {process_name()}", tell=False)
     listener = state.get("listener")
     if listener is not None:
         listener.close()
