@@ -334,6 +334,19 @@ def test_fork_buffer_overflow_is_torchs_error_with_our_detail() -> None:
     assert "Branch 0" in str(error) and "buffer_size" in str(error)
 
 
+@pytest.mark.parametrize("items", [5, 1000])
+def test_fork_holds_exactly_buffer_size_items_as_torch_does(items: int) -> None:
+    # The room was checked before the source was read: a branch read to its end over exactly
+    # buffer_size items (range(1000).fork(2), torch's default buffer) asked past the end and
+    # raised BufferError for an item that does not exist.
+    def one_after_the_other(module: Any) -> Any:
+        a, b = source(module, range(items)).fork(2, buffer_size=items)
+        return list(a) + list(b)
+
+    assert len(same(one_after_the_other)) == 2 * items
+    same_error(lambda m: list(source(m, range(items + 1)).fork(2, buffer_size=items)[0]))
+
+
 def test_fork_runs_one_pass_for_its_branches() -> None:
     a, b = ours_iter.IterableWrapper(range(5)).shuffle().fork(2)  # no seed: drawn once per run
     pairs = list(a.zip(b))

@@ -265,7 +265,6 @@ class _ForkRun(_Run):
             else:
                 if self._end is not None:
                     raise StopIteration
-                self._check_room(instance_id, position)
                 try:
                     value = self.source().nonblocking_next()
                 except StopIteration:
@@ -273,6 +272,9 @@ class _ForkRun(_Run):
                     self.source_ended()
                     raise
                 self._buffer.append(value)
+                # Checked once an item was read, as torch checks: a source of exactly
+                # buffer_size items read branch by branch is within the limit.
+                self._check_room(instance_id, position)
             self._positions[instance_id] = position + 1
             self._trim()
         return value if self._copy is None else self._copy(value)
