@@ -67,25 +67,49 @@ def test_the_graph_functions_take_a_traversed_graph_as_torchdatas_do() -> None:
         graph.list_dps([dp])
 
 
-def test_replace_builds_a_new_graph_and_leaves_the_old_one() -> None:
+def test_replace_and_remove_change_the_graph_in_place_as_torchdatas_do() -> None:
+    # torchdata's replace_dp reassigns the reading pipe's attribute: code written for it keeps
+    # iterating the pipe it built. Ours built a new graph and left that one as it was (stop 54's
+    # pipes skeptic: the edit silently did not take).
     pipe = IterableWrapper(range(9)).shuffle().set_seed(1).map(add_one).batch(3)
     (shuffle,) = graph.find_dps(pipe, Shuffler)
-    ordered = graph.replace_dp(pipe, shuffle, shuffle.datapipe)
-    assert list(ordered) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    assert graph.find_dps(pipe, Shuffler) == [shuffle] and graph.find_dps(ordered, Shuffler) == []
-    removed = graph.remove_dp(pipe, shuffle)
-    assert list(removed) == list(ordered)
+    assert graph.replace_dp(pipe, shuffle, shuffle.datapipe) is pipe
+    assert list(pipe) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]] and graph.find_dps(pipe, Shuffler) == []
     with pytest.raises(ValueError, match="is not in the graph"):
-        graph.replace_dp(pipe, IterableWrapper([]), shuffle)
+        graph.replace_dp(pipe, shuffle, shuffle.datapipe)
+    (mapper,) = graph.find_dps(pipe, Mapper)
+    assert graph.remove_dp(pipe, mapper) is pipe
+    assert list(pipe) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     with pytest.raises(ValueError, match="exactly one parent"):
         graph.remove_dp(pipe, graph.find_dps(pipe, IterableWrapper)[0])
+
+
+def test_replace_can_put_a_pipe_after_the_one_it_replaces_and_replace_the_last_pipe() -> None:
+    source = IterableWrapper(range(4))
+    pipe = source.map(add_one)
+    assert graph.replace_dp(pipe, source, source.map(add_one)) is pipe  # a pipe put after the source
+    assert list(pipe) == [2, 3, 4, 5]
+    other = IterableWrapper(range(2))
+    assert graph.replace_dp(pipe, pipe, other) is other
+    traversed = graph.replace_dp(graph.traverse_dps(other), other, IterableWrapper("ab"))
+    ((last, _),) = traversed.values()
+    assert list(last) == ["a", "b"]
 
 
 def test_replace_keeps_a_shared_node_shared() -> None:
     a, b = IterableWrapper(range(4)).fork(2)
     pipe = a.zip(b.map(add_one))
     (source,) = graph.find_dps(pipe, IterableWrapper)
-    swapped = graph.replace_dp(pipe, source, IterableWrapper(range(10, 14)))
+    assert graph.replace_dp(pipe, source, IterableWrapper(range(10, 14))) is pipe
+    assert list(pipe) == [(10, 11), (11, 12), (12, 13), (13, 14)]
+
+
+def test_a_replacement_in_a_copy_leaves_the_original_graph_as_it_was() -> None:
+    # What the loader does to place process boundaries: the user's graph is never changed.
+    a, b = IterableWrapper(range(4)).fork(2)
+    pipe = a.zip(b.map(add_one))
+    (source,) = graph.find_dps(pipe, IterableWrapper)
+    swapped = graph.replaced_in_a_copy(pipe, source, IterableWrapper(range(10, 14)))
     assert list(swapped) == [(10, 11), (11, 12), (12, 13), (13, 14)]
     assert list(pipe) == [(0, 1), (1, 2), (2, 3), (3, 4)]
 

@@ -42,6 +42,7 @@ __all__ = [
     "parents_of",
     "remove_dp",
     "replace_dp",
+    "replaced_in_a_copy",
     "traverse",
     "traverse_dps",
 ]
@@ -164,26 +165,44 @@ def find_dps(datapipe: Any, dp_type: type | tuple[type, ...]) -> list[Any]:
 
 
 def replace_dp(datapipe: Any, old_dp: Any, new_dp: Any) -> Any:
-    """A graph like ``datapipe``'s with ``old_dp`` replaced by ``new_dp``.
-
-    The pipes between ``old_dp`` and the end are copied with their new parents; everything else
-    (and the original graph) is left as it was. Returns the new last pipe, or (given a
-    :func:`traverse_dps` graph, as torchdata's takes) the new graph.
+    """Make every pipe of ``datapipe``'s graph that reads from ``old_dp`` read from ``new_dp``
+    instead, in place, as torchdata's ``replace_dp`` does (code written for it keeps using the
+    pipe it built). ``new_dp`` may itself read from ``old_dp`` (a pipe put after it). Returns the
+    graph's last pipe (``new_dp`` when ``old_dp`` was it), or, given a :func:`traverse_dps`
+    graph (as torchdata's takes), that pipe's graph. To leave the graph as it is, replace in a
+    :func:`copy_graph` of it, or see :func:`replaced_in_a_copy`.
 
     Example:
         >>> dp = IterableWrapper(range(9)).shuffle().batch(3)
         >>> (shuffle,) = find_dps(dp, Shuffler)
-        >>> ordered = replace_dp(dp, shuffle, shuffle.datapipe)
+        >>> dp = replace_dp(dp, shuffle, shuffle.datapipe)  # dp batches in order now
     """
     last = _last_pipe(datapipe, "replace_dp")
-    if not any(node is old_dp for node in list_dps(last)):
+    nodes = list_dps(last)
+    if not any(node is old_dp for node in nodes):
         raise ValueError(f"replace_dp: {old_dp!r} is not in the graph of {last!r}")
-    rebuilt = _rebuild(last, {id(old_dp): new_dp}, {}, copy_all=False)
-    return traverse_dps(rebuilt) if isinstance(datapipe, dict) else rebuilt
+    swap = {id(old_dp): new_dp}
+    for node in nodes:  # the graph as it was: new_dp's own reading from old_dp stays
+        state = vars(node) if node is not old_dp else {}
+        for name in {name for name, parent in parent_slots(node) if parent is old_dp}:
+            state[name] = _substitute(state[name], swap)
+    result = new_dp if last is old_dp else last
+    return traverse_dps(result) if isinstance(datapipe, dict) else result
+
+
+def replaced_in_a_copy(datapipe: Any, old_dp: Any, new_dp: Any) -> Any:
+    """A graph like ``datapipe``'s (its last pipe) with ``old_dp`` replaced by ``new_dp``, the
+    original left as it was: the pipes between ``old_dp`` and the end are copied with their new
+    parents, the rest shared. The loader places process boundaries so (placement.py): the
+    user's graph is never changed."""
+    if not any(node is old_dp for node in list_dps(datapipe)):
+        raise ValueError(f"replaced_in_a_copy: {old_dp!r} is not in the graph of {datapipe!r}")
+    return _rebuild(datapipe, {id(old_dp): new_dp}, {}, copy_all=False)
 
 
 def remove_dp(datapipe: Any, dp: Any) -> Any:
-    """A graph like ``datapipe``'s without ``dp``: its child reads from its parent instead.
+    """Take ``dp`` out of ``datapipe``'s graph, in place, as torchdata's ``remove_dp`` does: the
+    pipes that read from it read from its parent instead. Returns as :func:`replace_dp` does.
 
     Raises:
         ValueError: ``dp`` has no parent or several (there is nothing to reconnect it to), or it

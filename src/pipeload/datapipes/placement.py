@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeload.datapipes.base import is_iter_datapipe, pipe_label
-from pipeload.datapipes.graph import list_dps, replace_dp
+from pipeload.datapipes.graph import list_dps, replaced_in_a_copy
 
 SEPARATE_PROCESS_BUFFER = 8  # items a placed boundary holds, as queue_boundary's default
 
@@ -86,7 +86,7 @@ def place_separate_processes(datapipe: Any, multiprocessing_context: Any = None)
             )
         if any(request is r for r in outermost):
             boundary = QueueBoundary(request, "process", SEPARATE_PROCESS_BUFFER, multiprocessing_context)
-            placed = replace_dp(placed, request, boundary) if request is not datapipe else boundary
+            placed = replaced_in_a_copy(placed, request, boundary) if request is not datapipe else boundary
             placements.append(Placement(pipe_label(request), "its own process (a process boundary after it)"))
         else:
             host = next(r for r in outermost if any(dp is request for dp in list_dps(r)))
