@@ -137,6 +137,14 @@ def test_collate() -> None:
     same(lambda m: source(m).batch(3).collate(conversion=len))
 
 
+@pytest.mark.parametrize("conversion", [None, 3])
+def test_collate_refuses_a_conversion_that_is_no_function_by_name(conversion: Any) -> None:
+    # torch fails at the first batch with "'list' object has no attribute 'items'"; ours said
+    # TorchArrow was missing (stop 54's pipes skeptic)
+    with pytest.raises(TypeError, match=rf"conversion should be the collate function .* but got conversion={conversion}"):
+        ours_iter.IterableWrapper(range(3)).batch(2).collate(conversion=conversion)
+
+
 # -- batch, unbatch, groupby ---------------------------------------------------------------------
 
 

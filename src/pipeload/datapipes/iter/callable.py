@@ -117,6 +117,11 @@ class Collator(Mapper[T_co]):
         collate_fn: Callable[..., Any] | None = None,
     ) -> None:
         if collate_fn is None:
+            if not callable(conversion) and not isinstance(conversion, dict):
+                raise TypeError(
+                    "collate: conversion should be the collate function (or, for torch's DataFrame "
+                    f"pipes, a dict of per-column functions), but got conversion={conversion!r}"
+                )
             if not callable(conversion):
                 raise RuntimeError(
                     "unable to import default collation function from the TorchArrow: a dict "
