@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
+import pipeload
 import pipeload.samplers as ours
 from pipeload.samplers import _InfiniteConstantSampler
 from oracle import generator, raises_like_torch
@@ -473,9 +474,25 @@ def test_bad_weights_are_refused_with_the_words_torch_uses_for_that_draw(weights
     # torch.multinomial has two sentences: one drawing several with replacement, one otherwise.
     with pytest.raises(RuntimeError) as theirs:
         list(torch.utils.data.WeightedRandomSampler(weights, num_samples, replacement))
+    sampler = ours.WeightedRandomSampler(weights, num_samples, replacement)  # built, as torch's is
     with pytest.raises(RuntimeError) as mine:
-        ours.WeightedRandomSampler(weights, num_samples, replacement)
+        list(sampler)
     assert str(mine.value).startswith(str(theirs.value))
+
+
+def test_weights_are_checked_when_drawn_so_placeholders_may_be_filled_in_first() -> None:
+    # torch's sampler takes any weights of the right shape and fails only when drawing: code
+    # that builds it with zeros and fills them in before the epoch broke at the constructor.
+    sampler = ours.WeightedRandomSampler([0.0, 0.0, 0.0], 4)
+    assert len(sampler) == 4
+    with pytest.raises(RuntimeError, match=r"^invalid multinomial distribution \(sum of probabilities <= 0\)"):
+        list(sampler)
+    sampler.weights = torch.tensor([0.0, 1.0, 0.0], dtype=torch.double)
+    assert list(sampler) == [1, 1, 1, 1]
+    # Two faults: torch's loader names the one it checks first, the shuffle, as ours does now.
+    too_many = ours.WeightedRandomSampler([1.0, 1.0], 5, replacement=False)
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        pipeload.DataLoader(range(2), sampler=too_many, shuffle=True)
 
 
 def test_only_our_samplers_drawing_from_the_global_generator_at_most_may_draw_between_worker_forks():

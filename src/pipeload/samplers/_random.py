@@ -185,7 +185,8 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
 
     Raises:
         ValueError: bad ``num_samples``, ``replacement`` or shape of ``weights``.
-        RuntimeError: weights that ``torch.multinomial`` would refuse (checked up front).
+        RuntimeError: when iterated, weights that ``torch.multinomial`` refuses (as torch's:
+            a sampler built with placeholder weights, set before the epoch, is no error).
 
     Example:
         >>> list(WeightedRandomSampler([0.0, 1.0], 3))
@@ -220,7 +221,6 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
                 "weights should be a 1d sequence but given weights have shape "
                 f"{tuple(weights_tensor.shape)}"
             )
-        _check_weights(weights_tensor, num_samples, replacement)
         self.weights = weights_tensor
         self.num_samples = num_samples
         self.replacement = replacement
@@ -234,6 +234,7 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
                 "num_samples": self.num_samples, "replacement": self.replacement}
 
     def _keys(self) -> Iterator[int]:
+        _check_weights(self.weights, self.num_samples, self.replacement)
         drawn = torch.multinomial(self.weights, self.num_samples, self.replacement,
                                   generator=self.generator)
         yield from drawn.tolist()
@@ -243,9 +244,11 @@ class WeightedRandomSampler(StatefulSampler, Sampler[int], torch_data.WeightedRa
 
 
 def _check_weights(weights: torch.Tensor, num_samples: int, replacement: bool) -> None:
-    """Reject, at construction, what torch.multinomial would reject at the first iteration.
+    """Reject, as an iteration begins, what torch.multinomial rejects, saying what is wrong.
 
-    Each message starts with torch.multinomial's own sentence for the case.
+    Each message starts with torch.multinomial's own sentence for the case. Not at construction:
+    torch's sampler is built with any weights and fails only when drawing (code that fills its
+    weights in before the epoch, or a loader that torch refuses for another reason first).
     """
     problems = {
         "every weight must be finite, but some are inf or NaN": ~torch.isfinite(weights),
