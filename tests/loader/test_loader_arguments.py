@@ -220,6 +220,20 @@ def test_bad_argument_raises_like_torch_and_names_it(name: str) -> None:
         assert fragment in message, f"{fragment!r} is missing from the message: {message!r}"
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"drop_last": 1, "collate_fn": 3},
+    {"batch_size": 1.5, "collate_fn": 3},
+    {"generator": 3, "drop_last": 1},
+    {"sampler": [0, 1], "shuffle": True, "worker_init_fn": 3, "num_workers": 2},
+], ids=["drop-last+collate", "batch-size+collate", "generator+drop-last", "sampler-shuffle+init"])
+def test_a_loader_wrong_two_ways_raises_the_error_torchs_constructor_raises(kwargs: dict[str, Any]) -> None:
+    # Our checks of what torch finds wrong only when iterating ran first: a TypeError where
+    # torch's constructor raises a ValueError (stop 54's parity fuzz).
+    theirs = raised_by(lambda m: m.DataLoader(numbers(m), **kwargs), tud)
+    mine = raised_by(lambda m: m.DataLoader(numbers(m), **kwargs), pipeload)
+    assert type(mine) is type(theirs) and str(mine).startswith(str(theirs)), (theirs, mine)
+
+
 # ------------------------------------------------------------------ accepted edge values
 
 

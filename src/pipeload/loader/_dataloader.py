@@ -161,8 +161,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
         arguments.check_worker_options(num_workers, persistent_workers, worker_type, multiprocessing_context)
         arguments.check_equal_batches(equal_batches)
         arguments.check_worker_seeding(worker_seeding)
-        # worker_init_fn only where workers will call it: torch never looks at it without them.
-        arguments.check_callables(collate_fn=collate_fn, worker_init_fn=worker_init_fn if num_workers != 0 else None)
         self.equal_batches = equal_batches
         self.worker_seeding = worker_seeding
         self.dataset = dataset
@@ -177,7 +175,6 @@ class DataLoader(torch_data.DataLoader[T_co]):
         self.worker_type = worker_type
         self.max_shm_bytes = max_shm_bytes
 
-        check_generator(generator)
         iterable = _is_iterable_dataset(dataset)
         self._dataset_kind = DatasetKind.ITERABLE if iterable else DatasetKind.MAP
         self.num_batch_workers = arguments.resolve_mode(
@@ -196,6 +193,11 @@ class DataLoader(torch_data.DataLoader[T_co]):
             sampler = arguments.default_sampler(dataset, iterable, bool(shuffle), generator)
         if batch_size is not None and batch_sampler is None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        # What torch finds wrong only once iterating, after what its constructor checks (its
+        # BatchSampler's too): a loader wrong both ways raises torch's error, as torch's does.
+        check_generator(generator)
+        # worker_init_fn only where workers will call it: torch never looks at it without them.
+        arguments.check_callables(collate_fn=collate_fn, worker_init_fn=worker_init_fn if num_workers != 0 else None)
 
         self.batch_size = batch_size
         self.drop_last = drop_last
