@@ -357,6 +357,10 @@ ERROR_CASES: dict[str, Any] = {
     "nested-tensor": lambda: [torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])] * 2,
     "sparse-tensor": lambda: [torch.zeros(2, 2).to_sparse()] * 2,
     "unsupported-in-dict": lambda: [{"a": [None]}, {"a": [None]}],
+    # A batch that is one bytes object (batch_size=None, collate_fn=default_collate): its items
+    # are ints, and numpy read it as the text of a number (a ValueError; torch: TypeError).
+    "bytes-as-the-batch": lambda: b"b0",
+    "numpy-bytes-as-the-batch": lambda: np.bytes_(b"n0"),
 }
 
 

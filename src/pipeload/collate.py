@@ -424,7 +424,9 @@ def collate_int_fn(
     batch: Sequence[int], *, collate_fn_map: CollateFnMap | None = None
 ) -> torch.Tensor:
     """Python ints become an int64 tensor; bools (an int subclass) a bool tensor."""
-    if set(map(type, batch)) <= _PLAIN_INT:
+    # A bytes object iterates as ints, but numpy reads it as the text of a number: torch's
+    # tensor() refuses it as torch's collate does.
+    if not isinstance(batch, (bytes, bytearray)) and set(map(type, batch)) <= _PLAIN_INT:
         try:
             # Through numpy: several times faster than torch.tensor on a list for the same result.
             array = np.array(batch, dtype=np.int64)
