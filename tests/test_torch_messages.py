@@ -232,6 +232,7 @@ CASES: dict[str, Case] = {
     # samplers
     "RandomSampler replacement=0": Case(lambda m: m.RandomSampler(range(4), replacement=0)),
     "RandomSampler num_samples=0": Case(lambda m: m.RandomSampler(range(4), num_samples=0)),
+    "RandomSampler drawing from nothing": Case(lambda m: list(m.RandomSampler([], num_samples=3))),
     "WeightedRandomSampler num_samples=0": Case(lambda m: m.WeightedRandomSampler([1.0], 0)),
     "WeightedRandomSampler replacement=0": Case(lambda m: m.WeightedRandomSampler([1.0], 1, replacement=0)),
     "WeightedRandomSampler 2-d weights": Case(lambda m: m.WeightedRandomSampler([[1.0]], 1)),

@@ -128,10 +128,10 @@ def _draws_with_replacement(size: int, count: int, generator: torch.Generator) -
 
 def _chained_permutations(size: int, count: int, generator: torch.Generator) -> Iterator[int]:
     if size == 0:
-        # ZeroDivisionError is the type torch raises here; keep it, with a clearer message.
+        # torch's error, its words first, then what they mean here.
         raise ZeroDivisionError(
-            f"RandomSampler cannot draw num_samples={count} without replacement from an empty "
-            "data_source (len 0)"
+            f"integer division or modulo by zero (pipeload: RandomSampler cannot draw "
+            f"num_samples={count} without replacement from an empty data_source, len 0)"
         )
     for _ in range(count // size):
         yield from keys_of(torch.randperm(size, generator=generator))
