@@ -341,6 +341,14 @@ def _lengths_seen(rank: int, init_file: str, out_dir: str) -> None:
             except TypeError as error:
                 found[f"len-{policy}"] = str(error)
             found[f"batches-{policy}"] = sum(1 for _batch in loader)
+            # A map-style loader over each rank's own list: the same (stop 54, a Lightning job
+            # stopped one rank at its own count and crashed the other's next collective).
+            loader = pipeload.DataLoader(list(SHARES[rank]), batch_size=2, equal_batches=policy)
+            try:
+                found[f"map-len-{policy}"] = len(loader)
+            except TypeError as error:
+                found[f"map-len-{policy}"] = str(error)
+            found[f"map-batches-{policy}"] = sum(1 for _batch in loader)
         # Map-style over torch's DistributedSampler: every rank's count is the same, and len() says it.
         sampler = torch.utils.data.DistributedSampler(list(range(9)), shuffle=False)
         loader = pipeload.DataLoader(list(range(9)), batch_size=2, sampler=sampler, equal_batches="pad")
@@ -351,7 +359,7 @@ def _lengths_seen(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_len_of_an_iterable_loader_under_equal_batches_is_unknown_so_frameworks_run_it_to_the_end(
+def test_len_of_a_loader_whose_ranks_differ_under_equal_batches_is_unknown_so_frameworks_run_it_to_the_end(
         tmp_path: Path) -> None:
     # Lightning stops an epoch at len(loader): it read each rank's own count, so a padding rank
     # stopped after its own batches (3 of 7, a skeptic's run) while the other went on, whose next
@@ -364,4 +372,6 @@ def test_len_of_an_iterable_loader_under_equal_batches_is_unknown_so_frameworks_
         for policy, batches in (("drop", 3), ("pad", 5)):
             assert f"equal_batches={policy!r} across 2 ranks is not known in advance" in found[f"len-{policy}"]
             assert found[f"batches-{policy}"] == batches
+            assert f"equal_batches={policy!r} across 2 ranks is not known in advance" in found[f"map-len-{policy}"]
+            assert found[f"map-batches-{policy}"] == batches
         assert found["map"] == [3, 3]

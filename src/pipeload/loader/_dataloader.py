@@ -294,25 +294,30 @@ class DataLoader(torch_data.DataLoader[T_co]):
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
             return length
+        if not _equal_on_every_rank(self._index_sampler):
+            self._refuse_len_the_ranks_agree_on_as_they_go()
         return len(self._index_sampler)
 
     def _refuse_len_the_ranks_agree_on_as_they_go(self) -> None:
-        """An iterable's ranks agree on their batch count under ``equal_batches`` only as the
-        epoch runs: this rank's own count is not what it will yield, and a framework that stops
-        an epoch at ``len(loader)`` (Lightning does) stopped a padding rank after its own 3
-        batches while the other padded on to 7, whose next collective found no peer. Without a
-        length, such a framework runs the loader to the end the ranks agree on. (Asking the
-        other ranks here would be a collective, which a ``len()`` on rank 0 alone, a progress
-        bar's, would put out of step with the ranks' other collectives.)"""
+        """Ranks agree on their batch count under ``equal_batches`` only as the epoch runs: this
+        rank's own count is not what it will yield, and a framework that stops an epoch at
+        ``len(loader)`` (Lightning does) stopped a padding rank after its own 3 batches while
+        the other padded on to 7, whose next collective found no peer. Without a length, such a
+        framework runs the loader to the end the ranks agree on. (Asking the other ranks here
+        would be a collective, which a ``len()`` on rank 0 alone, a progress bar's, would put
+        out of step with the ranks' other collectives.) Map-style loaders too, unless their
+        sampler gives every rank as many (stop 54: a Lightning job over per-rank lists crashed)."""
         if self.equal_batches is None:
             return
         placement = current_placement()
         if placement.world_size > 1:
+            what = "an iterable dataset" if self._dataset_kind is DatasetKind.ITERABLE else (
+                "a map-style dataset whose sampler is no DistributedSampler")
             raise TypeError(
-                f"len() of a DataLoader over an iterable dataset with equal_batches="
+                f"len() of a DataLoader over {what} with equal_batches="
                 f"{self.equal_batches!r} across {placement.world_size} ranks is not known in "
                 "advance: the ranks agree on when the epoch ends as it runs (each rank's dataset "
-                "has its own length), so iterate it to its end")
+                "or sampler has its own length), so iterate it to its end")
 
     # -- stats -----------------------------------------------------------------------------
 
@@ -650,3 +655,13 @@ def _let_go_of_slabs(release: Callable[[], None]) -> None:
     with ctrl_c_held():
         wait_for_reaped(REAPED_WITHIN_S)
         release()
+
+
+def _equal_on_every_rank(index_sampler: Any) -> bool:
+    """Whether ``index_sampler`` gives every rank as many batches by construction: a
+    ``DistributedSampler`` (torch's, ours, a subclass: Lightning's), alone or batched, pads or
+    drops to an equal share."""
+    sampler = index_sampler
+    if isinstance(sampler, (BatchSampler, torch_data.BatchSampler)):
+        sampler = getattr(sampler, "sampler", None)
+    return isinstance(sampler, torch_data.DistributedSampler)
