@@ -157,6 +157,25 @@ def test_without_an_accelerator_tensor_pinning_raises_like_torch() -> None:
         pin_memory({"a": t(1)})
 
 
+@pytest.mark.skipif(pinning_available(), reason="checks the accelerator-less warning")
+@pytest.mark.parametrize("module", ["torch", "pipeload"])
+def test_without_an_accelerator_the_pin_memory_warning_comes_before_a_timeout_refusal(module: str) -> None:
+    # torch's iterator warns before its single-process iterator refuses the timeout; ours
+    # refused first and never warned (stop 54's parity fuzz).
+    import warnings
+
+    import torch.utils.data as tud
+
+    import pipeload
+
+    loader = (tud if module == "torch" else pipeload).DataLoader(range(4), pin_memory=True, timeout=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(AssertionError, match="requires timeout == 0"):
+            iter(loader)
+    assert any("'pin_memory' argument is set as true but no accelerator is found" in str(w.message) for w in caught)
+
+
 @needs_cuda
 def test_real_pinning_pins_every_tensor() -> None:
     batch = {"x": [Pair(t(1), {"y": (t(2),)})], "name": "n", "n": 3}

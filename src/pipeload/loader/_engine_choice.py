@@ -58,6 +58,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
     replica_setup = _replica_setup(loader)
     base_seed = draw_base_seed(loader.generator) if session is None else session[0]
     loader._session = (base_seed, 1 if session is None else session[1])
+    pins = _pins(loader)
     if loader.timeout > 0 and loader.num_workers == 0:
         raise ArgumentAssertionError(TORCH_TIMEOUT_WITHOUT_WORKERS + " (pipeload: "
             f"timeout={loader.timeout!r} needs workers: set num_workers > 0 or timeout=0)"
@@ -80,7 +81,7 @@ def build_engine(loader: Any, point: resume.ResumePoint | None = None,
             replica.draw_shared_seed(loader.generator, share=False)
     if point is not None and point.handed_out_above:
         engine = resume.DropHandedOut(engine)  # below pinning and the ranks' agreement
-    return _balance_ranks(loader, _maybe_pin(loader, engine))
+    return _balance_ranks(loader, _maybe_pin(loader, engine, pins))
 
 def _balance_ranks(loader: Any, engine: Any) -> Any:
     if loader.equal_batches is None or current_placement().world_size == 1:
@@ -229,9 +230,11 @@ def _numbers_batches(loader: Any) -> bool:
     # record which were handed out (iterable replicas record their own positions).
     return not loader.in_order and loader._dataset_kind is DatasetKind.MAP
 
-def _maybe_pin(loader: Any, engine: Any) -> Any:
+def _pins(loader: Any) -> bool:
+    """Whether the epoch's batches are pinned; says why not, or what is ignored, as torch's
+    iterator does before anything else can fail (a timeout without workers, say)."""
     if not loader.pin_memory:
-        return engine
+        return False
     if loader.pin_memory_device:
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the "
@@ -246,6 +249,12 @@ def _maybe_pin(loader: Any, engine: Any) -> Any:
             "memory.)",
             stacklevel=first_frame_outside_pipeload(),
         )
+        return False
+    return True
+
+
+def _maybe_pin(loader: Any, engine: Any, pins: bool) -> Any:
+    if not pins:
         return engine
     if loader.num_workers == 0:
         return InlinePinning(engine, None, loader._stats)
