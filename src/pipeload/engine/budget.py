@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeload.transport import shared_memory
+from pipeload.transport.slab_pool import LOOP_FLOOR_SLABS
 
 EMA_WEIGHT = 0.5  # weight of the newest sample: recent behaviour decides
 MARGIN = 1.25  # build time is stretched by this much before dividing
@@ -61,6 +62,12 @@ POOL_TOLERATED_WAIT = 0.5
 GROW_AFTER = 4  # large batches: requests in a row whose estimate asks for more before it is given
 DEFAULT_SHM_SHARE = 0.5  # of what the backing memory can still take, when max_shm_bytes is None
 UNKNOWN_SHM_BYTES = 1 << 62
+
+
+def loop_floor_slabs(max_shm_bytes: int | None) -> int:
+    """Slabs a pool may hold beyond the byte budget: under a user's ``max_shm_bytes``, the two a
+    training loop needs (slab_pool.LOOP_FLOOR_SLABS); under a budget read from the memory, none."""
+    return LOOP_FLOOR_SLABS if max_shm_bytes is not None else 0
 
 
 def shm_budget_bytes(max_shm_bytes: int | None, held_bytes: int = 0) -> int:

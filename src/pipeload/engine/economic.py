@@ -33,6 +33,7 @@ from pipeload.engine.budget import (
     POOL_TOLERATED_WAIT,
     InFlightBudget,
     PoolBuildClock,
+    loop_floor_slabs,
     shm_budget_bytes,
 )
 from pipeload.engine.direct_batches import DirectBatch, DirectBatches
@@ -243,7 +244,8 @@ class EconomicEngine:
         # needs no slab of its own: the next batch is granted its slab, and written once it is
         # released (see slab_pool.py), pinned slabs too (their releases land from a watcher
         # thread once the copies out of them are done). ``_top_up`` follows the budget.
-        slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1)
+        slab_settings = SlabSettings(config.pin_slabs, max_bytes, config.prefetch_factor + 1,
+                                     loop_floor_slabs(config.max_shm_bytes))
         # Item worker 0 starts now; the others as their first pieces go out (the first ones
         # fetch while the rest are forked), all of them by the end of start_epoch, where the
         # sampler's draws change nothing they could see (else all start now, as in a classic

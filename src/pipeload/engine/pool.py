@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeload.engine.budget import InFlightBudget, shm_budget_bytes
+from pipeload.engine.budget import InFlightBudget, loop_floor_slabs, shm_budget_bytes
 from pipeload.engine.epoch_flow import TaskSupply, hand_out
 from pipeload.engine.lifecycle import WorkerLaunch
 from pipeload.engine.plan import DatasetKind, EpochStart, WorkerSetup
@@ -157,7 +157,7 @@ class PoolEngine:
         # here, not on the stats, so that an untimed hand-out costs one comparison whether stats
         # are on or off.
         self._next_look = 0 if self._stats is not None else math.inf
-        slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1)
+        slabs = SlabSettings(config.pin_slabs, max_bytes, max_batches + 1, loop_floor_slabs(config.max_shm_bytes))
         # Workers' tasks are counted by the ledger, which counts each worker's answers anyway.
         self._ledger_counts = self._stats is not None
         # A map-style task's samples are known here (its indices): counted as its answer comes,

@@ -89,7 +89,8 @@ class DataLoader(torch_data.DataLoader[T_co]):
             a countdown per batch, the timing about one batch in 64). False turns it off.
         max_shm_bytes: the most shared memory (bytes) process workers' batches in flight and
             reusable slabs may take; None (the default) allows half of what the memory behind
-            them can still take. Batches larger than it still load, one at a time.
+            them can still take. Batches larger than it still load, one at a time, in two
+            reusable slabs: the batch the loop holds and the next (the least any loop needs).
         equal_batches: under ``torch.distributed`` with several ranks, make every rank yield the
             same number of batches each epoch, so DDP never waits on a rank that has finished:
             ``"drop"`` ends the epoch on every rank when the first runs out, ``"pad"`` lets ranks

@@ -94,11 +94,14 @@ class SlabSettings:
         pin: page-lock slabs for CUDA, so batches come out pinned with no copy.
         max_bytes: the most shared memory the slabs may hold.
         batches_in_flight: the most batches ever in flight, plus one; bounds the number of slabs.
+        floor_slabs: slabs the pool may hold even beyond ``max_bytes`` (slab_pool.LOOP_FLOOR_SLABS
+            under a user's ``max_shm_bytes``; 0 under a budget read from the memory).
     """
 
     pin: bool
     max_bytes: int
     batches_in_flight: int
+    floor_slabs: int = 0
 
 
 class SlabKeeper:
@@ -158,7 +161,7 @@ class SlabKeeper:
                 self._pool, self._pin = self._new_pool(settings), settings.pin
             self._lent = True
             _IDLE.not_idle(self)
-            self._pool.fit(settings.max_bytes, settings.batches_in_flight)
+            self._pool.fit(settings.max_bytes, settings.batches_in_flight, settings.floor_slabs)
             return self._pool
 
     def give_back(self, pool: SlabPool, release: bool = False) -> None:
@@ -194,7 +197,7 @@ class SlabKeeper:
 
     def _new_pool(self, settings: SlabSettings) -> SlabPool:
         return SlabPool(pin=settings.pin, max_bytes=settings.max_bytes,
-                        batches_in_flight=settings.batches_in_flight)
+                        batches_in_flight=settings.batches_in_flight, floor_slabs=settings.floor_slabs)
 
     def _close_kept(self) -> None:
         _IDLE.not_idle(self)

@@ -57,6 +57,13 @@ LARGE_BATCH_BYTES = 8 << 20  # from here on, when fresh pages are mapped matters
 # this many grants in a row: the in-flight budget moves by one now and then (a slow build on a
 # busy machine), and a slab retired on one grant and made again a few later costs its pages twice.
 SURPLUS_PATIENCE_GRANTS = 16
+# The batch a training loop holds while it asks for the next, and that next one: the fewest
+# slabs that keep batches off fresh memory. A user's byte budget below two slabs does not lower
+# the pool under them: with one slab, held by the loop, every other batch went to a fresh
+# buffer, uncounted, and the budget took 1.5 times the memory no budget took (stop 54's
+# transport skeptic: 48.8 MiB under a 24 MiB budget, 32.5 MiB with none). A budget read from
+# what the memory can still take is kept to the byte: there, a second slab may not fit at all.
+LOOP_FLOOR_SLABS = 2
 
 
 CARRIED_TOKEN = -1  # the last batch handed out before tokens started afresh (cancel_all_grants)
@@ -76,7 +83,8 @@ class SlabPool:
         board shows the count its grant names;
       - a grant tells the producer how many controls it must have applied before writing (see
         ``ControlQueues`` in slab_records.py);
-      - never more than ``max_bytes`` of slabs; more than the slab limit only while the surplus
+      - never more than ``max_bytes`` of slabs, or ``floor_slabs`` slabs where fewer would not
+        fit it (a user's budget: ``LOOP_FLOOR_SLABS``); more than the slab limit only while the surplus
         is younger than ``SURPLUS_PATIENCE_GRANTS`` grants.
 
     Example:
@@ -87,11 +95,12 @@ class SlabPool:
         >>> controls = pool.take_controls(0)           # send these before the grant
     """
 
-    def __init__(self, *, pin: bool, max_bytes: int, batches_in_flight: int = 1) -> None:
+    def __init__(self, *, pin: bool, max_bytes: int, batches_in_flight: int = 1, floor_slabs: int = 0) -> None:
         self._pin = pin and host_pinning.can_register()
         self._pin_device: int | None = None  # the main thread's device, read at the first slab
         self._batches_in_flight = batches_in_flight  # at most, for the /dev/shm comparison
         self._max_bytes = max_bytes
+        self._floor_slabs = floor_slabs  # slabs the pool may hold beyond max_bytes (LOOP_FLOOR_SLABS)
         self._slab_limit = 0
         self._in_flight = 0  # batches the engine keeps in flight (see set_in_flight)
         self._grants_ahead = 2
@@ -180,14 +189,16 @@ class SlabPool:
 
     # -- between worker sets -------------------------------------------------------------
 
-    def fit(self, max_bytes: int, batches_in_flight: int) -> None:
+    def fit(self, max_bytes: int, batches_in_flight: int, floor_slabs: int = 0) -> None:
         """Serve a new set of producers that may keep ``batches_in_flight`` batches in flight
-        (plus one held) within ``max_bytes``: free slabs beyond what it can use go now."""
+        (plus one held) within ``max_bytes`` (or ``floor_slabs`` slabs, see ``LOOP_FLOOR_SLABS``):
+        free slabs beyond what it can use go now."""
         self._max_bytes = max_bytes
+        self._floor_slabs = floor_slabs
         self._batches_in_flight = batches_in_flight
         most = batches_in_flight + 1  # in flight, held, and (until grants ahead work) one more
         for slab in sorted(self._slabs.values(), key=lambda s: -s.slab_id):
-            if len(self._slabs) <= most and self.slab_bytes <= max_bytes:
+            if len(self._slabs) <= most and (self.slab_bytes <= max_bytes or len(self._slabs) <= floor_slabs):
                 break
             if self._is_free(slab):
                 self._retire(slab)
@@ -385,7 +396,8 @@ class SlabPool:
         """Whether the pool may hold one more slab (of ``size``, else of the wanted size)."""
         return (len(self._slabs) - self._held_back() < self._slab_limit
                 and len(self._slabs) + len(self._retired_in_use) < MAX_SLABS
-                and self.slab_bytes + (self._wanted_size if size is None else size) <= self._max_bytes)
+                and (len(self._slabs) < self._floor_slabs
+                     or self.slab_bytes + (self._wanted_size if size is None else size) <= self._max_bytes))
 
     def _held_back(self) -> int:
         """Slabs a worker's note said it still views: out of use until a later note (a collate
