@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import pipeload  # noqa: E402
 from pipeload.datapipes.iter import IterableWrapper  # noqa: E402
 from pipeload.errors import WorkerDiedError  # noqa: E402
 
@@ -736,6 +737,7 @@ class StuckFrom:
 
     def __call__(self, x: int) -> int:
         if x >= self.first and os.path.exists(self.marker):
+            open(self.marker + ".entered", "w").close()  # the test can wait for the hang itself
             time.sleep(600)
         return x
 
@@ -755,6 +757,45 @@ def test_an_actor_stuck_in_an_abandoned_run_is_not_handed_to_the_next(clean, tmp
     started = time.monotonic()
     assert list(pipe) == list(range(40))
     assert time.monotonic() - started < 20  # a new actor, not the hung one
+    pipe.release_actors()
+
+
+@pytest.mark.parametrize("through", ["pipe", "loader"])
+def test_an_actor_stuck_in_a_run_left_by_break_is_not_handed_to_the_next(clean, tmp_path, through):
+    # Only close() looked for actors still in a call: a loop's break drops the run, whose
+    # finalizer pooled its hung actor, and the next run waited start_timeout_s behind it.
+    marker = tmp_path / "hang"
+    marker.touch()
+    pipe = IterableWrapper(range(40)).sharding_filter().map(StuckFrom(10, str(marker))).queue_boundary(
+        "ray", 8, num_actors=1, start_timeout_s=30)
+    source = pipe if through == "pipe" else pipeload.DataLoader(pipe, batch_size=None)
+    for taken, _ in enumerate(source):
+        if taken == 7:
+            assert wait_for(lambda: (tmp_path / "hang.entered").exists())  # in item 10's call
+            break
+    marker.unlink()
+    started = time.monotonic()
+    assert [int(x) for x in source] == list(range(40))
+    assert time.monotonic() - started < 20  # a new actor, not the hung one
+    pipe.release_actors()
+
+
+@pytest.mark.parametrize("through", ["pipe", "loader"])
+def test_a_new_run_made_before_the_last_lets_go_takes_its_actors_when_the_cluster_is_full(clean, through):
+    # it = iter(loader) makes the new run while the old one still holds the cluster's CPUs: its
+    # new actors waited to be placed beside the old run's idle ones, and failed after
+    # start_timeout_s blaming the cluster.
+    cpus = int(ray.cluster_resources()["CPU"])
+    pipe = IterableWrapper(range(4 * cpus)).sharding_filter().queue_boundary(
+        "ray", 2 * cpus, num_actors=cpus, num_cpus=1, start_timeout_s=30)
+    source = pipe if through == "pipe" else pipeload.DataLoader(pipe, batch_size=None)
+    it = iter(source)
+    next(it)
+    started = time.monotonic()
+    it = iter(source)
+    assert sorted(int(x) for x in it) == list(range(4 * cpus))
+    assert time.monotonic() - started < 20
+    del it
     pipe.release_actors()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from pipeload.datapipes.boundary.ray_shard import ShardRunner
@@ -141,13 +142,16 @@ def _kill_held(held: dict[str, Any]) -> None:
 
 class RunActors:
     """One run's actors and what becomes of them when the run ends: back to the pool when the
-    run went well, killed otherwise. ``release`` is the run's finalizer: it holds no run."""
+    run went well, killed otherwise. ``release`` is the run's finalizer: it holds no run.
+    ``settle`` (set by the run, holding its lanes, not the run) names the actors still in a
+    call after a grace (ray_upstream.py), whether the run was closed or dropped (a ``break``:
+    only ``close()`` asked, and a hung actor went to the pool, stop 54's Ray skeptic)."""
 
     def __init__(self, ray: Any, handles: list[Any], pool: ActorPool | None) -> None:
         self.ray = ray
         self.handles = handles
         self.reusable = True
-        self.busy: set[int] = set()  # actors still in a call as the run ended: never pooled
+        self.settle: Callable[[], set[int]] | None = None
         self._pool = weakref.ref(pool) if pool is not None else None
 
     def replace(self, index: int, handle: Any) -> None:
@@ -165,8 +169,9 @@ class RunActors:
             return
         # One still in a call (a stage that hangs, or a slow one) would make the next run's start
         # wait behind it, up to start_timeout_s, and then blame the cluster's resources.
-        busy = [handle for index, handle in enumerate(self.handles) if index in self.busy]
-        idle = [handle for index, handle in enumerate(self.handles) if index not in self.busy]
+        in_call = self.settle() if self.settle is not None else set()
+        busy = [handle for index, handle in enumerate(self.handles) if index in in_call]
+        idle = [handle for index, handle in enumerate(self.handles) if index not in in_call]
         kill(self.ray, busy)
         for handle in idle:
             try:

@@ -152,7 +152,8 @@ class Lane:
             self._top_up()
         request = self._requests[0]
         if not request.future.done():
-            self._check_start_deadline()
+            if not self._adopt_an_idle_actor():
+                self._check_start_deadline()
             raise NotAvailable
         self._requests.popleft()
         try:
@@ -210,6 +211,26 @@ class Lane:
         self.requested = self.delivered
         self._start_run()
         self._top_up()
+
+    def _adopt_an_idle_actor(self) -> bool:
+        """While this lane's new actor waits to start, an actor of the pipe's earlier run may
+        come back to the pool: take it, and the waiting one is killed before it runs. The loop's
+        ``it = iter(loader)`` makes the new run before the old one lets its actors go; where the
+        cluster had no room for both, the new actors waited start_timeout_s beside idle ones and
+        the run failed, blaming the cluster (stop 54's Ray skeptic)."""
+        if self._from_pool or self._started is None or self._started.done():
+            return False
+        handle = self._owner.idle_actor_for(self.index)
+        if handle is None:
+            return False
+        self.handle, self._from_pool = handle, True
+        self.generation = next(_generations)
+        self._requests.clear()
+        self._chunk = None
+        self.requested = self.delivered
+        self._start_run()
+        self._top_up()
+        return True
 
     def _doing(self, request: _Request) -> str:
         return f"making items {request.start} to {request.start + request.count - 1} of its shard"

@@ -21,6 +21,7 @@ dropped, so every item is handed out exactly once.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import sys
 import time
 import weakref
@@ -34,7 +35,6 @@ from pipeload.datapipes.boundary.ray_actors import (
     RunActors,
     actor_class,
     let_other_pools_go,
-    on_a_foreign_thread,
 )
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect, fit_now
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
@@ -108,9 +108,11 @@ class RayUpstream:
         if missing and not fit_now(self._ray, missing, dict(options.actor_options)):
             let_other_pools_go(pool)  # their idle actors hold what these need
         handles += [self._made_actor() for _ in range(missing)]
+        self._pool = weakref.ref(pool) if pool is not None else None
         self._actors = RunActors(self._ray, handles, pool)
         self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk, from_pool=index < pooled)
                        for index, handle in enumerate(handles)]
+        self._actors.settle = functools.partial(_wait_for_calls, self._lanes)
         self._active = list(range(options.num_actors))
         self._turn = 0
         self._started = self._closed = False
@@ -190,6 +192,16 @@ class RayUpstream:
 
     def _made_actor(self) -> Any:
         return actor_class(self._ray).options(**dict(self._options.actor_options)).remote()
+
+    def idle_actor_for(self, index: int) -> Any:
+        """An idle actor of this pipe's pool in place of actor ``index`` (killed: it had not
+        started), or None when the pool has none (see ``Lane._adopt_an_idle_actor``)."""
+        pool = self._pool() if self._pool is not None else None
+        taken = pool.take(self._ray, 1) if pool is not None and pool.idle else []
+        if not taken:
+            return None
+        self._actors.replace(index, taken[0])
+        return taken[0]
 
     def new_actor(self, index: int) -> Any:
         """A new actor in place of actor ``index``, taken from the pool and found dead there
@@ -283,21 +295,11 @@ class RayUpstream:
                                              lane.transfer_s, 0.0, lane.restarts))
         return total
 
-    def _still_busy(self) -> set[int]:
-        """The actors still in a call as the run ends (after ``CLOSE_GRACE_S``): killed, not
-        pooled. A stage that hung kept its actor busy, and the next run, handed that actor,
-        waited start_timeout_s behind the call and then blamed the cluster's resources. Not
-        waited for on Ray's own thread, where everything is killed anyway (``RunActors``)."""
-        if (self._closed or not self._actors.reusable or not self._ray.is_initialized()
-                or on_a_foreign_thread()):
-            return set()  # (a failed run's actors, or a closed connection's, all go anyway)
-        return _wait_for_calls(self._lanes)
-
     def close(self) -> None:
         """End the run: its actors go back to the pipe's pool (or are killed, after a failure,
         or when still in a call), and the replies it holds leave the object store now, not when
-        this object is freed. Idempotent; the run hands out nothing more."""
-        self._actors.busy = self._still_busy()
+        this object is freed. Idempotent; the run hands out nothing more. A run dropped without
+        it (a ``break``) ends the same way, in its finalizer."""
         self._closed = True
         self._finalizer()
         self._graph_ref = None
