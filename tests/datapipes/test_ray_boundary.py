@@ -672,6 +672,8 @@ def test_arguments_of_the_wrong_type_are_named_before_anything_starts(arguments,
     ({"max_task_retries": None}, TypeError, r"but got max_task_retries=None"),
     ({"scheduling_strategy": "BAD"}, ValueError, r"scheduling_strategy should be one of .* but got scheduling_strategy='BAD'"),
     ({"lifetime": "detached"}, ValueError, r"cannot use the actor option lifetime='detached': .* outlived a crashed"),
+    # Ray asserted its type as the first run made its actors, with an empty AssertionError (stop 54).
+    ({"placement_group": "x"}, TypeError, r"placement_group should be a .*PlacementGroup, 'default' or None, but got placement_group='x'"),
 ])
 def test_actor_options_that_cannot_work_are_named_when_the_pipe_is_built(options, error, named):
     # They were Ray's to refuse when the first run started its actors (maybe in a DataLoader

@@ -51,12 +51,22 @@ def check_actor_options(options: dict[str, Any]) -> None:
             # Ray checks a strategy's name only when an actor is made: the first run, an epoch on.
             raise ValueError(f"queue_boundary('ray') scheduling_strategy should be one of {_STRATEGY_NAMES}, "
                              f"None or one of Ray's strategy objects, but got scheduling_strategy={value!r}")
+        elif key == "placement_group" and not _is_placement_group(value):
+            # Ray asserts its type only when an actor is made, with an empty AssertionError.
+            raise TypeError("queue_boundary('ray') placement_group should be a ray.util.placement_group."
+                            f"PlacementGroup, 'default' or None, but got placement_group={value!r}")
         elif key == "runtime_env" and value is not None and not isinstance(value, dict):
             raise TypeError(f"queue_boundary('ray') runtime_env should be a dict or None, but got runtime_env={value!r}")
     others = {key: value for key, value in options.items()
               if key not in (*_AMOUNTS, *_RETRY_COUNTS, "max_concurrency", "resources", "runtime_env")}
     if others:
         _check_with_ray(others)
+
+
+def _is_placement_group(value: Any) -> bool:
+    """Ray's placement group object (by its class name: Ray is imported only when a run starts),
+    or what Ray takes in its place."""
+    return value is None or value == "default" or type(value).__name__ == "PlacementGroup"
 
 
 def _is_number(value: Any) -> bool:
