@@ -178,6 +178,37 @@ def test_a_ctrl_c_while_workers_import_numpy_random_is_raised_once_it_is_importe
     assert done.stdout.split(":") == ["interrupted after the import", " True\n"], done.stderr[-2000:]
 
 
+TWO_THREADS_ITERATE_ONE_LOADER = """
+import threading, time, torch
+from pipeload import DataLoader
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): time.sleep(0.002); return torch.full((4,), float(i))
+
+loader = DataLoader(Rows(), batch_size=4, num_workers=1, multiprocessing_context="fork")
+done = []
+def run():
+    done.append([int(row[0]) for batch in loader for row in batch] == list(range(64)))
+threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+for thread in threads: thread.start()
+for thread in threads: thread.join(60)
+print("done:", done)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_two_threads_iterating_one_loader_with_forked_workers_both_finish() -> None:
+    # Both threads started workers at once, each process's first: one worker was forked while
+    # the other thread imported numpy.random, found it half made and waited for ever on its
+    # lock (a thread it does not have); its thread waited for ever on it (stop 54, 4 runs in 4).
+    # A fresh process each time: the race is on the first import.
+    for _ in range(2):
+        ran = subprocess.run([sys.executable, "-c", TWO_THREADS_ITERATE_ONE_LOADER], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": SRC})
+        assert ran.stdout.strip() == "done: [True, True]", (ran.stdout, ran.stderr[-2000:])
+
+
 class _ProgramsSigint(torch.utils.data.Dataset):
     """Each item: whether a program started from the worker ignores Ctrl-C (SIGINT)."""
 

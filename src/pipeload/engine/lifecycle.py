@@ -94,6 +94,12 @@ class ThreadWorkerHandle:
     kill = terminate
 
 
+# Held while a process is started and our copies of its channel ends are dropped: two threads
+# starting loaders at once (each iterating one loader) forked in each other's windows, and each
+# worker inherited the other's ends.
+FORKING = threading.RLock()
+
+
 def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str,
                   leaves_with_parent: bool = False) -> Any:
     """Start one daemon process; a clear error when the caller is itself a daemon process.
@@ -126,7 +132,7 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
     # The child reads it on its Process object (forked with it, or sent it pickled by spawn and
     # forkserver): see exit_when_creator_dies.
     process.pipeload_started_by_main_thread = threading.current_thread() is threading.main_thread()
-    with _children_allowed(current):
+    with FORKING, _children_allowed(current):
         try:
             process.start()
         except BaseException as error:
@@ -256,11 +262,17 @@ def _import_what_workers_seed() -> None:
 
     Ctrl-C is held over the import: numpy's compiled modules drop a KeyboardInterrupt raised
     while they are set up, without a word, so a Ctrl-C pressed as the first workers started was
-    lost (under spawn and forkserver, which no fork's hold covers) and the loop trained on."""
-    if "numpy.random" in sys.modules:
-        return
-    with ctrl_c_held():
-        import numpy.random  # noqa: F401
+    lost (under spawn and forkserver, which no fork's hold covers) and the loop trained on.
+
+    Imported again when it is there already: another thread may be importing it now (two loaders
+    started at once), and an import waits for that one to end, where a look in ``sys.modules``
+    did not. A worker forked meanwhile found the module half made, and waited for ever on its
+    lock, held by a thread it does not have (stop 54's lifecycle skeptic: one of two threads
+    iterating a loader hung, 4 runs in 4)."""
+    if "numpy.random" not in sys.modules:
+        with ctrl_c_held():
+            import numpy.random  # noqa: F401
+    import numpy.random  # noqa: F401,F811  (returns at once unless another thread is importing it)
 
 
 _libc: Any = None
@@ -350,14 +362,17 @@ def start_processes(
     workers: list[Any] = []
     try:
         for launch in launches:
-            with held_over_a_fork(ctx):
+            # One thread starts a worker at a time, and drops our copies of its ends before
+            # another thread's fork can inherit them (see FORKING).
+            with FORKING, held_over_a_fork(ctx):
                 process = start_process(ctx, launch.target, launch.args, launch.name)
                 workers.append(process)  # before a held Ctrl-C is raised: the except stops it
-            # Drop our copies of this worker's ends now, not after the last start: a worker forked
-            # later would inherit them, and a task pipe that another process also reads never
-            # breaks when its worker dies, so a send to the dead worker could block for ever.
-            for end in launch.parent_copies:
-                end.close()
+                # Drop our copies of this worker's ends now, not after the last start: a worker
+                # forked later would inherit them, and a task pipe that another process also
+                # reads never breaks when its worker dies, so a send to the dead worker could
+                # block for ever.
+                for end in launch.parent_copies:
+                    end.close()
     except BaseException:
         # They have been given nothing to do: a Ctrl-C in the middle of the starts (or a start
         # that failed) need not wait JOIN_GRACE_S for workers that will not leave by themselves.
