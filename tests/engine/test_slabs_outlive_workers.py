@@ -136,6 +136,32 @@ def test_an_error_mid_epoch_releases_the_slabs_even_while_the_error_is_kept(engi
     del loader
 
 
+class LengthFailsLater(MakesTensors):
+    """MakesTensors whose ``__len__`` raises once ``failing`` is set (a file that went away)."""
+
+    failing = False
+
+    def __len__(self) -> int:
+        if self.failing:
+            raise OSError("the index file went away")
+        return super().__len__()
+
+
+@pytest.mark.usefixtures("no_gc")
+def test_an_iter_that_fails_releases_the_slabs_as_a_failed_epoch_does():
+    # iter() raised from the dataset's __len__ after an epoch had made the slabs: they stayed
+    # with the loader (and the error that may keep it) until the loader went (stop 54).
+    dataset = LengthFailsLater(ITEMS, BIG)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    run_epoch(loader)
+    assert loader._slab_keeper.held_bytes > 0
+    dataset.failing = True
+    with pytest.raises(OSError, match="went away"):
+        iter(loader)
+    assert loader._slab_keeper.held_bytes == 0
+    del loader
+
+
 def test_a_new_loaders_first_batches_travel_in_buffers_that_become_its_slabs():
     # A new loader knows no batch size: its first batches travel in buffers their workers make.
     # It takes those over as its first slabs rather than make (and fault in) slabs anew.

@@ -446,7 +446,13 @@ class DataLoader(torch_data.DataLoader[T_co]):
         # The dataset's __len__, asked once for all that starting the epoch needs of it (the
         # last batch's size, the record, the stats, the draws made now): samplers/_epoch_lengths.py.
         with EpochLengths().active():
-            return self._begin_epoch()
+            try:
+                return self._begin_epoch()
+            except BaseException:
+                # As after any failed epoch (slab_keeper.py): the error (a dataset's __len__
+                # raising, say) may keep the loader, and with it the slabs, alive for long.
+                self._slab_keeper.release()
+                raise
 
     def _begin_epoch(self) -> _EpochIterator:
         called_at = now()  # the epoch's first batch is timed from here: starting workers included
