@@ -203,6 +203,21 @@ def test_archives_joined_end_to_end_are_read_on_as_tar_does_with_ignore_zeros(tm
     assert [(m.name, m[1]) for m in members_of(tmp_path / "joined.tar")] == MEMBERS
 
 
+@pytest.mark.parametrize("compression", ["gz", "bz2", "xz"])
+def test_compressed_archives_joined_end_to_end_are_read_on_and_a_damaged_second_is_an_error(
+        tmp_path: Path, compression: str) -> None:
+    # `cat a.tar.bz2 b.tar.bz2`: bz2's and lzma's own readers took a second stream whose first
+    # byte was damaged for garbage after the data, and stopped: b's members vanished without a
+    # word (stop 54's sources skeptic). gzip's raised.
+    first, second = compress(tar_bytes(MEMBERS[:3]), compression), compress(tar_bytes(MEMBERS[3:]), compression)
+    (tmp_path / f"joined.tar.{compression}").write_bytes(first + second + bytes(100))  # padding too
+    assert [(m.name, m[1]) for m in members_of(tmp_path / f"joined.tar.{compression}")] == MEMBERS
+    damaged = tmp_path / f"damaged.tar.{compression}"
+    damaged.write_bytes(first + bytes([second[0] ^ 0x01]) + second[1:])
+    with pytest.raises(ArchiveError, match=f"after member '{MEMBERS[2][0]}'"):
+        members_of(damaged)
+
+
 def _ending_with_the_marker_alone(data: bytes) -> bytes:
     """A tarfile archive as Go's and Rust's writers end one: the marker, no record padding."""
     end = len(data.rstrip(b"\0"))

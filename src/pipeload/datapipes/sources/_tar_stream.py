@@ -82,12 +82,73 @@ def decompressed(stream: IO[bytes]) -> Any:
     if head.startswith(_GZIP):
         return gzip.GzipFile(fileobj=source)  # type: ignore[arg-type]
     if _is_bzip2(head):
-        return bz2.BZ2File(source)  # type: ignore[arg-type]
+        return io.BufferedReader(JoinedStreams(source, bz2.BZ2Decompressor), JoinedStreams.CHUNK_BYTES)
     if head.startswith(_XZ):
-        return lzma.LZMAFile(source)  # type: ignore[arg-type]
+        return io.BufferedReader(JoinedStreams(source, lzma.LZMADecompressor), JoinedStreams.CHUNK_BYTES)
     if head.startswith(_ZSTD):
         return _zstd_reader(source)
     return source
+
+
+class JoinedStreams(io.RawIOBase):
+    """The bytes of compressed streams written one after another (``cat a.tar.bz2 b.tar.bz2``),
+    each after the first required to begin as one.
+
+    bz2's and lzma's own file readers take what follows a stream and does not begin as one for
+    garbage after the data, and stop without a word: one damaged byte at the head of a joined
+    archive's stream lost its every member, silently (stop 54's sources skeptic; gzip's reader
+    raises). Zero bytes after the last stream are padding, as those readers take them.
+
+    Raises (from ``read``), as bz2's and lzma's readers do:
+        EOFError: the data ends inside a stream.
+        OSError: bzip2 data that is not a stream ("Invalid data stream"), after one or inside.
+        lzma.LZMAError: the same for xz.
+    """
+
+    CHUNK_BYTES = 1 << 16
+
+    def __init__(self, source: Any, decompressor: Any) -> None:
+        super().__init__()
+        self._source, self._make = source, decompressor
+        self._decompressor = decompressor()
+        self._input = b""  # read from the source, not yet given to the decompressor
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._ended:
+            data = self._next_output(len(buffer))
+            if data:
+                buffer[:len(data)] = data
+                return len(data)
+        return 0
+
+    def _next_output(self, most: int) -> bytes:
+        """Up to ``most`` decompressed bytes (b"" when a stream just ended or took input only)."""
+        decompressor = self._decompressor
+        if decompressor.eof:
+            self._begin_next_stream(decompressor.unused_data)
+            return b""
+        data = b""
+        if decompressor.needs_input:
+            data, self._input = self._input or self._source.read(self.CHUNK_BYTES), b""
+            if not data:
+                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        return decompressor.decompress(data, most)
+
+    def _begin_next_stream(self, rest: bytes) -> None:
+        """After a stream's end: another stream (its first bytes are checked as they are
+        decompressed), zero padding to the end, or the end itself."""
+        rest = rest.lstrip(b"\0")
+        while not rest:
+            rest = self._source.read(self.CHUNK_BYTES)
+            if not rest:
+                self._ended = True
+                return
+            rest = rest.lstrip(b"\0")
+        self._decompressor, self._input = self._make(), rest
 
 
 def _is_tar_header(block: bytes) -> bool:
