@@ -291,12 +291,15 @@ class ServerBehaviour(NamedTuple):
         ranges: answer ``Range`` with 206 (else always the whole object, 200).
         conditions: honour ``If-Match``, ``If-Unmodified-Since`` and ``If-Range`` (a naive
             server ignores them and serves the range of whatever it holds now).
+        validators_after_a_cut: send the validators in the responses after the first cut too
+            (False: another backend behind the balancer, which sends none).
     """
 
     etag: bool = True
     last_modified: bool = True
     ranges: bool = True
     conditions: bool = True
+    validators_after_a_cut: bool = True
 
 
 class _Version(NamedTuple):
@@ -328,9 +331,10 @@ class _ChangingHandler(BaseHTTPRequestHandler):
         if start is not None:
             self.send_header("Content-Range", f"bytes {start}-{len(version.data) - 1}/{len(version.data)}")
         self.send_header("Content-Length", str(len(body)))
-        if behaviour.etag:
+        validators = behaviour.validators_after_a_cut or not state.cut_was_made
+        if behaviour.etag and validators:
             self.send_header("ETag", version.etag)
-        if behaviour.last_modified:
+        if behaviour.last_modified and validators:
             self.send_header("Last-Modified", version.last_modified)
         self.end_headers()
         if not cut:
@@ -373,6 +377,7 @@ class ChangingServer(_ServerThread):
         self._objects: dict[str, _Version] = {}
         self._replacements: dict[str, _Version] = {}
         self._pending_cut: str | None = None
+        self.cut_was_made = False
         self.ranges_asked: list[str | None] = []
         self._serve(partial(_ChangingHandler, server_state=self), "test-changing-server")
 
@@ -397,6 +402,7 @@ class ChangingServer(_ServerThread):
     def cut_made(self) -> None:
         with self._lock:
             name, self._pending_cut = self._pending_cut, None
+            self.cut_was_made = True
             if name is not None:
                 self._objects[name] = self._replacements.pop(name)
 

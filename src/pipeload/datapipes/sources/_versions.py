@@ -62,20 +62,36 @@ class ObjectVersion:
         """The ETag, if it is a strong one (weak ETags may not be used to resume a range)."""
         return self.etag if self.etag and not self.etag.startswith("W/") else None
 
-    def changes_since(self, first: ObjectVersion) -> list[str]:
-        """What differs from ``first``, in words; only what both versions tell is compared."""
+    def changes_since(self, first: ObjectVersion, keep_validators: bool = False) -> list[str]:
+        """What differs from ``first``, in words; only what both versions tell is compared,
+        except, with ``keep_validators``, a validator ``first`` had and this one lacks: the
+        version can no longer be confirmed. (A reopened response without the ETag the first
+        one had let a same-length new version through: a member spliced from two versions,
+        stop 54's sources skeptic.)"""
         changed = []
         for field in fields(self):
             before, now = getattr(first, field.name), getattr(self, field.name)
-            if before is not None and now is not None and before != now:
+            if before is None:
+                continue
+            if now is None:
+                if keep_validators and field.name in VALIDATORS:
+                    changed.append(f"its {_LABELS[field.name]} was {before!r} and is not given now, "
+                                   "so the version cannot be confirmed")
+            elif before != now:
                 changed.append(f"its {_LABELS[field.name]} was {before!r} and is now {now!r}")
         return changed
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether a server said this version (no local file's status or fingerprint in it)."""
+        return self.mtime_ns is None and self.ctime_ns is None and self.content is None
 
 
 _LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "version_id": "version id",
            "mtime_ns": "modification time (ns)", "ctime_ns": "status-change time (ns)",
            "content": "first and last 64 KiB"}
 LOCAL_ONLY = ("mtime_ns", "ctime_ns")  # a copy of the file has others, and the same bytes
+VALIDATORS = ("etag", "last_modified", "version_id")  # what a server says of the version it sends
 TEXT_FIELDS = ("etag", "last_modified", "version_id", "content")  # in a checkpoint: text; the rest, counts
 FINGERPRINT_BYTES = 64 * 1024  # read from each end of a local file: ~0.1 ms an archive opened
 
@@ -88,7 +104,7 @@ def changed_error(url: str, what: str) -> SourceChangedError:
 
 def check_unchanged(url: str, first: ObjectVersion, now: ObjectVersion) -> None:
     """Raise :class:`SourceChangedError` if ``now`` is not the version ``first`` was."""
-    changes = now.changes_since(first)
+    changes = now.changes_since(first, keep_validators=True)
     if changes:
         raise changed_error(url, "; ".join(changes))
 
@@ -262,8 +278,11 @@ def changed_since_checkpoint_error(url: str, what: str, offset: int) -> SourceCh
 def check_unchanged_since_checkpoint(url: str, saved: ObjectVersion, now: ObjectVersion | None,
                                      offset: int) -> None:
     """Raise :class:`SourceChangedError` if the archive opened to resume a checkpoint at
-    ``offset`` is not the version the checkpoint was taken on (only what both tell is compared)."""
-    changes = (now or ObjectVersion()).changes_since(saved)
+    ``offset`` is not the version the checkpoint was taken on: what both tell is compared, and a
+    server's validator the checkpoint has must be given again by a server (a local copy of the
+    archive is compared by what a copy keeps)."""
+    now = now or ObjectVersion()
+    changes = now.changes_since(saved, keep_validators=saved.is_remote and now.is_remote)
     if changes:
         raise changed_since_checkpoint_error(url, "; ".join(changes), offset)
 
