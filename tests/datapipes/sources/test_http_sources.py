@@ -154,6 +154,26 @@ def test_errors_and_warnings_name_the_url_but_not_the_secrets_in_it(server: Shar
         _assert_secret_free(text)
 
 
+def test_an_error_naming_a_second_url_hides_its_secrets_too() -> None:
+    # Only the URL an error was raised for was redacted: a sample split across two presigned
+    # shards, or a checkpoint taken in another archive, showed the other's signature (stop 54).
+    from pipeload.datapipes.sources.errors import SourceError as Raised
+
+    first = _signed("http://127.0.0.1:1/a.tar")
+    second = "http://127.0.0.1:1/b.tar?X-Amz-Signature=0ther5ignature&part=2"  # signed apart
+    shown = str(Raised(f"sample 'k' of {second!r} continues the one that ended {first!r}", second))
+    assert "a.tar?X-Amz-Credential=***&X-Amz-Signature=***&part=1" in shown
+    assert "b.tar?X-Amz-Signature=***&part=2" in shown
+    _assert_secret_free(shown)
+
+
+def test_a_token_written_as_the_user_name_is_hidden() -> None:
+    from pipeload.datapipes.sources.errors import redact_url
+
+    assert redact_url("https://ghp_abcdef123456@host/data.tar") == "https://***@host/data.tar"
+    assert redact_url("https://reader:pw12345@host/data.tar") == "https://reader:***@host/data.tar"
+
+
 @pytest.mark.timeout(30)
 def test_a_stalled_response_is_a_transient_error_not_a_five_minute_wait(
     server: ShardServer, monkeypatch: pytest.MonkeyPatch

@@ -14,9 +14,13 @@ _SECRET_PARAMETER = re.compile(r"sig|signature|credential|token|secret|password|
 _SHORTEST_SECRET = 4  # shorter values are replaced only where the whole URL is quoted
 
 
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
 def url_secrets(url: str) -> list[str]:
-    """The secrets written into ``url``: the password of ``user:password@``, and the values of
-    query parameters whose names say they are secrets. Both as written and percent-decoded."""
+    """The secrets written into ``url``: the password of ``user:password@``, a user name given
+    alone (``https://TOKEN@host``: how personal access tokens are often written), and the values
+    of query parameters whose names say they are secrets. Both as written and percent-decoded."""
     if "://" not in url:  # a local path holds no secret
         return []
     try:
@@ -25,7 +29,7 @@ def url_secrets(url: str) -> list[str]:
         query = parse_qsl(parts.query, keep_blank_values=False)
     except ValueError:  # not a URL that parses: nothing recognisable to hide
         return []
-    found = [password] if password else []
+    found = [password] if password else ([parts.username] if parts.username else [])
     found.extend(value for name, value in query if _SECRET_PARAMETER.search(name))
     variants = {form for secret in found for form in (secret, unquote(secret))}
     raw_query = parts.query.split("&")
@@ -48,6 +52,8 @@ def redact_url(url: str) -> str:
     if parts.password:
         user, _, host = netloc.rpartition("@")
         netloc = f"{user.split(':', 1)[0]}:{REDACTED}@{host}"
+    elif parts.username:
+        netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
     query = "&".join(
         f"{item.split('=', 1)[0]}={REDACTED}" if "=" in item and _SECRET_PARAMETER.search(item.split("=", 1)[0])
         else item for item in parts.query.split("&")) if parts.query else ""
@@ -55,17 +61,19 @@ def redact_url(url: str) -> str:
 
 
 def hide_url_secrets(text: str, url: str | None) -> str:
-    """``text`` with ``url`` shown redacted and its secrets replaced wherever else they appear
-    (a network library's own message names the URL its way, query string included)."""
-    if not url:
-        return text
-    secrets = url_secrets(url)
-    if not secrets:
-        return text
-    text = text.replace(url, redact_url(url))
-    for secret in secrets:
-        if len(secret) >= _SHORTEST_SECRET:
-            text = text.replace(secret, REDACTED)
+    """``text`` with ``url``, and every other URL written in it, shown redacted, and their
+    secrets replaced wherever else they appear (a network library's own message names the URL
+    its way, query string included). Other URLs too: a sample split across two presigned
+    shards, or a checkpoint's archive, named a second URL with its signature (stop 54)."""
+    urls = ([url] if url else []) + _URL_IN_TEXT.findall(text)
+    for each in dict.fromkeys(urls):
+        secrets = url_secrets(each)
+        if not secrets:
+            continue
+        text = text.replace(each, redact_url(each))
+        for secret in secrets:
+            if len(secret) >= _SHORTEST_SECRET:
+                text = text.replace(secret, REDACTED)
     return text
 
 
