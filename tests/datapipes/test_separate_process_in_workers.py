@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import LeakGuard, gone_or_fail, pid_gone, wait_until
+from pipes_for_tests import add_one
 
 import pipeload
 from pipeload.datapipes import IterDataPipe
@@ -72,6 +73,19 @@ def test_an_epoch_left_early_stops_the_separate_processes(persistent: bool, leak
         assert wait_until(lambda: all(pid_gone(pid) for pid in stopped), GONE_S)  # noqa: B023
         before = producers
     del loader
+
+
+@pytest.mark.timeout(60)
+def test_a_process_boundary_behind_a_thread_boundary_in_a_worker_starts(leak_guard: LeakGuard) -> None:
+    # The boundary's process is started from the worker's helper thread: the worker had the
+    # process-start lock as its parent held it (owned by the forking thread), and that thread
+    # waited for it for ever (stop 54's review of the lock).
+    from pipeload.datapipes.boundary.pipes import QueueBoundary
+
+    inner = QueueBoundary(IterableWrapper(range(4)).map(add_one), "process", 2, "fork")
+    loader = pipeload.DataLoader(QueueBoundary(inner, "thread", 2), batch_size=None, num_workers=1,
+                                 multiprocessing_context="fork", timeout=20)
+    assert list(loader) == [1, 2, 3, 4]
 
 
 def test_killing_a_worker_ends_its_separate_process_too(leak_guard: LeakGuard) -> None:

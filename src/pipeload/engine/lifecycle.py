@@ -100,6 +100,17 @@ class ThreadWorkerHandle:
 FORKING = threading.RLock()
 
 
+def _forking_lock_of_its_own() -> None:
+    """A forked child gets the lock as its parent held it, owned by the thread that forked:
+    the child's other threads (a thread boundary's, a helper's) waited for it for ever when
+    they started a process (stop 54's review)."""
+    global FORKING
+    FORKING = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forking_lock_of_its_own)
+
+
 def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str,
                   leaves_with_parent: bool = False) -> Any:
     """Start one daemon process; a clear error when the caller is itself a daemon process.
