@@ -172,6 +172,11 @@ def test_a_token_written_as_the_user_name_is_hidden() -> None:
 
     assert redact_url("https://ghp_abcdef123456@host/data.tar") == "https://***@host/data.tar"
     assert redact_url("https://reader:pw12345@host/data.tar") == "https://reader:***@host/data.tar"
+    # Hidden in the URL only: a user name is often a word the rest of the message uses too.
+    from pipeload.datapipes.sources.errors import hide_url_secrets
+
+    shown = hide_url_secrets("cannot read https://data@host/data/a.tar (the data bucket)", None)
+    assert shown == "cannot read https://***@host/data/a.tar (the data bucket)"
 
 
 @pytest.mark.timeout(30)

@@ -18,9 +18,10 @@ _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def url_secrets(url: str) -> list[str]:
-    """The secrets written into ``url``: the password of ``user:password@``, a user name given
-    alone (``https://TOKEN@host``: how personal access tokens are often written), and the values
-    of query parameters whose names say they are secrets. Both as written and percent-decoded."""
+    """The secrets written into ``url``: the password of ``user:password@``, and the values of
+    query parameters whose names say they are secrets. Both as written and percent-decoded. (A
+    user name given alone, often a token, is hidden where the URL is shown, by ``redact_url``,
+    not wherever its text appears: "data" in ``https://data@host/data/`` is no secret there.)"""
     if "://" not in url:  # a local path holds no secret
         return []
     try:
@@ -29,7 +30,7 @@ def url_secrets(url: str) -> list[str]:
         query = parse_qsl(parts.query, keep_blank_values=False)
     except ValueError:  # not a URL that parses: nothing recognisable to hide
         return []
-    found = [password] if password else ([parts.username] if parts.username else [])
+    found = [password] if password else []
     found.extend(value for name, value in query if _SECRET_PARAMETER.search(name))
     variants = {form for secret in found for form in (secret, unquote(secret))}
     raw_query = parts.query.split("&")
@@ -45,7 +46,7 @@ def redact_url(url: str) -> str:
         >>> redact_url("https://u:pw@host/a.tar?X-Amz-Signature=abc123&part=1")
         'https://u:***@host/a.tar?X-Amz-Signature=***&part=1'
     """
-    if not url_secrets(url):
+    if not url_secrets(url) and not _user_alone(url):
         return url
     parts = urlsplit(url)
     netloc = parts.netloc
@@ -60,6 +61,17 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=netloc, query=query).geturl()
 
 
+def _user_alone(url: str) -> bool:
+    """Whether ``url`` names a user with no password (``https://TOKEN@host``)."""
+    if "://" not in url or "@" not in url:
+        return False
+    try:
+        parts = urlsplit(url)
+        return bool(parts.username) and not parts.password
+    except ValueError:
+        return False
+
+
 def hide_url_secrets(text: str, url: str | None) -> str:
     """``text`` with ``url``, and every other URL written in it, shown redacted, and their
     secrets replaced wherever else they appear (a network library's own message names the URL
@@ -67,11 +79,8 @@ def hide_url_secrets(text: str, url: str | None) -> str:
     shards, or a checkpoint's archive, named a second URL with its signature (stop 54)."""
     urls = ([url] if url else []) + _URL_IN_TEXT.findall(text)
     for each in dict.fromkeys(urls):
-        secrets = url_secrets(each)
-        if not secrets:
-            continue
         text = text.replace(each, redact_url(each))
-        for secret in secrets:
+        for secret in url_secrets(each):
             if len(secret) >= _SHORTEST_SECRET:
                 text = text.replace(secret, REDACTED)
     return text
