@@ -227,6 +227,43 @@ def test_a_state_saved_after_the_last_batch_then_set_epoch_draws_the_next_epoch_
     assert not got.warnings  # nothing of the loaded epoch was left: nothing to say
 
 
+class EpochSampler(torch.utils.data.Sampler):
+    """A user's sampler with ``set_epoch`` and no state of its own: its order is its epoch's."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.epoch = length, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(self.length, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:EpochSampler has no state_dict")
+@pytest.mark.parametrize("engine", ["persistent", "economic-threads-persistent"])
+def test_a_users_epoch_sampler_moved_on_after_the_last_batch_keeps_the_persistent_session(
+        engine: str, leak_guard: LeakGuard, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its epoch's end cannot be told from a count (its length is its own word): the loaded epoch
+    # was left for the new one, in a new session whose base seed differed, and so did every
+    # augmentation (stop 54's review). The session goes on, as the run's did.
+    def make() -> pipeload.DataLoader:
+        return pipeload.DataLoader(RandomAugment(), batch_size=BATCH, sampler=EpochSampler(LENGTH),
+                                   worker_seeding="per_batch", **ENGINES[engine])
+
+    def set_epoch_then_iterate(loader: pipeload.DataLoader, epoch: int, limit: int | None = None) -> Any:
+        loader.sampler.set_epoch(epoch)
+        iterator = iter(loader)
+        return [as_lists(b) for b in itertools.islice(iterator, limit)], iterator
+
+    monkeypatch.setitem(globals(), "epoch_of", set_epoch_then_iterate)  # the loop sets its sampler's epoch
+    assert_same(make, taken=len(make()))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("before", "after"), [("processes", "inline"), ("inline", "threads"),
                                                ("economic", "processes")])

@@ -63,7 +63,18 @@ def unless_sampler_moved_on(loader: Any, point: ResumePoint | None) -> ResumePoi
         "set_epoch with the loaded epoch before iterating to resume it)",
         stacklevel=first_frame_outside_pipeload(),
     )
-    return None
+    return _session_goes_on(loader, point)
+
+
+def _session_goes_on(loader: Any, point: ResumePoint) -> ResumePoint | None:
+    """Where a loaded epoch is left for a new one: persistent workers go on with the loaded
+    session's next epoch, as the run's would have (a new session drew another base seed, and
+    every augmentation differed: a user's sampler with ``set_epoch``, whose epoch's end cannot be
+    told from a count, stop 54's review). None: the new epoch begins as any other."""
+    record = point.record
+    if record is None or not (loader.persistent_workers and loader.num_workers > 0):
+        return None
+    return ResumePoint(None, session=(record.base_seed, record.session_epoch + 1))
 
 
 def loaded_epoch_is_over(loader: Any, point: ResumePoint | None) -> bool:
