@@ -204,7 +204,11 @@ class Lane:
         error = started.exception()
         if error is None or not (_is_actor_loss(error) or _is_unavailable(error)):
             return  # started, or what kept it from starting is the run's own news
-        self.handle = self._owner.new_actor(self.index)
+        self._begin_again_on(self._owner.new_actor(self.index), from_pool=False)
+
+    def _begin_again_on(self, handle: Any, from_pool: bool) -> None:
+        """Begin this lane's run again on actor ``handle``, from the item it had reached."""
+        self.handle, self._from_pool = handle, from_pool
         self.generation = next(_generations)
         self._requests.clear()
         self._chunk = None
@@ -223,13 +227,7 @@ class Lane:
         handle = self._owner.idle_actor_for(self.index)
         if handle is None:
             return False
-        self.handle, self._from_pool = handle, True
-        self.generation = next(_generations)
-        self._requests.clear()
-        self._chunk = None
-        self.requested = self.delivered
-        self._start_run()
-        self._top_up()
+        self._begin_again_on(handle, from_pool=True)
         return True
 
     def _doing(self, request: _Request) -> str:
