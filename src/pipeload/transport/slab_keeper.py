@@ -178,6 +178,7 @@ class SlabKeeper:
                 self._close_kept()
                 return
             pool.detach_producers()
+            pool.trim_to_budget()  # the loop's two slabs are for a loop that runs (LOOP_FLOOR_SLABS)
         _IDLE.became_idle(self)
 
     def release(self) -> None:

@@ -204,6 +204,17 @@ class SlabPool:
                 self._retire(slab)
         self._surplus_grants = 0
 
+    def trim_to_budget(self) -> None:
+        """Retire free slabs until the pool holds no more than ``max_bytes``, its floor dropped
+        (no set of producers uses it now: an idle loader under a budget of a batch and a half
+        kept two slabs, and four such loaders held eight)."""
+        self._floor_slabs = 0
+        for slab in sorted(self._slabs.values(), key=lambda s: -s.slab_id):
+            if self.slab_bytes <= self._max_bytes:
+                break
+            if self._is_free(slab):
+                self._retire(slab)
+
     def detach_producers(self) -> None:
         """Every producer has stopped (a worker set's end): open grants are settled as unused,
         and a later producer with the same number starts with nothing mapped (the board and each

@@ -136,5 +136,5 @@ def test_a_checkpoint_resumed_where_the_server_no_longer_gives_the_etag_is_refus
         server.cut_was_made = True  # its answers give no validators from now on
         resumed = iter(make())
         resumed.load_state_dict(state)
-        with pytest.raises(SourceChangedError, match="ETag was .* and is not given now"):
+        with pytest.raises(SourceChangedError, match="ETag was .* and none is given now"):
             list(resumed)

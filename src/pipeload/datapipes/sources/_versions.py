@@ -71,14 +71,12 @@ class ObjectVersion:
         changed = []
         for field in fields(self):
             before, now = getattr(first, field.name), getattr(self, field.name)
-            if before is None:
-                continue
-            if now is None:
-                if keep_validators and field.name in VALIDATORS:
-                    changed.append(f"its {_LABELS[field.name]} was {before!r} and is not given now, "
-                                   "so the version cannot be confirmed")
-            elif before != now:
+            if before is not None and now is not None and before != now:
                 changed.append(f"its {_LABELS[field.name]} was {before!r} and is now {now!r}")
+        said = [name for name in VALIDATORS if getattr(first, name) is not None]
+        if keep_validators and said and all(getattr(self, name) is None for name in said):
+            was = " and ".join(f"{_LABELS[name]} was {getattr(first, name)!r}" for name in said)
+            changed.append(f"its {was}, and none is given now, so the version cannot be confirmed")
         return changed
 
     @property
@@ -91,7 +89,9 @@ _LABELS = {"etag": "ETag", "last_modified": "Last-Modified", "size": "length", "
            "mtime_ns": "modification time (ns)", "ctime_ns": "status-change time (ns)",
            "content": "first and last 64 KiB"}
 LOCAL_ONLY = ("mtime_ns", "ctime_ns")  # a copy of the file has others, and the same bytes
-VALIDATORS = ("etag", "last_modified", "version_id")  # what a server says of the version it sends
+# What a server must say of the version it sends again: HTTP requires a 206 to carry the ETag a
+# 200 would (RFC 9110, 15.3.7), not Last-Modified, which a 206 answering If-Range may leave out.
+VALIDATORS = ("etag", "version_id")
 TEXT_FIELDS = ("etag", "last_modified", "version_id", "content")  # in a checkpoint: text; the rest, counts
 FINGERPRINT_BYTES = 64 * 1024  # read from each end of a local file: ~0.1 ms an archive opened
 
@@ -281,8 +281,9 @@ def check_unchanged_since_checkpoint(url: str, saved: ObjectVersion, now: Object
     ``offset`` is not the version the checkpoint was taken on: what both tell is compared, and a
     server's validator the checkpoint has must be given again by a server (a local copy of the
     archive is compared by what a copy keeps)."""
-    now = now or ObjectVersion()
-    changes = now.changes_since(saved, keep_validators=saved.is_remote and now.is_remote)
+    # A stream that cannot say its version (None) is compared as before: nothing to hold it to.
+    keep = now is not None and saved.is_remote and now.is_remote
+    changes = (now or ObjectVersion()).changes_since(saved, keep_validators=keep)
     if changes:
         raise changed_since_checkpoint_error(url, "; ".join(changes), offset)
 
