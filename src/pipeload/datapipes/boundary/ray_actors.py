@@ -145,13 +145,15 @@ class RunActors:
     run went well, killed otherwise. ``release`` is the run's finalizer: it holds no run.
     ``settle`` (set by the run, holding its lanes, not the run) names the actors still in a
     call after a grace (ray_upstream.py), whether the run was closed or dropped (a ``break``:
-    only ``close()`` asked, and a hung actor went to the pool, stop 54's Ray skeptic)."""
+    only ``close()`` asked, and a hung actor went to the pool, stop 54's Ray skeptic); after a
+    ``close()`` (``patient``) it waits longer for a slow actor's chunk."""
 
     def __init__(self, ray: Any, handles: list[Any], pool: ActorPool | None) -> None:
         self.ray = ray
         self.handles = handles
         self.reusable = True
-        self.settle: Callable[[], set[int]] | None = None
+        self.settle: Callable[[bool], set[int]] | None = None
+        self.patient = False  # close() asked: settle waits for a slow actor's chunk
         self._pool = weakref.ref(pool) if pool is not None else None
 
     def replace(self, index: int, handle: Any) -> None:
@@ -169,7 +171,7 @@ class RunActors:
             return
         # One still in a call (a stage that hangs, or a slow one) would make the next run's start
         # wait behind it, up to start_timeout_s, and then blame the cluster's resources.
-        in_call = self.settle() if self.settle is not None else set()
+        in_call = self.settle(self.patient) if self.settle is not None else set()
         busy = [handle for index, handle in enumerate(self.handles) if index in in_call]
         idle = [handle for index, handle in enumerate(self.handles) if index not in in_call]
         kill(self.ray, busy)

@@ -299,7 +299,8 @@ class RayUpstream:
         """End the run: its actors go back to the pipe's pool (or are killed, after a failure,
         or when still in a call), and the replies it holds leave the object store now, not when
         this object is freed. Idempotent; the run hands out nothing more. A run dropped without
-        it (a ``break``) ends the same way, in its finalizer."""
+        it (a ``break``) ends the same way, in its finalizer, with a shorter wait."""
+        self._actors.patient = True
         self._closed = True
         self._finalizer()
         self._graph_ref = None
@@ -313,16 +314,19 @@ CLOSE_GRACE_S = 1.0
 CLOSE_GRACE_CHUNKS = 1.5
 
 
-def _wait_for_calls(lanes: list[Lane]) -> set[int]:
+def _wait_for_calls(lanes: list[Lane], patient: bool = True) -> set[int]:
     """The lanes whose actors are still in the call they were in, after waiting for it up to
-    ``CLOSE_GRACE_S`` or ``CLOSE_GRACE_CHUNKS`` of the actor's longest chunk. A run ended
-    mid-epoch leaves the chunks it asked ahead for in flight; an actor that answers the one it
-    is in works, whatever is queued behind (a slow stage's actor, given 1 s for all of them,
-    was killed on every close, and each next run waited for a new one)."""
+    ``CLOSE_GRACE_S`` or (``patient``: an explicit ``close()``) ``CLOSE_GRACE_CHUNKS`` of the
+    actor's longest chunk. A run ended mid-epoch leaves the chunks it asked ahead for in flight;
+    an actor that answers the one it is in works, whatever is queued behind (a slow stage's
+    actor, given 1 s for all of them, was killed on every close, and each next run waited for a
+    new one). A run dropped (a loop's ``break``: its finalizer, on whatever thread lets go of
+    it) waits ``CLOSE_GRACE_S`` at most: a loop's break blocked 1.5 chunks, 3 s and more
+    (stop 54's review), and a slower actor is killed and made anew for the next run."""
     running = {lane.index: lane.call_running() for lane in lanes}
     waiting = [future for future in running.values() if future is not None]
     if waiting:
-        longest = max(lane.longest_chunk_s for lane in lanes)
+        longest = max(lane.longest_chunk_s for lane in lanes) if patient else 0.0
         concurrent.futures.wait(waiting, timeout=max(CLOSE_GRACE_S, CLOSE_GRACE_CHUNKS * longest))
     return {index for index, future in running.items() if future is not None and not future.done()}
 
