@@ -476,6 +476,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
                     # shuffles as it is asked gives torch's order only so.
                     tasks = iter(self._index_sampler)
                 tasks, start = resume.position_tasks(self, tasks, point)
+                if self.num_workers == 0 and self._dataset_kind is DatasetKind.MAP and (
+                        point is None or point.record is None):
+                    tasks = resume.recorded_at_first_draw(self, record, tasks)
             except BaseException:
                 engine.close()  # a state that cannot be resumed: no workers left behind
                 raise

@@ -17,6 +17,7 @@ replica's position. See docs/design/resume.md.
 
 from pipeload.resume.epoch import (
     STREAM_SNAPSHOT_EVERY, EpochProgress, EpochRecord, begin_epoch, record_sampler_state,
+    recorded_at_first_draw,
 )
 from pipeload.resume.handed_out import DropHandedOut
 from pipeload.resume.replay import (
@@ -52,6 +53,7 @@ __all__ = [
     "progress_from",
     "read_state",
     "record_sampler_state",
+    "recorded_at_first_draw",
     "resumed_streams",
     "set_generators_as_loaded",
     "skip_handed_out",

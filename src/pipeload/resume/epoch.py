@@ -9,6 +9,7 @@ engine or a worker: the loader keeps the latest pair, and ``state_dict()`` reads
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of, worker_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
-from pipeload.samplers._own_generators import generators_state
+from pipeload.samplers._own_generators import epoch_holders, generators_state
 from pipeload.samplers._state import StatefulSampler, fresh_state
 
 
@@ -205,6 +206,24 @@ def record_sampler_state(loader: Any, record: EpochRecord) -> None:
         record.sampler = fresh_sampler_state(loader._index_sampler)
     finally:
         generator.set_state(now)
+
+
+def recorded_at_first_draw(loader: Any, record: EpochRecord, tasks: Iterator[Any]) -> Iterator[Any]:
+    """``tasks``, the index sampler's state recorded again as its first task is drawn: without
+    workers the sampler draws at the first batch, after whatever the loop did since ``iter()``.
+    Lightning calls ``set_epoch`` there: the state named the epoch before it while the batches
+    came in the new epoch's order, and a resume lost and repeated samples without a word (stop
+    54's resume skeptic). Only the sampler's state: the generators' are those of ``iter()``,
+    where the epoch's other draws (the base seed) were made; of a user's sampler, only its
+    epochs (an eager one has drawn its order at ``iter()``, and its generators with it)."""
+    # A generator: this runs at the first next(), before the sampler is asked.
+    sampler = loader._index_sampler
+    if isinstance(sampler, StatefulSampler):
+        record_sampler_state(loader, record)
+    elif isinstance(record.sampler, dict) and "epochs" in record.sampler:
+        epochs = {place: holder.epoch for place, holder in epoch_holders(sampler).items()}
+        record.sampler = {**record.sampler, "epochs": epochs}
+    yield from tasks
 
 
 def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
