@@ -75,12 +75,34 @@ def ctrl_c_kept(callback: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def ctrl_c_kept_in_weakref_callback(callback: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``callback``, for a ``weakref.ref``'s callback (only ever run as its object dies, where
+    what it raises is printed as "Exception ignored" and lost): a Ctrl-C raised inside it is
+    sent again to the main thread once no such callback or finalizer runs there. ``callback``
+    must be safe to run twice: it runs again after a Ctrl-C, which may have come before it did
+    its work (a weak reference to each batch storage lets go of its slab lease this way, many
+    times a second: a Ctrl-C pressed during a training loop lands there now and then)."""
+
+    def _called_by_the_collector(held: Any) -> None:
+        try:
+            callback(held)
+        except KeyboardInterrupt:
+            callback(held)
+            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.main_thread().ident,),
+                             name="pipeload-ctrl-c", daemon=True).start()
+
+    return _called_by_the_collector
+
+
 def _inside_a_finalizer(frame: Any) -> bool:
     """Whether a ``weakref.finalize`` runs in ``frame`` or below it on its stack, called by the
     garbage collection of its object (its weakref passed as ``_``), where what it raises is
-    printed and dropped; called by our code (``finalizer()``), it raises to its caller."""
+    printed and dropped (called by our code, ``finalizer()``, it raises to its caller); or a
+    weak reference's callback made by :func:`ctrl_c_kept_in_weakref_callback`."""
     while frame is not None:
         if frame.f_code is _FINALIZER_CODE and frame.f_locals.get("_") is not None:
+            return True
+        if frame.f_code is _WEAKREF_CALLBACK_CODE:
             return True
         frame = frame.f_back
     return False
@@ -96,5 +118,6 @@ def _ctrl_c_after_finalizers(main_thread: int) -> None:
 
 
 _FINALIZER_CODE = weakref.finalize.__call__.__code__
+_WEAKREF_CALLBACK_CODE = ctrl_c_kept_in_weakref_callback(print).__code__
 CTRL_C_REDELIVERY_POLL_S = 0.001
 CTRL_C_REDELIVERY_WAIT_S = 5.0  # then sent anyway: a finalizer that another one's stop holds up

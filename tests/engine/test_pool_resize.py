@@ -5,6 +5,8 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -79,3 +81,53 @@ def test_a_pool_shrinks_in_place_then_grows_again(leak_guard, worker_type) -> No
     stats = loader.stats()
     assert sum(worker.tasks for worker in stats.workers) == 120  # stopped workers' tasks kept
     del batches, loader, engine, first_two
+
+
+def _ctrl_c_when_called(name: str, nth: int):
+    """A trace function that sends this process a real SIGINT when the function ``name`` is
+    called for the ``nth`` time (a Ctrl-C landing at that step), then stops tracing."""
+    calls = [0]
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == name:
+            calls[0] += 1
+            if calls[0] == nth:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)
+        return None
+
+    return trace
+
+
+def _open_pipes_and_sockets() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith(("pipe:", "socket:")):
+            found.add(target)
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_the_pool_grows_leaves_no_pipe_open(leak_guard) -> None:
+    loader = _loader("process")
+    before = _open_pipes_and_sockets()
+    batches = iter(loader)
+    engine = batches._engine
+    _take(batches, 2)
+    # Between a new worker's task pipe and its result socket: the pipe is made, not yet kept.
+    sys.settrace(_ctrl_c_when_called("socketpair", 2))
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            engine.resize(4, 2)
+    finally:
+        sys.settrace(None)
+    assert engine.closed
+    # The loader, its engine and the traceback still live (a notebook keeps the last one): what
+    # the stopped engine held is closed all the same, the new workers' ends included. (The
+    # loader's slab pool stays for its next workers.)
+    assert _open_pipes_and_sockets() - before == set()
+    del batches, loader, engine, caught

@@ -384,8 +384,9 @@ class WorkerGroup:
         first = len(self.handles)
         plan: GrowingPlan = self.plan  # type: ignore[assignment]
         plan.resize(count, epoch)
-        self.channels.add_workers(count - first)
         try:
+            with ctrl_c_held():  # a pipe made and not yet kept in the channels would stay open
+                self.channels.add_workers(count - first)
             if self.stop_event is not None:
                 added = start_threads(plan.thread_launches(self.channels, self.stop_event, first),
                                       self.stop_event)

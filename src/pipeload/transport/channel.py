@@ -176,11 +176,15 @@ class ProcessChannels:
         self._readers_by_fd = None
 
     def drop_workers(self, first: int) -> None:
-        """Close and forget the channels of workers ``first`` and up, which have stopped."""
-        for end in self.task_writers[first:]:
+        """Close and forget the channels of workers ``first`` and up, which have stopped or
+        never started (then our copies of their ends are still open too: closed again is a
+        no-op)."""
+        for end in self.task_writers[first:] + self.task_readers[first:]:
             end.close()
         for reader in self.result_readers[first:]:
             reader.close()
+        for writer in self.result_writers[first:]:
+            writer.close()
         gone = set(map(id, self.result_readers[first:]))
         self._live_readers = [r for r in self._live_readers if id(r) not in gone]
         self._readers_by_fd = None

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from pipeload._interrupts import ctrl_c_kept_in_weakref_callback
+
 # id of the weak reference -> (the weak reference, the lease). A weak reference dies with its
 # storage, and its callback lets go of the lease; the dict only keeps both reachable meanwhile.
 _KEPT: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -32,12 +34,16 @@ _KEPT: dict[int, tuple[weakref.ref[Any], Any]] = {}
 
 def keep_lease_with(storage: torch.UntypedStorage, lease: Any) -> None:
     """Keep ``lease`` (a slab's per-batch view) until ``storage`` is gone."""
-    held = weakref.ref(storage, _let_go)
+    held = weakref.ref(storage, _LET_GO)
     _KEPT[id(held)] = (held, lease)
 
 
 def _let_go(held: weakref.ref[Any]) -> None:
-    _KEPT.pop(id(held), None)
+    _KEPT.pop(id(held), None)  # twice (after a Ctrl-C) is the same as once
+
+
+# Run as batches die, many times a second: where a Ctrl-C pressed during a loop may land.
+_LET_GO = ctrl_c_kept_in_weakref_callback(_let_go)
 
 
 def leases_kept() -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeload._interrupts import ctrl_c_kept
 from pipeload.transport import host_pinning
 from pipeload.transport.messages import SlabControl, SlabControlKind
 from pipeload.transport.shared_memory import create_buffer
@@ -168,7 +169,7 @@ def release_callback(slab: SlabRecord, board: ReleaseBoard, watcher: host_pinnin
                      pin_lock: threading.Lock) -> tuple[object, ...]:
     """What a lease's finalizer calls when its batch's last view dies, and with what: it holds
     the board's counters, not the board, so that a closed pool's board can go."""
-    return (_released, slab, board.counts, watcher, pin_lock)
+    return (_RELEASED, slab, board.counts, watcher, pin_lock)
 
 
 def _released(slab: SlabRecord, counts: np.ndarray, watcher: host_pinning.ReleaseWatcher | None,
@@ -179,6 +180,10 @@ def _released(slab: SlabRecord, counts: np.ndarray, watcher: host_pinning.Releas
         counts[slab.slab_id] += 1
         return
     watcher.submit(host_pinning.release_marker(), functools.partial(_land_pinned, slab, counts, pin_lock))
+
+
+# Run as batches die: a Ctrl-C that lands in it reaches the loop rather than being dropped.
+_RELEASED = ctrl_c_kept(_released)
 
 
 def _land_pinned(slab: SlabRecord, counts: np.ndarray, pin_lock: threading.Lock) -> None:
