@@ -383,6 +383,33 @@ def test_torchs_distributed_sampler_of_another_rank_resumes_this_ranks_order() -
     assert _batches(loader) == expected[3:]
 
 
+@pytest.mark.parametrize("other", [{"seed": 4}, {"shuffle": False}], ids=["seed", "shuffle"])
+def test_torchs_distributed_sampler_with_another_seed_or_shuffle_refuses_the_state(other: dict[str, Any]) -> None:
+    # The same epoch under another seed is another order: the resumed epoch would have skipped
+    # 3 batches of it and handed out the rest, silently.
+    state = _saved_in_epoch(_distributed_batched, 2, 3)
+    options = {"num_replicas": 2, "rank": 0, "shuffle": True, "seed": 3, **other}
+    loader = pipeload.DataLoader(list(range(40)), batch_size=2,
+                                 sampler=torch_data.DistributedSampler(list(range(40)), **options))
+    with pytest.raises(IncompatibleStateError, match=r"epoch\.sampler\.sampler\.shape .*shuffle, seed"):
+        loader.load_state_dict(state)
+
+
+def test_a_state_written_before_seeds_were_digested_still_resumes_torchs_distributed_sampler() -> None:
+    from pipeload.samplers._own_generators import _SHAPING_BEFORE_SEEDS, sampler_shape
+
+    expected = _epochs_of(_distributed_batched, 0, 3)
+    state = _saved_in_epoch(_distributed_batched, 2, 3)
+    inner = state["epoch"]["sampler"]
+    older = sampler_shape(_distributed(), _SHAPING_BEFORE_SEEDS)
+    assert inner["sampler"]["shape"] != older
+    inner = sealed({**inner, "sampler": {**inner["sampler"], "shape": older}})
+    state = sealed({**state, "epoch": {**state["epoch"], "sampler": inner}})
+    loader = pipeload.DataLoader(list(range(40)), **_distributed_batched(_distributed()))
+    loader.load_state_dict(state)
+    assert _batches(loader) == expected[2][3:]
+
+
 @pytest.mark.parametrize("epochs, message", [
     ({"epoch": "2"}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int from .*, but got .*'2'"),
     ({"epoch": 2**70}, r"epoch\.sampler\.sampler\.epochs\.epoch should be an int from -9223372036854775808 to "

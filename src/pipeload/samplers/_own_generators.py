@@ -142,17 +142,20 @@ def generators_state(sampler: Any) -> dict[str, Any] | None:
     return state
 
 
-def sampler_shape(sampler: Any) -> str:
+def sampler_shape(sampler: Any, shaping: tuple[str, ...] | None = None) -> str:
     """A digest of what, besides its generators, decides the order a sampler draws: at each of
-    the two places, its type, and its ``num_samples``, ``replacement``, ``weights`` and
-    ``indices`` where it has them. The same generator state under other weights or another
-    ``num_samples`` draws another order, which a resume would have taken for the one it left."""
+    the two places, its type, and its ``num_samples``, ``replacement``, ``shuffle``, ``seed``,
+    ``weights`` and ``indices`` where it has them. The same generator state under other weights
+    or another ``num_samples`` (the same epoch of torch's ``DistributedSampler`` under another
+    seed) draws another order, which a resume would have taken for the one it left. A
+    ``DistributedSampler``'s rank and ``num_replicas`` are no part of it: frameworks load rank
+    0's checkpoint on every rank. ``shaping``: the int and bool attributes to digest."""
     digest = hashlib.blake2b(digest_size=8)
     for holder in (sampler, optional_attribute(sampler, "sampler")):
         if holder is None:
             continue
         digest.update(f"{type(holder).__module__}.{type(holder).__qualname__};".encode())
-        for name in _SHAPING:
+        for name in _SHAPING if shaping is None else shaping:
             value = getattr(holder, name, None)
             if isinstance(value, (bool, int)):
                 digest.update(f"{name}={value!r};".encode())
@@ -164,7 +167,9 @@ def sampler_shape(sampler: Any) -> str:
     return digest.hexdigest()
 
 
-_SHAPING = ("num_samples", "replacement", "batch_size", "drop_last")
+_SHAPING = ("num_samples", "replacement", "batch_size", "drop_last", "shuffle", "seed")
+# What a state written before stop 55 digested: such a state is still taken (its seed unchecked).
+_SHAPING_BEFORE_SEEDS = _SHAPING[:4]
 
 
 def _as_bytes(values: Any) -> bytes:
@@ -217,14 +222,19 @@ def read_generators_state(sampler: Any, state: Any, path: str) -> KeptDraws:
     states = {place: saved.generator(place) for place in generators}
     saved.finish()
     shape = fields.raw("shape", "the digest of the sampler's type and parameters", default=None)
-    if shape is not None and shape != sampler_shape(sampler):  # None: a state from before stop 43
+    if shape is not None and not _same_shape(sampler, shape):  # None: a state from before stop 43
         raise bad_state_field(
             fields.name("shape"), shape, repr(sampler_shape(sampler)),
-            "the sampler's type, num_samples, replacement, weights or indices differ from the "
-            "checkpoint's: the same generator state would draw another order")
+            "the sampler's type, num_samples, replacement, shuffle, seed, weights or indices "
+            "differ from the checkpoint's: the same generator state would draw another order")
     epochs = _read_epochs(sampler, fields)
     fields.finish()
     return KeptDraws(states, epochs)  # type: ignore[arg-type]
+
+
+def _same_shape(sampler: Any, shape: Any) -> bool:
+    """Whether ``shape`` is ``sampler``'s digest, as written now or before seeds were in it."""
+    return shape == sampler_shape(sampler) or shape == sampler_shape(sampler, _SHAPING_BEFORE_SEEDS)
 
 
 def _read_epochs(sampler: Any, fields: StateFields) -> dict[str, int]:
