@@ -25,6 +25,7 @@ from pipeload.engine.epoch_flow import NumberedBatch, batch_number_of, worker_of
 from pipeload.engine.equal_batches import PaddedBatch
 from pipeload.engine.fetch import StreamBatch, StreamPosition
 from pipeload.errors import LoaderTimeoutError
+from pipeload.samplers._epoch_lengths import EpochLengths
 from pipeload.samplers._own_generators import epoch_holders, generators_state
 from pipeload.samplers._state import StatefulSampler, fresh_state
 
@@ -216,14 +217,24 @@ def recorded_at_first_draw(loader: Any, record: EpochRecord, tasks: Iterator[Any
     54's resume skeptic). Only the sampler's state: the generators' are those of ``iter()``,
     where the epoch's other draws (the base seed) were made; of a user's sampler, only its
     epochs (an eager one has drawn its order at ``iter()``, and its generators with it)."""
-    # A generator: this runs at the first next(), before the sampler is asked.
+    # A generator: this runs at the first next(), before the sampler is asked. The record and
+    # the draw ask the dataset's length once between them (samplers/_epoch_lengths.py): the
+    # length the dataset has at the draw, as torch's draw asks it, and no more often than torch.
     sampler = loader._index_sampler
-    if isinstance(sampler, StatefulSampler):
-        record_sampler_state(loader, record)
-    elif isinstance(record.sampler, dict) and "epochs" in record.sampler:
-        epochs = {place: holder.epoch for place, holder in epoch_holders(sampler).items()}
-        record.sampler = {**record.sampler, "epochs": epochs}
+    with EpochLengths().active():
+        if isinstance(sampler, StatefulSampler):
+            record_sampler_state(loader, record)
+        elif isinstance(record.sampler, dict) and "epochs" in record.sampler:
+            epochs = {place: holder.epoch for place, holder in epoch_holders(sampler).items()}
+            record.sampler = {**record.sampler, "epochs": epochs}
+        first = next(tasks, _NO_TASK)
+    if first is _NO_TASK:
+        return
+    yield first
     yield from tasks
+
+
+_NO_TASK = object()
 
 
 def fresh_sampler_state(sampler: Any) -> dict[str, Any] | None:
