@@ -179,6 +179,30 @@ def test_a_pipe_without_a_checkpoint_refuses_any_state() -> None:
     refused_unchanged(make, {"own": None, "upstream": []}, r"keeps no checkpoint of its position")
 
 
+
+def _forked_branch() -> Any:
+    return IterableWrapper(range(3)).fork(2)[0]
+
+
+def _parity(number: int) -> int:
+    return number % 2
+
+
+def _demuxed_branch() -> Any:
+    return IterableWrapper(range(3)).demux(2, _parity)[0]
+
+
+@pytest.mark.parametrize("make", [_forked_branch, _demuxed_branch], ids=["fork", "demux"])
+def test_a_fork_or_demux_branch_refuses_any_state(make: Callable[[], Any]) -> None:
+    # A branch keeps no checkpoint (the loader resumes it by skipping): the stateless shape
+    # {"own": None, "upstream": []} was accepted and the branch read on from its start.
+    branch = make()
+    target = iter(branch)
+    with pytest.raises(IncompatibleStateError, match=r"keeps no checkpoint of its position"):
+        target.load_state_dict({"own": None, "upstream": []})
+    target.close()
+
+
 class Countdown(NonBlockingIterDataPipe):
     """A user's pipe with a checkpoint of its own whose load fails on a bad state."""
 

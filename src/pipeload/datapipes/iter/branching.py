@@ -26,7 +26,7 @@ from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes._functions import check_function, raised_by_function
 from pipeload.datapipes.base import IterDataPipe
 from pipeload.datapipes.iter._columns import check_int, length_of
-from pipeload.datapipes.protocol import Notifier, PipeIterator, as_nonblocking
+from pipeload.datapipes.protocol import Notifier, PipeIterator, SkipToResume, as_nonblocking
 
 _JOIN_LOCK = threading.Lock()  # joining runs is rare; one lock for every fork keeps pipes picklable
 
@@ -152,7 +152,12 @@ class _Branch(IterDataPipe[Any]):
         return self.main_datapipe.length_for(self.instance_id)  # type: ignore[attr-defined]
 
 
-class _BranchIterator(PipeIterator[Any]):
+class _BranchIterator(SkipToResume, PipeIterator[Any]):
+    """A branch's run. It keeps no checkpoint (the shared run's buffer and the other branches'
+    positions are not written down yet), so it says so and refuses any state given to it: the
+    loader resumes a graph with a fork or demux by skipping. Without the mixin it took the
+    stateless ``{"own": None, "upstream": []}`` and silently read from the start again."""
+
     def __init__(self, run: Any, instance_id: int) -> None:
         super().__init__()
         self._run = run
@@ -174,9 +179,6 @@ class _BranchIterator(PipeIterator[Any]):
 
     def close(self) -> None:
         self._leave()  # a finalize runs once
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("the branches of fork and demux cannot be checkpointed yet")
 
 
 # -- fork --------------------------------------------------------------------------------------
