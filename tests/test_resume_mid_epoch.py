@@ -522,6 +522,47 @@ def test_a_pipe_state_another_graph_cannot_take_is_refused_when_loaded(num_worke
     loader(6).load_state_dict(state)  # its own graph's kind takes it
 
 
+def _tens(number: int) -> int:
+    return number * 10
+
+
+def _parity(number: int) -> int:
+    return number % 2
+
+
+def _forked_then_concatenated() -> Any:
+    first, second = IterableWrapper(range(LENGTH)).shuffle().fork(2)
+    return first.map(_tens).concat(second.filter(_parity)).sharding_filter()
+
+
+def _demuxed_then_concatenated() -> Any:
+    evens, odds = IterableWrapper(range(LENGTH)).shuffle().demux(2, _parity)
+    return evens.concat(odds).sharding_filter()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_fast_forwarded_graph_of_another_shape_refuses_the_state(num_workers: int) -> None:
+    # A fork or demux keeps no checkpoint, so a replica's state is only "make k batches again":
+    # nothing in it said which graph made them, and a graph of another shape (neither has a
+    # length) took it silently and skipped k of its own batches.
+    def loader(make_pipe: Callable[[], Any]) -> pipeload.DataLoader:
+        return pipeload.DataLoader(make_pipe(), batch_size=BATCH, num_workers=num_workers,
+                                   worker_type="thread", generator=torch.Generator().manual_seed(5))
+
+    taken = loader(_forked_then_concatenated)
+    iterator = iter(taken)
+    next(iterator), next(iterator)
+    state = json.loads(json.dumps(taken.state_dict()))
+    del iterator
+    other = loader(_demuxed_then_concatenated)
+    with pytest.raises(IncompatibleStateError, match=r"graph differs \(state: 'sha256:"):
+        other.load_state_dict(state)
+    assert sum(len(batch) for batch in other) == LENGTH  # nothing was set: a whole fresh epoch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fast-forward warning: said elsewhere
+        loader(_forked_then_concatenated).load_state_dict(state)  # its own graph's shape takes it
+
+
 @pytest.mark.parametrize(("before", "after", "named"), [
     ("loader-generator", "shuffle", "generator differs (state: 'a torch.Generator', here: None)"),
     ("shuffle", "loader-generator", "generator differs (state: None, here: 'a torch.Generator')"),

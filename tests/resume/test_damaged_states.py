@@ -211,7 +211,7 @@ def test_a_state_of_the_previous_version_still_resumes_exactly(name: str, tmp_pa
 
 
 # written later within version 1; a replica position's "failed" later still (in both versions)
-V1_OPTIONAL = {"padded", "handed_out_above", "repeat_from", "failed", "persistent_workers"}
+V1_OPTIONAL = {"padded", "handed_out_above", "repeat_from", "failed", "persistent_workers", "graph"}
 
 
 def our_fields(state: Any, opaque: set[str], path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

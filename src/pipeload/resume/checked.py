@@ -148,6 +148,14 @@ def _read_config(fields: StateFields) -> dict[str, Any]:
     }
     if kind == "iterable":
         read["num_workers"] = config.integer("num_workers")
+        # A DataPipe graph's shape (resume/state.py's graph_shape); absent from states written
+        # before it was kept, and from those of iterable datasets that are not pipes.
+        expected = "the digest of a DataPipe graph's shape ('sha256:...' text)"
+        shape = config.raw("graph", expected, default=None)
+        if shape is not None:
+            if not (isinstance(shape, str) and shape.startswith("sha256:")):
+                raise bad_state_field(config.name("graph"), shape, expected)
+            read["graph"] = shape
     config.finish()
     return read
 

@@ -9,6 +9,7 @@ dataset length, batch size, world size, ... differ refuses it, naming each diffe
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pipeload._state_digest import DIGEST_FIELD, check_digest, sealed
 from pipeload._state_fields import is_int
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes import graph
-from pipeload.datapipes.base import IterDataPipe
+from pipeload.datapipes.base import IterDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter.sharding import ShardingFilter
 from pipeload.distributed import current_placement
 from pipeload.engine import replica
@@ -99,7 +100,38 @@ def config_of(loader: Any) -> dict[str, Any]:
     }
     if loader._dataset_kind.label == "iterable":
         config["num_workers"] = loader.num_workers  # each replica's position is its own shard's
+        shape = graph_shape(loader.dataset)
+        if shape is not None:
+            config["graph"] = shape
     return config
+
+
+def graph_shape(dataset: Any) -> str | None:
+    """A digest of the DataPipe graph's shape: each pipe's class and which pipes it reads from
+    (a pipe reached twice, a fork's source, is named once and then referred to), not the data
+    nor the functions. None for a dataset that is not an iterable pipe, or a graph that cannot
+    be walked.
+
+    A replica with a stage that keeps no checkpoint (fork, demux, zip, ...) is resumed by making
+    its batches again: its state is a count, which a graph of another shape took silently and
+    skipped that many of its own batches. The pipes' own states refuse another graph; this
+    refuses it when there are none.
+    """
+    if not is_iter_datapipe(dataset):
+        return None
+    try:
+        text = _shape_text(dataset, {})
+    except Exception:  # noqa: BLE001 - a graph that cannot be walked is not compared
+        return None
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _shape_text(pipe: Any, seen: dict[int, int]) -> str:
+    if id(pipe) in seen:
+        return f"@{seen[id(pipe)]}"  # shared (a fork's source), or a pipe that refers to itself
+    seen[id(pipe)] = len(seen)
+    parents = ",".join(_shape_text(parent, seen) for parent in graph.parents_of(pipe))
+    return f"{type(pipe).__qualname__}({parents})"
 
 
 def _unsharded_length(dataset: Any) -> int | None:
@@ -318,6 +350,8 @@ def _warn_if_the_generator_is_the_global_one(loader: Any) -> None:
 
 def _check_config(loader: Any, saved: dict[str, Any]) -> None:
     here = config_of(loader)
+    if "graph" not in saved:
+        here.pop("graph", None)  # a state written before the graph's shape was kept
     differences = {k: (saved.get(k), here.get(k)) for k in here.keys() | saved.keys()
                    if saved.get(k) != here.get(k)}
     if differences:
