@@ -611,4 +611,5 @@ def _stage_without_state(loader: Any) -> str:
         return (f"{' and '.join(boundaries)} cannot say where it stands (a queue boundary of that "
                 "kind keeps no checkpoint)")
     return (f"{type(loader.dataset).__name__} cannot say where it stands (no state_dict() on it or on "
-            "its iterator, or on a stage of its graph: a plain iterator or generator inside)")
+            "its iterator, or on a stage of its graph: fork, demux, zip, mux, groupby and in-memory "
+            "caches keep none yet, nor does a plain iterator or generator inside)")
