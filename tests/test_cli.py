@@ -445,3 +445,16 @@ def test_the_command_tells_its_version(capsys: pytest.CaptureFixture[str]) -> No
         cli.main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.strip() == f"pipeload {pipeload.__version__} (torch {torch.__version__})"
+
+
+def test_the_command_without_a_subcommand_names_the_subcommands_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pipeload import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main([])
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["pipeload: error: the following arguments are required: COMMAND "
+                     "(choose from 'bench', 'profile'; pipeload --help says more)"]

@@ -30,7 +30,12 @@ OPTIONAL_PACKAGES = {"PIL": "Pillow", "psutil": "psutil", "tqdm": "tqdm", "matpl
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line (the usage text is a --help away)."""
 
+    command_names: tuple[str, ...] = ()
+
     def error(self, message: str) -> NoReturn:
+        if self.command_names and message.endswith("required: COMMAND"):
+            # A bare ``pipeload``: the one line names the commands, as a wrong one's does.
+            message += f" (choose from {', '.join(map(repr, self.command_names))}; pipeload --help says more)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=_Parser)
     _add_bench(commands)
     _add_profile(commands)
+    parser.command_names = tuple(commands.choices)
     return parser
 
 
