@@ -116,8 +116,9 @@ class RemoteFailure:
         where: replaces torch's "in DataLoader worker process N" (the pin memory thread).
         caught_name: the type name torch's sentence shows when ``exc_type`` is our refinement
             of the type actually raised (SharedMemoryError for a RuntimeError).
-        worker_kind: "" for a classic worker; "item" or "batch" for an economic-mode worker, whose
-            ``worker_id`` counts the workers of that kind.
+        worker_kind: "" for a classic process worker, "thread" for a classic thread worker; "item"
+            or "batch" for an economic-mode worker, whose ``worker_id`` counts the workers of
+            that kind.
     """
 
     exc_type: type[BaseException]

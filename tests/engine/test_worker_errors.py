@@ -72,6 +72,8 @@ def test_getitem_error_keeps_type_worker_message_traceback_and_indices(engine, l
     else:
         assert text.startswith("Caught SampleFailed in DataLoader worker process 1.")
         assert "[4, 5, 6, 7]" in text
+        # torch's sentence says "process" whatever the worker is; ours says a thread is one
+        assert ("It was raised in thread worker 1 while fetching" in text) == engine.threads, text
     assert "sample 6 is corrupt" in text
     assert "Traceback (most recent call last)" in text
     assert "in __getitem__" in text and "faults.py" in text

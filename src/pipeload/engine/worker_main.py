@@ -181,7 +181,7 @@ class WorkerLoop:
         return POLL_INTERVAL_S
 
     def _initialise(self) -> None:
-        self._init_failure = prepare_worker(self._setup, self._id, self.kind, self._share())
+        self._init_failure = prepare_worker(self._setup, self._id, self._kind_in_errors(), self._share())
         if self._init_failure is None:
             self._make_fetcher(first=True)
 
@@ -205,7 +205,7 @@ class WorkerLoop:
                 self._clock.count_ray_stage = ray_stage_counter(fetch.dataset, self._clock.ray_stage)
         except Exception:
             self._init_failure = RemoteFailure.capture(
-                self._id, "starting to iterate the dataset", worker_kind=self.kind
+                self._id, "starting to iterate the dataset", worker_kind=self._kind_in_errors()
             )
 
     def _batch_seeding(self) -> BatchSeeding | None:
@@ -316,8 +316,13 @@ class WorkerLoop:
             self._report_failure(number, "sending the batch to the main process", indices, exc)
 
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
-        failure = describe_failure(self._id, self.kind, stage, indices, exc)
+        failure = describe_failure(self._id, self._kind_in_errors(), stage, indices, exc)
         self._report_with_totals(Report.FAILED, number, failure)
+
+    def _kind_in_errors(self) -> str:
+        """What an error names this worker as: its economic kind, or "thread" for a classic
+        thread worker (torch's sentence, kept for the code that matches it, says "worker process")."""
+        return self.kind or ("thread" if self._setup.worker_method == "thread" else "")
 
     def _report_with_totals(self, report: Report, number: int, payload: Any = None) -> None:
         """A report that is no built batch (a failure, a dry replica): it always carries the
