@@ -326,3 +326,44 @@ class LoaderInside(IterableDataset):
 def test_other_processes_inside_a_process_worker_are_still_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="daemon processes may not have children"):
         list(pipeload.DataLoader(LoaderInside(), num_workers=1))
+
+
+def _boundary(pipe: Any, kind: str) -> Any:
+    return pipe.queue_boundary(kind, buffer_size=2,
+                               **({"multiprocessing_context": "fork"} if kind == "process" else {}))
+
+
+def _nested(first: str, second: str, fails: str) -> tuple[Any, list[Any]]:
+    """range -> first boundary -> second boundary, ``fail_at_three`` upstream of both, between
+    them or downstream of both (``fails``); with the boundary pipes, for their kept slabs."""
+    pipe = IterableWrapper(range(40))
+    pipe = pipe.map(fail_at_three) if fails == "upstream" else pipe
+    inner = _boundary(pipe, first)
+    outer = _boundary(inner.map(fail_at_three) if fails == "between" else inner, second)
+    return (outer.map(fail_at_three) if fails == "downstream" else outer), [inner, outer]
+
+
+LOADER_ENGINES = [pytest.param({}, id="no-workers"),
+                  pytest.param({"num_workers": 2, "worker_type": "thread"}, id="thread-workers")]
+
+
+@pytest.mark.parametrize("engine", LOADER_ENGINES)
+@pytest.mark.parametrize("fails", ["upstream", "between", "downstream"])
+@pytest.mark.parametrize(("first", "second"), [("process", "thread"), ("thread", "thread"),
+                                               ("thread", "process"), ("process", "process")])
+def test_an_error_past_a_boundary_stops_every_boundary_before_it_while_the_loader_lives(
+        first: str, second: str, fails: str, engine: dict[str, Any], leak_guard: Any) -> None:
+    # The error (a thread boundary hands on the very exception, traceback and all) holds the
+    # frames that read the graph, and they hold the error: a cycle only the collector frees.
+    # The feed went on putting, the upstream process went on producing, until the loader went.
+    pipe, boundaries = _nested(first, second, fails)
+    loader = pipeload.DataLoader(pipe, batch_size=None, **engine)
+    with pytest.raises(KeyError, match="no item 3"):
+        for _ in loader:
+            pass
+    for boundary in boundaries:  # the slabs a stopped run gave back (kept for the next run)
+        boundary.release_shared_memory()
+    assert leak_guard.leftovers() == []  # the loader (and the error's frames) still live
+    with pytest.raises(KeyError, match="no item 3"):  # a second epoch: the same, not a hang
+        list(loader)
+    assert loader is not None

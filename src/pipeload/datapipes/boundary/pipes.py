@@ -283,7 +283,15 @@ class _BoundaryIterator(PipeIterator[Any]):
         if type(item) is RaisedUpstream:  # the upstream's error for one item: the run goes on
             if hasattr(queue, "raised_an_item"):
                 queue.raised_an_item = True  # its slabs go with the run (the error may keep us)
-            raise item.exception()
+            error = item.exception()
+            # The error's traceback keeps this frame: holding the error (a thread producer hands
+            # on the very exception) it would make a cycle that keeps this run, and the graph
+            # around it, alive until the collector runs, however soon the error is let go.
+            del item
+            try:
+                raise error
+            finally:
+                del error
         return item
 
     def _translated(self, ending: QueueError) -> BaseException:
