@@ -3,6 +3,7 @@ arrive whole; a killed upstream is a clear error; nothing outlives the run."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import re
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import in_shared_memory, pid_gone, wait_until
+from conftest import _children, _open_fds, in_shared_memory, pid_gone, wait_until
 from pipes_for_tests import (
     Counting,
     add_one,
@@ -367,3 +368,42 @@ def test_an_error_past_a_boundary_stops_every_boundary_before_it_while_the_loade
     with pytest.raises(KeyError, match="no item 3"):  # a second epoch: the same, not a hang
         list(loader)
     assert loader is not None
+
+
+def fail_at_three_keeping_the_error(x: int) -> int:
+    """``fail_at_three``, written as user code often is: the error in a local of the frame its
+    traceback keeps (a reference cycle only the collector frees)."""
+    if x == 3:
+        error = KeyError(f"no item {x}")
+        raise error
+    return x
+
+
+@pytest.mark.parametrize("engine", LOADER_ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_epoch_left_by_an_error_that_user_code_keeps_in_a_cycle_stops_the_boundaries_of_its_graph(
+        kind: str, engine: dict[str, Any], leak_guard: Any) -> None:
+    # The error's traceback holds every frame from the loop down to the user's function, the
+    # loader's own among them: the run over the graph stayed, and its upstream kept producing,
+    # for as long as the cycle lived. The epoch's end must stop it, not the collector.
+    boundary = _boundary(IterableWrapper(range(40)), kind)
+    loader = pipeload.DataLoader(boundary.map(fail_at_three_keeping_the_error), batch_size=None, **engine)
+    with pytest.raises(KeyError, match="no item 3"):
+        for _ in loader:
+            pass
+    # The loader still lives, and so does the cycle: what it holds of the graph (a thread
+    # worker's copy, with the slabs its boundary keeps for a next run) is the collector's, but
+    # no upstream may still run, nor any channel to one stay open.
+    assert wait_until(lambda: not _producers_left(leak_guard), DEADLINE_S), _producers_left(leak_guard)
+    assert loader is not None
+    gc.collect()  # the user's cycle, for the leak guard
+
+
+def _producers_left(guard: Any) -> list[str]:
+    """The processes, threads and pipes or sockets started since ``guard``'s snapshot."""
+    before = guard.before
+    children = [text for pid, text in _children().items() if pid not in before.children]
+    threads = [t.name for t in threading.enumerate() if t not in before.threads and t.is_alive()]
+    channels = [target for fd, target in _open_fds().items()
+                if before.fds.get(fd) != target and target.startswith(("pipe:", "socket:"))]
+    return children + threads + channels

@@ -360,6 +360,17 @@ class IterableFetcher:
         self._stateless = True
         return None
 
+    def close(self) -> None:
+        """Stop the run over the replica now, where it is a pipe graph's (its boundaries'
+        threads and processes): dropping it is not enough, as an error one of its batches raised
+        may keep it, in a reference cycle through that error's traceback (a thread boundary
+        hands on the very exception), until the collector runs. Another iterator is left to go
+        as torch lets it: its ``close`` may mean something else."""
+        from pipeload.datapipes.protocol import PipeIterator  # pipes import the engine: not at the top
+
+        if isinstance(self._samples, PipeIterator):
+            self._samples.close()
+
     def _take_one(self) -> list[Any]:
         try:
             return [next(self._samples)]

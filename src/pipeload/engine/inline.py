@@ -109,6 +109,8 @@ class InlineEngine:
 
     def close(self) -> None:
         self._closed = True
+        if isinstance(self._fetcher, IterableFetcher):
+            self._fetcher.close()  # the graph's boundaries stop now, not when the collector runs
         if self._clock is not None:
             self._clock.stop_counting_ray_stage()
         if self._session is not None:

@@ -22,7 +22,7 @@ import torch
 
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
-from pipeload.engine.fetch import DatasetExhausted, make_fetcher
+from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, make_fetcher
 from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_creator_dies,
@@ -126,9 +126,18 @@ class WorkerLoop:
         self._drops_superseded_tasks = self.kind != "" or setup.fetch.per_batch_seeding
 
     def thread_ends(self) -> None:
-        """Its thread is about to end: a lent clock takes its last CPU reading now."""
+        """Its thread is about to end: its run over the replica stops (see ``_close_fetcher``)
+        and a lent clock takes its last CPU reading now."""
+        self._close_fetcher()
         if self._lends_clock:
             self._clock.read_sched_now()  # type: ignore[union-attr]
+
+    def _close_fetcher(self) -> None:
+        """Stop the run over the replica (a graph's boundaries) in this thread, which read it:
+        an error one of its batches raised may keep it, and them, alive until the collector
+        runs (``IterableFetcher.close``)."""
+        if isinstance(self._fetcher, IterableFetcher):
+            self._fetcher.close()
 
     def run(self) -> None:
         self._initialise()
@@ -194,6 +203,7 @@ class WorkerLoop:
         # A resumed session's replicas continue from their checkpoint in its first epoch only.
         resume_from = (fetch.resume_streams or {}).get(self._id) if first else None
         try:
+            self._close_fetcher()  # the epoch before's run, before the replica is reseeded
             replica.reseed(fetch.dataset, shared_seed)
             # Before the iterator is made: a read-ahead thread it starts counts from the first.
             skips.bind(fetch.dataset, fetch.failures, skips.worker_row(self._id))
