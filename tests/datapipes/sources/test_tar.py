@@ -829,3 +829,27 @@ def _rewrite_set_back(path: Path, at: int, data: bytes) -> None:
         rewrite.seek(at)
         rewrite.write(data)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _with_size(data: bytes, header_at: int, size: int) -> bytes:
+    """``data`` with the header at ``header_at`` saying ``size``, its checksum made to match (a
+    writer that put the wrong size in a header it then summed)."""
+    header = bytearray(data[header_at:header_at + 512])
+    header[124:136] = b"%011o\0" % size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return data[:header_at] + bytes(header) + data[header_at + 512:]
+
+
+@pytest.mark.parametrize("compression", ["", "gz"])
+def test_a_member_whose_header_gives_less_than_its_data_is_corrupt_not_cut_short(
+        tmp_path: Path, compression: str) -> None:
+    # 25 bytes of text whose header says 9: the rest lies in the member's padding, where tar
+    # writes zeros, and the member went out as b"the quick", silently.
+    archive = _with_size(tar_bytes([("a.txt", b"the quick brown fox jumps"), ("a.cls", b"1")]), 0, 9)
+    path = tmp_path / ("lying.tar" + (f".{compression}" if compression else ""))
+    path.write_bytes(compress(archive, compression))
+    with pytest.raises(ArchiveError, match=r"'a\.txt'.*corrupt: .*not zero") as raised:
+        members_of(path)
+    assert str(path) in str(raised.value)
+    assert members_of(path, on_error="skip") == []
