@@ -853,3 +853,25 @@ def test_a_member_whose_header_gives_less_than_its_data_is_corrupt_not_cut_short
         members_of(path)
     assert str(path) in str(raised.value)
     assert members_of(path, on_error="skip") == []
+
+
+def test_a_compressed_archive_cut_inside_a_member_says_how_many_members_went_out_unchecked(tmp_path: Path) -> None:
+    # gzip's stored blocks: a cut lands where chosen, here in the data of member 5 (a JSON, whose
+    # bytes occur once), and in the first member's. The note counted one member fewer than had
+    # gone out (-1 for none).
+    stored = gzip.compress(tar_bytes(MEMBERS), compresslevel=0)
+    for members_before in (5, 0):
+        cut = stored.index(MEMBERS[members_before][1]) + 10
+        path = tmp_path / f"cut-in-member-{members_before}.tar.gz"
+        path.write_bytes(stored[:cut])
+        pipe = IterableWrapper([str(path)]).open_files(mode="b").load_from_tar(on_error="skip")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            delivered = list(pipe)
+        assert len(delivered) == members_before
+        (message,) = [str(w.message) for w in caught if issubclass(w.category, SkippedSampleWarning)]
+        assert f"in member {MEMBERS[members_before][0]!r}" in message
+        if members_before:
+            assert f"its {members_before} members already delivered were not yet checked" in message
+        else:
+            assert "already delivered" not in message

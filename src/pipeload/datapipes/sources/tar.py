@@ -159,6 +159,7 @@ class _OpenArchive:
         self._hold = hold and self.reader.compressed
         self._position = (0, 0)  # holding: where the next member to hand out begins
         self._last_at = (0, 0)  # holding: where the last member handed out began
+        self._handed_out = 0  # members of it handed out (streaming), a resumed run's earlier ones too
 
     def next_member(self) -> ArchiveMember | None:
         """The next regular file, or None at a clean end; raises at a broken one."""
@@ -168,6 +169,7 @@ class _OpenArchive:
         if found is None:
             return None
         self._check_unchanged()
+        self._handed_out = self.reader.members_read
         return ArchiveMember(self.url, found[0], found[1], self.outcome, self.reader.members_read - 1)
 
     def _check_unchanged(self) -> None:
@@ -215,6 +217,11 @@ class _OpenArchive:
         member, self._position = self._held.popleft()
         return member
 
+    def move_to(self, offset: int, members_read: int) -> None:
+        """Resume at a checkpoint's position; the members before it were handed out then."""
+        self.reader.move_to(offset, members_read)
+        self._handed_out = members_read
+
     def position(self) -> tuple[int, int]:
         """(bytes into the decompressed archive, members read) where the next member begins."""
         if self._held is None:  # nothing read ahead of what was handed out
@@ -232,7 +239,10 @@ class _OpenArchive:
         """Members handed out before a compressed archive's checksum was checked."""
         if not self.reader.compressed or self._hold:
             return 0
-        return self.reader.members_read - (1 if self.reader.in_member else 0)
+        # Counted as handed out: the reader's count leaves out a member whose data broke off
+        # (so less one for it said one member fewer than went out, -1 for none) and counts one
+        # read but refused before it went out (changed meanwhile).
+        return self._handed_out
 
     def where(self) -> str:
         """Where in the archive reading stopped, in words."""
@@ -364,7 +374,7 @@ class _TarIterator(PipeIterator[ArchiveMember]):
                     _check_same_archive(url, saved_url, offset)
                 if saved is not None:
                     _versions.check_unchanged_since_checkpoint(url, saved, archive.version, offset)
-                archive.reader.move_to(offset, members)
+                archive.move_to(offset, members)
             return archive
         except Exception as error:  # noqa: BLE001
             stream.close()
