@@ -239,3 +239,15 @@ def test_files_and_shards_are_asked_for_as_stored_never_compressed_on_the_way(se
     assert FileReader([url])[0][1] == (server.root / "shard-0000.tar").read_bytes()
     assert len(list(IterableWrapper([url]).open_files(mode="b").load_from_tar())) > 0
     assert server.encodings_asked == ["identity", "identity"]
+
+
+def test_a_gzip_shard_read_to_its_end_leaves_aiohttp_nothing_to_warn_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # gzip's reader asks for more at the end of its data again and again; each ask went to
+    # aiohttp's response, which logs a warning with a stack ("Multiple access to StreamReader in
+    # eof state, might be infinite loop") after the fifth: two per shard, on every user's stderr.
+    (path,) = write_shards(tmp_path, 1, 40, "gz")
+    with ShardServer(tmp_path) as running, caplog.at_level("WARNING"):
+        members = list(IterableWrapper([running.url(path.name)]).open_files(mode="b").load_from_tar())
+    assert len(members) == 120
+    assert [record.getMessage() for record in caplog.records] == []

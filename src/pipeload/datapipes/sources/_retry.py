@@ -156,14 +156,21 @@ class RetryingReader(io.RawIOBase):
         self.reconnects = 0
         self._strikes = 0  # failed reads since the stream last made PROGRESS_BYTES of progress
         self._since_strike = 0  # bytes handed out since the last failed read
+        self._ended = False  # the file's end was read: no more asks of it
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
+        if self._ended or not len(view):
+            # A reader at the end asks again and again (gzip's, for another member): asked each
+            # time, aiohttp's response logged a warning with a stack after the fifth ("Multiple
+            # access to StreamReader in eof state"), sixteen for a 2 MB .tar.gz on stderr.
+            return 0
         data = with_retries(lambda: self._read_once(len(view)), self._policy, failed_before=self._strikes)
         view[:len(data)] = data
+        self._ended = not data
         self._position += len(data)
         # Attempts start afresh only after real progress: a server that sends a little after
         # each reconnect and stalls again (a proxy that stops forwarding) was followed for as
