@@ -394,6 +394,41 @@ def test_getitems_returning_the_wrong_number_of_samples_fails_its_batch_by_name(
         next(iterator)
 
 
+class _ReturnsColumns(Numbers):
+    """A ``__getitems__`` that returns a mapping of columns, one key per index asked for."""
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        return {f"column{k}": torch.tensor(list(indices)) for k in range(len(indices))}
+
+
+class _ReturnsAGenerator(Numbers):
+    def __getitems__(self, indices: list[int]) -> Any:
+        return (index for index in indices)
+
+
+@pytest.mark.parametrize("engine", BOTH)
+@pytest.mark.parametrize("dataset", [_ReturnsColumns, _ReturnsAGenerator])
+def test_getitems_returning_no_list_of_samples_fails_its_batch_by_name(engine, dataset):
+    # Sub-batches are glued by position: a mapping's keys were taken for its samples (a batch of
+    # column names, without a word), and a generator, which has no length, ended the item worker.
+    loader = DataLoader(dataset(8), batch_size=4, num_workers=2, collate_fn=_identity,
+                        **loader_kwargs(engine))
+    iterator = iter(loader)
+    for first in (0, 4):
+        with pytest.raises(TypeError) as caught:
+            next(iterator)
+        text = str(caught.value)
+        assert f"{dataset.__name__}.__getitems__ returned a" in text, text
+        assert "not a list of samples" in text, text
+        assert f"sample indices [{first}, {first + 1}]" in text or f"sample indices [{first + 2}, {first + 3}]" in text
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def _identity(samples: Any) -> Any:
+    return samples
+
+
 # -- memory bound ---------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.autograd.profiler as _torch_profiler
@@ -319,10 +319,18 @@ class ItemWorkerLoop(WorkerLoop):
 
     def _sub_batch(self, indices: list[Any]) -> list[Any]:
         """One ``__getitems__`` call; a wrong count raises, as the batch worker fills slots by
-        position and would otherwise collate a batch with holes (torch collates what it got)."""
+        position and would otherwise collate a batch with holes (torch collates what it got).
+        So does what is no sequence of samples: a mapping's keys would be taken for samples
+        (torch hands a whole batch's mapping of columns to ``collate_fn``, which a batch glued
+        from several calls cannot be), and a generator has no length to fill slots by."""
         samples = self._fetcher.samples(indices)
-        if hasattr(samples, "__len__") and len(samples) != len(indices):
-            name = type(self._setup.fetch.dataset).__name__
+        name = type(self._setup.fetch.dataset).__name__
+        if (isinstance(samples, (Mapping, str, bytes)) or not hasattr(samples, "__len__")
+                or not hasattr(samples, "__getitem__")):
+            raise TypeError(f"{name}.__getitems__ returned a {type(samples).__name__}, not a list of "
+                            "samples: mode='economic' joins the calls that make one batch by position "
+                            "(mode='classic' hands collate_fn what one call for the whole batch returns)")
+        if len(samples) != len(indices):
             raise ValueError(f"{name}.__getitems__ returned {len(samples)} samples for {len(indices)} indices")
         return samples
 
