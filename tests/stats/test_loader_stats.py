@@ -737,6 +737,19 @@ def test_economic_mode_counts_the_bytes_its_item_workers_moved() -> None:
     assert loader.stats().bytes_moved == received == 64 * 65536 * 4
 
 
+@pytest.mark.timeout(60)
+def test_economic_mode_counts_the_tensors_its_batch_workers_made_from_items_that_are_no_tensors() -> None:
+    # NumPy items hold no tensor: the item workers count nothing, and the batch workers'
+    # collated tensors went uncounted: 4 MiB handed to the loop read "moved 0 bytes".
+    numpy = pytest.importorskip("numpy")
+    items = [numpy.ones(16384, dtype=numpy.float32) for _ in range(64)]
+    loader = pipeload.DataLoader(items, batch_size=8, num_workers=2, mode="economic", worker_type="thread")
+    received = sum(batch.nbytes for batch in loader)
+    stats = loader.stats()
+    assert stats.assembled_batches == 0  # every batch was collated by a batch worker
+    assert stats.bytes_moved == received == 64 * 16384 * 4
+
+
 TINY = {"inline": {"num_workers": 0},
         "process": {"num_workers": 2, "multiprocessing_context": "fork"}}
 

@@ -249,9 +249,15 @@ class LoaderStats:
         bytes it would count again). Like their samples (``stages["fetch"]``), they miss the
         pieces whose reports an epoch ended before reading: an item worker reports a piece after
         handing it to its batch worker, which may hand the epoch's last batch over first, and
-        nothing waits for the rest (at most the pieces in flight at an epoch's end)."""
+        nothing waits for the rest (at most the pieces in flight at an epoch's end).
+        Items that hold no tensor (NumPy arrays, images) count nothing there: the tensors reach
+        the main process from the batch workers that collated them, so the larger of the two
+        sums is taken (with tensor items, the batch workers' sum covers only what they collated
+        of the items'; with others, the items' is 0 and 4 MiB of batches read "moved 0 bytes")."""
         if any(w.kind == "item" for w in self.workers):
-            return sum(w.bytes_out for w in self.workers if w.kind == "item")
+            items = sum(w.bytes_out for w in self.workers if w.kind == "item")
+            collated = sum(w.bytes_out for w in self.workers if w.kind == "batch")
+            return max(items, collated)
         return sum(w.bytes_out for w in self.workers if w.kind in HANDING_OVER_KINDS)
 
     @property
