@@ -247,6 +247,27 @@ def test_a_windows_cpu_time_counts_workers_that_left_or_came_in_it() -> None:
     assert _sched_between(start, {}, {}) == (0.0, 0.0)  # gone unread: nothing, never below
 
 
+def _slow_start(worker_id: int) -> None:
+    time.sleep(0.3)  # the workload: a worker's setup (opening files, connecting) before its first item
+
+
+@pytest.mark.timeout(90)
+def test_the_tuner_reads_a_loop_that_only_waits_as_waiting_when_workers_start_each_epoch(leak_guard) -> None:
+    # A loop that does nothing but ask for batches waits all of its steady time. Its windows
+    # held the epochs' starts (0.3 s each here) in their seconds but not in their waits: the
+    # tuner's decision read "the training loop waited 32%" where the stats read 100%.
+    loader = pipeload.DataLoader(RemoteReads(64, 0.002), batch_size=8, num_workers="auto",
+                                 worker_init_fn=_slow_start, multiprocessing_context="fork")
+    for _ in range(100):  # epochs of 8 batches: every window holds an epoch's start
+        if len(loader.stats().decisions) >= 2:
+            break
+        for _ in loader:
+            pass
+    reason = loader.stats().decisions[1].reason
+    waited = int(reason.split("the training loop waited ")[1].split("%")[0])
+    assert waited >= 90, reason
+
+
 @pytest.mark.timeout(90)
 def test_workers_started_each_epoch_are_seen_computing_by_the_tuner(leak_guard) -> None:
     loader = pipeload.DataLoader(Busy(96, 0.0003), batch_size=8, num_workers="auto", multiprocessing_context="fork")

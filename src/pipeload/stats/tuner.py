@@ -7,7 +7,8 @@ watches the training loop through the loader's stats, and climbs one step at a t
    the last change has settled, i.e. once the old pool's batches and the new pool's first round
    (as many batches as either keeps in flight) have been handed out: a window over new workers
    still starting up would judge the start-up, not the setting. Each window gives the batches/s,
-   the share of the time the loop waited, and the share of the wall time the workers' threads
+   the share of the time the loop waited (of its steady time, less epochs' first batches and
+   ends, as the stats summary says it), and the share of the wall time the workers' threads
    were on a CPU or queued for one (the kernel's counters). The step takes their medians, so
    one disturbed window (another job's burst on a shared machine) does not decide.
 2. The loop waited less than ``STOP_WAITING`` of the time: loading keeps up; stop.
@@ -109,8 +110,9 @@ class AutoTuner:
         self._max_workers = min(MAX_WORKERS, MAX_WORKERS_PER_CPU * cpus)
         self._since_change = 0
         self._settle = SETTLE_BATCHES + _in_flight(start)
-        # The window being measured, at its start: (at, batches, wait_s, each worker's sched_s).
-        self._window: tuple[float, int, float, dict[Any, tuple[float, float]]] | None = None
+        # The window being measured, at its start: (at, batches, wait_s, each worker's sched_s,
+        # the seconds of epochs' first batches and ends).
+        self._window: tuple[float, int, float, dict[Any, tuple[float, float]], float] | None = None
         # The last readings of workers that left since (a pool of one epoch stopped, workers
         # stopped by a resize): without them, a window across an epoch of workers started anew
         # read their time as gone, and computing workers read -1% on a CPU (stop 53's skeptic).
@@ -132,19 +134,26 @@ class AutoTuner:
         consumer = self._recorder.consumer
         at = now()
         if self._window is None:
-            self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)))
+            self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)),
+                            _set_aside(consumer))
             self._left = {}
             return None
-        started, batches, wait_s, running = self._window
+        started, batches, wait_s, running, aside_s = self._window
         elapsed = at - started
         if elapsed < WINDOW_S or consumer.batches - batches < WINDOW_BATCHES:
             return None
-        window = self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)))
+        window = self._window = (at, consumer.batches, consumer.wait_estimate(), sched_by_worker(list(workers)),
+                                 _set_aside(consumer))
         per_worker_s = elapsed * max(1, len(workers))
         on_cpu, queued = _sched_between(running, window[3], self._left)
         self._left = {}
+        # The waits are the steady batches' (wait_estimate leaves out each epoch's first batch
+        # and end), so they are a share of the window less those: over its whole seconds, a loop
+        # that only waited, fed by workers started anew each epoch, read "waited 32%" where the
+        # stats read 100%, and the step grew the pool by less than the waiting asked.
+        steady_s = max(elapsed - (window[4] - aside_s), 1e-9)
         self._measured.append(((window[1] - batches) / elapsed,
-                               min(1.0, max(0.0, window[2] - wait_s) / elapsed),
+                               min(1.0, max(0.0, window[2] - wait_s) / steady_s),
                                (on_cpu + queued) / per_worker_s, queued / per_worker_s))
         if len(self._measured) < WINDOWS:
             return None
@@ -251,6 +260,12 @@ class AutoTuner:
     @staticmethod
     def _describe(settings: Settings) -> str:
         return f"num_workers={settings.num_workers}, prefetch_factor={settings.prefetch_factor}"
+
+
+def _set_aside(consumer: Any) -> float:
+    """Seconds the loop spent on its epochs' first batches (from ``iter()``) and ends: start-up
+    and stopping, not the steady waiting a window's share of waiting is about."""
+    return consumer.first_wait_s + consumer.end_wait_s
 
 
 def _sched_between(start: dict[Any, tuple[float, float]], end: dict[Any, tuple[float, float]],
