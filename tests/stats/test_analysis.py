@@ -182,6 +182,18 @@ def test_without_workers_nothing_is_said_to_be_moved_and_no_worker_type() -> Non
     assert stats.suggested_settings() == {"num_workers": 2}
 
 
+def test_thread_workers_are_not_said_to_move_tensors_to_the_main_process() -> None:
+    # Thread workers run inside the main process: "moved 3.2 KiB of tensors to the main
+    # process" told of a move between processes that never happened.
+    threads = _stats("classic", tuple(dataclasses.replace(w, bytes_out=2048) for w in _busy(2, 0.5, 0.5)), 0.5,
+                     worker_type="thread")
+    text = threads.summary()
+    assert "to the main process" not in text
+    assert "thread workers handed 4.0 KiB of tensors to the loop within the main process" in text
+    processes = _stats("classic", tuple(dataclasses.replace(w, bytes_out=2048) for w in _busy(2, 0.5, 0.5)), 0.5)
+    assert "moved 4.0 KiB of tensors to the main process" in processes.summary()
+
+
 def test_a_loop_that_keeps_workers_waiting_says_they_idle_once() -> None:
     # "bottleneck: the training loop: the training loop waited only 4%" said it twice.
     stats = _stats("classic", _busy(2, 0.05, 0.05), 0.01)

@@ -28,7 +28,11 @@ def summarise(stats: LoaderStats) -> str:
     has_workers = any(w.kind != "main" for w in stats.workers)
     if has_workers:
         lines += [_worker_line(stats), _queue_line(stats)]
-    moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; " if has_workers else ""
+    moved = ""
+    if has_workers and stats.setup.worker_type == "thread":  # nothing crosses a process
+        moved = f"thread workers handed {_size(stats.bytes_moved)} of tensors to the loop within the main process; "
+    elif has_workers:
+        moved = f"moved {_size(stats.bytes_moved)} of tensors to the main process; "
     lines.append(f"{moved}skipped samples: {stats.skipped_samples}, skipped files: {stats.skipped_files}")
     for placed in stats.separate_processes:
         lines.append(f"separate process (is_separate_process): {placed}")
