@@ -194,6 +194,15 @@ def test_thread_workers_are_not_said_to_move_tensors_to_the_main_process() -> No
     assert "moved 4.0 KiB of tensors to the main process" in processes.summary()
 
 
+def test_more_waiting_workers_than_cpus_are_said_to_warn_only_where_the_loader_warns() -> None:
+    # Thread workers start no process and get no warning for outnumbering the CPUs, yet the
+    # verdict told them "the DataLoader then warns that 8 workers exceed the suggested 2".
+    for worker_type, warns in (("process", True), ("thread", False)):
+        stats = _stats("classic", _busy(2, 0.95, 0.02), 0.9, worker_type=worker_type)
+        assert stats.suggested_settings() == {"num_workers": 8}
+        assert ("then warns that 8 workers exceed the suggested 2" in _verdict(stats)) is warns, _verdict(stats)
+
+
 def test_a_loop_that_keeps_workers_waiting_says_they_idle_once() -> None:
     # "bottleneck: the training loop: the training loop waited only 4%" said it twice.
     stats = _stats("classic", _busy(2, 0.05, 0.05), 0.01)

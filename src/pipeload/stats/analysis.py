@@ -399,8 +399,9 @@ def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
 
 def _expected_warning(stats: LoaderStats, target: int) -> str:
     """Words for a suggested count above the usable CPUs, which torch's warning (kept, for the
-    same arguments) calls excessive: expected here, as the workers mostly wait."""
-    if target <= stats.setup.cpus:
+    same arguments) calls excessive: expected here, as the workers mostly wait. Thread workers
+    start no process and get no such warning (``arguments.warn_if_too_many_workers``)."""
+    if target <= stats.setup.cpus or stats.setup.worker_type == "thread":
         return ""
     return (f" (the DataLoader then warns that {target} workers exceed the suggested "
             f"{stats.setup.cpus}: expected, for workers that mostly wait)")
