@@ -31,8 +31,7 @@ def ctrl_c_held() -> Iterator[None]:
     set handlers; elsewhere, where SIGINT is ignored or not handled in Python, and inside an
     outer hold, the block runs as it is.
     """
-    previous = (signal.getsignal(signal.SIGINT)
-                if threading.current_thread() is threading.main_thread() else None)
+    previous = signal.getsignal(signal.SIGINT) if on_the_main_thread() else None
     if not callable(previous) or getattr(previous, "holds_ctrl_c", False):
         yield
         return
@@ -55,6 +54,14 @@ def ctrl_c_held() -> Iterator[None]:
                              name="pipeload-ctrl-c", daemon=True).start()
         elif held:
             previous(*held[0])  # the default handler raises KeyboardInterrupt here
+
+
+def on_the_main_thread() -> bool:
+    """Whether this is the main thread. Asked by ident, not with ``threading.current_thread()``:
+    code that runs in finalizers may run on a thread Python's ``threading`` did not start (a
+    library's C++ thread dropping the last reference to one of our objects), which
+    ``current_thread()`` would register for good as a "Dummy" thread."""
+    return threading.get_ident() == threading.main_thread().ident
 
 
 def ctrl_c_kept(callback: Callable[..., Any]) -> Callable[..., Any]:

@@ -358,7 +358,7 @@ class HeapGatherer:
         ``multiprocessing.Process``, ``os.fork``): a round beside short-lived workers stops after
         the window in hand, so that no window the new child shares is gathered after it."""
         thread = self._thread
-        if self._beside and thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        if self._beside and thread is not None and thread.ident != threading.get_ident() and thread.is_alive():
             self._stop.set()
             thread.join()
 
@@ -414,7 +414,7 @@ class HeapGatherer:
         ``FORK_WAITS_S`` at most, then stop it after its window in hand). Gathered while the
         child shares them, its pages would be copied for this process alone."""
         thread = self._thread
-        if thread is None or thread is threading.current_thread():
+        if thread is None or thread.ident == threading.get_ident():
             return
         thread.join(FORK_WAITS_S)
         if thread.is_alive():

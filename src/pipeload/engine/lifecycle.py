@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeload._interrupts import ctrl_c_held
+from pipeload._interrupts import ctrl_c_held, on_the_main_thread
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.engine import huge_heap
 from pipeload.engine.spawn_launch import SpawnProcess
@@ -142,7 +142,7 @@ def start_process(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], 
     process = make(target=target, args=args, name=name, daemon=True)
     # The child reads it on its Process object (forked with it, or sent it pickled by spawn and
     # forkserver): see exit_when_creator_dies.
-    process.pipeload_started_by_main_thread = threading.current_thread() is threading.main_thread()
+    process.pipeload_started_by_main_thread = on_the_main_thread()
     with FORKING, _children_allowed(current):
         try:
             process.start()
@@ -733,7 +733,7 @@ def exit_now() -> None:
 def _finish_what_user_code_started() -> None:
     """What ``multiprocessing.Process`` does before its ``os._exit``: join non-daemon threads,
     then run the exit finalizers. Only from the process's main thread (the one that ends it)."""
-    if threading.current_thread() is not threading.main_thread():
+    if not on_the_main_thread():
         return
     for finish in (threading._shutdown, multiprocessing.util._exit_function):  # type: ignore[attr-defined]
         try:

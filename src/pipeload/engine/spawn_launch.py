@@ -19,10 +19,11 @@ import contextlib
 import io
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from multiprocessing import context, popen_spawn_posix, resource_tracker, spawn, util
 from typing import Any
+
+from pipeload._interrupts import on_the_main_thread
 
 
 class _SpawnPopen(popen_spawn_posix.Popen):
@@ -66,7 +67,7 @@ def _broken_pipe_raises() -> Iterator[None]:
     even in a script that set ``SIGPIPE`` back to its default, which would end this process
     without a word (main thread only: signal handlers are set there)."""
     restore = None
-    if threading.current_thread() is threading.main_thread():
+    if on_the_main_thread():
         try:
             if signal.getsignal(signal.SIGPIPE) == signal.SIG_DFL:
                 restore = signal.signal(signal.SIGPIPE, signal.SIG_IGN)

@@ -145,5 +145,5 @@ class ReleaseWatcher:
             thread = self._thread
             if thread is not None:
                 self._queue.put(None)
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread.ident != threading.get_ident():  # see on_the_main_thread
             thread.join(WATCHER_JOIN_S)
