@@ -208,6 +208,12 @@ def _samplers_within(*outermost: Any) -> Iterator[Any]:
                  if (inner := getattr(s, name, None)) is not None and inner is not s]
 
 
+def splits_by_rank(*samplers: Any) -> bool:
+    """Whether one of ``samplers`` (or a sampler they wrap, a few layers deep) yields only this
+    rank's share: a ``DistributedSampler`` or a framework's sampler that says whose share it is."""
+    return any(_is_rank_aware(s) for s in _samplers_within(*samplers))
+
+
 def unshared_seed_warning(generator: Any) -> str | None:
     """Why the ranks' copies of a shuffled DataPipe graph may shuffle apart, or None.
 
@@ -242,7 +248,7 @@ def replication_warning(dataset: Any, sampler: Any, batch_sampler: Any) -> str |
     placement = current_placement()
     if placement.world_size <= 1:
         return None
-    if any(_is_rank_aware(s) for s in _samplers_within(batch_sampler, sampler)):
+    if splits_by_rank(batch_sampler, sampler):
         return None
     try:
         size = f"all {len(dataset)} samples"

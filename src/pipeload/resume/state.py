@@ -26,10 +26,10 @@ from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload.datapipes import graph
 from pipeload.datapipes.base import IterDataPipe, is_iter_datapipe
 from pipeload.datapipes.iter.sharding import ShardingFilter
-from pipeload.distributed import current_placement
+from pipeload.distributed import current_placement, splits_by_rank
 from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
-from pipeload.errors import bad_state_field, state_mismatch
+from pipeload.errors import IncompatibleStateError, bad_state_field, state_mismatch
 from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
 from pipeload.resume.faithful import written
@@ -279,8 +279,13 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
     map-style loader's position is a count of batches, the same on every rank in step (a
     ``DistributedSampler`` gives each rank as many), and its order comes from the seed, the epoch
     and its own rank: this rank goes on in its own order from the same count. Only an intact
-    state is taken so (its digest is checked first); an iterable dataset's positions belong to
-    the rank that wrote them, and another rank's state is refused, naming the rank."""
+    state is taken so (its digest is checked first), and only under a sampler split by rank; an
+    iterable dataset's positions belong to the rank that wrote them, and another rank's state is
+    refused, naming the rank, as it is under any other sampler.
+
+    Raises:
+        IncompatibleStateError: another rank's state, while this loader's sampler is not split
+            by rank (the state holds that rank's order)."""
     if loader._dataset_kind.label != "map" or not isinstance(state, dict):
         return state
     saved, here = state.get("config"), config_of(loader)
@@ -291,6 +296,17 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
         return state
     if any(saved.get(key) != here.get(key) for key in here.keys() | saved.keys() if key != "rank"):
         return state  # refused by name, as any other configuration
+    if not splits_by_rank(loader.batch_sampler, loader.sampler):
+        # The count is this rank's only when every rank's order comes from the seed, the epoch
+        # and the rank: a sampler that is not split by rank keeps its order in its own state (a
+        # generator as the epoch began), which is the saving rank's, and going on in it gave this
+        # rank some samples twice and others never, under a warning that it went its own way.
+        raise IncompatibleStateError(
+            f"{state_mismatch('this DataLoader', {'rank': (rank, here['rank'])})}: another rank's "
+            f"state is taken as this rank's only under a sampler split by rank (a DistributedSampler), "
+            f"and this loader's ({type(loader.sampler).__name__}) is not split by rank, so the state "
+            f"holds rank {rank}'s order; load the state this rank saved"
+        )
     _check_every_digest(state)  # before _with_rank seals them again: damage inside stays refused
     warnings.warn(
         f"this state was saved on rank {saved.get('rank')!r} and is loaded on rank {here['rank']}: "

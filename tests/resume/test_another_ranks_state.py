@@ -1,0 +1,86 @@
+"""Rank 0's loader state loaded on every rank (as Lightning does), checked in a real 2-rank gloo job.
+
+A map-style state saved on another rank is taken as this rank's position only where that is
+true: the sampler splits the data by rank, so this rank's order comes from the seed, the epoch
+and its own rank, not from the saving rank's state.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_rank_processes
+
+import pipeload
+from pipeload.errors import IncompatibleStateError
+
+WORLD_SIZE = 2
+LENGTH = 24
+TAKEN = 2  # batches handed out before the checkpoint
+
+
+def _loader(sampling: str) -> pipeload.DataLoader:
+    data = list(range(LENGTH))
+    if sampling == "distributed":
+        return pipeload.DataLoader(data, batch_size=3, sampler=pipeload.DistributedSampler(data, seed=1))
+    # Each rank shuffles its own copy with its own generator (a dataset of its own, say): the
+    # sampler's state (its generator as the epoch began) is this rank's order.
+    return pipeload.DataLoader(data, batch_size=3, shuffle=True)
+
+
+def _load_rank_zeros_state(rank: int, init_file: str, out_dir: str, sampling: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        warnings.simplefilter("ignore")  # the loader not split by rank: said by test_distributed.py
+        torch.manual_seed(10 + rank)  # the ranks seed apart, as many scripts do (seed + rank)
+        whole = [b.tolist() for b in _loader(sampling)]
+        torch.manual_seed(10 + rank)
+        saving = _loader(sampling)
+        iterator = iter(saving)
+        head = [next(iterator).tolist() for _ in range(TAKEN)]
+        states: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(states, json.loads(json.dumps(saving.state_dict())))
+        del iterator
+        resumed = _loader(sampling)
+        found: dict[str, Any] = {"whole": whole}
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                resumed.load_state_dict(states[0])
+            found["warnings"] = [str(w.message) for w in caught]
+            found["resumed"] = head + [b.tolist() for b in resumed]
+        except IncompatibleStateError as error:
+            found["refused"] = str(error)
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(found))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_one(tmp_path: Path, sampling: str) -> dict[str, Any]:
+    run_rank_processes(_load_rank_zeros_state, (str(tmp_path / "init"), str(tmp_path), sampling), WORLD_SIZE,
+                       start_method="fork", join_s=60)
+    return json.loads((tmp_path / "1.json").read_text())
+
+
+@pytest.mark.timeout(90)
+def test_rank_zeros_state_resumes_this_ranks_order_under_a_distributed_sampler(tmp_path: Path) -> None:
+    found = _rank_one(tmp_path, "distributed")
+    assert found["resumed"] == found["whole"]
+    assert any("saved on rank 0 and is loaded on rank 1" in message for message in found["warnings"])
+
+
+@pytest.mark.timeout(90)
+def test_rank_zeros_state_is_refused_by_a_sampler_not_split_by_rank(tmp_path: Path) -> None:
+    # Its sampler's state (a RandomSampler's generator as the epoch began) is rank 0's order: rank
+    # 1 took it, with a warning that it went on "in its own order", and went on in rank 0's
+    # (some of its samples twice in the epoch, others never).
+    found = _rank_one(tmp_path, "shuffle")
+    assert "refused" in found, found.get("resumed")
+    assert "rank differs (state: 0, here: 1)" in found["refused"]
+    assert "not split by rank" in found["refused"]
