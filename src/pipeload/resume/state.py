@@ -312,7 +312,10 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
         f"this state was saved on rank {saved.get('rank')!r} and is loaded on rank {here['rank']}: "
         "its position (the batches handed out) is taken as this rank's, which holds when the ranks "
         "go in step (Lightning saves rank 0's loader state for every rank); this rank goes on in "
-        "its own order",
+        f"its own order. The random values drawn for the rest of this epoch (the workers' base "
+        f"seed, per-batch seeds) come from the generators rank {saved.get('rank')!r} recorded as the "
+        "epoch began: they are this rank's uninterrupted ones only where every rank seeded torch's "
+        "global generator (or the loader's generator) alike",
         stacklevel=first_frame_outside_pipeload(),
     )
     return _with_rank(copy.deepcopy(state), here["rank"])
