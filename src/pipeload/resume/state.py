@@ -29,7 +29,7 @@ from pipeload.datapipes.iter.sharding import ShardingFilter
 from pipeload.distributed import current_placement, splits_by_rank
 from pipeload.engine import replica
 from pipeload.engine.fetch import StreamPosition
-from pipeload.errors import IncompatibleStateError, bad_state_field, state_mismatch
+from pipeload.errors import bad_state_field, state_mismatch
 from pipeload.resume.checked import FORMAT, VERSION, CheckedEpoch, CheckedState, check_content, read_fields
 from pipeload.resume.epoch import EpochProgress, EpochRecord, RepeatFrom, fresh_sampler_state
 from pipeload.resume.faithful import written
@@ -279,13 +279,10 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
     map-style loader's position is a count of batches, the same on every rank in step (a
     ``DistributedSampler`` gives each rank as many), and its order comes from the seed, the epoch
     and its own rank: this rank goes on in its own order from the same count. Only an intact
-    state is taken so (its digest is checked first), and only under a sampler split by rank; an
-    iterable dataset's positions belong to the rank that wrote them, and another rank's state is
-    refused, naming the rank, as it is under any other sampler.
-
-    Raises:
-        IncompatibleStateError: another rank's state, while this loader's sampler is not split
-            by rank (the state holds that rank's order)."""
+    state is taken so (its digest is checked first); under a sampler not split by rank, the
+    warning says that this rank goes on in the saving rank's order. An iterable dataset's
+    positions belong to the rank that wrote them, and another rank's state is refused, naming the
+    rank."""
     if loader._dataset_kind.label != "map" or not isinstance(state, dict):
         return state
     saved, here = state.get("config"), config_of(loader)
@@ -296,29 +293,31 @@ def _as_this_ranks(loader: Any, state: Any) -> Any:
         return state
     if any(saved.get(key) != here.get(key) for key in here.keys() | saved.keys() if key != "rank"):
         return state  # refused by name, as any other configuration
-    if not splits_by_rank(loader.batch_sampler, loader.sampler):
-        # The count is this rank's only when every rank's order comes from the seed, the epoch
-        # and the rank: a sampler that is not split by rank keeps its order in its own state (a
-        # generator as the epoch began), which is the saving rank's, and going on in it gave this
-        # rank some samples twice and others never, under a warning that it went its own way.
-        raise IncompatibleStateError(
-            f"{state_mismatch('this DataLoader', {'rank': (rank, here['rank'])})}: another rank's "
-            f"state is taken as this rank's only under a sampler split by rank (a DistributedSampler), "
-            f"and this loader's ({type(loader.sampler).__name__}) is not split by rank, so the state "
-            f"holds rank {rank}'s order; load the state this rank saved"
-        )
     _check_every_digest(state)  # before _with_rank seals them again: damage inside stays refused
     warnings.warn(
         f"this state was saved on rank {saved.get('rank')!r} and is loaded on rank {here['rank']}: "
         "its position (the batches handed out) is taken as this rank's, which holds when the ranks "
-        "go in step (Lightning saves rank 0's loader state for every rank); this rank goes on in "
-        f"its own order. The random values drawn for the rest of this epoch (the workers' base "
+        "go in step (Lightning saves rank 0's loader state for every rank); "
+        f"{_whose_order(loader, rank)} The random values drawn for the rest of this epoch (the workers' base "
         f"seed, per-batch seeds) come from the generators rank {saved.get('rank')!r} recorded as the "
         "epoch began: they are this rank's uninterrupted ones only where every rank seeded torch's "
         "global generator (or the loader's generator) alike",
         stacklevel=first_frame_outside_pipeload(),
     )
     return _with_rank(copy.deepcopy(state), here["rank"])
+
+
+def _whose_order(loader: Any, rank: int) -> str:
+    """Which order a rank that loaded rank ``rank``'s state goes on in."""
+    if splits_by_rank(loader.batch_sampler, loader.sampler):
+        return "this rank goes on in its own order (its sampler splits the data by rank)."
+    # Not split by rank (each rank shuffling a copy of its own): the sampler's state, a generator
+    # as the epoch began, is the saving rank's order. Refused, it would also refuse the ranks
+    # that seed alike, where that order is this rank's own and the resume exact.
+    return (f"its sampler ({type(loader.sampler).__name__}) is not split by rank, so this rank goes on "
+            f"in rank {rank}'s order, kept in the state: its own only where every rank seeded alike; "
+            "with ranks seeded apart, the rest of this epoch repeats some of this rank's samples and "
+            "leaves others out (load the state this rank saved instead).")
 
 
 def _check_every_digest(state: Any, path: str = "") -> None:
