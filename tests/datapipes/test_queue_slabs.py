@@ -243,3 +243,39 @@ def test_a_queue_made_by_hand_the_other_way_round() -> None:
     child.join(DEADLINE_S)
     verdict.close()
     child.close()
+
+
+# -- under a DataLoader: the loader's request reaches its graph's boundaries -------------------
+
+
+def loader_items(loader: Any) -> list[int]:
+    """Which of ``random_item``'s items the loader's batches hold (each one bit for bit)."""
+    return sorted(numbers_of(item) for batch in loader for item in batch)
+
+
+def numbers_of(item: torch.Tensor) -> int:
+    """Which of ``random_item``'s items ``item`` is (among the first 64)."""
+    return next(index for index in range(64) if torch.equal(item, random_item(index)))
+
+
+@pytest.mark.parametrize("workers", [
+    {"num_workers": 0},
+    {"num_workers": 2, "worker_type": "thread", "persistent_workers": True},
+])
+def test_a_loaders_release_shared_memory_frees_the_slabs_of_its_graphs_process_boundaries(workers) -> None:
+    """"On request" is every pool the loader keeps: the slabs of the process boundaries in its
+    graph too, and those of the copies of the graph its thread workers iterate."""
+    from pipeload import DataLoader
+
+    before = our_mappings()
+    pipe = IterableWrapper(range(16)).sharding_filter().map(random_item).queue_boundary(
+        "process", buffer_size=2)
+    loader = DataLoader(pipe, batch_size=4, **workers)
+    assert loader_items(loader) == list(range(16))
+    assert our_mappings() > before  # kept for the next epoch
+    loader.release_shared_memory()
+    assert our_mappings() == before
+    assert loader_items(loader) == list(range(16))  # the next epoch makes new ones
+    loader.release_shared_memory()
+    assert our_mappings() == before
+    del loader

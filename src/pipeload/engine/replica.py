@@ -176,6 +176,22 @@ def separate_processes(dataset: Any, worker_type: str | None, context: Any = Non
     return placed, tuple(f"{p}{each}" for p in placements)
 
 
+def release_boundary_slabs(dataset: Any) -> None:
+    """Free the slabs the process boundaries of ``dataset``'s graph keep between runs, and those
+    of the copies thread workers made of them (``QueueBoundary.release_shared_memory``): a
+    loader's request to free its shared memory reaches its graph's pools too."""
+    rules = graph_rules(dataset) if "pipeload.datapipes.base" in sys.modules else None
+    if rules is None or rules.list_pipes is None:
+        return  # not a graph, or no pipeload pipe exists here: no boundary keeps slabs
+    from pipeload.datapipes.boundary.pipes import QueueBoundary
+
+    with _GRAPH_WALK:
+        pipes = rules.list_pipes(dataset)
+    for pipe in pipes:
+        if isinstance(pipe, QueueBoundary):
+            pipe.release_shared_memory()
+
+
 def reseed(dataset: Any, shared_seed: int | None) -> None:
     """Seed the random pipes of an iterable graph for a new epoch (same seed: same order)."""
     rules = graph_rules(dataset)

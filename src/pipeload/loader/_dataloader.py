@@ -386,7 +386,9 @@ class DataLoader(torch_data.DataLoader[T_co]):
         again. They are freed when the loader is garbage-collected; call this to free them
         earlier, for example between training and a long evaluation. Workers running now keep
         theirs until they stop; the next epoch makes new ones. Batches you still hold stay
-        valid. Not a torch ``DataLoader`` method: an addition of pipeload's.
+        valid. The slabs of the process boundaries in a DataPipe graph (``queue_boundary
+        ("process")``), and of the thread workers' copies of them, are freed too. Not a torch
+        ``DataLoader`` method: an addition of pipeload's.
 
         Example:
             >>> for epoch in range(3):  # doctest: +SKIP
@@ -395,6 +397,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
             >>> loader.release_shared_memory()  # doctest: +SKIP
         """
         _let_go_of_slabs(self._slab_keeper.release)
+        replica.release_boundary_slabs(self.dataset)  # the process boundaries in its graph
 
     # -- running an epoch ------------------------------------------------------------------
 

@@ -134,6 +134,9 @@ class SlabKeeper:
         # then starts them with its item workers, not in the middle of its first epoch.
         self.batch_workers_started = False
         self._counts = SlabCounts()  # of pools closed so far; the kept one adds its own
+        # The keepers of copies of this keeper's owner made in this process (a thread worker's
+        # copy of a DataPipe graph), whose pools go whenever this one's does (``release_along``).
+        self._copies: weakref.WeakSet[SlabKeeper] = weakref.WeakSet()
 
     @property
     def held_bytes(self) -> int:
@@ -181,14 +184,27 @@ class SlabKeeper:
             pool.trim_to_budget()  # the loop's two slabs are for a loop that runs (LOOP_FLOOR_SLABS)
         _IDLE.became_idle(self)
 
+    def release_along(self, copy: SlabKeeper) -> None:
+        """Release ``copy``'s pool too whenever this keeper's is released (or closed).
+
+        For the keeper of a copy of this keeper's owner made in this process, which only this
+        owner is known to: a thread worker's copy of a DataPipe graph keeps slabs of its own, but
+        its loader reaches the original pipe alone. Held weakly: the copy's keeper goes with it.
+        """
+        with self._lock:
+            self._copies.add(copy)
+
     def release(self) -> None:
-        """Let go of the kept pool: now if no set uses it, else when that set stops. The next
-        set starts a new one. Idempotent."""
+        """Let go of the kept pool, and of those of the copies' keepers (``release_along``): now
+        if no set uses it, else when that set stops. The next set starts a new one. Idempotent."""
         with self._lock:
             if self._lent:
                 self._release_when_returned = True
             elif self._pool is not None:
                 self._close_kept()
+            copies = list(self._copies)
+        for copy in copies:  # outside the lock: each takes its own
+            copy.release()
 
     def close(self) -> None:
         """Release the pool and keep none from now on (the owner is gone). Idempotent."""

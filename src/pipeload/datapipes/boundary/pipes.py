@@ -176,12 +176,27 @@ class QueueBoundary(IterDataPipe[T_co]):
             keeper = self._transient_slabs = SlabKeeper()
             self._transient_slabs_pid = os.getpid()
             weakref.finalize(self, keeper.close).atexit = False
+            origin = self.__dict__.get("_transient_origin")
+            original = origin() if origin is not None else None
+            if original is not None:
+                original._slab_keeper().release_along(keeper)
         return keeper
+
+    def __copy__(self) -> QueueBoundary[T_co]:
+        # A copy made in this process (``graph.copy_graph``: a thread worker's copy of the
+        # loader's graph) keeps slabs of its own, but whoever owns the original (a DataLoader)
+        # can reach the original only: the copy's slabs go when the original's are released
+        # (release_shared_memory, the original going). A deep copy or a pickle is not tied.
+        fresh = type(self).__new__(type(self))
+        fresh.__setstate__(self.__getstate__())
+        fresh._transient_origin = weakref.ref(self)
+        return fresh
 
     def release_shared_memory(self) -> None:
         """Free the shared memory a process boundary keeps between its runs (the slabs large
-        tensors cross in) now; the next run makes new ones. A run in progress keeps its slabs
-        until it ends. They also go with the pipe. See ``DataLoader.release_shared_memory``.
+        tensors cross in) now, and those of its copies made in this process (a thread worker's
+        copy of the graph); the next run makes new ones. A run in progress keeps its slabs until
+        it ends. They also go with the pipe. See ``DataLoader.release_shared_memory``.
 
         Example:
             >>> pipe = IterableWrapper(paths).map(decode).queue_boundary("process")
