@@ -7,6 +7,7 @@ release."""
 from __future__ import annotations
 
 import copy
+import gc
 import multiprocessing
 import os
 import pickle
@@ -279,3 +280,39 @@ def test_a_loaders_release_shared_memory_frees_the_slabs_of_its_graphs_process_b
     loader.release_shared_memory()
     assert our_mappings() == before
     del loader
+
+
+def fails_at_item_9(item: torch.Tensor) -> torch.Tensor:
+    """A step after the boundary that fails on item 9, keeping nothing of it (a kept item would
+    keep its slab mapped, as a batch the loop holds does)."""
+    if numbers_of(item) == 9:
+        del item
+        raise KeyError("no item 9")
+    return item
+
+
+@pytest.mark.parametrize("workers", [
+    {"num_workers": 0},
+    {"num_workers": 2, "worker_type": "thread", "persistent_workers": True},
+])
+def test_a_failed_epoch_frees_the_slabs_of_its_graphs_process_boundaries_while_the_error_is_kept(workers) -> None:
+    """As the loader's own slabs after a failed epoch: the error may keep the loader, and its
+    graph, alive for long (a step after the boundary failed: the run itself did not)."""
+    from pipeload import DataLoader
+
+    before = our_mappings()
+    pipe = IterableWrapper(range(16)).sharding_filter().map(random_item).queue_boundary(
+        "process", buffer_size=2)
+    loader = DataLoader(pipe, batch_size=4, **workers)
+    assert loader_items(loader) == list(range(16))  # the slabs are kept for the next epoch
+    failing = DataLoader(pipe.map(fails_at_item_9), batch_size=4, **workers)
+    with pytest.raises(KeyError, match="no item 9") as caught:
+        for batch in failing:
+            del batch
+    del loader, failing  # the error (kept below) may keep them, and the pipe, alive
+    # (Its frames keep the items they held: those alone stay mapped, as a batch kept does.)
+    assert pipe._transient_slabs.held_bytes == 0
+    kept = caught.value
+    del pipe, kept, caught
+    gc.collect()  # the error's frames hold each other
+    assert our_mappings() == before

@@ -455,6 +455,7 @@ class DataLoader(torch_data.DataLoader[T_co]):
                 # As after any failed epoch (slab_keeper.py): the error (a dataset's __len__
                 # raising, say) may keep the loader, and with it the slabs, alive for long.
                 self._slab_keeper.release()
+                replica.release_boundary_slabs(self.dataset)
                 raise
 
     def _begin_epoch(self) -> _EpochIterator:

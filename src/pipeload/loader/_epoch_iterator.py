@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeload._user_frame import first_frame_outside_pipeload
 from pipeload import resume
+from pipeload.engine import replica
 from pipeload.engine.equal_batches import EqualBatches
 from pipeload._interrupts import ctrl_c_kept
 from pipeload.engine.lifecycle import REAPED_WITHIN_S, wait_for_reaped
@@ -101,10 +102,15 @@ class _EpochIterator:
                 # As after any failure (slab_keeper.py): the error may keep the loader, and with
                 # it the slabs, alive for as long as it is kept.
                 self._slab_keeper.release()
+                replica.release_boundary_slabs(self._dataset)
                 raise failed from None
             raise
         except Exception as error:
             self._progress.failed(error)
+            # The slabs of the process boundaries in the loader's graph, as its own after a
+            # failure (a set of workers that fails gives them up): the error may keep the graph
+            # alive for long, and a step after a boundary that failed ends no run in failure.
+            replica.release_boundary_slabs(self._dataset)
             if self._stats is not None:
                 self._stats.ended(asked)
             # The error's traceback keeps this frame: without `self` in it, an uncaught error
