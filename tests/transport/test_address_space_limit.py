@@ -91,3 +91,34 @@ def test_large_batches_under_an_address_space_limit_all_arrive_and_leave_nothing
     print("left:", memfds())
     """)
     assert out.splitlines() == [f"batches: {[float(8 * n) for n in range(8)]}", "left: []"]
+
+
+def test_a_process_boundary_whose_consumer_runs_short_of_address_space_mid_run_never_hangs():
+    # The run's byte budget was read at its start; the limit comes down after its first item,
+    # so a slab for the next items cannot be mapped. That was taken for the far end's death:
+    # no credit went, and the upstream waited for one while the consumer waited for an item.
+    out = _run(PRELUDE + """
+    import faulthandler, sys
+    from pipeload.datapipes.iter import IterableWrapper
+
+    faulthandler.dump_traceback_later(60, exit=True, file=sys.stderr)  # a hang fails, and says where
+
+    def large(index):
+        return torch.full((16, 1024, 1024), float(index))  # 64 MiB
+
+    pipe = IterableWrapper(range(16)).map(large).queue_boundary("process", buffer_size=8)
+    items = iter(pipe)
+    firsts = [float(next(items)[0, 0, 0])]
+    limit_address_space_to(300 << 20)
+    try:
+        firsts += [float(item[0, 0, 0]) for item in items]
+        print("items:", firsts == [float(n) for n in range(16)])
+    except pipeload.errors.SharedMemoryError as error:
+        print("error:", "ulimit -v" in str(error))
+    del pipe, items
+    import gc; gc.collect()
+    print("left:", memfds())
+    """)
+    # Every item, or an error that says why (the buffer an item then travels in cannot be
+    # mapped either): never a hang.
+    assert out.splitlines() in (["items: True", "left: []"], ["error: True", "left: []"]), out

@@ -33,6 +33,7 @@ already; ``fit`` shrinks the pool to what the next set may use.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import threading
 import weakref
@@ -300,7 +301,16 @@ class SlabPool:
         if dropped:
             return dropped[0], dropped[0].leases_made
         if self._may_grow():
-            return self._make_slab(), 0
+            try:
+                return self._make_slab(), 0
+            except OSError as error:
+                # No room to map another slab: memory ran short since the budget was read (a
+                # lowered ``ulimit -v``, other allocations). As when the budget says so, the
+                # message goes to fresh memory, whose own failure is a clear error where it is
+                # made; raised here, a process queue took it for its far end's death and sent
+                # no credit, and both ends waited for good.
+                if error.errno != errno.ENOMEM:
+                    raise
         return None, 0
 
     @staticmethod
