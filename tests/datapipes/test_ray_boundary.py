@@ -832,3 +832,41 @@ def test_a_ray_queue_made_by_hand_is_checked_as_the_boundary_is(pipe, maxsize, n
     queue = DataLoaderQueue(kind="ray", maxsize=maxsize, num_actors=2)
     with pytest.raises(ValueError, match=named):
         RayQueue.start_producer(pipe, queue, "by-hand", {})
+
+
+class SlowLogTo:
+    """0.3 s an item (a slow decode), each item written to a file with the run it was made for
+    (``run``: set here before the run sends the pipe; each run's actors get their own copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.run = path, "first"
+
+    def __call__(self, x: int) -> int:
+        time.sleep(0.3)
+        with open(self.path, "a") as file:
+            file.write(f"{self.run} {x}\n")
+        return x
+
+
+def test_a_run_left_by_break_does_not_make_the_next_wait_for_the_chunks_it_asked_ahead_for(clean, no_gc, tmp_path):
+    # A sync actor runs its calls in order: after a break, the next epoch's start queued behind
+    # the up to 3 chunks the dropped run had asked ahead for (12 items here, 3.6 s of this stage),
+    # and ray.cancel does not stop an actor's queued calls; or, its chunk taking longer than the
+    # 1 s a dropped run waits, the actor was killed and the next epoch waited for a new one.
+    log = tmp_path / "made"
+    stage = SlowLogTo(str(log))
+    pipe = IterableWrapper(range(40)).sharding_filter().map(stage).queue_boundary(
+        "ray", 12, num_actors=1, chunk_size=4)
+    first = iter(pipe)
+    assert next(first) == 0
+    actor = {process.pid for process in actor_processes()}
+    del first  # a loop's break: the run is dropped with 3 chunks asked for
+    stage.run = "second"
+    second = iter(pipe)
+    assert next(second) == 0
+    made = log.read_text().split()[::2]
+    assert made.count("second") >= 1  # the reply is in: its chunk's items were logged
+    assert made.count("first") < 12  # the dropped run's queued chunks were not all made first
+    assert {process.pid for process in actor_processes()} == actor  # the same actor, not a new one
+    del second
+    pipe.release_actors()
