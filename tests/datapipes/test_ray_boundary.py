@@ -81,7 +81,7 @@ def test_items_come_back_in_order_once_each_and_the_actors_serve_the_next_run(cl
     abandoned = iter(boundary)
     assert [next(abandoned) for _ in range(3)] == [0, 1, 4]
     del abandoned  # dropped, not closed, the collector off: its actors are back at once
-    assert len(boundary._transient_ray_actors._held["idle"]) == 2
+    assert len(boundary._ray_actors._held["idle"]) == 2
     iterator = iter(boundary)
     squares = [x * x for x in range(41)]  # what list(pipe) gives, without its 2 s of sleeps
     assert list(iterator) == squares  # round-robin over interleaved shards: the same order
@@ -104,7 +104,7 @@ def test_pooled_actors_that_died_while_idle_are_replaced_and_the_next_run_gives_
     pipe = IterableWrapper(range(20)).sharding_filter().map(square)
     boundary = pipe.queue_boundary("ray", 4, num_actors=2)
     assert list(boundary) == list(pipe)
-    killed, crashed = boundary._transient_ray_actors._held["idle"]
+    killed, crashed = boundary._ray_actors._held["idle"]
     gone = {ray.get(handle.describe.remote())["pid"] for handle in (killed, crashed)}
     ray.kill(killed)  # killed through Ray, and a process that died (a crash, the OOM killer)
     os.kill(ray.get(crashed.describe.remote())["pid"], signal.SIGKILL)
@@ -332,6 +332,27 @@ def test_thread_workers_share_this_processs_connection_and_split_the_samples(cle
     loader = pipeload.DataLoader(graph, batch_size=4, num_workers=2, worker_type="thread")
     seen = [x for batch in loader for x in batch.tolist()]
     assert sorted(seen) == [x * x for x in range(40)]
+    del loader
+
+
+def test_thread_workers_that_do_not_persist_take_the_pipes_actors_again_next_epoch(clean, no_gc):
+    # Each epoch's thread workers iterate new copies of the graph, and a copy's actor pool was its
+    # own: every epoch killed the last one's actors and started new ones (seconds each), where
+    # the same loop without workers, in the same process, kept them.
+    pipe = IterableWrapper(range(20)).sharding_filter().map(square).queue_boundary("ray", 4, num_actors=1)
+    loader = pipeload.DataLoader(pipe, batch_size=None, num_workers=2, worker_type="thread")
+    actors = []
+    for _ in range(2):
+        seen = []
+        for x in loader:
+            seen.append(int(x))
+            if len(seen) == 10:  # both workers have handed out items: their actors run
+                actors.append({process.pid for process in actor_processes()})
+        assert sorted(seen) == [x * x for x in range(20)]
+    assert len(actors[0]) == 2  # one per worker
+    assert actors[1] == actors[0]
+    pipe.release_actors()
+    assert wait_for(lambda: not actor_processes())
     del loader
 
 

@@ -3,8 +3,9 @@
 Starting an actor costs seconds (a Python process that imports torch and the pipe's modules),
 so a run that ends cleanly hands its actors back to the boundary pipe's :class:`ActorPool`, and
 the pipe's next run (the next epoch) starts its shards on them. The pool belongs to the pipe
-description in this process only (a ``_transient_`` attribute: never pickled, never copied), and
-kills its idle actors when the pipe is freed or :meth:`ActorPool.close` is called; a run that
+description and its copies in this process (thread workers' copies share it; a pickled pipe gets
+an empty one), and kills its idle actors when they are all freed or :meth:`ActorPool.close` is
+called; a run that
 failed, or whose actor died, kills its actors instead of keeping them. An idle actor may die in
 the pool all the same: the run that takes it finds out from its first reply and replaces it
 (``ray_lane.py``).
@@ -75,6 +76,20 @@ class ActorPool:
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _kill_held, self._held)
         _POOLS.add(self)
+
+    # The pool goes with the pipe's copies in this process (a thread worker's, made anew each
+    # epoch when workers do not persist): they share its actors, as the pipe's own runs do
+    # without workers; a copy that made a pool of its own killed its actors when it was freed,
+    # and every epoch started new ones. A pickled pipe (a process worker's, an actor's) holds
+    # no actors: it gets an empty pool of its own.
+    def __copy__(self) -> ActorPool:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ActorPool:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorPool, ())
 
     @property
     def idle(self) -> int:

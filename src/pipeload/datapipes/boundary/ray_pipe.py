@@ -95,6 +95,9 @@ class RayQueueBoundary(IterDataPipe[T_co]):
         self.init_options = dict(init_options or {})
         self.start_timeout_s = start_timeout_s
         self.actor_options = actor_options
+        from pipeload.datapipes.boundary.ray_actors import ActorPool
+
+        self._ray_actors = ActorPool()  # made here, so the copies made later share it
 
     def __iter__(self) -> Iterator[T_co]:
         from pipeload.datapipes.boundary.ray_upstream import RayOptions, RayUpstream
@@ -104,9 +107,9 @@ class RayQueueBoundary(IterDataPipe[T_co]):
                              start_timeout_s=self.start_timeout_s, replica=self.__dict__.get("_replica"))
         from pipeload.datapipes.boundary.ray_actors import ActorPool
 
-        pool = self.__dict__.get("_transient_ray_actors")
-        if pool is None:
-            pool = self._transient_ray_actors = ActorPool()
+        pool = self.__dict__.get("_ray_actors")
+        if pool is None:  # a pipe unpickled from a state made before pools were shared
+            pool = self._ray_actors = ActorPool()
         name = f"pipeload-ray-{next(_names)}"
         upstream = RayUpstream(self.datapipe, self.buffer_size, options, name, pool, self._tally())
         return _RayBoundaryIterator(upstream)
@@ -138,10 +141,10 @@ class RayQueueBoundary(IterDataPipe[T_co]):
 
     def release_actors(self) -> None:
         """Kill the idle actors this pipe keeps for its next run now (they also go when the pipe
-        is freed)."""
-        pool = self.__dict__.pop("_transient_ray_actors", None)
+        is freed). The pool stays, shared with this pipe's copies, for the runs to come."""
+        pool = self.__dict__.get("_ray_actors")
         if pool is not None:
-            pool.close()
+            pool.let_idle_go()
 
     def __len__(self) -> int:
         return length_of(self.datapipe, self)
