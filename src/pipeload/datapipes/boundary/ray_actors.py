@@ -21,16 +21,13 @@ from typing import Any
 from pipeload.datapipes.boundary.ray_shard import ShardRunner
 
 _actor_classes: dict[int, Any] = {}  # one actor class per ray module (tests may reload it)
-# The actors' second concurrency group, one thread: it hears that a run was dropped while the
-# run's calls wait in order in the default group (one at a time, as before).
-CONTROL_GROUP = "control"
 
 
 def actor_class(ray: Any) -> Any:
     """``ShardRunner`` as a Ray actor class (made once per process)."""
     made = _actor_classes.get(id(ray))
     if made is None:
-        made = _actor_classes[id(ray)] = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ShardRunner)
+        made = _actor_classes[id(ray)] = ray.remote(ShardRunner)
     return made
 
 

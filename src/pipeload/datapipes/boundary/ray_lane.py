@@ -26,7 +26,6 @@ import time
 from collections import deque
 from typing import Any
 
-from pipeload.datapipes.boundary.ray_actors import CONTROL_GROUP
 from pipeload.datapipes.boundary.ray_payload import unpack
 from pipeload.datapipes.boundary.ray_shard import Chunk
 from pipeload.datapipes.protocol import NotAvailable, Notifier
@@ -328,14 +327,6 @@ class Lane:
         if self._started is not None:
             futures.insert(0, self._started)
         return next((future for future in futures if not future.done()), None)
-
-    def drop_run(self) -> None:
-        """Tell the actor this run is over: the chunks asked ahead for and not made yet are not
-        wanted (see ``ShardRunner.abandon``). Its current item still finishes."""
-        try:
-            self.handle.abandon.options(concurrency_group=CONTROL_GROUP).remote(self.generation)
-        except Exception:  # noqa: BLE001  (the actor is gone, or Ray is: nothing to stop)
-            pass
 
     def let_go(self) -> None:
         """Drop the replies held and asked for (the run ended): the store frees them now."""

@@ -114,7 +114,6 @@ class ShardRunner:
 
     def __init__(self) -> None:
         self._generation = -1
-        self._abandoned = -1  # runs up to this generation were dropped by the reading side
         self._run: _ShardRun | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -134,28 +133,15 @@ class ShardRunner:
         boundary, index, num_actors = shard
         where = f"in Ray actor {index} of {num_actors} of queue boundary {boundary!r}"
         self._generation = generation
-        self._run = _ShardRun(where, index, snapshot_every, self._dropped)
-        if generation > self._abandoned:  # else dropped before it began: its chunks are empty
-            self._run.begin(graph, num_actors, seed, state, state_at, skip_to)
+        self._run = _ShardRun(where, index, snapshot_every)
+        self._run.begin(graph, num_actors, seed, state, state_at, skip_to)
         return self.describe()
 
     def next_chunk(self, generation: int, count: int) -> Chunk:
         """Up to ``count`` more items of run ``generation``."""
-        if generation != self._generation or self._run is None or self._dropped():
+        if generation != self._generation or self._run is None:
             return Chunk(-1, 0, [])
         return self._run.next_chunk(generation, count)
-
-    def abandon(self, generation: int) -> None:
-        """The reading side dropped run ``generation`` (and every earlier one). Called in the
-        actor's own concurrency group (``ray_actors.actor_class``), on another thread, while
-        the run's chunks may be queued or being made: those stop at the next item and answer
-        empty, so the next run's start does not wait for work no one will read (``ray.cancel``
-        leaves a sync actor's queued calls to run). Only a number is written here; the run's
-        iterator is closed by ``stop``, in order with the other calls."""
-        self._abandoned = max(self._abandoned, generation)
-
-    def _dropped(self) -> bool:
-        return self._generation <= self._abandoned
 
     def stop(self) -> None:
         """End the run (its iterator's close: threads or processes it started)."""
@@ -167,9 +153,8 @@ class ShardRunner:
 class _ShardRun:
     """One run's iterator and position inside the actor."""
 
-    def __init__(self, where: str, index: int, snapshot_every: int, dropped: Any = lambda: False) -> None:
+    def __init__(self, where: str, index: int, snapshot_every: int) -> None:
         self._where = where
-        self._dropped = dropped  # whether the reading side dropped this run (asked between items)
         self._index = index
         self._snapshot_every = snapshot_every
         self._iterator: Any = None
@@ -221,7 +206,7 @@ class _ShardRun:
         start = self._position
         snapshot = self._snapshot()
         items: list[Any] = []
-        while len(items) < count and not self._dropped():
+        while len(items) < count:
             try:
                 items.append(next(self._iterator))
             except StopIteration:

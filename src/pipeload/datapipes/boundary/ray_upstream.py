@@ -322,11 +322,7 @@ def _wait_for_calls(lanes: list[Lane], patient: bool = True) -> set[int]:
     actor, given 1 s for all of them, was killed on every close, and each next run waited for a
     new one). A run dropped (a loop's ``break``: its finalizer, on whatever thread lets go of
     it) waits ``CLOSE_GRACE_S`` at most: a loop's break blocked 1.5 chunks, 3 s and more
-    (stop 54's review), and a slower actor is killed and made anew for the next run. The
-    actors are told first that the run is over, so the call each is in ends at its next item
-    and the calls queued behind it answer at once."""
-    for lane in lanes:
-        lane.drop_run()
+    (stop 54's review), and a slower actor is killed and made anew for the next run."""
     running = {lane.index: lane.call_running() for lane in lanes}
     waiting = [future for future in running.values() if future is not None]
     if waiting:
