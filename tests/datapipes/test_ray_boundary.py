@@ -243,6 +243,20 @@ def test_an_upstream_exception_arrives_in_its_place_and_the_run_goes_on(clean):
 
 
 
+def sets_a_signal_handler(x: int) -> int:
+    """A stage that installs a handler (a decode timeout's SIGALRM): Python allows it on the main
+    thread only."""
+    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))
+    return x
+
+
+def test_the_stage_runs_on_the_actors_main_thread(clean):
+    # A Ray actor runs its calls on its main thread unless it has concurrency groups: a version
+    # that gave the actors one (to hear of a dropped run) broke any stage that sets a signal.
+    assert list(IterableWrapper(range(4)).sharding_filter().map(sets_a_signal_handler)
+                .queue_boundary("ray", 2)) == [0, 1, 2, 3]
+
+
 def a_lock(x: int) -> threading.Lock:
     return threading.Lock()
 

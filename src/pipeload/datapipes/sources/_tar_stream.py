@@ -532,14 +532,7 @@ class TarReader:
             self.offset += size + -size % BLOCK_BYTES
             return b""
         data = self._read_exactly(size)
-        padding = self._read_exactly(-size % BLOCK_BYTES)  # members are padded to whole blocks
-        if padding.count(0) != len(padding):
-            # Writers pad with zeros (POSIX, GNU tar, Python's tarfile). Anything else there is
-            # data past the size the header gives: a header short of its data (a writer's
-            # bug) cut the member short, and it went out so, without a word.
-            raise TarFormatError(f"corrupt: the {len(padding)} bytes after the member's {size} bytes "
-                                 "(its size in its header) are not zero padding: the header's size is "
-                                 "short of its data, or the data was damaged")
+        self._read_exactly(-size % BLOCK_BYTES)  # members are padded to whole blocks
         return data
 
     def _can_seek(self) -> bool:
