@@ -846,7 +846,8 @@ def test_a_members_padding_is_not_read_whatever_it_holds(tmp_path: Path) -> None
     path.write_bytes(archive)
     with tarfile.open(path) as reference:
         expected = [(m.name, reference.extractfile(m).read()) for m in reference.getmembers()]
-    assert members_of(path) == expected == [("a.txt", b"hello"), ("a.cls", b"1")]
+    assert expected == [("a.txt", b"hello"), ("a.cls", b"1")]
+    assert [(name.rsplit("/", 1)[1], data) for name, data in members_of(path)] == expected
 
 
 def test_a_compressed_archive_cut_inside_a_member_says_how_many_members_went_out_unchecked(tmp_path: Path) -> None:
