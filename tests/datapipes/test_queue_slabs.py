@@ -316,3 +316,27 @@ def test_a_failed_epoch_frees_the_slabs_of_its_graphs_process_boundaries_while_t
     del pipe, kept, caught
     gc.collect()  # the error's frames hold each other
     assert our_mappings() == before
+
+
+def test_an_epoch_that_goes_on_past_caught_errors_keeps_its_boundaries_slabs_for_the_next() -> None:
+    """An error for one batch that the loop catches leaves the epoch running, as in torch: once it
+    ends, the boundary keeps its slabs for the next run, as after any epoch (they went at every
+    caught error, and each epoch made them anew: the diff review's probe)."""
+    from pipeload import DataLoader
+
+    pipe = IterableWrapper(range(16)).sharding_filter().map(random_item).queue_boundary(
+        "process", buffer_size=2)
+    loader = DataLoader(pipe.map(fails_at_item_9), batch_size=None)
+    got, failed = [], 0
+    iterator = iter(loader)
+    while True:
+        try:
+            got.append(numbers_of(next(iterator)))
+        except KeyError:
+            failed += 1
+        except StopIteration:
+            break
+    assert failed == 1 and got == [i for i in range(16) if i != 9]
+    del iterator
+    assert pipe._transient_slabs.held_bytes > 0
+    pipe.release_shared_memory()

@@ -26,6 +26,23 @@ from pipeload.stats.clock import now, profiling, span
 from pipeload.stats.recorder import EpochCount
 
 
+class _BoundarySlabsGoIfLeftAfterAnError:
+    """Run as an epoch's iterator goes: if the epoch was left after an error for one of its
+    batches (a loop that did not catch it), the slabs the process boundaries of the loader's graph
+    keep between runs are released, as a failed epoch releases the loader's own: the error may
+    keep the graph alive for as long as it is kept (a step after a boundary raised: the
+    boundary's run ended as any run does, and kept its slabs for the next). An epoch that went on
+    to its end after caught errors keeps them for the next run, as any epoch does."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.raised = False  # an error was raised since the epoch began, and it has not ended since
+
+    def __call__(self) -> None:
+        if self.raised:
+            replica.release_boundary_slabs(self.dataset)
+
+
 class _EpochIterator:
     """One epoch over a loader. Owns its engine unless the loader keeps workers persistent.
 
@@ -44,6 +61,8 @@ class _EpochIterator:
         self._loader = None if owns_engine else loader
         self._finalizer = weakref.finalize(self, engine.close) if owns_engine else None
         self._epoch_clock: weakref.finalize | None = None
+        self._left_after_an_error = _BoundarySlabsGoIfLeftAfterAnError(loader.dataset)
+        weakref.finalize(self, ctrl_c_kept(self._left_after_an_error)).atexit = False
         self._start_next_epoch(loader, progress, count)
 
     def _start_next_epoch(self, loader: Any, progress: resume.EpochProgress,
@@ -59,6 +78,7 @@ class _EpochIterator:
         self._dataset = loader.dataset
         self._failures = loader._failure_board
         self._slab_keeper = loader._slab_keeper  # the loader's slabs, released by a failed epoch
+        self._left_after_an_error.raised = False
         self._ended = False
         # Batches handed out, and when the stats time the next (never, with stats off).
         self._count = count if count is not None else EpochCount()
@@ -89,6 +109,7 @@ class _EpochIterator:
                 batch = self._engine.next_batch()
         except StopIteration:
             self._progress.ended = True
+            self._left_after_an_error.raised = False  # the epoch ran to its end: its runs too
             # The loop also waits for the end itself and for the workers to stop (not
             # persistent ones): timed always, from the ask when it was timed or expected to end
             # the epoch, else from here (once an epoch: no batch pays).
@@ -107,10 +128,7 @@ class _EpochIterator:
             raise
         except Exception as error:
             self._progress.failed(error)
-            # The slabs of the process boundaries in the loader's graph, as its own after a
-            # failure (a set of workers that fails gives them up): the error may keep the graph
-            # alive for long, and a step after a boundary that failed ends no run in failure.
-            replica.release_boundary_slabs(self._dataset)
+            self._left_after_an_error.raised = True
             if self._stats is not None:
                 self._stats.ended(asked)
             # The error's traceback keeps this frame: without `self` in it, an uncaught error
