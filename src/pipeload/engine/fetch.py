@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -366,9 +367,10 @@ class IterableFetcher:
         may keep it, in a reference cycle through that error's traceback (a thread boundary
         hands on the very exception), until the collector runs. Another iterator is left to go
         as torch lets it: its ``close`` may mean something else."""
-        from pipeload.datapipes.protocol import PipeIterator  # pipes import the engine: not at the top
-
-        if isinstance(self._samples, PipeIterator):
+        # Looked up, not imported: the engine room imports nothing from the pipes above it, and
+        # where their module was never imported no pipe can have been made.
+        protocol = sys.modules.get("pipeload.datapipes.protocol")
+        if protocol is not None and isinstance(self._samples, protocol.PipeIterator):
             self._samples.close()
 
     def _take_one(self) -> list[Any]:

@@ -5,11 +5,13 @@ pipeload's loader needs that length in more places as an epoch starts: the size 
 (told to the workers), the epoch's checkpoint record, the stats' count of batches, and the draw
 itself. A ``__len__`` is the user's code: it may list a store, open the file it counts in, or
 count its calls. While an epoch's lengths are active (:meth:`EpochLengths.active`, entered by
-``iter(loader)`` alone), a sampler asks each source once and reuses the answer; outside of one
-(a user's own ``len(sampler)``, a dataset's ``__getitem__``, a sampler that draws at the first
-``next()``, as one does without workers), every question asks again, as torch's samplers do: the
-length then drawn from is the one the dataset has at the draw, as in torch. So with workers (whose
-first draws ``iter()`` makes) the length is asked once an epoch; without, twice.
+``iter(loader)``, and without workers once more by the first ``next()``, around the sampler's
+draw and the record of its state made then), a sampler asks each source once and reuses the
+answer; outside of one (a user's own ``len(sampler)``, a dataset's ``__getitem__``), every
+question asks again, as torch's samplers do. Without workers the sampler draws at the first
+``next()``: the length then drawn from is the one the dataset has at the draw, as in torch. So
+with workers (whose first draws ``iter()`` makes) the length is asked once an epoch; without,
+twice (torch's loader asks it up to four times with a ``RandomSampler``).
 
 A process forked while the lengths are active (a worker) forgets them: they would freeze every
 length its own samplers ask for the rest of its life.

@@ -145,7 +145,7 @@ class ProcessLink:
         """Wait until the reader thread has read all the far end sent (at most ``timeout_s``):
         a send refused by a closed socket does not say whether the far end closed the queue
         or died; its last message, if it sent one, is still to be read."""
-        if self._reader is not threading.current_thread():
+        if self._reader.ident != threading.get_ident():  # asked by ident: see on_the_main_thread
             self._reader.join(timeout_s)
 
     def introduce(self, token: str) -> None:
@@ -242,7 +242,7 @@ class ProcessLink:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader with an end of file
         except OSError:
             pass
-        if self._reader is not threading.current_thread():
+        if self._reader.ident != threading.get_ident():  # asked by ident: see on_the_main_thread
             self._reader.join(READER_JOIN_S)
         self._receiving.close()
         self._granted_slabs.close()

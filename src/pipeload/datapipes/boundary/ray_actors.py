@@ -64,9 +64,10 @@ def _kill_each(ray: Any, handles: list[Any]) -> None:
 
 
 class ActorPool:
-    """Idle actors of one boundary pipe, kept for its next run. Its pipe's runs start and end on
-    one thread at a time; another pipe's run, on any thread, may let its idle actors go
-    (``let_other_pools_go``): the idle list changes under ``_lock``."""
+    """Idle actors of one boundary pipe, kept for its next run. Its pipe's runs (several at once
+    where thread workers run copies of the pipe, which share its pool) and another pipe's run
+    letting its idle actors go (``let_other_pools_go``) may come from any thread: the idle list
+    changes under ``_lock`` only."""
 
     def __init__(self) -> None:
         self._held: dict[str, Any] = {"ray": None, "job": None, "idle": []}
