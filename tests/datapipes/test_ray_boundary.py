@@ -779,6 +779,7 @@ class StuckFrom:
         return x
 
 
+@pytest.mark.slow  # ~5 s; a run left by break, the same settling, runs fast through the loader below
 def test_an_actor_stuck_in_an_abandoned_run_is_not_handed_to_the_next(clean, tmp_path):
     # The run ended cleanly (the loop let go of it), so its actor, still inside the hung call, went
     # back to the pool; the next run's start queued behind that call for start_timeout_s and then
@@ -797,7 +798,8 @@ def test_an_actor_stuck_in_an_abandoned_run_is_not_handed_to_the_next(clean, tmp
     pipe.release_actors()
 
 
-@pytest.mark.parametrize("through", ["pipe", "loader"])
+# ~5 s each: the pipe's own run is the same settling as the loader's, run fast
+@pytest.mark.parametrize("through", [pytest.param("pipe", marks=pytest.mark.slow), "loader"])
 def test_an_actor_stuck_in_a_run_left_by_break_is_not_handed_to_the_next(clean, tmp_path, through):
     # Only close() looked for actors still in a call: a loop's break drops the run, whose
     # finalizer pooled its hung actor, and the next run waited start_timeout_s behind it.
@@ -817,7 +819,7 @@ def test_an_actor_stuck_in_a_run_left_by_break_is_not_handed_to_the_next(clean, 
     pipe.release_actors()
 
 
-@pytest.mark.parametrize("through", ["pipe", "loader"])
+@pytest.mark.parametrize("through", [pytest.param("pipe", marks=pytest.mark.slow), "loader"])
 def test_a_new_run_made_before_the_last_lets_go_takes_its_actors_when_the_cluster_is_full(clean, through):
     # it = iter(loader) makes the new run while the old one still holds the cluster's CPUs: its
     # new actors waited to be placed beside the old run's idle ones, and failed after
