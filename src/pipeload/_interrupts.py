@@ -50,8 +50,7 @@ def ctrl_c_held() -> Iterator[None]:
             # Raised in a finalizer (an iterator dropped after ``break``), it would be printed as
             # "Exception ignored" and lost: sent again once the finalizer has returned, it is
             # raised in the user's code.
-            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.get_ident(),),
-                             name="pipeload-ctrl-c", daemon=True).start()
+            _send_ctrl_c_again(threading.get_ident())
         elif held:
             previous(*held[0])  # the default handler raises KeyboardInterrupt here
 
@@ -75,8 +74,7 @@ def ctrl_c_kept(callback: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             if not _inside_a_finalizer(sys._getframe()):
                 raise
-            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.main_thread().ident,),
-                             name="pipeload-ctrl-c", daemon=True).start()
+            _send_ctrl_c_again(threading.main_thread().ident)
             return None
 
     return call
@@ -95,8 +93,7 @@ def ctrl_c_kept_in_weakref_callback(callback: Callable[[Any], None]) -> Callable
             callback(held)
         except KeyboardInterrupt:
             callback(held)
-            threading.Thread(target=_ctrl_c_after_finalizers, args=(threading.main_thread().ident,),
-                             name="pipeload-ctrl-c", daemon=True).start()
+            _send_ctrl_c_again(threading.main_thread().ident)
 
     return _called_by_the_collector
 
@@ -113,6 +110,13 @@ def _inside_a_finalizer(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _send_ctrl_c_again(thread: int | None) -> None:
+    """Raise SIGINT again in ``thread`` once no finalizer runs there (on a thread of its own, as
+    the one that caught it is inside one)."""
+    threading.Thread(target=_ctrl_c_after_finalizers, args=(thread,), name="pipeload-ctrl-c",
+                     daemon=True).start()
 
 
 def _ctrl_c_after_finalizers(main_thread: int) -> None:
