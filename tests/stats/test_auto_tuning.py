@@ -270,7 +270,7 @@ def test_the_tuner_reads_a_loop_that_only_waits_as_waiting_when_workers_start_ea
 
 @pytest.mark.timeout(90)
 def test_workers_started_each_epoch_are_seen_computing_by_the_tuner(leak_guard) -> None:
-    loader = pipeload.DataLoader(Busy(96, 0.0003), batch_size=8, num_workers="auto", multiprocessing_context="fork")
+    loader = pipeload.DataLoader(Busy(96, 0.001), batch_size=8, num_workers="auto", multiprocessing_context="fork")
     for _ in range(200):  # epochs of 12 batches: the tuner's first window takes about 30
         if len(loader.stats().decisions) >= 2:
             break
