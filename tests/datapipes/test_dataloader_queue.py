@@ -476,6 +476,23 @@ def test_blocking_that_is_not_true_or_false_is_refused_by_name(kind: str, blocki
                 queue.put(1, blocking=blocking)
 
 
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_a_process_queue_that_no_far_end_joined_stops_listening_at_once(how: str) -> None:
+    # Its accepting thread looked every half second whether the queue was still there, so each
+    # queue closed or dropped unjoined left a thread behind for up to 0.5 s.
+    from pipeload.datapipes.boundary.process_queue import ACCEPT_SLICE_S
+
+    before = set(threading.enumerate())
+    queue = DataLoaderQueue(kind="process")
+    accepting = [t for t in threading.enumerate() if t not in before]
+    assert [t.name for t in accepting] == ["pipeload-queue-accept"]
+    if how == "closed":
+        queue.close()
+    else:
+        del queue
+    assert wait_until(lambda: not accepting[0].is_alive(), ACCEPT_SLICE_S / 5)
+
+
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_numpys_bool_is_a_bool_for_blocking(kind: str) -> None:
     import numpy as np

@@ -304,7 +304,7 @@ class ProcessQueue(InboxQueue, kind="process"):
 
     def _stop_listening(self) -> None:
         if self._listener is not None:
-            self._listener.close()
+            _close_listener(self._listener)
             self._listener = self._state["listener"] = None
             _unlink(self._address)
 
@@ -377,6 +377,8 @@ def _accept_when_joined(queue_ref: Any, listener: socket.socket) -> None:
     poller.register(listener.fileno(), select.POLLIN)
     while True:
         ready = poller.poll(int(ACCEPT_SLICE_S * 1000))
+        if ready and ready[0][1] & (select.POLLHUP | select.POLLNVAL):
+            return  # the owner shut the listener (_close_listener): closed, met or dropped
         queue = queue_ref()
         if queue is None or queue._listener is not listener or queue._pid != os.getpid():
             return
@@ -420,8 +422,20 @@ def _release(state: dict[str, Any]) -> None:
         link.close(None, f"in {process_name()}", tell=False)
     listener = state.get("listener")
     if listener is not None:
-        listener.close()
+        _close_listener(listener)
         _unlink(state["address"])
+
+
+def _close_listener(listener: socket.socket) -> None:
+    """Close the owner's listener, waking its accepting thread at once: a shut-down listener
+    polls as hung up (a closed descriptor would leave the thread asleep to the end of its slice,
+    and the number may meanwhile be another file's). Only the owner may: the socket is shared
+    with every process forked since, whose copies are merely closed (``_check_process``)."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not listening any more (a queue made by hand may be closed twice)
+    listener.close()
 
 
 def _weakly(method: Any, default: str) -> Any:
