@@ -119,6 +119,8 @@ class RemoteFailure:
         worker_kind: "" for a classic process worker, "thread" for a classic thread worker; "item"
             or "batch" for an economic-mode worker, whose ``worker_id`` counts the workers of
             that kind.
+        notes: the original exception's ``__notes__`` (a DataPipe's "raised by `fn` of
+            Mapper(...)" among them), added again to the rebuilt one before ours.
     """
 
     exc_type: type[BaseException]
@@ -130,6 +132,7 @@ class RemoteFailure:
     where: str | None = None
     caught_name: str | None = None
     worker_kind: str = ""
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def capture(
@@ -145,7 +148,7 @@ class RemoteFailure:
         assert exc_type is not None and exc is not None, "capture() needs an active exception"
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where,
-                   worker_kind=worker_kind)
+                   worker_kind=worker_kind, notes=_notes_of(exc))
 
     @classmethod
     def of(cls, error: BaseException, worker_id: int, stage: str, where: str | None = None) -> RemoteFailure:
@@ -154,7 +157,7 @@ class RemoteFailure:
         handled). A class that cannot be pickled by reference (defined where the reader cannot
         import it) goes as a ``RuntimeError`` naming it."""
         failure = cls(type(error), str(error), "".join(traceback.format_exception(error)),
-                      worker_id, stage, where=where)
+                      worker_id, stage, where=where, notes=_notes_of(error))
         try:
             pickle.dumps(failure.exc_type)
         except Exception:
@@ -205,8 +208,17 @@ class RemoteFailure:
             exc = RuntimeError(text)
         if hasattr(exc, "add_note"):
             where = self.where or f"in DataLoader {self._worker_name()}"
-            exc.add_note(f"pipeload: raised {where} {self._circumstances()}")
+            # Once each: a failure passed on from one hop to the next is rebuilt at each.
+            for note in dict.fromkeys((*self.notes, f"pipeload: raised {where} {self._circumstances()}")):
+                exc.add_note(note)
         return exc
+
+
+def _notes_of(exc: BaseException) -> tuple[str, ...]:
+    """``exc``'s notes that are strings (``add_note`` takes nothing else; a list filled by hand
+    may hold anything, which need not pickle)."""
+    notes = getattr(exc, "__notes__", None)
+    return tuple(note for note in notes if isinstance(note, str)) if isinstance(notes, list) else ()
 
 
 def exact_value(name: str, value: object) -> str:

@@ -133,6 +133,25 @@ def test_through_the_loaders_workers_the_type_and_the_pipe_reach_the_loop(worker
         getattr(caught.value, "__notes__", []))
 
 
+@pytest.mark.parametrize("where", ["thread", "process", "loader"])
+def test_past_a_boundary_or_a_worker_the_note_naming_the_pipe_comes_along_once(where: str) -> None:
+    # A process boundary, and the loader's process workers, rebuilt the error with their own
+    # note alone: the pipe and argument that raised were left in the traceback's text.
+    pipe = ours.IterableWrapper(range(8)).sharding_filter().map(fails)
+    if where == "loader":
+        run: Any = pipeload.DataLoader(pipe, batch_size=2, num_workers=1)
+        last = "pipeload: raised in DataLoader worker 0 while fetching a batch"
+    else:
+        run = pipe.queue_boundary(where, 2)
+        last = f"pipeload: raised {'upstream of a thread' if where == 'thread' else 'in the upstream process of a'}"
+    with pytest.raises(BadSample) as caught:
+        list(run)
+    notes = caught.value.__notes__
+    del caught  # its traceback holds the run open (a loop's error, once handled, is dropped)
+    assert notes[0] == "pipeload: raised by `fn` of Mapper(fails) <- ShardingFilter <- ..."
+    assert len(notes) == 2 and notes[1].startswith(last), notes
+
+
 def test_through_the_loaders_workers_a_stopiteration_fails_the_epoch_instead_of_shortening_it() -> None:
     loader = pipeload.DataLoader(ours.IterableWrapper(range(8)).sharding_filter().map(stops_early),
                                  batch_size=2, num_workers=2)
