@@ -13,10 +13,11 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "datapipes"))
+from conftest import lacks  # noqa: E402
 from ray_testing import RAY_ENV, actor_processes, wait_for  # noqa: E402
 
-pytest.importorskip("ray")
-pytest.importorskip("PIL")
+# Found, not imported: the example runs in processes of its own (conftest.lacks says why).
+pytestmark = [lacks("ray"), lacks("PIL")]
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "ray_preprocess.py"
 DAEMONS = ("raylet", "gcs_server")

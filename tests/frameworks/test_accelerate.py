@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch.utils.data as tud
-from conftest import LeakGuard, wait_until
+from conftest import LeakGuard, lacks, wait_until
 from ranks import HERE, LEFTOVER_DEADLINE_S, no_rank_left, run_ranks
 from workload import DATASET_LENGTH, WORLD_SIZE
 
-pytest.importorskip("accelerate")
+# accelerate runs under torchrun: found here, not imported (conftest.lacks says why).
+pytestmark = lacks("accelerate")
 
 
 def indices(batches: list[dict]) -> list[int]:

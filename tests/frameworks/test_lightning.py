@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.utils.data as tud
-from conftest import LeakGuard, wait_until
+from conftest import LeakGuard, lacks, wait_until
 from ranks import HERE, LEFTOVER_DEADLINE_S, no_rank_left, run_ranks
 from workload import DATASET_LENGTH, WORLD_SIZE, TaggedLoader, Witness
 
 import pipeload
 
-lightning_data = pytest.importorskip("lightning.pytorch.utilities.data")
+pytestmark = [lacks("lightning"), pytest.mark.imports_large_libraries]
+
+
+@pytest.fixture
+def lightning_data() -> Any:
+    """Lightning's loader helpers, imported when a test asks (conftest.lacks says why)."""
+    import lightning.pytorch.utilities.data
+
+    return lightning.pytorch.utilities.data
 
 
 def expected_share(rank: int, epoch: int, seed: int, shuffle: bool, length: int) -> list[int]:
@@ -24,7 +33,7 @@ def expected_share(rank: int, epoch: int, seed: int, shuffle: bool, length: int)
     return list(sampler)
 
 
-def test_update_dataloader_rebuilds_ours_with_the_injected_sampler(leak_guard: LeakGuard) -> None:
+def test_update_dataloader_rebuilds_ours_with_the_injected_sampler(leak_guard: LeakGuard, lightning_data: Any) -> None:
     dataset = Witness(DATASET_LENGTH + 2)
     injected = tud.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
     oracle = lightning_data._update_dataloader(
@@ -47,7 +56,7 @@ def test_update_dataloader_rebuilds_ours_with_the_injected_sampler(leak_guard: L
         assert all(b["worker"].eq(0).all() and not b["torch_loop"].any() for b in batches)
 
 
-def test_lightning_sees_our_shuffle() -> None:
+def test_lightning_sees_our_shuffle(lightning_data: Any) -> None:
     # Lightning shuffles the DistributedSampler it injects only when it sees a RandomSampler.
     shuffled = pipeload.DataLoader(Witness(), shuffle=True)
     assert lightning_data._is_dataloader_shuffled(shuffled)

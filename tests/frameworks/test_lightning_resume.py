@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import lacks
 from ranks import HERE, RUN_TIMEOUT_S
 
 import pipeload
 
-pytest.importorskip("lightning.pytorch")
+# Lightning runs in a process of its own: found here, not imported (conftest.lacks says why).
+pytestmark = lacks("lightning")
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)

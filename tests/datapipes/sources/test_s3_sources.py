@@ -20,7 +20,7 @@ from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.sources import FileReader, SourceChangedError, SourceError, _storage
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(90), pytest.mark.imports_large_libraries]
 
 BUCKET = "pipeload-shards"
 SHARDS, SAMPLES = 4, 5
