@@ -130,6 +130,17 @@ class ShortGetitems:
         return list(indices)[:-1]
 
 
+class GeneratorGetitems(ShortGetitems):
+    """``__getitems__`` returns a generator: torch's default_collate fails on it."""
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        return (index for index in indices)
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
 def longer_than_its_len(m: ModuleType) -> Any:
     class Stream(m.IterableDataset):
         def __iter__(self) -> Any:
@@ -210,6 +221,12 @@ CASES: dict[str, Case] = {
     "worker exits with a code": Case(lambda m: run(m.DataLoader(DiesAt("exit3"), num_workers=1, **FORK)), first=False),
     # An int timeout: torch prints it as given ("after 1 seconds"), not as a float.
     "timeout": Case(lambda m: run(m.DataLoader(Slow(), num_workers=1, timeout=1, **FORK))),
+    # Counting the samples for stats() asked the generator's len() first, in other words.
+    "__getitems__ returns a generator": Case(lambda m: run(m.DataLoader(GeneratorGetitems(), batch_size=2))),
+    "__getitems__ returns a generator, workers": Case(
+        lambda m: run(m.DataLoader(GeneratorGetitems(), batch_size=2, num_workers=1, **FORK)), relevant=last_line,
+        first=False,
+    ),
     # datasets
     "Dataset without __getitem__": Case(lambda m: m.Dataset()[0]),
     "TensorDataset sizes": Case(lambda m: m.TensorDataset(torch.zeros(2), torch.zeros(3))),

@@ -175,7 +175,7 @@ class MapFetcher:
         finally:
             fetched = now()
             clock.fetch_s += fetched - started
-        clock.count_samples(len(samples))
+        clock.count_samples(_how_many(samples, _meant(index, spec.auto_collation)))
         try:
             return spec.collate_fn(samples if spec.auto_collation else samples[0])
         finally:
@@ -410,6 +410,16 @@ def _meant(index: Any, auto_collation: bool) -> int:
     return operator.length_hint(index, 0) if auto_collation else 1
 
 
+def _how_many(samples: Any, meant: int) -> int:
+    """How many samples a fetch returned; what the task was to hold when they have no length (a
+    ``__getitems__`` that returns a generator: ``collate_fn`` then fails on it with torch's words,
+    "'generator' object is not subscriptable", where counting them failed first)."""
+    try:
+        return len(samples)
+    except TypeError:
+        return meant
+
+
 def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callable[[Any], Any],
             auto_collation: bool, traced: bool, timing: bool, meant: int = 0) -> Any:
     """``collate_fn`` over what ``take`` returns, each in a profiler span when ``traced``, and
@@ -436,9 +446,9 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
         if timing:
             clock.fetch_s += fetched - started
     if timing:
-        clock.count_samples(len(samples))
+        clock.count_samples(_how_many(samples, meant))
     else:
-        clock.count_untimed(len(samples))
+        clock.count_untimed(_how_many(samples, meant))
     try:
         if traced:
             with span("pipeload.collate"):
