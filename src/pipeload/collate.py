@@ -3,10 +3,12 @@
 ``collate`` walks the structure of the first sample and recurses into mappings, namedtuples and
 sequences; at each leaf it asks a type -> function map what to do (stack tensors, wrap numbers,
 keep strings). The behaviour follows ``torch.utils.data.default_collate`` so the same samples give
-the same batches, with three deliberate differences:
+the same batches, with four deliberate differences:
 
 * a ragged batch (tensors of different shapes) fails with a ``RuntimeError`` that starts with
   torch.stack's message and goes on to name the field and the two shapes;
+* a value no handler takes (a PIL image, ``None``, a text array) fails with a ``TypeError``
+  that starts with torch's sentence and goes on to name the field and what to return instead;
 * each element is collated once: a failure inside a container is not retried through the
   container's fallback path, so custom collate functions are never called twice for one field;
 * ``default_convert`` leaves numpy ``bytes_`` scalars alone, as it does ``str_`` (torch raises).
@@ -88,6 +90,34 @@ def _describe_field() -> str:
         return "the top level of the batch"
     parts = [f".{key}" if is_attribute else f"[{key!r}]" for is_attribute, key in steps]
     return "field " + "".join(parts)
+
+
+def _unsupported_type(found: Any, values: str, collate_fn_map: CollateFnMap | None,
+                      instead: str, note: str = "") -> TypeError:
+    """torch's sentence for a leaf no handler takes, then where it sits and what to do instead.
+
+    torch's sentence names the type alone: a newcomer whose dataset returns PIL images, or
+    ``None`` for a sample it could not read, is left to guess which field and what to change.
+    """
+    if collate_fn_map is default_collate_fn_map:
+        remedy = f"{instead}, or pass a collate_fn that handles them{note}"
+    else:  # the caller's own map: its handlers, not the dataset, are what is missing
+        remedy = "give collate_fn_map a handler for their type, or convert them before collating"
+    return TypeError(
+        f"{_UNSUPPORTED_TYPE_MESSAGE.format(found)} (pipeload: the values at {_describe_field()} "
+        f"are {values}: {remedy})"
+    )
+
+
+def _unsupported_leaf(elem: Any, collate_fn_map: CollateFnMap | None) -> TypeError:
+    kind = type(elem)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    instead = ("return tensors, numbers, strings or numpy arrays of numbers (in dicts, lists or "
+               "tuples) from the dataset's __getitem__")
+    note = ("; for PIL images, torchvision's transforms.PILToTensor() or ToTensor() makes the tensor"
+            if kind.__module__.startswith("PIL.") else "")
+    return _unsupported_type(kind, "None" if elem is None else f"of type {name}", collate_fn_map, instead,
+                             note)
 
 
 def _collate_field(
@@ -264,7 +294,7 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
         )
     if isinstance(elem, Sequence):
         return _collate_sequences(batch, elem, collate_fn_map)
-    raise TypeError(_UNSUPPORTED_TYPE_MESSAGE.format(type(elem)))
+    raise _unsupported_leaf(elem, collate_fn_map)
 
 
 def _collate_sequences(
@@ -399,7 +429,10 @@ def collate_numpy_array_fn(
     """Turn numpy arrays into tensors and collate those; text and object arrays are refused."""
     dtype = batch[0].dtype
     if _TEXT_OR_OBJECT_DTYPE.search(dtype.str) is not None:
-        raise TypeError(_UNSUPPORTED_TYPE_MESSAGE.format(dtype))
+        kind = "objects" if dtype.kind == "O" else "text"
+        raise _unsupported_type(dtype, f"numpy arrays of {kind} (dtype {dtype.str})", collate_fn_map,
+                                "numpy arrays of text or objects have no tensor form: convert them "
+                                "to numbers, or to Python strings with .tolist()")
     return collate([torch.as_tensor(array) for array in batch], collate_fn_map=collate_fn_map)
 
 
