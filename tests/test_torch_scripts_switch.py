@@ -1,6 +1,7 @@
 """Training scripts written for ``torch.utils.data`` run under pipeload with one textual change:
-every ``torch.utils.data`` replaced by ``pipeload`` (the README's promise, "change one import",
-held to every import form scripts use: submodules, private collate helpers, DataPipes).
+every ``torch.utils.data`` replaced by ``pipeload``, and ``from torch.utils import data`` by
+``import pipeload as data`` (the README's promise, "change one import", held to every import form
+scripts use: submodules, private collate helpers, DataPipes, the module under a short name).
 
 Each script in ``torch_scripts/`` prints what it loaded (batches per epoch and rank, a trained
 weight); run as written (torch) and with the replacement (pipeload), side by side, the two print
@@ -26,7 +27,8 @@ RUN_TIMEOUT_S = 150  # a 2-rank DDP run takes ~5 s on a quiet box, 23 s at load 
 
 def switched(source: str) -> str:
     """The script with torch.utils.data replaced by pipeload, and nothing else changed."""
-    return source.replace("torch.utils.data", "pipeload")
+    return source.replace("from torch.utils import data", "import pipeload as data").replace(
+        "torch.utils.data", "pipeload")
 
 
 def start(script: Path, marker: str) -> subprocess.Popen[str]:
