@@ -579,6 +579,7 @@ class BatchWorkerLoop(WorkerLoop):
         try:
             batch = self._collate(gathering, epoch, number)
         except Exception as exc:
+            self._count_failed_task(indices)
             self._report_failure(number, "collating a batch", indices, exc)
             return
         setup_s = self._outbox.setup_s
@@ -595,6 +596,7 @@ class BatchWorkerLoop(WorkerLoop):
             clock.count_samples(len(gathering.indices))
         else:
             clock.untimed_samples += len(gathering.indices)
+        clock.failed(len(gathering.indices))
 
     def _count_down_to_timing(self) -> None:
         clock = self._clock

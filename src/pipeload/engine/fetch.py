@@ -164,13 +164,13 @@ class MapFetcher:
         if _torch_profiler._is_profiler_enabled:
             take = (lambda: self.samples(index)) if spec.auto_collation else (lambda: [spec.dataset[index]])
             return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, timed,
-                           _meant(index, spec.auto_collation))
+                           meant_samples(index, spec.auto_collation))
         # A timed task without a profiler, kept lean: no closures, three clock reads.
         started = now()
         try:
             samples = self.samples(index) if spec.auto_collation else [spec.dataset[index]]
         except BaseException:
-            clock.count_samples(_meant(index, spec.auto_collation))
+            clock.count_samples(meant_samples(index, spec.auto_collation))
             raise
         finally:
             fetched = now()
@@ -323,17 +323,17 @@ class IterableFetcher:
             if clock.left <= 0:
                 clock.start_timed()
                 return _traced(clock, take, spec.collate_fn, spec.auto_collation, profiling(), True,
-                               _meant(index, spec.auto_collation))
+                               meant_samples(index, spec.auto_collation))
             if profiling():
                 return _traced(clock, take, spec.collate_fn, spec.auto_collation, True, False,
-                               _meant(index, spec.auto_collation))
+                               meant_samples(index, spec.auto_collation))
         try:
             samples = take()
         except DatasetExhausted:
             raise
         except BaseException:
             if clock is not None:
-                clock.untimed_samples += _meant(index, spec.auto_collation)
+                clock.untimed_samples += meant_samples(index, spec.auto_collation)
             raise
         if clock is not None:
             clock.untimed_samples += len(samples)
@@ -403,7 +403,7 @@ class IterableFetcher:
         return samples
 
 
-def _meant(index: Any, auto_collation: bool) -> int:
+def meant_samples(index: Any, auto_collation: bool) -> int:
     """The samples a task was to hold: a batch that failed counts them, as an untimed batch
     counts its sampler's size whatever happens to it (counted as none, failed batches took the
     stats' samples a batch, and samples/s, below what the loop received)."""

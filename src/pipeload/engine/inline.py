@@ -9,7 +9,7 @@ from typing import Any
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
 from pipeload.engine.epoch_flow import mark_worker
-from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher
+from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, MapFetcher, make_fetcher, meant_samples
 from pipeload.engine.plan import DatasetKind, EpochStart, FetchSpec, ReplicaSetup
 from pipeload.stats import skips
 from pipeload.stats.ray_stage import ray_stage_counter
@@ -101,6 +101,7 @@ class InlineEngine:
         except Exception as error:
             mark_worker(error, 0)  # the batch's turn passed: its replica's position counts it
             if self._clock is not None:
+                self._clock.failed(meant_samples(index, self._spec.auto_collation))
                 self._clock.done()  # no bytes: the next, untimed, batch must not count its own
             raise
         if self._clock is not None and self._clock.timing:

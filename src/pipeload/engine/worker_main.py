@@ -22,7 +22,7 @@ import torch
 
 from pipeload.engine import replica
 from pipeload.engine.batch_seeding import BatchSeeding
-from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, make_fetcher
+from pipeload.engine.fetch import DatasetExhausted, IterableFetcher, make_fetcher, meant_samples
 from pipeload.engine.lifecycle import (
     exit_now,
     exit_when_creator_dies,
@@ -258,6 +258,7 @@ class WorkerLoop:
             self._report_exhausted(number)
             return
         except Exception as exc:
+            self._count_failed_task(command.indices)
             self._report_failure(number, "fetching a batch", command.indices, exc)
             return
         # Setting up shared memory is reported apart: it is a one-off cost of a cold start.
@@ -323,7 +324,13 @@ class WorkerLoop:
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:
+            self._count_failed_task(indices)
             self._report_failure(number, "sending the batch to the main process", indices, exc)
+
+    def _count_failed_task(self, indices: Any) -> None:
+        """The task for ``indices`` raised, its samples counted already: it moved no tensor."""
+        if self._clock is not None:
+            self._clock.failed(meant_samples(indices, self._setup.fetch.auto_collation))
 
     def _report_failure(self, number: int, stage: str, indices: Any, exc: Exception) -> None:
         failure = describe_failure(self._id, self._kind_in_errors(), stage, indices, exc)

@@ -36,12 +36,13 @@ class WorkerTotals(NamedTuple):
 
     Attributes:
         tasks: batches (or economic pieces) it has finished, failed ones included.
-        samples: samples it fetched (a batch worker: samples it collated).
+        samples: samples it fetched (a batch worker: samples it collated), those of failed
+            tasks included (``failed_samples``).
         fetch_s: seconds in the dataset (``__getitem__``, ``__getitems__``, ``__next__``).
         collate_s: seconds in ``collate_fn``.
         send_s: seconds handing results over (pickling, writing to the channel); lags one report,
             as a report cannot carry the time it takes to send itself.
-        bytes_out: bytes of tensor data in what it handed over.
+        bytes_out: bytes of tensor data in what it handed over (a failed task hands none over).
         started_at: when the worker's clock started (``time.perf_counter``).
         cpu_s: CPU seconds its thread ran since then.
         queued_s: seconds its thread was ready to run but waited for a CPU (others had them).
@@ -56,6 +57,9 @@ class WorkerTotals(NamedTuple):
             are measured, not estimated: only the later tasks stand for the untimed ones and
             for those reported since the totals (a cold first task, imports and first page
             faults, would otherwise count dozens of times over).
+        failed_samples: of ``samples``, those of tasks that raised: they count as samples (the
+            batch they were to make was one of the epoch's), but they moved no tensor, so the
+            bytes are scaled by the others.
     """
 
     tasks: int
@@ -67,8 +71,9 @@ class WorkerTotals(NamedTuple):
     started_at: float
     cpu_s: float
     queued_s: float
-    ray_stage: tuple[float, ...] = ()  # the last two defaulted: totals written before them still read
+    ray_stage: tuple[float, ...] = ()  # the last three defaulted: totals written before them still read
     start: tuple[float, ...] = ()
+    failed_samples: int = 0
 
 
 SCHED_READ_EVERY_S = 0.1
@@ -268,6 +273,7 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
+                 "failed_samples", "timed_failed_samples",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
@@ -287,6 +293,10 @@ class StageClock:
         self.collate_s = 0.0
         self.send_s = 0.0
         self.bytes_out = 0
+        # Samples of the tasks that raised, all of them and the timed ones: counted as samples,
+        # left out of the bytes (see failed()).
+        self.failed_samples = 0
+        self.timed_failed_samples = 0
         self.timing = False
         self.left = 0  # tasks until the next timed one: the first task is timed
         # Numbered instead (the inline engine, whose batch numbers run 0, 1, 2, ... each epoch):
@@ -349,6 +359,16 @@ class StageClock:
         """An untimed task had ``samples`` samples (on the fetchers' rare paths: their common
         one adds to ``untimed_samples`` itself, or counts nothing when ``untimed_size`` says)."""
         self.untimed_samples += samples - (self.untimed_size or 0)
+
+    def failed(self, samples: int) -> None:
+        """The task in hand raised; its ``samples`` (the samples it was to hold, counted already
+        as a failed task's are) moved no tensor. Called on the failure's own path, before its
+        report: ``timing`` still says whether the task was timed. Without this, the timed tasks'
+        bytes a sample, scaled to every sample, counted failed batches as moved (63.8 MiB handed
+        to the loop read "moved 92.0 MiB" with every other batch failing)."""
+        self.failed_samples += samples
+        if self.timing:
+            self.timed_failed_samples += samples
 
     def start_timed(self) -> None:
         """The fetcher's countdown reached this task: time it."""
@@ -428,7 +448,8 @@ class StageClock:
         sums = (self._timed, self.samples + self.untimed_samples, self.fetch_s, self.collate_s,
                 self.send_s, self.bytes_out, self.started_at,
                 self._sched[0] - self._sched_at_start[0], self._sched[1] - self._sched_at_start[1],
-                self._ray_stage, self._start, self.untimed_size or 0, self.samples)
+                self._ray_stage, self._start, self.failed_samples, self.untimed_size or 0, self.samples,
+                self.timed_failed_samples)
         return sums if self._counted_by_receiver else complete_totals(sums, self.tasks)
 
     def read_sched_now(self) -> None:
@@ -468,7 +489,7 @@ class StageClock:
         self.send_s += now() - started
 
 
-SUMS_LENGTH = len(WorkerTotals._fields) + 2  # what StageClock.snapshot gives before completion
+SUMS_LENGTH = len(WorkerTotals._fields) + 3  # what StageClock.snapshot gives before completion
 
 
 def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
@@ -477,14 +498,24 @@ def complete_totals(sums: tuple[Any, ...], tasks: int) -> tuple[Any, ...]:
     untimed tasks' samples derived (each holds ``untimed_size``; a clock without one counted
     them into ``samples``). Bytes go with samples, not tasks: the timed tasks' bytes a sample
     (``timed_samples``: theirs), times all samples. Scaled by tasks, pieces of other sizes than
-    the timed ones (economic mode cuts pieces as the workers' pace allows) were counted wrong."""
-    timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, untimed_size, timed_samples = sums
+    the timed ones (economic mode cuts pieces as the workers' pace allows) were counted wrong.
+    Failed tasks' samples (``failed_samples``, all; ``timed_failed``, the timed ones') are left
+    out of both: they moved nothing."""
+    (timed, samples, fetch_s, collate_s, send_s, bytes_out, *kept, start, failed_samples, untimed_size,
+     timed_samples, timed_failed) = sums
     fetch_s, collate_s, send_s, estimated_bytes = estimated_stages(
         (fetch_s, collate_s, send_s, bytes_out), start, timed, tasks)
     samples += (tasks - timed) * untimed_size
     if timed_samples:
-        estimated_bytes = bytes_out * samples / timed_samples
-    return (tasks, samples, fetch_s, collate_s, send_s, round(estimated_bytes), *kept, start)
+        estimated_bytes = bytes_moved_by(bytes_out, timed_samples - timed_failed, samples - failed_samples)
+    return (tasks, samples, fetch_s, collate_s, send_s, round(estimated_bytes), *kept, start, failed_samples)
+
+
+def bytes_moved_by(measured: float, measured_samples: int, samples: int) -> float:
+    """The bytes of ``samples`` samples that made batches, at the bytes a sample of the
+    ``measured_samples`` that ``measured`` bytes came with (all of them, where none was
+    measured: none of the timed ones made a batch)."""
+    return measured * samples / measured_samples if measured_samples > 0 else measured
 
 
 def estimated_stages(stages: tuple[float, ...], start: tuple[float, ...], timed: int,

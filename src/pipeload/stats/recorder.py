@@ -32,6 +32,7 @@ from pipeload.stats.clock import (
     RecentTimes,
     StageClock,
     WorkerTotals,
+    bytes_moved_by,
     complete_totals,
     estimated_stages,
     gaps,
@@ -742,8 +743,11 @@ def _extrapolated(totals: WorkerTotals, lag: int, items: int | None = None) -> W
     samples = totals.samples + items if items is not None else round(totals.samples * tasks / totals.tasks)
     if totals.samples:
         # Bytes go with samples, not tasks: tasks of different sizes (economic mode cuts an
-        # epoch's first batch finer than the rest) would give the two different scales.
-        bytes_out = totals.bytes_out * samples / totals.samples
+        # epoch's first batch finer than the rest) would give the two different scales. Those
+        # of failed tasks moved nothing; the tasks since the totals did not fail (a failure's
+        # report carries them).
+        made = totals.samples - totals.failed_samples
+        bytes_out = bytes_moved_by(totals.bytes_out, made, made + samples - totals.samples)
     return totals._replace(tasks=tasks, samples=samples,
                            fetch_s=fetch_s, collate_s=collate_s, send_s=send_s,
                            bytes_out=round(bytes_out), cpu_s=cpu_s, queued_s=queued_s)

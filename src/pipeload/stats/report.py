@@ -243,21 +243,28 @@ class LoaderStats:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes of tensor data handed from workers to the main process. In economic mode, the
-        items': item workers write each into the shared memory the main process hands out, in a
-        batch it assembles itself or one a batch worker collated from views of those items (whose
-        bytes it would count again). Like their samples (``stages["fetch"]``), they miss the
-        pieces whose reports an epoch ended before reading: an item worker reports a piece after
-        handing it to its batch worker, which may hand the epoch's last batch over first, and
-        nothing waits for the rest (at most the pieces in flight at an epoch's end).
+        """Bytes of tensor data handed from workers to the main process; failed batches moved
+        none. In economic mode, those of the batches handed to the loop, at the bytes a sample
+        of what the item workers handed over: they write each item into the shared memory the
+        main process hands out, in a batch it assembles itself or one a batch worker collated
+        from views of those items (whose bytes it would count again). Their own sum counts the
+        items of every batch they fetched for: those of failed batches (an item worker cannot
+        know that another piece of its batch failed: a run where every other batch failed read
+        1.5 times what the loop received), and those of batches built ahead of an epoch left
+        early; it misses the pieces whose reports an epoch ended before reading (an item worker
+        reports a piece after handing it to its batch worker, which may hand the epoch's last
+        batch over first, and nothing waits for the rest).
         Items that hold no tensor (NumPy arrays, images) count nothing there: the tensors reach
         the main process from the batch workers that collated them, so the larger of the two
         sums is taken (with tensor items, the batch workers' sum covers only what they collated
         of the items'; with others, the items' is 0 and 4 MiB of batches read "moved 0 bytes")."""
         if any(w.kind == "item" for w in self.workers):
-            items = sum(w.bytes_out for w in self.workers if w.kind == "item")
+            items = [w for w in self.workers if w.kind == "item"]
+            fetched = sum(w.samples for w in items)
+            handed_out = self.samples_per_batch * self.batches
+            per_item = sum(w.bytes_out for w in items) / fetched if fetched else 0.0
             collated = sum(w.bytes_out for w in self.workers if w.kind == "batch")
-            return max(items, collated)
+            return max(round(per_item * handed_out), collated)
         return sum(w.bytes_out for w in self.workers if w.kind in HANDING_OVER_KINDS)
 
     @property
