@@ -300,7 +300,31 @@ def test_the_queue_line_says_its_capacity_as_such() -> None:
     # "(at most 2)" gave the capacity where QueueStats.max_in_flight said 1: a reader took it
     # for the most seen in flight.
     text = _stats("classic", _busy(1, 0.9, 0.9), 0.9).summary()
-    assert "1.0 in flight (room for 2)" in text and "at most" not in text, text
+    assert "room for 2 in flight" in text and "at most" not in text, text
+
+
+def _queue_line(stats: LoaderStats) -> str:
+    return next(line for line in stats.summary().splitlines() if line.startswith("when a batch was handed out"))
+
+
+def test_the_queue_line_says_what_its_figures_count() -> None:
+    # "1.1 more were ready on average and 3.0 in flight (room for 4)" (2 workers, a slow loop)
+    # read as 4.1 batches against room for 4: the ready ones are in flight too, the batch handed
+    # out is in neither, and the room counts it; nor did it say what the room is made of.
+    classic = dataclasses.replace(_stats("classic", _busy(2, 0.9, 0.9), 0.1), queue=QueueStats(1.1, 3, 3.0, 3, 4))
+    line = _queue_line(classic)
+    assert line.startswith("when a batch was handed out, 3.0 others were in flight on average (sent to "
+                           "workers, not yet handed out), 1.1 of them ready (built, waiting in the main "
+                           "process for their turn); room for 4 in flight, the batch handed out included "
+                           "(prefetch_factor=2 x 2 workers;"), line
+    pools = _busy(4, 0.9, 0.9, kind="item") + _busy(2, 0.5, 0.5, kind="batch")
+    economic = dataclasses.replace(_stats("economic", pools, 0.1), queue=QueueStats(0.5, 1, 0.9, 1, 2))
+    assert "room for 2 in flight, the batch handed out included (prefetch_factor=2, whatever the number of " \
+        "workers;" in _queue_line(economic), _queue_line(economic)
+    # Under "auto" the room is the settings' now; the means span the settings it ran.
+    auto = dataclasses.replace(_under_auto(classic, (2, False), (4, True)), queue=QueueStats(1.1, 3, 3.0, 7, 8))
+    assert "room for 8 in flight, the batch handed out included (prefetch_factor=2 x 4 workers now, " \
+        "after other settings num_workers='auto' tried;" in _queue_line(auto), _queue_line(auto)
 
 
 # -- kinds of dataset, and loaders that cannot re-tune ----------------------------------------

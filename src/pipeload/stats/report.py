@@ -75,8 +75,11 @@ class QueueStats:
     Attributes:
         mean_ready, max_ready: batches already built and waiting their turn (beyond the one
             handed out); near 0 means the loop usually waited.
-        mean_in_flight, max_in_flight: batches sent to workers and not yet handed out.
-        capacity: the most batches the engine may have in flight.
+        mean_in_flight, max_in_flight: batches sent to workers and not yet handed out (the
+            ready ones included; the one handed out not).
+        capacity: the most batches the engine may have in flight, the one handed out included
+            (``prefetch_factor * num_workers`` in classic mode, ``prefetch_factor`` in economic
+            mode; the in-flight budget keeps fewer where fewer keep the loop fed).
     """
 
     mean_ready: float

@@ -147,9 +147,33 @@ def _no_batch(worker: WorkerStats) -> str:
 
 
 def _queue_line(stats: LoaderStats) -> str:
+    """What the pool held at each hand-out (sampled), besides the batch handed out. "Ready" and
+    "in flight" side by side read as two heaps ("1.1 more were ready and 3.0 in flight (room for
+    4)": 4.1 against room for 4): the ready ones are in flight too, and the room, the most the
+    engine may have in flight, counts the batch handed out."""
     queue = stats.queue
-    return (f"when a batch was handed out, {queue.mean_ready:.1f} more were ready on average and "
-            f"{queue.mean_in_flight:.1f} in flight (room for {queue.capacity})")
+    return (f"when a batch was handed out, {queue.mean_in_flight:.1f} others were in flight on average "
+            f"(sent to workers, not yet handed out), {queue.mean_ready:.1f} of them ready (built, waiting "
+            f"in the main process for their turn); room for {queue.capacity} in flight, the batch handed "
+            f"out included ({_room_words(stats)}; the pool keeps fewer when fewer keep the loop fed)")
+
+
+def _room_words(stats: LoaderStats) -> str:
+    """What the room is made of: ``prefetch_factor`` batches per worker in classic mode,
+    ``prefetch_factor`` in all in economic mode; under "auto", the settings running now."""
+    if stats.setup.mode == "economic":
+        return f"prefetch_factor={stats.setup.prefetch_factor}, whatever the number of workers"
+    if stats.decisions:
+        now = stats.decisions[-1]
+        tuned = any((d.num_workers, d.prefetch_factor) != (now.num_workers, now.prefetch_factor)
+                    for d in stats.decisions)
+        after = ", after other settings num_workers='auto' tried" if tuned else ""
+        return f"prefetch_factor={now.prefetch_factor} x {_workers(now.num_workers)} now{after}"
+    return f"prefetch_factor={stats.setup.prefetch_factor} x {_workers(stats.setup.num_workers)}"
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker" if count == 1 else f"{count} workers"
 
 
 def _busy_words(workers: list[WorkerStats]) -> str:
