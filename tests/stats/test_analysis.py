@@ -581,6 +581,29 @@ def test_auto_still_trying_settings_is_not_judged() -> None:
     assert analysis.diagnose(settled).bottleneck == "the workers"
 
 
+def test_start_up_under_auto_says_where_the_tuner_stands() -> None:
+    # Workers started anew each epoch under num_workers="auto": the verdict named the start-up
+    # alone, while the tuner listed above it was still trying settings, or had settled.
+    slow_starts = _restarting(first_wait_s=4 * 1.0, end_wait_s=4 * 0.05)
+    trying = _under_auto(slow_starts, (2, False), (4, False))
+    diagnosis = analysis.diagnose(trying)
+    assert diagnosis.bottleneck == "worker start-up" and trying.suggested_settings() == {"persistent_workers": True}
+    assert "try persistent_workers=True, which starts them once. Between the starts, num_workers='auto' is " \
+        "still tuning (trying num_workers=4, prefetch_factor=2 since batch 40)" in diagnosis.advice, diagnosis.advice
+    settled = analysis.diagnose(_under_auto(slow_starts, (2, False), (4, True)))
+    assert "try persistent_workers=True, which starts them once. Between the starts, num_workers='auto' " \
+        "settled on num_workers=4, prefetch_factor=2 at batch 40" in settled.advice, settled.advice
+    # Too few steady batches yet for a verdict of their own: the tuner's state is still said.
+    short = _under_auto(dataclasses.replace(slow_starts, wait_s=0.1, compute_s=0.1), (2, False), (4, False))
+    assert "Between the starts, num_workers='auto' is still tuning" in analysis.diagnose(short).advice
+    # Epochs whose first batches take the time, with workers kept: the same.
+    first_batches = dataclasses.replace(_restarting(first_wait_s=0.5 + 50 * 0.08, epochs=51, persistent=True,
+                                                    wait=0.04), batches=204, opening_wait_s=0.5)
+    epoch_start = analysis.diagnose(_under_auto(first_batches, (2, False), (4, False)))
+    assert epoch_start.bottleneck == "epoch start", epoch_start
+    assert "Between the first batches, num_workers='auto' is still tuning" in epoch_start.advice, epoch_start.advice
+
+
 @pytest.mark.parametrize("decisions", [(), ((8, False), (32, False), (64, True))], ids=["fixed", "auto"])
 def test_workers_at_the_most_suggested_count_are_not_told_to_use_it(decisions: tuple) -> None:
     # A tuner at its cap of 64 waiting workers was advised "try num_workers=64".

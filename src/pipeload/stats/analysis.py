@@ -6,7 +6,8 @@ so that identical runs get the same verdict and following it does not slow the l
 Before them: workers started anew each epoch whose start and stop take a large share of the
 time are named, and ``persistent_workers=True`` suggested (``stats.startup``, on its own
 evidence); else epochs whose first batches alone take a large share (few batches an epoch) are
-named, with their figures; the steady verdict's suggestions, if any, follow.
+named, with their figures; the steady verdict's suggestions, if any, follow, and under
+``num_workers="auto"`` where the tuner stands (still tuning, or the settings it settled on).
 
 0. Too few steady batches (``MIN_STEADY_BATCHES``) or seconds (``MIN_STEADY_S``): no verdict
    yet; it says how many more batches it needs. Likewise while ``num_workers="auto"`` is still
@@ -114,12 +115,16 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
         return Diagnosis("unknown", "no batches have been loaded yet")
     found = restarts(stats)
     firsts = first_batches(stats) if found is None else None
+    tuning = still_tuning(stats)
+    # Under "auto", where the epochs' starts are named, the tuner's state goes with them: the
+    # verdict named the start-up alone while the decisions listed above it were still trying
+    # settings (or had settled), and read as if they had nothing to do with it.
+    pending = Diagnosis("still tuning", tuning) if tuning is not None else None
     shortfall = evidence_shortfall(stats)
     if shortfall is not None:
-        return _opening(stats, found, firsts, None) or Diagnosis("not enough data", shortfall)
-    tuning = still_tuning(stats)
-    if tuning is not None:
-        return _opening(stats, found, firsts, None) or Diagnosis("still tuning", tuning)
+        return _opening(stats, found, firsts, pending) or Diagnosis("not enough data", shortfall)
+    if pending is not None:
+        return _opening(stats, found, firsts, pending) or pending
     workers = [w for w in stats.workers if w.kind != "main"]
     if stats.setup.dataset != "map" and any(w.tasks for w in workers):
         workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
@@ -144,28 +149,32 @@ def _opening(stats: LoaderStats, found: Restarts | None, firsts: FirstBatches | 
     if found is not None:
         return _restarting(stats, found, steady_verdict)
     if firsts is not None:
-        return _first_batches(firsts, steady_verdict)
+        return _first_batches(stats, firsts, steady_verdict)
     return None
 
 
-def _first_batches(found: FirstBatches, steady_verdict: Diagnosis | None) -> Diagnosis:
+def _first_batches(stats: LoaderStats, found: FirstBatches, steady_verdict: Diagnosis | None) -> Diagnosis:
     """Every epoch's first batch takes a large share with the workers alive: said first, with no
     setting to change (the workers are persistent, or starting them is not what costs); the
-    steady verdict follows."""
+    steady verdict follows (under "auto", with where the tuner stands)."""
     advice = first_batch_words(found)
     if steady_verdict is None:
         return Diagnosis("epoch start", advice)
-    return Diagnosis("epoch start", f"{advice}. Between the first batches, {steady_verdict.advice}",
+    tuned = stats.decisions and steady_verdict.bottleneck != "still tuning"
+    settled = f"{_settled_words(stats)}: " if tuned else ""
+    return Diagnosis("epoch start", f"{advice}. Between the first batches, {settled}{steady_verdict.advice}",
                      steady_verdict.suggestions)
 
 
 def _restarting(stats: LoaderStats, found: Restarts, steady_verdict: Diagnosis | None) -> Diagnosis:
     """Starting workers each epoch takes a large share: said first, with ``persistent_workers``;
     the steady verdict follows where it suggests something (its "keep these settings" would
-    contradict the suggestion). Where a batch takes less work than a worker adds to each it
-    hands over, no worker at all is faster still: a trivially cheap dataset, 2 workers started
-    each epoch, was told to persist where num_workers=0 loaded it faster than either. (Not with
-    a ``worker_init_fn``: what it sets up, a loader without workers would not.)"""
+    contradict the suggestion). Under "auto", where the tuner stands always follows: still
+    tuning (the steady verdict waits for it), or the settings it settled on. Where a batch
+    takes less work than a worker adds to each it hands over, no worker at all is faster still:
+    a trivially cheap dataset, 2 workers started each epoch, was told to persist where
+    num_workers=0 loaded it faster than either. (Not with a ``worker_init_fn``: what it sets
+    up, a loader without workers would not.)"""
     work_s = _work_per_batch(stats)
     if (0 < work_s < hand_over_s(stats) and stats.setup.mode == "classic" and not stats.decisions
             and not stats.setup.has_worker_init_fn):
@@ -175,10 +184,24 @@ def _restarting(stats: LoaderStats, found: Restarts, steady_verdict: Diagnosis |
         return Diagnosis("worker start-up", restart_words(found, words), {"num_workers": 0})
     suggestions: dict[str, Any] = {"persistent_workers": True}
     advice = restart_words(found)
-    if steady_verdict is not None and steady_verdict.suggestions:
+    if steady_verdict is not None and steady_verdict.bottleneck == "still tuning":
+        advice += f". Between the starts, {steady_verdict.advice}"
+    elif stats.decisions:
+        advice += f". Between the starts, {_settled_words(stats)}"
+        if steady_verdict is not None and steady_verdict.suggestions:
+            suggestions.update(steady_verdict.suggestions)
+            advice += f": {steady_verdict.advice}"
+    elif steady_verdict is not None and steady_verdict.suggestions:
         suggestions.update(steady_verdict.suggestions)
         advice += f". Between the starts, {steady_verdict.advice}"
     return Diagnosis("worker start-up", advice, suggestions)
+
+
+def _settled_words(stats: LoaderStats) -> str:
+    """Where ``num_workers="auto"`` stopped (its latest decision is settled)."""
+    settled = stats.decisions[-1]
+    return (f"num_workers='auto' settled on num_workers={settled.num_workers}, "
+            f"prefetch_factor={settled.prefetch_factor} at batch {settled.at_batch:,}")
 
 
 def steady(stats: LoaderStats) -> tuple[int, float]:
