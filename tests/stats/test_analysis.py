@@ -547,6 +547,28 @@ def test_epochs_of_few_batches_whose_first_batches_take_much_of_the_time_are_nam
     assert stats.suggested_settings() == {}  # nothing a setting changes
 
 
+def test_a_loop_that_keeps_up_between_first_batches_says_what_they_took() -> None:
+    # Workers started anew each epoch, under the share that names their start: the loop waited
+    # 3% after each epoch's first batch and 17% of the run for the first batches, and the
+    # verdict read "loading keeps up: the training loop waited only 3% of the time".
+    stats = _restarting(first_wait_s=4 * 0.2, wait=0.03)  # 0.8 s beside the steady 4 s
+    diagnosis = analysis.diagnose(stats)
+    assert diagnosis.bottleneck == "the training loop", diagnosis
+    assert ("loading keeps up: the training loop waited only 3% of the time after each epoch's first "
+            "batch (") in diagnosis.advice, diagnosis.advice
+    assert ("; it waited 0.80 s more for the epochs' first batches and at their ends, 17% of the "
+            "4.80 s run") in diagnosis.advice, diagnosis.advice
+    assert diagnosis.advice.count("the training loop") == 1
+    nearly = analysis.diagnose(_restarting(first_wait_s=4 * 0.2, end_wait_s=0.2, wait=0.1))
+    assert "loading nearly keeps up: the training loop waited 10% of the time after each epoch's first batch" \
+        in nearly.advice, nearly.advice
+    assert "; it waited 1.00 s more for the epochs' first batches and at their ends, 20% of the 5.00 s run" \
+        in nearly.advice, nearly.advice
+    # Under KEEPS_UP of the run, as a steady wait would be, they need no words.
+    quick = analysis.diagnose(_restarting(first_wait_s=4 * 0.05, wait=0.03))
+    assert "it waited" not in quick.advice and "after each epoch's first batch" in quick.advice, quick.advice
+
+
 @pytest.mark.parametrize("opening_wait_s, first_wait_s, workers", [
     (4.0, 4.0 + 3 * 0.05, None), (0.0, 4 * 0.2, None), (0.0, 4 * 1.0, ())],
     ids=["the first epoch's start alone", "a small share", "no workers"])

@@ -15,7 +15,9 @@ named, with their figures; the steady verdict's suggestions, if any, follow, and
 1. The training loop waited less than ``LIMITS`` of the time: the training loop limits, and
    loading keeps up (under ``KEEPS_UP``: if the workers idle most of the time, busy under
    ``FEWER_IF_BUSY``, fewer would do, with less memory) or nearly (the workers' occupancy is
-   said, so a loop fed by saturated workers knows where the rest lies).
+   said, so a loop fed by saturated workers knows where the rest lies). The share is of the
+   steady time; the epochs' first batches and ends, where they take ``KEEPS_UP`` of the run or
+   more and no rule above named them, are said beside it.
 2. Pinning takes ``STANDS_OUT`` times the busiest loading stage: name it (try ``pin_memory=False``).
 3. No workers: the main process loads every batch itself; workers would take that off it.
 4. The busiest kind of worker is occupied at least ``SATURATED`` of the time (in its stages, or
@@ -128,7 +130,8 @@ def diagnose(stats: LoaderStats) -> Diagnosis:
     workers = [w for w in stats.workers if w.kind != "main"]
     if stats.setup.dataset != "map" and any(w.tasks for w in workers):
         workers = [w for w in workers if w.tasks or w.kind != ""]  # shardless: said apart
-    steady_verdict = _with_idle_shards(stats, _verdict(stats, workers))
+    said_apart = found is not None or firsts is not None
+    steady_verdict = _with_idle_shards(stats, _verdict(stats, workers, said_apart))
     return _opening(stats, found, firsts, steady_verdict) or steady_verdict
 
 
@@ -231,10 +234,11 @@ def evidence_shortfall(stats: LoaderStats, factor: float = 1.0) -> str | None:
             f"{'batch' if more == 1 else 'batches'}{time_short}")
 
 
-def _verdict(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
+def _verdict(stats: LoaderStats, workers: list[WorkerStats], starts_said: bool = False) -> Diagnosis:
+    """The steady verdict (rules 1 to 5); ``starts_said``: the epochs' starts are named apart."""
     wait = stats.wait_fraction
     if wait < LIMITS:
-        return _keeps_up(stats, workers)
+        return _keeps_up(stats, workers, starts_said)
     stage, stands_out = _busiest_stage(stats)
     if stats.pin_s > STANDS_OUT * stats.stages[stage].seconds:
         return Diagnosis("pinning", "pinning limits (pin_memory=True): it takes longer than "
@@ -347,18 +351,21 @@ def _work_per_batch(stats: LoaderStats) -> float:
     return (stages["fetch"].seconds + stages["collate"].seconds) / built if built else 0.0
 
 
-def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
+def _keeps_up(stats: LoaderStats, workers: list[WorkerStats], starts_said: bool = False) -> Diagnosis:
     """The loop waited under ``LIMITS``: the training loop takes most of the time, loading keeps
     up (under ``KEEPS_UP``) or nearly. One verdict for both: the README's stats example waits 5%
-    to 15% from run to run, and a name that changed at 5% changed between identical runs."""
+    to 15% from run to run, and a name that changed at 5% changed between identical runs. The
+    share is the steady one, after each epoch's first batch; the waits it leaves out are said
+    too unless ``starts_said`` (see :func:`_first_and_end_words`)."""
     wait = stats.wait_fraction
+    starts = "" if starts_said else _first_and_end_words(stats)
     if wait >= KEEPS_UP:
-        return Diagnosis("the training loop", _nearly_keeping_up(stats, workers))
-    words = f"loading keeps up: the training loop waited only {wait:.0%} of the time"
+        return Diagnosis("the training loop", _nearly_keeping_up(stats, workers, starts))
+    words = f"loading keeps up: the training loop waited only {wait:.0%} of the time after each epoch's first batch"
     if not workers:
-        return Diagnosis("the training loop", words)
+        return Diagnosis("the training loop", words + starts)
     busy = sum(occupancy(w) for w in workers) / len(workers)
-    words += f" (workers idle {1 - busy:.0%} of the time: {OCCUPIED_WORDS[1]})"
+    words += f" (workers idle {1 - busy:.0%} of the time: {OCCUPIED_WORDS[1]}){starts}"
     count = _current_workers(stats)
     if count > 1 and busy <= FEWER_IF_BUSY:
         needed = _ladder(math.ceil(count * busy / HEADROOM))
@@ -368,15 +375,31 @@ def _keeps_up(stats: LoaderStats, workers: list[WorkerStats]) -> Diagnosis:
     return Diagnosis("the training loop", words)
 
 
-def _nearly_keeping_up(stats: LoaderStats, workers: list[WorkerStats]) -> str:
-    words = f"loading nearly keeps up: the training loop waited {stats.wait_fraction:.0%} of the time"
+def _nearly_keeping_up(stats: LoaderStats, workers: list[WorkerStats], starts: str = "") -> str:
+    words = (f"loading nearly keeps up: the training loop waited {stats.wait_fraction:.0%} of the time "
+             "after each epoch's first batch")
     if workers:
         busy = _busiest_kind(workers)
         words += f" and the workers were occupied {busy:.0%} of theirs ({OCCUPIED_WORDS[0]})"
         if busy >= SATURATED and _running_share(workers) >= COMPUTING:
             words += (f" (the {stats.setup.cpus} usable CPUs all in use: a cheaper dataset or more "
                       "CPUs would close the rest)")
-    return f"{words}; nothing else stands out, keep these settings"
+    return f"{words}{starts}; nothing else stands out, keep these settings"
+
+
+def _first_and_end_words(stats: LoaderStats) -> str:
+    """The loop's waits for its epochs' first batches and at their ends, where they take
+    ``KEEPS_UP`` of the run or more (less would itself read as keeping up): the steady share
+    leaves them out, and below the share that names them (``startup.RESTART_SHARE``) the
+    verdict said "waited only 3% of the time" of a loop that waited 13% of its run for them (2
+    workers started anew each epoch), below the summary's line that gave their seconds."""
+    waited = stats.first_wait_s + stats.end_wait_s
+    share = waited / stats.elapsed_s if stats.elapsed_s > 0 else 0.0
+    if share < KEEPS_UP:
+        return ""
+    which = ("the first batch and at the end" if stats.epochs <= 1 else
+             "the epochs' first batches and at their ends")
+    return f"; it waited {waited:.2f} s more for {which}, {share:.0%} of the {stats.elapsed_s:.2f} s run"
 
 
 def _saturated(stats: LoaderStats, stage: str, stands_out: bool) -> Diagnosis:
