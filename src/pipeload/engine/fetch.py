@@ -175,7 +175,7 @@ class MapFetcher:
         finally:
             fetched = now()
             clock.fetch_s += fetched - started
-        clock.count_samples(_how_many(samples, _meant(index, spec.auto_collation)))
+        clock.count_samples(_how_many(samples, meant_samples(index, spec.auto_collation)))
         try:
             return spec.collate_fn(samples if spec.auto_collation else samples[0])
         finally:
