@@ -880,3 +880,43 @@ def test_a_ray_queue_made_by_hand_is_checked_as_the_boundary_is(pipe, maxsize, n
     queue = DataLoaderQueue(kind="ray", maxsize=maxsize, num_actors=2)
     with pytest.raises(ValueError, match=named):
         RayQueue.start_producer(pipe, queue, "by-hand", {})
+
+
+class MadeFor:
+    """A slow stage (``pause`` s an item) that writes each item it makes to a file, with the run
+    it made it for: ``run`` and ``pause`` are set here before a run sends the pipe (its actors
+    get a copy)."""
+
+    def __init__(self, path: str, pause: float) -> None:
+        self.path, self.pause, self.run = path, pause, 1
+
+    def __call__(self, x: int) -> int:
+        time.sleep(self.pause)
+        with open(self.path, "a") as file:
+            file.write(f"{self.run}:{x}\n")
+        return x
+
+
+def test_the_run_after_a_break_does_not_wait_for_the_chunks_the_dropped_run_asked_ahead_for(clean, no_gc, tmp_path):
+    # An actor answers its calls in order, and ray.cancel leaves a sync actor's queued calls to
+    # run: the next epoch's first chunk waited behind every chunk the dropped run had asked for
+    # (1.7 s late for a 0.3 s stage in chunks of 2; in chunks of 4 the actor was killed instead).
+    log = tmp_path / "made"
+    stage = MadeFor(str(log), pause=0.1)
+    pipe = IterableWrapper(range(40)).map(stage).queue_boundary("ray", 12, num_actors=1, chunk_size=4)
+    for _ in pipe:
+        break  # item 0 in hand; the actor is making items 4-7, and 8-11 are asked for behind them
+    actor = {process.pid for process in actor_processes()}
+    stage.run, stage.pause = 2, 0.0  # what the next run's first item waits for is the first run's
+    second = iter(pipe)
+    assert next(second) == 0
+    made = log.read_text().split()  # the next run's later chunks may be in already
+    dropped = [int(entry[2:]) for entry in made if entry.startswith("1:")]
+    assert dropped[:4] == [0, 1, 2, 3] and max(dropped) < 8, made  # the chunk queued made nothing
+    assert made[len(dropped):len(dropped) + 4] == ["2:0", "2:1", "2:2", "2:3"]
+    assert {process.pid for process in actor_processes()} == actor  # pooled, not killed and made anew
+    from pipeload.datapipes.boundary.ray_dropped import flags_left
+
+    assert wait_for(lambda: not flags_left()), flags_left()  # taken down: no call of the run looks again
+    del second
+    pipe.release_actors()

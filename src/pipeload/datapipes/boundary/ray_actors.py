@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pipeload.datapipes.boundary.ray_dropped import lower_flag, lower_when_answered, raise_flag
 from pipeload.datapipes.boundary.ray_shard import ShardRunner
 
 _actor_classes: dict[int, Any] = {}  # one actor class per ray module (tests may reload it)
@@ -162,13 +163,17 @@ class RunActors:
     ``settle`` (set by the run, holding its lanes, not the run) names the actors still in a
     call after a grace (ray_upstream.py), whether the run was closed or dropped (a ``break``:
     only ``close()`` asked, and a hung actor went to the pool, stop 54's Ray skeptic); after a
-    ``close()`` (``patient``) it waits longer for a slow actor's chunk."""
+    ``close()`` (``patient``) it waits longer for a slow actor's chunk. Before that, each
+    actor still in a call of the run is told the run was dropped (``drop_flags``, set by the
+    run: each actor's flag, None where it has no call pending; see ``ray_dropped.py``), so the
+    calls queued behind the one it is in answer at once and that one ends at its next item."""
 
     def __init__(self, ray: Any, handles: list[Any], pool: ActorPool | None) -> None:
         self.ray = ray
         self.handles = handles
         self.reusable = True
         self.settle: Callable[[bool], set[int]] | None = None
+        self.drop_flags: Callable[[], list[str | None]] | None = None
         self.patient = False  # close() asked: settle waits for a slow actor's chunk
         self._pool = weakref.ref(pool) if pool is not None else None
 
@@ -185,18 +190,32 @@ class RunActors:
         if not self.reusable or pool is None or not self.ray.is_initialized() or on_a_foreign_thread():
             kill(self.ray, self.handles)
             return
+        flags = self.drop_flags() if self.drop_flags is not None else [None] * len(self.handles)
+        for flag in flags:
+            raise_flag(flag)
         # One still in a call (a stage that hangs, or a slow one) would make the next run's start
         # wait behind it, up to start_timeout_s, and then blame the cluster's resources.
         in_call = self.settle(self.patient) if self.settle is not None else set()
         busy = [handle for index, handle in enumerate(self.handles) if index in in_call]
         idle = [handle for index, handle in enumerate(self.handles) if index not in in_call]
         kill(self.ray, busy)
-        for handle in idle:
-            try:
-                handle.stop.remote()  # its run's iterator closes before the next run begins
-            except Exception:
-                self.reusable = False
+        for index, (handle, flag) in enumerate(zip(self.handles, flags)):
+            if index in in_call:
+                lower_flag(flag)  # killed: none of its run's calls is left to look for it
+            else:
+                self._stop(handle, flag)
         if self.reusable:
             pool.give(self.ray, idle)
         else:
             kill(self.ray, idle)
+
+    def _stop(self, handle: Any, flag: str | None) -> None:
+        """End the actor's run: its iterator closes before the next run begins. The actor takes
+        this call after the run's others, so once it is answered no call looks for the flag."""
+        try:
+            stopped = handle.stop.remote()
+        except Exception:
+            self.reusable = False  # the actor is killed
+            lower_flag(flag)
+            return
+        lower_when_answered(stopped, flag)

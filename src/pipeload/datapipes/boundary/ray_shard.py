@@ -14,7 +14,9 @@ A failure upstream ends the shard's items and travels as a
 
 Each request and run carries a generation number: after a restart the reading side bumps it,
 so a reply to a request made for the dead run (Ray may retry it on the new actor) is told
-apart and dropped.
+apart and dropped. A run the reading side dropped (a loop's ``break``) raises its flag
+(``ray_dropped.py``): its calls still queued then answer at once, without making an item, and
+the one being made stops at its next item, so the next run's start does not wait behind them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pipeload.datapipes.boundary.feed import RaisedUpstream
+from pipeload.datapipes.boundary.ray_dropped import CHECK_EVERY_S, seen_raised
 from pipeload.datapipes.boundary.ray_payload import pack
 from pipeload.datapipes.graph import is_random_datapipe, is_sharding_datapipe, list_dps
 from pipeload.datapipes.protocol import as_nonblocking
@@ -39,7 +42,7 @@ class Chunk(NamedTuple):
 
     Attributes:
         generation: the run it belongs to (-1: the actor holds no run of that generation, as
-            after Ray restarted it).
+            after Ray restarted it, or once the reading side dropped it).
         start: the shard position of its first item (positions count from the run's start).
         items: the items, in order.
         packed: indices of the items whose tensors were packed (see ``ray_payload``).
@@ -124,24 +127,34 @@ class ShardRunner:
         return {"pid": os.getpid(), "host": socket.gethostname(), "node": node}
 
     def start(self, generation: int, graph: Any, seed: int, shard: tuple[str, int, int], state: Any,
-              state_at: int, skip_to: int, snapshot_every: int) -> dict[str, Any]:
+              state_at: int, skip_to: int, snapshot_every: int, dropped_flag: str | None = None) -> dict[str, Any]:
         """Begin run ``generation``: shard ``(boundary name, actor index, num_actors)`` of
         ``graph``, from ``state`` (taken at shard position ``state_at``; None: the shard's
-        start), the items before ``skip_to`` made and dropped. A failure here is the run's first
+        start), the items before ``skip_to`` made and dropped. ``dropped_flag``: where the
+        reading side raises the run's flag when it drops it. A failure here is the run's first
         reply, not this call's."""
         self.stop()
         boundary, index, num_actors = shard
         where = f"in Ray actor {index} of {num_actors} of queue boundary {boundary!r}"
         self._generation = generation
-        self._run = _ShardRun(where, index, snapshot_every)
+        if seen_raised(dropped_flag):
+            return self.describe()  # dropped before it began: its calls find no run
+        self._run = _ShardRun(where, index, snapshot_every, dropped_flag)
         self._run.begin(graph, num_actors, seed, state, state_at, skip_to)
         return self.describe()
 
     def next_chunk(self, generation: int, count: int) -> Chunk:
         """Up to ``count`` more items of run ``generation``."""
-        if generation != self._generation or self._run is None:
+        run = self._run
+        if generation != self._generation or run is None:
             return Chunk(-1, 0, [])
-        return self._run.next_chunk(generation, count)
+        chunk = run.next_chunk(generation, count)
+        if run.dropped:
+            # No one reads this run any more: its iterator closes now (not at ``stop``, which
+            # waits behind the run's other calls), and those calls find no run.
+            self.stop()
+            return Chunk(-1, 0, [])
+        return chunk
 
     def stop(self) -> None:
         """End the run (its iterator's close: threads or processes it started)."""
@@ -153,8 +166,10 @@ class ShardRunner:
 class _ShardRun:
     """One run's iterator and position inside the actor."""
 
-    def __init__(self, where: str, index: int, snapshot_every: int) -> None:
+    def __init__(self, where: str, index: int, snapshot_every: int, dropped_flag: str | None = None) -> None:
         self._where = where
+        self._dropped_flag = dropped_flag
+        self.dropped = False  # the reading side dropped the run (its flag was seen raised)
         self._index = index
         self._snapshot_every = snapshot_every
         self._iterator: Any = None
@@ -203,10 +218,33 @@ class _ShardRun:
         if self._failure is not None or self._ended:
             return Chunk(generation, self._position, [], ended=self._ended, failure=self._failure)
         started = time.perf_counter()
+        if self._seen_dropped():
+            return Chunk(generation, self._position, [])
         start = self._position
         snapshot = self._snapshot()
+        items = self._make(count, started)
+        if self.dropped:
+            return Chunk(generation, start, [])  # no one reads it: neither packed nor counted
+        self._position += len(items)
+        if self._ended or self._failure is not None:
+            self.close()
+        packed = []
+        for number, item in enumerate(items):
+            items[number], changed = pack(item)
+            if changed:
+                packed.append(number)
+        return Chunk(generation, start, items, tuple(packed), snapshot, self._ended, self._failure,
+                     time.perf_counter() - started, time.time())
+
+    def _make(self, count: int, started: float) -> list[Any]:
+        """Up to ``count`` items; fewer when the shard ends or fails, or the run is dropped."""
         items: list[Any] = []
+        looked = started
         while len(items) < count:
+            if time.perf_counter() - looked >= CHECK_EVERY_S:
+                if self._seen_dropped():
+                    break
+                looked = time.perf_counter()
             try:
                 items.append(next(self._iterator))
             except StopIteration:
@@ -221,16 +259,13 @@ class _ShardRun:
                 # boundary (a source past the archive it could not read). It takes a position.
                 items.append(RaisedUpstream(RemoteFailure.of(error, self._index, "iterating the upstream pipe",
                                                              self._where)))
-        self._position += len(items)
-        if self._ended or self._failure is not None:
-            self.close()
-        packed = []
-        for number, item in enumerate(items):
-            items[number], changed = pack(item)
-            if changed:
-                packed.append(number)
-        return Chunk(generation, start, items, tuple(packed), snapshot, self._ended, self._failure,
-                     time.perf_counter() - started, time.time())
+        return items
+
+    def _seen_dropped(self) -> bool:
+        """Whether the reading side dropped this run (its flag is raised), once seen for good.
+        Never, on a node other than the reading side's: the flag is a file on its machine."""
+        self.dropped = self.dropped or seen_raised(self._dropped_flag)
+        return self.dropped
 
     def _snapshot(self) -> tuple[Any, ...] | None:
         """The upstream's state before this chunk, when one is due."""

@@ -37,6 +37,7 @@ from pipeload.datapipes.boundary.ray_actors import (
     let_other_pools_go,
 )
 from pipeload.datapipes.boundary.ray_cluster import check_actors_fit, connect, fit_now
+from pipeload.datapipes.boundary.ray_dropped import flag_for
 from pipeload.datapipes.boundary.ray_lane import Lane, ShardEnded
 from pipeload.datapipes.boundary.seeds import Replica, run_seed, take_seeds
 from pipeload.datapipes.protocol import NotAvailable, Notifier
@@ -113,6 +114,7 @@ class RayUpstream:
         self._lanes = [Lane(weakref.proxy(self), index, handle, share, chunk, from_pool=index < pooled)
                        for index, handle in enumerate(handles)]
         self._actors.settle = functools.partial(_wait_for_calls, self._lanes)
+        self._actors.drop_flags = functools.partial(_flags_of_the_runs, self._lanes)
         self._active = list(range(options.num_actors))
         self._turn = 0
         self._started = self._closed = False
@@ -188,7 +190,7 @@ class RayUpstream:
         """Ask ``lane``'s actor to begin run ``generation``; the future of where it runs."""
         shard = (self.name, lane.index, len(self._lanes))
         return lane.handle.start.remote(generation, self._graph_ref, self._seed, shard, state, state_at,
-                                        skip_to, self._options.snapshot_every).future()
+                                        skip_to, self._options.snapshot_every, flag_for(generation)).future()
 
     def _made_actor(self) -> Any:
         return actor_class(self._ray).options(**dict(self._options.actor_options)).remote()
@@ -322,13 +324,21 @@ def _wait_for_calls(lanes: list[Lane], patient: bool = True) -> set[int]:
     actor, given 1 s for all of them, was killed on every close, and each next run waited for a
     new one). A run dropped (a loop's ``break``: its finalizer, on whatever thread lets go of
     it) waits ``CLOSE_GRACE_S`` at most: a loop's break blocked 1.5 chunks, 3 s and more
-    (stop 54's review), and a slower actor is killed and made anew for the next run."""
+    (stop 54's review), and a slower actor is killed and made anew for the next run. An actor
+    on this machine, told first by the run's flag (``ray_dropped.py``), ends its call at the
+    item it is making."""
     running = {lane.index: lane.call_running() for lane in lanes}
     waiting = [future for future in running.values() if future is not None]
     if waiting:
         longest = max(lane.longest_chunk_s for lane in lanes) if patient else 0.0
         concurrent.futures.wait(waiting, timeout=max(CLOSE_GRACE_S, CLOSE_GRACE_CHUNKS * longest))
     return {index for index, future in running.items() if future is not None and not future.done()}
+
+
+def _flags_of_the_runs(lanes: list[Lane]) -> list[str | None]:
+    """Where each actor's run (its latest generation) has its dropped-run flag, in actor order;
+    None for an actor that has answered every call of the run (nothing to tell it)."""
+    return [flag_for(lane.generation) if lane.call_running() is not None else None for lane in lanes]
 
 
 def _copies_on_this_cluster() -> int:
