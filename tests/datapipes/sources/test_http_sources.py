@@ -17,7 +17,7 @@ from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import FileLister, IterableWrapper
 from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SkippedSampleWarning, SourceError, _storage
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60), pytest.mark.imports_large_libraries]  # fsspec and aiohttp: run last (conftest)
 
 FAST_RETRY = RetryPolicy(attempts=3, backoff_s=0.01)
 SHUTDOWN_WITHIN_S = 1.0

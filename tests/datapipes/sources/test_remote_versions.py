@@ -17,7 +17,7 @@ from sources_for_tests import ChangingServer, ServerBehaviour, tar_bytes
 from pipeload.datapipes.iter import IterableWrapper
 from pipeload.datapipes.sources import FailureCounts, RetryPolicy, SourceChangedError, SourceError
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60), pytest.mark.imports_large_libraries]  # fsspec and aiohttp: run last (conftest)
 
 FAST_RETRY = RetryPolicy(attempts=3, backoff_s=0.01)
 MEMBER_BYTES = 256 * 1024  # large enough that reads before the cut hand out whole members

@@ -16,7 +16,7 @@ import pipeload
 from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.sources import expand_urls
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(60), pytest.mark.imports_large_libraries]  # fsspec and aiohttp: run last (conftest)
 
 
 @pytest.fixture(scope="module", autouse=True)

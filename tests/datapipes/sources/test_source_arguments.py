@@ -17,7 +17,7 @@ from pipeload.datapipes import webdataset_pipeline
 from pipeload.datapipes.iter import IterableWrapper
 from pipeload.datapipes.sources import FileLister, RetryPolicy, SourceError, TarArchiveLoader, open_stream
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.imports_large_libraries]  # fsspec and aiohttp: run last (conftest)
 
 SHARDS, SAMPLES = 2, 3
 

@@ -21,7 +21,7 @@ import pipeload
 from pipeload._state_digest import DIGEST_FIELD, sealed
 from pipeload.datapipes import webdataset_pipeline
 
-pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.usefixtures("leak_guard"), pytest.mark.timeout(120), pytest.mark.imports_large_libraries]  # fsspec and aiohttp: run last (conftest)
 
 SHARDS, SAMPLES, BATCH = 12, 10, 2
 TAKEN = 32  # batches before the checkpoint: where every replica's latest snapshot was taken
