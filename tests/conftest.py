@@ -373,8 +373,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     A fork copies the forking process's page tables: this one forks workers thousands of times,
     and Ray, Lightning, accelerate and moto imported into it took a fork from ~14 ms to ~47 ms
-    (the whole suite collected: ``os.fork()`` and ``waitpid`` timed in a test). Their tests
-    import them when they run, so every test before them forks the leaner process.
+    (the whole suite collected: ``os.fork()`` and ``waitpid`` timed in a test); fsspec with
+    aiohttp (the remote sources' tests) adds ~4 ms more. Their tests import them when they run,
+    so every test before them forks the leaner process.
     """
     items.sort(key=lambda item: item.get_closest_marker("imports_large_libraries") is not None)
 
