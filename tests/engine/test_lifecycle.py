@@ -292,3 +292,52 @@ def test_a_worker_finishes_what_the_users_code_started_before_it_exits_as_torchs
         worker.join(10)
     assert all(worker.exitcode == 0 for worker in workers)
     assert sorted(os.listdir(tmp_path)) == ["finalizer-0", "finalizer-1", "thread-0", "thread-1"]
+
+
+class _LingersAtExit:
+    """A worker_init_fn whose worker leaves only once released: a non-daemon thread of the
+    user's, which the worker finishes before it exits, as torch's do, reads a byte the test
+    writes (a pipe: a multiprocessing Event's set() hangs once a waiter was terminated)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+
+    def __call__(self, worker_id: int) -> None:
+        threading.Thread(target=os.read, args=(self._read, 1)).start()
+
+    def release(self) -> None:
+        os.write(self._write, b"x")
+        os.close(self._write)
+        os.close(self._read)
+
+
+def test_a_process_forked_while_workers_are_reaped_does_not_wait_for_them(no_gc) -> None:
+    # A child forked while the parent reaped a finished epoch's workers inherited the count of
+    # workers being reaped, but not the threads reaping them: a loader dropped in a reference
+    # cycle, collected in the next epoch's new worker, waited there ~6.8 s for reaping that
+    # would never end before it let go of its slabs. Seen as a worker silent for 7 s at start.
+    linger = _LingersAtExit()
+    loader = pipeload.DataLoader(list(range(8)), batch_size=2, num_workers=1, worker_init_fn=linger,
+                                 multiprocessing_context="fork")
+    assert len(list(loader)) == 4  # the epoch's worker is now reaped beside us, and lingers
+    assert not lifecycle.wait_for_reaped(0)
+    dropped = pipeload.DataLoader(list(range(8)), batch_size=2)
+    dropped.itself = dropped  # collected by the collector alone
+    del dropped
+    # What a collection inside Python's own after-fork hooks finds, before ours gave the child a
+    # count of its own (the worker's stack, stop 55: threading._after_fork, then the finalizer).
+    inherited = lifecycle._REAPING
+    pid = os.fork()
+    if pid == 0:  # the child: collect the dropped loader (its finalizer runs here), then say
+        started = time.monotonic()
+        import gc
+
+        gc.collect()
+        quick = time.monotonic() - started < 1.0 and lifecycle.wait_for_reaped(0) and inherited.wait(0)
+        os._exit(0 if quick else 1)
+    try:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child waited for the parent's reaping"
+    finally:
+        linger.release()
+        assert lifecycle.wait_for_reaped(10)

@@ -500,6 +500,7 @@ class _Reaping:
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._running = 0
+        self._pid = os.getpid()
 
     def started(self) -> None:
         with self._changed:
@@ -511,11 +512,28 @@ class _Reaping:
             self._changed.notify_all()
 
     def wait(self, timeout: float | None) -> bool:
+        if os.getpid() != self._pid:
+            # A forked child, before ``_reaping_none_in_a_child`` gave it its own (Python's
+            # after-fork hooks run first, and a collection inside them runs finalizers that wait
+            # here): the parent's reaping threads did not come along, and its lock may be held.
+            return True
         with self._changed:
             return self._changed.wait_for(lambda: self._running == 0, timeout)
 
 
 _REAPING = _Reaping()
+
+
+def _reaping_none_in_a_child() -> None:
+    """A forked child reaps none of its parent's workers: the count it inherited (and the lock,
+    perhaps held) belong to reaping threads that did not come along. Kept, a loader dropped in
+    a reference cycle and collected in a new worker waited there ``REAPED_WITHIN_S`` (~6.8 s)
+    for them before letting go of its slabs: the worker said nothing for 7 s at its start."""
+    global _REAPING
+    _REAPING = _Reaping()
+
+
+os.register_at_fork(after_in_child=_reaping_none_in_a_child)
 
 
 def wait_for_reaped(timeout: float | None = None) -> bool:
