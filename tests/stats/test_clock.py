@@ -3,6 +3,7 @@ it: which tasks are timed, and that tasks and samples are counted exactly all th
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -199,6 +200,45 @@ def _stream_run(samples: int, batch_size: int | None, drop_last: bool,
 
 def _as_list(sample: int) -> list[int]:
     return [sample]
+
+
+class _SlowToEnd:
+    """``samples`` ints, then ``end_s`` of work before the stream says it has ended (a worker
+    with no shard starting its run over a graph and finding nothing, a reader closing its last
+    file)."""
+
+    def __init__(self, samples: int, end_s: float) -> None:
+        self.samples, self.end_s = samples, end_s
+
+    def __iter__(self) -> Any:
+        yield from range(self.samples)
+        until = time.perf_counter() + self.end_s
+        while time.perf_counter() < until:  # work in the dataset, not a wait in the test
+            pass
+
+
+@pytest.mark.parametrize("clears_timing", [True, False], ids=["worker", "inline"])
+def test_the_task_that_finds_an_iterable_replica_dry_adds_no_seconds(clears_timing: bool) -> None:
+    # It is no task, but its seconds stayed in the sums, scaled as a timed batch's are (20 ms of
+    # ending a stream after 41 batches of 1 ms read 0.56 s of fetching), and a worker beyond the
+    # shards, whose only task found nothing, read as busy for it.
+    dry_timed = set()
+    for batches in range(TIME_ALL_FIRST + 2 * SAMPLE_EVERY):  # from a replica with nothing
+        spec = FetchSpec(_SlowToEnd(2 * batches, 0.0005), DatasetKind.ITERABLE, True, list, False)
+        clock = StageClock(SAMPLE_EVERY)
+        fetcher = IterableFetcher(spec, clock)
+        for _ in range(batches):
+            batch = fetcher.fetch([None, None])
+            if clears_timing:
+                clock.finished(batch) if clock.timing else clock.done(batch)
+        before = WorkerTotals._make(clock.snapshot())
+        dry_timed.add(clock.left <= 1)  # the countdown reaches the task that finds it dry
+        with pytest.raises(DatasetExhausted):
+            fetcher.fetch([None, None])
+        after = WorkerTotals._make(clock.snapshot())
+        stages = ("tasks", "samples", "fetch_s", "collate_s", "send_s")
+        assert [getattr(after, name) for name in stages] == [getattr(before, name) for name in stages], batches
+    assert dry_timed == {True, False}
 
 
 @pytest.mark.parametrize("clears_timing", [True, False], ids=["worker", "inline"])

@@ -4,7 +4,10 @@ batch, and is no task (before, each replica's last task was counted, whatever th
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +28,7 @@ ENGINES = {
 # a short last batch (kept, or dropped: then the task that took it finds the replica dry), and a
 # long stream, whose last task comes past the first TIME_ALL_FIRST tasks (all timed).
 PER_REPLICA = {"full": 16, "short": 14, "long": 403}
+POOLED = ["process", "thread", "process-persistent", "thread-persistent"]
 
 
 class Stream(pipeload.IterableDataset):
@@ -104,6 +108,49 @@ def test_unbatched_samples_of_an_iterable_dataset_are_one_task_each(engine: dict
 
 def _as_list(sample: int) -> list[int]:
     return [sample]
+
+
+def _write_shards(directory: Path, shards: int, samples: int) -> list[str]:
+    """``shards`` tar files of ``samples`` samples each, a sample one ``.cls`` member."""
+    paths = []
+    for shard in range(shards):
+        path = directory / f"shard-{shard}.tar"
+        with tarfile.open(path, "w") as tar:
+            for index in range(samples):
+                data = str(index).encode()
+                member = tarfile.TarInfo(f"s{shard}_{index:03d}.cls")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+        paths.append(str(path))
+    return paths
+
+
+def _label(sample: dict[str, Any]) -> Any:
+    return sample["cls"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")  # 2 CPUs here
+@pytest.mark.parametrize("engine", [ENGINES[name] for name in POOLED], ids=POOLED)
+def test_workers_beyond_the_shards_have_no_busy_time(tmp_path: Path, engine: dict, leak_guard) -> None:
+    # The README's tar shards, fewer than workers: those with no shard build no batch. Their one
+    # task each epoch only started their run over the graph and found it empty, and they
+    # answered that they had nothing: 4 shards among 8 process workers read "worker 5 77%
+    # (built no batch)", over an epoch in which it never had a sample.
+    from pipeload.datapipes import webdataset_pipeline
+
+    pipe = webdataset_pipeline(_write_shards(tmp_path, 2, 10)).map(_label)
+    loader = pipeload.DataLoader(pipe, batch_size=64, **{**engine, "num_workers": 4})
+    for _ in range(EPOCHS):
+        assert sorted(len(batch) for batch in loader) == [10, 10]
+    stats = loader.stats()
+    idle = [w for w in stats.workers if w.tasks == 0]
+    assert len(idle) == 2 and all(w.alive_s > 0 for w in idle), stats.workers
+    assert [(w.fetch_s, w.collate_s, w.transfer_s) for w in idle] == [(0.0, 0.0, 0.0)] * 2, stats.workers
+    line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+    for worker in idle:
+        assert f"worker {worker.worker_id} 0% (built no batch)" in line, line
+    assert all(w.busy_s > 0 for w in stats.workers if w.tasks), stats.workers
 
 
 

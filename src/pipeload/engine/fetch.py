@@ -434,7 +434,10 @@ def _traced(clock: StageClock, take: Callable[[], list[Any]], collate_fn: Callab
         else:
             samples = take()
     except DatasetExhausted:
-        raise  # an iterable's end: no batch was meant
+        # An iterable's end: no batch was meant, and the task is no task (its clock has taken it
+        # back, StageClock.uncount), so its seconds are no stage's either.
+        timing = False
+        raise
     except BaseException:
         if meant and timing:
             clock.count_samples(meant)

@@ -307,7 +307,10 @@ class WorkerLoop:
             totals = clock.finished(payload if report is Report.BATCH else None)
         self._outbox.send(WorkerReport(report, self._id, number, payload, totals, build_s, setup_s,
                                        finished_at))
-        clock.sent(started)
+        # A dry replica's answer hands nothing over: counted, a worker beyond the shards read as
+        # busy handing over, every epoch, the news that it had nothing.
+        if report is not Report.EXHAUSTED:
+            clock.sent(started)
 
     def _report_plain(self, report: Report, number: int, payload: Any = None, build_s: float = 0.0,
                       setup_s: float = 0.0, finished_at: float = 0.0) -> None:
