@@ -360,17 +360,47 @@ def test_workers_that_outnumber_shards_are_named() -> None:
     assert "shards" not in _verdict(map_style)
 
 
+def _started_only(worker_id: int, running: float, queued: float) -> WorkerStats:
+    """A classic worker that finished no task, ``running`` of its life on a CPU and ``queued``
+    ready for one: it started (sharded its copy, started its iterator) and answered epochs'
+    starts and the end of its replica, which take no stage's seconds."""
+    return dataclasses.replace(_worker("", worker_id, cpu_s=running, queued_s=queued, tasks=0), transfer_s=0.0)
+
+
 def test_workers_that_built_no_batch_are_marked_before_there_is_enough_to_judge() -> None:
     # The README's 4 shards read by 8 workers: one epoch is 4 batches, never enough for a verdict,
     # and the worker line gave the 4 idle workers a busy share like the others and no other word.
     working = tuple(_worker("", i, fetch_s=0.9, tasks=1) for i in range(4))
-    idle = tuple(_worker("", i, fetch_s=0.1, tasks=0) for i in range(4, 12))
+    idle = tuple(_started_only(i, 0.05, 0.3) for i in range(4, 12))
     stats = _stats("classic", working + idle, 0.9, dataset="pipe", batches=4)
     line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
-    assert "worker 3 91%, worker 4 11% (built no batch)," in line, line
+    assert "worker 3 91%, worker 4 0% (built no batch)," in line, line
     assert line.count("(built no batch)") == 4 and "and 4 more (4 of them built no batch)" in line, line
     assert _verdict(stats).startswith("verdict: too little to judge yet")
     assert "built no batch" not in _stats("classic", working, 0.9, dataset="pipe").summary()
+
+
+def test_the_busy_time_split_leaves_out_workers_that_built_no_batch() -> None:
+    # 4 shards among 8 process workers on 2 CPUs: the 4 with no shard queued for a CPU while
+    # they started, and the line split the others' busy time "19% on a CPU, 81% ready but
+    # queued for one".
+    working = tuple(_worker("", i, fetch_s=0.49, cpu_s=0.1) for i in range(4))
+    idle = tuple(_started_only(i, 0.05, 0.3) for i in range(4, 8))
+    stats = _stats("classic", working + idle, 0.9, dataset="pipe", batches=4)
+    line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+    assert "of that busy time, 20% on a CPU, 0% ready but queued for one" in line, line
+
+
+def test_workers_that_never_had_a_task_read_as_idle_in_the_verdict() -> None:
+    # A map-style dataset of 3 batches an epoch among 8 workers: 5 never get a task. Their
+    # start-up ran or queued for a CPU a share of their lives, which the verdict read as the
+    # pool at work ("workers idle 70%", and num_workers=4 suggested for 3 workers' work).
+    working = tuple(_worker("", i, fetch_s=0.3, cpu_s=0.3) for i in range(3))
+    started = tuple(_started_only(i, 0.05, 0.25) for i in range(3, 8))
+    stats = _stats("classic", working + started, 0.01)
+    verdict = _verdict(stats)
+    assert "workers idle 88% of the time" in verdict, verdict  # 3 workers 31% occupied, of 8
+    assert stats.suggested_settings() == {"num_workers": 2}
 
 
 def test_the_setup_line_says_prefetch_factor_once_under_auto() -> None:

@@ -315,7 +315,7 @@ def _lighter_than_handing_over(stats: LoaderStats) -> Diagnosis | None:
 def _cpu_work_per_batch(stats: LoaderStats) -> float:
     """``_work_per_batch`` less the share of the workers' busy time they were queued for a CPU:
     what one process with a CPU of its own would spend."""
-    workers = [w for w in stats.workers if w.kind in ("", "main")]
+    workers = working([w for w in stats.workers if w.kind in ("", "main")])
     busy = sum(w.busy_s for w in workers)
     queued = min(MOST_QUEUED, sum(w.queued_s for w in workers) / busy) if busy > 0 else 0.0
     return _work_per_batch(stats) * (1.0 - queued)
@@ -513,7 +513,9 @@ def _current_workers(stats: LoaderStats) -> int:
 
 def _running_share(workers: list[WorkerStats]) -> float:
     """Of the workers' busy time, the share they were on a CPU or queued for one (crowded out
-    by other jobs is not waiting on I/O)."""
+    by other jobs is not waiting on I/O). Workers that finished no task have no busy time:
+    their CPU seconds, start-up's, are left out."""
+    workers = working(workers)
     busy = sum(w.busy_s for w in workers)
     return min(1.0, sum(w.cpu_s + w.queued_s for w in workers) / busy) if busy > 0 else 1.0
 
@@ -524,7 +526,8 @@ def _taking_turns_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]) -> 
     if stats.setup.worker_type != "thread" or len(workers) < 2 or stats.setup.cpus < GIL_MIN_CPUS:
         return False
     alive = max(w.alive_s for w in workers)
-    on_cpu, queued = sum(w.cpu_s for w in workers), sum(w.queued_s for w in workers)
+    busy = working(workers)
+    on_cpu, queued = sum(w.cpu_s for w in busy), sum(w.queued_s for w in busy)
     return alive > 0 and abs(on_cpu / alive - 1) <= GIL_BAND and queued < CROWDED * alive
 
 
@@ -600,8 +603,12 @@ def occupancy(worker: WorkerStats) -> float:
     """The share of its life a worker was not idle: in its stages (busy), or else running or
     queued to run. A worker waiting for its next task is neither; one busy with per-task work
     outside the timed stages (receiving the task, writing the batch's slab) is running: the
-    stages alone read 26% to 40% "busy" for workers on a CPU or queued 60% to 70% of their life."""
-    if worker.alive_s <= 0:
+    stages alone read 26% to 40% "busy" for workers on a CPU or queued 60% to 70% of their life.
+    A worker that finished no task was occupied by none: its time running or queued went on
+    starting up (sharding its copy, starting its iterator) and answering epochs' starts, and
+    read as the pool at work (8 process workers on 2 CPUs over 4 shards: the 4 with no shard
+    ran or queued from a third to all of their short lives)."""
+    if worker.alive_s <= 0 or not worker.tasks:
         return 0.0
     return min(1.0, max(worker.busy_s, worker.cpu_s + worker.queued_s) / worker.alive_s)
 
@@ -612,7 +619,13 @@ def _threads_may_queue_on_the_gil(stats: LoaderStats, workers: list[WorkerStats]
     if stats.setup.worker_type != "thread" or not workers:
         return False
     alive = max(w.alive_s for w in workers)
-    return alive > 0 and sum(w.cpu_s for w in workers) >= GIL_FREE * alive
+    return alive > 0 and sum(w.cpu_s for w in working(workers)) >= GIL_FREE * alive
+
+
+def working(workers: list[WorkerStats]) -> list[WorkerStats]:
+    """The workers that finished a task (built a batch or a piece, or failed one): those whose
+    seconds on a CPU are work, not only their start-up."""
+    return [w for w in workers if w.tasks]
 
 
 def mean_busy(workers: list[WorkerStats]) -> float:

@@ -3,7 +3,7 @@ verdict (its rules live in ``analysis``)."""
 
 from __future__ import annotations
 
-from pipeload.stats.analysis import diagnose, mean_busy
+from pipeload.stats.analysis import diagnose, mean_busy, working
 from pipeload.stats.report import LoaderStats, RayStageStats, WorkerStats
 
 KIB = 1024
@@ -123,7 +123,9 @@ def _ray_line(ray: RayStageStats) -> str:
 
 def _worker_line(stats: LoaderStats) -> str:
     """How busy the workers were, and what their busy time was made of: on a CPU, ready but
-    queued for one (other jobs had the CPUs), or neither (waiting inside the dataset)."""
+    queued for one (other jobs had the CPUs), or neither (waiting inside the dataset). The
+    split is of the workers that finished a task: the others have no busy time, and their
+    seconds on a CPU or queued for one, their start-up's, read as part of the work."""
     workers = [w for w in stats.workers if w.kind != "main"]
     each = ", ".join(f"{w.name} {w.busy_fraction:.0%}{_no_batch(w)}" for w in workers[:SHOWN_WORKERS])
     hidden = workers[SHOWN_WORKERS:]
@@ -133,8 +135,9 @@ def _worker_line(stats: LoaderStats) -> str:
     busy = sum(w.busy_s for w in workers)
     if busy <= 0:
         return f"{_busy_words(workers)} of the time ({each}{more})"
-    on_cpu = min(1.0, sum(w.cpu_s for w in workers) / busy)
-    queued = min(1.0 - on_cpu, sum(w.queued_s for w in workers) / busy)
+    worked = working(workers)
+    on_cpu = min(1.0, sum(w.cpu_s for w in worked) / busy)
+    queued = min(1.0 - on_cpu, sum(w.queued_s for w in worked) / busy)
     return (f"{_busy_words(workers)} of the time ({each}{more}); of that busy time, {on_cpu:.0%} on "
             f"a CPU, {queued:.0%} ready but queued for one (other work had the CPUs), "
             f"{1 - on_cpu - queued:.0%} waiting inside the work (I/O, sleeps, locks)")
