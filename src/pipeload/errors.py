@@ -146,7 +146,7 @@ class RemoteFailure:
         """
         exc_type, exc, tb = sys.exc_info()
         assert exc_type is not None and exc is not None, "capture() needs an active exception"
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        text = _traceback_text(traceback.TracebackException(exc_type, exc, tb))
         return cls(exc_type, str(exc), text, worker_id, stage, _small(indices), where,
                    worker_kind=worker_kind, notes=_notes_of(exc))
 
@@ -156,7 +156,7 @@ class RemoteFailure:
         frames), for errors caught where no handler runs (``capture`` reads the one being
         handled). A class that cannot be pickled by reference (defined where the reader cannot
         import it) goes as a ``RuntimeError`` naming it."""
-        failure = cls(type(error), str(error), "".join(traceback.format_exception(error)),
+        failure = cls(type(error), str(error), _traceback_text(traceback.TracebackException.from_exception(error)),
                       worker_id, stage, where=where, notes=_notes_of(error))
         try:
             pickle.dumps(failure.exc_type)
@@ -212,6 +212,14 @@ class RemoteFailure:
             for note in dict.fromkeys((*self.notes, f"pipeload: raised {where} {self._circumstances()}")):
                 exc.add_note(note)
         return exc
+
+
+def _traceback_text(formatted: traceback.TracebackException) -> str:
+    """The traceback as text, without the exception's own notes: they travel apart (``notes``)
+    and are the rebuilt exception's notes, which Python prints after its message (kept in the
+    text too, each note was printed twice, and once more at each further hop)."""
+    formatted.__notes__ = None
+    return "".join(formatted.format())
 
 
 def _notes_of(exc: BaseException) -> tuple[str, ...]:

@@ -477,11 +477,13 @@ def test_blocking_that_is_not_true_or_false_is_refused_by_name(kind: str, blocki
 
 
 @pytest.mark.parametrize("how", ["closed", "dropped"])
-def test_a_process_queue_that_no_far_end_joined_stops_listening_at_once(how: str) -> None:
+def test_a_process_queue_that_no_far_end_joined_stops_listening_at_once(how: str, monkeypatch) -> None:
     # Its accepting thread looked every half second whether the queue was still there, so each
-    # queue closed or dropped unjoined left a thread behind for up to 0.5 s.
-    from pipeload.datapipes.boundary.process_queue import ACCEPT_SLICE_S
+    # queue closed or dropped unjoined left a thread behind for up to 0.5 s. Looking every 30 s
+    # here, the thread must end on the close itself, well before its next look.
+    from pipeload.datapipes.boundary import process_queue
 
+    monkeypatch.setattr(process_queue, "ACCEPT_SLICE_S", 30.0)
     before = set(threading.enumerate())
     queue = DataLoaderQueue(kind="process")
     accepting = [t for t in threading.enumerate() if t not in before]
@@ -490,7 +492,7 @@ def test_a_process_queue_that_no_far_end_joined_stops_listening_at_once(how: str
         queue.close()
     else:
         del queue
-    assert wait_until(lambda: not accepting[0].is_alive(), ACCEPT_SLICE_S / 5)
+    assert wait_until(lambda: not accepting[0].is_alive(), 5.0)
 
 
 @pytest.mark.parametrize("kind", ["thread", "process"])

@@ -9,6 +9,7 @@ the run there and silently dropping the rest of the epoch.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,9 @@ def test_past_a_boundary_or_a_worker_the_note_naming_the_pipe_comes_along_once(w
     with pytest.raises(BadSample) as caught:
         list(run)
     notes = caught.value.__notes__
+    printed = "".join(traceback.format_exception(caught.value))
     del caught  # its traceback holds the run open (a loop's error, once handled, is dropped)
+    assert printed.count("raised by `fn` of Mapper(fails)") == 1, printed  # not again in the text
     assert notes[0] == "pipeload: raised by `fn` of Mapper(fails) <- ShardingFilter <- ..."
     assert len(notes) == 2 and notes[1].startswith(last), notes
 
