@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -181,6 +183,42 @@ def test_failed_batches_count_no_bytes_moved(engine: dict, leak_guard) -> None:
     stats = loader.stats()
     moved = stats.bytes_moved if engine["num_workers"] else stats.workers[0].bytes_out
     assert moved == received == (40 + 180) * BATCH * 4096
+    del iterator, loader
+
+
+class _UnpicklableFifth:
+    """A collate_fn whose batch 5 (timed: among a worker's first) cannot be sent: 2 MiB of
+    tensor beside a lock, which pickling refuses after the clock counted the batch's bytes."""
+
+    def __call__(self, samples: list[torch.Tensor]) -> dict[str, Any]:
+        batch = torch.stack(samples)
+        if int(batch[0, 0]) // BATCH == 5:
+            return {"x": torch.zeros(64, 8192), "lock": threading.Lock()}
+        return {"x": batch}
+
+
+def test_a_batch_that_cannot_be_sent_counts_no_bytes_moved(leak_guard) -> None:
+    # Counted when its report was made, the batch's bytes stayed when the send failed, and were
+    # scaled to every sample: 1.2 MiB received read "moved 5.7 MiB".
+    class Rows(pipeload.Dataset):
+        def __len__(self) -> int:
+            return 40 * BATCH
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.full((1024,), float(index))
+
+    loader = pipeload.DataLoader(Rows(), batch_size=BATCH, num_workers=1, collate_fn=_UnpicklableFifth(),
+                                 multiprocessing_context="fork")
+    received, failed, iterator = 0, 0, iter(loader)
+    while True:
+        try:
+            received += next(iterator)["x"].nbytes
+        except StopIteration:
+            break
+        except Exception:
+            failed += 1
+    assert failed == 1
+    assert loader.stats().bytes_moved == received == 39 * BATCH * 4096
     del iterator, loader
 
 

@@ -327,6 +327,8 @@ class WorkerLoop:
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:
+            if self._clock is not None:
+                self._clock.unsent()
             self._count_failed_task(indices)
             self._report_failure(number, "sending the batch to the main process", indices, exc)
 
