@@ -327,6 +327,15 @@ def test_the_queue_line_says_what_its_figures_count() -> None:
         "after other settings num_workers='auto' tried;" in _queue_line(auto), _queue_line(auto)
 
 
+def test_the_queue_line_names_no_settings_that_do_not_make_its_room() -> None:
+    # The setup is read at construction; prefetch_factor=4 set afterwards (as torch allows) ran
+    # a room of 8, which the line explained as "prefetch_factor=2 x 2 workers" (the review's probe).
+    later = dataclasses.replace(_stats("classic", _busy(2, 0.9, 0.9), 0.1), queue=QueueStats(1.1, 3, 3.0, 7, 8))
+    line = _queue_line(later)
+    assert "room for 8 in flight, the batch handed out included (the pool keeps fewer" in line, line
+    assert "prefetch_factor=2" not in line, line
+
+
 # -- kinds of dataset, and loaders that cannot re-tune ----------------------------------------
 
 

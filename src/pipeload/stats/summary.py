@@ -155,23 +155,33 @@ def _queue_line(stats: LoaderStats) -> str:
     4)": 4.1 against room for 4): the ready ones are in flight too, and the room, the most the
     engine may have in flight, counts the batch handed out."""
     queue = stats.queue
+    made_of = _room_words(stats)
+    made_of = f"{made_of}; " if made_of else ""
     return (f"when a batch was handed out, {queue.mean_in_flight:.1f} others were in flight on average "
             f"(sent to workers, not yet handed out), {queue.mean_ready:.1f} of them ready (built, waiting "
             f"in the main process for their turn); room for {queue.capacity} in flight, the batch handed "
-            f"out included ({_room_words(stats)}; the pool keeps fewer when fewer keep the loop fed)")
+            f"out included ({made_of}the pool keeps fewer when fewer keep the loop fed)")
 
 
-def _room_words(stats: LoaderStats) -> str:
+def _room_words(stats: LoaderStats) -> str | None:
     """What the room is made of: ``prefetch_factor`` batches per worker in classic mode,
-    ``prefetch_factor`` in all in economic mode; under "auto", the settings running now."""
+    ``prefetch_factor`` in all in economic mode; under "auto", the settings running now. None
+    when the settings known here do not make the room: the setup is read at construction, and
+    ``num_workers`` or ``prefetch_factor`` may be set afterwards, as torch allows."""
+    capacity = stats.queue.capacity
     if stats.setup.mode == "economic":
-        return f"prefetch_factor={stats.setup.prefetch_factor}, whatever the number of workers"
+        prefetch = stats.setup.prefetch_factor
+        return f"prefetch_factor={prefetch}, whatever the number of workers" if prefetch == capacity else None
     if stats.decisions:
         now = stats.decisions[-1]
+        if (now.prefetch_factor or 0) * now.num_workers != capacity:
+            return None
         tuned = any((d.num_workers, d.prefetch_factor) != (now.num_workers, now.prefetch_factor)
                     for d in stats.decisions)
         after = ", after other settings num_workers='auto' tried" if tuned else ""
         return f"prefetch_factor={now.prefetch_factor} x {_workers(now.num_workers)} now{after}"
+    if (stats.setup.prefetch_factor or 0) * stats.setup.num_workers != capacity:
+        return None
     return f"prefetch_factor={stats.setup.prefetch_factor} x {_workers(stats.setup.num_workers)}"
 
 
