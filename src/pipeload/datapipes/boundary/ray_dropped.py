@@ -11,7 +11,8 @@ making its chunk, and between items every ``CHECK_EVERY_S``; once it is there, t
 making items and the actor closes the run, and takes the flag down (no call of the run looks
 again). Where the actor never sees it, the reading side takes it down when the actor has
 answered its ``stop`` call (which it takes after every call of the run), when it kills the
-actor instead, or when this process exits (a DataLoader worker's exit included).
+actor instead, or when this process exits (a DataLoader worker's exit included). A process
+that is killed lowers none of its flags: the next flag raised on the machine takes them down.
 
 Only an actor on this machine can see the file. An actor on another node looks on its own
 machine, finds none, and works through the dropped run's queued chunks as before (the next run
@@ -54,6 +55,7 @@ def raise_flag(path: str | None) -> None:
     if path is None:
         return
     _take_down_at_exit()
+    _take_down_the_dead_ones()  # a drop is rare (a loop's break): one look in the directory each
     with _lock:
         _raised.add(path)
     try:
@@ -95,12 +97,36 @@ def seen_raised(path: str | None) -> bool:
 
 
 def _process_token() -> str:
-    # Random, not the pid: a flag left by a process that was killed must not be taken by a later
-    # process given the same pid (run numbers start at 0 in every process).
+    # Random, not the pid alone: a flag left by a process that was killed must not be taken by a
+    # later process given the same pid (run numbers start at 0 in every process). The pid leads,
+    # so that a flag whose process is gone can be told (``_take_down_the_dead_ones``).
     global _token
     if _token is None:
-        _token = uuid.uuid4().hex[:16]
+        _token = f"{os.getpid()}.{uuid.uuid4().hex[:16]}"
     return _token
+
+
+def _take_down_the_dead_ones() -> None:
+    """Take down the flags of processes that are gone: one killed (SIGKILL, or the terminate a
+    stuck loader's workers get) never lowers its own, and each stayed in the temporary directory
+    as an empty file. A flag whose pid is alive is left, whoever's it is."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*")):
+        pid = os.path.basename(path)[len(_PREFIX):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # another user's, or taken down meanwhile
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def _forget_the_parents_flags() -> None:
