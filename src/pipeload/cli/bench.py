@@ -102,8 +102,9 @@ LOADERS: dict[str, LoaderKind] = {
                            "workers at once; small items (such as the demo's JPEGs) gain nothing from it: "
                            "on the 2-core box it ran 0.7x to 1.3x classic mode from run to run, 0.87x "
                            "to 1.03x in five-run medians (`pipeload bench --loaders classic,economic "
-                           "--repeats 5`): seeding each item on its own and a message each way per piece "
-                           "cost it about 30 us of CPU a sample more than classic mode"),
+                           "--repeats 5`): seeding each item on its own, and placing and reporting each "
+                           "piece of a batch, cost its item workers about 30 us of CPU a sample more "
+                           "than classic mode's workers"),
     "threads": LoaderKind(_pipeload(worker_type="thread"), "pipeload, thread workers",
                           "light samples, or work that mostly releases the GIL (numpy, torch ops, "
                           "I/O): no pickling, no shared memory, fast start; Python code per sample "
