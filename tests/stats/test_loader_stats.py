@@ -1020,3 +1020,57 @@ def test_two_live_iterators_of_one_loader_count_every_batch_they_hand_out(engine
     assert len(received) == 2 * ITEMS // BATCH == stats.batches and stats.epochs == 2
     del first, second
     assert loader.stats().batches == 2 * ITEMS // BATCH  # and once they are gone
+
+
+def _classic_lines(loader: Any) -> list[Any]:
+    return [w for w in loader.stats().workers if w.kind == ""]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 2 CPUs here
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent, epochs", [(False, 2), (True, 1)], ids=["pool-per-epoch", "persistent"])
+def test_process_workers_that_get_no_batch_are_listed_and_averaged_with_the_others(
+        persistent: bool, epochs: int, leak_guard) -> None:
+    # 3 batches an epoch for 8 workers: the 5 that never got a task sent no report, and the
+    # summary listed 3 workers (and averaged over them) with num_workers=8 in its setup.
+    loader = pipeload.DataLoader(Squares(), batch_size=ITEMS // 3, num_workers=8,
+                                 persistent_workers=persistent, multiprocessing_context="fork")
+    for _ in range(epochs):
+        assert len(list(loader)) == 3
+    workers = _classic_lines(loader)
+    assert [w.worker_id for w in workers] == list(range(8))
+    assert sum(w.tasks for w in workers) == 3 * epochs
+    idle = [w for w in workers if w.tasks == 0]
+    assert len(idle) >= 5 and all(w.busy_fraction == 0 for w in idle)
+    line = next(line for line in loader.stats().summary().splitlines() if line.startswith("workers busy"))
+    assert f"worker {idle[-1].worker_id} 0% (built no batch)" in line, line
+    del loader
+
+
+@pytest.mark.timeout(60)
+def test_workers_grown_in_place_that_get_no_batch_keep_their_lines_once_shrunk_away(leak_guard) -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=BATCH, num_workers=2, prefetch_factor=2,
+                                 persistent_workers=True, multiprocessing_context="fork")
+    batches = iter(loader)
+    handed = sum(1 for _ in zip(range(ITEMS // BATCH - 2), batches))
+    batches._engine.resize(6, 2)  # every task is out: the 4 new workers get none
+    assert len(_classic_lines(loader)) == 6
+    batches._engine.resize(2, 2)  # they stop once idle: their (empty) lines stay
+    handed += sum(1 for _ in batches)
+    assert handed == ITEMS // BATCH
+    workers = _classic_lines(loader)
+    assert [w.worker_id for w in workers] == list(range(6))
+    assert sum(w.tasks for w in workers) == ITEMS // BATCH
+    del batches, loader
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 2 CPUs here
+@pytest.mark.timeout(60)
+def test_economic_item_workers_that_get_no_piece_are_listed(leak_guard) -> None:
+    loader = pipeload.DataLoader(Squares(), batch_size=2, num_workers=6, mode="economic",
+                                 sampler=range(2), multiprocessing_context="fork")
+    assert len(list(loader)) == 1  # one batch of 2 items: 2 pieces at most, for 6 item workers
+    items = [w for w in loader.stats().workers if w.kind == "item"]
+    assert [w.worker_id for w in items] == list(range(6))
+    assert sum(w.samples for w in items) == 2
+    del loader

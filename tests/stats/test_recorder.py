@@ -190,3 +190,21 @@ def test_a_closed_sessions_workers_are_folded_into_one_line_each() -> None:
         assert len(kinds) == len(stats.workers)
         fetching = [line for line in stats.workers if line.kind in ("", "item")]
         assert sum(line.samples for line in fetching) == 12 * 20
+
+
+def test_a_started_worker_has_an_idle_line_until_it_reports_and_a_lent_clock_is_kept() -> None:
+    from pipeload.engine.workers import WorkerLabel
+
+    recorder = StatsRecorder(LoaderSetup("classic", "thread", 3, 2, 4, False))
+    session = recorder.new_session(6)
+    clock = StageClock(1)
+    session.lend_clock(2)(clock)  # a thread worker may lend its clock before the pool says it started
+    session.started([WorkerLabel("", worker_id) for worker_id in range(3)])
+    assert recorder._seen[(1, "", 2)] == (clock, None)
+    worker = StageClock(1)
+    worker._counted = 2
+    session.record([WorkerReport(Report.BATCH, 0, 1, totals=worker.snapshot())])
+    assert [(w.worker_id, w.tasks, w.busy_fraction) for w in recorder.snapshot().workers][1] == (1, 0, 0.0)
+    assert [w.tasks for w in recorder.snapshot().workers][0] == 2
+    session.close()  # the worker that never reported keeps its (empty) line
+    assert [w.worker_id for w in recorder.snapshot().workers] == [0, 1, 2]

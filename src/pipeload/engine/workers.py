@@ -156,6 +156,7 @@ class WorkerGroup:
                 self.channels: Any = ThreadChannels(count)
                 self.handles = start_threads(plan.thread_launches(self.channels, self.stop_event),
                                              self.stop_event)
+                self._tell_started(0)
             else:
                 self._start_processes(plan, mp_context, count, slab_settings, start_first)
         except BaseException:
@@ -223,10 +224,17 @@ class WorkerGroup:
         except BaseException:  # (unnamed: a name would hold its traceback, and the loader, in a cycle)
             self.start_failed = True
             raise
+        self._tell_started(first_slot)
         if beside and len(self.handles) >= self._eager:
             # Every worker the epoch needs has forked: the next set forks from huge pages
             # (engine/huge_heap.py), gathered beside these workers, which go with the epoch.
             huge_heap.GATHERER.beside_short_lived_workers([handle.pid for handle in self.handles])
+
+    def _tell_started(self, first: int) -> None:
+        """The workers of slots ``first`` and up have just started: the stats list each from now
+        on, whether or not a task ever comes to it (``SessionStats.started``)."""
+        if self.stats is not None:
+            self.stats.started(self.labels[first:len(self.handles)])
 
     @property
     def wait_slice_s(self) -> float:
@@ -399,6 +407,7 @@ class WorkerGroup:
             raise
         self.handles = self.handles + added
         self.labels = plan.labels
+        self._tell_started(first)
 
     def shrink(self, count: int) -> None:
         """Stop workers ``count`` and up, which must have nothing in flight, and forget them:

@@ -392,6 +392,16 @@ class SessionStats:
         if samples is not None and worker_id < len(samples):
             self._covered_samples[worker_id] = samples[worker_id]
 
+    def started(self, labels: list[Any]) -> None:
+        """The workers of ``labels`` (each with a ``kind`` and an ``id``) have started: each has
+        a line from now on, with no task until its own totals come. A worker that never gets a
+        task sends none (more workers than an epoch has batches): without this the summary
+        left it out, and took its averages over the workers that reported. A line already
+        there (a lent clock, totals that came first) is kept."""
+        at = now()
+        for label in labels:
+            self._seen.setdefault((self._session, label.kind, label.id), (_no_task_yet(at), None))
+
     def lend_clock(self, worker_id: int, kind: str = "") -> Callable[[StageClock], None]:
         """What thread worker ``worker_id`` (of ``kind``) calls with its clock, which is then
         read live at every snapshot (as the main process's own clock is): its reports need
@@ -765,6 +775,12 @@ def _ray_stage_of_workers(seen: dict[tuple[int, str, int], tuple[Any, float | No
     for values in measured:
         total = total.plus(RayStageStats.from_tuple(values))
     return total
+
+
+def _no_task_yet(started_at: float) -> tuple[Any, ...]:
+    """The totals of a worker started at ``started_at`` that has reported nothing: read live
+    (no arrival time), its life runs to each snapshot, all of it idle."""
+    return tuple(WorkerTotals(0, 0, 0.0, 0.0, 0.0, 0, started_at, 0.0, 0.0))
 
 
 def _read(raw: Any, lag: int) -> tuple[WorkerTotals, int]:
