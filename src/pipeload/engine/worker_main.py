@@ -322,13 +322,14 @@ class WorkerLoop:
         self, number: int, batch: Any, indices: Any, build_s: float, setup_s: float,
         finished_at: float = 0.0,
     ) -> None:
+        timed = self._clock is not None and self._clock.timing  # its report counts its bytes
         try:
             self._report_batch(self, Report.BATCH, number, batch, build_s, setup_s, finished_at)
         except (BrokenPipeError, EOFError):
             raise  # the main process is gone; nothing to report to
         except Exception as exc:
-            if self._clock is not None:
-                self._clock.unsent()
+            if timed:
+                self._clock.unsent(batch)  # type: ignore[union-attr]
             self._count_failed_task(indices)
             self._report_failure(number, "sending the batch to the main process", indices, exc)
 

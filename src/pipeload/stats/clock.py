@@ -273,7 +273,7 @@ class StageClock:
     """
 
     __slots__ = ("started_at", "samples", "fetch_s", "collate_s", "send_s", "bytes_out", "timing",
-                 "failed_samples", "timed_failed_samples", "_done_was_timed", "_done_bytes",
+                 "failed_samples", "timed_failed_samples",
                  "left", "untimed_samples", "next_timed", "count_tasks", "untimed_size", "last_timed",
                  "_stride", "_counted_by_receiver", "_counted", "_gap", "_timed", "_gaps", "_every",
                  "_busy_seen", "_timed_seen", "_recent", "on_timed",
@@ -298,7 +298,6 @@ class StageClock:
         self.failed_samples = 0
         self.timed_failed_samples = 0
         self.timing = False
-        self._done_was_timed, self._done_bytes = False, 0  # the task last done (see unsent())
         self.left = 0  # tasks until the next timed one: the first task is timed
         # Numbered instead (the inline engine, whose batch numbers run 0, 1, 2, ... each epoch):
         # the task numbered ``next_timed`` is timed, and ``count_tasks()`` counts the tasks.
@@ -485,20 +484,17 @@ class StageClock:
         """The task in hand is done: count its tensor bytes (``result``: the batch, if any)
         when it was timed. (A lent clock's report carries no totals: it need not take a
         snapshot.)"""
-        self._done_was_timed, self._done_bytes = self.timing, 0
         if self.timing and result is not None:
-            self._done_bytes = tensor_bytes(result)
-            self.bytes_out += self._done_bytes
+            self.bytes_out += tensor_bytes(result)
         self.timing = False
 
-    def unsent(self) -> None:
-        """The report of the task just ``done`` could not be sent (a batch that cannot be
-        pickled): it moved no tensor after all. Its bytes are taken back, and it is timed again
-        as far as ``failed``, which comes next, is concerned (counted, they were scaled to every
-        sample: 1.2 MiB received read "moved 5.7 MiB")."""
-        self.bytes_out -= self._done_bytes
-        self._done_bytes = 0
-        self.timing = self._done_was_timed
+    def unsent(self, result: Any) -> None:
+        """The report of the timed task just ``done``, whose result was ``result``, could not be
+        sent (a batch that cannot be pickled): it moved no tensor after all. Its bytes are taken
+        back, and it is timed again as far as ``failed``, which comes next, is concerned
+        (counted, they were scaled to every sample: 1.2 MiB received read "moved 5.7 MiB")."""
+        self.bytes_out -= tensor_bytes(result)
+        self.timing = True
 
     def sent(self, started: float) -> None:
         """The report that carried the last totals took from ``started`` until now to send."""
