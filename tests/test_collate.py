@@ -603,6 +603,24 @@ def test_main_process_does_not_use_shared_memory() -> None:
     assert not default_collate([torch.ones(2), torch.ones(2)]).is_shared()
 
 
+def test_the_main_process_collating_as_a_worker_stacks_into_memory_of_its_own() -> None:
+    # Economic mode's main process collating a batch itself: stacked once, straight into memory
+    # that, as a worker's batch decoded from its message, torch cannot resize or move under a
+    # numpy view (where a second copy into such memory was made before).
+    from pipeload.collate import collating_as_a_worker
+
+    with collating_as_a_worker():
+        batch = default_collate([torch.full((3,), 1.0), torch.full((3,), 2.0, dtype=torch.float64)])
+    assert batch.dtype == torch.float32 and batch.tolist() == [[1.0] * 3, [2.0] * 3]
+    assert not batch.untyped_storage().resizable()
+    view = batch.numpy()
+    with pytest.raises(RuntimeError):
+        batch.resize_(10, 3)
+    batch.share_memory_()  # moves the bytes: the old ones stay alive under the numpy view
+    assert view.tolist() == [[1.0] * 3, [2.0] * 3] and batch.is_shared()
+    assert default_collate([torch.ones(2)]).untyped_storage().resizable()  # outside: torch's own
+
+
 def test_code_posing_as_a_worker_gets_shared_memory_as_from_torchs_collate() -> None:
     # What torch's own test does through its private module, with pipeload's: set
     # _utils.worker._worker_info, and default_collate stacks as in a worker process.

@@ -33,7 +33,12 @@ import torch
 from torch.utils.data import get_worker_info as _torch_worker_info
 
 from pipeload.engine.worker_info import get_worker_info
-from pipeload.transport.collate_output import copied_into_message, shared_output, stacked_in_place
+from pipeload.transport.collate_output import (
+    copied_into_message,
+    own_memory_output,
+    shared_output,
+    stacked_in_place,
+)
 
 __all__ = [
     "CollateFnMap",
@@ -325,8 +330,8 @@ def _collate_sequences(
 def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Inside a worker process, room for the stacked batch in the memory it will travel in
     (ordinary memory when it is small enough to travel inside the message); in a thread worker,
-    or where the main process collates as a worker (``collating_as_a_worker``), ordinary memory;
-    None elsewhere (without workers). Stacked into it, the batch has the first sample's dtype
+    ordinary memory; where the main process collates as a worker (``collating_as_a_worker``),
+    memory of its own (``own_memory_output``); None elsewhere (without workers). Stacked into it, the batch has the first sample's dtype
     (float64 samples among float32 ones are cast) and samples that require grad are refused, as
     in torch's worker processes; stacked without, torch promotes the dtype, as torch's loader
     does without workers."""
@@ -340,7 +345,9 @@ def _shared_output_like(batch: Sequence[torch.Tensor]) -> torch.Tensor | None:
     info = get_worker_info()  # once: the inline path asks for every tensor of every batch
     if _torch_worker_info() is not None or (info is not None and not _is_thread_worker(info)):
         return _fresh_shared_output(shape, elem.dtype)
-    if info is not None or _COLLATING.as_a_worker:
+    if _COLLATING.as_a_worker:
+        return own_memory_output(shape, elem.dtype)
+    if info is not None:
         return torch.empty(shape, dtype=elem.dtype)
     return None
 

@@ -72,16 +72,37 @@ def test_a_direct_batch_is_default_collates_viewing_the_slab_and_frees_it_when_g
     assert _slab_free_again(hop, 0, token=1)
 
 
-def test_a_group_that_came_as_samples_makes_a_copy_of_the_same_batch(hop: SlabHop) -> None:
+def test_samples_kept_out_of_a_slab_an_item_worker_found_busy_make_a_copy_of_the_same_batch(hop: SlabHop) -> None:
     batches, item_grant = _open(hop, token=0, count=4)
     columns = hop.place_for_main(item_grant(0), [flat_item(float(v)) for v in (0, 1)])
     samples = [flat_item(float(v)) for v in (2, 3)]
-    batches.add(0, ItemsDone(2, groups=((2, 2, samples),)), hop.pool)
+    batches.add(0, ItemsDone(2, groups=((2, 2, samples),), outcome=GrantOutcome.BUSY), hop.pool)
     report = batches.add(0, ItemsDone(2, groups=((0, 2, columns),)), hop.pool)
     expected = default_collate([flat_item(float(v)) for v in range(4)])
     assert torch.equal(report.payload["x"], expected["x"])
     assert report.payload["label"].tolist() == [0, 1, 2, 3]
     assert _slab_free_again(hop, 0, token=1)  # the copy views nothing of it
+
+
+def test_a_batch_given_its_slab_after_its_first_samples_came_writes_them_at_their_places(hop: SlabHop) -> None:
+    # A session's first batch: its probes come as samples before any slab; the rest is laid out.
+    batches = DirectBatches()
+    batches.open(0, DirectBatch(0, list(range(4))))
+    probes = [flat_item(float(v)) for v in (0, 1)]
+    assert batches.add(0, ItemsDone(2, groups=((0, 2, probes),)), hop.pool) is None
+    assert batches.without_slab() == [(0, 4)]
+    grant, item_grant = hop.direct_grants(0, 4)
+    batches.give_slab(0, grant.slab_id, grant.items)
+    assert batches.without_slab() == []
+    columns = hop.place_for_main(item_grant(2), [flat_item(float(v)) for v in (2, 3)], first=0)
+    report = batches.add(0, ItemsDone(2, groups=((2, 2, columns),)), hop.pool)
+    expected = default_collate([flat_item(float(v)) for v in range(4)])
+    assert torch.equal(report.payload["x"], expected["x"])
+    assert report.payload["label"].tolist() == [0, 1, 2, 3]
+    assert not _slab_free_again(hop, 0, token=1)  # the batch views it: no copy was made
+    hop.pool.settle(1, GrantOutcome.UNUSED)
+    del report
+    assert _slab_free_again(hop, 0, token=2)
 
 
 def test_the_earliest_failed_item_fails_the_batch_and_frees_its_slab(hop: SlabHop) -> None:

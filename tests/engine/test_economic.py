@@ -642,18 +642,22 @@ def test_item_workers_all_fork_before_the_first_draw_where_a_draw_may_change_wha
         engine.close()
 
 
-def test_the_next_set_of_workers_lays_out_its_first_batch_with_what_the_last_one_learnt(leak_guard):
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_every_first_batch_is_laid_out_in_its_slab_the_loaders_very_first_too(num_workers, leak_guard):
     # Without persistent workers each epoch starts a new set: the loader keeps the items' size,
-    # so only its very first batch is collated by the main process from samples.
+    # so its later sets lay out their first batch at once. The very first set learns it from
+    # one item per item worker, fetched alone (a probe): the main process writes those into
+    # the slab beside the rest, where before the whole first batch came as samples and was
+    # stacked into a copy here.
     expected = list(torch.utils.data.DataLoader(_FlatSamples("tensor"), batch_size=8))
-    loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=2, mode="economic",
+    loader = DataLoader(_FlatSamples("tensor"), batch_size=8, num_workers=num_workers, mode="economic",
                         multiprocessing_context="fork")
     for epoch in range(3):
         placed = []
         for ours, theirs in zip(loader, expected):
             assert torch.equal(ours, theirs)
             placed.append(in_shared_memory(ours))
-        assert placed == [epoch > 0] + [True] * 5, (epoch, placed)
+        assert placed == [True] * 6, (epoch, placed)
 
 
 def test_the_loader_keeps_the_item_workers_time_per_item_for_its_next_set(leak_guard):

@@ -37,6 +37,21 @@ def test_pieces_wait_until_a_worker_has_room_then_go_to_the_least_loaded():
     assert [(p.item_worker, p.indices) for p in scheduler.assign()] == [(1, [13])]
 
 
+def test_a_piece_cut_to_its_first_items_leaves_the_rest_first_in_line():
+    # The probes of a session's first batch: one item each, the rest of their pieces next.
+    scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=1)
+    scheduler.add_batch(0, 0, [10, 11, 12, 13, 14, 15, 16, 17], first_position=64)
+    first, second = scheduler.next_piece(1), scheduler.next_piece(1)
+    assert scheduler.next_piece(1) is None  # both hold their probe
+    assert [(p.item_worker, p.indices, p.slot, p.position) for p in (first, second)] == [
+        (0, [10], 0, 64), (1, [11], 1, 65)]
+    scheduler.pieces_in_hand = 2
+    rest = scheduler.assign()
+    assert [(p.indices, p.slot, p.position) for p in rest] == [([12, 13], 2, 66), ([14, 15], 4, 68)]
+    scheduler.record_done(0)
+    assert [p.indices for p in scheduler.assign()] == [[16, 17]]
+
+
 def test_positions_count_samples_across_batches():
     scheduler = ItemScheduler(2, sub_batches=False, pieces_in_hand=10)
     scheduler.add_batch(0, 0, [7, 8, 9], first_position=0)

@@ -12,10 +12,13 @@ have: the same tensors over the same bytes, each a storage of its own region (th
 when the last of them dies), the other fields collated by ``default_collate``'s own handlers.
 
 The session's first batch goes out before any item's size is known, so it has no slab to be laid
-out in: it goes direct all the same, its samples coming with the reports as they are, and the
-main process ``default_collate``s them (a copy of one batch, once a session, instead of forking
-a batch worker for it: a loader whose batches all go direct starts none). Its pieces also say
-whether the samples are flat and alike; the first piece that is not (or any later piece that does
+out in: it goes direct all the same, each item worker's first piece one item alone (a probe), its
+samples coming with the report as they are. The first probe's report tells the items' size: the
+batch is given its slab (``give_slab``), its other pieces are written at their places, and the
+probes' samples are written at theirs here, as the batch is made. Where the items' size stays
+unknown, the batch's samples are ``default_collate``d here (a copy of one batch, once a session,
+instead of forking a batch worker for it: a loader whose batches all go direct starts none). The
+pieces also say whether the samples are flat and alike; the first piece that is not (or any later piece that does
 not come as columns after all: a dataset whose samples change layout mid-session) stops the
 session from making batches direct (``DirectBatches.refused``), and batch workers, started then,
 collate every batch after it, as they do for a loader that is never direct (a ``collate_fn`` of
@@ -33,7 +36,7 @@ import torch
 
 from pipeload.collate import collate, collating_as_a_worker, default_collate, default_collate_fn_map
 from pipeload.errors import RemoteFailure
-from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs
+from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs, place_in_lease
 from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GrantOutcome, ItemPlacement, ItemsDone, Report, WorkerReport
 from pipeload.transport.slab_pool import SlabPool
@@ -47,7 +50,8 @@ class DirectBatch:
         batch_worker: the batch worker it is counted against (the ledger's load balance).
         indices: its dataset indices.
         slab_id: the slab granted for it, where the items are laid out by ``items`` (None: no
-            slab, as for the session's first batch; its items come as samples).
+            slab yet, as for the session's first batch until its first probe answers; its items
+            come as samples meanwhile).
         groups: slot -> (count, payload) as ``ItemsDone.groups`` gives them.
         filled: how many items have been reported.
         outcome: BUSY or LATE if an item worker could not write into the slab, else USED.
@@ -109,6 +113,17 @@ class DirectBatches:
 
     def open(self, number: int, batch: DirectBatch) -> None:
         self._batches[number] = batch
+
+    def without_slab(self) -> list[tuple[int, int]]:
+        """(number, items) of each batch being gathered with no slab (opened before the items'
+        size was known), earliest first."""
+        return [(number, len(batch.indices)) for number, batch in self._batches.items() if batch.slab_id is None]
+
+    def give_slab(self, number: int, slab_id: int, items: ItemPlacement) -> None:
+        """Batch ``number``'s later pieces go to their places in slab ``slab_id`` (laid out by
+        ``items``); those already in came as samples, which are copied in with the rest."""
+        batch = self._batches[number]
+        batch.slab_id, batch.items = slab_id, items
 
     def learn(self, done: ItemsDone) -> None:
         """A piece says whether its items went to their places as columns (or, sent with no
@@ -183,6 +198,11 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
     # Columns are written only once the slab's previous batch is released (SlabWriter checks),
     # whatever another item worker of the batch found: they can be read.
     lease = pool.open_lease(batch.slab_id) if any(isinstance(p, ItemColumns) for p in payloads) else None
+    if lease is not None and batch.outcome is GrantOutcome.USED:
+        # Items that came as samples (the probes of a session's first batch, sent before the
+        # slab was: see EconomicEngine._send_pieces) are written at their places here: the
+        # slab is then the batch's whole, as for any other, instead of a copy of all of it.
+        payloads = [_placed_here(payload, lease, batch.items, slot) for slot, (_, payload) in groups]
     if lease is not None and all(isinstance(payload, ItemColumns) for payload in payloads):
         made = collate_columns(payloads, lease_runs(lease, batch.items), collate_field)
         if made is not None:
@@ -202,14 +222,24 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
     return _kept_with_their_bytes(made), False
 
 
+def _placed_here(payload: Any, lease: memoryview, items: ItemPlacement | None, slot: int) -> Any:
+    """``payload`` as columns: as it came, or, for samples, written at their places in ``lease``
+    (unchanged when they cannot be: the batch is then a copy)."""
+    if isinstance(payload, ItemColumns) or items is None or not isinstance(payload, list):
+        return payload
+    return place_in_lease(payload, lease, items, slot) or payload
+
+
 def _kept_with_their_bytes(batch: Any) -> Any:
     """``batch`` with each plain CPU tensor in it moved, in place, to memory of its own that
     lives as long as its storage does, as a batch decoded from a message is (codec.py): then
     ``share_memory_()`` (a ``torch.multiprocessing`` queue's put) cannot free the bytes under a
     numpy array taken before, and ``resize_()`` refuses it as it refuses a worker's batch."""
     if isinstance(batch, torch.Tensor):
+        # A stacked field is already in such memory (collate_output.own_memory_output): its
+        # storage cannot be resized. Copied again, the first batch cost a second copy of itself.
         if (batch.layout is torch.strided and batch.device.type == "cpu" and not batch.requires_grad
-                and batch.is_contiguous() and batch.numel()):
+                and batch.is_contiguous() and batch.numel() and batch.untyped_storage().resizable()):
             buffer = bytearray(batch.numel() * batch.element_size())
             storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
             keep_lease_with(storage, buffer)

@@ -400,6 +400,7 @@ class EconomicEngine:
                 self._stats.items_reported(report.worker_id, report.payload.count)
             self._heard_items = True
             done = report.payload
+            learnt = done.item_bytes is not None and self._item_bytes is None
             if done.item_bytes is not None:
                 self._item_bytes = done.item_bytes
             self._direct.learn(done)
@@ -410,6 +411,8 @@ class EconomicEngine:
                     if self._stats is not None and assembled.report is Report.BATCH:
                         self._stats.assembled(samples)
                     self._record(assembled)
+            if learnt and self._may_go_direct():
+                self._lay_out_batches_without_slab()
         elif report.report in (Report.BATCH, Report.FAILED):
             self._placements.pop(report.batch_number, None)
             # The worker's own time (one clock machine-wide): a report read only when the
@@ -422,6 +425,23 @@ class EconomicEngine:
                 samples = self._ledger.samples_of.get(report.batch_number, 0)  # type: ignore[union-attr]
                 self._stats.batch_reported(report.worker_id, samples, report.totals is not None)
             self._ledger.record_report(report)
+
+    def _lay_out_batches_without_slab(self) -> None:
+        """Now that the items' size is known, give each direct batch opened without a slab (the
+        session's first, which the probe's piece opened: see ``_send_pieces``) one, so that its
+        pieces still to go are written at their places instead of travelling as samples."""
+        for number, count in self._direct.without_slab():
+            area = self._item_area(count)
+            if area is None:
+                continue  # a batch that would ride inside its message: its samples come as they are
+            self._workers.slabs.observe_batch(area.area_bytes)  # as _send_collate sizes the slab
+            grant = self._placed_grant(number, None, count)
+            if grant is None or grant.items is None:
+                if grant is not None:
+                    self._workers.slabs.settle(number, GrantOutcome.UNUSED)
+                self._placements.pop(number, None)
+                continue
+            self._direct.give_slab(number, grant.slab_id, grant.items)
 
     def _top_up(self, loop_waits: bool = False) -> None:
         """Open batches while the budget allows (``loop_waits``: as many as its ceiling allows),
@@ -438,8 +458,12 @@ class EconomicEngine:
                    else self._budget.allowed(batch_bytes))
         if slabs is not None:
             # In flight, plus the batch the consumer holds, plus (unless its slab can be granted
-            # on release) the one it is dropping. Free slabs beyond it are retired.
-            slabs.set_in_flight(allowed, grants_ahead=1)  # item workers write at once
+            # on release) the one it is dropping. Free slabs beyond it are retired. A batch
+            # opened while more were allowed is counted in flight: its slab is granted only as
+            # its first piece goes out, and with the pace learnt meanwhile (fewer in flight) it
+            # found none and went to a batch worker, started for it.
+            in_flight = max(allowed, self._ledger.outstanding)
+            slabs.set_in_flight(in_flight, grants_ahead=1)  # item workers write at once
         while not self._supply.done and self._ledger.outstanding < allowed:
             if self._unopened is None:
                 task = self._supply.take()
@@ -593,7 +617,16 @@ class EconomicEngine:
         # waits for that report (or for its last piece).
         learning = self._places_items and self._item_bytes is None and not self._heard_items
         self._scheduler.pieces_in_hand = 1 if learning else PIECES_IN_HAND
-        while (piece := self._scheduler.next_piece()) is not None:
+        # A first batch that goes direct gives each item worker one item alone instead (a
+        # probe), and nothing more until the first answers: the rest of the batch is then
+        # written into a slab, where before all of it came as samples with the reports, pickled
+        # through the item workers' pipes and stacked again here (a copy of the batch each way:
+        # about 50 ms of CPU a fresh loader on pipeload bench's JPEGs). Every item worker gets
+        # one, as it warms up (a fresh worker's first item took 30 ms there, its next ones under
+        # 1 ms). Not for ``__getitems__`` datasets: their seeds follow the cut of a batch into
+        # calls, which must not depend on what a session knew when it began.
+        probing = learning and not self._sub_batches and self._may_go_direct()
+        while (piece := self._scheduler.next_piece(1 if probing else None)) is not None:
             try:
                 number = piece.batch_number
                 # Direct only if none of its pieces has gone to the batch worker yet; a batch

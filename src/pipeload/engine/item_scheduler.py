@@ -126,9 +126,10 @@ class ItemScheduler:
             assigned.append(piece)
         return assigned
 
-    def next_piece(self) -> Piece | None:
+    def next_piece(self, most_items: int | None = None) -> Piece | None:
         """The next waiting piece, given to the least-loaded item worker; None if none waits or
-        no worker has room."""
+        no worker has room. With ``most_items``, a longer piece is cut: its first ``most_items``
+        items go, the rest waits first in line."""
         if not self.waiting:
             return None
         worker = self._least_loaded()
@@ -137,7 +138,12 @@ class ItemScheduler:
         self.in_hand[worker] += 1
         self._next = (worker + 1) % len(self.in_hand)
         piece = self.waiting.popleft()
-        return Piece(piece.batch_number, piece.batch_worker, piece.slot, piece.position, piece.indices, worker)
+        indices = piece.indices
+        if most_items is not None and len(indices) > most_items:
+            self.waiting.appendleft(Piece(piece.batch_number, piece.batch_worker, piece.slot + most_items,
+                                          piece.position + most_items, indices[most_items:]))
+            indices = indices[:most_items]
+        return Piece(piece.batch_number, piece.batch_worker, piece.slot, piece.position, indices, worker)
 
     def last_of(self, batch_number: int) -> bool:
         """Whether no piece of batch ``batch_number`` waits any more."""

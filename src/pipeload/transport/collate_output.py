@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeload.transport.codec import INLINE_MAX_BYTES
+from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.slab_writer import SlabWriter, in_place
 
 
@@ -64,6 +65,18 @@ def shared_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | 
     else:
         storage, offset = room
     return torch.empty((0,), dtype=dtype).set_(storage, offset // itemsize, shape)
+
+
+def own_memory_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor in memory of its own, as a batch decoded from a worker's
+    message has (codec.py): it lives as long as its storage does, ``share_memory_()`` (a
+    ``torch.multiprocessing`` queue's put) cannot free it under a numpy array taken before, and
+    ``resize_()`` refuses it. Where the main process collates samples itself (economic mode's
+    first batch), stacking into it saves copying the batch a second time."""
+    buffer = bytearray(math.prod(shape) * dtype.itemsize)
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage() if buffer else torch.UntypedStorage(0)
+    keep_lease_with(storage, buffer)
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 
 def stacked_in_place(parts: list[torch.Tensor]) -> torch.Tensor | None:

@@ -230,6 +230,39 @@ def lease_runs(lease: memoryview, items: ItemPlacement) -> TensorRuns:
     return run
 
 
+def place_in_lease(samples: Sequence[Any], lease: memoryview, items: ItemPlacement,
+                   first_slot: int) -> ItemColumns | None:
+    """``place_as_columns`` done by the main process (engine/direct_batches.py): ``samples``,
+    the items of slots ``first_slot`` on that came as samples, written at their places in
+    ``lease`` (its view of the batch's slab, laid out by ``items``) and described as columns;
+    None, with nothing written, when they are not flat and alike or do not fit the layout.
+
+    The caller writes only into a slab that the batch's item workers found released (they
+    wrote columns there): their places are this batch's, and no batch views them."""
+    if not samples:
+        return None
+    storage = torch.frombuffer(lease, dtype=torch.uint8).untyped_storage()
+    return place_as_columns(samples, _LeasePlaces(storage, len(lease), items, first_slot))  # type: ignore[arg-type]
+
+
+class _LeasePlaces:
+    """The part of a ``SlabWriter`` that ``place_as_columns`` uses, over the main process's lease."""
+
+    def __init__(self, storage: torch.UntypedStorage, size: int, items: ItemPlacement, first_slot: int) -> None:
+        self._storage, self._end = storage, min(size, items.area_bytes)
+        self._items, self._first_slot = items, first_slot
+
+    def allocate_run(self, leaf: int, count: int, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
+        items = self._items
+        if leaf >= len(items.leaf_offsets) or items.leaf_bytes[leaf] != nbytes:
+            return None
+        offset = items.leaf_offsets[leaf] + self._first_slot * nbytes
+        return (self._storage, offset) if offset + count * nbytes <= self._end else None
+
+    def note_item_sizes(self, item_sizes: tuple[int, ...], count: int) -> None:
+        pass  # the layout is the batch's own: nothing to tell anyone
+
+
 def _layout_of(sample: Any) -> tuple[str, tuple[str, ...] | None, tuple[Field, ...]] | None:
     """(kind, keys, fields) of a flat sample, or None when it is not one."""
     kind = TENSOR if type(sample) is torch.Tensor else _CONTAINERS.get(type(sample))
