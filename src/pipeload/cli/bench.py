@@ -99,12 +99,14 @@ LOADERS: dict[str, LoaderKind] = {
                            "batch workers collate what the main process cannot name in place",
                            "large items (video, volumes, audio): memory stays at `prefetch_factor` "
                            "batches whatever `num_workers` is, and the first batch is built by all "
-                           "workers at once; small items (such as the demo's JPEGs) gain nothing from it: "
-                           "on the 2-core box it ran 0.7x to 1.3x classic mode from run to run, 0.87x "
-                           "to 1.03x in five-run medians (`pipeload bench --loaders classic,economic "
-                           "--repeats 5`): seeding each item on its own, and placing and reporting each "
-                           "piece of a batch, cost its item workers about 30 us of CPU a sample more "
-                           "than classic mode's workers"),
+                           "workers at once; small items (such as the demo's JPEGs) gain little from it: "
+                           "on the 2-core box it ran 0.93x to 1.02x classic mode in five-run medians "
+                           "(`pipeload bench --loaders classic,economic --repeats 5`, 2026-12-01; 0.87x "
+                           "to 1.03x before a fresh loader's first batch went into shared memory too): "
+                           "reseeding `random`, torch and numpy before every item (so that random draws "
+                           "do not depend on which worker fetched it) takes its item workers about 4% of "
+                           "their CPU, and every piece of a batch costs a message each way through the "
+                           "main process"),
     "threads": LoaderKind(_pipeload(worker_type="thread"), "pipeload, thread workers",
                           "light samples, or work that mostly releases the GIL (numpy, torch ops, "
                           "I/O): no pickling, no shared memory, fast start; Python code per sample "
