@@ -1025,6 +1025,23 @@ def test_two_live_iterators_of_one_loader_count_every_batch_they_hand_out(engine
     assert loader.stats().batches == 2 * ITEMS // BATCH  # and once they are gone
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 2 CPUs here
+@pytest.mark.timeout(60)
+def test_item_workers_that_fetch_no_piece_are_said_so_in_their_own_words(leak_guard) -> None:
+    # One batch of two items for four item workers: two fetch nothing. "(built no batch)" is a
+    # classic worker's words; an economic item worker got none and was shown as a bare "0%".
+    loader = pipeload.DataLoader(Squares(), batch_size=2, sampler=[0, 1], num_workers=4,
+                                 mode="economic", multiprocessing_context="fork")
+    assert len(list(loader)) == 1
+    items = [w for w in loader.stats().workers if w.kind == "item"]
+    idle = [w for w in items if w.tasks == 0]
+    assert len(items) == 4 and len(idle) == 2, [(w.worker_id, w.tasks) for w in items]
+    line = next(line for line in loader.stats().summary().splitlines() if "workers busy" in line)
+    assert f"item worker {idle[0].worker_id} 0% (fetched no piece)" in line, line
+    assert "built no batch" not in line, line
+    del loader
+
+
 def _classic_lines(loader: Any) -> list[Any]:
     return [w for w in loader.stats().workers if w.kind == ""]
 

@@ -129,9 +129,12 @@ def _worker_line(stats: LoaderStats) -> str:
     workers = [w for w in stats.workers if w.kind != "main"]
     each = ", ".join(f"{w.name} {w.busy_fraction:.0%}{_no_batch(w)}" for w in workers[:SHOWN_WORKERS])
     hidden = workers[SHOWN_WORKERS:]
-    idle_hidden = sum(1 for w in hidden if _no_batch(w))
+    idle_hidden = [w for w in hidden if _no_batch(w)]
     more = f", and {len(hidden)} more" if hidden else ""
-    more += f" ({idle_hidden} of them built no batch)" if idle_hidden else ""
+    if idle_hidden:
+        words = {_no_batch(w) for w in idle_hidden}
+        did = words.pop().strip(" ()") if len(words) == 1 else "did no task"
+        more += f" ({len(idle_hidden)} of them {did})"
     busy = sum(w.busy_s for w in workers)
     if busy <= 0:
         return f"{_busy_words(workers)} of the time ({each}{more})"
@@ -143,10 +146,14 @@ def _worker_line(stats: LoaderStats) -> str:
             f"{1 - on_cpu - queued:.0%} waiting inside the work (I/O, sleeps, locks)")
 
 
+_NO_TASK = {"": " (built no batch)", "item": " (fetched no piece)", "batch": " (collated no batch)"}
+
+
 def _no_batch(worker: WorkerStats) -> str:
-    """Words for a classic worker that has built no batch: a count, exact before any verdict (an
-    iterable dataset with fewer shards than workers leaves the rest with nothing to build)."""
-    return " (built no batch)" if worker.kind == "" and worker.tasks == 0 else ""
+    """Words for a worker that has done no task, in its kind's terms: a count, exact before any
+    verdict (an iterable dataset with fewer shards than workers leaves the rest with nothing to
+    build; a small batch leaves economic item workers with no piece)."""
+    return _NO_TASK.get(worker.kind, "") if worker.tasks == 0 else ""
 
 
 def _queue_line(stats: LoaderStats) -> str:
