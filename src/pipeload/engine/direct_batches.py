@@ -198,7 +198,8 @@ def _collated(groups: list[tuple[int, tuple[int, Any]]], batch: DirectBatch,
     # Columns are written only once the slab's previous batch is released (SlabWriter checks),
     # whatever another item worker of the batch found: they can be read.
     lease = pool.open_lease(batch.slab_id) if any(isinstance(p, ItemColumns) for p in payloads) else None
-    if lease is not None and batch.outcome is GrantOutcome.USED:
+    if lease is not None and batch.outcome is GrantOutcome.USED and not all(
+            isinstance(payload, ItemColumns) for payload in payloads):
         # Items that came as samples (the probes of a session's first batch, sent before the
         # slab was: see EconomicEngine._send_pieces) are written at their places here: the
         # slab is then the batch's whole, as for any other, instead of a copy of all of it.
