@@ -376,13 +376,17 @@ def _started_only(worker_id: int, running: float, queued: float) -> WorkerStats:
     return dataclasses.replace(_worker("", worker_id, cpu_s=running, queued_s=queued, tasks=0), transfer_s=0.0)
 
 
+def _busy_line(stats: LoaderStats) -> str:
+    return next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+
+
 def test_workers_that_built_no_batch_are_marked_before_there_is_enough_to_judge() -> None:
     # The README's 4 shards read by 8 workers: one epoch is 4 batches, never enough for a verdict,
     # and the worker line gave the 4 idle workers a busy share like the others and no other word.
     working = tuple(_worker("", i, fetch_s=0.9, tasks=1) for i in range(4))
     idle = tuple(_started_only(i, 0.05, 0.3) for i in range(4, 12))
     stats = _stats("classic", working + idle, 0.9, dataset="pipe", batches=4)
-    line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+    line = _busy_line(stats)
     assert "worker 3 91%, worker 4 0% (built no batch)," in line, line
     assert line.count("(built no batch)") == 4 and "and 4 more (4 of them built no batch)" in line, line
     assert _verdict(stats).startswith("verdict: too little to judge yet")
@@ -396,7 +400,7 @@ def test_the_busy_time_split_leaves_out_workers_that_built_no_batch() -> None:
     working = tuple(_worker("", i, fetch_s=0.49, cpu_s=0.1) for i in range(4))
     idle = tuple(_started_only(i, 0.05, 0.3) for i in range(4, 8))
     stats = _stats("classic", working + idle, 0.9, dataset="pipe", batches=4)
-    line = next(line for line in stats.summary().splitlines() if line.startswith("workers busy"))
+    line = _busy_line(stats)
     assert "of that busy time, 20% on a CPU, 0% ready but queued for one" in line, line
 
 

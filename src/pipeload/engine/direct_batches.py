@@ -36,8 +36,8 @@ import torch
 
 from pipeload.collate import collate, collating_as_a_worker, default_collate, default_collate_fn_map
 from pipeload.errors import RemoteFailure
+from pipeload.transport.collate_output import own_memory_output
 from pipeload.transport.item_columns import ItemColumns, collate_columns, lease_runs, place_in_lease
-from pipeload.transport.lease_holders import keep_lease_with
 from pipeload.transport.messages import GrantOutcome, ItemPlacement, ItemsDone, Report, WorkerReport
 from pipeload.transport.slab_pool import SlabPool
 
@@ -241,11 +241,8 @@ def _kept_with_their_bytes(batch: Any) -> Any:
         # storage cannot be resized. Copied again, the first batch cost a second copy of itself.
         if (batch.layout is torch.strided and batch.device.type == "cpu" and not batch.requires_grad
                 and batch.is_contiguous() and batch.numel() and batch.untyped_storage().resizable()):
-            buffer = bytearray(batch.numel() * batch.element_size())
-            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
-            keep_lease_with(storage, buffer)
-            torch.empty((0,), dtype=batch.dtype).set_(storage, 0, batch.shape).copy_(batch)
-            batch.set_(storage, 0, batch.shape, batch.stride())
+            own = own_memory_output(tuple(batch.shape), batch.dtype).copy_(batch)
+            batch.set_(own.untyped_storage(), 0, batch.shape, batch.stride())
     elif isinstance(batch, Mapping):
         for value in batch.values():
             _kept_with_their_bytes(value)

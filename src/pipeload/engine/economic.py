@@ -435,13 +435,9 @@ class EconomicEngine:
             if area is None:
                 continue  # a batch that would ride inside its message: its samples come as they are
             self._workers.slabs.observe_batch(area.area_bytes)  # as _send_collate sizes the slab
-            grant = self._placed_grant(number, None, count)
-            if grant is None or grant.items is None:
-                if grant is not None:
-                    self._workers.slabs.settle(number, GrantOutcome.UNUSED)
-                self._placements.pop(number, None)
-                continue
-            self._direct.give_slab(number, grant.slab_id, grant.items)
+            grant = self._direct_grant(number, count)
+            if grant is not None:
+                self._direct.give_slab(number, grant.slab_id, grant.items)
 
     def _top_up(self, loop_waits: bool = False) -> None:
         """Open batches while the budget allows (``loop_waits``: as many as its ceiling allows),
@@ -579,16 +575,24 @@ class EconomicEngine:
         elif area is None:
             return False  # items that ride in their messages: a batch worker collates them
         else:
-            # No batch worker will write into it: the slab is announced to item workers alone.
-            grant = self._placed_grant(number, None, len(indices))
-            if grant is None or grant.items is None:
-                self._workers.slabs.settle(number, GrantOutcome.UNUSED)  # it did not fit: a batch worker's grant
-                self._placements.pop(number, None)
-                return False
+            grant = self._direct_grant(number, len(indices))
+            if grant is None:
+                return False  # it did not fit: a batch worker's grant
             batch = DirectBatch(batch_worker, indices, grant.slab_id, grant.items)
         self._direct.open(number, batch)
         del self._to_collate[number]
         return True
+
+    def _direct_grant(self, number: int, count: int) -> SlabGrant | None:
+        """A slab for direct batch ``number`` granted to the main process, with the places of
+        its ``count`` items; None, with nothing held, when none fits them. No batch worker will
+        write into it: the slab is announced to item workers alone."""
+        grant = self._placed_grant(number, None, count)
+        if grant is not None and grant.items is not None:
+            return grant
+        self._workers.slabs.settle(number, GrantOutcome.UNUSED)
+        self._placements.pop(number, None)
+        return None
 
     def _placed_grant(self, number: int, producer: int | None, count: int) -> SlabGrant | None:
         """A slab for batch ``number``, granted to ``producer`` (None: the main process), with
